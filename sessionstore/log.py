@@ -1,0 +1,52 @@
+"""structlog set-up: key=value lines on stderr by default, JSON lines with ``COLI_LOG=json``.
+
+Without ``COLI_LOG`` only warnings and errors are printed (command output stays clean);
+``COLI_LOG=text`` or ``COLI_LOG=json`` shows every state-change event (level ``info``);
+``COLI_LOG=off`` silences everything; ``COLI_LOG_LEVEL`` overrides the level.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+_configured = False
+
+
+def _configure() -> None:
+    global _configured
+    mode = os.environ.get("COLI_LOG", "").lower()
+    default_level = "info" if mode in ("text", "json") else "warning"
+    level_name = os.environ.get("COLI_LOG_LEVEL", default_level).upper()
+    level = logging.CRITICAL + 10 if mode == "off" else getattr(logging, level_name, logging.INFO)
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if mode == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def get_logger(name: str) -> Any:
+    """A structlog logger bound to ``component=name``."""
+    if not _configured:
+        _configure()
+    return structlog.get_logger().bind(component=name)
+
+
+def reconfigure() -> None:
+    """Re-read ``COLI_LOG`` (tests and the CLI call this after changing the environment)."""
+    _configure()

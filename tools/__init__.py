@@ -1,0 +1,1 @@
+"""Thin command-line front ends (``coli-kv ...``) over :mod:`kernels` and :mod:`sessionstore`."""

@@ -1,0 +1,5 @@
+import sys
+
+from tools.coli_kv import main
+
+sys.exit(main())
