@@ -1,0 +1,75 @@
+"""Latent-row containers shared by the codec, the attention kernels, the decoder and the store.
+
+A *block* holds T consecutive positions of ONE layer's latent cache, either as f32 rows or as
+fp8 e4m3 codes with one f32 scale per row. Arrays may be strided views (a memory-mapped
+``.coli_kv`` file gives rows whose stride is the record size); the last axis is always
+contiguous. Attention takes a sequence of blocks that together form the cache, in order.
+
+*Record rows* hold k consecutive positions across ALL layers, the way a ``.coli_kv`` record
+stores them; the decoder produces them and the file writer appends them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class F32Rows:
+    """One layer, T positions, f32 rows."""
+
+    lc: np.ndarray  # [T, kv_lora] f32
+    rc: np.ndarray  # [T, qk_rope] f32
+
+    @property
+    def length(self) -> int:
+        return int(self.lc.shape[0])
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """One layer, T positions, fp8 e4m3 codes + one f32 scale per row (Lc and Rc separately).
+
+    Readers hand out scales already sanitised by the reading rules (a non-finite or <= 0 scale
+    is an inert row: its scale reads as 0.0, so the row contributes exactly 0); NaN codes decode
+    to 0 through the table.
+    """
+
+    lc_codes: np.ndarray  # [T, kv_lora] u8
+    lc_scale: np.ndarray  # [T] f32
+    rc_codes: np.ndarray  # [T, qk_rope] u8
+    rc_scale: np.ndarray  # [T] f32
+
+    @property
+    def length(self) -> int:
+        return int(self.lc_codes.shape[0])
+
+
+LatentRows = F32Rows | Fp8Rows
+
+
+@dataclass(frozen=True)
+class RecordRows:
+    """k consecutive positions across all layers, as ``.coli_kv`` records store them.
+
+    Exactly one of the two row encodings is set: ``lc``/``rc`` (f32) or the four fp8 fields.
+    ``tokens[i]`` is the INPUT token at that position.
+    """
+
+    tokens: np.ndarray  # [k] i32
+    lc: np.ndarray | None = None  # [k, L, kv_lora] f32
+    rc: np.ndarray | None = None  # [k, L, qk_rope] f32
+    lc_codes: np.ndarray | None = None  # [k, L, kv_lora] u8
+    lc_scale: np.ndarray | None = None  # [k, L] f32
+    rc_codes: np.ndarray | None = None  # [k, L, qk_rope] u8
+    rc_scale: np.ndarray | None = None  # [k, L] f32
+    index: np.ndarray | None = None  # [k, n_index_layers, index_head_dim] f32
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.lc_codes is not None
