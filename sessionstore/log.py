@@ -21,7 +21,8 @@ def _configure() -> None:
     mode = os.environ.get("COLI_LOG", "").lower()
     default_level = "info" if mode in ("text", "json") else "warning"
     level_name = os.environ.get("COLI_LOG_LEVEL", default_level).upper()
-    level = logging.CRITICAL + 10 if mode == "off" else getattr(logging, level_name, logging.INFO)
+    # structlog only knows the standard levels; "off" filters at CRITICAL and discards the rest
+    level = logging.CRITICAL if mode == "off" else getattr(logging, level_name, logging.INFO)
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if mode == "json"
@@ -34,7 +35,8 @@ def _configure() -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=(structlog.ReturnLoggerFactory() if mode == "off"
+                        else structlog.PrintLoggerFactory(file=sys.stderr)),
         cache_logger_on_first_use=False,
     )
     _configured = True
