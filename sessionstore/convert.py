@@ -1,0 +1,208 @@
+"""Convert a ``.coli_kv`` file between v1 (f32 rows) and v2 (fp8 rows), never in place.
+
+The output is exactly what the engine would write: the committed records only, header nrec =
+their count, tag 0 (v1) / 1 (v2). v1 -> v2 goes through the engine's row quantizer; v2 -> v1 is
+``table[code] * scale`` in f32 with inert rows (scale non-finite or <= 0) as +0.0 rows; the same
+version is a clean copy of the committed records. Records stream in chunks (memory bounded by
+``chunk_bytes`` times a small factor, whatever the file size), the output goes to a temp file in
+DST's directory -> fsync -> os.replace -> fsync dir, and DST gets a fresh sidecar.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.errors import ColiError, FormatError, NotFoundError
+from sessionstore.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
+from sessionstore.log import get_logger
+from sessionstore.reader import KVReader, open_kv
+from sessionstore.sidecar import (
+    create_temp_for,
+    fsync_dir,
+    record_checksum,
+    sidecar_path,
+    write_sidecar_atomic,
+)
+
+CHUNK_BYTES = 64 << 20  # source + destination bytes per step
+log = get_logger("convert")
+Progress = Callable[[int, int], None]  # (records done, records total)
+
+
+class DestinationExistsError(ColiError, FileExistsError):
+    """DST exists and ``--force`` was not given."""
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    src: str
+    dst: str
+    from_version: int
+    to_version: int
+    nrec: int
+    bytes_written: int
+    sidecar: str
+    seconds: float
+
+
+def parse_version(value: int | str) -> int:
+    """``1``, ``2``, ``"v1"`` or ``"v2"`` -> 1 or 2."""
+    text = str(value).lower().removeprefix("v")
+    if text not in ("1", "2"):
+        raise FormatError(f"convert: target version {value!r}, expected v1 or v2")
+    return int(text)
+
+
+def _check_destination(src: KVReader, dst: str, force: bool) -> None:
+    """Refuse writing in place, over a non-regular file, or over an existing file unless forced."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise NotFoundError(f"{dst}: directory {parent} does not exist")
+    if os.path.realpath(dst) == os.path.realpath(src.path):
+        raise FormatError(f"{dst}: is the source file; convert never writes in place")
+    try:
+        st = os.lstat(dst)
+    except FileNotFoundError:
+        return
+    src_st = os.stat(src.path)
+    if stat.S_ISLNK(st.st_mode):
+        raise FormatError(f"{dst}: is a symlink; refusing to replace it")
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{dst}: exists and is not a regular file")
+    if (st.st_dev, st.st_ino) == (src_st.st_dev, src_st.st_ino):
+        raise FormatError(f"{dst}: is the same file as {src.path} (same inode); never in place")
+    if not force:
+        raise DestinationExistsError(f"{dst}: exists; pass --force to replace it")
+
+
+class _ChunkConverter:
+    """Converts record chunks between versions, reusing its buffers (no page faults per chunk)."""
+
+    def __init__(self, dims: Dims, to_version: int, max_records: int) -> None:
+        self.to_version = to_version
+        self.out = np.empty(max_records, dtype=record_dtype(to_version, dims))  # [c] records
+        shape = {"lc": (max_records, dims.n_layers, dims.kv_lora),
+                 "rc": (max_records, dims.n_layers, dims.qk_rope)}
+        self.f32 = {row: np.empty(s, np.float32) for row, s in shape.items()}  # [c, L, n] f32
+        self.codes = {row: np.empty(s, np.uint8) for row, s in shape.items()}  # [c, L, n] u8
+        self.scales = {row: np.empty(s[:2], np.float32) for row, s in shape.items()}  # [c, L] f32
+
+    def convert(self, chunk: np.ndarray) -> np.ndarray:
+        """Records [c] of the source version -> records [c] of ``to_version`` (a reused buffer)."""
+        from kernels.fp8 import dequantize_rows_into, quantize_rows_into
+
+        c = chunk.shape[0]
+        out = self.out[:c]  # [c] records
+        out["token"] = chunk["token"]
+        if "index" in out.dtype.names:
+            out["index"] = chunk["index"]  # [c, NI, D] f32
+        src, dst = chunk["layers"], out["layers"]  # [c, L] layer records
+        for row, scale in (("lc", "lc_scale"), ("rc", "rc_scale")):
+            f32, codes, scales = self.f32[row][:c], self.codes[row][:c], self.scales[row][:c]
+            if self.to_version == 2:
+                np.copyto(f32, src[row])  # [c, L, n] f32, contiguous for the kernel
+                quantize_rows_into(f32, codes, scales)
+                dst[row] = codes
+                dst[scale] = scales
+            else:
+                np.copyto(codes, src[row])  # [c, L, n] u8
+                dequantize_rows_into(codes, sanitize_scales(src[scale]), f32)  # inert -> +0.0
+                dst[row] = f32
+        return out
+
+
+def _write_all(fd: int, data: memoryview) -> int:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+    return done
+
+
+def _install(tmp: str, dst: str, force: bool) -> None:
+    """Put the fsynced temp file at DST atomically; without ``force`` never clobber a DST that
+    appeared meanwhile (link(2) refuses an existing name). DST's old sidecar goes first."""
+    old_sidecar = sidecar_path(dst)
+    if os.path.lexists(old_sidecar):  # never leave DST beside a sidecar of its old bytes
+        os.unlink(old_sidecar)
+        fsync_dir(old_sidecar)
+    if force:
+        os.replace(tmp, dst)
+    else:
+        try:
+            os.link(tmp, dst)
+        except FileExistsError:
+            raise DestinationExistsError(f"{dst}: appeared while converting; pass --force") from None
+        except OSError:  # a file system without hard links: check, then rename
+            if os.path.lexists(dst):
+                raise DestinationExistsError(f"{dst}: appeared while converting") from None
+            os.replace(tmp, dst)
+        else:
+            os.unlink(tmp)
+    fsync_dir(dst)
+
+
+def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_version: int | str,
+                 *, force: bool = False, progress: Progress | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> ConvertResult:
+    """Write DST as ``to_version`` from the committed records of SRC (see the module doc)."""
+    target = parse_version(to_version)
+    dst = os.fspath(dst)
+    started = time.perf_counter()
+    with open_kv(src) as reader:
+        _check_destination(reader, dst, force)
+        n, dims = reader.nrec, reader.dims
+        header = Header(target, dims, n)
+        out_dtype = record_dtype(target, dims)
+        same = target == reader.version
+        step = max(1, chunk_bytes // (reader.record_bytes + out_dtype.itemsize))
+        entries = np.empty(n, dtype="<u8")  # [nrec] u64 sidecar entries
+        converter = None if same else _ChunkConverter(dims, target, min(step, max(n, 1)))
+        rec = out_dtype.itemsize
+        fd, tmp = create_temp_for(dst)  # <dst>.tmp: a crashed run's temp is replaced
+        written = 0
+        try:
+            os.fchmod(fd, os.stat(reader.path).st_mode & 0o666)
+            written += _write_all(fd, memoryview(pack_header(header)))
+            for start in range(0, n, step):
+                stop = min(start + step, n)
+                if same:
+                    data = reader.records_bytes_view(start, stop)
+                else:
+                    assert converter is not None
+                    out = converter.convert(reader.records[start:stop])
+                    data = memoryview(out.view(np.uint8))  # [c * rec] u8
+                written += _write_all(fd, data)
+                for i in range(stop - start):
+                    entries[start + i] = record_checksum(data[i * rec:(i + 1) * rec], start + i)
+                del data
+                reader.release_pages(start, stop)
+                if progress is not None:
+                    progress(stop, n)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        from_version = reader.version
+        src_path = reader.path
+    try:
+        _install(tmp, dst, force)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    side = write_sidecar_atomic(dst, header, entries)
+    seconds = time.perf_counter() - started
+    log.info("kv.convert", src=src_path, dst=dst, from_version=from_version, to_version=target,
+             nrec=n, bytes=written, seconds=round(seconds, 3))
+    return ConvertResult(src_path, dst, from_version, target, n, written, side, seconds)
+
+
+__all__ = ["CHUNK_BYTES", "ConvertResult", "DestinationExistsError", "convert_file",
+           "parse_version"]

@@ -1,0 +1,338 @@
+"""The bytes of a ``.coli_kv`` file: header struct, named limits, record layout, packing.
+
+This module is the ONE parser of the engine's header (``parse_header``); the reader, the writer,
+``inspect``, ``verify``, ``convert`` and resume all go through it. Every field is checked against
+named limits and the file size before anything is allocated. All integers are little-endian.
+
+Header (40 bytes)::
+
+    0  magic  8s   COLIKV1\\0 (f32 rows) | COLIKV2\\0 (fp8 rows) | COLIKV3\\0 (4-bit tier, refused)
+    8  n_layers i32   12 kv_lora i32   16 qk_rope i32   20 index_head_dim i32
+    24 n_index_layers i32   28 vocab i32   32 nrec i32 (THE commit word)   36 tag i32
+
+Record p lives at ``40 + p * record_bytes``: token i32, then per layer (v1: Lc f32[kv_lora],
+Rc f32[qk_rope]; v2: Lc u8[kv_lora], Lc_scale f32, Rc u8[qk_rope], Rc_scale f32), then per
+indexer layer Ic f32[index_head_dim].
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.errors import FormatError, LimitError
+from kernels.rows import RecordRows
+
+# --- magics and struct constants -----------------------------------------------------------
+MAGIC_V1 = b"COLIKV1\0"
+MAGIC_V2 = b"COLIKV2\0"
+MAGIC_V3 = b"COLIKV3\0"
+MAGIC_DSV4 = b"COLIDV41"
+MAGIC_SIZE = 8
+HEADER_SIZE = 40
+NREC_OFFSET = 32
+TAG_OFFSET = 36
+TAG_F32 = 0
+TAG_FP8 = 1
+VERSION_TAGS = {1: TAG_F32, 2: TAG_FP8}
+VERSION_MAGICS = {1: MAGIC_V1, 2: MAGIC_V2}
+
+HEADER_STRUCT = struct.Struct("<8s8i")  # magic, 6 dims, nrec, tag
+DIMS_STRUCT = struct.Struct("<6i")
+NREC_STRUCT = struct.Struct("<i")
+TOKEN_BYTES = 4
+SCALE_BYTES = 4
+F32_BYTES = 4
+
+assert HEADER_STRUCT.size == HEADER_SIZE
+assert DIMS_STRUCT.size == 24
+assert NREC_STRUCT.size == 4
+assert MAGIC_SIZE + DIMS_STRUCT.size == NREC_OFFSET
+assert NREC_OFFSET + NREC_STRUCT.size == TAG_OFFSET
+assert TAG_OFFSET + 4 == HEADER_SIZE
+
+# --- named limits (checked before any allocation) -------------------------------------------
+MAX_LAYERS = 1024  # DeepSeek-V3: 61, GLM-5.2: 78
+MAX_WIDTH = 65536  # kv_lora, qk_rope, index_head_dim (512 / 64 / 128 in practice)
+MAX_VOCAB = 1 << 24  # GLM-5.2: 154,880
+MAX_RECORD_BYTES = 64 << 20  # one record (GLM-5.2 v1: 179,716 B)
+MAX_NREC = (1 << 31) - 1  # the commit word is an i32
+# A v2 row whose scale is not in (0, 3.4e38f) is inert (the engine's finiteness test; the same
+# rule as kernels.fp8.dequantize_rows).
+INERT_SCALE_LIMIT = np.float32(3.4e38)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What a ``.coli_kv`` file is bound to: the model's cache shape and vocabulary."""
+
+    n_layers: int
+    kv_lora: int
+    qk_rope: int
+    index_head_dim: int = 0
+    n_index_layers: int = 0
+    vocab: int = 0
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.n_layers, self.kv_lora, self.qk_rope, self.index_head_dim,
+                self.n_index_layers, self.vocab)
+
+
+def record_bytes(version: int, dims: Dims) -> int:
+    """Bytes of one record (token + all layers + indexer rows) for a v1 or v2 file."""
+    index = dims.n_index_layers * dims.index_head_dim * F32_BYTES
+    if version == 1:
+        per_layer = (dims.kv_lora + dims.qk_rope) * F32_BYTES
+    elif version == 2:
+        per_layer = dims.kv_lora + dims.qk_rope + 2 * SCALE_BYTES
+    else:
+        raise FormatError(f"record layout: unsupported version {version} (expected 1 or 2)")
+    return TOKEN_BYTES + dims.n_layers * per_layer + index
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed (or to-be-written) 40-byte header. ``nrec`` is the commit word as stored."""
+
+    version: int
+    dims: Dims
+    nrec: int = 0
+    tag: int = -1  # -1: the version's tag (0 for v1, 1 for v2)
+
+    def __post_init__(self) -> None:
+        if self.tag == -1 and self.version in VERSION_TAGS:
+            object.__setattr__(self, "tag", VERSION_TAGS[self.version])
+
+    @property
+    def record_bytes(self) -> int:
+        return record_bytes(self.version, self.dims)
+
+    @property
+    def magic(self) -> bytes:
+        return VERSION_MAGICS[self.version]
+
+    def committed_end(self) -> int:
+        """Byte offset just past the last committed record."""
+        return HEADER_SIZE + self.nrec * self.record_bytes
+
+    def with_nrec(self, nrec: int) -> Header:
+        return Header(self.version, self.dims, nrec, self.tag)
+
+
+def _where(path: object) -> str:
+    return f"{path}" if path is not None else "<buffer>"
+
+
+def validate_dims(dims: Dims, path: object = None) -> None:
+    """Check every dimension against the named limits; raise FormatError/LimitError naming it."""
+    fields = (("n_layers", 8, MAX_LAYERS, 1), ("kv_lora", 12, MAX_WIDTH, 1),
+              ("qk_rope", 16, MAX_WIDTH, 1), ("index_head_dim", 20, MAX_WIDTH, 0),
+              ("n_index_layers", 24, MAX_LAYERS, 0), ("vocab", 28, MAX_VOCAB, 1))
+    for name, offset, limit, minimum in fields:
+        value = getattr(dims, name)
+        if not isinstance(value, int | np.integer):
+            raise FormatError(f"{_where(path)}: {name} must be an integer, found {value!r}")
+        if value < minimum:
+            raise FormatError(
+                f"{_where(path)}: byte {offset}: {name} = {value}, expected >= {minimum}")
+        if value > limit:
+            raise LimitError(
+                f"{_where(path)}: byte {offset}: {name} = {value} exceeds the limit {limit}")
+    if (dims.index_head_dim == 0) != (dims.n_index_layers == 0):
+        raise FormatError(
+            f"{_where(path)}: byte 20: index_head_dim = {dims.index_head_dim} and "
+            f"n_index_layers = {dims.n_index_layers}: both must be 0 or both > 0")
+    if dims.n_index_layers > dims.n_layers:
+        raise FormatError(
+            f"{_where(path)}: byte 24: n_index_layers = {dims.n_index_layers} exceeds "
+            f"n_layers = {dims.n_layers}")
+    for version in (1, 2):
+        size = record_bytes(version, dims)
+        if size > MAX_RECORD_BYTES:
+            raise LimitError(
+                f"{_where(path)}: v{version} record size {size} bytes exceeds the limit "
+                f"{MAX_RECORD_BYTES} (dims {dims.as_tuple()})")
+
+
+def pack_header(header: Header) -> bytes:
+    """The 40 header bytes, little-endian, for a v1 or v2 header."""
+    if header.version not in VERSION_MAGICS:
+        raise FormatError(f"pack_header: unsupported version {header.version}")
+    validate_dims(header.dims)
+    if not 0 <= header.nrec <= MAX_NREC:
+        raise LimitError(f"pack_header: nrec {header.nrec} outside [0, {MAX_NREC}]")
+    return HEADER_STRUCT.pack(header.magic, *header.dims.as_tuple(), header.nrec, header.tag)
+
+
+def pack_nrec(nrec: int) -> bytes:
+    """The 4 bytes of the commit word."""
+    if not 0 <= nrec <= MAX_NREC:
+        raise LimitError(f"nrec {nrec} outside [0, {MAX_NREC}]")
+    return NREC_STRUCT.pack(nrec)
+
+
+def static_header_bytes(header_bytes: bytes) -> bytes:
+    """Everything of the header but the commit word: bytes [0:32] + [36:40]."""
+    return bytes(header_bytes[:NREC_OFFSET]) + bytes(header_bytes[TAG_OFFSET:HEADER_SIZE])
+
+
+def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: object = None) -> Header:
+    """Parse and validate the header at the start of ``buf`` (a file of ``file_size`` bytes).
+
+    Refuses (FormatError/LimitError naming the file and byte offset): a short header, an unknown
+    magic, COLIDV41 (DeepSeek-V4 engine) by name, COLIKV3 (4-bit tier), a tag that does not
+    match the version (the forked COLIKV2 keeps a watermark there), impossible or huge dims, a
+    record size over the limit, a negative nrec, and a COLIKV2 file whose size is exactly nrec
+    records of ANOTHER size (nrec >= 2; size arithmetic of a foreign record layout).
+    ``nrec`` beyond the file is NOT refused here: readers keep the complete records (engine rule).
+    """
+    where = _where(path)
+    head = bytes(buf[:HEADER_SIZE])
+    if len(head) < MAGIC_SIZE:
+        raise FormatError(f"{where}: short header: {file_size} bytes, expected {HEADER_SIZE}")
+    magic = head[:MAGIC_SIZE]
+    if magic == MAGIC_DSV4:
+        raise FormatError(
+            f"{where}: byte 0: magic COLIDV41 is the DeepSeek-V4 engine's cache format, "
+            "not a .coli_kv latent-KV file; refusing it")
+    if magic == MAGIC_V3:
+        raise FormatError(
+            f"{where}: byte 0: magic COLIKV3 (4-bit tier) is not supported: "
+            "4-bit tier not supported by this implementation")
+    if magic == MAGIC_V1:
+        version = 1
+    elif magic == MAGIC_V2:
+        version = 2
+    else:
+        raise FormatError(
+            f"{where}: byte 0: unknown magic {magic!r}, expected {MAGIC_V1!r} or {MAGIC_V2!r}")
+    if len(head) < HEADER_SIZE or file_size < HEADER_SIZE:
+        raise FormatError(
+            f"{where}: short header: {min(len(head), file_size)} bytes, expected {HEADER_SIZE}")
+    _, *dim_values, nrec, tag = HEADER_STRUCT.unpack(head)
+    dims = Dims(*dim_values)
+    expected_tag = VERSION_TAGS[version]
+    if tag != expected_tag:
+        if version == 2:
+            raise FormatError(
+                f"{where}: byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV2 file, expected "
+                f"{expected_tag} (fp8): this is the forked COLIKV2 format (a watermark in the "
+                "tag word), not the engine's v2; refusing it")
+        raise FormatError(
+            f"{where}: byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV1 file, expected {expected_tag}")
+    validate_dims(dims, path)
+    if nrec < 0:
+        raise FormatError(f"{where}: byte {NREC_OFFSET}: nrec = {nrec}, expected >= 0")
+    header = Header(version, dims, nrec, tag)
+    if version == 2 and nrec >= 2:
+        data = file_size - HEADER_SIZE
+        if data < nrec * header.record_bytes and data % nrec == 0:
+            raise FormatError(
+                f"{where}: COLIKV2 header says {nrec} records of {header.record_bytes} bytes, but "
+                f"the file holds exactly {nrec} records of {data // nrec} bytes: a forked or "
+                "mislabelled COLIKV2 (or a copy cut exactly there); refusing it")
+    return header
+
+
+def complete_records(header: Header, file_size: int) -> int:
+    """Records a reader may use: nrec, or fewer when the file is cut inside the committed part."""
+    available = max(file_size - HEADER_SIZE, 0) // header.record_bytes
+    return min(header.nrec, available)
+
+
+# --- record dtype and packing --------------------------------------------------------------
+def layer_dtype(version: int, dims: Dims) -> np.dtype:
+    """One layer's slice of a record (structured, packed, little-endian)."""
+    if version == 1:
+        return np.dtype([("lc", "<f4", (dims.kv_lora,)), ("rc", "<f4", (dims.qk_rope,))])
+    if version == 2:
+        return np.dtype([("lc", "u1", (dims.kv_lora,)), ("lc_scale", "<f4"),
+                         ("rc", "u1", (dims.qk_rope,)), ("rc_scale", "<f4")])
+    raise FormatError(f"record layout: unsupported version {version}")
+
+
+def record_dtype(version: int, dims: Dims) -> np.dtype:
+    """Structured dtype of one record; its itemsize equals ``record_bytes(version, dims)``."""
+    fields: list[tuple] = [("token", "<i4"), ("layers", layer_dtype(version, dims), (dims.n_layers,))]
+    if dims.n_index_layers:
+        fields.append(("index", "<f4", (dims.n_index_layers, dims.index_head_dim)))
+    dtype = np.dtype(fields)
+    assert dtype.itemsize == record_bytes(version, dims)
+    return dtype
+
+
+def _check_shape(name: str, array: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    if array is None:
+        raise FormatError(f"pack_records: {name} is missing (expected shape {shape})")
+    array = np.asarray(array)
+    if array.shape != shape:
+        raise FormatError(f"pack_records: {name} has shape {array.shape}, expected {shape}")
+    return array
+
+
+def pack_records(version: int, dims: Dims, rows: RecordRows) -> np.ndarray:
+    """Pack k records into a structured array [k] of ``record_dtype`` (``.tobytes()`` = file bytes).
+
+    v1 takes f32 rows (fp8 rows are dequantized, inert rows -> zeros); v2 takes codes + scales
+    as given, or f32 rows through ``kernels.fp8.quantize_rows`` (the engine's row quantizer).
+    """
+    k, L = rows.length, dims.n_layers
+    out = np.zeros(k, dtype=record_dtype(version, dims))  # [k] records
+    out["token"] = _check_shape("tokens", rows.tokens, (k,))
+    layers = out["layers"]  # [k, L] structured view
+    if version == 1:
+        if rows.is_fp8:
+            from kernels.fp8 import dequantize_rows
+            lc = dequantize_rows(_check_shape("lc_codes", rows.lc_codes, (k, L, dims.kv_lora)),
+                                 sanitize_scales(_check_shape("lc_scale", rows.lc_scale, (k, L))))
+            rc = dequantize_rows(_check_shape("rc_codes", rows.rc_codes, (k, L, dims.qk_rope)),
+                                 sanitize_scales(_check_shape("rc_scale", rows.rc_scale, (k, L))))
+        else:
+            lc = _check_shape("lc", rows.lc, (k, L, dims.kv_lora))  # [k, L, kv_lora] f32
+            rc = _check_shape("rc", rows.rc, (k, L, dims.qk_rope))  # [k, L, rope] f32
+        layers["lc"] = lc
+        layers["rc"] = rc
+    else:
+        if rows.is_fp8:
+            lc_codes = _check_shape("lc_codes", rows.lc_codes, (k, L, dims.kv_lora))
+            lc_scale = _check_shape("lc_scale", rows.lc_scale, (k, L))
+            rc_codes = _check_shape("rc_codes", rows.rc_codes, (k, L, dims.qk_rope))
+            rc_scale = _check_shape("rc_scale", rows.rc_scale, (k, L))
+        else:
+            from kernels.fp8 import quantize_rows
+            lc_f32 = _check_shape("lc", rows.lc, (k, L, dims.kv_lora))
+            rc_f32 = _check_shape("rc", rows.rc, (k, L, dims.qk_rope))
+            lc_codes, lc_scale = quantize_rows(np.asarray(lc_f32, dtype=np.float32))
+            rc_codes, rc_scale = quantize_rows(np.asarray(rc_f32, dtype=np.float32))
+        layers["lc"] = lc_codes  # [k, L, kv_lora] u8
+        layers["lc_scale"] = lc_scale  # [k, L] f32
+        layers["rc"] = rc_codes  # [k, L, rope] u8
+        layers["rc_scale"] = rc_scale  # [k, L] f32
+    if dims.n_index_layers:
+        shape = (k, dims.n_index_layers, dims.index_head_dim)
+        out["index"] = _check_shape("index", rows.index, shape)  # [k, NI, D] f32
+    elif rows.index is not None and np.asarray(rows.index).size:
+        raise FormatError("pack_records: indexer rows given but the dims declare none")
+    return out
+
+
+def usable_scales(scales: np.ndarray) -> np.ndarray:
+    """The engine's test for a v2 row scale: 0 < scale < 3.4e38f (NaN and inf fail it)."""
+    return (scales > 0) & (scales < INERT_SCALE_LIMIT)  # [...] bool
+
+
+def sanitize_scales(scales: np.ndarray) -> np.ndarray:
+    """Reading rule for v2 scales: an unusable scale (non-finite, <= 0, >= 3.4e38f) marks an
+    inert row, which reads as zeros; its sanitised scale is 0.0 (a fresh f32 copy)."""
+    scales = np.asarray(scales, dtype=np.float32)  # [...] f32
+    return np.where(usable_scales(scales), scales, np.float32(0)).astype(np.float32)
+
+
+__all__ = [
+    "MAGIC_V1", "MAGIC_V2", "MAGIC_V3", "MAGIC_DSV4", "HEADER_SIZE", "NREC_OFFSET", "TAG_OFFSET",
+    "MAX_LAYERS", "MAX_WIDTH", "MAX_VOCAB", "MAX_RECORD_BYTES", "MAX_NREC",
+    "Dims", "Header", "record_bytes", "validate_dims", "pack_header", "pack_nrec",
+    "static_header_bytes", "parse_header", "complete_records", "layer_dtype", "record_dtype",
+    "pack_records", "sanitize_scales", "usable_scales", "INERT_SCALE_LIMIT",
+]

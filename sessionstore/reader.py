@@ -1,0 +1,207 @@
+"""Read a ``.coli_kv`` file through mmap: zero-copy views of tokens, rows, scales, indexer rows.
+
+Opening follows the engine's load rules (``layout.parse_header`` does the checking) plus ours:
+the path must be a regular file (symlink, FIFO, device and directory are refused; lstat first,
+open with O_NOFOLLOW|O_NONBLOCK, fstat after and compare). Only the complete committed records
+are mapped: a file cut inside the committed part yields the records before the cut (a warning);
+bytes past ``40 + nrec * record_bytes`` are a stale tail (normal, reported, never read).
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+
+import numpy as np
+
+from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from kernels.rows import F32Rows, Fp8Rows
+from sessionstore.layout import (
+    HEADER_SIZE,
+    Dims,
+    Header,
+    complete_records,
+    parse_header,
+    record_dtype,
+    sanitize_scales,
+)
+from sessionstore.log import get_logger
+
+log = get_logger("reader")
+
+_KIND_NAMES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
+
+
+def _kind(mode: int) -> str:
+    return _KIND_NAMES.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only if it is a regular file; returns (fd, fstat). Refuses the rest."""
+    where = os.fspath(path)
+    try:
+        before = os.lstat(where)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise NotFoundError(f"{where}: no such file ({exc.strerror})") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise FormatError(f"{where}: is {_kind(before.st_mode)}, expected a regular .coli_kv file")
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise NotFoundError(f"{where}: no such file (removed while opening)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{where}: became a symlink while opening; refusing it") from None
+        raise
+    after = os.fstat(fd)
+    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise FormatError(f"{where}: changed while opening (now {_kind(after.st_mode)}); refusing it")
+    return fd, after
+
+
+class KVReader:
+    """A read-only, memory-mapped view of the complete committed records of one file."""
+
+    def __init__(self, path: str | os.PathLike[str], *, expect: Dims | None = None,
+                 fp8_enabled: bool = True) -> None:
+        self.path = os.fspath(path)
+        fd, st = open_regular_file(self.path)
+        self._mmap: mmap.mmap | None = None
+        try:
+            self.file_bytes = int(st.st_size)
+            if self.file_bytes == 0:
+                raise FormatError(f"{self.path}: empty file (0 bytes): no .coli_kv header")
+            self.header_bytes = os.pread(fd, HEADER_SIZE, 0)
+            self.header: Header = parse_header(self.header_bytes, self.file_bytes, self.path)
+            if expect is not None and expect != self.header.dims:
+                raise ModelMismatchError(
+                    f"{self.path}: file dims {self.header.dims.as_tuple()} (n_layers, kv_lora, "
+                    f"qk_rope, index_head_dim, n_index_layers, vocab) differ from the model's "
+                    f"{expect.as_tuple()}")
+            if self.header.version == 2 and not fp8_enabled:
+                raise FormatError(f"{self.path}: a v2 (fp8) file but fp8 rows are disabled here")
+            self.nrec = complete_records(self.header, self.file_bytes)
+            mapped = HEADER_SIZE + self.nrec * self.record_bytes
+            self.stale_tail_bytes = self.file_bytes - mapped
+            self.warnings: list[str] = []
+            if self.nrec < self.header.nrec:
+                self.warnings.append(
+                    f"file cut inside the committed records: nrec says {self.header.nrec}, the "
+                    f"file ({self.file_bytes} bytes) holds {self.nrec} complete records; using those")
+                log.warning("kv.torn_committed", path=self.path, nrec=self.header.nrec,
+                            complete=self.nrec)
+            dtype = record_dtype(self.version, self.dims)
+            if self.nrec:
+                self._mmap = mmap.mmap(fd, mapped, access=mmap.ACCESS_READ)
+                self.records = np.frombuffer(self._mmap, dtype=dtype, count=self.nrec,
+                                             offset=HEADER_SIZE)  # [nrec] records (read-only)
+            else:
+                self.records = np.zeros(0, dtype=dtype)  # [0] records
+                self.records.flags.writeable = False
+        finally:
+            os.close(fd)
+        log.info("kv.open", path=self.path, version=self.version, nrec=self.nrec,
+                 stale_tail_bytes=self.stale_tail_bytes)
+
+    # --- header facts ---------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    @property
+    def dims(self) -> Dims:
+        return self.header.dims
+
+    @property
+    def record_bytes(self) -> int:
+        return self.header.record_bytes
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.records["token"]  # [nrec] <i4 view
+
+    # --- rows -----------------------------------------------------------------------------
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.dims.n_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.dims.n_layers})")
+
+    def layer_rows(self, layer: int, start: int = 0, stop: int | None = None) -> F32Rows | Fp8Rows:
+        """Rows of one layer for positions [start, stop): views (v2 scales: sanitised copies)."""
+        self._check_layer(layer)
+        part = self.records["layers"][start:stop, layer]  # [T] layer records (view)
+        if self.version == 1:
+            return F32Rows(lc=part["lc"], rc=part["rc"])  # [T, kv_lora] / [T, rope] f32 views
+        return Fp8Rows(lc_codes=part["lc"],  # [T, kv_lora] u8 view
+                       lc_scale=sanitize_scales(part["lc_scale"]),  # [T] f32 copy
+                       rc_codes=part["rc"],  # [T, rope] u8 view
+                       rc_scale=sanitize_scales(part["rc_scale"]))  # [T] f32 copy
+
+    def layer(self, layer: int) -> F32Rows | Fp8Rows:
+        return self.layer_rows(layer)
+
+    def raw_scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The stored (unsanitised) Lc/Rc scales of one layer: [nrec] f32 views."""
+        self._check_layer(layer)
+        if self.version != 2:
+            raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
+        part = self.records["layers"][:, layer]
+        return part["lc_scale"], part["rc_scale"]
+
+    def index_rows(self, index_layer: int) -> np.ndarray:
+        """Indexer rows of one indexer layer: [nrec, index_head_dim] f32 view."""
+        if not 0 <= index_layer < self.dims.n_index_layers:
+            raise IndexError(f"indexer layer {index_layer} outside [0, {self.dims.n_index_layers})")
+        return self.records["index"][:, index_layer]
+
+    def record_bytes_view(self, position: int) -> memoryview:
+        """The exact bytes of record ``position`` (zero-copy)."""
+        return self.records_bytes_view(position, position + 1)
+
+    def records_bytes_view(self, start: int, stop: int) -> memoryview:
+        """The exact bytes of records [start, stop) (zero-copy)."""
+        if not 0 <= start <= stop <= self.nrec:
+            raise IndexError(f"records [{start}, {stop}) outside [0, {self.nrec}]")
+        if self._mmap is None:
+            return memoryview(b"")
+        rec = self.record_bytes
+        return memoryview(self._mmap)[HEADER_SIZE + start * rec:HEADER_SIZE + stop * rec]
+
+    def release_pages(self, start: int, stop: int) -> None:
+        """Unmap the pages of records [start, stop) from this process (streaming passes call it
+        so resident memory stays bounded); a later access maps them again from the page cache."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        rec, page = self.record_bytes, mmap.PAGESIZE
+        first = (HEADER_SIZE + start * rec) // page * page
+        last = (HEADER_SIZE + stop * rec) // page * page  # the page holding `stop` stays mapped
+        if last > first:
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    # --- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the mapping; views still held by callers keep it alive until they go."""
+        self.records = np.zeros(0, dtype=self.records.dtype)  # [0] records: drop our view
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # caller-held views: the mapping is released with them
+            self._mmap = None
+
+    def __enter__(self) -> KVReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_kv(path: str | os.PathLike[str], *, expect: Dims | None = None,
+            fp8_enabled: bool = True) -> KVReader:
+    """Open a ``.coli_kv`` file read-only (see :class:`KVReader`)."""
+    return KVReader(path, expect=expect, fp8_enabled=fp8_enabled)
+
+
+__all__ = ["KVReader", "open_kv", "open_regular_file"]

@@ -1,0 +1,418 @@
+"""Checksums beside a ``.coli_kv`` file (``<path>.colisum``); never inside the engine's bytes.
+
+Layout (little-endian)::
+
+    0  magic        8s  b"COLISUM1"
+    8  version      u32 1
+    12 algo         u32 1 (xxh3_64)
+    16 static_hash  u64 xxh3_64(kv header [0:32] + [36:40])   (everything but nrec)
+    24 record_bytes u64
+    32 count        u64 records vouched for (entries 0..count-1)
+    40 reserved     16 zero bytes
+    56 header_check u64 xxh3_64(sidecar bytes [0:56])
+    64 + 8*p        u64 xxh3_64(record p bytes, seed=p)
+
+Records vouched for are ``[0, min(count, nrec))``. The writer (H3) stages entries and the count,
+fsyncs the sidecar together with the record data, and only then writes the kv commit word.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kernels.errors import CorruptionError, FormatError, LimitError
+from sessionstore.layout import HEADER_SIZE, Header, pack_header, static_header_bytes
+from sessionstore.log import get_logger
+
+if TYPE_CHECKING:
+    from sessionstore.reader import KVReader
+
+SIDECAR_SUFFIX = ".colisum"
+TEMP_SUFFIX = ".tmp"
+SIDECAR_MAGIC = b"COLISUM1"
+SIDECAR_VERSION = 1
+ALGO_XXH3_64 = 1
+SIDECAR_HEADER_SIZE = 64
+ENTRY_SIZE = 8
+COUNT_OFFSET = 32
+SIDECAR_STRUCT = struct.Struct("<8sIIQQQ16s")  # everything the header_check covers
+CHECK_STRUCT = struct.Struct("<Q")
+assert SIDECAR_STRUCT.size == 56
+assert SIDECAR_STRUCT.size + CHECK_STRUCT.size == SIDECAR_HEADER_SIZE
+MAX_REPORTED_POSITIONS = 64  # mismatch positions listed in a report (the count is always exact)
+CHECK_CHUNK_RECORDS = 4096  # records hashed per comparison chunk
+
+log = get_logger("sidecar")
+
+
+def sidecar_path(kv_path: str | os.PathLike[str]) -> str:
+    """``<kv path>.colisum``."""
+    return os.fspath(kv_path) + SIDECAR_SUFFIX
+
+
+def record_checksum(buf: bytes | bytearray | memoryview, position: int) -> int:
+    """xxh3_64 of one record's bytes, seeded with its position (a moved record does not match)."""
+    return xxhash.xxh3_64_intdigest(buf, seed=position)
+
+
+def static_hash(kv_header_bytes: bytes) -> int:
+    """xxh3_64 of the kv header without its commit word."""
+    return xxhash.xxh3_64_intdigest(static_header_bytes(kv_header_bytes))
+
+
+def _pack_sidecar_header(static: int, record_bytes: int, count: int) -> bytes:
+    body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, ALGO_XXH3_64, static,
+                               record_bytes, count, b"\0" * 16)
+    return body + CHECK_STRUCT.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def temp_path_for(path: str | os.PathLike[str]) -> str:
+    """The ONE temp name used while replacing ``path``: ``<path>.tmp``. A deterministic name
+    lets the next writer (holding the file's lock) recognise and remove one a crash left."""
+    return os.fspath(path) + TEMP_SUFFIX
+
+
+def create_temp_for(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """Open a fresh ``<path>.tmp`` for writing (a stale one from a crash is removed first)."""
+    tmp = temp_path_for(path)
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return fd, tmp
+
+
+def remove_stale_temp(path: str | os.PathLike[str]) -> bool:
+    """Remove a ``<path>.tmp`` left by a crash; True if there was one."""
+    tmp = temp_path_for(path)
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+        log.info("temp.removed", path=tmp)
+        return True
+    return False
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync the directory holding ``path`` (makes a rename or a new name durable)."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A loaded, header-checked sidecar. ``entries`` [available] <u8 (a copy, 8 B per record)."""
+
+    path: str
+    static_hash: int
+    record_bytes: int
+    count: int
+    entries: np.ndarray  # [min(count, entries on disk)] <u8
+
+    @property
+    def available(self) -> int:
+        return int(self.entries.shape[0])
+
+
+def load_sidecar(kv_path: str | os.PathLike[str]) -> Sidecar | None:
+    """Load ``<kv_path>.colisum``; None when absent or empty (it vouches for nothing either way).
+    A damaged sidecar raises CorruptionError."""
+    path = sidecar_path(kv_path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path}: is a symlink; refusing to follow it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        if st.st_size == 0:
+            return None  # created, then a crash before its header was durable: nothing vouched
+        head = os.pread(fd, SIDECAR_HEADER_SIZE, 0)
+        if len(head) < SIDECAR_HEADER_SIZE:
+            raise CorruptionError(
+                f"{path}: sidecar header is {len(head)} bytes, expected {SIDECAR_HEADER_SIZE}")
+        magic, version, algo, static, rec_bytes, count, _ = SIDECAR_STRUCT.unpack(head[:56])
+        (check,) = CHECK_STRUCT.unpack(head[56:])
+        if magic != SIDECAR_MAGIC:
+            raise CorruptionError(f"{path}: byte 0: magic {magic!r}, expected {SIDECAR_MAGIC!r}")
+        found = xxhash.xxh3_64_intdigest(head[:56])
+        if check != found:
+            raise CorruptionError(
+                f"{path}: byte 56: sidecar header check {check:#018x}, computed {found:#018x}")
+        if version != SIDECAR_VERSION or algo != ALGO_XXH3_64:
+            raise FormatError(f"{path}: sidecar version {version} / algo {algo} not supported")
+        on_disk = max(st.st_size - SIDECAR_HEADER_SIZE, 0) // ENTRY_SIZE
+        available = min(count, on_disk)  # bounded by the file: never allocate past it
+        raw = os.pread(fd, available * ENTRY_SIZE, SIDECAR_HEADER_SIZE)
+        entries = np.frombuffer(raw, dtype="<u8")  # [available] u64
+        return Sidecar(path, static, rec_bytes, count, entries)
+    finally:
+        os.close(fd)
+
+
+class SidecarWriter:
+    """Write side of the sidecar, driven by the kv writer's commit protocol.
+
+    Opening keeps an existing sidecar that matches ``header`` (static fields and record size).
+    An absent (or empty) one is created in place with count 0; a damaged one or one of another
+    header is replaced atomically (``<sidecar>.tmp``, fsync, rename, fsync dir). A stale
+    ``<sidecar>.tmp`` from a crash is removed (the caller holds the kv file's writer lock).
+    """
+
+    def __init__(self, kv_path: str | os.PathLike[str], header: Header) -> None:
+        self.path = sidecar_path(kv_path)
+        self.kv_path = os.fspath(kv_path)
+        self.record_bytes = header.record_bytes
+        self.static_hash = static_hash(pack_header(header.with_nrec(0)))
+        self.count = 0
+        existing = None
+        remove_stale_temp(self.path)  # the caller holds the kv file's writer lock
+        try:
+            existing = load_sidecar(kv_path)
+            reason = "absent" if existing is None else "header differs"
+        except (CorruptionError, FormatError) as exc:
+            reason = f"damaged: {exc}"
+        if (existing is not None and existing.static_hash == self.static_hash
+                and existing.record_bytes == self.record_bytes):
+            self.count = min(existing.count, existing.available)
+        elif existing is None and reason == "absent":
+            self._create_new()
+            log.info("sidecar.create", path=self.path, reason=reason)
+        else:
+            self._replace_with_fresh()
+            log.info("sidecar.create", path=self.path, reason=reason)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if existing is not None and self.count != existing.count:
+            self._write_header()  # entries cut short: vouch only for those present
+
+    def _fresh_header(self) -> bytes:
+        return _pack_sidecar_header(self.static_hash, self.record_bytes, 0)
+
+    def _create_new(self) -> None:
+        """No sidecar yet: create it in place (no temp). An empty file a crash left is replaced."""
+        if os.path.lexists(self.path):
+            os.unlink(self.path)  # the empty sidecar load_sidecar reported as absent
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        try:
+            os.write(fd, self._fresh_header())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path)
+
+    def _replace_with_fresh(self) -> None:
+        """A damaged or foreign sidecar: replace it atomically through ``<sidecar>.tmp``."""
+        fd, tmp = create_temp_for(self.path)
+        try:
+            os.write(fd, self._fresh_header())
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, self.path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        fsync_dir(self.path)
+
+    def _write_header(self) -> None:
+        os.pwrite(self._fd, _pack_sidecar_header(self.static_hash, self.record_bytes, self.count), 0)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def stage(self, first_position: int, records_bytes: bytes | bytearray | memoryview) -> int:
+        """Hash the records at ``first_position..`` and write their entries and the new count.
+
+        No fsync (the commit protocol fsyncs). Returns the new count.
+        """
+        view = memoryview(records_bytes).cast("B")
+        rec = self.record_bytes
+        if len(view) % rec:
+            raise FormatError(
+                f"{self.path}: staged {len(view)} bytes, not a multiple of the record size {rec}")
+        if first_position < 0 or first_position > self.count:
+            raise LimitError(
+                f"{self.path}: stage at position {first_position} leaves a gap (count {self.count})")
+        k = len(view) // rec
+        entries = np.fromiter(  # [k] u64
+            (record_checksum(view[i * rec:(i + 1) * rec], first_position + i) for i in range(k)),
+            dtype="<u8", count=k)
+        os.pwrite(self._fd, entries.tobytes(), SIDECAR_HEADER_SIZE + ENTRY_SIZE * first_position)
+        self.count = first_position + k
+        self._write_header()
+        return self.count
+
+    def set_count(self, n: int) -> None:
+        """Vouch for exactly the first ``n`` records (truncate); entries past ``n`` are ignored."""
+        if n < 0 or n > self.count:
+            raise LimitError(f"{self.path}: set_count({n}) outside [0, {self.count}]")
+        self.count = n
+        self._write_header()
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SidecarWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_sidecar_for(reader: KVReader) -> int:
+    """Write a fresh sidecar vouching for every complete committed record of an open file."""
+    with SidecarWriter(reader.path, reader.header) as writer:
+        writer.set_count(0)
+        step = max(1, (64 << 20) // reader.record_bytes)
+        for start in range(0, reader.nrec, step):
+            stop = min(start + step, reader.nrec)
+            writer.stage(start, reader.records_bytes_view(start, stop))
+        writer.fsync()
+        return writer.count
+
+
+def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
+                         entries: np.ndarray) -> str:
+    """Write a complete sidecar (``entries`` [count] u64) for ``kv_path`` atomically."""
+    path = sidecar_path(kv_path)
+    entries = np.ascontiguousarray(entries, dtype="<u8")  # [count] u64
+    head = _pack_sidecar_header(static_hash(pack_header(header.with_nrec(0))),
+                                header.record_bytes, int(entries.shape[0]))
+    fd, tmp = create_temp_for(path)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(head)
+            out.write(entries.tobytes())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path)
+    return path
+
+
+@dataclass
+class SidecarReport:
+    """What ``check_records`` found. ``sound`` is False only for corruption of vouched data."""
+
+    status: str  # ok | corrupt | out_of_date | not_covered
+    vouched: int = 0  # records the sidecar vouches for: min(count, nrec)
+    checked: int = 0
+    mismatched: int = 0
+    mismatched_positions: list[int] = field(default_factory=list)
+    not_covered: int = 0  # committed records past the sidecar's count
+    out_of_date_from: int | None = None  # first position rewritten by another writer
+    messages: list[str] = field(default_factory=list)
+    sound: bool = True
+
+
+def check_records(reader: KVReader, sidecar: Sidecar) -> SidecarReport:
+    """Compare the sidecar with the file's header and its complete committed records.
+
+    - static fields or record size differ: the file was rewritten as another version by another
+      writer (out of date), or, same version, its header is corrupt;
+    - a vouched record whose hash differs: CORRUPTION, unless the file's commit word no longer
+      equals the sidecar's count (another writer truncated and rewrote) and the mismatches form
+      one run up to the end of the vouched range: then the sidecar is out of date from there;
+    - committed records past the count: not covered (written by another writer, such as the
+      engine, or by a crash recovered before the sidecar caught up). Neither is corruption.
+    """
+    report = SidecarReport(status="ok")
+    head = reader.header_bytes
+    if sidecar.record_bytes != reader.record_bytes or sidecar.static_hash != static_hash(head):
+        rewritten = sidecar.record_bytes != reader.record_bytes
+        report.status = "out_of_date" if rewritten else "corrupt"
+        report.sound = rewritten
+        if rewritten:
+            report.messages.append(
+                f"sidecar out of date: it describes {sidecar.record_bytes}-byte records, the file "
+                f"now holds v{reader.version} records of {reader.record_bytes} bytes (rewritten by "
+                "another writer, such as the engine); no record is vouched for")
+        else:
+            report.messages.append(
+                f"CORRUPTION: {reader.path}: header bytes [0:32]+[36:40] do not match the "
+                "checksum in the sidecar (dims, vocab or tag changed)")
+        report.not_covered = reader.nrec
+        return report
+    vouched = min(sidecar.count, reader.nrec, sidecar.available)
+    report.vouched = vouched
+    bad: list[int] = []
+    mismatched = 0
+    first_bad = -1
+    for start in range(0, vouched, CHECK_CHUNK_RECORDS):
+        stop = min(start + CHECK_CHUNK_RECORDS, vouched)
+        found = np.fromiter(  # [stop - start] u64
+            (record_checksum(reader.record_bytes_view(p), p) for p in range(start, stop)),
+            dtype="<u8", count=stop - start)
+        wrong = np.flatnonzero(found != sidecar.entries[start:stop]) + start  # [m] positions
+        mismatched += int(wrong.size)
+        if len(bad) < MAX_REPORTED_POSITIONS:
+            bad.extend(int(p) for p in wrong[:MAX_REPORTED_POSITIONS - len(bad)])
+        if wrong.size and first_bad < 0:
+            first_bad = int(wrong[0])
+        report.checked = stop
+    if vouched < min(sidecar.count, reader.nrec):
+        report.messages.append(
+            f"sidecar {sidecar.path} is cut short: it holds {sidecar.available} of "
+            f"{sidecar.count} entries")
+    report.mismatched = mismatched
+    report.mismatched_positions = bad
+    report.not_covered = max(reader.nrec - vouched, 0)
+    if mismatched:
+        run_to_end = mismatched == vouched - first_bad
+        another_writer = reader.header.nrec != sidecar.count
+        if run_to_end and another_writer:
+            report.status = "out_of_date"
+            report.out_of_date_from = first_bad
+            report.messages.append(
+                f"sidecar out of date from record {first_bad}: records {first_bad}..{vouched - 1} "
+                f"were rewritten by another writer (the commit word says {reader.header.nrec}, "
+                f"the sidecar vouched for {sidecar.count}); they are not covered")
+        else:
+            report.status = "corrupt"
+            report.sound = False
+            rec = reader.record_bytes
+            where = ", ".join(f"{p} (byte {HEADER_SIZE + p * rec})" for p in bad[:8])
+            report.messages.append(
+                f"CORRUPTION: {reader.path}: {mismatched} record(s) no longer match the checksums "
+                f"the sidecar vouches for: {where}{' ...' if mismatched > 8 else ''}")
+    if report.not_covered and report.status == "ok":
+        report.status = "not_covered"
+    if report.not_covered:
+        report.messages.append(
+            f"records {vouched}..{reader.nrec - 1} are not covered by the sidecar: written by "
+            "another writer (such as the engine) or before a crash recovered; not checked")
+    return report
+
+
+__all__ = [
+    "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
+    "SidecarReport", "sidecar_path", "record_checksum", "static_hash", "load_sidecar",
+    "check_records", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
+    "create_temp_for", "remove_stale_temp",
+]

@@ -1,0 +1,47 @@
+"""``coli-kv convert SRC DST --to v1|v2 [--force]``: rewrite a file as v1 or v2, never in place."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from sessionstore.convert import convert_file
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("convert", help="write a v1 (f32) or v2 (fp8) copy of a .coli_kv file")
+    parser.add_argument("src", help="source .coli_kv file (read only)")
+    parser.add_argument("dst", help="destination path (never the source)")
+    parser.add_argument("--to", required=True, choices=("v1", "v2"), help="target version")
+    parser.add_argument("--force", action="store_true", help="replace an existing DST")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    bar = None
+    progress = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=0, unit="rec", desc="convert", file=sys.stderr)
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        result = convert_file(args.src, args.dst, args.to, force=args.force, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps({"src": result.src, "dst": result.dst, "from_version": result.from_version,
+                          "to_version": result.to_version, "nrec": result.nrec,
+                          "bytes_written": result.bytes_written, "sidecar": result.sidecar,
+                          "seconds": round(result.seconds, 6)}))
+    else:
+        print(f"wrote {result.dst}: v{result.from_version} -> v{result.to_version}, {result.nrec} records, "
+              f"{result.bytes_written} bytes; sidecar {result.sidecar}")
+    return 0

@@ -1,0 +1,118 @@
+"""``coli-kv inspect PATH [--json] [--tokens]``: what a .coli_kv file holds. Read-only, always."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from sessionstore.layout import usable_scales
+from sessionstore.reader import open_kv
+from sessionstore.sidecar import sidecar_path
+from sessionstore.verify import RecordScan, scan_records
+
+TOKENS_SHOWN = 8  # first and last few token ids without --tokens
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("inspect", help="show a .coli_kv file's header, tokens and row statistics")
+    parser.add_argument("path", help=".coli_kv file to read (never modified)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--tokens", action="store_true", help="list every token id")
+    parser.set_defaults(func=run)
+
+
+def _stats(scales: np.ndarray) -> dict[str, float | None]:
+    """min/median/max over the usable (0 < scale < 3.4e38) scales of one layer: [nrec] f32."""
+    usable = scales[usable_scales(scales)]  # [u] f32
+    if usable.size == 0:
+        return {"min": None, "median": None, "max": None}
+    return {"min": float(usable.min()), "median": float(np.median(usable)), "max": float(usable.max())}
+
+
+def _layers(scan: RecordScan, version: int) -> list[dict[str, Any]]:
+    layers = []
+    for l, counts in enumerate(scan.layers):
+        entry: dict[str, Any] = {"layer": l}
+        if version == 2 and scan.lc_scales is not None and scan.rc_scales is not None:
+            entry.update(lc_scale=_stats(scan.lc_scales[:, l]), rc_scale=_stats(scan.rc_scales[:, l]),
+                         lc_inert_rows=counts.lc_inert_rows, rc_inert_rows=counts.rc_inert_rows,
+                         lc_nan_codes=counts.lc_nan_codes, rc_nan_codes=counts.rc_nan_codes)
+        else:
+            entry.update(nonfinite_values=counts.nonfinite_values)
+        layers.append(entry)
+    return layers
+
+
+def inspect_file(path: str, *, all_tokens: bool = False) -> dict[str, Any]:
+    """The facts ``inspect`` prints, as a JSON-ready dict."""
+    with open_kv(path) as reader:
+        d = reader.dims
+        tokens = reader.tokens  # [nrec] i32 view
+        shown_all = all_tokens or reader.nrec <= 2 * TOKENS_SHOWN
+        scan = scan_records(reader)
+        warnings = list(reader.warnings)
+        if reader.header.nrec == 0:
+            warnings.append("nrec = 0: nothing to resume")
+        if scan.tokens_out_of_range:
+            warnings.append(f"{scan.tokens_out_of_range} token id(s) outside [0, {d.vocab})")
+        nan = scan.total("lc_nan_codes") + scan.total("rc_nan_codes")
+        inert = scan.total("lc_inert_rows") + scan.total("rc_inert_rows")
+        if nan:
+            warnings.append(f"{nan} NaN codes (read as 0)")
+        if inert:
+            warnings.append(f"{inert} inert rows (scale non-finite or <= 0, read as zero rows)")
+        if scan.total("nonfinite_values") or scan.index_nonfinite:
+            warnings.append(f"{scan.total('nonfinite_values') + scan.index_nonfinite} non-finite f32 values")
+        return {
+            "path": reader.path, "version": reader.version, "n_layers": d.n_layers,
+            "kv_lora": d.kv_lora, "qk_rope": d.qk_rope, "index_head_dim": d.index_head_dim,
+            "n_index_layers": d.n_index_layers, "vocab": d.vocab, "header_nrec": reader.header.nrec,
+            "nrec": reader.nrec, "record_bytes": reader.record_bytes, "file_bytes": reader.file_bytes,
+            "stale_tail_bytes": reader.stale_tail_bytes,
+            "tokens": (tokens if shown_all else tokens[:TOKENS_SHOWN]).tolist(),
+            "tokens_last": [] if shown_all else tokens[-TOKENS_SHOWN:].tolist(),
+            "tokens_all": shown_all,
+            "sidecar": "present" if os.path.lexists(sidecar_path(reader.path)) else "absent",
+            "layers": _layers(scan, reader.version), "warnings": warnings,
+        }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _print_human(info: dict[str, Any]) -> None:
+    kind = {1: "v1 (f32 rows)", 2: "v2 (fp8 e4m3 rows)"}[info["version"]]
+    print(f"file          {info['path']}")
+    print(f"version       {kind}")
+    print(f"dims          n_layers={info['n_layers']} kv_lora={info['kv_lora']} qk_rope={info['qk_rope']} "
+          f"index_head_dim={info['index_head_dim']} n_index_layers={info['n_index_layers']} vocab={info['vocab']}")
+    print(f"records       {info['nrec']} complete (header nrec {info['header_nrec']}), "
+          f"{info['record_bytes']} bytes each")
+    print(f"file          {info['file_bytes']} bytes, stale tail {info['stale_tail_bytes']} bytes")
+    print(f"sidecar       {info['sidecar']}")
+    head = " ".join(map(str, info["tokens"]))
+    tail = " ".join(map(str, info["tokens_last"]))
+    print(f"tokens        {head}" + ("" if info["tokens_all"] else f" ... {tail}"))
+    for layer in info["layers"]:
+        if "lc_scale" in layer:
+            lc, rc = layer["lc_scale"], layer["rc_scale"]
+            print(f"layer {layer['layer']:>3}     Lc scale {_fmt(lc['min'])}/{_fmt(lc['median'])}/{_fmt(lc['max'])}  "
+                  f"Rc scale {_fmt(rc['min'])}/{_fmt(rc['median'])}/{_fmt(rc['max'])} (min/median/max)  "
+                  f"inert {layer['lc_inert_rows']}+{layer['rc_inert_rows']}")
+        elif layer["nonfinite_values"]:
+            print(f"layer {layer['layer']:>3}     {layer['nonfinite_values']} non-finite values")
+    for warning in info["warnings"]:
+        print(f"warning       {warning}")
+
+
+def run(args: argparse.Namespace) -> int:
+    info = inspect_file(args.path, all_tokens=args.tokens)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        _print_human(info)
+    return 0
