@@ -1,0 +1,107 @@
+"""One writer per ``.coli_kv`` file: an advisory ``flock`` on ``<path>.lock``.
+
+The lock lives on a separate file, never on the data file, so readers (mmap, no lock) are never
+blocked. ``flock`` locks belong to the open file description: the kernel drops them when the
+holder closes the file or dies (SIGKILL included), so a crashed writer never leaves the file
+locked. The holder's pid is written into the lock file for the refusal message only.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+import structlog
+
+from kernels.errors import FormatError, LockedError, NotFoundError
+from sessionstore.log import get_logger
+
+LOCK_SUFFIX = ".lock"
+MAX_PID_BYTES = 32
+
+get_logger("lock")  # configures structlog once
+log = structlog.get_logger(component="lock")  # lazy proxy: follows log.reconfigure()
+
+
+def lock_path(path: str | os.PathLike[str]) -> str:
+    """``<path>.lock``."""
+    return os.fspath(path) + LOCK_SUFFIX
+
+
+class WriterLock:
+    """Exclusive, non-blocking writer lock for ``path`` (acquired by :meth:`acquire`)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.lock_path = lock_path(path)
+        self._fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def acquire(self) -> WriterLock:
+        """Take the lock now or raise :class:`LockedError` naming the path (and holder pid)."""
+        if self._fd >= 0:
+            return self
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK, 0o644)
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.path}: the directory does not exist") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FormatError(f"{self.lock_path}: lock file is a symlink; refusing it") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FormatError(f"{self.lock_path}: lock file is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                holder = _read_pid(fd)
+                who = f" (held by pid {holder})" if holder else ""
+                log.warning("kv.lock_refused", path=self.path, holder_pid=holder)
+                raise LockedError(
+                    f"{self.path}: another writer holds the lock {self.lock_path}{who}; "
+                    "one writer at a time (readers are not blocked)") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        log.info("kv.lock_acquired", path=self.path, pid=os.getpid())
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases the flock). Idempotent."""
+        if self._fd < 0:
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            os.ftruncate(fd, 0)  # no stale pid in the message of the next refusal
+        except OSError:
+            pass
+        os.close(fd)
+        log.info("kv.lock_released", path=self.path)
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, MAX_PID_BYTES, 0).decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() else None
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["WriterLock", "lock_path", "LOCK_SUFFIX"]

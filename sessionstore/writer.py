@@ -1,0 +1,525 @@
+"""The durable append path of a ``.coli_kv`` file: :class:`KVWriter`.
+
+One writer per file (``<path>.lock``), ONE persistent read-write descriptor, and a staging
+buffer of megabytes: ``append`` packs records into it (rows as the file stores them: f32 for v1,
+codes + scales for v2, f32 rows for v2 through the row quantizer); full buffers are written
+early (no fsync). ``commit`` is the engine's protocol plus our sidecar:
+
+1. write every record from the committed count up to the new length (big ``pwritev`` chunks),
+   and stage their sidecar entries and count (``<path>.colisum``);
+2. fsync the data and the sidecar (concurrently);
+3. THEN write nrec (4 bytes at offset 32); fsync.
+
+A failed write or fsync keeps the last committed nrec and the staged records in memory; the next
+commit rewrites them all. ``truncate(n)`` rewrites only nrec (the sidecar count first). The file
+is never shortened: bytes past the committed records are stale and get overwritten.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from kernels.errors import ColiError, FormatError, LimitError, ModelMismatchError, NotFoundError
+from kernels.rows import RecordRows
+from sessionstore import upgrade as _upgrade
+from sessionstore.durability import Durability
+from sessionstore.layout import (
+    HEADER_SIZE,
+    MAX_NREC,
+    NREC_OFFSET,
+    Dims,
+    Header,
+    complete_records,
+    pack_header,
+    pack_nrec,
+    pack_records,
+    parse_header,
+    record_dtype,
+    validate_dims,
+)
+from sessionstore.lock import WriterLock
+from sessionstore.log import get_logger
+from sessionstore.sidecar import SidecarWriter, sidecar_path
+
+KV_DTYPES = {"fp8": 2, "f32": 1}
+CREATE_SUFFIX = ".create.tmp"
+CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar catches up
+
+get_logger("writer")  # configures structlog once
+log = structlog.get_logger(component="writer")  # lazy proxy: follows log.reconfigure()
+
+
+@dataclass
+class _Chunk:
+    """Staged records: ``records[:used]`` are appended, in position order."""
+
+    records: np.ndarray  # [capacity] structured records
+    used: int
+
+    @property
+    def free(self) -> int:
+        return int(self.records.shape[0]) - self.used
+
+    def data(self) -> np.ndarray:
+        return self.records[: self.used].view(np.uint8)  # [used * rec] u8
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+             stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+class KVWriter:
+    """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`."""
+
+    def __init__(self, *, path: str, dims: Dims, kv_dtype: str, io: Durability, lock: WriterLock,
+                 fd: int, header: Header, nrec: int, disk_nrec: int, staging_bytes: int,
+                 checksums: bool, upgrade_chunk_bytes: int) -> None:
+        self.path = path
+        self.dims = dims
+        self.kv_dtype = kv_dtype
+        self._io = io
+        self._lock = lock
+        self._fd = fd
+        self._header = header
+        self._nrec = nrec  # committed (durable) count
+        self._disk_nrec_max = disk_nrec  # the most the commit word on disk may hold
+        self._staging_bytes = staging_bytes
+        self._checksums = checksums
+        self._upgrade_chunk_bytes = upgrade_chunk_bytes
+        self._pending: list[_Chunk] = []  # records [nrec, length), in order
+        self._flushed = 0  # leading pending chunks already written (not fsynced)
+        self._spare: _Chunk | None = None  # a staging buffer kept for reuse after a commit
+        self._sidecar: SidecarWriter | None = None
+        self._dir_sync_due = False
+        self._closed = False
+
+    # -- opening ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], dims: Dims, *, kv_dtype: str = "fp8",
+             create: bool = True, staging_bytes: int = 8 << 20, durability: Durability | None = None,
+             checksums: bool = True,
+             upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES) -> KVWriter:
+        """Open (or create) ``path`` for appending; takes the writer lock at once.
+
+        Raises LockedError (another writer), ModelMismatchError (other dims), FormatError (bad
+        file, not a regular file, v2 with ``kv_dtype="f32"``), NotFoundError (absent, no create).
+        A v1 file opened with ``kv_dtype="fp8"`` stays untouched until the first append (or
+        :meth:`upgrade`) rewrites it as v2 crash-safely.
+        """
+        path = os.fspath(path)
+        if kv_dtype not in KV_DTYPES:
+            raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected 'fp8' or 'f32'")
+        validate_dims(dims, path)
+        _refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
+        io = durability if durability is not None else Durability()
+        lock = WriterLock(path).acquire()
+        try:
+            writer = cls._open_locked(path, dims, kv_dtype, create, max(staging_bytes, 1), io,
+                                      lock, checksums, upgrade_chunk_bytes)
+        except BaseException:
+            lock.release()
+            raise
+        return writer
+
+    @classmethod
+    def _open_locked(cls, path: str, dims: Dims, kv_dtype: str, create: bool, staging_bytes: int,
+                     io: Durability, lock: WriterLock, checksums: bool,
+                     upgrade_chunk_bytes: int) -> KVWriter:
+        _upgrade.remove_stale_temps(path, io)
+        _remove_stale_create(path, io)
+        created = False
+        try:
+            before = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                raise NotFoundError(f"{path}: no such file (create=False)") from None
+            _create_empty(path, Header(KV_DTYPES[kv_dtype], dims, 0), io)
+            created = True
+            before = os.lstat(path)
+        if not stat.S_ISREG(before.st_mode):
+            raise FormatError(f"{path}: is {_kind(before.st_mode)}, expected a regular .coli_kv file")
+        try:
+            fd = io.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+                raise FormatError(f"{path}: changed while opening: {exc.strerror}") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise FormatError(f"{path}: changed while opening (now {_kind(st.st_mode)})")
+            if st.st_size == 0:
+                raise FormatError(f"{path}: empty file (0 bytes): no .coli_kv header")
+            header = parse_header(os.pread(fd, HEADER_SIZE, 0), st.st_size, path)
+            if header.dims != dims:
+                raise ModelMismatchError(
+                    f"{path}: file dims {header.dims.as_tuple()} (n_layers, kv_lora, qk_rope, "
+                    f"index_head_dim, n_index_layers, vocab) differ from the model's {dims.as_tuple()}")
+            if header.version == 2 and kv_dtype == "f32":
+                raise FormatError(
+                    f"{path}: a v2 (fp8) file but kv_dtype is 'f32' (fp8 off); convert it with "
+                    "`coli-kv convert --to v1` or open it with fp8 on")
+            complete = complete_records(header, st.st_size)
+            writer = cls(path=path, dims=dims, kv_dtype=kv_dtype, io=io, lock=lock, fd=fd,
+                         header=header, nrec=complete, disk_nrec=header.nrec,
+                         staging_bytes=staging_bytes, checksums=checksums,
+                         upgrade_chunk_bytes=upgrade_chunk_bytes)
+            if not writer.pending_upgrade:
+                writer._recover(header.nrec)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=kv_dtype,
+                 created=created, pending_upgrade=writer.pending_upgrade, mode="write")
+        return writer
+
+    def _recover(self, header_nrec: int) -> None:
+        """Bring the commit word and the sidecar in line with the complete committed records."""
+        if self._nrec < header_nrec:
+            log.warning("kv.recovery", path=self.path, action="nrec beyond the file: cut back",
+                        nrec=header_nrec, complete=self._nrec)
+            self._write_nrec(self._nrec)
+        if not self._checksums:
+            side = sidecar_path(self.path)
+            if os.path.lexists(side):  # we cannot keep it true: drop it rather than let it lie
+                self._io.unlink(side)
+                self._io.fsync_dir(self.path)
+                log.warning("kv.recovery", path=self.path, action="removed sidecar (checksums off)")
+            return
+        self._sidecar = SidecarWriter(self.path, self._header.with_nrec(0))
+        count = self._sidecar.count
+        if count != self._nrec:
+            if count > self._nrec:
+                self._sidecar.set_count(self._nrec)
+            else:
+                self._sidecar_catch_up()
+            self._io.fsync(self._sidecar.fileno())
+            log.warning("kv.recovery", path=self.path, action="sidecar repaired", count_was=count,
+                        count=self._nrec)
+
+    def _sidecar_catch_up(self) -> None:
+        """Stage sidecar entries for committed records the sidecar does not cover yet."""
+        assert self._sidecar is not None
+        rec = self.record_bytes
+        step = max(1, CATCH_UP_BYTES // rec)
+        while self._sidecar.count < self._nrec:
+            start = self._sidecar.count
+            count = min(step, self._nrec - start)
+            raw = os.pread(self._fd, count * rec, HEADER_SIZE + start * rec)
+            if len(raw) != count * rec:
+                raise FormatError(f"{self.path}: byte {HEADER_SIZE + start * rec}: short read of "
+                                  f"committed records ({len(raw)} of {count * rec} bytes)")
+            self._sidecar.stage(start, raw)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def nrec(self) -> int:
+        """Committed records (what a reader or a crash would see)."""
+        return self._nrec
+
+    @property
+    def length(self) -> int:
+        """Appended records, committed or not."""
+        return self._nrec + sum(chunk.used for chunk in self._pending)
+
+    @property
+    def version(self) -> int:
+        return self._header.version
+
+    @property
+    def record_bytes(self) -> int:
+        return self._header.record_bytes
+
+    @property
+    def header(self) -> Header:
+        return self._header.with_nrec(self._nrec)
+
+    @property
+    def pending_upgrade(self) -> bool:
+        """A v1 file opened with fp8 on, not yet rewritten as v2."""
+        return self.kv_dtype == "fp8" and self._header.version == 1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ColiError(f"{self.path}: writer is closed")
+
+    # -- append -----------------------------------------------------------------------------
+    def append(self, rows: RecordRows) -> int:
+        """Stage ``rows`` (k positions, all layers) after the appended ones; returns the length.
+
+        Shapes, token ids (in [0, vocab)) and the indexer rows are checked before anything is
+        staged. The first append to a v1 file opened with fp8 on upgrades it to v2 first.
+        """
+        self._check_open()
+        if self.pending_upgrade:
+            self.upgrade()
+        k = rows.length
+        if k == 0:
+            return self.length
+        if self.length + k > MAX_NREC:
+            raise LimitError(f"{self.path}: {self.length} + {k} records exceed the limit {MAX_NREC}")
+        tokens = np.asarray(rows.tokens)  # [k] int
+        if tokens.dtype.kind not in "iu":
+            raise FormatError(f"{self.path}: tokens must be integers, found dtype {tokens.dtype}")
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.dims.vocab):
+            raise FormatError(f"{self.path}: token ids must lie in [0, {self.dims.vocab}), found "
+                              f"[{int(tokens.min())}, {int(tokens.max())}]")
+        packed = pack_records(self.version, self.dims, rows)  # [k] records
+        self._stage(packed)
+        self._flush_full_chunks()
+        return self.length
+
+    def _stage(self, packed: np.ndarray) -> None:
+        capacity = max(1, self._staging_bytes // self.record_bytes)
+        done = 0
+        k = int(packed.shape[0])
+        while done < k:
+            tail = self._pending[-1] if len(self._pending) > self._flushed else None
+            if tail is None or tail.free == 0:
+                if (k - done) * 8 >= capacity:  # a big batch is its own chunk: no copy
+                    self._pending.append(_Chunk(packed[done:], k - done))
+                    return
+                tail = self._take_spare(capacity)
+                self._pending.append(tail)
+            n = min(tail.free, k - done)
+            tail.records[tail.used:tail.used + n] = packed[done:done + n]
+            tail.used += n
+            done += n
+
+    def _take_spare(self, capacity: int) -> _Chunk:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.records.shape[0] == capacity:
+            spare.used = 0
+            return spare
+        dtype = record_dtype(self.version, self.dims)
+        return _Chunk(np.empty(capacity, dtype=dtype), 0)  # [capacity] records
+
+    def _flush_full_chunks(self) -> None:
+        """Write chunks that are full (no fsync): the disk starts early; failures wait for commit."""
+        full = self._flushed
+        while full < len(self._pending) and self._pending[full].free == 0:
+            full += 1
+        if full == self._flushed:
+            return
+        try:
+            offset = self._offset_of_chunk(self._flushed)
+            buffers = [c.data() for c in self._pending[self._flushed:full]]
+            self._io.pwritev(self._fd, buffers, offset)
+            self._io.start_writeback(self._fd, offset, sum(len(b) for b in buffers))
+            self._flushed = full
+        except OSError as exc:
+            self._flushed = 0
+            log.warning("kv.write_deferred", path=self.path, error=str(exc))
+
+    def _offset_of_chunk(self, index: int) -> int:
+        position = self._nrec + sum(c.used for c in self._pending[:index])
+        return HEADER_SIZE + position * self.record_bytes
+
+    # -- commit -----------------------------------------------------------------------------
+    def commit(self) -> int:
+        """Make every appended record durable; returns the committed count.
+
+        On an OSError nothing committed changes (nrec stays) and the staged records are kept:
+        the next commit rewrites them all. The error is raised.
+        """
+        self._check_open()
+        length = self.length
+        if length == self._nrec and not self._dir_sync_due:
+            return self._nrec
+        try:
+            if self._dir_sync_due:
+                self._io.fsync_dir(self.path)
+                self._dir_sync_due = False
+            self._write_and_sync_records()
+            if length != self._nrec:
+                self._write_nrec(length)
+        except OSError as exc:
+            self._flushed = 0  # rewrite everything from nrec next time
+            log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
+                        error=str(exc))
+            raise
+        added = length - self._nrec
+        self._nrec = length
+        self._recycle_pending()
+        log.info("kv.commit", path=self.path, nrec=length, records=added,
+                 bytes=added * self.record_bytes)
+        return length
+
+    def _write_and_sync_records(self) -> None:
+        """Steps 1-2: sidecar entries + count staged and their fsync started (helper thread),
+        records written from nrec up, data fsynced; returns once both fsyncs are done."""
+        wait_sidecar = None
+        if self._sidecar is not None:
+            self._sidecar_catch_up()
+            position = self._nrec
+            for chunk in self._pending:
+                self._sidecar.stage(position, chunk.data())
+                position += chunk.used
+            wait_sidecar = self._io.fsync_begin(self._sidecar.fileno())
+        try:
+            if self._pending:
+                self._io.pwritev(self._fd, [c.data() for c in self._pending[self._flushed:]],
+                                 self._offset_of_chunk(self._flushed))
+                self._flushed = len(self._pending)
+            self._io.fsync(self._fd)
+        finally:
+            if wait_sidecar is not None:
+                wait_sidecar()  # raises the sidecar's error, unless one is already propagating
+
+    def _write_nrec(self, nrec: int) -> None:
+        """Commit word then fsync. ``_disk_nrec_max`` covers a word that landed before a failure."""
+        self._disk_nrec_max = max(self._disk_nrec_max, nrec)
+        self._io.pwrite(self._fd, pack_nrec(nrec), NREC_OFFSET)
+        self._io.fsync(self._fd)
+        self._disk_nrec_max = nrec
+
+    def _recycle_pending(self) -> None:
+        for chunk in self._pending:
+            if chunk.records.base is None:  # a staging buffer we own: keep one for reuse
+                self._spare = chunk
+        self._pending = []
+        self._flushed = 0
+
+    # -- truncate ---------------------------------------------------------------------------
+    def truncate(self, n: int) -> int:
+        """Keep the first ``n`` records (clamped to the appended length); returns the new length.
+
+        Below what the disk may count as committed, this is durable at once: the sidecar count,
+        fsync, then nrec, fsync. Above it, only staged records are dropped.
+        """
+        self._check_open()
+        n = max(0, min(int(n), self.length))
+        if self.pending_upgrade and n < self._nrec:
+            self._do_upgrade(keep=n)
+            return n
+        keep_pending = max(n - self._nrec, 0)
+        if n < self._disk_nrec_max:
+            durable = min(n, self._nrec)
+            if self._sidecar is not None:
+                if self._sidecar.count > durable:
+                    self._sidecar.set_count(durable)
+                self._io.fsync(self._sidecar.fileno())
+            self._write_nrec(durable)
+            dropped = self._nrec - durable
+            self._nrec = durable
+            log.info("kv.truncate", path=self.path, nrec=durable, dropped_committed=dropped)
+        self._trim_pending(keep_pending)
+        return self.length
+
+    def _trim_pending(self, keep: int) -> None:
+        kept: list[_Chunk] = []
+        for index, chunk in enumerate(self._pending):
+            if keep <= 0:
+                break
+            if chunk.used > keep:
+                chunk.used = keep
+                self._flushed = min(self._flushed, index)
+            keep -= chunk.used
+            kept.append(chunk)
+        self._flushed = min(self._flushed, len(kept))
+        if len(kept) < len(self._pending) or not kept:
+            self._pending = kept
+
+    # -- upgrade ----------------------------------------------------------------------------
+    def upgrade(self) -> bool:
+        """Rewrite a v1 file opened with fp8 on as v2 now (crash-safe); False if nothing to do."""
+        self._check_open()
+        if not self.pending_upgrade:
+            return False
+        self._do_upgrade(keep=self._nrec)
+        return True
+
+    def _do_upgrade(self, keep: int) -> None:
+        mode = stat.S_IMODE(os.fstat(self._fd).st_mode)
+        result = _upgrade.write_v2_copy(self._fd, self.path, self._header, keep, self._io,
+                                        checksums=self._checksums,
+                                        chunk_bytes=self._upgrade_chunk_bytes, file_mode=mode)
+        old_fd, self._fd = self._fd, result.fd
+        os.close(old_fd)
+        self._header = result.header
+        self._nrec = self._disk_nrec_max = keep
+        self._pending, self._flushed, self._spare = [], 0, None
+        self._sidecar = result.sidecar
+        if result.error is not None:
+            self._dir_sync_due = True  # the rename may not be durable yet: the next commit syncs
+            if self._checksums and self._sidecar is None:
+                self._sidecar = SidecarWriter(self.path, self._header.with_nrec(0))
+            raise result.error
+
+    # -- close ------------------------------------------------------------------------------
+    def close(self, commit: bool = True) -> None:
+        """Commit (unless ``commit=False``: staged records are dropped), then release everything."""
+        if self._closed:
+            return
+        try:
+            if commit:
+                self.commit()
+        finally:
+            self._closed = True
+            if self._sidecar is not None:
+                self._sidecar.close()
+            os.close(self._fd)
+            self._io.release()
+            self._lock.release()
+            log.info("kv.close", path=self.path, nrec=self._nrec,
+                     dropped=self.length - self._nrec)
+
+    def __enter__(self) -> KVWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(commit=exc_type is None)
+
+    def __repr__(self) -> str:
+        return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
+                f"length={self.length}, closed={self._closed})")
+
+
+def _refuse_non_regular(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path}: is {_kind(mode)}, expected a regular .coli_kv file")
+
+
+def _create_empty(path: str, header: Header, io: Durability) -> None:
+    """A new file with nrec 0, created whole: temp, fsync, rename, fsync the directory."""
+    tmp = path + CREATE_SUFFIX
+    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        io.pwrite(fd, pack_header(header), 0)
+        io.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            io.unlink(tmp)
+        except OSError:
+            pass  # removed at the next open
+        raise
+    os.close(fd)
+    io.replace(tmp, path)
+    io.fsync_dir(path)
+    log.info("kv.create", path=path, version=header.version, dims=header.dims.as_tuple())
+
+
+def _remove_stale_create(path: str, io: Durability) -> None:
+    tmp = path + CREATE_SUFFIX
+    if os.path.lexists(tmp):
+        io.unlink(tmp)
+        log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
+
+
+__all__ = ["KVWriter", "KV_DTYPES"]
