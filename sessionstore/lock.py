@@ -12,7 +12,6 @@ import fcntl
 import os
 import stat
 
-import structlog
 
 from kernels.errors import FormatError, LockedError, NotFoundError
 from sessionstore.log import get_logger
@@ -20,8 +19,7 @@ from sessionstore.log import get_logger
 LOCK_SUFFIX = ".lock"
 MAX_PID_BYTES = 32
 
-get_logger("lock")  # configures structlog once
-log = structlog.get_logger(component="lock")  # lazy proxy: follows log.reconfigure()
+log = get_logger("lock")
 
 
 def lock_path(path: str | os.PathLike[str]) -> str:

@@ -35,18 +35,22 @@ def _configure() -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=(structlog.ReturnLoggerFactory() if mode == "off"
-                        else structlog.PrintLoggerFactory(file=sys.stderr)),
+        logger_factory=(structlog.ReturnLoggerFactory() if mode == "off" else _stderr_logger),
         cache_logger_on_first_use=False,
     )
     _configured = True
 
 
+def _stderr_logger(*_args: Any) -> structlog.PrintLogger:
+    # resolved per use, so a replaced sys.stderr (pytest's capture, a daemon's redirect) is honoured
+    return structlog.PrintLogger(file=sys.stderr)
+
+
 def get_logger(name: str) -> Any:
-    """A structlog logger bound to ``component=name``."""
+    """A lazy structlog logger bound to ``component=name``; follows :func:`reconfigure`."""
     if not _configured:
         _configure()
-    return structlog.get_logger().bind(component=name)
+    return structlog.get_logger(component=name)
 
 
 def reconfigure() -> None:

@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import structlog
 
 from kernels.errors import CorruptionError
 from kernels.rows import RecordRows
@@ -31,8 +30,7 @@ from sessionstore.sidecar import SidecarWriter, sidecar_path
 UPGRADE_SUFFIX = ".upgrade.tmp"
 DEFAULT_CHUNK_BYTES = 32 << 20  # v1 bytes read (and quantized) per step
 
-get_logger("upgrade")  # configures structlog once
-log = structlog.get_logger(component="upgrade")  # lazy proxy: follows log.reconfigure()
+log = get_logger("upgrade")
 
 
 def upgrade_temp_paths(path: str) -> tuple[str, str]:
