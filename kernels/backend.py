@@ -1,0 +1,102 @@
+"""Pick the compute backend for attention: ``get_backend("cpu" | "cuda")``.
+
+Both backends expose the same entry points:
+- ``absorbed_attention(q_abs, q_rope, blocks, softmax_scale, *, causal=True)`` -> ctx [S, H, kv_lora]
+- ``mla_attention(q_nope, q_rope, blocks, w_uk, w_uv, softmax_scale, *, causal=True)`` -> [S, H, v_head]
+- ``batched_decode(q_abs [B,H,kv_lora], q_rope [B,H,rope], caches, softmax_scale)`` -> [B, H, kv_lora]
+  (one decode step for B sessions; ``caches[b]`` is a block or a list of blocks of session b).
+The CUDA backend returns numpy arrays for numpy queries and device arrays for cupy queries.
+Asking for "cuda" without cupy or without a usable device raises BackendUnavailableError with
+the install hint.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kernels.attention import absorbed_attention, mla_attention
+from kernels.errors import BackendUnavailableError, FormatError
+from kernels.rows import F32Rows, Fp8Rows, LatentRows
+
+
+class CpuBackend:
+    """numpy attention (kernels.attention)."""
+
+    name = "cpu"
+
+    def absorbed_attention(self, q_abs: np.ndarray, q_rope: np.ndarray, blocks: Sequence[LatentRows],
+                           softmax_scale: float, *, causal: bool = True) -> np.ndarray:
+        return absorbed_attention(q_abs, q_rope, blocks, softmax_scale, causal=causal)
+
+    def mla_attention(self, q_nope: np.ndarray, q_rope: np.ndarray, blocks: Sequence[LatentRows], w_uk: np.ndarray,
+                      w_uv: np.ndarray, softmax_scale: float, *, causal: bool = True) -> np.ndarray:
+        return mla_attention(q_nope, q_rope, blocks, w_uk, w_uv, softmax_scale, causal=causal)
+
+    def batched_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
+                       caches: Sequence[LatentRows | Sequence[LatentRows]], softmax_scale: float) -> np.ndarray:
+        if len(caches) != len(q_abs) or len(q_rope) != len(q_abs):
+            raise FormatError(f"batched_decode: {len(q_abs)} queries for {len(caches)} sessions")
+        out = [absorbed_attention(q_abs[b : b + 1], q_rope[b : b + 1],
+                                  [c] if isinstance(c, (F32Rows, Fp8Rows)) else list(c), softmax_scale)
+               for b, c in enumerate(caches)]
+        return np.concatenate(out, axis=0)  # [B, H, kv_lora]
+
+
+class CudaBackend:
+    """cupy + NVRTC kernels (kernels.cuda). ``kernel``: "simt" (default), "mma" or "mma_fast"."""
+
+    name = "cuda"
+
+    def __init__(self, kernel: str = "simt") -> None:
+        from kernels.cuda.device import get_runner
+        from kernels.cuda.launch import KERNELS
+
+        if kernel not in KERNELS:
+            raise FormatError(f"cuda backend: kernel must be one of {sorted(KERNELS)}, found {kernel!r}")
+        self.runner = get_runner()
+        self.kernel = kernel
+        self.device_name = self.runner.device_name
+
+    def _out(self, like: Any, dev: Any) -> Any:
+        return dev if isinstance(like, self.runner.xp.ndarray) else self.runner.xp.asnumpy(dev)
+
+    def absorbed_attention(self, q_abs: Any, q_rope: Any, blocks: Sequence[LatentRows], softmax_scale: float, *,
+                           causal: bool = True) -> Any:
+        from kernels.cuda.attention import absorbed_attention_device
+
+        dev = absorbed_attention_device(self.runner, q_abs, q_rope, blocks, softmax_scale, causal=causal,
+                                        kernel=self.kernel)
+        return self._out(q_abs, dev)
+
+    def mla_attention(self, q_nope: Any, q_rope: Any, blocks: Sequence[LatentRows], w_uk: Any, w_uv: Any,
+                      softmax_scale: float, *, causal: bool = True) -> Any:
+        """Absorbed path on the device (q_nope W_UK, attention, W_UV)."""
+        from kernels.cuda.attention import absorbed_attention_device
+
+        xp = self.runner.xp
+        qn = xp.asarray(q_nope, dtype=xp.float32)  # [S, H, nope]
+        uk, uv = xp.asarray(w_uk, dtype=xp.float32), xp.asarray(w_uv, dtype=xp.float32)
+        q_abs = xp.matmul(qn.transpose(1, 0, 2), uk).transpose(1, 0, 2)  # [S, H, kv_lora]
+        ctx = absorbed_attention_device(self.runner, q_abs, q_rope, blocks, softmax_scale, causal=causal,
+                                        kernel=self.kernel)  # [S, H, kv_lora]
+        out = xp.ascontiguousarray(xp.matmul(ctx.transpose(1, 0, 2), uv.transpose(0, 2, 1)).transpose(1, 0, 2))
+        return self._out(q_nope, out)
+
+    def batched_decode(self, q_abs: Any, q_rope: Any, caches: Sequence[LatentRows | Sequence[LatentRows]],
+                       softmax_scale: float) -> Any:
+        from kernels.cuda.attention import batched_decode_device
+
+        dev = batched_decode_device(self.runner, q_abs, q_rope, caches, softmax_scale, kernel=self.kernel)
+        return self._out(q_abs, dev)
+
+
+def get_backend(name: str = "cpu", **options: Any) -> CpuBackend | CudaBackend:
+    """The attention backend by name; "cuda" raises BackendUnavailableError (with the install hint)
+    when cupy is missing or no device answers."""
+    if name == "cpu":
+        return CpuBackend()
+    if name == "cuda":
+        return CudaBackend(**options)
+    raise BackendUnavailableError(f"unknown backend {name!r}: expected 'cpu' or 'cuda'")

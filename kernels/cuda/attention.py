@@ -1,0 +1,135 @@
+"""Device entry points of the CUDA attention: the CPU signatures, plus a batch over sessions.
+
+Both functions run on any ``kernels.cuda.launch.Runner`` (a GPU through cupy, or the CPU
+emulator in tests). Blocks may hold numpy arrays (uploaded) or device arrays (used in place
+when their layout allows: any row stride that is a multiple of 4 bytes, e.g. a record array).
+Several blocks of one session are concatenated on the device first.
+
+Kernels: "simt" (default; f32 arithmetic, f32 and fp8 rows: agrees with the CPU to f32
+rounding), "mma" (tensor cores, fp8 rows, hi/lo f16 split: f32-like), "mma_fast" (tensor cores,
+single f16 operands: ~1e-3 relative; the bandwidth benchmark's kernel).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kernels.attention_absorbed import query_positions
+from kernels.attention_tiles import cache_shape
+from kernels.cuda.launch import KERNELS, Runner, run_split_decode
+from kernels.cuda.sources import KernelDims
+from kernels.errors import FormatError, ModelMismatchError
+from kernels.rows import F32Rows, Fp8Rows, LatentRows
+
+QUERY_CHUNK = 1024  # queries per launch: partials stay <= 1024 x H x kv_lora x 4 B per split
+
+
+def _device_field(runner: Runner, dev: Any) -> Any:
+    """A device field as the kernels can read it in place (4-byte aligned rows/scales), else a copy."""
+    ok = dev.strides[-1] == dev.itemsize if dev.ndim == 2 else True
+    ok = ok and all(st % 4 == 0 for st in dev.strides[:1]) and runner.address(dev) % 4 == 0
+    return dev if ok else runner.xp.ascontiguousarray(dev)
+
+
+def _as_host_or_device(runner: Runner, blk: LatentRows) -> LatentRows:
+    """numpy fields of a block are uploaded; device fields stay (validated by cache_shape)."""
+    xp = runner.xp
+    if xp is np or not isinstance(blk, (F32Rows, Fp8Rows)):
+        return blk
+    up = {k: (xp.asarray(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in vars(blk).items()}
+    return type(blk)(**up)
+
+
+def device_rows(runner: Runner, blocks: Sequence[LatentRows]) -> F32Rows | Fp8Rows:
+    """One session's blocks as ONE device block (zero copy for a single, suitably aligned block)."""
+    xp = runner.xp
+    host = [_as_host_or_device(runner, b) for b in blocks]
+    shape = cache_shape(host, xp.ndarray)
+    if not shape.any_fp8 or shape.all_fp8:
+        fields = ("lc_codes", "lc_scale", "rc_codes", "rc_scale") if shape.all_fp8 else ("lc", "rc")
+        parts = {f: [_device_field(runner, getattr(b, f)) for b in host] for f in fields}
+        merged = {f: (v[0] if len(v) == 1 else xp.concatenate(v)) for f, v in parts.items()}
+        return Fp8Rows(**merged) if shape.all_fp8 else F32Rows(**merged)
+    raise FormatError("cuda attention: a session's blocks must all be f32 or all fp8 (mixed kinds: use the CPU)")
+
+
+def _queries(runner: Runner, q: Any, name: str, width: int) -> Any:
+    xp = runner.xp
+    dev = xp.ascontiguousarray(xp.asarray(q), dtype=xp.float32)
+    if dev.ndim != 3 or dev.shape[2] != width:
+        raise ModelMismatchError(f"cuda attention: {name} {tuple(dev.shape)} expected [S, H, {width}]")
+    return dev
+
+
+def absorbed_attention_device(
+    runner: Runner,
+    q_abs: Any,
+    q_rope: Any,
+    blocks: Sequence[LatentRows],
+    softmax_scale: float,
+    *,
+    causal: bool = True,
+    kernel: str = "simt",
+    split_rows: int | None = None,
+) -> Any:
+    """Same contract as kernels.attention.absorbed_attention; returns a device array [S, H, kv_lora]."""
+    rows = device_rows(runner, blocks)
+    width = rows.lc_codes.shape[1] if isinstance(rows, Fp8Rows) else rows.lc.shape[1]
+    rope = rows.rc_codes.shape[1] if isinstance(rows, Fp8Rows) else rows.rc.shape[1]
+    length = rows.length
+    qa, qr = _queries(runner, q_abs, "q_abs", width), _queries(runner, q_rope, "q_rope", rope)
+    if qa.shape[:2] != qr.shape[:2]:
+        raise FormatError(f"cuda attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
+    n_q, heads = int(qa.shape[0]), int(qa.shape[1])
+    first = query_positions(n_q, length, causal)
+    dims = KernelDims(heads, width, rope)
+    outs = []
+    for s0 in range(0, n_q, QUERY_CHUNK):  # bounded partials and grid.y
+        s1 = min(n_q, s0 + QUERY_CHUNK)
+        items = np.zeros((s1 - s0, 4), np.int32)  # items: [s, 4] (session, q_row, length, 0)
+        items[:, 1] = np.arange(s1 - s0)
+        items[:, 2] = first + np.arange(s0, s1) + 1 if causal else length
+        outs.append(run_split_decode(runner, dims, kernel, [rows], items, qa[s0:s1], qr[s0:s1], softmax_scale,
+                                     split_rows))
+    return outs[0] if len(outs) == 1 else runner.xp.concatenate(outs, axis=0)
+
+
+def batched_decode_device(
+    runner: Runner,
+    q_abs: Any,  # [B, H, kv_lora]
+    q_rope: Any,  # [B, H, rope]
+    caches: Sequence[LatentRows | Sequence[LatentRows]],
+    softmax_scale: float,
+    *,
+    kernel: str = "simt",
+    split_rows: int | None = None,
+) -> Any:
+    """One decode step for B sessions in ONE launch: session b's query attends all of its rows.
+
+    ``caches[b]`` is a block or a list of blocks (different lengths allowed; one row kind for all).
+    Returns ctx [B, H, kv_lora] (device).
+    """
+    if kernel not in KERNELS:
+        raise FormatError(f"cuda attention: kernel must be one of {sorted(KERNELS)}, found {kernel!r}")
+    sessions = [device_rows(runner, [c] if isinstance(c, (F32Rows, Fp8Rows)) else list(c)) for c in caches]
+    if not sessions:
+        raise FormatError("cuda attention: no sessions given")
+    first = sessions[0]
+    width = first.lc_codes.shape[1] if isinstance(first, Fp8Rows) else first.lc.shape[1]
+    rope = first.rc_codes.shape[1] if isinstance(first, Fp8Rows) else first.rc.shape[1]
+    for b, s in enumerate(sessions):
+        w = (s.lc_codes.shape[1], s.rc_codes.shape[1]) if isinstance(s, Fp8Rows) else (s.lc.shape[1], s.rc.shape[1])
+        if w != (width, rope):
+            raise ModelMismatchError(f"cuda attention: session {b} widths {w} differ from session 0 {(width, rope)}")
+    qa, qr = _queries(runner, q_abs, "q_abs", width), _queries(runner, q_rope, "q_rope", rope)
+    if qa.shape[0] != len(sessions) or qr.shape[:2] != qa.shape[:2]:
+        raise FormatError(f"cuda attention: q_abs {qa.shape}/q_rope {qr.shape} need one row per session"
+                          f" ({len(sessions)})")
+    items = np.zeros((len(sessions), 4), np.int32)
+    items[:, 0] = np.arange(len(sessions))
+    items[:, 1] = np.arange(len(sessions))
+    items[:, 2] = [s.length for s in sessions]
+    dims = KernelDims(int(qa.shape[1]), width, rope)
+    return run_split_decode(runner, dims, kernel, sessions, items, qa, qr, softmax_scale, split_rows)
