@@ -1,0 +1,40 @@
+"""Reference MLA decoder (DeepSeek-V3 family) over a latent cache in f32 or fp8.
+
+Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"tiny"``),
+:class:`MLADecoder`, :class:`DecoderCache`, :class:`Sampler` / :func:`sample`, :func:`generate`.
+"""
+from __future__ import annotations
+
+import os
+
+from kernels.model.cache import DecoderCache
+from kernels.model.config import ModelConfig, load_config, parse_config
+from kernels.model.decoder import MLADecoder
+from kernels.model.generate import GenerateResult, generate
+from kernels.model.sampling import Sampler, sample
+from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
+from kernels.model.weights import open_checkpoint
+
+
+def load_model(path_or_tiny: str | os.PathLike[str]) -> MLADecoder:
+    """Load ``"tiny"`` (the embedded model) or a checkpoint directory (config.json + *.safetensors)."""
+    if os.fspath(path_or_tiny) == TINY_NAME:
+        cfg, weights = tiny_checkpoint(TINY_SEED)
+        return MLADecoder(cfg, weights, source=TINY_NAME)
+    model_dir = os.fspath(path_or_tiny)
+    cfg = load_config(model_dir)
+    return MLADecoder(cfg, open_checkpoint(model_dir), source=os.path.abspath(model_dir))
+
+
+__all__ = [
+    "DecoderCache",
+    "GenerateResult",
+    "MLADecoder",
+    "ModelConfig",
+    "Sampler",
+    "generate",
+    "load_config",
+    "load_model",
+    "parse_config",
+    "sample",
+]

@@ -1,0 +1,245 @@
+"""The reference MLA decoder (DeepSeek-V3 family), f32 numpy, over a latent cache.
+
+Per layer and position it produces exactly what a ``.coli_kv`` record stores: Lc = the kv_a
+RMSNorm of the compressed latent, Rc = k_rot after RoPE in the de-interleaved layout. Attention
+is absorbed: the decoder multiplies q_nope by W_UK, calls the backend's ``absorbed_attention``
+over the cache blocks (which it never copies), then applies W_UV and o_proj.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kernels.errors import FormatError, LimitError, ModelMismatchError
+from kernels.model.cache import DecoderCache
+from kernels.model.config import ModelConfig
+from kernels.model.moe import DenseMLP, MoE
+from kernels.model.rope import Rotary, softmax_scale
+from kernels.rows import LatentRows
+
+
+class Weights(Protocol):
+    source: str
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray: ...
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, f32."""
+    variance = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1] f32
+    return weight * (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps))))
+
+
+def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32."""
+    y = x @ w.T
+    return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class MLAttention:
+    """One layer's MLA weights, kv_b split per head into W_UK and W_UV."""
+
+    q_proj: np.ndarray | None  # [H*qk_head, hidden] (no q_lora)
+    q_a: np.ndarray | None  # [q_lora, hidden]
+    q_a_bias: np.ndarray | None  # [q_lora]
+    q_a_norm: np.ndarray | None  # [q_lora]
+    q_b: np.ndarray | None  # [H*qk_head, q_lora]
+    kv_a: np.ndarray  # [kv_lora + rope, hidden]
+    kv_a_bias: np.ndarray | None  # [kv_lora + rope]
+    kv_a_norm: np.ndarray  # [kv_lora]
+    w_uk: np.ndarray  # [H, qk_nope, kv_lora]
+    w_uv: np.ndarray  # [H, v_head, kv_lora]
+    o_proj: np.ndarray  # [hidden, H*v_head]
+    o_bias: np.ndarray | None  # [hidden]
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    input_norm: np.ndarray  # [hidden]
+    post_norm: np.ndarray  # [hidden]
+    attn: MLAttention
+    mlp: DenseMLP | MoE
+
+
+class MLADecoder:
+    """A loaded model: ``forward(tokens, cache) -> logits`` appends the tokens' rows to ``cache``."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, source: str = "") -> None:
+        self.config = config
+        self.source = source or weights.source
+        cfg = config
+        self.embed = weights.get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))  # [V, hidden]
+        self.final_norm = weights.get("model.norm.weight", (cfg.hidden_size,))  # [hidden]
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed  # [V, hidden]
+        else:
+            self.lm_head = weights.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))  # [V, hidden]
+        self.layers = [_load_layer(cfg, weights, i) for i in range(cfg.n_layers)]
+        self.rotary = Rotary(cfg)
+        self.softmax_scale = softmax_scale(cfg)
+
+    def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
+        """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
+        c = self.config
+        return (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, 0, 0, c.vocab_size)
+
+    def new_cache(self, kv_dtype: str = "f32", backend: str | Any = "cpu") -> DecoderCache:
+        c = self.config
+        return DecoderCache(c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype, backend)
+
+    def cache_from_blocks(
+        self,
+        per_layer_blocks: Sequence[Sequence[LatentRows]],
+        tokens: np.ndarray,
+        *,
+        kv_dtype: str | None = None,
+        backend: str | Any = "cpu",
+    ) -> DecoderCache:
+        """A cache resuming over existing rows (zero copy), checked against this model's dims."""
+        c = self.config
+        if len(per_layer_blocks) != c.n_layers:
+            raise ModelMismatchError(f"{len(per_layer_blocks)} layers of rows for a {c.n_layers}-layer model")
+        cache = DecoderCache.from_blocks(
+            per_layer_blocks, tokens, kv_lora=c.kv_lora_rank, qk_rope=c.qk_rope_head_dim,
+            kv_dtype=kv_dtype, backend=backend,
+        )
+        self.check_tokens(cache.tokens)
+        return cache
+
+    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens as [S] i32, refusing ids outside the vocabulary."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise FormatError(f"tokens must be a 1-D integer array, found {arr.dtype} {arr.shape}")
+        bad = np.nonzero((arr < 0) | (arr >= self.config.vocab_size))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise FormatError(
+                f"token id {int(arr[i])} at index {i} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        return arr.astype("<i4")
+
+    def forward(self, tokens: np.ndarray, cache: DecoderCache) -> np.ndarray:
+        """Run ``tokens`` [S] at positions [cache.length, +S); returns logits [S, vocab] f32."""
+        toks = self.check_tokens(tokens)  # [S] i32
+        n = toks.shape[0]
+        if n == 0:
+            raise FormatError("forward needs at least one token")
+        if cache.n_layers != self.config.n_layers or cache.kv_lora != self.config.kv_lora_rank:
+            raise ModelMismatchError("this cache belongs to a model with other dimensions")
+        start = cache.length
+        if start + n > self.config.max_position_embeddings:
+            raise LimitError(
+                f"positions up to {start + n} exceed the model's context of {self.config.max_position_embeddings}"
+            )
+        positions = np.arange(start, start + n)  # [S]
+        cos, sin = self.rotary.cos_sin(positions)  # [S, rope/2] f32 each
+        try:
+            h = self.embed[toks].astype(np.float32)  # h: [S, hidden] f32
+            for i, layer in enumerate(self.layers):
+                x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+                h = h + self._attention(i, layer.attn, x, cos, sin, cache)
+                x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+                h = h + layer.mlp(x)
+            cache.commit_positions(toks)
+        except BaseException:
+            cache.discard_pending()
+            raise
+        h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        return h @ self.lm_head.T  # logits: [S, V] f32
+
+    def _attention(
+        self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache
+    ) -> np.ndarray:
+        """x [S, hidden] -> attention output [S, hidden]; writes this layer's rows into the cache first."""
+        c = self.config
+        n, heads = x.shape[0], c.num_attention_heads
+        if a.q_proj is not None:
+            q = _linear(x, a.q_proj)  # q: [S, H*qk_head]
+        else:
+            q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias), a.q_a_norm, 1e-6)  # [S, q_lora]
+            q = _linear(q_lat, a.q_b)  # q: [S, H*qk_head]
+        q = q.reshape(n, heads, c.qk_head_dim)
+        q_nope, q_rot = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]  # [S,H,nope], [S,H,rope]
+        compressed = _linear(x, a.kv_a, a.kv_a_bias)  # [S, kv_lora + rope]
+        lc = rms_norm(compressed[:, : c.kv_lora_rank], a.kv_a_norm, 1e-6)  # lc: [S, kv_lora] f32
+        rc = self.rotary.apply(compressed[:, c.kv_lora_rank :], cos, sin)  # rc: [S, rope] f32
+        q_rope = self.rotary.apply(q_rot, cos, sin)  # [S, H, rope] f32
+        cache.write_layer(layer_idx, lc, rc)  # fp8: quantized here, before anything attends
+        q_abs = np.matmul(q_nope.transpose(1, 0, 2), a.w_uk).transpose(1, 0, 2)  # [S, H, kv_lora]
+        ctx = cache.backend.absorbed_attention(
+            np.ascontiguousarray(q_abs), q_rope, cache.blocks(layer_idx), self.softmax_scale, causal=True
+        )  # ctx: [S, H, kv_lora] f32
+        out = np.matmul(ctx.transpose(1, 0, 2), a.w_uv.transpose(0, 2, 1))  # [H, S, v_head]
+        out = out.transpose(1, 0, 2).reshape(n, heads * c.v_head_dim)  # [S, H*v_head]
+        return _linear(out, a.o_proj, a.o_bias)  # [S, hidden]
+
+
+def _load_layer(cfg: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    p = f"model.layers.{i}."
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+
+    def bias(name: str, n: int) -> np.ndarray | None:
+        return w.get(p + name, (n,)) if cfg.attention_bias else None
+
+    q_out = heads * cfg.qk_head_dim
+    kv_a_out = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    q_lora = cfg.q_lora_rank
+    kv_b = w.get(p + "self_attn.kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))
+    kv_b = kv_b.reshape(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [H, nope+v, kv_lora]
+    attn = MLAttention(
+        q_proj=None if q_lora else w.get(p + "self_attn.q_proj.weight", (q_out, hidden)),
+        q_a=w.get(p + "self_attn.q_a_proj.weight", (q_lora, hidden)) if q_lora else None,
+        q_a_bias=bias("self_attn.q_a_proj.bias", q_lora) if q_lora else None,
+        q_a_norm=w.get(p + "self_attn.q_a_layernorm.weight", (q_lora,)) if q_lora else None,
+        q_b=w.get(p + "self_attn.q_b_proj.weight", (q_out, q_lora)) if q_lora else None,
+        kv_a=w.get(p + "self_attn.kv_a_proj_with_mqa.weight", (kv_a_out, hidden)),
+        kv_a_bias=bias("self_attn.kv_a_proj_with_mqa.bias", kv_a_out),
+        kv_a_norm=w.get(p + "self_attn.kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
+        w_uk=np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim, :]),  # [H, nope, kv_lora]
+        w_uv=np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :, :]),  # [H, v_head, kv_lora]
+        o_proj=w.get(p + "self_attn.o_proj.weight", (hidden, heads * cfg.v_head_dim)),
+        o_bias=bias("self_attn.o_proj.bias", hidden),
+    )
+    mlp = _load_moe(cfg, w, p) if cfg.is_moe_layer(i) else _load_mlp(w, p + "mlp.", hidden, cfg.intermediate_size)
+    return DecoderLayer(
+        input_norm=w.get(p + "input_layernorm.weight", (hidden,)),
+        post_norm=w.get(p + "post_attention_layernorm.weight", (hidden,)),
+        attn=attn,
+        mlp=mlp,
+    )
+
+
+def _load_mlp(w: Weights, prefix: str, hidden: int, inter: int) -> DenseMLP:
+    return DenseMLP(
+        gate=w.get(prefix + "gate_proj.weight", (inter, hidden)),
+        up=w.get(prefix + "up_proj.weight", (inter, hidden)),
+        down=w.get(prefix + "down_proj.weight", (hidden, inter)),
+    )
+
+
+def _load_moe(cfg: ModelConfig, w: Weights, p: str) -> MoE:
+    hidden, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    fused = p + "mlp.experts.gate_up_proj"
+    if fused in w:  # transformers' in-memory layout: [E, 2I, hidden] + [E, hidden, I]
+        gate_up = w.get(fused, (n_exp, 2 * inter, hidden))
+        down = w.get(p + "mlp.experts.down_proj", (n_exp, hidden, inter))
+        experts = [DenseMLP(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(n_exp)]
+    else:  # checkpoint layout: one module per expert
+        experts = [_load_mlp(w, f"{p}mlp.experts.{e}.", hidden, inter) for e in range(n_exp)]
+    shared = None
+    if cfg.n_shared_experts:
+        shared = _load_mlp(w, p + "mlp.shared_experts.", hidden, inter * cfg.n_shared_experts)
+    return MoE(
+        cfg,
+        gate_w=w.get(p + "mlp.gate.weight", (n_exp, hidden)),
+        bias=w.get(p + "mlp.gate.e_score_correction_bias", (n_exp,)),
+        experts=experts,
+        shared=shared,
+    )

@@ -1,0 +1,97 @@
+"""Counter-based sampling: a draw depends only on (seed, position, logits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels.errors import FormatError
+from kernels.model.sampling import Sampler, sample, splitmix64, uniform
+
+
+def test_splitmix64_reference_vector() -> None:
+    # first output of the reference splitmix64 generator seeded with 0 (Vigna's splitmix64.c)
+    assert splitmix64(0) == 0xE220A8397B1DCDAF
+
+
+def test_uniform_range_and_determinism() -> None:
+    us = [uniform(7, p) for p in range(2000)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert us == [uniform(7, p) for p in range(2000)]
+    assert abs(np.mean(us) - 0.5) < 0.03
+    assert uniform(7, 5) != uniform(8, 5) and uniform(7, 5) != uniform(7, 6)
+
+
+def test_same_seed_and_position_same_token_whatever_came_before() -> None:
+    logits = np.random.RandomState(0).standard_normal(300).astype(np.float32)
+    s = Sampler(temperature=1.0, top_k=50, top_p=0.95, seed=42)
+    forward = [s(logits, p) for p in range(100)]
+    backward = [s(logits, p) for p in reversed(range(100))][::-1]
+    assert forward == backward
+    assert len(set(forward)) > 10  # it does sample, not argmax
+    assert s(logits, 17) == sample(logits, seed=42, position=17, temperature=1.0, top_k=50, top_p=0.95)
+
+
+def test_greedy_is_first_argmax_and_ignores_seed() -> None:
+    logits = np.array([0.5, 3.0, -1.0, 3.0], np.float32)
+    assert {Sampler(seed=s)(logits, p) for s in range(5) for p in range(5)} == {1}
+    assert sample(np.array([np.nan, 1.0, 2.0])) == 2
+
+
+def test_distribution_follows_softmax_over_positions() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    n = 20000
+    counts = np.bincount([sample(logits, seed=3, position=p, temperature=1.0) for p in range(n)], minlength=4)
+    assert np.allclose(counts / n, [0.5, 0.3, 0.15, 0.05], atol=0.015)
+
+
+def test_temperature_sharpens() -> None:
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    cold = [sample(logits, seed=1, position=p, temperature=0.2) for p in range(2000)]
+    assert np.mean(np.array(cold) == 0) > 0.9
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = np.log(np.array([0.05, 0.5, 0.15, 0.3]))
+    top2 = {sample(logits, seed=5, position=p, temperature=1.0, top_k=2) for p in range(500)}
+    assert top2 == {1, 3}
+    nucleus = {sample(logits, seed=5, position=p, temperature=1.0, top_p=0.75) for p in range(500)}
+    assert nucleus == {1, 3}  # 0.5 alone is short of 0.75, 0.5 + 0.3 reaches it
+    assert {sample(logits, seed=5, position=p, temperature=1.0, top_k=1) for p in range(50)} == {1}
+    assert {sample(logits, seed=5, position=p, temperature=1.0, top_p=1e-6) for p in range(50)} == {1}
+
+
+def test_ties_break_by_lower_id() -> None:
+    logits = np.zeros(10)
+    assert {sample(logits, seed=9, position=p, temperature=1.0, top_k=3) for p in range(300)} == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 1 << 64}, "seed"),
+    ],
+)
+def test_invalid_parameters(kwargs: dict, text: str) -> None:
+    with pytest.raises(FormatError, match=text):
+        Sampler(**kwargs)
+
+
+def test_bad_logits() -> None:
+    with pytest.raises(FormatError, match="empty"):
+        sample(np.zeros(0))
+    with pytest.raises(FormatError, match="-inf or NaN"):
+        sample(np.array([-np.inf, np.nan]), temperature=1.0)
+    with pytest.raises(FormatError, match=r"\+inf"):
+        sample(np.array([np.inf, 1.0]), temperature=1.0)
+
+
+def test_round_trip_through_dict() -> None:
+    s = Sampler(temperature=0.7, top_k=5, top_p=0.9, seed=123)
+    assert Sampler.from_dict(s.to_dict()) == s

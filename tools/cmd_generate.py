@@ -1,0 +1,103 @@
+"""``coli-kv generate``: run the reference decoder on prompt token ids and print the generated ids.
+
+Without ``--root``/``--session`` the cache lives in memory only. With either of them the whole
+command is handed to the session layer (``tools.cmd_sessions.session_generate``), which keeps
+the rows in a ``.coli_kv`` file and commits every ``--commit-every`` positions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from kernels.errors import ColiError, FormatError
+from kernels.model import Sampler, generate, load_model
+
+MAX_PROMPT_IDS = 1 << 20
+DEFAULT_MAX_NEW = 16
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate tokens with the reference MLA decoder",
+        description="Feed prompt token ids to a model (a checkpoint directory or 'tiny') and print the ids it"
+        " generates. Exactly --max-new tokens unless --stop-at-eos.",
+    )
+    p.add_argument("--model", help="checkpoint directory (config.json + *.safetensors) or 'tiny';"
+                   " required unless --root/--session is given")
+    p.add_argument("--prompt-ids", help="comma-separated input token ids, e.g. 1,2,3 (required unless a session"
+                   " continues from its pending token)")
+    p.add_argument("--max-new", type=int, default=None, help=f"tokens to generate (default {DEFAULT_MAX_NEW})")
+    p.add_argument("--kv", choices=("f32", "fp8"), default=None,
+                   help="latent cache dtype (default: f32 in memory; the session layer's default with sessions)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="attention backend (default cpu)")
+    # sampler flags default to None so that a session's stored sampler is only overridden when given
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all, default)")
+    p.add_argument("--top-p", type=float, default=None, help="keep the smallest set with this probability (1 = all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0); draws depend only on"
+                   " (seed, position)")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop early when the model emits its eos token")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--root", help="session store root (delegates to the session layer)")
+    p.add_argument("--session", help="session id (delegates to the session layer)")
+    p.add_argument("--commit-every", type=int, default=64, help="sessions: commit rows every N positions (default 64)")
+    p.set_defaults(func=handle)
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3]; anything else is one clear error."""
+    items = [s.strip() for s in text.split(",")]
+    if text.strip() == "" or any(s == "" for s in items):
+        raise FormatError(f"--prompt-ids: expected comma-separated integers, found {text!r}")
+    if len(items) > MAX_PROMPT_IDS:
+        raise FormatError(f"--prompt-ids: more than {MAX_PROMPT_IDS} ids")
+    ids = []
+    for s in items:
+        try:
+            ids.append(int(s, 10))
+        except ValueError:
+            raise FormatError(f"--prompt-ids: {s!r} is not an integer") from None
+    return ids
+
+
+def sampler_from_args(args: argparse.Namespace) -> Sampler:
+    """The sampler the flags ask for (greedy when none is given)."""
+    given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "seed") if getattr(args, k) is not None}
+    return Sampler(**given)
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.root or args.session:
+        try:
+            from tools.cmd_sessions import session_generate
+        except ImportError as exc:
+            raise ColiError(f"session support is not available here ({exc})") from None
+        return session_generate(args)
+    if not args.model:
+        raise FormatError("--model is required (a checkpoint directory or 'tiny') unless --root/--session is given")
+    if args.prompt_ids is None:
+        raise FormatError("--prompt-ids is required (comma-separated token ids)")
+    ids = parse_ids(args.prompt_ids)
+    sampler = sampler_from_args(args)
+    kv = args.kv or "f32"
+    model = load_model(args.model)
+    cache = model.new_cache(kv, backend=args.backend)
+    t0 = time.perf_counter()
+    max_new = DEFAULT_MAX_NEW if args.max_new is None else args.max_new
+    result = generate(model, cache, ids, max_new, sampler, stop_at_eos=args.stop_at_eos)
+    seconds = time.perf_counter() - t0
+    print(" ".join(str(t) for t in result.tokens))
+    if args.json:
+        print(json.dumps({
+            "tokens": result.tokens,
+            "model": model.source,
+            "kv": kv,
+            "backend": args.backend,
+            "prompt_tokens": len(ids),
+            "stopped_at_eos": result.stopped_at_eos,
+            "sampler": sampler.to_dict(),
+            "seconds": round(seconds, 6),
+        }))
+    return 0
