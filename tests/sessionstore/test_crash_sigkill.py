@@ -139,14 +139,18 @@ def _big_v1(path: str) -> None:
         w.append(gen_f32(BIG, 0, BIG_N))
 
 
+UPGRADE_TAIL = 500
+
+
 def _upgrade_child(path: str):
     def body(ack):
         w = KVWriter.open(path, BIG, kv_dtype="fp8", upgrade_chunk_bytes=64 << 10)
         w.upgrade()
         ack(UPGRADED, w.nrec)
-        while True:
+        for _ in range(UPGRADE_TAIL):  # the parent's expected tail holds this many records
             w.append(gen_fp8(BIG, w.length, 1))
             ack(COMMITTED, w.commit())
+        time.sleep(3600)  # wait for the kill
     return body
 
 
@@ -162,7 +166,7 @@ def test_sigkill_during_upgrade_leaves_whole_v1_or_whole_v2(tmp_path):
     _big_v1(template)
     original = open(template, "rb").read()
     v2 = pack_header(Header(2, BIG, BIG_N)) + pack_records(2, BIG, gen_f32(BIG, 0, BIG_N)).tobytes()
-    tail = pack_records(2, BIG, gen_fp8(BIG, BIG_N, 500)).tobytes()
+    tail = pack_records(2, BIG, gen_fp8(BIG, BIG_N, UPGRADE_TAIL)).tobytes()
     rec2 = record_size(2, BIG)
     work = tmp_path / "work"
     work.mkdir()
@@ -196,7 +200,7 @@ def test_sigkill_during_upgrade_leaves_whole_v1_or_whole_v2(tmp_path):
             assert data[:40 + BIG_N * rec2] == v2[:32] + data[32:36] + v2[36:40 + BIG_N * rec2], \
                 f"kill {i}: neither the whole v1 nor the whole v2"
             floor = max([v for k, v in acks if k == COMMITTED] + [BIG_N])
-            assert floor <= nrec <= BIG_N + 500
+            assert floor <= nrec <= BIG_N + UPGRADE_TAIL
             assert body[BIG_N * rec2:] == tail[:(nrec - BIG_N) * rec2]
             outcomes["v2"] += 1
         assert_sidecar_sound(path, require=False)
