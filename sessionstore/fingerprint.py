@@ -1,0 +1,141 @@
+"""Model fingerprints: cheap to compute, yet they tell two checkpoints of the same shape apart.
+
+A checkpoint directory's fingerprint is SHA-256 over, in this order:
+
+1. the tag ``coli-fp1``;
+2. ``config.json`` parsed and re-serialised canonically (sorted keys, no whitespace), so a
+   reformatted config keeps its fingerprint;
+3. for every ``*.safetensors`` file, sorted by name: its name, its size, its parsed header
+   re-serialised canonically (tensor names, dtypes, shapes, data offsets, metadata), and a
+   sample of its tensor bytes: for every tensor the first and last ``TENSOR_SAMPLE`` bytes of
+   its data, plus ``FILE_SAMPLES`` blocks of ``FILE_SAMPLE`` bytes spread evenly over the data.
+
+Headers alone are identical for two trainings of one architecture; the samples make the
+difference while reading a few hundred KiB however large the checkpoint is. The embedded
+``tiny`` model has no files: its fingerprint hashes its config and its weight seed.
+Fingerprints look like ``fp1:<64 hex digits>``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import FormatError, LimitError, NotFoundError
+
+FINGERPRINT_TAG = b"coli-fp1"
+PREFIX = "fp1:"
+SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors format's own limit
+CONFIG_MAX_BYTES = 4 << 20
+TENSOR_SAMPLE = 64
+FILE_SAMPLES = 16
+FILE_SAMPLE = 4096
+TINY_NAME = "tiny"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _frame(h: "hashlib._Hash", label: str, data: bytes) -> None:
+    """Length-prefixed fields: no two different inputs hash the same byte stream."""
+    name = label.encode()
+    h.update(struct.pack("<I", len(name)) + name + struct.pack("<Q", len(data)))
+    h.update(data)
+
+
+def _read_json(path: Path, limit: int) -> Any:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise NotFoundError(f"{path}: not found") from None
+    if len(raw) > limit:
+        raise LimitError(f"{path}: larger than {limit} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _hash_safetensors(h: "hashlib._Hash", path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        size = st.st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise FormatError(f"{path}: byte 0: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > SAFETENSORS_MAX_HEADER or 8 + n > size:
+            raise FormatError(f"{path}: byte 0: header length {n} exceeds the file ({size} bytes) "
+                              f"or the limit {SAFETENSORS_MAX_HEADER}")
+        try:
+            header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{path}: byte 8: safetensors header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise FormatError(f"{path}: byte 8: safetensors header is not a JSON object")
+        _frame(h, "file", path.name.encode())
+        _frame(h, "size", struct.pack("<Q", size))
+        _frame(h, "header", _canonical(header))
+        base, data_len = 8 + n, size - 8 - n
+        for name in sorted(k for k in header if k != "__metadata__"):
+            info = header[name]
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            if (not isinstance(offsets, list) or len(offsets) != 2
+                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1] <= data_len):
+                raise FormatError(f"{path}: tensor {name!r}: data_offsets {offsets!r} outside the "
+                                  f"{data_len} data bytes")
+            begin, end = offsets
+            first = os.pread(fd, min(TENSOR_SAMPLE, end - begin), base + begin)
+            last = os.pread(fd, min(TENSOR_SAMPLE, end - begin), base + max(begin, end - TENSOR_SAMPLE))
+            _frame(h, "t:" + name, first + last)
+        if data_len > 0:
+            for i in range(FILE_SAMPLES):
+                offset = base + (data_len * i) // FILE_SAMPLES
+                _frame(h, f"s{i}", os.pread(fd, min(FILE_SAMPLE, base + data_len - offset), offset))
+    finally:
+        os.close(fd)
+
+
+def fingerprint_dir(model_dir: str | os.PathLike[str]) -> str:
+    """Fingerprint of a checkpoint directory (``config.json`` + ``*.safetensors``)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise NotFoundError(f"{root}: not a model directory")
+    h = hashlib.sha256(FINGERPRINT_TAG)
+    _frame(h, "config", _canonical(_read_json(root / "config.json", CONFIG_MAX_BYTES)))
+    files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
+    if not files:
+        raise FormatError(f"{root}: no *.safetensors files")
+    for path in files:
+        _hash_safetensors(h, path)
+    return PREFIX + h.hexdigest()
+
+
+def fingerprint_tiny(config: dict[str, Any], seed: int) -> str:
+    """Fingerprint of a model whose weights are generated from ``seed`` for ``config``."""
+    h = hashlib.sha256(FINGERPRINT_TAG)
+    _frame(h, "config", _canonical(config))
+    _frame(h, "seed", str(int(seed)).encode())
+    return PREFIX + h.hexdigest()
+
+
+def model_fingerprint(source: str | os.PathLike[str]) -> str:
+    """``fp1:...`` for ``"tiny"`` (the embedded model) or a checkpoint directory."""
+    if os.fspath(source) == TINY_NAME:
+        from kernels.model import tiny
+
+        return fingerprint_tiny(tiny.tiny_config_dict(), tiny.TINY_SEED)
+    return fingerprint_dir(source)
+
+
+__all__ = ["PREFIX", "TINY_NAME", "fingerprint_dir", "fingerprint_tiny", "model_fingerprint"]

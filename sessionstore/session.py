@@ -1,0 +1,450 @@
+"""A persistent chat session: its ``.coli_kv`` file, sidecar, manifest, lock and decoder cache.
+
+Life cycle: ``create`` (empty file + manifest, installed atomically) -> resident (writer lock
+held, committed rows memory-mapped and handed to the decoder with zero copy, new rows appended
+to the SAME file) -> ``suspend()`` (commit, release memory and the lock; disk only) -> resident
+again on the next use (``resume``) -> ``close()``.
+
+Exactness by construction: every chunk of input tokens is fed as ``chunk[:-1]`` (one batch)
+then ``chunk[-1:]`` (a single-token step), so the logits that pick a token always come from a
+single-token step. Resume recomputes the last committed position the same way (a single-token
+step over the restored rows, which attention reads bit-identically however they are split into
+blocks), so the recomputed logits match the manifest's digest bit for bit, and the pending
+token can always be re-derived: sampling depends only on (seed, position, logits).
+
+Commit = (1) the kv commit (records + sidecar, fsync, commit word, fsync), (2) the manifest's
+dynamic fields (committed, pending, digest), replaced atomically. The kv commit word is THE
+commit point; on open, when the file's count F differs from the manifest's M (a crash between
+the two steps, or an OS crash that lost an unsynced manifest), the session takes F and
+recomputes the pending token and the digest from position F-1 (a ``recovery`` event).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
+from sessionstore.layout import Dims
+from sessionstore.log import get_logger
+from sessionstore.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ModelRef,
+    SamplerSettings,
+    make_digest,
+    write_manifest,
+)
+from sessionstore.reader import KVReader, open_kv
+from sessionstore.sidecar import load_sidecar, record_checksum
+from sessionstore.turns import (
+    blocks_from_reader,
+    compare_rows,
+    feed_chunk,
+    recompute_last,
+    reference_turns,
+    run_turn,
+    to_sampler,
+)
+from sessionstore.writer import KVWriter
+
+if TYPE_CHECKING:
+    from sessionstore.store import SessionStore
+
+DEFAULT_COMMIT_EVERY = 64
+
+log = get_logger("session")
+
+
+@dataclass
+class TurnResult:
+    """What one ``generate`` call did."""
+
+    tokens: list[int] = field(default_factory=list)
+    stopped_at_eos: bool = False
+    reused_prefix: int = 0  # history records kept by prefix matching
+    fed: int = 0  # tokens fed in this turn (prompt rest or pending)
+    committed: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Session:
+    """One session. Obtain through :class:`SessionStore` (``create`` / ``open``)."""
+
+    def __init__(self, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef,
+                 manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
+                 backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
+                 verify: bool = True) -> None:
+        self.store = store
+        self.id = session_id
+        self.model = model
+        self.model_ref = model_ref
+        self.manifest = manifest
+        self.commit_every = commit_every
+        self.backend = backend
+        self.durability = durability
+        self.manifest_fsync = manifest_fsync
+        self.verify = verify
+        self.directory = store.session_dir(session_id)
+        self.kv_path = self.directory / manifest.kv_file
+        self.state = "suspended"
+        self.pending: list[int] = list(manifest.pending)
+        self.resume_report: dict[str, Any] = {}
+        self._writer: KVWriter | None = None
+        self._reader: KVReader | None = None
+        self.cache: Any = None
+        self._last_logits: np.ndarray | None = None
+        self._commits = 0
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def create(cls, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef, *,
+               kv_dtype: str = "fp8", sampler: SamplerSettings | None = None, **options: Any) -> Session:
+        from sessionstore.store import KV_NAME
+
+        dims = Dims(*model.dims_for_file())
+        tmp = store.tmp_dir()
+        try:
+            KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
+            manifest = Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
+                                dims={k: int(v) for k, v in asdict(dims).items()},
+                                sampler=sampler or SamplerSettings())
+            write_manifest(tmp / MANIFEST_NAME, manifest)
+            store._install(tmp, session_id)
+        finally:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
+        session = cls(store, session_id, model, model_ref, manifest, **options)
+        session.resume()
+        return session
+
+    @classmethod
+    def open(cls, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef,
+             **options: Any) -> Session:
+        manifest = store.read_manifest(session_id)
+        session = cls(store, session_id, model, model_ref, manifest, **options)
+        session.resume()
+        return session
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def dims(self) -> Dims:
+        return Dims(**self.manifest.dims)
+
+    @property
+    def committed(self) -> int:
+        return self._writer.nrec if self._writer is not None else self.manifest.committed
+
+    @property
+    def length(self) -> int:
+        return self.cache.length if self.cache is not None else self.manifest.committed
+
+    def history(self) -> list[int]:
+        """Every token of the conversation: the records' input tokens, then the pending ones."""
+        if self.cache is not None:
+            tokens = [int(t) for t in self.cache.tokens]
+        else:
+            with open_kv(self.kv_path) as reader:
+                tokens = [int(t) for t in reader.tokens[:self.manifest.committed]]
+        return tokens + list(self.pending)
+
+    def memory_bytes(self) -> int:
+        """Resident footprint: mapped committed bytes + the cache's own rows (0 when suspended)."""
+        if self.state != "resident":
+            return 0
+        mapped = self._reader.file_bytes if self._reader is not None else 0
+        return int(mapped + self.cache.own_nbytes)
+
+    # ---- resume ----------------------------------------------------------------------------
+    def ensure_resident(self) -> None:
+        if self.state == "closed":
+            raise ColiError(f"session {self.id!r} is closed")
+        if self.state != "resident":
+            self.resume()
+
+    def resume(self) -> dict[str, Any]:
+        """Take the lock, recover to the last commit, map the rows, verify; returns a report."""
+        if self.state == "resident":
+            return self.resume_report
+        t0 = time.perf_counter()
+        writer = None
+        for _ in range(3):  # read the manifest again under the lock: it is the truth on disk
+            manifest = self.store.read_manifest(self.id)
+            if writer is not None:
+                if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
+                    break
+                writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
+            self.manifest = manifest
+            writer = KVWriter.open(self.kv_path, self.dims, kv_dtype=manifest.kv_dtype, create=False,
+                                   durability=self.durability)
+        else:
+            writer.close(commit=False)
+            raise ColiError(f"session {self.id!r} keeps changing under us; try again")
+        self.manifest, self.pending = manifest, list(manifest.pending)
+        if manifest.model.fingerprint != self.model_ref.fingerprint:
+            writer.close(commit=False)
+            raise ModelMismatchError(
+                f"session {self.id!r} belongs to model {manifest.model.name!r} "
+                f"({manifest.model.fingerprint}), not to {self.model_ref.name!r} "
+                f"({self.model_ref.fingerprint})")
+        try:
+            ready = self._map_and_build(writer)
+            consistent = self.cache.length == self.manifest.committed
+            report = (self._verify_and_recover() if self.verify or not consistent  # recovery: always
+                      else {"verified": "skipped", "recovered": False})
+        except BaseException:
+            self._release()
+            raise
+        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self.cache.length)
+        self.resume_report = report
+        self.store._register(self)
+        self.store.enforce_budget(keep=self)
+        log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
+        return report
+
+    def _map_and_build(self, writer: KVWriter) -> float:
+        self._writer = writer
+        dims = self.dims
+        if writer.version != self.manifest.kv_version:
+            raise FormatError(f"{self.kv_path}: v{writer.version} file, the manifest says "
+                              f"{self.manifest.kv_dtype}")
+        self._reader = reader = open_kv(self.kv_path, expect=dims)
+        n = writer.nrec
+        if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
+            raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
+        blocks = blocks_from_reader(reader, n)
+        self.cache = self.model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=self.manifest.kv_dtype,
+                                                  backend=self.backend)
+        self.state = "resident"
+        return time.perf_counter()
+
+    def _verify_and_recover(self) -> dict[str, Any]:
+        n, m = self.cache.length, self.manifest.committed
+        report: dict[str, Any] = {"verified": "empty", "recovered": False}
+        if n == 0:
+            self._last_logits = None
+            if m != 0:
+                self._recover_manifest(n, m, None)
+                report["recovered"] = True
+            return report
+        self._check_sidecar_ends(n)
+        logits, rows = recompute_last(self.model, self.cache.blocks, self.cache.tokens, self.manifest.kv_dtype)
+        report["rows_exact"] = compare_rows(rows, self._reader, n - 1)
+        digest = self.manifest.last_logits
+        if n == m and digest is not None and digest.position == n - 1:
+            exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
+            report["verified"] = "bit-identical" if exact else "within tolerance"
+            report["detail"] = detail
+            if not exact:
+                log.warning("session.resume_inexact", id=self.id, detail=detail)
+        else:
+            report["verified"] = "recomputed (no digest to compare)"
+        self._last_logits = logits
+        if n != m:
+            self._recover_manifest(n, m, logits)
+            report["recovered"] = True
+        elif digest is None or digest.position != n - 1:
+            self.manifest.last_logits = make_digest(logits, n - 1)
+            write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
+        return report
+
+    def _check_sidecar_ends(self, n: int) -> None:
+        """The first and last committed records against the sidecar (cheap sanity)."""
+        sidecar = load_sidecar(self.kv_path)
+        if sidecar is None:
+            return
+        for p in {0, n - 1}:
+            if p < sidecar.available and p < sidecar.count:
+                found = record_checksum(self._reader.record_bytes_view(p), p)
+                if found != int(sidecar.entries[p]):
+                    raise CorruptionError(
+                        f"{self.kv_path}: record {p} (byte {40 + p * self._reader.record_bytes}) "
+                        f"checksum {found:#018x}, the sidecar vouches {int(sidecar.entries[p]):#018x}")
+
+    def _recover_manifest(self, n: int, m: int, logits: np.ndarray | None) -> None:
+        """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``."""
+        old_pending = list(self.manifest.pending)
+        if logits is not None:
+            self.pending = [to_sampler(self.manifest.sampler)(logits, n)]
+            self.manifest.last_logits = make_digest(logits, n - 1)
+        else:
+            self.pending, self.manifest.last_logits = [], None
+        self.manifest.committed = n
+        self.manifest.pending = list(self.pending)
+        write_manifest(self.directory / MANIFEST_NAME, self.manifest)
+        log.warning("session.recovery", id=self.id, file_committed=n, manifest_committed=m,
+                    pending_was=old_pending, pending=self.pending)
+
+    # ---- generation ------------------------------------------------------------------------
+    def _append_rows(self) -> None:
+        writer = self._writer
+        start = writer.length
+        if self.cache.length > start:
+            writer.append(self.cache.records_since(start))
+
+    def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
+                 stop_at_eos: bool = False, sampler: SamplerSettings | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> TurnResult:
+        """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
+        rest truncated) and the remainder fed; without, generation continues where it stopped."""
+        t0 = time.perf_counter()
+        self.ensure_resident()
+        self.store._touch(self)
+        if sampler is not None and sampler != self.manifest.sampler:
+            self.manifest.sampler = sampler
+            write_manifest(self.directory / MANIFEST_NAME, self.manifest)  # durable: rare
+        result = TurnResult()
+        feed: list[int] | None
+        if prompt_ids is not None:
+            prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
+            if not prompt:
+                raise FormatError("the prompt is empty")
+            from sessionstore.store import common_prefix
+
+            k = common_prefix(self.cache.tokens, prompt)
+            if k < self.cache.length:
+                self.truncate(k)
+            result.reused_prefix = k
+            feed = prompt[k:]
+        else:
+            feed = list(self.pending) if self.pending else None
+            if feed is None and self._last_logits is None and self.cache.length:
+                self._last_logits = recompute_last(self.model, self.cache.blocks, self.cache.tokens,
+                                                   self.manifest.kv_dtype)[0]
+        result.fed = len(feed) if feed else 0
+        commits_before = self._commits
+
+        def on_step(token: int, position: int, logits: np.ndarray) -> None:
+            self.pending = [token]
+            self._last_logits = logits
+            if on_token is not None:
+                on_token(token, position)
+            every = self.commit_every
+            if every and self._writer.length - self._writer.nrec >= every:
+                self.commit()
+
+        tokens, logits, eos = run_turn(self.model, self.cache, feed, self._last_logits, max_new,
+                                       self.manifest.sampler, stop_at_eos=stop_at_eos,
+                                       on_rows=self._append_rows, on_step=on_step)
+        if not tokens:
+            self.pending = []
+        self._last_logits = logits
+        self.commit()
+        result.tokens, result.stopped_at_eos = tokens, eos
+        result.committed = self._writer.nrec
+        result.commits = self._commits - commits_before
+        result.seconds = time.perf_counter() - t0
+        self.store._touch(self)
+        return result
+
+    def commit(self) -> int:
+        """kv commit (the commit point), then the manifest's dynamic fields; returns the count."""
+        if self.state != "resident":
+            return self.manifest.committed
+        n = self._writer.commit()
+        if n != self.cache.length:
+            raise CorruptionError(f"{self.kv_path}: committed {n} records, the cache holds {self.cache.length}")
+        digest = self.manifest.last_logits
+        if self._last_logits is not None and n and (digest is None or digest.position != n - 1
+                                                     or self.manifest.committed != n):
+            digest = make_digest(self._last_logits, n - 1)
+        if (n, self.pending, digest) != (self.manifest.committed, self.manifest.pending,
+                                         self.manifest.last_logits):
+            self.manifest.committed, self.manifest.pending = n, list(self.pending)
+            self.manifest.last_logits = digest
+            write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
+            self._commits += 1
+            log.info("session.commit", id=self.id, committed=n, pending=self.pending)
+        return n
+
+    def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
+        """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
+
+        The pending token is dropped (these tokens replace it). ``commit``: True commits now,
+        False never, None follows the commit policy.
+        """
+        self.ensure_resident()
+        toks = [int(t) for t in self.model.check_tokens(np.asarray(list(tokens), dtype=np.int64))]
+        logits = feed_chunk(self.model, self.cache, toks, self._append_rows)
+        self.pending, self._last_logits = [], logits
+        due = bool(self.commit_every) and self._writer.length - self._writer.nrec >= self.commit_every
+        if commit or (commit is None and due):
+            self.commit()
+        return logits
+
+    def truncate(self, n: int) -> int:
+        """Keep the first ``n`` records (prefix reuse). The manifest's epoch is bumped FIRST."""
+        self.ensure_resident()
+        n = max(0, min(int(n), self.cache.length))
+        self.commit()  # the manifest must never claim records the file has not committed
+        self.manifest.epoch += 1
+        self.manifest.committed = n
+        self.manifest.pending, self.pending = [], []
+        self.manifest.last_logits, self._last_logits = None, None
+        write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
+        self._writer.truncate(n)
+        self.cache.truncate(n)
+        log.info("session.truncate", id=self.id, committed=n, epoch=self.manifest.epoch)
+        return n
+
+    # ---- suspend / close -------------------------------------------------------------------
+    def suspend(self) -> None:
+        """Commit, then release the cache, the mapping and the writer lock (disk only)."""
+        if self.state != "resident":
+            return
+        try:
+            self.commit()
+        finally:
+            self._release()
+        log.info("session.suspend", id=self.id, committed=self.manifest.committed)
+
+    def _release(self) -> None:
+        self.cache = None
+        self._last_logits = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._writer is not None:
+            self._writer.close(commit=False)
+            self._writer = None
+        if self.state == "resident":
+            self.state = "suspended"
+        self.store._unregister(self)
+
+    def abandon(self) -> None:
+        """Drop the session WITHOUT committing, as a crash would (staged records are lost)."""
+        if self.state == "resident":
+            self._release()
+            log.warning("session.abandon", id=self.id, committed=self.manifest.committed)
+
+    def close(self) -> None:
+        self.suspend()
+        self.state = "closed"
+
+    def fork(self, new_id: str, *, at: int | None = None) -> Any:
+        """Commit, then fork this session into ``new_id`` (see :meth:`SessionStore.fork`)."""
+        self.commit()
+        return self.store.fork(self.id, new_id, at=at)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, {self.state}, committed={self.committed}, pending={self.pending})"
+
+
+__all__ = ["Session", "TurnResult", "feed_chunk", "run_turn", "reference_turns", "recompute_last",
+           "blocks_from_reader", "DEFAULT_COMMIT_EVERY"]

@@ -1,0 +1,120 @@
+"""Trade sessions with the colibri engine's slot files.
+
+The engine keeps slot 0 at ``<model_dir>/.coli_kv`` and slot i >= 1 at ``<model_dir>/.coli_kv.<i>``.
+``import_slot`` turns a slot into a session (its committed records only; the engine stores no
+pending token, so the session continues from the recomputed last logits). ``export_slot`` writes
+a session's committed records as a slot file: exactly the engine's bytes (header with nrec =
+committed, the records, nothing after), committed atomically (temp -> fsync -> rename -> fsync
+dir). A sidecar left beside the slot by an earlier tool run is removed first (it would vouch for
+other bytes); the engine never reads one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from sessionstore.copying import copy_committed, copy_sidecar_prefix
+from sessionstore.layout import Dims
+from sessionstore.log import get_logger
+from sessionstore.manifest import MANIFEST_NAME, Manifest, write_manifest
+from sessionstore.manifest import fsync_dir
+from sessionstore.paths import validate_session_id
+from sessionstore.reader import open_kv
+from sessionstore.sidecar import sidecar_path
+from sessionstore.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionStore
+
+SLOT_NAME = ".coli_kv"
+MAX_SLOT = 9999
+
+log = get_logger("slots")
+
+
+def slot_path(model_dir: str | os.PathLike[str], slot: int = 0) -> Path:
+    """``<model_dir>/.coli_kv`` for slot 0, ``<model_dir>/.coli_kv.<i>`` for slot i >= 1."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot <= MAX_SLOT:
+        raise FormatError(f"slot must be an integer in [0, {MAX_SLOT}], found {slot!r}")
+    name = SLOT_NAME if slot == 0 else f"{SLOT_NAME}.{slot}"
+    return Path(model_dir) / name
+
+
+def import_slot(store: SessionStore, model_dir: str | os.PathLike[str], *, slot: int = 0,
+                session_id: str | None = None, replace: bool = False) -> SessionInfo:
+    """A new session from the engine's slot file (v1 -> f32 session, v2 -> fp8 session)."""
+    session_id = validate_session_id(session_id or f"slot-{slot}")
+    model, ref = store.load_model(model_dir)
+    src = slot_path(model_dir, slot)
+    dims = Dims(*model.dims_for_file())
+    with open_kv(src, expect=dims) as reader:
+        header = reader.header.with_nrec(reader.nrec)
+        warnings = list(reader.warnings)
+    kv_dtype = "fp8" if header.version == 2 else "f32"
+    tmp = store.tmp_dir()
+    try:
+        method = copy_committed(src, tmp / KV_NAME, header)
+        copy_sidecar_prefix(src, tmp / KV_NAME, header)
+        manifest = Manifest(id=session_id, model=ref, kv_dtype=kv_dtype,
+                            dims={k: int(v) for k, v in asdict(dims).items()},
+                            committed=header.nrec, origin=f"import-slot {src}")
+        write_manifest(tmp / MANIFEST_NAME, manifest)
+        info = store.adopt_dir(tmp, session_id, replace=replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("slot.import", path=str(src), id=session_id, records=header.nrec, kv_dtype=kv_dtype,
+             method=method, warnings=warnings)
+    return info
+
+
+def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLike[str], *,
+                slot: int = 0, force: bool = False) -> Path:
+    """Write the session's committed records as the engine's slot file; returns its path.
+
+    The model directory must hold the session's model (same fingerprint) unless ``force``; the
+    dims always have to match (the engine checks them when it loads the slot).
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise NotFoundError(f"{model_dir}: not a model directory (no config.json)")
+    manifest = store.read_manifest(session_id)
+    if not force:
+        from sessionstore.fingerprint import model_fingerprint
+
+        found = model_fingerprint(model_dir)
+        if found != manifest.model.fingerprint:
+            raise ModelMismatchError(
+                f"{model_dir} holds model {found}, session {session_id!r} belongs to "
+                f"{manifest.model.name!r} ({manifest.model.fingerprint}); pass --force to export anyway")
+    from kernels.model.config import load_config
+
+    cfg = load_config(model_dir)
+    model_dims = (cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 0, 0, cfg.vocab_size)
+    if Dims(**manifest.dims).as_tuple() != model_dims:
+        raise ModelMismatchError(f"session dims {Dims(**manifest.dims).as_tuple()} differ from "
+                                 f"{model_dir}'s {model_dims}")
+    dst = slot_path(model_dir, slot)
+    if dst.is_symlink() or (dst.exists() and not dst.is_file()):
+        raise FormatError(f"{dst}: exists and is not a regular file; refusing to replace it")
+    for _ in range(SNAPSHOT_RETRIES):
+        snap = store.snapshot(session_id)
+        tmp = dst.with_name(f"{dst.name}.export-{os.getpid()}-{os.urandom(4).hex()}.tmp")
+        try:
+            copy_committed(snap.kv_path, tmp, snap.header)
+            if not snap.still_valid():
+                continue
+            stale = Path(sidecar_path(dst))
+            if stale.exists() or stale.is_symlink():
+                stale.unlink()
+                fsync_dir(model_dir)
+            os.replace(tmp, dst)
+            fsync_dir(model_dir)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        log.info("slot.export", id=session_id, path=str(dst), records=snap.committed)
+        return dst
+    raise FormatError(f"session {session_id!r} kept being truncated while exporting; try again")
+
+
+__all__ = ["slot_path", "import_slot", "export_slot", "SLOT_NAME"]

@@ -1,0 +1,474 @@
+"""``SessionStore(root)``: a directory of sessions (create, open, list, delete, fork, prefix match).
+
+Layout (FORMAT.d/50-session.md)::
+
+    <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
+    <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
+    <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
+    <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
+    <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash)
+
+A session directory appears only by an atomic rename of a complete temp dir, so every directory
+under ``sessions/`` holds a manifest. Listing reads manifests and ``stat``s files: it never touches
+a lock, so it never waits on a writer. Resident sessions are bounded by ``memory_budget`` bytes;
+the least recently used ones are suspended (disk only) when a resident session would exceed it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
+from sessionstore.copying import copy_committed, copy_sidecar_prefix
+from sessionstore.layout import Dims, Header, record_bytes
+from sessionstore.lock import WriterLock
+from sessionstore.log import get_logger
+from sessionstore.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ModelRef,
+    SamplerSettings,
+    fsync_dir,
+    read_manifest,
+    write_manifest,
+)
+from sessionstore.paths import check_component, confined, resolve_root, validate_session_id
+from sessionstore.reader import open_kv
+from sessionstore.sidecar import check_records, load_sidecar, sidecar_path
+
+if TYPE_CHECKING:
+    from sessionstore.session import Session
+
+SESSIONS_DIR = "sessions"
+TMP_DIR = "tmp"
+KV_NAME = "kv.coli_kv"
+SIDECAR_NAME = KV_NAME + ".colisum"
+LOCK_NAME = KV_NAME + ".lock"
+SNAPSHOT_RETRIES = 5
+
+log = get_logger("store")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One line of ``ls``: read from the manifest and ``stat``, never from a lock."""
+
+    id: str
+    tokens: int  # committed records
+    pending: list[int]
+    kv_dtype: str
+    kv_path: str
+    bytes: int  # the kv file on disk
+    model: str
+    fingerprint: str
+    updated_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A consistent view of a session's last commit: its manifest and committed byte count.
+
+    The committed prefix of a live session is immutable until a truncate, which bumps the
+    manifest's ``epoch`` BEFORE touching the file; ``still_valid()`` after copying tells a copy
+    taken from a live session is consistent. ``copy_to`` does the copy, checks and retries.
+    """
+
+    id: str
+    directory: Path
+    manifest: Manifest
+    header: Header  # the header as it must read for the copy (nrec = committed)
+
+    @property
+    def committed(self) -> int:
+        return self.manifest.committed
+
+    @property
+    def epoch(self) -> int:
+        return self.manifest.epoch
+
+    @property
+    def kv_path(self) -> Path:
+        return self.directory / KV_NAME
+
+    @property
+    def sidecar_path(self) -> Path:
+        return self.directory / SIDECAR_NAME
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.header.committed_end()
+
+    def still_valid(self) -> bool:
+        """True while the copied prefix cannot have changed (no truncate since the snapshot)."""
+        try:
+            now = read_manifest(self.directory / MANIFEST_NAME)
+        except ColiError:
+            return False
+        return now.epoch == self.epoch and now.committed >= self.committed
+
+
+class SessionStore:
+    """A local directory of sessions (the embedded default)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, memory_budget: int | None = None,
+                 create: bool = True) -> None:
+        self.root = resolve_root(root, create=create)
+        self.sessions_root = confined(self.root, SESSIONS_DIR)
+        self.tmp_root = confined(self.root, TMP_DIR)
+        for d in (self.sessions_root, self.tmp_root):
+            if not check_component(d, want="dir"):
+                if not create:
+                    raise NotFoundError(f"{self.root}: not a session store (no {d.name}/)")
+                d.mkdir(exist_ok=True)
+        self.memory_budget = memory_budget
+        self._resident: OrderedDict[int, Session] = OrderedDict()
+        self._models: dict[str, Any] = {}
+        self._lock = threading.RLock()
+
+    # ---- paths (public API for bundles) ------------------------------------------------------
+    def session_dir(self, session_id: str) -> Path:
+        """``<root>/sessions/<id>`` (validated id; the directory may not exist)."""
+        return confined(self.root, SESSIONS_DIR, validate_session_id(session_id))
+
+    def kv_path(self, session_id: str) -> Path:
+        return self.session_dir(session_id) / KV_NAME
+
+    def exists(self, session_id: str) -> bool:
+        return check_component(self.session_dir(session_id), want="dir")
+
+    def _existing_dir(self, session_id: str) -> Path:
+        d = self.session_dir(session_id)
+        if not check_component(d, want="dir"):
+            raise NotFoundError(f"no session {session_id!r} in {self.sessions_root}")
+        return d
+
+    def files_of(self, session_id: str) -> list[Path]:
+        """The session's data files (manifest, kv, sidecar when present); the lock file is not data."""
+        d = self._existing_dir(session_id)
+        files = [d / MANIFEST_NAME, d / KV_NAME]
+        if check_component(d / SIDECAR_NAME, want="file"):
+            files.append(d / SIDECAR_NAME)
+        for f in files[:2]:
+            if not check_component(f, want="file"):
+                raise CorruptionError(f"{f}: missing from session {session_id!r}")
+        return files
+
+    def tmp_dir(self) -> Path:
+        """A fresh, empty directory under ``<root>/tmp/`` (same filesystem: renames are atomic)."""
+        return Path(tempfile.mkdtemp(prefix="t-", dir=self.tmp_root))
+
+    def read_manifest(self, session_id: str) -> Manifest:
+        d = self._existing_dir(session_id)
+        manifest = read_manifest(d / MANIFEST_NAME)
+        if manifest.id != session_id:
+            raise FormatError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
+        return manifest
+
+    # ---- listing -------------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        out = []
+        for entry in sorted(os.listdir(self.sessions_root)):
+            try:
+                validate_session_id(entry)
+            except ColiError:
+                continue  # not ours (a stray name): never listed, never touched
+            out.append(entry)
+        return out
+
+    def info(self, session_id: str) -> SessionInfo:
+        manifest = self.read_manifest(session_id)
+        kv = self.kv_path(session_id)
+        try:
+            size = os.lstat(kv).st_size
+        except FileNotFoundError:
+            size = 0
+        return SessionInfo(manifest.id, manifest.committed, list(manifest.pending), manifest.kv_dtype,
+                           str(kv), size, manifest.model.name, manifest.model.fingerprint,
+                           manifest.updated_at)
+
+    def list(self) -> list[SessionInfo]:
+        """Every session (sorted by id); a damaged one is logged and skipped, never waited on."""
+        out = []
+        for sid in self.ids():
+            try:
+                out.append(self.info(sid))
+            except ColiError as exc:
+                log.warning("store.list_skip", id=sid, error=str(exc))
+        return out
+
+    # ---- models ----------------------------------------------------------------------------
+    def load_model(self, source: str | os.PathLike[str]) -> tuple[Any, ModelRef]:
+        """Load (once per fingerprint) the model at ``source`` ("tiny" or a checkpoint dir)."""
+        from kernels.model import load_model
+
+        from sessionstore.fingerprint import TINY_NAME, model_fingerprint
+
+        src = os.fspath(source)
+        fingerprint = model_fingerprint(src)
+        if src == TINY_NAME:
+            ref = ModelRef(TINY_NAME, TINY_NAME, fingerprint)
+        else:
+            path = Path(src).resolve()
+            ref = ModelRef(path.name, str(path), fingerprint)
+        with self._lock:
+            model = self._models.get(fingerprint)
+            if model is None:
+                model = self._models[fingerprint] = load_model(src)
+        return model, ref
+
+    # ---- sessions --------------------------------------------------------------------------
+    def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
+               sampler: SamplerSettings | None = None, **session_options: Any) -> Session:
+        """A new, empty session for the model at ``model_source``; returned open (lock held)."""
+        from sessionstore.session import Session
+
+        validate_session_id(session_id)
+        if self.exists(session_id):
+            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        model, ref = self.load_model(model_source)
+        return Session.create(self, session_id, model, ref, kv_dtype=kv_dtype,
+                              sampler=sampler or SamplerSettings(), **session_options)
+
+    def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
+             **session_options: Any) -> Session:
+        """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint."""
+        from sessionstore.session import Session
+
+        manifest = self.read_manifest(session_id)
+        source = manifest.model.path if model_source is None else model_source
+        try:
+            model, ref = self.load_model(source)
+        except (NotFoundError, FileNotFoundError) as exc:
+            raise NotFoundError(
+                f"session {session_id!r}: its model {manifest.model.name!r} ({source}) cannot be "
+                f"loaded: {exc}; pass --model") from None
+        return Session.open(self, session_id, model, ref, **session_options)
+
+    def delete(self, session_id: str) -> None:
+        """Remove a session (refused with LockedError while a writer holds it)."""
+        d = self._existing_dir(session_id)
+        with WriterLock(d / KV_NAME):
+            trash = self.tmp_root / f"trash-{session_id}-{os.urandom(4).hex()}"
+            os.rename(d, trash)
+            fsync_dir(self.sessions_root)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("session.delete", id=session_id)
+
+    # ---- snapshot, fork, adopt -------------------------------------------------------------
+    def snapshot(self, session_id: str) -> SessionSnapshot:
+        """The last commit of a live or suspended session: manifest + header at that count."""
+        d = self._existing_dir(session_id)
+        manifest = self.read_manifest(session_id)
+        dims = Dims(**manifest.dims)
+        header = Header(manifest.kv_version, dims, manifest.committed)
+        with open_kv(d / KV_NAME, expect=dims) as reader:
+            if reader.version != manifest.kv_version:
+                raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says "
+                                  f"{manifest.kv_dtype} (v{manifest.kv_version})")
+            if reader.nrec < manifest.committed:
+                raise CorruptionError(
+                    f"{reader.path}: holds {reader.nrec} committed records, the manifest "
+                    f"{manifest.committed}; open the session once to recover it")
+        return SessionSnapshot(session_id, d, manifest, header)
+
+    def copy_snapshot(self, snap: SessionSnapshot, dst_dir: Path, *, at: int | None = None,
+                      new_id: str | None = None) -> tuple[Manifest, str]:
+        """Copy ``snap`` (cut to ``at`` records) into ``dst_dir``; returns (manifest, method).
+
+        The kv copy is a reflink where the filesystem has one, else an in-kernel or plain copy of
+        the committed bytes; the copy's records are checked against the copied sidecar.
+        """
+        n = snap.committed if at is None else at
+        if not 0 <= n <= snap.committed:
+            raise FormatError(f"session {snap.id!r}: position {n} outside [0, {snap.committed}]")
+        src = snap.manifest
+        pending = list(src.pending)
+        if n < src.committed:  # the copy continues as the source did at n: its record n is next
+            with open_kv(snap.kv_path, expect=snap.header.dims) as reader:
+                pending = [int(reader.tokens[n])]
+        header = snap.header.with_nrec(n)
+        method = copy_committed(snap.kv_path, dst_dir / KV_NAME, header)
+        copy_sidecar_prefix(snap.kv_path, dst_dir / KV_NAME, header)
+        with open_kv(dst_dir / KV_NAME, expect=header.dims) as reader:
+            sidecar = load_sidecar(reader.path)
+            report = check_records(reader, sidecar) if sidecar is not None else None
+            copied = reader.nrec
+        if report is None or report.status != "ok" or report.vouched != n or copied != n:
+            detail = "no sidecar" if report is None else "; ".join(report.messages) or report.status
+            raise CorruptionError(f"copy of session {snap.id!r} at {n} records failed its check: {detail}")
+        manifest = Manifest(
+            id=new_id or src.id, model=src.model, kv_dtype=src.kv_dtype, dims=dict(src.dims),
+            committed=n, epoch=0, pending=pending, sampler=src.sampler,
+            last_logits=src.last_logits if n == src.committed else None,
+            origin=f"fork of {src.id} at {n}" if new_id else src.origin)
+        write_manifest(dst_dir / MANIFEST_NAME, manifest)
+        return manifest, method
+
+    def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> SessionInfo:
+        """A new session ``new_id`` holding ``source_id``'s first ``at`` records (default: all)."""
+        validate_session_id(new_id)
+        if self.exists(new_id):
+            raise FormatError(f"session {new_id!r} already exists in {self.sessions_root}")
+        for attempt in range(SNAPSHOT_RETRIES):
+            snap = self.snapshot(source_id)
+            tmp = self.tmp_dir()
+            try:
+                manifest, method = self.copy_snapshot(snap, tmp, at=at, new_id=new_id)
+                if not snap.still_valid():
+                    log.info("session.fork_retry", id=source_id, attempt=attempt)
+                    continue
+                self._install(tmp, new_id)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("session.fork", id=source_id, new=new_id, at=manifest.committed, method=method)
+            return self.info(new_id)
+        raise LockedError(f"session {source_id!r} kept being truncated while forking; try again")
+
+    def _install(self, tmp: Path, session_id: str) -> None:
+        """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
+        fsync_dir(tmp)
+        dst = self.session_dir(session_id)
+        if check_component(dst, want="dir"):
+            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        try:
+            os.rename(tmp, dst)
+        except OSError as exc:
+            raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
+        fsync_dir(self.sessions_root)
+
+    def adopt_dir(self, tmp_dir: str | os.PathLike[str], session_id: str, *,
+                  replace: bool = False) -> SessionInfo:
+        """Install a complete session directory prepared under ``<root>/tmp/`` as ``session_id``.
+
+        The directory is verified first (manifest, kv dims/version/length, sidecar checksums);
+        the manifest id is rewritten if it differs. With ``replace`` an existing session is
+        swapped out (refused with LockedError while a writer holds it).
+        """
+        tmp = Path(tmp_dir).resolve()
+        if tmp.parent != self.tmp_root:
+            raise FormatError(f"{tmp}: adopt_dir takes a directory directly under {self.tmp_root}")
+        validate_session_id(session_id)
+        verify_session_dir(tmp)
+        manifest = read_manifest(tmp / MANIFEST_NAME)
+        if manifest.id != session_id:
+            manifest.id = session_id
+            write_manifest(tmp / MANIFEST_NAME, manifest)
+        dst = self.session_dir(session_id)
+        if not check_component(dst, want="dir"):
+            self._install(tmp, session_id)
+        elif not replace:
+            raise FormatError(f"session {session_id!r} already exists (pass replace=True)")
+        else:
+            with WriterLock(dst / KV_NAME):
+                trash = self.tmp_root / f"trash-{session_id}-{os.urandom(4).hex()}"
+                os.rename(dst, trash)
+                self._install(tmp, session_id)
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("session.adopt", id=session_id, replace=replace, tokens=manifest.committed)
+        return self.info(session_id)
+
+    # ---- prefix reuse ---------------------------------------------------------------------
+    def prefix_match(self, session_id: str, prompt_ids: Sequence[int]) -> int:
+        """How many leading records of the history a new prompt can reuse (read-only).
+
+        The longest common prefix of the committed tokens and ``prompt_ids``, at most
+        ``len(prompt_ids) - 1`` so that at least one token is fed (its logits pick the next).
+        """
+        snap = self.snapshot(session_id)
+        with open_kv(snap.kv_path) as reader:
+            return common_prefix(reader.tokens[:snap.committed], prompt_ids)
+
+    def history(self, session_id: str) -> list[int]:
+        """The conversation's tokens (committed records + pending), read-only, no lock taken."""
+        snap = self.snapshot(session_id)
+        with open_kv(snap.kv_path) as reader:
+            tokens = [int(t) for t in reader.tokens[:snap.committed]]
+        return tokens + list(snap.manifest.pending)
+
+    # ---- memory budget --------------------------------------------------------------------
+    def _register(self, session: Session) -> None:
+        with self._lock:
+            self._resident[id(session)] = session
+            self._resident.move_to_end(id(session))
+
+    def _unregister(self, session: Session) -> None:
+        with self._lock:
+            self._resident.pop(id(session), None)
+
+    def _touch(self, session: Session) -> None:
+        with self._lock:
+            if id(session) in self._resident:
+                self._resident.move_to_end(id(session))
+        self.enforce_budget(keep=session)
+
+    def resident_sessions(self) -> list[Session]:
+        """Resident sessions, least recently used first."""
+        with self._lock:
+            return list(self._resident.values())
+
+    def resident_bytes(self) -> int:
+        return sum(s.memory_bytes() for s in self.resident_sessions())
+
+    def enforce_budget(self, keep: Session | None = None) -> list[str]:
+        """Suspend least recently used sessions until the resident ones fit the budget."""
+        if self.memory_budget is None:
+            return []
+        suspended = []
+        for session in self.resident_sessions():
+            if self.resident_bytes() <= self.memory_budget:
+                break
+            if session is keep:
+                continue
+            session.suspend()
+            suspended.append(session.id)
+            log.info("session.evict", id=session.id, budget=self.memory_budget)
+        return suspended
+
+
+def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]) -> int:
+    """Longest common prefix of ``history`` and ``prompt_ids``, capped at ``len(prompt) - 1``."""
+    hist = np.asarray(history, dtype=np.int64)  # [n]
+    prompt = np.asarray(list(prompt_ids), dtype=np.int64)  # [m]
+    m = min(hist.shape[0], prompt.shape[0])
+    differ = np.flatnonzero(hist[:m] != prompt[:m])
+    k = int(differ[0]) if differ.size else m
+    return max(min(k, prompt.shape[0] - 1), 0)
+
+
+def verify_session_dir(directory: Path) -> Manifest:
+    """Check a session directory is complete and sound: manifest, kv file and sidecar agree."""
+    for name in (MANIFEST_NAME, KV_NAME):
+        if not check_component(directory / name, want="file"):
+            raise CorruptionError(f"{directory}: {name} is missing")
+    manifest = read_manifest(directory / MANIFEST_NAME)
+    dims = Dims(**manifest.dims)
+    with open_kv(directory / KV_NAME, expect=dims) as reader:
+        if reader.version != manifest.kv_version:
+            raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says {manifest.kv_dtype}")
+        if reader.nrec < manifest.committed:
+            raise CorruptionError(f"{reader.path}: {reader.nrec} records, the manifest says "
+                                  f"{manifest.committed}")
+        sidecar = load_sidecar(reader.path)
+        if sidecar is not None:
+            report = check_records(reader, sidecar)
+            if not report.sound:
+                raise CorruptionError(f"{reader.path}: " + "; ".join(report.messages))
+    if record_bytes(manifest.kv_version, dims) <= 0:  # pragma: no cover - layout guarantees it
+        raise FormatError(f"{directory}: impossible record size")
+    return manifest
+
+
+__all__ = ["SessionStore", "SessionInfo", "SessionSnapshot", "common_prefix", "verify_session_dir",
+           "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "SESSIONS_DIR", "TMP_DIR", "sidecar_path"]

@@ -1,0 +1,177 @@
+"""Pure session mechanics shared by :class:`Session` and the uninterrupted reference run.
+
+Feeding policy (what makes resume bit-identical by construction): every chunk of input tokens is
+fed as ``chunk[:-1]`` (one batch) then ``chunk[-1:]`` (a single-token step), so the logits that
+pick a token always come from a single-token step, and resume can recompute the last position
+with exactly that operation over the restored rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kernels.errors import CorruptionError, FormatError, LimitError
+from kernels.rows import F32Rows, Fp8Rows, RecordRows
+from sessionstore.layout import sanitize_scales
+from sessionstore.manifest import SamplerSettings
+from sessionstore.reader import KVReader
+
+ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
+# step near the top of the range is up to 32/448 of it): catches a foreign cache, not noise
+
+
+def feed_chunk(model: Any, cache: Any, tokens: Sequence[int] | np.ndarray,
+               on_rows: Callable[[], None] | None = None) -> np.ndarray:
+    """Feed ``tokens`` as chunk[:-1] then chunk[-1:]; returns the last position's logits [vocab]."""
+    toks = np.asarray(tokens, dtype="<i4").reshape(-1)  # [S] i32
+    if toks.size == 0:
+        raise FormatError("nothing to feed: at least one token is needed")
+    if toks.size > 1:
+        model.forward(toks[:-1], cache)
+        if on_rows is not None:
+            on_rows()
+    logits = model.forward(toks[-1:], cache)[-1]  # [vocab] f32
+    if on_rows is not None:
+        on_rows()
+    return logits
+
+
+def to_sampler(settings: SamplerSettings) -> Any:
+    from kernels.model.sampling import Sampler
+
+    return Sampler(temperature=float(settings.temperature), top_k=int(settings.top_k),
+                   top_p=float(settings.top_p), seed=int(settings.seed))
+
+
+def run_turn(model: Any, cache: Any, feed: Sequence[int] | None, last_logits: np.ndarray | None,
+             max_new: int, sampler: SamplerSettings, *, stop_at_eos: bool = False,
+             on_rows: Callable[[], None] | None = None,
+             on_step: Callable[[int, int, np.ndarray], None] | None = None) -> tuple[list[int], np.ndarray, bool]:
+    """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens.
+
+    The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
+    position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
+    stopped_at_eos).
+    """
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+        raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
+    draw = to_sampler(sampler)
+    eos = set(model.config.eos_token_ids)
+    end = cache.length + (len(feed) if feed is not None else 0) + max(max_new - 1, 0)
+    if end > model.config.max_position_embeddings:
+        raise LimitError(f"{end} positions exceed the model's context of "
+                         f"{model.config.max_position_embeddings}")
+    if feed is not None:
+        logits = feed_chunk(model, cache, feed, on_rows)
+    elif last_logits is not None:
+        logits = last_logits
+    else:
+        raise FormatError("nothing to continue from: the session is empty; give prompt ids")
+    out: list[int] = []
+    while len(out) < max_new:
+        position = cache.length
+        token = draw(logits, position)
+        out.append(token)
+        if on_step is not None:
+            on_step(token, position, logits)
+        if len(out) == max_new or (stop_at_eos and token in eos):
+            return out, logits, stop_at_eos and token in eos
+        logits = feed_chunk(model, cache, [token], on_rows)
+    return out, logits, False
+
+
+def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[int] | None, int]],
+                    sampler: SamplerSettings, *, stop_at_eos: bool = False) -> list[list[int]]:
+    """The uninterrupted run: every turn in one process, one in-memory cache, no store.
+
+    ``turns``: (prompt_ids or None to continue, max_new). Prompt ids are prefix-matched against
+    the history exactly as a session does.
+    """
+    from sessionstore.store import common_prefix
+
+    cache = model.new_cache(kv_dtype)
+    pending: list[int] = []
+    last: np.ndarray | None = None
+    outputs = []
+    for prompt, max_new in turns:
+        if prompt is not None:
+            k = common_prefix(cache.tokens, prompt)
+            if k < cache.length:
+                cache.truncate(k)
+            feed: list[int] | None = list(prompt[k:])
+        else:
+            feed = list(pending) if pending else None
+            if feed is None and last is None and cache.length:
+                last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype)[0]
+        tokens, last, _ = run_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
+        pending = tokens[-1:] if tokens else []
+        outputs.append(tokens)
+    return outputs
+
+
+def recompute_last(model: Any, blocks_of: Callable[[int, int], list], tokens: np.ndarray,
+                   kv_dtype: str) -> tuple[np.ndarray, RecordRows]:
+    """Logits [vocab] and rows of the last position, recomputed as a single-token step."""
+    n = int(tokens.shape[0])
+    per_layer = [blocks_of(layer, n - 1) for layer in range(model.config.n_layers)]
+    scratch = model.cache_from_blocks(per_layer, np.asarray(tokens[:n - 1], dtype="<i4"),
+                                      kv_dtype=kv_dtype)
+    logits = model.forward(np.asarray(tokens[n - 1:n], dtype="<i4"), scratch)[-1]  # [vocab]
+    return logits, scratch.records_since(n - 1)
+
+
+def blocks_from_reader(reader: KVReader, n: int) -> list[list[F32Rows | Fp8Rows]]:
+    """One block per layer over records [0, n) of a mapped file: row views, no copy.
+
+    v2 scales are gathered for all layers in ONE sequential pass over the records (two strided
+    copies of [n, L], then transposed so each layer's scales are contiguous) and sanitised by the
+    reading rules (layout.sanitize_scales); the codes stay views of the mapping. Per-layer reads
+    of the scales would walk the whole file once per layer.
+    """
+    layers = reader.records["layers"][:n]  # [n, L] structured view
+    if reader.version == 1:
+        return [[F32Rows(lc=layers["lc"][:, l], rc=layers["rc"][:, l])]  # [n, w] f32 views
+                for l in range(reader.dims.n_layers)]
+    lc_scale = sanitize_scales(np.ascontiguousarray(np.ascontiguousarray(layers["lc_scale"]).T))  # [L, n] f32
+    rc_scale = sanitize_scales(np.ascontiguousarray(np.ascontiguousarray(layers["rc_scale"]).T))  # [L, n] f32
+    return [[Fp8Rows(lc_codes=layers["lc"][:, l], lc_scale=lc_scale[l],  # [n, kv_lora] u8 view, [n] f32
+                     rc_codes=layers["rc"][:, l], rc_scale=rc_scale[l])]  # [n, rope] u8 view, [n] f32
+            for l in range(reader.dims.n_layers)]
+
+
+def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
+    """True if bit-identical; raises CorruptionError when beyond ROW_RTOL of the row's magnitude."""
+    stored = reader.records[position]["layers"]  # [L] layer records
+    exact = True
+    for layer in range(reader.dims.n_layers):
+        for name, scale_name in (("lc", "lc_scale"), ("rc", "rc_scale")):
+            if reader.version == 1:
+                want = np.asarray(stored[layer][name], dtype=np.float32)  # [w] f32
+                got = getattr(found, name)[0, layer]  # [w] f32
+                same = np.array_equal(want.view("<u4"), np.asarray(got, "<f4").view("<u4"))
+            else:
+                from kernels.fp8 import dequantize_rows
+
+                w_codes, w_scale = stored[layer][name], sanitize_scales(stored[layer][scale_name])
+                g_codes = getattr(found, name + "_codes")[0, layer]
+                g_scale = getattr(found, scale_name)[0, layer]
+                same = np.array_equal(w_codes, g_codes) and np.float32(w_scale) == np.float32(g_scale)
+                want = dequantize_rows(np.asarray(w_codes)[None], np.asarray([w_scale], np.float32))[0]
+                got = dequantize_rows(np.asarray(g_codes)[None], np.asarray([g_scale], np.float32))[0]
+            if same:
+                continue
+            exact = False
+            limit = ROW_RTOL * float(np.max(np.abs(want))) + 1e-6
+            err = float(np.max(np.abs(np.asarray(got, np.float64) - want)))
+            if err > limit:
+                raise CorruptionError(
+                    f"{reader.path}: record {position} layer {layer} {name}: the stored row differs "
+                    f"from the recomputed one by {err:.3g} (limit {limit:.3g}): the cache does not "
+                    "belong to this model or was damaged")
+    return exact
+
+
+__all__ = ["feed_chunk", "to_sampler", "run_turn", "reference_turns", "recompute_last",
+           "blocks_from_reader", "compare_rows", "ROW_RTOL"]
