@@ -1,0 +1,375 @@
+"""Export a session as a bundle, import a bundle as a session (the store side of migration).
+
+Export works from a suspended or a live session: it takes the store's snapshot of the last
+commit (manifest + header with ``nrec = committed``), hashes the committed bytes (whole-file
+xxh3_128 and every chunk's xxh3_64) while checking every record against the sidecar (pass 1: the
+manifest frame needs the hashes, and a corrupt source is refused before a byte is sent), then
+streams the same bytes with the pass-1 chunk checksums (pass 2: a pure copy; an importer refuses
+any byte that differs from what pass 1 hashed). The committed prefix only changes through a
+truncate, which bumps the manifest's epoch first: checked after pass 1 (retry, nothing sent yet)
+and after pass 2 (the stream is abandoned before its trailer).
+
+Import reads the manifest frame, validates it against the session manifest schema, the layout
+limits, the model (``model=``) and the store (id taken without ``replace``), checks the free
+space, streams every file into a fresh directory under ``<root>/tmp/``, verifies the trailer,
+the kv header and the sidecar, and installs the directory with one rename
+(``SessionStore.adopt_dir``). On ANY failure the temp directory is removed: the store is left
+exactly as it was.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import xxhash
+
+from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
+from sessionstore import bundle as B
+from sessionstore.layout import HEADER_SIZE, Dims, pack_header, parse_header, record_bytes, validate_dims
+from sessionstore.log import get_logger
+from sessionstore.manifest import (
+    KV_VERSION_OF_DTYPE,
+    MANIFEST_NAME,
+    ModelRef,
+    manifest_from_json,
+    read_manifest,
+    write_manifest,
+)
+from sessionstore.reader import open_kv
+from sessionstore.sidecar import (
+    CHECK_STRUCT,
+    ENTRY_SIZE,
+    SIDECAR_HEADER_SIZE,
+    SIDECAR_MAGIC,
+    SIDECAR_STRUCT,
+    SIDECAR_VERSION,
+    load_sidecar,
+    record_checksum,
+    static_hash,
+    write_sidecar_for,
+)
+from sessionstore.store import KV_NAME, SIDECAR_NAME, SessionSnapshot, SessionStore
+
+log = get_logger("migrate")
+
+WINDOW_BYTES = 64 << 20  # committed records handed to the writer per step (mmap views)
+EXPORT_RETRIES = 5
+FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
+assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME) == B.ALLOWED_FILES
+
+
+@dataclass(frozen=True)
+class MigrateResult:
+    """What one export or import moved."""
+
+    session_id: str
+    tokens: int
+    kv_dtype: str
+    raw_bytes: int
+    stored_bytes: int
+    chunks: int
+    zstd_chunks: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "ratio": round(self.ratio, 4)}
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+
+def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> bytes:
+    """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.d/40."""
+    body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, 1, static_hash(kv_header),
+                               rec_bytes, int(entries.shape[0]), b"\0" * 16)
+    head = body + CHECK_STRUCT.pack(xxhash.xxh3_64_intdigest(body))
+    assert len(head) == SIDECAR_HEADER_SIZE
+    return head + np.ascontiguousarray(entries, dtype="<u8").tobytes()
+
+
+def _windows(n: int, rec: int) -> list[tuple[int, int]]:
+    step = max(1, WINDOW_BYTES // rec)
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+class _ExportPlan:
+    """Pass 1 over a snapshot: the bytes to send, their digests, every record checked."""
+
+    def __init__(self, snap: SessionSnapshot, chunk_bytes: int) -> None:
+        self.snap = snap
+        self.chunk_bytes = chunk_bytes
+        self.reader = open_kv(snap.kv_path, expect=snap.header.dims)
+        try:
+            self._plan()
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def _plan(self) -> None:
+        snap, reader = self.snap, self.reader
+        n, rec = snap.committed, snap.header.record_bytes
+        if reader.version != snap.header.version or reader.nrec < n:
+            raise CorruptionError(f"{reader.path}: v{reader.version} with {reader.nrec} records "
+                                  f"does not hold the snapshot (v{snap.header.version}, {n})")
+        self.manifest_json = snap.manifest.encode()
+        self.header_bytes = pack_header(snap.header)  # the engine's header, nrec = committed
+        sidecar = load_sidecar(reader.path)
+        self.entries = None
+        if sidecar is not None:
+            if sidecar.static_hash != static_hash(self.header_bytes) or sidecar.record_bytes != rec:
+                raise CorruptionError(f"{sidecar.path}: describes another header or record size "
+                                      f"than {reader.path}; run `coli-kv verify` on the session")
+            self.entries = sidecar.entries[:min(sidecar.count, sidecar.available, n)]  # [k] u64
+        cb = self.chunk_bytes
+        self.digests = {MANIFEST_NAME: B.digest_file([self.manifest_json], cb, 0)}
+        ordinal = len(self.digests[MANIFEST_NAME].chunk_checks)
+        self.digests[KV_NAME] = B.digest_file(self.kv_pieces(check=True), cb, ordinal)
+        ordinal += len(self.digests[KV_NAME].chunk_checks)
+        self.sidecar = None
+        if self.entries is not None:
+            self.sidecar = sidecar_bytes(self.header_bytes, rec, self.entries)
+            self.digests[SIDECAR_NAME] = B.digest_file([self.sidecar], cb, ordinal)
+        self.files = tuple(B.BundleFile(name, d.size, d.xxh3_128) for name, d in self.digests.items())
+
+    def kv_pieces(self, *, check: bool = False) -> Iterator[bytes | memoryview]:
+        """The kv bytes to send: the header (nrec = committed) then the committed records as
+        zero-copy views; with ``check``, every record is compared with its sidecar entry."""
+        yield self.header_bytes
+        rec = self.snap.header.record_bytes
+        entries = self.entries if check else None
+        for a, b in _windows(self.snap.committed, rec):
+            view = self.reader.records_bytes_view(a, b)
+            if entries is not None and a < entries.shape[0]:
+                for p in range(a, min(b, entries.shape[0])):
+                    found = record_checksum(view[(p - a) * rec:(p - a + 1) * rec], p)
+                    if found != int(entries[p]):
+                        raise CorruptionError(
+                            f"{self.reader.path}: byte {HEADER_SIZE + p * rec}: record {p} hashes "
+                            f"{found:#018x}, the sidecar vouches for {int(entries[p]):#018x}; "
+                            "refusing to export a corrupt session")
+            yield view
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def kv_info(snap: SessionSnapshot) -> dict[str, Any]:
+    h = snap.header
+    return {"version": h.version, "dtype": snap.manifest.kv_dtype, "nrec": snap.committed,
+            "record_bytes": h.record_bytes, "tag": h.tag, "dims": dict(snap.manifest.dims)}
+
+
+def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
+                   compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
+                   progress: bool = False) -> MigrateResult:
+    """Write ``session_id`` (its last commit) to ``sink`` as one bundle."""
+    start = time.perf_counter()
+    for attempt in range(EXPORT_RETRIES):
+        snap = store.snapshot(session_id)
+        plan = _ExportPlan(snap, chunk_bytes)
+        try:
+            if not snap.still_valid():  # truncated while hashing: nothing sent yet, retry
+                log.info("bundle.export_retry", id=session_id, attempt=attempt)
+                continue
+            manifest = B.BundleManifest(
+                session_id=session_id, session=snap.manifest.to_json(), kv=kv_info(snap),
+                files=plan.files, chunk_bytes=chunk_bytes,
+                created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                producer="coli-sessionstore")
+            bar = _progress(manifest.total_bytes, f"export {session_id}", progress)
+            try:
+                writer = B.BundleWriter(sink, manifest, B.CompressionPolicy(compression), bar)
+                writer.write_file(MANIFEST_NAME, [plan.manifest_json], plan.digests[MANIFEST_NAME])
+                writer.write_file(KV_NAME, plan.kv_pieces(), plan.digests[KV_NAME])
+                if plan.sidecar is not None:
+                    writer.write_file(SIDECAR_NAME, [plan.sidecar], plan.digests[SIDECAR_NAME])
+                if not snap.still_valid():
+                    raise LockedError(
+                        f"session {session_id!r} was truncated by its live writer while being "
+                        "exported; the bundle was abandoned (no trailer): try again")
+                stats = writer.finish()
+            finally:
+                if bar is not None:
+                    bar.close()
+        finally:
+            plan.close()
+        result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
+                               stats.stored_bytes, stats.chunks, stats.zstd_chunks,
+                               time.perf_counter() - start)
+        log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
+                 stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
+        return result
+    raise LockedError(f"session {session_id!r} kept being truncated while exporting; try again")
+
+
+# --- import ----------------------------------------------------------------------------------
+def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
+    """The manifest frame must describe one consistent session; returns (manifest, dims, rec)."""
+    manifest = manifest_from_json(bm.session, f"{where}: session manifest")
+    if manifest.id != bm.session_id:
+        raise FormatError(f"{where}: session manifest id {manifest.id!r} differs from the "
+                          f"bundle's {bm.session_id!r}")
+    kv = bm.kv
+    expected_keys = {"version", "dtype", "nrec", "record_bytes", "tag", "dims"}
+    if set(kv) != expected_keys or any(type(kv[k]) is not int
+                                       for k in ("version", "nrec", "record_bytes", "tag")):
+        raise FormatError(f"{where}: 'kv' must hold exactly {sorted(expected_keys)} "
+                          "(version, nrec, record_bytes and tag as integers)")
+    if kv["dtype"] != manifest.kv_dtype or kv["version"] != KV_VERSION_OF_DTYPE[manifest.kv_dtype]:
+        raise FormatError(f"{where}: kv v{kv['version']!r} {kv['dtype']!r} does not match the "
+                          f"session's {manifest.kv_dtype}")
+    if kv["dims"] != manifest.dims or kv["nrec"] != manifest.committed:
+        raise FormatError(f"{where}: kv dims/nrec {kv['dims']}/{kv['nrec']!r} differ from the "
+                          f"session manifest's {manifest.dims}/{manifest.committed}")
+    dims = Dims(**manifest.dims)
+    validate_dims(dims, where)
+    rec = record_bytes(manifest.kv_version, dims)
+    if kv["record_bytes"] != rec:
+        raise FormatError(f"{where}: kv record_bytes {kv['record_bytes']!r}, expected {rec}")
+    kv_file = bm.file(KV_NAME)
+    assert kv_file is not None  # REQUIRED_FILES
+    expect = HEADER_SIZE + manifest.committed * rec
+    if kv_file.size != expect:
+        raise FormatError(f"{where}: {KV_NAME} declared {kv_file.size} bytes, expected "
+                          f"{expect} (40 + {manifest.committed} records x {rec})")
+    side = bm.file(SIDECAR_NAME)
+    if side is not None:
+        count, extra = divmod(side.size - SIDECAR_HEADER_SIZE, ENTRY_SIZE)
+        if side.size < SIDECAR_HEADER_SIZE or extra or count > manifest.committed:
+            raise FormatError(f"{where}: {SIDECAR_NAME} declared {side.size} bytes, expected "
+                              f"{SIDECAR_HEADER_SIZE} + 8 x (0..{manifest.committed})")
+    return manifest, dims, rec
+
+
+def check_model(manifest: Any, model: str | os.PathLike[str] | None) -> None:
+    """Refuse a bundle whose model fingerprint is not the named local model's."""
+    if model is None:
+        return
+    from sessionstore.fingerprint import model_fingerprint
+
+    local = model_fingerprint(model)
+    if local != manifest.model.fingerprint:
+        raise ModelMismatchError(
+            f"session {manifest.id!r} belongs to model {manifest.model.name!r} "
+            f"({manifest.model.fingerprint}), not to the local model {os.fspath(model)!r} ({local})")
+
+
+def _check_space(store: SessionStore, needed: int) -> None:
+    st = os.statvfs(store.tmp_root)
+    free = st.f_bavail * st.f_frsize
+    if needed + FREE_SPACE_MARGIN > free:
+        raise LimitError(f"{store.root}: the bundle needs {needed} bytes, only {free} are free "
+                         f"(keeping {FREE_SPACE_MARGIN} spare)")
+
+
+def _receive(reader: B.BundleReader, tmp: Path, bar: Any) -> None:
+    for entry in reader.manifest.files:
+        fd = os.open(tmp / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            for raw in reader.iter_file(entry.name):
+                view = memoryview(raw)
+                while view:
+                    view = view[os.write(fd, view):]
+                if bar is not None:
+                    bar.update(len(raw))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "<bundle>",
+                  replace: bool = False, model: str | os.PathLike[str] | None = None,
+                  as_id: str | None = None, progress: bool = False) -> MigrateResult:
+    """Verify and install one bundle as a session; the store is unchanged on any failure."""
+    start = time.perf_counter()
+    reader = B.BundleReader(source, source_name)
+    bm = reader.manifest
+    manifest, dims, rec = _check_frame(bm, source_name)
+    check_model(manifest, model)
+    session_id = bm.session_id if as_id is None else as_id
+    if store.exists(session_id) and not replace:
+        raise FormatError(f"session {session_id!r} already exists in {store.root}; give --replace "
+                          "to swap it for the bundle's")
+    _check_space(store, bm.total_bytes)
+    log.info("bundle.import_start", id=session_id, source=source_name, tokens=manifest.committed,
+             bytes=bm.total_bytes)
+    tmp = store.tmp_dir()
+    bar = None
+    try:
+        bar = _progress(bm.total_bytes, f"import {session_id}", progress)
+        _receive(reader, tmp, bar)
+        stats = reader.finish()
+        _verify_received(tmp, bm, manifest, dims)
+        if model is not None:
+            _point_at_local_model(tmp, model)
+        info = store.adopt_dir(tmp, session_id, replace=replace)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info("bundle.import_failed", id=session_id, source=source_name,
+                    error=str(exc) if isinstance(exc, ColiError) else repr(exc))
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    result = MigrateResult(session_id, info.tokens, info.kv_dtype, stats.raw_bytes,
+                           stats.stored_bytes, stats.chunks, stats.zstd_chunks,
+                           time.perf_counter() - start)
+    log.info("bundle.import", id=session_id, tokens=info.tokens, raw_bytes=stats.raw_bytes,
+             replace=replace)
+    return result
+
+
+def _point_at_local_model(tmp: Path, model: str | os.PathLike[str]) -> None:
+    """The fingerprint matched: record where the model lives on THIS host (resume finds it)."""
+    from sessionstore.fingerprint import TINY_NAME
+
+    src = os.fspath(model)
+    path = TINY_NAME if src == TINY_NAME else str(Path(src).resolve())
+    manifest = read_manifest(tmp / MANIFEST_NAME)
+    if manifest.model.path != path:
+        manifest.model = ModelRef(manifest.model.name, path, manifest.model.fingerprint)
+        write_manifest(tmp / MANIFEST_NAME, manifest)
+
+
+def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims) -> None:
+    """What landed must be what the frame described (adopt_dir then re-checks the sidecar)."""
+    shipped = B.parse_json((tmp / MANIFEST_NAME).read_bytes(), f"{tmp / MANIFEST_NAME}")
+    if shipped != bm.session:
+        raise FormatError(f"{bm.session_id}: manifest.json differs from the manifest frame")
+    kv_path = tmp / KV_NAME
+    with open(kv_path, "rb") as fh:
+        head = fh.read(HEADER_SIZE)
+    header = parse_header(head, os.path.getsize(kv_path), kv_path)
+    if (header.version, header.dims, header.nrec) != (manifest.kv_version, dims, manifest.committed):
+        raise FormatError(f"{kv_path}: header v{header.version} {header.dims.as_tuple()} nrec "
+                          f"{header.nrec} differs from the manifest (v{manifest.kv_version} "
+                          f"{dims.as_tuple()} nrec {manifest.committed})")
+    if header.tag != bm.kv["tag"]:
+        raise FormatError(f"{kv_path}: byte 36: tag {header.tag}, the frame says {bm.kv['tag']}")
+    if bm.file(SIDECAR_NAME) is None:
+        with open_kv(kv_path, expect=dims) as reader:
+            write_sidecar_for(reader)  # checksums for the store from now on
+    else:
+        sidecar = load_sidecar(kv_path)
+        if sidecar is None or sidecar.static_hash != static_hash(head):
+            raise CorruptionError(f"{kv_path}: the shipped sidecar does not describe this header")
+
+
+__all__ = ["MigrateResult", "export_session", "import_bundle", "check_model", "sidecar_bytes",
+           "kv_info", "WINDOW_BYTES"]

@@ -1,0 +1,114 @@
+"""Helpers for the migration tests: synthetic sessions, store tree snapshots, an S3 server."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kernels.rows import RecordRows
+from sessionstore.layout import Dims
+from sessionstore.manifest import Manifest, ModelRef, SamplerSettings, make_digest, write_manifest
+from sessionstore.store import SessionStore
+from sessionstore.writer import KVWriter
+
+SMALL_DIMS = Dims(n_layers=3, kv_lora=32, qk_rope=8, index_head_dim=0, n_index_layers=0, vocab=1000)
+TEST_FINGERPRINT = "fp1:" + "ab" * 32
+
+
+def synthetic_rows(n: int, dims: Dims, seed: int, start: int = 0) -> RecordRows:
+    """n positions of latent-like f32 rows (per-channel scales, a few outliers)."""
+    rng = np.random.default_rng(seed * 7919 + start)
+    L = dims.n_layers
+    chan = np.exp(rng.standard_normal(dims.kv_lora)).astype(np.float32)  # [kv_lora] f32
+    lc = rng.standard_normal((n, L, dims.kv_lora)).astype(np.float32) * chan  # [n, L, kv_lora] f32
+    rc = rng.standard_normal((n, L, dims.qk_rope)).astype(np.float32)  # [n, L, rope] f32
+    tokens = rng.integers(0, dims.vocab, size=n, dtype=np.int32)  # [n] i32
+    return RecordRows(tokens=tokens, lc=lc, rc=rc)
+
+
+def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str = "fp8",
+                 dims: Dims = SMALL_DIMS, seed: int = 0, fingerprint: str = TEST_FINGERPRINT,
+                 model_name: str = "test-model") -> Manifest:
+    """A complete session of n committed records, installed through ``adopt_dir``."""
+    tmp = store.tmp_dir()
+    with KVWriter.open(tmp / "kv.coli_kv", dims, kv_dtype=kv_dtype) as writer:
+        if n:
+            writer.append(synthetic_rows(n, dims, seed))
+        writer.commit()
+    os.unlink(tmp / "kv.coli_kv.lock")
+    logits = np.random.default_rng(seed).standard_normal(dims.vocab).astype(np.float32)  # [vocab]
+    manifest = Manifest(id=session_id, model=ModelRef(model_name, model_name, fingerprint),
+                        kv_dtype=kv_dtype, dims=dict(zip(
+                            ("n_layers", "kv_lora", "qk_rope", "index_head_dim",
+                             "n_index_layers", "vocab"), dims.as_tuple())),
+                        committed=n, pending=[int(np.argmax(logits))] if n else [],
+                        sampler=SamplerSettings(temperature=0.7, top_k=20, top_p=0.9, seed=seed),
+                        last_logits=make_digest(logits, n - 1) if n else None)
+    write_manifest(tmp / "manifest.json", manifest)
+    store.adopt_dir(tmp, session_id)
+    return manifest
+
+
+def tree_state(root: Path) -> dict[str, bytes | str]:
+    """Every name under ``root`` with its bytes (files) or kind: equal trees, equal dicts."""
+    out: dict[str, bytes | str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        out[rel + "/"] = "dir"
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            key = os.path.normpath(os.path.join(rel, name))
+            out[key] = "symlink" if os.path.islink(path) else Path(path).read_bytes()
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_s3_server():  # noqa: ANN201 - moto's ThreadedMotoServer
+    """A real S3 API server (moto) on 127.0.0.1; returns (server, endpoint URL)."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}
+S3_BUCKET = "fleet"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():  # noqa: ANN201 - yields the endpoint URL
+    """A moto S3 server for the module; the AWS environment points at it (as AWS_ENDPOINT_URL),
+    so s3fs in this process and in child processes finds it the standard way."""
+    import s3fs
+
+    server, endpoint = start_s3_server()
+    saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        s3fs.S3FileSystem().mkdir(S3_BUCKET)
+    except FileExistsError:  # moto keeps its state per process, across servers
+        pass
+    try:
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()

@@ -1,0 +1,113 @@
+"""`coli-kv export` / `import` / `lease` in-process: outputs, exit codes, one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sessionstore.store import SessionStore
+from tests.sessionstore.migrate_support import make_session, s3_endpoint, tree_state  # noqa: F401
+from tools.coli_kv import main
+
+
+@pytest.fixture
+def src_root(tmp_path):
+    store = SessionStore(tmp_path / "A")
+    make_session(store, "chat", 25)
+    return store.root
+
+
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_export_into_a_directory_then_import_with_json(tmp_path, src_root, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert main(["export", "--root", str(src_root), "chat", str(out_dir), "--json"]) == 0
+    exported = last_json(capsys.readouterr().out)
+    bundle = out_dir / "chat.colibundle"
+    assert exported["dest"] == str(bundle) and bundle.is_file()
+    assert exported["tokens"] == 25 and exported["raw_bytes"] > 0
+    assert [p.name for p in out_dir.iterdir()] == ["chat.colibundle"]  # no .partial left
+    assert main(["import", "--root", str(tmp_path / "B"), str(bundle), "--as", "chat-copy",
+                 "--json"]) == 0
+    imported = last_json(capsys.readouterr().out)
+    assert imported["session_id"] == "chat-copy" and imported["tokens"] == 25
+    assert SessionStore(tmp_path / "B").read_manifest("chat-copy").id == "chat-copy"
+
+
+def test_export_refuses_to_overwrite_without_force(tmp_path, src_root, capsys):
+    dest = tmp_path / "b.colibundle"
+    dest.write_bytes(b"precious")
+    assert main(["export", "--root", str(src_root), "chat", str(dest)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refusing to overwrite" in err
+    assert dest.read_bytes() == b"precious"
+    assert main(["export", "--root", str(src_root), "chat", str(dest), "--force"]) == 0
+    assert dest.read_bytes()[:8] == b"COLIBNDL"
+
+
+def test_export_of_an_unknown_session_leaves_no_partial_file(tmp_path, src_root, capsys):
+    dest = tmp_path / "x.colibundle"
+    assert main(["export", "--root", str(src_root), "nope", str(dest)]) == 2
+    assert "no session 'nope'" in capsys.readouterr().err
+    assert list(tmp_path.glob("x.colibundle*")) == []
+
+
+def test_export_to_stdout_refuses_json(src_root, capsys):
+    assert main(["export", "--root", str(src_root), "chat", "-", "--json"]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
+def test_file_url_round_trip(tmp_path, src_root, capsys):
+    url = f"file://{tmp_path / 'u.colibundle'}"
+    assert main(["export", "--root", str(src_root), "chat", url]) == 0
+    assert main(["import", "--root", str(tmp_path / "B"), url]) == 0
+    assert SessionStore(tmp_path / "B").info("chat").tokens == 25
+
+
+def test_failed_import_is_one_line_and_leaves_the_store_unchanged(tmp_path, src_root, capsys):
+    bundle = tmp_path / "c.colibundle"
+    assert main(["export", "--root", str(src_root), "chat", str(bundle)]) == 0
+    data = bytearray(bundle.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    bundle.write_bytes(bytes(data))
+    target = SessionStore(tmp_path / "B")
+    make_session(target, "keep", 3)
+    before = tree_state(target.root)
+    capsys.readouterr()
+    code = main(["import", "--root", str(target.root), str(bundle)])
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1
+    assert err.startswith("coli-kv import: error: ") and "byte" in err
+    assert tree_state(target.root) == before
+
+
+def test_import_of_a_missing_file_into_a_new_root_leaves_nothing(tmp_path, capsys):
+    assert main(["import", "--root", str(tmp_path / "B"), str(tmp_path / "none")]) == 2
+    assert "no such bundle" in capsys.readouterr().err
+    assert not (tmp_path / "B").exists()
+
+
+def test_bad_compress_argument_is_a_usage_error(src_root, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["export", "--root", str(src_root), "chat", str(tmp_path / "z"), "--compress", "99"])
+
+
+def test_lease_listing_release_and_refusal(tmp_path, src_root, s3_endpoint, capsys):
+    remote = "s3://fleet/cli-lease"
+    assert main(["push", "--root", str(src_root), "--remote", remote, "--host-id", "A", "chat",
+                 "--keep-lease"]) == 0
+    capsys.readouterr()
+    assert main(["lease", "--root", str(src_root), "--remote", remote, "--json"]) == 0
+    [lease] = last_json(capsys.readouterr().out)["leases"]
+    assert lease["session_id"] == "chat" and lease["owner"] == "A" and lease["live"]
+    assert main(["pull", "--root", str(tmp_path / "B"), "--remote", remote, "--host-id", "B",
+                 "chat"]) == 4
+    assert "held live by host 'A'" in capsys.readouterr().err
+    assert main(["lease", "--root", str(src_root), "--remote", remote, "--host-id", "A", "chat",
+                 "--release"]) == 0
+    assert main(["pull", "--root", str(tmp_path / "B"), "--remote", remote, "--host-id", "B",
+                 "chat", "--json"]) == 0
+    assert last_json(capsys.readouterr().out)["lease"]["owner"] == "B"

@@ -1,0 +1,205 @@
+"""``coli-kv export|import|push|pull|lease``: move sessions between hosts as verified bundles.
+
+- ``export --root R ID DEST``: DEST is a path (a directory gets ``<ID>.colibundle``), ``-``
+  (stdout) or an fsspec URL (``s3://bucket/key``, ``file://...``).
+- ``import --root R SRC [--replace] [--model DIR|tiny] [--as NEW_ID]``: SRC likewise (``-`` =
+  stdin). Any failure: one line on stderr, non-zero exit, the store unchanged.
+- ``push|pull --root R --remote s3://bucket/prefix ID``: the object-store tier with its lease;
+  ``lease --remote URL [ID] [--release|--renew]`` shows or changes leases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from kernels.errors import FormatError
+from sessionstore.bundle import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from sessionstore.migrate import MigrateResult, export_session, import_bundle
+from sessionstore.remote import LEASE_TTL_S, RemoteStore
+from sessionstore.store import SessionStore
+from sessionstore.transport import describe, is_url, open_sink, open_source
+
+BUNDLE_SUFFIX = ".colibundle"
+
+
+def _compression(value: str) -> str | int:
+    if value in ("auto", "none"):
+        return value
+    try:
+        level = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected auto, none or a zstd level 1..22") from None
+    if not 1 <= level <= 22:
+        raise argparse.ArgumentTypeError("zstd level must be 1..22")
+    return level
+
+
+def _chunk_mib(value: str) -> int:
+    size = int(float(value) * (1 << 20))
+    if not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:
+        raise argparse.ArgumentTypeError(f"chunk size must be {MIN_CHUNK_BYTES >> 10} KiB..16 MiB")
+    return size
+
+
+def _remote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote", default=os.environ.get("COLI_REMOTE"),
+                   help="s3://bucket/prefix (default: $COLI_REMOTE); endpoint and credentials "
+                        "from the AWS environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)")
+    p.add_argument("--host-id", default=None, help="who holds leases (default: $COLI_HOST_ID or hostname)")
+    p.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S, help="lease lifetime in seconds")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("export", help="write a session (its last commit) as a migration bundle")
+    p.add_argument("--root", required=True, help="session store directory")
+    p.add_argument("id", help="session id")
+    p.add_argument("dest", help="bundle path or directory, '-' for stdout, or a URL (s3://...)")
+    p.add_argument("--compress", type=_compression, default="auto",
+                   help="auto (zstd only while it pays, measured), none, or a zstd level 1..22")
+    p.add_argument("--chunk-mib", type=_chunk_mib, default=DEFAULT_CHUNK_BYTES,
+                   help="raw bytes per chunk in MiB (default 4)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing bundle")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run_export)
+
+    p = subparsers.add_parser("import", help="verify a bundle and install it as a session")
+    p.add_argument("--root", required=True, help="session store directory")
+    p.add_argument("src", help="bundle path, '-' for stdin, or a URL (s3://...)")
+    p.add_argument("--replace", action="store_true", help="swap out an existing session of that id")
+    p.add_argument("--model", default=None, help="refuse the bundle unless it belongs to this "
+                                                 "model (checkpoint dir or 'tiny')")
+    p.add_argument("--as", dest="as_id", default=None, help="install under another session id")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run_import)
+
+    p = subparsers.add_parser("push", help="upload a suspended session to the remote and release it")
+    p.add_argument("--root", required=True, help="session store directory")
+    p.add_argument("id", help="session id")
+    _remote_args(p)
+    p.add_argument("--keep-lease", action="store_true", help="keep holding the session (no release)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run_push)
+
+    p = subparsers.add_parser("pull", help="take a session's lease on the remote and import it")
+    p.add_argument("--root", required=True, help="session store directory")
+    p.add_argument("id", help="session id")
+    _remote_args(p)
+    p.add_argument("--replace", action="store_true", help="swap out the local copy")
+    p.add_argument("--model", default=None, help="refuse unless it belongs to this model")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run_pull)
+
+    p = subparsers.add_parser("lease", help="show (or release/renew) sessions' leases on the remote")
+    p.add_argument("--root", required=True, help="session store directory")
+    p.add_argument("id", nargs="?", default=None, help="session id (default: list every lease)")
+    _remote_args(p)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--release", action="store_true", help="release this host's lease")
+    group.add_argument("--renew", action="store_true", help="extend this host's lease")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run_lease)
+
+
+def _summary(verb: str, r: MigrateResult, where: str) -> str:
+    return (f"{verb} session {r.session_id} ({r.tokens} tokens, {r.kv_dtype}) {where}: "
+            f"{r.raw_bytes} bytes as {r.stored_bytes} ({r.ratio:.3f}x, {r.zstd_chunks}/{r.chunks} "
+            f"chunks zstd) in {r.seconds:.2f} s")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    if args.dest == "-" and args.json:
+        raise FormatError("export to '-' writes the bundle on stdout: --json cannot share it")
+    store = SessionStore(args.root, create=False)
+    dest = args.dest
+    if dest != "-" and not is_url(dest) and os.path.isdir(dest):
+        dest = os.path.join(dest, args.id + BUNDLE_SUFFIX)
+    with open_sink(dest, overwrite=args.force) as (sink, _):
+        result = export_session(store, args.id, sink, compression=args.compress,
+                                chunk_bytes=args.chunk_mib, progress=True)
+    line = _summary("exported", result, f"to {describe(dest)}")
+    if dest == "-":
+        print(line, file=sys.stderr)
+        return 0
+    print(line)
+    if args.json:
+        print(json.dumps({**result.to_json(), "dest": dest}))
+    return 0
+
+
+def _remove_if_fresh(root: str) -> None:
+    """Undo the empty store skeleton a failed import created (rmdir never removes data)."""
+    for sub in ("tmp", "sessions", ""):
+        try:
+            os.rmdir(os.path.join(root, sub))
+        except OSError:
+            return
+
+
+def run_import(args: argparse.Namespace) -> int:
+    fresh = not os.path.exists(args.root)
+    store = SessionStore(args.root)
+    try:
+        with open_source(args.src) as source:
+            result = import_bundle(store, source, source_name=describe(args.src),
+                                   replace=args.replace, model=args.model, as_id=args.as_id,
+                                   progress=True)
+    except BaseException:
+        if fresh:
+            _remove_if_fresh(str(store.root))
+        raise
+    print(_summary("imported", result, f"from {describe(args.src)} into {store.root}"))
+    if args.json:
+        print(json.dumps({**result.to_json(), "root": str(store.root)}))
+    return 0
+
+
+def _remote(args: argparse.Namespace, *, create: bool = True) -> RemoteStore:
+    if not args.remote:
+        raise FormatError("no remote: give --remote s3://bucket/prefix or set COLI_REMOTE")
+    return RemoteStore(SessionStore(args.root, create=create), args.remote, host_id=args.host_id,
+                       lease_ttl=args.lease_ttl)
+
+
+def run_push(args: argparse.Namespace) -> int:
+    remote = _remote(args, create=False)
+    result, lease = remote.push(args.id, release=not args.keep_lease)
+    state = "released" if lease.released else f"held by {lease.owner}"
+    print(_summary("pushed", result, f"to {remote.url}") + f"; lease {state}")
+    if args.json:
+        print(json.dumps({**result.to_json(), "lease": lease.to_json()}))
+    return 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    remote = _remote(args)
+    result, lease = remote.pull(args.id, replace=args.replace, model=args.model)
+    print(_summary("pulled", result, f"from {remote.url}") + f"; lease held by {lease.owner} "
+          f"(generation {lease.generation})")
+    if args.json:
+        print(json.dumps({**result.to_json(), "lease": lease.to_json()}))
+    return 0
+
+
+def run_lease(args: argparse.Namespace) -> int:
+    remote = _remote(args)
+    if args.id is None:
+        if args.release or args.renew:
+            raise FormatError("--release/--renew need a session id")
+        leases = remote.list()
+    elif args.release:
+        leases = [remote.release(args.id)]
+    elif args.renew:
+        leases = [remote.renew(args.id)]
+    else:
+        lease = remote.lease(args.id)
+        leases = [] if lease is None else [lease]
+    for lease in leases:
+        state = "live" if lease.live() else ("released" if lease.released else "expired")
+        print(f"{lease.session_id}: {state}, owner {lease.owner}, generation {lease.generation}, "
+              f"bundle {lease.bundle or '-'} ({lease.bundle_tokens} tokens)")
+    if args.json:
+        print(json.dumps({"leases": [lease.to_json() for lease in leases]}))
+    return 0
