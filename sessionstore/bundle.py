@@ -7,20 +7,23 @@ No seek anywhere, so a bundle flows through pipes (``export - | ssh host import 
     manifest   16 B   b"MNFT", u32 json_len, u64 xxh3_64(json)   + json_len bytes of UTF-8 JSON
     chunks     24 B   b"CHNK", u16 file, u8 codec, u8 0, u32 raw_len, u32 stored_len,
                       u64 xxh3_64(raw, seed=chunk ordinal)       + stored_len payload bytes
+    file end   32 B   b"FEND", u16 file, u16 0, u64 size, 16s xxh3_128(file)   (after each file)
     trailer    48 B   b"TRLR", u32 n_files, u64 n_chunks, u64 raw_bytes, 16s xxh3_128 of the
-                      framing (preamble, manifest frame, every chunk header: each header holds
-                      its chunk's checksum, so this digest binds every byte), b"COLIBEND"
+                      framing (preamble, manifest frame, every chunk header and file-end frame:
+                      each header holds its chunk's checksum, so this digest binds every byte),
+                      b"COLIBEND"
 
 Files follow the manifest's order; file i of ``size`` bytes is exactly ceil(size/chunk_bytes)
-chunks, each ``min(chunk_bytes, left)`` raw bytes. Every declared size is checked against a
-named limit before anything is allocated; zstd payloads must declare their content size and
-decompress to exactly ``raw_len`` bytes (no bomb); the JSON is parsed, never executed.
+chunks, each ``min(chunk_bytes, left)`` raw bytes, then its file-end frame. The writer hashes
+each byte once as it streams (one pass, no seek): chunk checks and the whole-file digest come
+from the same read. Every declared size is checked against a named limit before anything is
+allocated; zstd payloads must declare their content size and decompress to exactly ``raw_len``
+bytes (no bomb); the JSON is parsed, never executed.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import xxhash
@@ -38,6 +41,8 @@ from sessionstore.bundle_format import (
     CODEC_RAW,
     CODEC_ZSTD,
     CODECS,
+    FILE_END,
+    FILE_END_TAG,
     MANIFEST_HEAD,
     MANIFEST_TAG,
     MAX_MANIFEST_BYTES,
@@ -51,18 +56,10 @@ from sessionstore.bundle_format import (
     validate_manifest_doc,
 )
 from sessionstore.bundle_format import __all__ as _format_all
+from sessionstore.bundle_io import read_exactly_into
+
 
 # --- writer --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FileDigest:
-    """A file's size, whole-file xxh3_128 and per-chunk xxh3_64 (seeded with global ordinals),
-    computed in one pass before the bundle is written (the manifest frame needs the hash)."""
-
-    size: int
-    xxh3_128: str
-    chunk_checks: tuple[int, ...]
-
-
 def cut_chunks(pieces: Iterable[bytes | bytearray | memoryview], chunk_bytes: int
                ) -> Iterator[bytes | bytearray | memoryview]:
     """Re-cut a stream of pieces (any sizes) into chunks of ``chunk_bytes`` (the last shorter).
@@ -86,27 +83,13 @@ def cut_chunks(pieces: Iterable[bytes | bytearray | memoryview], chunk_bytes: in
         yield buf
 
 
-def digest_file(pieces: Iterable[bytes | bytearray | memoryview], chunk_bytes: int,
-                first_ordinal: int) -> FileDigest:
-    """Pass 1 of an export: what the manifest frame and the chunk headers will carry."""
-    whole = xxhash.xxh3_128()
-    checks = []
-    size = 0
-    for i, chunk in enumerate(cut_chunks(pieces, chunk_bytes)):
-        whole.update(chunk)
-        checks.append(xxhash.xxh3_64_intdigest(chunk, seed=first_ordinal + i))
-        size += len(chunk)
-    return FileDigest(size, whole.hexdigest(), tuple(checks))
-
-
 class BundleWriter:
     """Writes one bundle to a binary sink, front to back. Call ``write_file`` for every file of
     the manifest, in order, then ``finish``.
 
-    Without ``digest`` a file's bytes are hashed as they stream and must match the manifest's
-    size and hash, else CorruptionError BEFORE the trailer (a reader refuses the partial stream).
-    With the ``digest`` of pass 1 the chunk checksums are taken from it: the bytes are not hashed
-    again, and a reader refuses any byte that differs from what pass 1 hashed.
+    One pass: each chunk is hashed (its xxh3_64, and the file's running xxh3_128) right before
+    it is written, while it is hot in the cache. A file that streams more or fewer bytes than the
+    manifest declared raises CorruptionError BEFORE the trailer, so a reader refuses the stream.
     """
 
     def __init__(self, sink: BinaryIO, manifest: BundleManifest,
@@ -133,37 +116,31 @@ class BundleWriter:
         self.policy.note_sink(time.perf_counter() - start, len(data))
         self.stats.stored_bytes += len(data)
 
-    def write_file(self, name: str, pieces: Iterable[bytes | bytearray | memoryview],
-                   digest: FileDigest | None = None) -> None:
-        """Stream the next file's bytes (any piece sizes); they are re-cut into chunks."""
+    def write_file(self, name: str, pieces: Iterable[bytes | bytearray | memoryview]) -> str:
+        """Stream the next file's bytes (any piece sizes; chunk-sized views are not copied);
+        returns its xxh3_128 (hex), which the file-end frame carries."""
         files = self.manifest.files
         if self._next_file >= len(files) or files[self._next_file].name != name:
             raise FormatError(f"bundle writer: {name!r} is not the next file of the manifest")
         entry, index = files[self._next_file], self._next_file
-        if digest is not None and (digest.size, digest.xxh3_128) != (entry.size, entry.xxh3_128):
-            raise FormatError(f"bundle writer: {name}: digest does not match the manifest entry")
-        whole = xxhash.xxh3_128() if digest is None else None
+        whole = xxhash.xxh3_128()
         written = 0
-        for i, chunk in enumerate(cut_chunks(pieces, self.manifest.chunk_bytes)):
+        for chunk in cut_chunks(pieces, self.manifest.chunk_bytes):
             written += len(chunk)
             if written > entry.size:
                 raise CorruptionError(
                     f"bundle writer: {name} grew past its declared {entry.size} bytes while "
                     "being exported (changed under us); bundle abandoned")
-            if whole is not None:
-                whole.update(chunk)
-                check = xxhash.xxh3_64_intdigest(chunk, seed=self.stats.chunks)
-            else:
-                check = digest.chunk_checks[i]
-            self._chunk(index, chunk, check)
-        found = whole.hexdigest() if whole is not None else entry.xxh3_128
-        if written != entry.size or found != entry.xxh3_128:
+            whole.update(chunk)
+            self._chunk(index, chunk, xxhash.xxh3_64_intdigest(chunk, seed=self.stats.chunks))
+        if written != entry.size:
             raise CorruptionError(
-                f"bundle writer: {name}: streamed {written} bytes hashing {found}, the manifest "
-                f"declared {entry.size} bytes hashing {entry.xxh3_128} (changed while exported); "
-                "bundle abandoned")
+                f"bundle writer: {name}: streamed {written} bytes, the manifest declared "
+                f"{entry.size} (changed while exported); bundle abandoned")
+        self._frame(FILE_END.pack(FILE_END_TAG, index, 0, written, whole.digest()))
         self._next_file += 1
         self.stats.files += 1
+        return whole.hexdigest()
 
     def _chunk(self, index: int, raw: bytes | bytearray | memoryview, check: int) -> None:
         codec, payload = self.policy.encode(raw)
@@ -191,7 +168,8 @@ class BundleReader:
 
     The constructor reads the preamble and the manifest frame; ``iter_file(name)`` yields each
     file's verified raw chunks (files in manifest order); ``finish`` checks the trailer and EOF.
-    Errors name the source, the byte offset, and expected vs found.
+    Errors name the source, the byte offset, and expected vs found. Raw payloads are read with
+    ``readinto`` into one preallocated chunk buffer (bounded by the manifest's ``chunk_bytes``).
     """
 
     def __init__(self, source: BinaryIO, name: str = "<bundle>") -> None:
@@ -226,6 +204,9 @@ class BundleReader:
             raise CorruptionError(f"{name}: byte {at + 8}: manifest checksum {check:#018x}, "
                                   f"computed {found:#018x}")
         self.manifest = validate_manifest_doc(parse_json(doc, f"{name}: manifest"), f"{name}: manifest")
+        # one payload buffer, reused: a chunk at most (<= MAX_CHUNK_BYTES), or the largest file
+        self._buffer = memoryview(bytearray(min(self.manifest.chunk_bytes,
+                                                max(f.size for f in self.manifest.files))))
 
     def _read(self, n: int, what: str, framing: bool = False) -> bytes:
         """Exactly n bytes (n already bounded by the caller), or CorruptionError: truncated."""
@@ -245,9 +226,24 @@ class BundleReader:
         self.offset += n
         return data
 
-    def iter_file(self, name: str) -> Iterator[bytes]:
-        """The next file's raw bytes, chunk by chunk, each verified; the whole-file hash is
-        checked before the last chunk is yielded."""
+    def _read_payload(self, n: int, what: str) -> memoryview:
+        """Exactly n bytes (n <= chunk_bytes, checked by the caller) into the chunk buffer."""
+        view = self._buffer[:n]
+        got = read_exactly_into(self._src, view)
+        if got < n:
+            raise CorruptionError(
+                f"{self.name}: truncated at byte {self.offset + got}: {what} needs {n} bytes, "
+                f"the stream ended after {got}")
+        self.offset += n
+        return view
+
+    def iter_file(self, name: str, *, copy: bool = True) -> Iterator[bytes | memoryview]:
+        """The next file's raw bytes, chunk by chunk, each verified; the file-end frame (size
+        and whole-file xxh3_128) is checked before the last chunk is yielded.
+
+        ``copy=False`` yields views into the reader's chunk buffer, valid only until the next
+        chunk is requested (no allocation per chunk: what an import writes straight to disk).
+        """
         files = self.manifest.files
         if self._next_file >= len(files) or files[self._next_file].name != name:
             raise FormatError(f"{self.name}: {name!r} is not the next file of the bundle")
@@ -255,21 +251,33 @@ class BundleReader:
         cb = self.manifest.chunk_bytes
         whole = xxhash.xxh3_128()
         left = entry.size
-        if not left and entry.xxh3_128 != whole.hexdigest():
-            raise CorruptionError(f"{self.name}: file {name}: empty but hash {entry.xxh3_128}")
+        if not left:
+            self._file_end(index, entry.name, 0, whole)
         while left:
             raw = self._chunk(index, min(cb, left))
             whole.update(raw)
             left -= len(raw)
-            if not left and whole.hexdigest() != entry.xxh3_128:
-                raise CorruptionError(
-                    f"{self.name}: byte {self.offset}: file {name}: whole-file xxh3_128 "
-                    f"{whole.hexdigest()}, the manifest declares {entry.xxh3_128}")
-            yield raw
+            if not left:
+                self._file_end(index, entry.name, entry.size, whole)
+            yield bytes(raw) if copy and not isinstance(raw, bytes) else raw
         self._next_file += 1
         self.stats.files += 1
 
-    def _chunk(self, index: int, expect_raw: int) -> bytes:
+    def _file_end(self, index: int, name: str, size: int, whole: Any) -> None:
+        at = self.offset
+        tag, file_index, reserved, found_size, digest = FILE_END.unpack(
+            self._read(FILE_END.size, f"file-end frame of {name}", framing=True))
+        where = f"{self.name}: byte {at}: file-end frame of {name}"
+        if tag != FILE_END_TAG or file_index != index or reserved != 0:
+            raise CorruptionError(f"{where}: tag {tag!r}, file {file_index}, reserved {reserved}; "
+                                  f"expected {FILE_END_TAG!r}, {index}, 0")
+        if found_size != size:
+            raise CorruptionError(f"{where}: size {found_size}, the manifest declares {size}")
+        if digest != whole.digest():
+            raise CorruptionError(f"{where}: whole-file xxh3_128 {digest.hex()}, computed "
+                                  f"{whole.hexdigest()} over the {size} bytes received")
+
+    def _chunk(self, index: int, expect_raw: int) -> bytes | memoryview:
         at = self.offset
         ordinal = self.stats.chunks
         tag, file_index, codec, reserved, raw_len, stored_len, check = CHUNK_HEAD.unpack(
@@ -289,7 +297,7 @@ class BundleReader:
         if codec == CODEC_ZSTD and not 0 < stored_len < raw_len:
             raise CorruptionError(
                 f"{where}: zstd chunk stores {stored_len} bytes, expected 1..{raw_len - 1}")
-        payload = self._read(stored_len, f"chunk {ordinal} payload")
+        payload = self._read_payload(stored_len, f"chunk {ordinal} payload")
         raw = self._inflate(payload, raw_len, where) if codec == CODEC_ZSTD else payload
         found = xxhash.xxh3_64_intdigest(raw, seed=ordinal)
         if found != check:
@@ -300,7 +308,7 @@ class BundleReader:
         self.stats.zstd_chunks += codec == CODEC_ZSTD
         return raw
 
-    def _inflate(self, payload: bytes, raw_len: int, where: str) -> bytes:
+    def _inflate(self, payload: memoryview, raw_len: int, where: str) -> bytes:
         try:
             declared = zstandard.frame_content_size(payload)
         except zstandard.ZstdError:
@@ -342,5 +350,4 @@ class BundleReader:
         return self.stats
 
 
-__all__ = [*_format_all, "CompressionPolicy", "BundleWriter", "BundleReader", "FileDigest",
-           "cut_chunks", "digest_file"]
+__all__ = [*_format_all, "CompressionPolicy", "BundleWriter", "BundleReader", "cut_chunks"]

@@ -13,6 +13,7 @@ from sessionstore.bundle_format import CODEC_RAW, CODEC_ZSTD, ZSTD_LEVEL
 
 MIN_MEASURED_BYTES = 4 << 10  # shorter writes and chunks measure per-call overhead: not used
 MAX_PROBE_INTERVAL = 256  # chunks between probes once compression keeps losing
+PROBE_SAMPLE_BYTES = 256 << 10  # a probe compresses this much of its chunk, not all of it
 
 
 @dataclass
@@ -24,11 +25,13 @@ class CompressionPolicy:
 
     - the sink's cost per byte is timed on every write of 4 KiB or more (a pipe into ssh or an
       S3 upload blocks in ``write``: its speed is the link's);
-    - a *probe* chunk is compressed now and then to measure the saved fraction and the
-      compressor's cost per byte: the first chunks until the sink has been measured, then every
-      ``probe_every`` chunks, an interval that doubles (up to 256) each time compression loses,
-      so a fast disk pays for a handful of probes only; chunks under 4 KiB (a small manifest)
-      are never probes and teach nothing;
+    - now and then a *probe* compresses the first 256 KiB of a chunk (a sample: the cost of a
+      probe on a fast disk is a sixteenth of a 4 MiB chunk's) to measure the saved fraction and
+      the compressor's cost per byte: the first chunks until the sink has been measured, then
+      every ``probe_every`` chunks, an interval that doubles (up to 256) each time compression
+      loses, so a fast disk pays for a handful of small probes only; chunks under 4 KiB (a small
+      manifest) are never probes and teach nothing; the probe chunk itself is then stored like
+      any other (compressed only if that pays);
     - every other chunk is compressed only while ``saved_fraction * sink_seconds_per_byte >
       compress_seconds_per_byte``: the bytes saved must cost less to compress than to move
       (decompression on the far side is repaid likewise by its shorter read).
@@ -86,15 +89,16 @@ class CompressionPolicy:
             probe = self._seen >= self._next_probe
             if not probe and not self.pays():
                 return CODEC_RAW, raw
-        out = self._pack(raw, learn=len(raw) >= MIN_MEASURED_BYTES)
-        if probe:
-            if not self.sink_bytes:  # no verdict yet: probe the next chunk too
-                self._next_probe = self._seen + 1
-            else:
-                self._interval = (self.probe_every if self.pays()
-                                  else min(2 * self._interval, MAX_PROBE_INTERVAL))
-                self._next_probe = self._seen + self._interval
-        return out
+        if not probe:  # a fixed level, or auto while compression pays
+            return self._pack(raw, learn=len(raw) >= MIN_MEASURED_BYTES)
+        self._compress(memoryview(raw)[:PROBE_SAMPLE_BYTES], learn=True)
+        if not self.sink_bytes:  # no verdict yet: probe the next chunk too
+            self._next_probe = self._seen + 1
+        else:
+            self._interval = (self.probe_every if self.pays()
+                              else min(2 * self._interval, MAX_PROBE_INTERVAL))
+            self._next_probe = self._seen + self._interval
+        return self._pack(raw, learn=False) if self.pays() else (CODEC_RAW, raw)
 
     def _pack(self, raw: bytes | bytearray | memoryview, *, learn: bool
               ) -> tuple[int, bytes | bytearray | memoryview]:
@@ -117,4 +121,4 @@ class CompressionPolicy:
         return packed
 
 
-__all__ = ["CompressionPolicy", "MIN_MEASURED_BYTES", "MAX_PROBE_INTERVAL"]
+__all__ = ["CompressionPolicy", "MIN_MEASURED_BYTES", "MAX_PROBE_INTERVAL", "PROBE_SAMPLE_BYTES"]

@@ -1,20 +1,20 @@
 """Export a session as a bundle, import a bundle as a session (the store side of migration).
 
 Export works from a suspended or a live session: it takes the store's snapshot of the last
-commit (manifest + header with ``nrec = committed``), hashes the committed bytes (whole-file
-xxh3_128 and every chunk's xxh3_64) while checking every record against the sidecar (pass 1: the
-manifest frame needs the hashes, and a corrupt source is refused before a byte is sent), then
-streams the same bytes with the pass-1 chunk checksums (pass 2: a pure copy; an importer refuses
-any byte that differs from what pass 1 hashed). The committed prefix only changes through a
-truncate, which bumps the manifest's epoch first: checked after pass 1 (retry, nothing sent yet)
-and after pass 2 (the stream is abandoned before its trailer).
+commit (manifest + header with ``nrec = committed``) and streams it in ONE pass over the
+committed bytes (zero-copy mmap views cut at chunk boundaries): before a chunk is sent, every
+record it touches is checked against its sidecar entry (a corrupt source stops the stream before
+its trailer, so no reader accepts it), then the chunk is hashed and written while hot in the
+cache. The committed prefix only changes through a truncate, which bumps the manifest's epoch
+first: checked after streaming (the stream is abandoned before its trailer: try again).
 
 Import reads the manifest frame, validates it against the session manifest schema, the layout
 limits, the model (``model=``) and the store (id taken without ``replace``), checks the free
-space, streams every file into a fresh directory under ``<root>/tmp/``, verifies the trailer,
-the kv header and the sidecar, and installs the directory with one rename
-(``SessionStore.adopt_dir``). On ANY failure the temp directory is removed: the store is left
-exactly as it was.
+space, streams every file into a fresh directory under ``<root>/tmp/`` (payloads read into one
+reused buffer, written straight to the file with the disk's write-back started as they land),
+verifies every chunk, file digest and the trailer, the kv header and the sidecar, fsyncs, and
+installs the directory with one rename (``SessionStore.adopt_dir``). On ANY failure the temp
+directory is removed: the store is left exactly as it was.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,6 +32,8 @@ import xxhash
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
 from sessionstore import bundle as B
+from sessionstore.bundle_io import WritebackFile
+from sessionstore.durability import Durability
 from sessionstore.layout import HEADER_SIZE, Dims, pack_header, parse_header, record_bytes, validate_dims
 from sessionstore.log import get_logger
 from sessionstore.manifest import (
@@ -59,9 +61,8 @@ from sessionstore.store import KV_NAME, SIDECAR_NAME, SessionSnapshot, SessionSt
 
 log = get_logger("migrate")
 
-WINDOW_BYTES = 64 << 20  # committed records handed to the writer per step (mmap views)
-EXPORT_RETRIES = 5
 FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
+RELEASE_BYTES = 64 << 20  # export unmaps the records it has sent every this many bytes
 assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME) == B.ALLOWED_FILES
 
 
@@ -103,25 +104,20 @@ def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> byte
     return head + np.ascontiguousarray(entries, dtype="<u8").tobytes()
 
 
-def _windows(n: int, rec: int) -> list[tuple[int, int]]:
-    step = max(1, WINDOW_BYTES // rec)
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
-class _ExportPlan:
-    """Pass 1 over a snapshot: the bytes to send, their digests, every record checked."""
+class _ExportSource:
+    """The snapshot's bytes, served chunk by chunk in one pass, every record checked first."""
 
     def __init__(self, snap: SessionSnapshot, chunk_bytes: int) -> None:
         self.snap = snap
         self.chunk_bytes = chunk_bytes
         self.reader = open_kv(snap.kv_path, expect=snap.header.dims)
         try:
-            self._plan()
+            self._prepare()
         except BaseException:
             self.reader.close()
             raise
 
-    def _plan(self) -> None:
+    def _prepare(self) -> None:
         snap, reader = self.snap, self.reader
         n, rec = snap.committed, snap.header.record_bytes
         if reader.version != snap.header.version or reader.nrec < n:
@@ -136,37 +132,50 @@ class _ExportPlan:
                 raise CorruptionError(f"{sidecar.path}: describes another header or record size "
                                       f"than {reader.path}; run `coli-kv verify` on the session")
             self.entries = sidecar.entries[:min(sidecar.count, sidecar.available, n)]  # [k] u64
-        cb = self.chunk_bytes
-        self.digests = {MANIFEST_NAME: B.digest_file([self.manifest_json], cb, 0)}
-        ordinal = len(self.digests[MANIFEST_NAME].chunk_checks)
-        self.digests[KV_NAME] = B.digest_file(self.kv_pieces(check=True), cb, ordinal)
-        ordinal += len(self.digests[KV_NAME].chunk_checks)
-        self.sidecar = None
-        if self.entries is not None:
-            self.sidecar = sidecar_bytes(self.header_bytes, rec, self.entries)
-            self.digests[SIDECAR_NAME] = B.digest_file([self.sidecar], cb, ordinal)
-        self.files = tuple(B.BundleFile(name, d.size, d.xxh3_128) for name, d in self.digests.items())
+        self.sidecar = (None if self.entries is None
+                        else sidecar_bytes(self.header_bytes, rec, self.entries))
+        sizes = {MANIFEST_NAME: len(self.manifest_json), KV_NAME: HEADER_SIZE + n * rec}
+        if self.sidecar is not None:
+            sizes[SIDECAR_NAME] = len(self.sidecar)
+        self.files = tuple(B.BundleFile(name, size) for name, size in sizes.items())
 
-    def kv_pieces(self, *, check: bool = False) -> Iterator[bytes | memoryview]:
-        """The kv bytes to send: the header (nrec = committed) then the committed records as
-        zero-copy views; with ``check``, every record is compared with its sidecar entry."""
-        yield self.header_bytes
-        rec = self.snap.header.record_bytes
-        entries = self.entries if check else None
-        for a, b in _windows(self.snap.committed, rec):
-            view = self.reader.records_bytes_view(a, b)
-            if entries is not None and a < entries.shape[0]:
-                for p in range(a, min(b, entries.shape[0])):
-                    found = record_checksum(view[(p - a) * rec:(p - a + 1) * rec], p)
-                    if found != int(entries[p]):
-                        raise CorruptionError(
-                            f"{self.reader.path}: byte {HEADER_SIZE + p * rec}: record {p} hashes "
-                            f"{found:#018x}, the sidecar vouches for {int(entries[p]):#018x}; "
-                            "refusing to export a corrupt session")
-            yield view
+    def kv_chunks(self) -> Iterator[bytes | memoryview]:
+        """The kv file's bytes cut at chunk boundaries: the header (nrec = committed) and the
+        committed records, as zero-copy views of the mapping (chunk 0 only is joined to the
+        header); every record a chunk touches is checked against its sidecar entry before the
+        chunk is handed out."""
+        n, rec, cb = self.snap.committed, self.snap.header.record_bytes, self.chunk_bytes
+        body = self.reader.records_bytes_view(0, n) if n else memoryview(b"")
+        total = HEADER_SIZE + len(body)
+        checked = released = 0  # records [0, checked) verified, [0, released) unmapped
+        for start in range(0, total, cb):
+            end = min(start + cb, total)
+            if self.entries is not None:
+                checked = self._check(body, checked, -(-(end - HEADER_SIZE) // rec))
+            if start == 0:
+                yield self.header_bytes + body[:end - HEADER_SIZE]
+            else:
+                yield body[start - HEADER_SIZE:end - HEADER_SIZE]
+            sent = (end - HEADER_SIZE) // rec  # records [0, sent) are written: unmap them
+            if (sent - released) * rec >= RELEASE_BYTES:
+                self.reader.release_pages(released, sent)
+                released = sent
+
+    def _check(self, body: memoryview, first: int, stop: int) -> int:
+        """Compare records [first, stop) with their sidecar entries (those it covers)."""
+        entries, rec = self.entries, self.snap.header.record_bytes
+        assert entries is not None
+        for p in range(first, min(stop, entries.shape[0])):
+            found = record_checksum(body[p * rec:(p + 1) * rec], p)
+            if found != int(entries[p]):
+                raise CorruptionError(
+                    f"{self.reader.path}: byte {HEADER_SIZE + p * rec}: record {p} hashes "
+                    f"{found:#018x}, the sidecar vouches for {int(entries[p]):#018x}; "
+                    "refusing to export a corrupt session (the bundle was abandoned)")
+        return max(first, stop)
 
     def close(self) -> None:
-        self.reader.close()
+        self.reader.close(defer_unmap=True)
 
 
 def kv_info(snap: SessionSnapshot) -> dict[str, Any]:
@@ -178,44 +187,48 @@ def kv_info(snap: SessionSnapshot) -> dict[str, Any]:
 def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
                    compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
                    progress: bool = False) -> MigrateResult:
-    """Write ``session_id`` (its last commit) to ``sink`` as one bundle."""
+    """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
     start = time.perf_counter()
-    for attempt in range(EXPORT_RETRIES):
-        snap = store.snapshot(session_id)
-        plan = _ExportPlan(snap, chunk_bytes)
+    snap = store.snapshot(session_id)
+    source = _ExportSource(snap, chunk_bytes)
+    try:
+        manifest = B.BundleManifest(
+            session_id=session_id, session=snap.manifest.to_json(), kv=kv_info(snap),
+            files=source.files, chunk_bytes=chunk_bytes,
+            created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            producer="coli-sessionstore")
+        bar = _progress(manifest.total_bytes, f"export {session_id}", progress)
         try:
-            if not snap.still_valid():  # truncated while hashing: nothing sent yet, retry
-                log.info("bundle.export_retry", id=session_id, attempt=attempt)
-                continue
-            manifest = B.BundleManifest(
-                session_id=session_id, session=snap.manifest.to_json(), kv=kv_info(snap),
-                files=plan.files, chunk_bytes=chunk_bytes,
-                created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                producer="coli-sessionstore")
-            bar = _progress(manifest.total_bytes, f"export {session_id}", progress)
+            writer = B.BundleWriter(sink, manifest, B.CompressionPolicy(compression), bar)
+            writer.write_file(MANIFEST_NAME, [source.manifest_json])
             try:
-                writer = B.BundleWriter(sink, manifest, B.CompressionPolicy(compression), bar)
-                writer.write_file(MANIFEST_NAME, [plan.manifest_json], plan.digests[MANIFEST_NAME])
-                writer.write_file(KV_NAME, plan.kv_pieces(), plan.digests[KV_NAME])
-                if plan.sidecar is not None:
-                    writer.write_file(SIDECAR_NAME, [plan.sidecar], plan.digests[SIDECAR_NAME])
-                if not snap.still_valid():
-                    raise LockedError(
-                        f"session {session_id!r} was truncated by its live writer while being "
-                        "exported; the bundle was abandoned (no trailer): try again")
-                stats = writer.finish()
-            finally:
-                if bar is not None:
-                    bar.close()
+                writer.write_file(KV_NAME, source.kv_chunks())
+            except CorruptionError:
+                if snap.still_valid():
+                    raise
+                _changed_while_exporting(session_id)
+            if source.sidecar is not None:
+                writer.write_file(SIDECAR_NAME, [source.sidecar])
+            if not snap.still_valid():
+                _changed_while_exporting(session_id)
+            stats = writer.finish()
         finally:
-            plan.close()
-        result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
-                               stats.stored_bytes, stats.chunks, stats.zstd_chunks,
-                               time.perf_counter() - start)
-        log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
-                 stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
-        return result
-    raise LockedError(f"session {session_id!r} kept being truncated while exporting; try again")
+            if bar is not None:
+                bar.close()
+    finally:
+        source.close()
+    result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
+                           stats.stored_bytes, stats.chunks, stats.zstd_chunks,
+                           time.perf_counter() - start)
+    log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
+             stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
+    return result
+
+
+def _changed_while_exporting(session_id: str) -> None:
+    log.info("bundle.export_abandoned", id=session_id, reason="truncated by its live writer")
+    raise LockedError(f"session {session_id!r} was truncated by its live writer while being "
+                      "exported; the bundle was abandoned (no trailer): try again")
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -279,18 +292,29 @@ def _check_space(store: SessionStore, needed: int) -> None:
 
 
 def _receive(reader: B.BundleReader, tmp: Path, bar: Any) -> None:
-    for entry in reader.manifest.files:
-        fd = os.open(tmp / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            for raw in reader.iter_file(entry.name):
-                view = memoryview(raw)
-                while view:
-                    view = view[os.write(fd, view):]
+    """Every file of the bundle into ``tmp`` (created exclusively, no symlink followed), each
+    chunk verified before it is written; then one durability barrier per file."""
+    outs: list[WritebackFile] = []
+    try:
+        for entry in reader.manifest.files:
+            out = WritebackFile.create(tmp / entry.name)
+            outs.append(out)
+            for raw in reader.iter_file(entry.name, copy=False):
+                out.write(raw)
                 if bar is not None:
                     bar.update(len(raw))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_all([out.fileno() for out in outs])
+    finally:
+        for out in outs:
+            out.close()
+
+
+def _fsync_all(fds: Sequence[int]) -> None:
+    io = Durability()
+    try:
+        io.fsync_all(fds)
+    finally:
+        io.release()
 
 
 def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "<bundle>",
@@ -372,4 +396,4 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
 
 
 __all__ = ["MigrateResult", "export_session", "import_bundle", "check_model", "sidecar_bytes",
-           "kv_info", "WINDOW_BYTES"]
+           "kv_info"]

@@ -1,8 +1,9 @@
 """Where bundles go and come from: a local path, ``-`` (stdout/stdin) or an fsspec URL.
 
 Sinks are all-or-nothing: a local file is written as ``<dest>.<random>.partial`` beside the
-destination, fsynced, then renamed into place (and the directory fsynced), so an inbox or a
-reader never sees a half-written bundle under the final name; an fsspec object (``s3://...``)
+destination (unbuffered, its write-back started as it grows), fsynced, then renamed into place
+(and the directory fsynced), so an inbox or a reader never sees a half-written bundle under the
+final name; an fsspec object (``s3://...``)
 appears only when its upload completes, and an aborted upload is discarded. On stdout an
 aborted bundle simply stops before its trailer, which every reader refuses.
 
@@ -20,9 +21,10 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from kernels.errors import ColiError, FormatError, NotFoundError
+from sessionstore.bundle_io import WritebackFile
 from sessionstore.log import get_logger
 
 log = get_logger("transport")
@@ -96,13 +98,11 @@ def _file_sink(path: str, overwrite: bool, durable: bool) -> Iterator[tuple[Bina
     if not os.path.isdir(directory):
         raise NotFoundError(f"{directory}: no such directory for the bundle")
     partial = f"{path}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    handle = os.fdopen(fd, "wb", buffering=SINK_BUFFER_BYTES)
+    handle = WritebackFile.create(partial)
     try:
-        yield handle, SinkInfo(path, final_path=path, kind="file")
-        handle.flush()
+        yield cast(BinaryIO, handle), SinkInfo(path, final_path=path, kind="file")
         if durable:
-            os.fsync(handle.fileno())
+            handle.sync()
         handle.close()
         os.replace(partial, path)
         if durable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,14 @@ import pytest
 
 from kernels.rows import RecordRows
 from sessionstore.layout import Dims
-from sessionstore.manifest import Manifest, ModelRef, SamplerSettings, make_digest, write_manifest
+from sessionstore.manifest import (
+    Manifest,
+    ModelRef,
+    SamplerSettings,
+    make_digest,
+    write_manifest,
+)
+from sessionstore.reader import open_kv
 from sessionstore.store import SessionStore
 from sessionstore.writer import KVWriter
 
@@ -51,6 +59,23 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
     write_manifest(tmp / "manifest.json", manifest)
     store.adopt_dir(tmp, session_id)
     return manifest
+
+
+def session_files(store: SessionStore, session_id: str) -> dict[str, bytes]:
+    """A session's files by name, each cut to its content: the kv file to its header and
+    committed records (a writer may leave a stale tail or preallocated headroom past nrec, which
+    the engine ignores), the sidecar to the entries it vouches for (its zero-filled headroom past
+    the count is checked zero)."""
+    out = {p.name: p.read_bytes() for p in store.files_of(session_id)}
+    with open_kv(store.kv_path(session_id)) as reader:
+        out["kv.coli_kv"] = out["kv.coli_kv"][:40 + reader.nrec * reader.record_bytes]
+    side = out.get("kv.coli_kv.colisum")
+    if side is not None and len(side) >= 64:
+        count = struct.unpack_from("<Q", side, 32)[0]
+        end = 64 + 8 * count
+        assert not any(side[end:]), "sidecar bytes past its count must be zero headroom"
+        out["kv.coli_kv.colisum"] = side[:end]
+    return out
 
 
 def tree_state(root: Path) -> dict[str, bytes | str]:

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError
 from sessionstore import bundle as B
+from sessionstore.bundle_compress import PROBE_SAMPLE_BYTES
 
 
 def _manifest(files: dict[str, bytes], chunk_bytes: int = B.MIN_CHUNK_BYTES,
               session_id: str = "s1") -> B.BundleManifest:
-    entries = tuple(B.BundleFile(name, len(data), xxhash.xxh3_128(data).hexdigest())
-                    for name, data in files.items())
+    entries = tuple(B.BundleFile(name, len(data)) for name, data in files.items())
     return B.BundleManifest(session_id=session_id, session={"id": session_id},
                             kv={"version": 2}, files=entries, chunk_bytes=chunk_bytes)
 
@@ -67,13 +67,35 @@ def test_fixed_level_compresses_compressible_chunks_and_stores_random_raw():
     assert len(data) < sum(map(len, files.values()))
 
 
+def _encode_watching_probes(policy, chunk: bytes, n: int) -> tuple[list[int], list[int]]:
+    """(codecs, indices of the chunks that were probes) for n encodes of ``chunk``."""
+    codecs, probes = [], []
+    for i in range(n):
+        measured = policy._measured
+        codecs.append(policy.encode(chunk)[0])
+        if policy._measured > measured:
+            probes.append(i)
+    return codecs, probes
+
+
 def test_auto_policy_stays_raw_when_the_sink_is_faster_than_compression():
     policy = B.CompressionPolicy("auto", probe_every=8)
     policy.note_sink(1e-12, 1 << 30)  # a sink that costs nothing per byte
-    compressible = bytes(B.MIN_CHUNK_BYTES)
-    codecs = [policy.encode(compressible)[0] for _ in range(60)]
-    zstd_at = [i for i, c in enumerate(codecs) if c == B.CODEC_ZSTD]
-    assert zstd_at == [0, 16, 48]  # probes only, each losing one doubling the interval
+    codecs, probes = _encode_watching_probes(policy, bytes(B.MIN_CHUNK_BYTES), 60)
+    assert probes == [0, 16, 48]  # each losing probe doubles the interval
+    assert codecs == [B.CODEC_RAW] * 60  # a probe is a measurement: the chunk still goes raw
+    assert policy.saved_fraction > 0.9  # zeros compress: it is the sink's speed that says no
+
+
+def test_a_probe_compresses_a_sample_not_the_whole_chunk(monkeypatch):
+    policy = B.CompressionPolicy("auto")
+    seen = []
+    real = policy._cctx.compress
+    monkeypatch.setattr(policy, "_cctx", type("Spy", (), {
+        "compress": staticmethod(lambda data: seen.append(len(data)) or real(data))})())
+    policy.note_sink(1e-12, 1 << 30)
+    assert policy.encode(bytes(4 << 20))[0] == B.CODEC_RAW
+    assert seen == [PROBE_SAMPLE_BYTES]
 
 
 def test_auto_policy_compresses_for_a_slow_sink():
@@ -90,9 +112,11 @@ def test_auto_policy_ignores_short_writes_and_probes_until_the_sink_is_measured(
     assert policy.encode(b"{}" * 100)[0] == B.CODEC_RAW  # tiny: no probe, nothing learnt
     assert policy.compress_s_per_byte == 0.0
     chunk = bytes(B.MIN_CHUNK_BYTES)
-    assert [policy.encode(chunk)[0] for _ in range(3)] == [B.CODEC_ZSTD] * 3  # probes: no verdict
+    codecs, probes = _encode_watching_probes(policy, chunk, 3)
+    assert probes == [0, 1, 2] and codecs == [B.CODEC_RAW] * 3  # no verdict without the sink
     policy.note_sink(1e-12, 1 << 30)  # now a fast sink is measured
-    assert [policy.encode(chunk)[0] for _ in range(3)] == [B.CODEC_ZSTD, B.CODEC_RAW, B.CODEC_RAW]
+    codecs, probes = _encode_watching_probes(policy, chunk, 3)
+    assert probes == [0] and codecs == [B.CODEC_RAW] * 3
 
 
 def test_auto_policy_follows_a_sink_that_slows_down():
@@ -110,23 +134,35 @@ def test_layout_of_the_first_bytes_matches_the_spec():
     tag, length, check = struct.unpack_from("<4sIQ", data, 16)
     doc = data[32:32 + length]
     assert tag == b"MNFT" and check == xxhash.xxh3_64_intdigest(doc)
-    assert json.loads(doc)["files"][1] == {
-        "name": "kv.coli_kv", "size": 3, "xxh3_128": xxhash.xxh3_128(b"abc").hexdigest()}
+    assert json.loads(doc)["files"] == [{"name": "manifest.json", "size": 2},
+                                        {"name": "kv.coli_kv", "size": 3}]
     at = 32 + length
+    framing = [data[:at]]
     tag, index, codec, reserved, raw_len, stored, chk = struct.unpack_from("<4sHBBIIQ", data, at)
     assert (tag, index, codec, reserved, raw_len, stored) == (b"CHNK", 0, 0, 0, 2, 2)
     assert chk == xxhash.xxh3_64_intdigest(b"{}", seed=0)
     assert data[at + 24:at + 26] == b"{}"
+    framing.append(data[at:at + 24])
     at += 26
+    assert struct.unpack_from("<4sHHQ16s", data, at) == (
+        b"FEND", 0, 0, 2, xxhash.xxh3_128(b"{}").digest())  # file 0 ends: size, whole digest
+    framing.append(data[at:at + 32])
+    at += 32
     tag, index, codec, _, raw_len, stored, chk = struct.unpack_from("<4sHBBIIQ", data, at)
     assert (tag, index, raw_len, stored) == (b"CHNK", 1, 3, 3)
     assert chk == xxhash.xxh3_64_intdigest(b"abc", seed=1)  # seeded with the chunk ordinal
-    trailer = struct.unpack_from("<4sIQQ16s8s", data, len(data) - 48)
+    framing.append(data[at:at + 24])
+    at += 24 + 3
+    assert struct.unpack_from("<4sHHQ16s", data, at) == (
+        b"FEND", 1, 0, 3, xxhash.xxh3_128(b"abc").digest())
+    framing.append(data[at:at + 32])
+    at += 32
+    trailer = struct.unpack_from("<4sIQQ16s8s", data, at)
     assert trailer[:4] == (b"TRLR", 2, 2, 5)
-    framing = data[:32 + length] + data[32 + length:32 + length + 24] + data[at:at + 24]
-    assert trailer[4] == xxhash.xxh3_128(framing).digest()  # preamble, manifest, chunk headers
+    # the framing digest: preamble, manifest frame, chunk headers and file-end frames
+    assert trailer[4] == xxhash.xxh3_128(b"".join(framing)).digest()
     assert trailer[5] == b"COLIBEND"
-    assert len(data) == at + 24 + 3 + 48
+    assert len(data) == at + 48
 
 
 def test_every_truncation_is_refused():
@@ -229,8 +265,9 @@ def test_a_zstd_bomb_is_refused_without_inflating_it():
     doc["files"][1]["size"] = B.MIN_CHUNK_BYTES
     doc["chunk_bytes"] = B.MIN_CHUNK_BYTES
     chunk = B.CHUNK_HEAD.pack(b"CHNK", 0, 0, 0, 2, 2, xxhash.xxh3_64_intdigest(b"{}", seed=0))
+    chunk += b"{}" + B.FILE_END.pack(b"FEND", 0, 0, 2, xxhash.xxh3_128(b"{}").digest())
     bomb_head = B.CHUNK_HEAD.pack(b"CHNK", 1, 1, 0, B.MIN_CHUNK_BYTES, len(bomb), 0)
-    stream = _with_manifest(doc, chunk + b"{}" + bomb_head + bomb)
+    stream = _with_manifest(doc, chunk + bomb_head + bomb)
     reader = B.BundleReader(io.BytesIO(stream))
     list(reader.iter_file("manifest.json"))
     with pytest.raises(CorruptionError, match="declares 67108864 content bytes"):
@@ -239,7 +276,7 @@ def test_a_zstd_bomb_is_refused_without_inflating_it():
     streaming = zstandard.ZstdCompressor().compressobj()
     no_size = streaming.compress(bytes(1 << 20)) + streaming.flush()
     assert zstandard.frame_content_size(no_size) == -1
-    stream = _with_manifest(doc, chunk + b"{}" + B.CHUNK_HEAD.pack(
+    stream = _with_manifest(doc, chunk + B.CHUNK_HEAD.pack(
         b"CHNK", 1, 1, 0, B.MIN_CHUNK_BYTES, len(no_size), 0) + no_size)
     reader = B.BundleReader(io.BytesIO(stream))
     list(reader.iter_file("manifest.json"))
@@ -258,27 +295,47 @@ def test_swapped_chunks_are_refused_by_the_ordinal_seed():
         read_bundle(swapped)
 
 
-def test_writer_with_pass1_digests_sends_what_pass1_hashed_and_readers_refuse_changes():
+def _kv_chunk_at(data: bytes) -> int:
+    return data.index(b"CHNK", data.index(b"CHNK") + 1)  # kv's first chunk header
+
+
+def test_the_whole_file_digest_catches_what_a_rechecked_chunk_hides():
+    """A payload edited with its chunk checksum recomputed (and the framing digest redone)
+    still fails: the file-end frame's whole-file xxh3_128 no longer matches."""
     files = {"manifest.json": b"{}", "kv.coli_kv": bytes(range(256)) * 40}
-    digests = {"manifest.json": B.digest_file([files["manifest.json"]], B.MIN_CHUNK_BYTES, 0)}
-    digests["kv.coli_kv"] = B.digest_file([files["kv.coli_kv"]], B.MIN_CHUNK_BYTES, 1)
-    assert len(digests["kv.coli_kv"].chunk_checks) == 3
-    manifest = _manifest(files)
+    data = bytearray(make_bundle(files))
+    at = _kv_chunk_at(bytes(data))
+    raw_len = struct.unpack_from("<I", data, at + 8)[0]
+    data[at + 24 + 7] ^= 0x40
+    struct.pack_into("<Q", data, at + 16, xxhash.xxh3_64_intdigest(
+        bytes(data[at + 24:at + 24 + raw_len]), seed=1))
+    with pytest.raises(CorruptionError, match="whole-file xxh3_128"):
+        read_bundle(bytes(data))
 
-    def write(kv: bytes) -> bytes:
-        sink = io.BytesIO()
-        writer = B.BundleWriter(sink, manifest, B.CompressionPolicy("none"))
-        writer.write_file("manifest.json", [files["manifest.json"]], digests["manifest.json"])
-        writer.write_file("kv.coli_kv", [kv[i:i + 999] for i in range(0, len(kv), 999)],
-                          digests["kv.coli_kv"])
-        writer.finish()
-        return sink.getvalue()
 
-    assert write(files["kv.coli_kv"]) == make_bundle(files)  # identical bytes either way
-    changed = bytearray(files["kv.coli_kv"])
-    changed[5000] ^= 1  # the source changed between pass 1 and pass 2
-    with pytest.raises(CorruptionError, match="chunk 2: checksum"):
-        read_bundle(write(bytes(changed)))
+def test_file_end_frame_fields_are_checked():
+    files = {"manifest.json": b"{}", "kv.coli_kv": bytes(range(256)) * 40}
+    data = make_bundle(files)
+    fend = data.index(b"FEND", _kv_chunk_at(data))
+    for offset, value, match in ((0, b"FENX", "tag"), (4, b"\x00\x00", "file 0"),
+                                 (8, struct.pack("<Q", 10239), "size 10239"),
+                                 (16, bytes(16), "whole-file")):
+        mutated = bytearray(data)
+        mutated[fend + offset:fend + offset + len(value)] = value
+        with pytest.raises(CorruptionError, match=match):
+            read_bundle(bytes(mutated))
+
+
+def test_iter_file_without_copy_yields_views_of_one_reused_buffer():
+    files = _files(kv_size=3 * B.MIN_CHUNK_BYTES + 17)
+    reader = B.BundleReader(io.BytesIO(make_bundle(files)))
+    list(reader.iter_file("manifest.json"))
+    got, buffers = [], set()
+    for view in reader.iter_file("kv.coli_kv", copy=False):
+        assert isinstance(view, memoryview)
+        buffers.add(id(view.obj))
+        got.append(bytes(view))
+    assert b"".join(got) == files["kv.coli_kv"] and len(buffers) == 1
 
 
 def test_cut_chunks_is_zero_copy_for_whole_chunks():
@@ -294,8 +351,8 @@ def test_writer_refuses_a_source_that_changed_under_it():
     sink = io.BytesIO()
     writer = B.BundleWriter(sink, _manifest(files), B.CompressionPolicy("none"))
     writer.write_file("manifest.json", [b"{}"])
-    with pytest.raises(CorruptionError, match="changed"):
-        writer.write_file("kv.coli_kv", [b"y" * 100])
+    with pytest.raises(CorruptionError, match="streamed 99 bytes.*changed"):
+        writer.write_file("kv.coli_kv", [b"x" * 99])
     with pytest.raises(CorruptionError, match="grew"):
         writer.write_file("kv.coli_kv", [b"x" * 101])
     assert b"TRLR" not in sink.getvalue()

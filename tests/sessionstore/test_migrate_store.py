@@ -13,7 +13,14 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
+from kernels.errors import (
+    ColiError,
+    CorruptionError,
+    FormatError,
+    LimitError,
+    LockedError,
+    ModelMismatchError,
+)
 from sessionstore import bundle as B
 from sessionstore import migrate
 from sessionstore.lock import WriterLock
@@ -21,7 +28,13 @@ from sessionstore.manifest import read_manifest, write_manifest
 from sessionstore.reader import open_kv
 from sessionstore.store import SessionStore
 from sessionstore.writer import KVWriter
-from tests.sessionstore.migrate_support import SMALL_DIMS, make_session, synthetic_rows, tree_state
+from tests.sessionstore.migrate_support import (
+    SMALL_DIMS,
+    make_session,
+    session_files,
+    synthetic_rows,
+    tree_state,
+)
 
 
 @pytest.fixture
@@ -33,10 +46,6 @@ def export_bytes(store, sid, **kw) -> bytes:
     sink = io.BytesIO()
     migrate.export_session(store, sid, sink, **kw)
     return sink.getvalue()
-
-
-def session_files(store, sid) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in store.files_of(sid)}
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "f32"])
@@ -122,11 +131,57 @@ def test_export_refuses_a_corrupt_source_record(stores):
     a, _ = stores
     make_session(a, "bad", 10)
     kv = a.kv_path("bad")
+    with open_kv(kv) as reader:
+        rec = reader.record_bytes  # the file may hold a stale tail past its 10 records
     raw = bytearray(kv.read_bytes())
-    raw[40 + 3 * (len(raw) - 40) // 10 + 5] ^= 0x10  # inside record 3
+    raw[40 + 3 * rec + 5] ^= 0x10  # inside record 3
     kv.write_bytes(raw)
     with pytest.raises(CorruptionError, match="record 3"):
         export_bytes(a, "bad")
+
+
+def _kv_chunks_sent(data: bytes) -> int:
+    """How many chunk frames of file 1 (the kv file) a (partial) bundle holds."""
+    (length,) = struct.unpack_from("<I", data, 20)
+    at, sent = 32 + length, 0
+    while at + 24 <= len(data):
+        if data[at:at + 4] == B.FILE_END_TAG:
+            at += B.FILE_END.size
+            continue
+        _, index, _, _, _, stored, _ = B.CHUNK_HEAD.unpack_from(data, at)
+        sent += index == 1
+        at += 24 + stored
+    return sent
+
+
+def test_a_corrupt_record_stops_the_one_pass_export_before_its_chunk(stores, tmp_path):
+    """Export streams in one pass: the chunks before the bad record are sent, the chunk that
+    holds it is not, and there is no trailer; a file sink leaves nothing behind."""
+    from sessionstore.transport import open_sink
+
+    a, b = stores
+    make_session(a, "late", 300)
+    kv = a.kv_path("late")
+    with open_kv(kv) as reader:
+        rec = reader.record_bytes
+    raw = bytearray(kv.read_bytes())
+    raw[40 + 250 * rec + 9] ^= 0x01  # inside record 250, well past the first chunks
+    kv.write_bytes(raw)
+    sink = io.BytesIO()
+    with pytest.raises(CorruptionError, match="record 250"):
+        migrate.export_session(a, "late", sink, compression="none", chunk_bytes=B.MIN_CHUNK_BYTES)
+    data = sink.getvalue()
+    assert b"TRLR" not in data and b"COLIBEND" not in data
+    assert _kv_chunks_sent(data) == (40 + 250 * rec) // B.MIN_CHUNK_BYTES  # up to the bad one
+    before = tree_state(b.root)
+    with pytest.raises(CorruptionError, match="truncated"):
+        migrate.import_bundle(b, io.BytesIO(data))
+    assert tree_state(b.root) == before
+    dest = tmp_path / "out.colibundle"
+    with pytest.raises(CorruptionError):
+        with open_sink(str(dest)) as (file_sink, _):
+            migrate.export_session(a, "late", file_sink, chunk_bytes=B.MIN_CHUNK_BYTES)
+    assert list(tmp_path.glob("out.colibundle*")) == []  # no bundle, no .partial
 
 
 # --- every import failure leaves the store exactly as it was ---------------------------------
@@ -177,7 +232,11 @@ def _reframe(data: bytes, edit) -> bytes:
             + raw + data[32 + length:-48])
     framing = xxhash.xxh3_128(body[:32 + len(raw)])
     at = 32 + len(raw)
-    while at < len(body):  # every chunk header, as the writer hashes them
+    while at < len(body):  # every chunk header and file-end frame, as the writer hashes them
+        if body[at:at + 4] == B.FILE_END_TAG:
+            framing.update(body[at:at + B.FILE_END.size])
+            at += B.FILE_END.size
+            continue
         header = body[at:at + 24]
         framing.update(header)
         at += 24 + struct.unpack_from("<I", header, 12)[0]
@@ -252,8 +311,7 @@ def _rewrite_kv_payload(data: bytes, edit) -> bytes:
     files = {f.name: b"".join(reader.iter_file(f.name)) for f in reader.manifest.files}
     files["kv.coli_kv"] = edit(bytearray(files["kv.coli_kv"]))
     bm = reader.manifest
-    entries = tuple(B.BundleFile(f.name, len(files[f.name]), xxhash.xxh3_128_hexdigest(files[f.name]))
-                    for f in bm.files)
+    entries = tuple(B.BundleFile(f.name, len(files[f.name])) for f in bm.files)
     out = io.BytesIO()
     writer = B.BundleWriter(out, B.BundleManifest(bm.session_id, bm.session, bm.kv, entries,
                                                   bm.chunk_bytes), B.CompressionPolicy("none"))
@@ -423,5 +481,8 @@ def test_auto_compression_follows_the_measured_link(stores):
         migrate.import_bundle(b, io.BytesIO(sink.getvalue()), replace=True)
         assert session_files(b, "s") == session_files(a, "s")
     slow, fast = results["slow"], results["fast"]
-    assert slow.zstd_chunks >= slow.chunks - 2 and slow.ratio > 1.05  # a 20 MB/s link: zstd pays
+    # a 20 MB/s link: zstd pays for every chunk but three: the small manifest and the first kv
+    # chunk (sent before the link was measured: a probe samples it, then it goes raw) and the
+    # sidecar (random hashes: not smaller)
+    assert slow.zstd_chunks >= slow.chunks - 3 and slow.ratio > 1.05
     assert fast.zstd_chunks <= 2  # a free sink: only the probes compress

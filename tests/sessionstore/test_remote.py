@@ -9,7 +9,12 @@ import pytest
 from kernels.errors import ColiError, LockedError, NotFoundError
 from sessionstore.remote import RemoteStore
 from sessionstore.store import SessionStore
-from tests.sessionstore.migrate_support import make_session, s3_endpoint, tree_state  # noqa: F401
+from tests.sessionstore.migrate_support import (  # noqa: F401
+    make_session,
+    s3_endpoint,
+    session_files,
+    tree_state,
+)
 
 
 @pytest.fixture
@@ -21,7 +26,7 @@ def hosts(tmp_path, s3_endpoint, request):
 
 
 def files(store, sid):
-    return {p.name: p.read_bytes() for p in store.files_of(sid)}
+    return session_files(store, sid)
 
 
 def test_push_then_pull_on_another_host(hosts):

@@ -1,0 +1,75 @@
+"""The bundle's plain-file I/O: the write-through sink with streamed write-back, exact reads."""
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+
+from sessionstore import bundle_io
+from sessionstore.bundle_io import WritebackFile, read_exactly_into
+
+
+def test_writeback_file_writes_everything_and_starts_write_back_per_window(tmp_path, monkeypatch):
+    kicks = []
+    monkeypatch.setattr(bundle_io, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(bundle_io._IO, "start_writeback",
+                        lambda fd, offset, length: kicks.append((offset, length)))
+    data = os.urandom(3500)
+    with WritebackFile.create(tmp_path / "f") as out:
+        for i in range(0, len(data), 300):
+            assert out.write(memoryview(data)[i:i + 300]) == len(data[i:i + 300])
+        out.flush()
+        out.sync()
+        assert out.offset == 3500
+    assert (tmp_path / "f").read_bytes() == data
+    assert kicks == [(0, 1200), (1200, 1200), (2400, 1100)]  # contiguous, each >= the window
+
+
+def test_writeback_file_continues_short_writes(tmp_path, monkeypatch):
+    real_write = os.write
+    monkeypatch.setattr(bundle_io.os, "write", lambda fd, view: real_write(fd, view[:7]))
+    with WritebackFile.create(tmp_path / "f") as out:
+        out.write(b"0123456789" * 5)
+    assert (tmp_path / "f").read_bytes() == b"0123456789" * 5
+
+
+def test_writeback_file_never_replaces_or_follows(tmp_path):
+    (tmp_path / "exists").write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        WritebackFile.create(tmp_path / "exists")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    with pytest.raises(OSError):
+        WritebackFile.create(tmp_path / "link")
+    assert not (tmp_path / "elsewhere").exists()
+    assert (tmp_path / "exists").read_bytes() == b"precious"
+
+
+class _Trickle(io.RawIOBase):
+    """A source that returns at most 3 bytes per call, with or without readinto."""
+
+    def __init__(self, data: bytes, readinto: bool) -> None:
+        self._data, self._pos = data, 0
+        if not readinto:
+            self.readinto = None  # type: ignore[assignment]
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        piece = self._data[self._pos:self._pos + min(n, 3)]
+        self._pos += len(piece)
+        return piece
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        piece = self.read(len(buf))
+        buf[:len(piece)] = piece
+        return len(piece)
+
+
+@pytest.mark.parametrize("has_readinto", [True, False])
+def test_read_exactly_into_fills_across_short_reads_and_stops_at_the_end(has_readinto):
+    buf = memoryview(bytearray(10))
+    src = _Trickle(b"abcdefghijklm", has_readinto)
+    assert read_exactly_into(src, buf) == 10 and bytes(buf) == b"abcdefghij"
+    assert read_exactly_into(src, buf) == 3 and bytes(buf[:3]) == b"klm"  # the stream ended
