@@ -6,7 +6,9 @@ import json
 import sys
 from typing import Any
 
+from kernels.errors import CorruptionError
 from sessionstore.convert import convert_file
+from sessionstore.verify import verify_file
 
 
 def register(subparsers: Any) -> None:
@@ -15,11 +17,27 @@ def register(subparsers: Any) -> None:
     parser.add_argument("dst", help="destination path (never the source)")
     parser.add_argument("--to", required=True, choices=("v1", "v2"), help="target version")
     parser.add_argument("--force", action="store_true", help="replace an existing DST")
+    parser.add_argument("--unverified", action="store_true",
+                        help="convert even a source that `coli-kv verify` calls unsound (salvage: DST's"
+                             " fresh sidecar then vouches for the damaged records)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.set_defaults(func=run)
 
 
+def check_source(path: str) -> None:
+    """Refuse an unsound source (checksum mismatch, token out of range): a converted copy gets a
+    fresh sidecar, which would vouch for the damage and hide it from every later check."""
+    from tools.cmd_verify import unsound_line
+
+    report = verify_file(path)
+    if not report.sound:
+        raise CorruptionError(f"{unsound_line(report)}; refusing to convert it (see `coli-kv verify`,"
+                              " or --unverified to salvage it anyway)")
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.unverified:
+        check_source(args.src)
     bar = None
     progress = None
     if sys.stderr.isatty():

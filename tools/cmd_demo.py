@@ -42,7 +42,7 @@ def _shown(ids: list[int]) -> str:
 
 def _cli(argv: list[str]) -> dict[str, Any]:
     """Run ``coli-kv`` in a separate Python process; returns its last-line JSON."""
-    proc = subprocess.run([sys.executable, "-m", "tools", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools", *argv], check=False, capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0:
         raise ColiError(f"demo: `coli-kv {' '.join(argv[:1])}` failed in its own process: "

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
-from kernels.errors import ColiError, FormatError
+from kernels.errors import BackendUnavailableError, ColiError, FormatError
 from kernels.model import Sampler, generate, load_model
 
 MAX_PROMPT_IDS = 1 << 20
 DEFAULT_MAX_NEW = 16
+_ID = re.compile(r"-?[0-9]+")  # ASCII digits only: int() would also take '1_0' and other scripts' digits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--root", help="session store root (delegates to the session layer)")
     p.add_argument("--session", help="session id (delegates to the session layer)")
-    p.add_argument("--commit-every", type=int, default=64, help="sessions: commit rows every N positions (default 64)")
-    p.set_defaults(func=handle)
+    p.add_argument("--commit-every", type=int, default=64,
+                   help="sessions: commit rows every N positions (default 64; 0 = at the end of the turn only)")
+    # the sampling flags above are None unless given: a session keeps its stored value for each one left out
+    p.set_defaults(func=handle, explicit_sampler_flags=True)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -53,13 +57,22 @@ def parse_ids(text: str) -> list[int]:
         raise FormatError(f"--prompt-ids: expected comma-separated integers, found {text!r}")
     if len(items) > MAX_PROMPT_IDS:
         raise FormatError(f"--prompt-ids: more than {MAX_PROMPT_IDS} ids")
-    ids = []
     for s in items:
-        try:
-            ids.append(int(s, 10))
-        except ValueError:
-            raise FormatError(f"--prompt-ids: {s!r} is not an integer") from None
-    return ids
+        if not _ID.fullmatch(s):
+            raise FormatError(f"--prompt-ids: {s!r} is not an integer")
+    return [int(s) for s in items]
+
+
+def check_backend(name: str) -> None:
+    """Refuse an unusable backend in one line, before any model is loaded or session touched."""
+    if name == "cpu":
+        return
+    from kernels.backend import get_backend
+
+    try:
+        get_backend(name)
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(f"{exc}; or run on the CPU with --backend cpu") from None
 
 
 def sampler_from_args(args: argparse.Namespace) -> Sampler:
@@ -81,11 +94,14 @@ def handle(args: argparse.Namespace) -> int:
         raise FormatError("--prompt-ids is required (comma-separated token ids)")
     ids = parse_ids(args.prompt_ids)
     sampler = sampler_from_args(args)
+    max_new = DEFAULT_MAX_NEW if args.max_new is None else args.max_new
+    if max_new < 0:
+        raise FormatError(f"--max-new: max_new must be an integer >= 0, found {max_new}")
+    check_backend(args.backend)
     kv = args.kv or "f32"
     model = load_model(args.model)
     cache = model.new_cache(kv, backend=args.backend)
     t0 = time.perf_counter()
-    max_new = DEFAULT_MAX_NEW if args.max_new is None else args.max_new
     result = generate(model, cache, ids, max_new, sampler, stop_at_eos=args.stop_at_eos)
     seconds = time.perf_counter() - t0
     print(" ".join(str(t) for t in result.tokens))

@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kernels.errors import FormatError
@@ -38,10 +40,14 @@ def _compression(value: str) -> str | int:
 
 
 def _chunk_mib(value: str) -> int:
-    size = int(float(value) * (1 << 20))
-    if not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:
+    try:
+        mib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, found {value!r}") from None
+    size = mib * (1 << 20)
+    if not MIN_CHUNK_BYTES <= size <= MAX_CHUNK_BYTES:  # also refuses nan and inf
         raise argparse.ArgumentTypeError(f"chunk size must be {MIN_CHUNK_BYTES >> 10} KiB..16 MiB")
-    return size
+    return int(size)
 
 
 def _remote_args(p: argparse.ArgumentParser) -> None:
@@ -129,8 +135,9 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remove_if_fresh(root: str) -> None:
-    """Undo the empty store skeleton a failed import created (rmdir never removes data)."""
+def remove_empty_store(root: str) -> None:
+    """Undo the empty store skeleton (``tmp/``, ``sessions/``, the root) a failed command created;
+    rmdir never removes anything that holds data."""
     for sub in ("tmp", "sessions", ""):
         try:
             os.rmdir(os.path.join(root, sub))
@@ -138,33 +145,45 @@ def _remove_if_fresh(root: str) -> None:
             return
 
 
-def run_import(args: argparse.Namespace) -> int:
-    fresh = not os.path.exists(args.root)
-    store = SessionStore(args.root)
+@contextlib.contextmanager
+def fresh_store(root: str, *, keep_on_success: bool = True) -> Iterator[SessionStore]:
+    """The store at ``root``, created if absent; a store this command created is removed again
+    when the command fails (or always, with ``keep_on_success=False``: nothing was stored)."""
+    fresh = not os.path.lexists(root)
+    store = SessionStore(root)
     try:
-        with open_source(args.src) as source:
-            result = import_bundle(store, source, source_name=describe(args.src),
-                                   replace=args.replace, model=args.model, as_id=args.as_id,
-                                   progress=True)
+        yield store
     except BaseException:
         if fresh:
-            _remove_if_fresh(str(store.root))
+            remove_empty_store(str(store.root))
         raise
+    if fresh and not keep_on_success:
+        remove_empty_store(str(store.root))
+
+
+def run_import(args: argparse.Namespace) -> int:
+    with fresh_store(args.root) as store, open_source(args.src) as source:
+        result = import_bundle(store, source, source_name=describe(args.src),
+                               replace=args.replace, model=args.model, as_id=args.as_id,
+                               progress=True)
     print(_summary("imported", result, f"from {describe(args.src)} into {store.root}"))
     if args.json:
         print(json.dumps({**result.to_json(), "root": str(store.root)}))
     return 0
 
 
-def _remote(args: argparse.Namespace, *, create: bool = True) -> RemoteStore:
+def _remote(args: argparse.Namespace, store: SessionStore) -> RemoteStore:
+    return RemoteStore(store, args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl)
+
+
+def _need_remote(args: argparse.Namespace) -> None:
     if not args.remote:
         raise FormatError("no remote: give --remote s3://bucket/prefix or set COLI_REMOTE")
-    return RemoteStore(SessionStore(args.root, create=create), args.remote, host_id=args.host_id,
-                       lease_ttl=args.lease_ttl)
 
 
 def run_push(args: argparse.Namespace) -> int:
-    remote = _remote(args, create=False)
+    _need_remote(args)
+    remote = _remote(args, SessionStore(args.root, create=False))
     result, lease = remote.push(args.id, release=not args.keep_lease)
     state = "released" if lease.released else f"held by {lease.owner}"
     print(_summary("pushed", result, f"to {remote.url}") + f"; lease {state}")
@@ -174,8 +193,10 @@ def run_push(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    remote = _remote(args)
-    result, lease = remote.pull(args.id, replace=args.replace, model=args.model)
+    _need_remote(args)
+    with fresh_store(args.root) as store:
+        remote = _remote(args, store)
+        result, lease = remote.pull(args.id, replace=args.replace, model=args.model)
     print(_summary("pulled", result, f"from {remote.url}") + f"; lease held by {lease.owner} "
           f"(generation {lease.generation})")
     if args.json:
@@ -184,18 +205,22 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_lease(args: argparse.Namespace) -> int:
-    remote = _remote(args)
-    if args.id is None:
-        if args.release or args.renew:
-            raise FormatError("--release/--renew need a session id")
-        leases = remote.list()
-    elif args.release:
-        leases = [remote.release(args.id)]
-    elif args.renew:
-        leases = [remote.renew(args.id)]
-    else:
-        lease = remote.lease(args.id)
-        leases = [] if lease is None else [lease]
+    _need_remote(args)
+    if args.id is None and (args.release or args.renew):
+        raise FormatError("--release/--renew need a session id")
+    with fresh_store(args.root, keep_on_success=False) as store:  # leases live on the remote only
+        remote = _remote(args, store)
+        if args.id is None:
+            leases = remote.list()
+        elif args.release:
+            leases = [remote.release(args.id)]
+        elif args.renew:
+            leases = [remote.renew(args.id)]
+        else:
+            lease = remote.lease(args.id)
+            leases = [] if lease is None else [lease]
+    if not leases:
+        print(f"no lease for session {args.id!r} on {remote.url}" if args.id else f"no leases on {remote.url}")
     for lease in leases:
         state = "live" if lease.live() else ("released" if lease.released else "expired")
         print(f"{lease.session_id}: {state}, owner {lease.owner}, generation {lease.generation}, "

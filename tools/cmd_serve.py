@@ -4,18 +4,21 @@ Complete bundles already in DIR are imported at start, then every one renamed in
 drop ``*.partial`` and rename) or closed after writing; each is moved to ``DIR/done/`` or
 ``DIR/failed/`` (with ``<name>.reason``). Every step is logged (structlog; ``COLI_LOG=json`` for
 JSON lines). SIGTERM or SIGINT: the bundle being imported finishes, then a clean exit 0.
+With ``--once`` the exit status says whether every bundle imported: 1 (and one stderr line naming
+the first failure) when any went to ``failed/``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import signal
+import sys
 import threading
 from typing import Any
 
 from sessionstore.inbox import Inbox
 from sessionstore.log import reconfigure
-from sessionstore.store import SessionStore
+from tools.cmd_migrate import fresh_store
 
 
 def register(subparsers: Any) -> None:
@@ -24,14 +27,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--inbox", required=True, help="directory to watch")
     p.add_argument("--replace", action="store_true", help="bundles replace existing sessions")
     p.add_argument("--model", default=None, help="refuse bundles of any other model (dir or 'tiny')")
-    p.add_argument("--once", action="store_true", help="import what is there now, then exit")
+    p.add_argument("--once", action="store_true", help="import what is there now, then exit (1 if any failed)")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     reconfigure()
-    inbox = Inbox(SessionStore(args.root), args.inbox, replace=args.replace, model=args.model)
+    with fresh_store(args.root) as store:  # a refused inbox leaves no empty store behind
+        inbox = Inbox(store, args.inbox, replace=args.replace, model=args.model)
     if args.once:
         inbox.scan()
         outcomes = inbox.drain()
@@ -52,4 +56,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"imported": ok, "failed": len(outcomes) - ok,
                           "outcomes": [o.to_json() for o in outcomes]}))
+    failed = [o for o in outcomes if not o.ok]
+    if args.once and failed:
+        print(f"coli-kv serve: error: {len(failed)} bundle(s) failed, the first {failed[0].name}: "
+              f"{failed[0].reason} (moved to {failed[0].moved_to}, reason beside it)", file=sys.stderr)
+        return 1
     return 0

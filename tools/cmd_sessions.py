@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from dataclasses import asdict
 from typing import Any
 
-from kernels.errors import FormatError
+from kernels.errors import ColiError, FormatError
+from kernels.model import Sampler
 from sessionstore.manifest import SamplerSettings
 from sessionstore.session import DEFAULT_COMMIT_EVERY
 from sessionstore.store import SessionStore
+from tools.cmd_generate import check_backend, parse_ids
+from tools.cmd_migrate import remove_empty_store
 
 
 def register(subparsers: Any) -> None:
@@ -41,11 +46,20 @@ def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    """The table of sessions; one whose manifest cannot be read is listed as UNREADABLE with the
+    reason (never silently left out: it still holds data, and ``rm`` can remove it)."""
     store = SessionStore(args.root, create=False)
-    infos = store.list()
+    infos, unreadable = [], []
+    for sid in store.ids():
+        try:
+            infos.append(store.info(sid))
+        except (ColiError, OSError) as exc:
+            unreadable.append({"id": sid, "error": str(exc)})
     lines = [f"{'ID':<24} {'TOKENS':>8} {'KV':<4} {'BYTES':>12}  MODEL"]
     lines += [f"{i.id:<24} {i.tokens:>8} {i.kv_dtype:<4} {i.bytes:>12}  {i.model}" for i in infos]
-    _emit(args, "\n".join(lines), {"root": str(store.root), "sessions": [i.to_json() for i in infos]})
+    lines += [f"{u['id']:<24} UNREADABLE: {u['error']}" for u in unreadable]
+    _emit(args, "\n".join(lines), {"root": str(store.root), "sessions": [i.to_json() for i in infos],
+                                   "unreadable": unreadable})
     return 0
 
 
@@ -74,75 +88,125 @@ def _prompt_ids(args: argparse.Namespace) -> list[int] | None:
     if raw is None:
         return None
     if isinstance(raw, str):
-        try:
-            return [int(t) for t in raw.replace(" ", "").split(",") if t != ""]
-        except ValueError:
-            raise FormatError(f"--prompt-ids: expected comma-separated integers, found {raw!r}") from None
+        return parse_ids(raw)
     return [int(t) for t in raw]
 
 
 def _sampler(args: argparse.Namespace, base: SamplerSettings) -> SamplerSettings:
-    """The session's sampler with the flags given on this command line applied over it.
+    """The session's sampler with the flags given on this command line applied over it, checked
+    (one clear error) before anything is written: an invalid value stored in the manifest would
+    make the session unreadable.
 
-    A flag left at its default (None, or the parser's neutral value: temperature 0, top-k 0,
-    top-p 1, seed 0) keeps the session's setting, so a resume without sampling flags continues
-    with the settings the session was created with.
+    From the ``generate`` parser (``explicit_sampler_flags``) only a flag left out (None) keeps
+    the session's setting, so ``--temperature 0`` switches a sampling session to greedy. A
+    namespace built by other callers also keeps the session's setting for the neutral values
+    (temperature 0, top-k 0, top-p 1, seed 0).
     """
     neutral = SamplerSettings()
+    explicit = bool(_opt(args, "explicit_sampler_flags"))
     fields = {}
     for name in ("temperature", "top_k", "top_p", "seed"):
         value = _opt(args, name)
-        if value is not None and value != getattr(neutral, name):
+        if value is not None and (explicit or value != getattr(neutral, name)):
             fields[name] = value
-    merged = {**base.__dict__, **fields}
+    merged = {**asdict(base), **fields}
+    Sampler(**merged)  # raises FormatError naming the bad setting
     return SamplerSettings(float(merged["temperature"]), int(merged["top_k"]), float(merged["top_p"]),
                            int(merged["seed"]))
 
 
+def _discard_if_empty(store: SessionStore, session_id: str) -> None:
+    """Remove a session this command created when its first turn failed before any commit, so a
+    refused command leaves no trace; never masks the original error."""
+    try:
+        if store.info(session_id).tokens == 0:
+            store.delete(session_id)
+    except (ColiError, OSError):
+        pass
+
+
+def _turn_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """(max_new, session options) from the flags, every one checked before the store is touched."""
+    commit_every = _opt(args, "commit_every")
+    commit_every = DEFAULT_COMMIT_EVERY if commit_every is None else int(commit_every)
+    if commit_every < 0:
+        raise FormatError(f"--commit-every must be >= 0 (0 = at the end of the turn), found {commit_every}")
+    max_new = _opt(args, "max_new")
+    max_new = 16 if max_new is None else int(max_new)
+    if max_new < 0:
+        raise FormatError(f"--max-new: max_new must be an integer >= 0, found {max_new}")
+    backend = _opt(args, "backend") or "cpu"
+    check_backend(backend)
+    return max_new, {"commit_every": commit_every, "backend": backend}
+
+
+def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
+                    options: dict[str, Any]) -> tuple[Any, bool]:
+    """(session, created): resume ``args.session``, or create it when absent."""
+    if store.exists(args.session):
+        return store.open(args.session, _opt(args, "model") or None, **options), False
+    model = _opt(args, "model")
+    if not model:
+        raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
+    if prompt is None:
+        raise FormatError(f"session {args.session!r} is new: --prompt-ids is needed")
+    session = store.create(args.session, model, kv_dtype=_opt(args, "kv") or "fp8",
+                           sampler=_sampler(args, SamplerSettings()), **options)
+    return session, True
+
+
+def _run_turn(session: Any, args: argparse.Namespace, prompt: list[int] | None, max_new: int,
+              created: bool) -> tuple[list[int], dict[str, Any]]:
+    kv = _opt(args, "kv")
+    if kv is not None and kv != session.manifest.kv_dtype:
+        raise FormatError(f"session {args.session!r} stores {session.manifest.kv_dtype} rows, "
+                          f"--kv {kv} given (convert with fork/export, or drop --kv)")
+    result = session.generate(prompt, max_new, stop_at_eos=bool(_opt(args, "stop_at_eos")),
+                              sampler=_sampler(args, session.manifest.sampler))
+    resume = {k: v for k, v in session.resume_report.items() if k != "detail"}
+    return result.tokens, {
+        "tokens": result.tokens, "session": args.session, "created": created,
+        "reused_prefix": result.reused_prefix, "fed": result.fed, "committed": result.committed,
+        "pending": list(session.pending), "stopped_at_eos": result.stopped_at_eos,
+        "kv_dtype": session.manifest.kv_dtype, "kv_path": str(session.kv_path), "resume": resume,
+        "seconds": result.seconds}
+
+
 def session_generate(args: argparse.Namespace) -> int:
-    """Create the session if absent, else resume it; run one turn; commit; print the tokens."""
+    """Create the session if absent, else resume it; run one turn; commit; print the tokens.
+    A refused command leaves the store as it was (no empty session, no empty store skeleton)."""
     if not _opt(args, "root") or not _opt(args, "session"):
         raise FormatError("--root and --session go together")
-    store = SessionStore(args.root)
-    commit_every = _opt(args, "commit_every")
-    options = dict(commit_every=DEFAULT_COMMIT_EVERY if commit_every is None else int(commit_every),
-                   backend=_opt(args, "backend") or "cpu")
+    max_new, options = _turn_options(args)
     prompt = _prompt_ids(args)
-    created = not store.exists(args.session)
-    if created:
-        model = _opt(args, "model")
-        if not model:
-            raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
-        if prompt is None:
-            raise FormatError(f"session {args.session!r} is new: --prompt-ids is needed")
-        session = store.create(args.session, model, kv_dtype=_opt(args, "kv") or "fp8",
-                               sampler=_sampler(args, SamplerSettings()), **options)
-    else:
-        session = store.open(args.session, _opt(args, "model") or None, **options)
+    fresh_root = not os.path.lexists(args.root)
+    store = SessionStore(args.root)
+    created = False
+    ok = False
     try:
-        kv = _opt(args, "kv")
-        if kv is not None and kv != session.manifest.kv_dtype:
-            raise FormatError(f"session {args.session!r} stores {session.manifest.kv_dtype} rows, "
-                              f"--kv {kv} given (convert with fork/export, or drop --kv)")
-        max_new = _opt(args, "max_new")
-        result = session.generate(prompt, 16 if max_new is None else int(max_new),
-                                  stop_at_eos=bool(_opt(args, "stop_at_eos")),
-                                  sampler=_sampler(args, session.manifest.sampler))
-        resume = {k: v for k, v in session.resume_report.items() if k != "detail"}
-        summary = {"tokens": result.tokens, "session": args.session, "created": created,
-                   "reused_prefix": result.reused_prefix, "fed": result.fed,
-                   "committed": result.committed, "pending": list(session.pending),
-                   "stopped_at_eos": result.stopped_at_eos, "kv_dtype": session.manifest.kv_dtype,
-                   "kv_path": str(session.kv_path), "resume": resume, "seconds": result.seconds}
+        session, created = _open_or_create(store, args, prompt, options)
+        try:
+            tokens, summary = _run_turn(session, args, prompt, max_new, created)
+        finally:
+            session.close()
+        ok = True
     finally:
-        session.close()
-    print(",".join(str(t) for t in result.tokens))
+        if not ok:
+            if created:
+                _discard_if_empty(store, args.session)
+            if fresh_root:
+                remove_empty_store(str(store.root))
+    print(",".join(str(t) for t in tokens))
     if _opt(args, "json"):
         print(json.dumps(summary, sort_keys=True))
     else:
-        print(f"session {args.session}: {'created' if created else 'resumed'}, reused "
-              f"{result.reused_prefix}, committed {result.committed} records", file=sys.stderr)
+        state = "created" if created else "resumed"
+        if summary["resume"].get("recovered"):
+            state += (" after recovery (an interrupted or cut file: continued from its "
+                      f"{summary['resume'].get('committed', '?')} complete committed records)")
+        print(f"session {args.session}: {state}, reused {summary['reused_prefix']}, committed "
+              f"{summary['committed']} records", file=sys.stderr)
     return 0
 
 
-__all__ = ["register", "run_ls", "run_rm", "run_fork", "session_generate"]
+__all__ = ["register", "run_fork", "run_ls", "run_rm", "session_generate"]

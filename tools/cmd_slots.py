@@ -51,4 +51,4 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_import", "run_export"]
+__all__ = ["register", "run_export", "run_import"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from sessionstore.verify import VerifyReport, verify_file
@@ -45,10 +46,21 @@ def _print_human(report: VerifyReport) -> None:
     print("result    " + ("sound" if report.sound else "UNSOUND"))
 
 
+def unsound_line(report: VerifyReport) -> str:
+    """The one stderr line for an unsound file: its path, the first problem, how many more."""
+    first = report.problems[0] if report.problems else "no detail"
+    more = len(report.problems) - 1
+    where = "" if str(report.path) in first else f"{report.path}: "
+    return f"{where}UNSOUND: {first}" + (f" (+{more} more problem(s))" if more > 0 else "")
+
+
 def run(args: argparse.Namespace) -> int:
     report = verify_file(args.path, check_sidecar=not args.no_sidecar)
     if args.json:
         print(json.dumps(report.to_json()))
     else:
         _print_human(report)
-    return 0 if report.sound else EXIT_UNSOUND
+    if report.sound:
+        return 0
+    print(f"coli-kv verify: error: {unsound_line(report)}", file=sys.stderr)
+    return EXIT_UNSOUND
