@@ -227,7 +227,7 @@ def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: obje
     header = Header(version, dims, nrec, tag)
     if version == 2 and nrec >= 2:
         data = file_size - HEADER_SIZE
-        if data < nrec * header.record_bytes and data % nrec == 0:
+        if 0 < data < nrec * header.record_bytes and data % nrec == 0:
             raise FormatError(
                 f"{where}: COLIKV2 header says {nrec} records of {header.record_bytes} bytes, but "
                 f"the file holds exactly {nrec} records of {data // nrec} bytes: a forked or "

@@ -62,7 +62,7 @@ class WriterLock:
                     raise
                 holder = _read_pid(fd)
                 who = f" (held by pid {holder})" if holder else ""
-                log.warning("kv.lock_refused", path=self.path, holder_pid=holder)
+                log.info("kv.lock_refused", path=self.path, holder_pid=holder)
                 raise LockedError(
                     f"{self.path}: another writer holds the lock {self.lock_path}{who}; "
                     "one writer at a time (readers are not blocked)") from None

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kernels.errors import ColiError
 
@@ -29,8 +30,15 @@ COMMAND_MODULES = (
 )
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as ONE line on stderr (exit 2), like our other errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrorParser(
         prog="coli-kv",
         description="Inspect, convert and verify .coli_kv latent-KV files; run persistent MLA sessions.",
     )
