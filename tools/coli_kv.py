@@ -54,6 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _remote_errors() -> tuple[type[BaseException], ...]:
+    """Network/object-store failures (endpoint down, bad credentials) from the optional S3 stack."""
+    found: list[type[BaseException]] = []
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        found += [BotoCoreError, ClientError]
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientError as HttpClientError
+
+        found.append(HttpClientError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
@@ -72,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as exc:  # unreadable file, full disk, permission: one line, no traceback
         print(f"coli-kv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except _remote_errors() as exc:
+        print(f"coli-kv {args.command}: error: remote object store: {exc}", file=sys.stderr)
         return 1
 
 

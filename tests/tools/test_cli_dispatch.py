@@ -32,3 +32,14 @@ def test_v2_header_alone_with_nrec_is_not_called_forked(tmp_path, capsys):
     assert code == 0, err
     assert "forked" not in out + err
     assert '"header_nrec": 7' in out and '"nrec": 0' in out
+
+
+def test_unreachable_object_store_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    code = main(["lease", "--root", str(tmp_path / "root"), "--remote", "s3://bucket/prefix"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert len(err.strip().splitlines()) == 1 and "remote object store" in err, err
