@@ -21,7 +21,7 @@ import os
 import stat
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
+from sessionstore.commit_state import apply_state, update_existing_state
 
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
@@ -110,19 +111,57 @@ class LogitsDigest:
 
 
 def logits_hash(logits: np.ndarray) -> str:
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(logits, dtype="<f4").tobytes())
+    """xxh3-128 hex of the logits as little-endian f32 (hashed in place: no copy)."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(logits, dtype="<f4"))
+
+
+DIGEST_CHUNK = 1024  # logits per chunk of the two-level top-k search
 
 
 def make_digest(logits: np.ndarray, position: int, k: int = DIGEST_TOP_K) -> LogitsDigest:
-    """Digest of ``logits`` [vocab] f32 computed at ``position`` (O(vocab): no full sort)."""
+    """Digest of ``logits`` [vocab] f32 computed at ``position`` (O(vocab): no full sort).
+
+    The top k are found in two levels: the maximum of every DIGEST_CHUNK-wide chunk, the k-th
+    largest of those maxima t (at least k logits are >= t, so the k-th largest logit is too),
+    then an exact selection among the few logits >= t. Ties at the cut are kept and ordered by
+    id, exactly as a full sort by (value desc, id asc) would.
+    """
     logits = np.ascontiguousarray(logits, dtype="<f4").reshape(-1)  # [vocab] f32
     n = logits.shape[0]
     k = min(k, n)
-    part = np.argpartition(logits, n - k)[n - k:]  # [k] ids of the k largest (any order)
-    cand = np.flatnonzero(logits >= logits[part].min())  # [>= k] ids: ties at the cut included
+    if k <= 0:
+        return LogitsDigest(int(position), [], [], logits_hash(logits))
+    cand = _top_candidates(logits, k)  # [>= k] ids of every logit >= the k-th largest
     top = cand[np.lexsort((cand, -logits[cand]))][:k]  # [k] by value desc, then id asc
     return LogitsDigest(int(position), top.tolist(), logits[top].astype(np.float64).tolist(),
                         logits_hash(logits))
+
+
+def _top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of every logit >= the k-th largest (ties at the cut included), ascending.
+
+    Only the chunks whose maximum reaches the k-th largest chunk maximum are searched: no
+    temporary as big as the vocabulary (those cost page faults on every call).
+    """
+    n = logits.shape[0]
+    chunks = -(-n // DIGEST_CHUNK)
+    if chunks >= k:
+        whole = n // DIGEST_CHUNK * DIGEST_CHUNK
+        maxima = np.empty(chunks, dtype=np.float32)  # [chunks] f32
+        logits[:whole].reshape(-1, DIGEST_CHUNK).max(axis=1, out=maxima[:whole // DIGEST_CHUNK])
+        if whole < n:
+            maxima[-1] = logits[whole:].max()
+        if not np.isnan(maxima).any():  # NaN: the plain path below decides
+            t = np.partition(maxima, chunks - k)[chunks - k]  # k-th largest chunk maximum
+            sel = np.flatnonzero(maxima >= t)  # [c] chunks holding every logit >= t
+            ids = (sel[:, None] * DIGEST_CHUNK + np.arange(DIGEST_CHUNK)).reshape(-1)  # [c * C]
+            ids = ids[ids < n]
+            values = logits[ids]  # [m] f32
+            near, values = ids[values >= t], values[values >= t]  # [>= k]: holds the top k
+            kth = np.partition(values, values.shape[0] - k)[values.shape[0] - k]
+            return near[values >= kth]
+    part = np.argpartition(logits, n - k)[n - k:]  # [k] ids of the k largest (any order)
+    return np.flatnonzero(logits >= logits[part].min())  # [>= k] ids: ties at the cut included
 
 
 @dataclass
@@ -148,13 +187,23 @@ class Manifest:
         return KV_VERSION_OF_DTYPE[self.kv_dtype]
 
     def to_json(self) -> dict[str, Any]:
-        body = asdict(self)
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **body,
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "id": self.id,
+                "model": {"name": self.model.name, "path": self.model.path,
+                          "fingerprint": self.model.fingerprint},
+                "kv_dtype": self.kv_dtype, "dims": dict(self.dims), "committed": self.committed,
+                "epoch": self.epoch, "pending": list(self.pending),
+                "sampler": {"temperature": self.sampler.temperature, "top_k": self.sampler.top_k,
+                            "top_p": self.sampler.top_p, "seed": self.sampler.seed},
+                "last_logits": digest_to_json(self.last_logits),
+                "origin": self.origin, "created_at": self.created_at,
+                "updated_at": self.updated_at, "kv_file": self.kv_file,
                 "formats": {"manifest": SCHEMA_VERSION, "coli_kv": self.kv_version,
                             "sidecar": SIDECAR_FORMAT_VERSION}}
 
     def encode(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+        """Compact JSON (sorted keys, one line): the C encoder, a few microseconds."""
+        return (json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True,
+                           allow_nan=False) + "\n").encode()
 
 
 def _need(obj: dict, key: str, kind: type | tuple, where: str) -> Any:
@@ -180,6 +229,43 @@ def _float(obj: dict, key: str, where: str) -> float:
     return value
 
 
+def pending_from_json(data: dict, vocab: int, where: str) -> list[int]:
+    """The validated ``pending`` field (0..16 token ids in [0, vocab))."""
+    pending = _need(data, "pending", list, where)
+    if len(pending) > MAX_PENDING:
+        raise LimitError(f"{where}: {len(pending)} pending tokens exceed the limit {MAX_PENDING}")
+    for t in pending:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < max(vocab, 1):
+            raise FormatError(f"{where}: pending token {t!r} outside the vocab")
+    return list(pending)
+
+
+def digest_from_json(data: dict, vocab: int, where: str) -> LogitsDigest | None:
+    """The validated ``last_logits`` field (None when null or absent)."""
+    raw = data.get("last_logits")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise FormatError(f"{where}: field 'last_logits' has type {type(raw).__name__}")
+    ids = _need(raw, "top_ids", list, where)
+    values = _need(raw, "top_values", list, where)
+    if not 0 < len(ids) == len(values) <= 64:
+        raise FormatError(f"{where}: last_logits holds {len(ids)} ids and {len(values)} values")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+        raise FormatError(f"{where}: last_logits ids outside the vocab")
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+        raise FormatError(f"{where}: last_logits values must be finite numbers")
+    return LogitsDigest(_int(raw, "position", where), list(ids), [float(v) for v in values],
+                        _need(raw, "hash", str, where))
+
+
+def digest_to_json(digest: LogitsDigest | None) -> dict[str, Any] | None:
+    if digest is None:
+        return None
+    return {"position": digest.position, "top_ids": list(digest.top_ids),
+            "top_values": list(digest.top_values), "hash": digest.hash}
+
+
 def manifest_from_json(data: Any, where: str) -> Manifest:
     """Validate a decoded manifest; raise FormatError naming the file and field."""
     if not isinstance(data, dict):
@@ -197,30 +283,11 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
         raise FormatError(f"{where}: kv_dtype {kv_dtype!r}, expected one of {KV_DTYPES}")
     d = _need(data, "dims", dict, where)
     dims = {name: _int(d, name, where) for name in DIM_NAMES}
-    pending = _need(data, "pending", list, where)
-    if len(pending) > MAX_PENDING:
-        raise LimitError(f"{where}: {len(pending)} pending tokens exceed the limit {MAX_PENDING}")
-    for t in pending:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < max(dims["vocab"], 1):
-            raise FormatError(f"{where}: pending token {t!r} outside the vocab")
+    pending = pending_from_json(data, dims["vocab"], where)
     s = _need(data, "sampler", dict, where)
     sampler = SamplerSettings(_float(s, "temperature", where), _int(s, "top_k", where),
                               _float(s, "top_p", where), _int(s, "seed", where, 0, (1 << 64) - 1))
-    digest = None
-    raw = data.get("last_logits")
-    if raw is not None:
-        if not isinstance(raw, dict):
-            raise FormatError(f"{where}: field 'last_logits' has type {type(raw).__name__}")
-        ids = _need(raw, "top_ids", list, where)
-        values = _need(raw, "top_values", list, where)
-        if not 0 < len(ids) == len(values) <= 64:
-            raise FormatError(f"{where}: last_logits holds {len(ids)} ids and {len(values)} values")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < dims["vocab"] for i in ids):
-            raise FormatError(f"{where}: last_logits ids outside the vocab")
-        if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
-            raise FormatError(f"{where}: last_logits values must be finite numbers")
-        digest = LogitsDigest(_int(raw, "position", where), list(ids), [float(v) for v in values],
-                              _need(raw, "hash", str, where))
+    digest = digest_from_json(data, dims["vocab"], where)
     kv_file = _need(data, "kv_file", str, where)
     if kv_file != "kv.coli_kv":
         raise FormatError(f"{where}: kv_file {kv_file!r}, expected 'kv.coli_kv'")
@@ -233,7 +300,9 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and validate ``path`` (never follows a symlink; bounded read)."""
+    """Read and validate ``path`` (never follows a symlink; bounded read), with the dynamic
+    fields of its commit state page (``<path>.state``) when that page is sound and of the same
+    epoch (:mod:`sessionstore.commit_state`)."""
     path = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -254,7 +323,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{path}: manifest is not valid JSON ({exc})") from None
-    return manifest_from_json(data, path)
+    return apply_state(manifest_from_json(data, path), path)  # the last commit's fields
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -266,10 +335,12 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 
 
 def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> None:
-    """Replace ``path`` atomically: temp file -> fsync -> os.replace -> fsync dir (``durable``)."""
+    """Replace ``path`` atomically: temp file -> fsync -> os.replace -> fsync dir (``durable``).
+    A commit state page beside it is first given the same dynamic fields."""
     path = Path(path)
     manifest.updated_at = utc_now()
     data = manifest.encode()
+    update_existing_state(path, manifest)  # a state page must never override it with older values
     fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes 0600; a manifest is as readable as its kv file

@@ -13,13 +13,15 @@ blocks), so the recomputed logits match the manifest's digest bit for bit, and t
 token can always be re-derived: sampling depends only on (seed, position, logits).
 
 Commit = (1) the kv commit (records + sidecar, fsync, commit word, fsync), (2) the manifest's
-dynamic fields (committed, pending, digest), replaced atomically. The kv commit word is THE
+dynamic fields (committed, pending, digest) written in place to the commit state page
+(``manifest.json.state``, see :mod:`sessionstore.commit_state`). The kv commit word is THE
 commit point; on open, when the file's count F differs from the manifest's M (a crash between
 the two steps, or an OS crash that lost an unsynced manifest), the session takes F and
 recomputes the pending token and the digest from position F-1 (a ``recovery`` event).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
+from sessionstore.commit_state import StateWriter
 from sessionstore.layout import Dims
 from sessionstore.log import get_logger
 from sessionstore.manifest import (
@@ -36,6 +39,7 @@ from sessionstore.manifest import (
     ModelRef,
     SamplerSettings,
     make_digest,
+    utc_now,
     write_manifest,
 )
 from sessionstore.reader import KVReader, open_kv
@@ -55,9 +59,10 @@ if TYPE_CHECKING:
     from sessionstore.store import SessionStore
 
 DEFAULT_COMMIT_EVERY = 64
+DECODE_PREALLOCATE = None  # the writer's decode-loop headroom (writer.default_headroom): token
+# commits overwrite zero-filled blocks instead of growing the file (no metadata in the barrier)
 
 log = get_logger("session")
-
 
 @dataclass
 class TurnResult:
@@ -102,6 +107,9 @@ class Session:
         self.cache: Any = None
         self._last_logits: np.ndarray | None = None
         self._commits = 0
+        self._state = StateWriter(self.directory / MANIFEST_NAME)  # per-commit fields, in place
+        self.commit_timing: dict[str, float] = {}  # the last commit: kv commit, digest, state write
+        self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -186,7 +194,7 @@ class Session:
                 writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
             self.manifest = manifest
             writer = KVWriter.open(self.kv_path, self.dims, kv_dtype=manifest.kv_dtype, create=False,
-                                   durability=self.durability)
+                                   durability=self.durability, preallocate=DECODE_PREALLOCATE)
         else:
             writer.close(commit=False)
             raise ColiError(f"session {self.id!r} keeps changing under us; try again")
@@ -222,7 +230,8 @@ class Session:
         n = writer.nrec
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
-        blocks = blocks_from_reader(reader, n)
+        blocks = reader.layer_blocks(n)  # zero-copy rows, scales gathered in one pass
+        self._state.open()  # the commit state page, overwritten in place by every commit
         self.cache = self.model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=self.manifest.kv_dtype,
                                                   backend=self.backend)
         self.state = "resident"
@@ -351,21 +360,35 @@ class Session:
         """kv commit (the commit point), then the manifest's dynamic fields; returns the count."""
         if self.state != "resident":
             return self.manifest.committed
+        t0 = time.perf_counter()
         n = self._writer.commit()
         if n != self.cache.length:
             raise CorruptionError(f"{self.kv_path}: committed {n} records, the cache holds {self.cache.length}")
+        t1 = time.perf_counter()
+        new = self._next_manifest(n)
+        t2 = time.perf_counter()
+        if new is not None:  # the dynamic fields: one page overwritten in place (no rename)
+            new.updated_at = utc_now()
+            self._state.write(new, durable=self.manifest_fsync)
+            self.manifest = new
+            self._commits += 1
+            log.info("session.commit", id=self.id, committed=n, pending=self.pending)
+        self.commit_timing = {"kv_commit_s": t1 - t0, "manifest_digest_s": t2 - t1,
+                              "manifest_write_s": time.perf_counter() - t2}
+        return n
+
+    def _next_manifest(self, n: int) -> Manifest | None:
+        """The manifest after a commit of ``n`` records (a new object); None if unchanged.
+        The digest of the last logits is computed once per committed position."""
         digest = self.manifest.last_logits
         if self._last_logits is not None and n and (digest is None or digest.position != n - 1
                                                      or self.manifest.committed != n):
             digest = make_digest(self._last_logits, n - 1)
-        if (n, self.pending, digest) != (self.manifest.committed, self.manifest.pending,
+        if (n, self.pending, digest) == (self.manifest.committed, self.manifest.pending,
                                          self.manifest.last_logits):
-            self.manifest.committed, self.manifest.pending = n, list(self.pending)
-            self.manifest.last_logits = digest
-            write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
-            self._commits += 1
-            log.info("session.commit", id=self.id, committed=n, pending=self.pending)
-        return n
+            return None
+        return dataclasses.replace(self.manifest, committed=n, pending=list(self.pending),
+                                   last_logits=digest)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
         """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
@@ -402,21 +425,30 @@ class Session:
         """Commit, then release the cache, the mapping and the writer lock (disk only)."""
         if self.state != "resident":
             return
+        t0 = time.perf_counter()
         try:
             self.commit()
         finally:
+            t1 = time.perf_counter()
             self._release()
+        self.suspend_timing = {"commit_s": t1 - t0, "release_s": time.perf_counter() - t1}
         log.info("session.suspend", id=self.id, committed=self.manifest.committed)
 
     def _release(self) -> None:
+        """Drop the cache, the writer (its buffers, descriptors, the lock), then the mapping.
+
+        The mapping goes last and is unmapped by a background thread (~1 ms per GB of page
+        tables): nothing of ours unmaps memory after it, so nothing waits behind that teardown.
+        """
         self.cache = None
         self._last_logits = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self._state.close()
         if self._writer is not None:
             self._writer.close(commit=False)
             self._writer = None
+        if self._reader is not None:
+            self._reader.close(defer_unmap=True)  # the cache's views went with it just above
+            self._reader = None
         if self.state == "resident":
             self.state = "suspended"
         self.store._unregister(self)

@@ -14,6 +14,8 @@ Layout (little-endian)::
 
 Records vouched for are ``[0, min(count, nrec))``. The writer (H3) stages entries and the count,
 fsyncs the sidecar together with the record data, and only then writes the kv commit word.
+Bytes past entry ``count - 1`` (truncated entries, or the zero-filled headroom a preallocating
+writer keeps) are never read.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ SIDECAR_STRUCT = struct.Struct("<8sIIQQQ16s")  # everything the header_check cov
 CHECK_STRUCT = struct.Struct("<Q")
 assert SIDECAR_STRUCT.size == 56
 assert SIDECAR_STRUCT.size + CHECK_STRUCT.size == SIDECAR_HEADER_SIZE
+HEADROOM_ENTRIES = 4096  # zero-filled entries (32 KiB) the kv writer's sidecar grows by
 MAX_REPORTED_POSITIONS = 64  # mismatch positions listed in a report (the count is always exact)
 CHECK_CHUNK_RECORDS = 4096  # records hashed per comparison chunk
 
@@ -172,8 +175,10 @@ class SidecarWriter:
     ``<sidecar>.tmp`` from a crash is removed (the caller holds the kv file's writer lock).
     """
 
-    def __init__(self, kv_path: str | os.PathLike[str], header: Header) -> None:
+    def __init__(self, kv_path: str | os.PathLike[str], header: Header, *,
+                 headroom_entries: int = 0) -> None:
         self.path = sidecar_path(kv_path)
+        self.headroom_entries = headroom_entries  # zero entries added whenever the file grows
         self.kv_path = os.fspath(kv_path)
         self.record_bytes = header.record_bytes
         self.static_hash = static_hash(pack_header(header.with_nrec(0)))
@@ -195,6 +200,7 @@ class SidecarWriter:
             self._replace_with_fresh()
             log.info("sidecar.create", path=self.path, reason=reason)
         self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._file_end = int(os.fstat(self._fd).st_size)  # grows only (zero-filled headroom)
         if existing is not None and self.count != existing.count:
             self._write_header()  # entries cut short: vouch only for those present
 
@@ -254,7 +260,16 @@ class SidecarWriter:
         entries = np.fromiter(  # [k] u64
             (record_checksum(view[i * rec:(i + 1) * rec], first_position + i) for i in range(k)),
             dtype="<u8", count=k)
-        os.pwrite(self._fd, entries.tobytes(), SIDECAR_HEADER_SIZE + ENTRY_SIZE * first_position)
+        offset = SIDECAR_HEADER_SIZE + ENTRY_SIZE * first_position
+        data = entries.tobytes()
+        end = offset + len(data)
+        if end > self._file_end and self.headroom_entries > 0:  # growing: zero-filled headroom
+            # in the same write, so the next commits overwrite allocated blocks and their
+            # fdatasync has no metadata to commit; entries past ``count`` are never read
+            target = -(-(end + ENTRY_SIZE * self.headroom_entries) // 4096) * 4096
+            data += bytes(target - end)
+        _pwrite_all(self._fd, data, offset, self.path)
+        self._file_end = max(self._file_end, offset + len(data))
         self.count = first_position + k
         self._write_header()
         return self.count
@@ -279,6 +294,15 @@ class SidecarWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int, path: str) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(errno.EIO, f"{path}: pwrite wrote {done} bytes at offset {offset}")
+        view, offset = view[done:], offset + done
 
 
 def write_sidecar_for(reader: KVReader) -> int:

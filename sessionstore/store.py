@@ -3,6 +3,7 @@
 Layout (FORMAT.d/50-session.md)::
 
     <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
+    <root>/sessions/<id>/manifest.json.state  its last commit's dynamic fields (one page)
     <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
     <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
     <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
+from sessionstore.commit_state import STATE_SUFFIX
 from sessionstore.copying import copy_committed, copy_sidecar_prefix
 from sessionstore.layout import Dims, Header, record_bytes
 from sessionstore.lock import WriterLock
@@ -53,6 +55,7 @@ TMP_DIR = "tmp"
 KV_NAME = "kv.coli_kv"
 SIDECAR_NAME = KV_NAME + ".colisum"
 LOCK_NAME = KV_NAME + ".lock"
+STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
 SNAPSHOT_RETRIES = 5
 
 log = get_logger("store")
@@ -155,11 +158,14 @@ class SessionStore:
         return d
 
     def files_of(self, session_id: str) -> list[Path]:
-        """The session's data files (manifest, kv, sidecar when present); the lock file is not data."""
+        """The session's files to copy it whole: manifest, kv, then the sidecar and the commit
+        state page when present (bundles fold the state into the manifest they carry); the
+        lock file is not data."""
         d = self._existing_dir(session_id)
         files = [d / MANIFEST_NAME, d / KV_NAME]
-        if check_component(d / SIDECAR_NAME, want="file"):
-            files.append(d / SIDECAR_NAME)
+        for optional in (SIDECAR_NAME, STATE_NAME):
+            if check_component(d / optional, want="file"):
+                files.append(d / optional)
         for f in files[:2]:
             if not check_component(f, want="file"):
                 raise CorruptionError(f"{f}: missing from session {session_id!r}")

@@ -125,20 +125,10 @@ def recompute_last(model: Any, blocks_of: Callable[[int, int], list], tokens: np
 def blocks_from_reader(reader: KVReader, n: int) -> list[list[F32Rows | Fp8Rows]]:
     """One block per layer over records [0, n) of a mapped file: row views, no copy.
 
-    v2 scales are gathered for all layers in ONE sequential pass over the records (two strided
-    copies of [n, L], then transposed so each layer's scales are contiguous) and sanitised by the
-    reading rules (layout.sanitize_scales); the codes stay views of the mapping. Per-layer reads
-    of the scales would walk the whole file once per layer.
+    The one implementation is :meth:`KVReader.layer_blocks` (v2 scales gathered for all layers
+    in ONE pass over the records, sanitised once and cached by the reader); kept here for callers.
     """
-    layers = reader.records["layers"][:n]  # [n, L] structured view
-    if reader.version == 1:
-        return [[F32Rows(lc=layers["lc"][:, l], rc=layers["rc"][:, l])]  # [n, w] f32 views
-                for l in range(reader.dims.n_layers)]
-    lc_scale = sanitize_scales(np.ascontiguousarray(np.ascontiguousarray(layers["lc_scale"]).T))  # [L, n] f32
-    rc_scale = sanitize_scales(np.ascontiguousarray(np.ascontiguousarray(layers["rc_scale"]).T))  # [L, n] f32
-    return [[Fp8Rows(lc_codes=layers["lc"][:, l], lc_scale=lc_scale[l],  # [n, kv_lora] u8 view, [n] f32
-                     rc_codes=layers["rc"][:, l], rc_scale=rc_scale[l])]  # [n, rope] u8 view, [n] f32
-            for l in range(reader.dims.n_layers)]
+    return reader.layer_blocks(n)
 
 
 def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:

@@ -13,12 +13,20 @@ early (no fsync). ``commit`` is the engine's protocol plus our sidecar:
 A failed write or fsync keeps the last committed nrec and the staged records in memory; the next
 commit rewrites them all. ``truncate(n)`` rewrites only nrec (the sidecar count first). The file
 is never shortened: bytes past the committed records are stale and get overwritten.
+
+With ``preallocate`` (a session's decode loop), small commits keep zero-filled headroom past
+the committed records, written after the commit point: the next one-record commits overwrite
+allocated blocks, so their data barrier has no metadata to commit (FORMAT.d/30 3.4.1). Writers
+share one pool of fsync helper threads (:class:`SharedDurability`): no thread start per writer.
 """
 from __future__ import annotations
 
 import errno
 import os
 import stat
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,14 +52,50 @@ from sessionstore.layout import (
 )
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
-from sessionstore.sidecar import SidecarWriter, sidecar_path
+from sessionstore.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 
 KV_DTYPES = {"fp8": 2, "f32": 1}
 CREATE_SUFFIX = ".create.tmp"
 CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar catches up
+PREALLOC_RECORDS = 256  # zero-filled headroom, in records ...
+PREALLOC_MAX_BYTES = 8 << 20  # ... at most this many bytes (the default ``preallocate``)
+PREALLOC_SMALL_COMMIT = 8  # only commits of <= 1/8 of the headroom refill it
+HELPER_THREADS = 4  # shared fsync helpers (one per concurrent commit is plenty)
 
 get_logger("writer")  # configures structlog once
 log = structlog.get_logger(component="writer")  # lazy proxy: follows log.reconfigure()
+
+
+_helpers: ThreadPoolExecutor | None = None
+_helpers_pid = -1
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    """The process's fsync helper threads, started once (again in a forked child) and shared by
+    every writer: a session that is suspended and resumed never pays for a thread start."""
+    global _helpers, _helpers_pid
+    with _helpers_lock:
+        if _helpers is None or _helpers_pid != os.getpid():
+            _helpers = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="coli-fsync")
+            _helpers_pid = os.getpid()
+        return _helpers
+
+
+class SharedDurability(Durability):
+    """The default I/O object of a writer: real I/O, fsyncs overlapped on the shared helpers."""
+
+    def fsync_begin(self, fd: int) -> Callable[[], None]:
+        future: Future[None] = _helper_pool().submit(self.fsync, fd)
+        return future.result
+
+    def release(self) -> None:
+        """Nothing to stop: the helpers are shared and stay up for the next writer."""
+
+
+def default_headroom(record_bytes: int) -> int:
+    """The decode loop's headroom (``preallocate=None``): min(256 records, 8 MiB)."""
+    return min(PREALLOC_MAX_BYTES, PREALLOC_RECORDS * record_bytes)
 
 
 @dataclass
@@ -80,7 +124,8 @@ class KVWriter:
 
     def __init__(self, *, path: str, dims: Dims, kv_dtype: str, io: Durability, lock: WriterLock,
                  fd: int, header: Header, nrec: int, disk_nrec: int, staging_bytes: int,
-                 checksums: bool, upgrade_chunk_bytes: int) -> None:
+                 checksums: bool, upgrade_chunk_bytes: int, file_bytes: int,
+                 preallocate: int | None) -> None:
         self.path = path
         self.dims = dims
         self.kv_dtype = kv_dtype
@@ -99,14 +144,25 @@ class KVWriter:
         self._sidecar: SidecarWriter | None = None
         self._dir_sync_due = False
         self._closed = False
+        self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
+        self._preallocate = preallocate  # headroom bytes; None: the default, 0: off
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str], dims: Dims, *, kv_dtype: str = "fp8",
              create: bool = True, staging_bytes: int = 8 << 20, durability: Durability | None = None,
              checksums: bool = True,
-             upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES) -> KVWriter:
+             upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES,
+             preallocate: int | None = 0) -> KVWriter:
         """Open (or create) ``path`` for appending; takes the writer lock at once.
+
+        ``preallocate``: zero-filled headroom (bytes) kept past the committed records after a
+        small commit, so the next small commits (a decode loop) overwrite allocated blocks
+        instead of growing the file: their data barrier then needs no metadata commit. 0 (the
+        default): exact files, as the engine writes them; None: :func:`default_headroom`
+        (min(256 records, 8 MiB), what a session uses). The headroom is a stale tail (bytes
+        past nrec), which the engine's reading rules ignore; the sidecar then keeps
+        HEADROOM_ENTRIES zero entries of headroom too.
 
         Raises LockedError (another writer), ModelMismatchError (other dims), FormatError (bad
         file, not a regular file, v2 with ``kv_dtype="f32"``), NotFoundError (absent, no create).
@@ -118,11 +174,13 @@ class KVWriter:
             raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected 'fp8' or 'f32'")
         validate_dims(dims, path)
         _refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
-        io = durability if durability is not None else Durability()
+        if preallocate is not None and preallocate < 0:
+            raise LimitError(f"{path}: preallocate must be >= 0 bytes, found {preallocate}")
+        io = durability if durability is not None else SharedDurability()
         lock = WriterLock(path).acquire()
         try:
             writer = cls._open_locked(path, dims, kv_dtype, create, max(staging_bytes, 1), io,
-                                      lock, checksums, upgrade_chunk_bytes)
+                                      lock, checksums, upgrade_chunk_bytes, preallocate)
         except BaseException:
             lock.release()
             raise
@@ -131,7 +189,7 @@ class KVWriter:
     @classmethod
     def _open_locked(cls, path: str, dims: Dims, kv_dtype: str, create: bool, staging_bytes: int,
                      io: Durability, lock: WriterLock, checksums: bool,
-                     upgrade_chunk_bytes: int) -> KVWriter:
+                     upgrade_chunk_bytes: int, preallocate: int | None) -> KVWriter:
         _upgrade.remove_stale_temps(path, io)
         _remove_stale_create(path, io)
         created = False
@@ -170,7 +228,8 @@ class KVWriter:
             writer = cls(path=path, dims=dims, kv_dtype=kv_dtype, io=io, lock=lock, fd=fd,
                          header=header, nrec=complete, disk_nrec=header.nrec,
                          staging_bytes=staging_bytes, checksums=checksums,
-                         upgrade_chunk_bytes=upgrade_chunk_bytes)
+                         upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=int(st.st_size),
+                         preallocate=preallocate)
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
@@ -193,7 +252,7 @@ class KVWriter:
                 self._io.fsync_dir(self.path)
                 log.warning("kv.recovery", path=self.path, action="removed sidecar (checksums off)")
             return
-        self._sidecar = SidecarWriter(self.path, self._header.with_nrec(0))
+        self._sidecar = self._open_sidecar()
         count = self._sidecar.count
         if count != self._nrec:
             if count > self._nrec:
@@ -203,6 +262,10 @@ class KVWriter:
             self._io.fsync(self._sidecar.fileno())
             log.warning("kv.recovery", path=self.path, action="sidecar repaired", count_was=count,
                         count=self._nrec)
+
+    def _open_sidecar(self) -> SidecarWriter:
+        headroom = 0 if self._preallocate == 0 else HEADROOM_ENTRIES
+        return SidecarWriter(self.path, self._header.with_nrec(0), headroom_entries=headroom)
 
     def _sidecar_catch_up(self) -> None:
         """Stage sidecar entries for committed records the sidecar does not cover yet."""
@@ -315,8 +378,10 @@ class KVWriter:
         try:
             offset = self._offset_of_chunk(self._flushed)
             buffers = [c.data() for c in self._pending[self._flushed:full]]
+            size = sum(len(b) for b in buffers)
             self._io.pwritev(self._fd, buffers, offset)
-            self._io.start_writeback(self._fd, offset, sum(len(b) for b in buffers))
+            self._file_end = max(self._file_end, offset + size)
+            self._io.start_writeback(self._fd, offset, size)
             self._flushed = full
         except OSError as exc:
             self._flushed = 0
@@ -354,6 +419,8 @@ class KVWriter:
         self._recycle_pending()
         log.info("kv.commit", path=self.path, nrec=length, records=added,
                  bytes=added * self.record_bytes)
+        if added:
+            self._refill_headroom(added)
         return length
 
     def _write_and_sync_records(self) -> None:
@@ -369,13 +436,51 @@ class KVWriter:
             wait_sidecar = self._io.fsync_begin(self._sidecar.fileno())
         try:
             if self._pending:
-                self._io.pwritev(self._fd, [c.data() for c in self._pending[self._flushed:]],
-                                 self._offset_of_chunk(self._flushed))
+                offset = self._offset_of_chunk(self._flushed)
+                buffers: list[np.ndarray] = [c.data() for c in self._pending[self._flushed:]]
+                self._io.pwritev(self._fd, buffers, offset)
+                self._file_end = max(self._file_end, offset + sum(len(b) for b in buffers))
                 self._flushed = len(self._pending)
             self._io.fsync(self._fd)
         finally:
             if wait_sidecar is not None:
                 wait_sidecar()  # raises the sidecar's error, unless one is already propagating
+
+    def _refill_headroom(self, added: int) -> None:
+        """After a commit (the commit point is behind us): keep zero-filled headroom past the
+        committed records, so the next small commits overwrite allocated, initialised blocks
+        and their data barrier (fdatasync) has no metadata (size, extents) to commit.
+
+        Runs when a small commit (at most 1/PREALLOC_SMALL_COMMIT of the headroom) leaves less
+        than half the headroom: zeros up to committed end + headroom (page aligned), written
+        without waiting (write-back starts at once, so the disk does it while the model
+        computes the next token). Streaming commits get none: their bytes dwarf the metadata
+        cost, and zeros first would double their I/O. The zeros are a stale tail (bytes past
+        nrec, never read as records). A failed write (ENOSPC) only turns preallocation off.
+        """
+        headroom = self._headroom_bytes()
+        if headroom <= 0 or added * self.record_bytes * PREALLOC_SMALL_COMMIT > headroom:
+            return
+        end = HEADER_SIZE + self._nrec * self.record_bytes
+        if self._file_end - end >= headroom // 2:
+            return
+        start = max(self._file_end, end)
+        target = -(-(end + headroom) // 4096) * 4096  # page-aligned new end of the file
+        try:
+            self._io.pwrite(self._fd, np.zeros(target - start, dtype=np.uint8), start)  # calloc'ed
+            self._io.start_writeback(self._fd, start, target - start)
+        except OSError as exc:
+            self._preallocate = 0
+            log.warning("kv.preallocate_failed", path=self.path, error=str(exc),
+                        action="preallocation off for this writer")
+            return
+        self._file_end = target
+        log.info("kv.preallocate", path=self.path, start=start, bytes=target - start)
+
+    def _headroom_bytes(self) -> int:
+        if self._preallocate is None:
+            return default_headroom(self.record_bytes)
+        return self._preallocate
 
     def _write_nrec(self, nrec: int) -> None:
         """Commit word then fsync. ``_disk_nrec_max`` covers a word that landed before a failure."""
@@ -447,14 +552,17 @@ class KVWriter:
                                         chunk_bytes=self._upgrade_chunk_bytes, file_mode=mode)
         old_fd, self._fd = self._fd, result.fd
         os.close(old_fd)
+        self._file_end = int(os.fstat(self._fd).st_size)
         self._header = result.header
         self._nrec = self._disk_nrec_max = keep
         self._pending, self._flushed, self._spare = [], 0, None
         self._sidecar = result.sidecar
+        if self._sidecar is not None and self._preallocate != 0:
+            self._sidecar.headroom_entries = HEADROOM_ENTRIES
         if result.error is not None:
             self._dir_sync_due = True  # the rename may not be durable yet: the next commit syncs
             if self._checksums and self._sidecar is None:
-                self._sidecar = SidecarWriter(self.path, self._header.with_nrec(0))
+                self._sidecar = self._open_sidecar()
             raise result.error
 
     # -- close ------------------------------------------------------------------------------
@@ -522,4 +630,5 @@ def _remove_stale_create(path: str, io: Durability) -> None:
         log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
 
 
-__all__ = ["KVWriter", "KV_DTYPES"]
+__all__ = ["KVWriter", "KV_DTYPES", "SharedDurability", "default_headroom", "PREALLOC_RECORDS",
+           "PREALLOC_MAX_BYTES"]

@@ -54,17 +54,27 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
 
     store = SessionStore(spec["root"])
     kill_manifest = spec.get("kill_at_manifest_write")  # SIGKILL at the n-th manifest write
-    if kill_manifest is not None:
-        real = session_mod.write_manifest
+    if kill_manifest is not None:  # (a whole manifest, or a commit's state page)
+        from sessionstore.commit_state import StateWriter
+
+        real, real_state = session_mod.write_manifest, StateWriter.write
         calls = {"n": 0}
 
-        def dying_write(path: Any, manifest: Any, **kw: Any) -> None:
+        def dying() -> None:
             calls["n"] += 1
             if calls["n"] == kill_manifest:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def dying_write(path: Any, manifest: Any, **kw: Any) -> None:
+            dying()
             real(path, manifest, **kw)
 
+        def dying_state(self: Any, manifest: Any, **kw: Any) -> None:
+            dying()
+            real_state(self, manifest, **kw)
+
         session_mod.write_manifest = dying_write
+        StateWriter.write = dying_state  # type: ignore[method-assign]
     if spec.get("kill_at_kv_truncate"):  # SIGKILL after the manifest's epoch bump, before the cut
         from sessionstore.writer import KVWriter
 

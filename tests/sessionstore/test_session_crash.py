@@ -19,7 +19,7 @@ from kernels.errors import LockedError
 from kernels.model import load_model
 from sessionstore.manifest import MANIFEST_NAME, SamplerSettings
 from sessionstore.session import reference_turns
-from sessionstore.store import SessionStore, verify_session_dir
+from sessionstore.store import STATE_NAME, SessionStore, verify_session_dir
 from tests.sessionstore._session_util import run_child, spawn_child
 
 PROMPT = list(b"Once upon a time")
@@ -127,16 +127,22 @@ def test_lost_unsynced_manifest(tmp_path, tiny) -> None:
     s = store.create("s", "tiny", kv_dtype="fp8", sampler=sampler, commit_every=64)
     s.generate(PROMPT, 5)
     s.close()
-    old = tmp_path / "old-manifest.json"
-    shutil.copy(store.session_dir("s") / MANIFEST_NAME, old)
+    names = (MANIFEST_NAME, STATE_NAME)  # the manifest and its commit state page (per commit)
+    for name in names:
+        shutil.copy(store.session_dir("s") / name, tmp_path / f"old-{name}")
     s = SessionStore(tmp_path).open("s")
     s.generate(None, 7)
     s.close()
-    shutil.copy(old, store.session_dir("s") / MANIFEST_NAME)  # the newer manifest "never hit the disk"
+
+    def lose_updates() -> None:  # the newer manifest and state page "never hit the disk"
+        for name in names:
+            shutil.copy(tmp_path / f"old-{name}", store.session_dir("s") / name)
+
+    lose_updates()
     quick = SessionStore(tmp_path).open("s", verify=False)  # skipping verification never skips recovery
     assert quick.resume_report["recovered"] is True
     quick.abandon()
-    shutil.copy(old, store.session_dir("s") / MANIFEST_NAME)
+    lose_updates()
     report = _check_prefix_and_continue(tmp_path, "s", tiny, "fp8", sampler, 5 + 7 + 4)
     assert report["recovered"] is True
 

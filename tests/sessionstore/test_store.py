@@ -13,7 +13,7 @@ from sessionstore.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.paths import InvalidSessionIdError
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import check_records, load_sidecar
-from sessionstore.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, SessionStore, common_prefix
+from sessionstore.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix
 
 PROMPT = list(b"Hello, store")
 
@@ -33,8 +33,9 @@ def test_layout_and_public_paths(store) -> None:
     _make(store, "s1")
     d = store.session_dir("s1")
     assert d == store.root / "sessions" / "s1"
-    assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST_NAME, KV_NAME, SIDECAR_NAME, LOCK_NAME])
-    assert [p.name for p in store.files_of("s1")] == [MANIFEST_NAME, KV_NAME, SIDECAR_NAME]
+    assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST_NAME, KV_NAME, SIDECAR_NAME, LOCK_NAME,
+                                                          STATE_NAME])  # commits wrote the state page
+    assert [p.name for p in store.files_of("s1")] == [MANIFEST_NAME, KV_NAME, SIDECAR_NAME, STATE_NAME]
     tmp = store.tmp_dir()
     assert tmp.parent == store.root / "tmp" and not any(tmp.iterdir())
     assert not any(p.name.startswith("t-") for p in (store.root / "sessions").iterdir())

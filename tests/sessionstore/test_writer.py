@@ -35,9 +35,10 @@ def kv(tmp_path):
 
 @pytest.mark.parametrize("dims", [DIMS, DIMS_IX], ids=["plain", "indexer"])
 @pytest.mark.parametrize("staging_records", [1, 3, 1000])
-def test_append_commit_bytes_v2(kv, dims, staging_records):
+@pytest.mark.parametrize("preallocate", [None, 0], ids=["headroom", "exact"])
+def test_append_commit_bytes_v2(kv, dims, staging_records, preallocate):
     rec = record_size(2, dims)
-    with KVWriter.open(kv, dims, staging_bytes=staging_records * rec) as w:
+    with KVWriter.open(kv, dims, staging_bytes=staging_records * rec, preallocate=preallocate) as w:
         assert (w.version, w.nrec, w.length) == (2, 0, 0)
         position = 0
         for k in (1, 2, 5, 1, 7, 4):  # small and big batches, across staging chunks
@@ -48,7 +49,14 @@ def test_append_commit_bytes_v2(kv, dims, staging_records):
                 assert w.commit() == position and w.nrec == position
         assert w.commit() == 20
     _, nrec, body, size = read_committed(kv)
-    assert nrec == 20 and size == 40 + 20 * rec
+    if preallocate == 0:
+        assert nrec == 20 and size == 40 + 20 * rec
+    else:  # small commits leave zero-filled headroom: a stale tail, never counted
+        assert nrec == 20 and size > 40 + 20 * rec and size % 4096 == 0
+        with open(kv, "rb") as f:
+            assert f.read()[40 + 20 * rec:] == bytes(size - 40 - 20 * rec)
+        with open_kv(kv) as r:
+            assert r.nrec == 20 and r.stale_tail_bytes == size - 40 - 20 * rec
     assert body == expected_records(2, dims, 20)
     with open(kv, "rb") as f:
         assert f.read(40) == pack_header(Header(2, dims, 20))

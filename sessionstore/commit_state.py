@@ -1,0 +1,195 @@
+"""A resident session's per-commit state, ``manifest.json.state``, overwritten in place.
+
+Every commit changes the manifest's dynamic fields (``committed``, ``pending``,
+``last_logits``, ``updated_at``). Replacing the whole ``manifest.json`` for that costs a temp
+file, a rename and the release of the old file's blocks (a discard on some disks), for fields
+that FORMAT.d/50 makes a verified cache anyway. So a commit overwrites one 4 KiB page of this
+file instead; :func:`sessionstore.manifest.read_manifest` applies it when its epoch equals the
+manifest's. A torn, damaged or absent page is ignored: the manifest's own fields (an older
+commit of the same epoch, a valid lower bound) are used, and recovery does the rest.
+
+Layout (one page, little-endian)::
+
+    0       8  magic     b"COLIMST1"
+    8       4  u32       version = 1
+    12      4  u32       n: payload length, at most 4072
+    16      n  payload   compact UTF-8 JSON: epoch, committed, pending, last_logits, updated_at
+    16 + n  8  u64       xxh3_64 of bytes [0, 16 + n)
+    ...        zero      up to 4096 bytes
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kernels.errors import FormatError, LimitError
+
+if TYPE_CHECKING:
+    from sessionstore.manifest import Manifest
+
+STATE_SUFFIX = ".state"
+STATE_MAGIC = b"COLIMST1"
+STATE_VERSION = 1
+STATE_BYTES = 4096
+_HEAD = struct.Struct("<8sII")
+_CHECK = struct.Struct("<Q")
+MAX_PAYLOAD = STATE_BYTES - _HEAD.size - _CHECK.size
+
+
+def state_path(manifest_path: str | os.PathLike[str]) -> Path:
+    """``<manifest path>.state``."""
+    return Path(os.fspath(manifest_path) + STATE_SUFFIX)
+
+
+def encode_state(manifest: Manifest) -> bytes:
+    """The 4096-byte page holding ``manifest``'s epoch and dynamic fields."""
+    from sessionstore.manifest import digest_to_json
+
+    payload = json.dumps({"epoch": manifest.epoch, "committed": manifest.committed,
+                          "pending": list(manifest.pending),
+                          "last_logits": digest_to_json(manifest.last_logits),
+                          "updated_at": manifest.updated_at},
+                         separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    if len(payload) > MAX_PAYLOAD:
+        raise LimitError(f"commit state of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    body = _HEAD.pack(STATE_MAGIC, STATE_VERSION, len(payload)) + payload
+    page = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+    return page + bytes(STATE_BYTES - len(page))
+
+
+def decode_state(page: bytes, vocab: int, where: str) -> dict[str, Any]:
+    """The validated fields of a page; FormatError when torn, damaged or malformed."""
+    from sessionstore.manifest import _int, _need, digest_from_json, pending_from_json
+
+    if len(page) < _HEAD.size:
+        raise FormatError(f"{where}: {len(page)} bytes, shorter than the {_HEAD.size}-byte head")
+    magic, version, length = _HEAD.unpack_from(page)
+    if magic != STATE_MAGIC or version != STATE_VERSION:
+        raise FormatError(f"{where}: byte 0: magic {magic!r} version {version}, expected "
+                          f"{STATE_MAGIC!r} version {STATE_VERSION}")
+    if length > MAX_PAYLOAD or len(page) < _HEAD.size + length + _CHECK.size:
+        raise FormatError(f"{where}: byte 12: payload length {length} beyond the page")
+    end = _HEAD.size + length
+    (check,) = _CHECK.unpack_from(page, end)
+    if check != xxhash.xxh3_64_intdigest(page[:end]):
+        raise FormatError(f"{where}: byte {end}: check does not match (torn or damaged)")
+    try:
+        data = json.loads(page[_HEAD.size:end].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{where}: byte 16: payload is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{where}: byte 16: payload is not a JSON object")
+    return {"epoch": _int(data, "epoch", where, 0, (1 << 63) - 1),
+            "committed": _int(data, "committed", where),
+            "pending": pending_from_json(data, vocab, where),
+            "last_logits": digest_from_json(data, vocab, where),
+            "updated_at": _need(data, "updated_at", str, where)}
+
+
+def read_state_page(manifest_path: str | os.PathLike[str]) -> bytes | None:
+    """The state page beside a manifest; None when absent (never follows a symlink)."""
+    path = state_path(manifest_path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot open the commit state ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{path}: commit state is not a regular file")
+        return os.pread(fd, STATE_BYTES, 0)
+    finally:
+        os.close(fd)
+
+
+def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Manifest:
+    """``manifest`` with the dynamic fields of its state page when that page is sound and of
+    the same epoch; otherwise ``manifest`` itself (the older, valid values)."""
+    try:
+        page = read_state_page(manifest_path)
+        if page is None:
+            return manifest
+        state = decode_state(page, manifest.dims["vocab"], str(state_path(manifest_path)))
+    except FormatError:
+        return manifest  # a cache only: torn by a concurrent write, or damaged
+    if state["epoch"] != manifest.epoch:
+        return manifest  # written before a truncate, or a truncate's manifest not yet in place
+    return dataclasses.replace(manifest, committed=state["committed"], pending=state["pending"],
+                               last_logits=state["last_logits"], updated_at=state["updated_at"])
+
+
+class StateWriter:
+    """Overwrites the state page of one manifest in place (one descriptor, kept open)."""
+
+    def __init__(self, manifest_path: str | os.PathLike[str]) -> None:
+        self.path = state_path(manifest_path)
+        self._fd = -1
+
+    def open(self) -> None:
+        """Open (create) the page now, e.g. when the session becomes resident; ``write`` opens
+        it on first use otherwise."""
+        if self._fd < 0:
+            self._fd = _open_state(self.path, create=True)
+
+    def write(self, manifest: Manifest, *, durable: bool = False) -> None:
+        """One 4096-byte ``pwrite`` at offset 0 (``durable``: then fdatasync)."""
+        page = encode_state(manifest)
+        self.open()
+        _pwrite_page(self._fd, page, self.path)
+        if durable:
+            os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def update_existing_state(manifest_path: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Before a whole manifest is replaced: give an existing state page the same values, so it
+    never overrides the new manifest with older ones (no page: nothing to do)."""
+    path = state_path(manifest_path)
+    try:
+        fd = _open_state(path, create=False)
+    except FileNotFoundError:
+        return
+    try:
+        _pwrite_page(fd, encode_state(manifest), path)
+    finally:
+        os.close(fd)
+
+
+def _open_state(path: Path, *, create: bool) -> int:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path}: commit state is a symlink; refusing it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: commit state is not a regular file")
+    return fd
+
+
+def _pwrite_page(fd: int, page: bytes, path: Path) -> None:
+    view, offset = memoryview(page), 0
+    while view:
+        done = os.pwrite(fd, view, offset)
+        if done <= 0:
+            raise OSError(errno.EIO, f"{path}: pwrite wrote {done} bytes at offset {offset}")
+        view, offset = view[done:], offset + done
+
+
+__all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "state_path", "encode_state",
+           "decode_state", "read_state_page", "apply_state", "StateWriter", "update_existing_state"]
