@@ -1,6 +1,6 @@
 """fp8 e4m3 (OCP e4m3fn) codec of ``.coli_kv`` v2 rows, bit-exact to the colibri engine.
 
-Rules (FORMAT.d/20-codec.md): decode is a 256-entry table, NaN codes (0x7F, 0xFF) read as +0.0.
+Rules (FORMAT.md section 2): decode is a 256-entry table, NaN codes (0x7F, 0xFF) read as +0.0.
 Encode of one float32: NaN -> 0x00; |x| > 448 or inf -> sign|0x7E; otherwise round half to even
 onto the e4m3 grid (subnormal step 2^-9), the sign bit kept (-0.0 and negative underflow -> 0x80).
 The row quantizer scales each row by 448/amax (f32 ops) before encoding; scale = amax/448.

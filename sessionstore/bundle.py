@@ -1,7 +1,7 @@
 """The migration bundle: one session's files as a stream, written and read front to back.
 
 No seek anywhere, so a bundle flows through pipes (``export - | ssh host import -``). Layout
-(little-endian; FORMAT.d/60-bundle.md is the spec)::
+(little-endian; FORMAT.md section 6 is the spec)::
 
     preamble   16 B   magic b"COLIBNDL", u32 format version (1), u32 flags (0)
     manifest   16 B   b"MNFT", u32 json_len, u64 xxh3_64(json)   + json_len bytes of UTF-8 JSON

@@ -1,4 +1,4 @@
-"""The bundle format's constants, limits and manifest frame (FORMAT.d/60-bundle.md).
+"""The bundle format's constants, limits and manifest frame (FORMAT.md section 6).
 
 Every struct size is asserted at import; every limit is named and checked before anything is
 allocated; the manifest frame's JSON is parsed strictly (no NaN, no duplicate keys, bounded

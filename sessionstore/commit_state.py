@@ -3,7 +3,7 @@
 Every commit changes the manifest's dynamic fields (``committed``, ``pending``,
 ``last_logits``, ``updated_at``). Replacing the whole ``manifest.json`` for that costs a temp
 file, a rename and the release of the old file's blocks (a discard on some disks), for fields
-that FORMAT.d/50 makes a verified cache anyway. So a commit overwrites one 4 KiB page of this
+that FORMAT.md section 5 makes a verified cache anyway. So a commit overwrites one 4 KiB page of this
 file instead; :func:`sessionstore.manifest.read_manifest` applies it when its epoch equals the
 manifest's. A torn, damaged or absent page is ignored: the manifest's own fields (an older
 commit of the same epoch, a valid lower bound) are used, and recovery does the rest.

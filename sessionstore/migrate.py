@@ -96,7 +96,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> bytes:
-    """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.d/40."""
+    """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.md section 4."""
     body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, 1, static_hash(kv_header),
                                rec_bytes, int(entries.shape[0]), b"\0" * 16)
     head = body + CHECK_STRUCT.pack(xxhash.xxh3_64_intdigest(body))

@@ -16,7 +16,7 @@ is never shortened: bytes past the committed records are stale and get overwritt
 
 With ``preallocate`` (a session's decode loop), small commits keep zero-filled headroom past
 the committed records, written after the commit point: the next one-record commits overwrite
-allocated blocks, so their data barrier has no metadata to commit (FORMAT.d/30 3.4.1). Writers
+allocated blocks, so their data barrier has no metadata to commit (FORMAT.md 3.4.1). Writers
 share one pool of fsync helper threads (:class:`SharedDurability`): no thread start per writer.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Crashes (real SIGKILL) and concurrent writers: no committed token lost, resume stays exact.
 
-Recovery rule under test (FORMAT.d/50-session.md): the kv file's commit word is the commit
+Recovery rule under test (FORMAT.md section 5): the kv file's commit word is the commit
 point. If the manifest disagrees with it (killed between the kv commit and the manifest
 replace, killed inside a truncate, or an unsynced manifest lost), open takes the file's count
 and recomputes the pending token from the last position's logits (sampling depends only on
