@@ -5,7 +5,7 @@ the committed length the manifest describes, the pending sampled token(s) (sampl
 so not a record), the sampler settings, a digest of the last logits, timestamps and format
 versions. Writes go temp file -> (fsync) -> ``os.replace`` -> (fsync dir): a reader never sees a
 torn manifest. Static changes (create, import, sampler change) are durable (fsynced); the dynamic
-fields written at each commit are a verified cache of the committed state (see FORMAT.d/50).
+fields written at each commit are a verified cache of the committed state (see FORMAT.md section 5).
 
 The last-logits digest stores the top-k ids and their f32 values plus a hash of the whole logits
 vector. Resume recomputes that position (a single-token step, the same operation that produced
@@ -68,6 +68,13 @@ class SamplerSettings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse values the sampler would refuse (one rule: kernels' Sampler validates), so
+        a bad setting raises FormatError before anything is written to a manifest."""
+        from kernels.model.sampling import Sampler
+
+        Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -285,8 +292,12 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
     dims = {name: _int(d, name, where) for name in DIM_NAMES}
     pending = pending_from_json(data, dims["vocab"], where)
     s = _need(data, "sampler", dict, where)
-    sampler = SamplerSettings(_float(s, "temperature", where), _int(s, "top_k", where),
-                              _float(s, "top_p", where), _int(s, "seed", where, 0, (1 << 64) - 1))
+    try:
+        sampler = SamplerSettings(_float(s, "temperature", where), _int(s, "top_k", where),
+                                  _float(s, "top_p", where), _int(s, "seed", where, 0, (1 << 64) - 1))
+    except FormatError as exc:
+        msg = str(exc)
+        raise FormatError(msg if msg.startswith(where) else f"{where}: field 'sampler': {msg}") from None
     digest = digest_from_json(data, dims["vocab"], where)
     kv_file = _need(data, "kv_file", str, where)
     if kv_file != "kv.coli_kv":

@@ -50,10 +50,19 @@ def is_valid_session_id(session_id: object) -> bool:
 def resolve_root(root: str | os.PathLike[str], *, create: bool = True) -> Path:
     """The store's root as an absolute, resolved path (created when ``create``)."""
     path = Path(os.fspath(root)).expanduser()
+    if path.exists() and not path.is_dir():
+        raise FormatError(f"store root {path} is not a directory (it exists as another kind of file)")
     if create:
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise FormatError(f"store root {path} is not a directory") from None
+        except NotADirectoryError:
+            raise FormatError(f"store root {path}: a component of the path is not a directory") from None
+        except OSError as exc:
+            raise FormatError(f"store root {path}: cannot create it ({exc.strerror})") from None
     if not path.is_dir():
-        raise NotFoundError(f"store root {path} is not a directory")
+        raise NotFoundError(f"store root {path} is not a directory (it does not exist)")
     return path.resolve(strict=True)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
 from sessionstore.commit_state import StateWriter
-from sessionstore.layout import Dims
+from sessionstore.layout import HEADER_SIZE, Dims
 from sessionstore.log import get_logger
 from sessionstore.manifest import (
     MANIFEST_NAME,
@@ -43,7 +43,7 @@ from sessionstore.manifest import (
     write_manifest,
 )
 from sessionstore.reader import KVReader, open_kv
-from sessionstore.sidecar import load_sidecar, record_checksum
+from sessionstore.sidecar import check_records, load_sidecar, record_checksum
 from sessionstore.turns import (
     blocks_from_reader,
     compare_rows,
@@ -248,10 +248,16 @@ class Session:
             return report
         self._check_sidecar_ends(n)
         logits, rows = recompute_last(self.model, self.cache.blocks, self.cache.tokens, self.manifest.kv_dtype)
-        report["rows_exact"] = compare_rows(rows, self._reader, n - 1)
+        try:
+            report["rows_exact"] = compare_rows(rows, self._reader, n - 1)
+        except CorruptionError as exc:
+            raise self._explain_mismatch(n, exc) from None
         digest = self.manifest.last_logits
         if n == m and digest is not None and digest.position == n - 1:
-            exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
+            try:
+                exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
+            except CorruptionError as exc:
+                raise self._explain_mismatch(n, exc) from None
             report["verified"] = "bit-identical" if exact else "within tolerance"
             report["detail"] = detail
             if not exact:
@@ -267,6 +273,31 @@ class Session:
             write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
         return report
 
+    def _explain_mismatch(self, n: int, exc: CorruptionError) -> CorruptionError:
+        """The resume error for a digest mismatch, naming the session and its kv file; the full
+        sidecar check runs only here (after the mismatch), never on a sound resume."""
+        cause = ""
+        try:
+            sidecar = load_sidecar(self.kv_path)
+            report = check_records(self._reader, sidecar) if sidecar is not None else None
+        except ColiError as err:
+            cause = f"; the sidecar cannot vouch for the records ({err})"
+        else:
+            if report is not None and report.status == "corrupt" and report.mismatched_positions:
+                rec = self._reader.record_bytes
+                where = ", ".join(f"{p} (byte {HEADER_SIZE + p * rec})"
+                                  for p in report.mismatched_positions[:8])
+                if report.mismatched == 1:
+                    cause = f"; the record at position {where} fails its checksum in the sidecar"
+                else:
+                    more = " ..." if report.mismatched > 8 else ""
+                    cause = (f"; {report.mismatched} records fail their checksums in the sidecar, "
+                             f"at positions {where}{more}")
+            elif report is not None and report.status == "corrupt":
+                cause = "; " + "; ".join(report.messages)
+        return CorruptionError(f"session {self.id!r}: resume of {self.kv_path} failed verification "
+                               f"({n} committed records): {exc}{cause}")
+
     def _check_sidecar_ends(self, n: int) -> None:
         """The first and last committed records against the sidecar (cheap sanity)."""
         sidecar = load_sidecar(self.kv_path)
@@ -277,7 +308,7 @@ class Session:
                 found = record_checksum(self._reader.record_bytes_view(p), p)
                 if found != int(sidecar.entries[p]):
                     raise CorruptionError(
-                        f"{self.kv_path}: record {p} (byte {40 + p * self._reader.record_bytes}) "
+                        f"session {self.id!r}: {self.kv_path}: record {p} (byte {HEADER_SIZE + p * self._reader.record_bytes}) "
                         f"checksum {found:#018x}, the sidecar vouches {int(sidecar.entries[p]):#018x}")
 
     def _recover_manifest(self, n: int, m: int, logits: np.ndarray | None) -> None:

@@ -1,6 +1,6 @@
 """``SessionStore(root)``: a directory of sessions (create, open, list, delete, fork, prefix match).
 
-Layout (FORMAT.d/50-session.md)::
+Layout (FORMAT.md section 5)::
 
     <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
     <root>/sessions/<id>/manifest.json.state  its last commit's dynamic fields (one page)

@@ -78,3 +78,21 @@ def test_check_component_kinds(tmp_path) -> None:
         check_component(tmp_path / "l", want="dir")
     with pytest.raises(FormatError, match="expected a directory"):
         check_component(tmp_path / "f", want="dir")
+
+
+def test_root_that_is_a_regular_file_is_refused_by_name(tmp_path) -> None:
+    from kernels.errors import NotFoundError
+    from sessionstore.store import SessionStore
+
+    f = tmp_path / "plain-file"
+    f.write_bytes(b"x")
+    for create in (True, False):
+        with pytest.raises(FormatError, match=r"plain-file is not a directory"):
+            resolve_root(f, create=create)
+        with pytest.raises(FormatError, match=r"plain-file is not a directory"):
+            SessionStore(f, create=create)
+    with pytest.raises(FormatError, match="not a directory"):  # a file inside the path
+        resolve_root(f / "below")
+    with pytest.raises(NotFoundError, match="missing is not a directory"):
+        resolve_root(tmp_path / "missing", create=False)
+    assert f.read_bytes() == b"x"

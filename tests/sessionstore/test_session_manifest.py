@@ -57,6 +57,12 @@ def test_round_trip_and_atomic_replace(tmp_path) -> None:
     (lambda d: d.update(pending=list(range(17))), LimitError),
     (lambda d: d.update(kv_file="../../etc/passwd"), FormatError),
     (lambda d: d["sampler"].update(temperature="hot"), FormatError),
+    (lambda d: d["sampler"].update(temperature=-0.5), FormatError),
+    (lambda d: d["sampler"].update(top_p=0.0), FormatError),
+    (lambda d: d["sampler"].update(top_p=1.5), FormatError),
+    (lambda d: d["sampler"].update(top_k=-1), FormatError),
+    (lambda d: d["sampler"].update(seed=-1), FormatError),
+    (lambda d: d["sampler"].update(seed=1 << 64), FormatError),
     (lambda d: d.update(last_logits={"position": 1, "top_ids": [99], "top_values": [1.0], "hash": "x"}),
      FormatError),
 ])
@@ -67,6 +73,24 @@ def test_bad_manifests_are_refused(tmp_path, mutate, err) -> None:
     path.write_text(json.dumps(data))
     with pytest.raises(err, match="manifest.json"):
         read_manifest(path)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"seed": True}, "seed"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1.0}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+])
+def test_sampler_settings_refuse_bad_values(kw, field) -> None:
+    """Bad settings are refused at construction (the sampler's own rule), before any write."""
+    with pytest.raises(FormatError, match=field):
+        SamplerSettings(**kw)
+
+
+def test_good_sampler_settings_are_accepted() -> None:
+    s = SamplerSettings(temperature=1, top_k=0, top_p=1.0, seed=(1 << 64) - 1)
+    assert not s.greedy and SamplerSettings().greedy
 
 
 def test_garbage_symlink_and_missing(tmp_path) -> None:
