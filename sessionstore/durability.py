@@ -302,6 +302,35 @@ class FaultyDurability(Durability):
         self._journal.pop(path, None)
 
 
+HELPER_THREADS = 4  # shared fsync helpers (one per concurrent commit is plenty)
+_helpers: ThreadPoolExecutor | None = None
+_helpers_pid = -1
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    """The process's fsync helper threads, started once (again in a forked child) and shared by
+    every writer: a session that is suspended and resumed never pays for a thread start."""
+    global _helpers, _helpers_pid
+    with _helpers_lock:
+        if _helpers is None or _helpers_pid != os.getpid():
+            _helpers = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="coli-fsync")
+            _helpers_pid = os.getpid()
+        return _helpers
+
+
+class SharedDurability(Durability):
+    """The default I/O object of a writer: real I/O, fsyncs overlapped on the shared helpers."""
+
+    def fsync_begin(self, fd: int) -> Callable[[], None]:
+        future: Future[None] = _helper_pool().submit(self.fsync, fd)
+        return future.result
+
+    def release(self) -> None:
+        """Nothing to stop: the helpers are shared and stay up for the next writer."""
+
+
+
 def count_steps(scenario: Callable[[Durability], object], **kwargs: object) -> list[str]:
     """Run ``scenario`` with a counting (never failing) FaultyDurability; the step names it took."""
     probe = FaultyDurability(None, **kwargs)  # type: ignore[arg-type]
@@ -309,4 +338,4 @@ def count_steps(scenario: Callable[[Durability], object], **kwargs: object) -> l
     return probe.steps
 
 
-__all__ = ["Durability", "FaultyDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY"]
+__all__ = ["Durability", "FaultyDurability", "SharedDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY"]

@@ -24,18 +24,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import structlog
 
 from kernels.errors import ColiError, FormatError, LimitError, ModelMismatchError, NotFoundError
 from kernels.rows import RecordRows
 from sessionstore import upgrade as _upgrade
-from sessionstore.durability import Durability
+from sessionstore.durability import Durability, SharedDurability
 from sessionstore.layout import (
     HEADER_SIZE,
     MAX_NREC,
@@ -60,37 +56,8 @@ CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar c
 PREALLOC_RECORDS = 256  # zero-filled headroom, in records ...
 PREALLOC_MAX_BYTES = 8 << 20  # ... at most this many bytes (the default ``preallocate``)
 PREALLOC_SMALL_COMMIT = 8  # only commits of <= 1/8 of the headroom refill it
-HELPER_THREADS = 4  # shared fsync helpers (one per concurrent commit is plenty)
 
-get_logger("writer")  # configures structlog once
-log = structlog.get_logger(component="writer")  # lazy proxy: follows log.reconfigure()
-
-
-_helpers: ThreadPoolExecutor | None = None
-_helpers_pid = -1
-_helpers_lock = threading.Lock()
-
-
-def _helper_pool() -> ThreadPoolExecutor:
-    """The process's fsync helper threads, started once (again in a forked child) and shared by
-    every writer: a session that is suspended and resumed never pays for a thread start."""
-    global _helpers, _helpers_pid
-    with _helpers_lock:
-        if _helpers is None or _helpers_pid != os.getpid():
-            _helpers = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="coli-fsync")
-            _helpers_pid = os.getpid()
-        return _helpers
-
-
-class SharedDurability(Durability):
-    """The default I/O object of a writer: real I/O, fsyncs overlapped on the shared helpers."""
-
-    def fsync_begin(self, fd: int) -> Callable[[], None]:
-        future: Future[None] = _helper_pool().submit(self.fsync, fd)
-        return future.result
-
-    def release(self) -> None:
-        """Nothing to stop: the helpers are shared and stay up for the next writer."""
+log = get_logger("writer")
 
 
 def default_headroom(record_bytes: int) -> int:
@@ -630,5 +597,5 @@ def _remove_stale_create(path: str, io: Durability) -> None:
         log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
 
 
-__all__ = ["KVWriter", "KV_DTYPES", "SharedDurability", "default_headroom", "PREALLOC_RECORDS",
+__all__ = ["KVWriter", "KV_DTYPES", "default_headroom", "PREALLOC_RECORDS",
            "PREALLOC_MAX_BYTES"]
