@@ -6,7 +6,7 @@ A checkpoint directory's fingerprint is SHA-256 over, in this order:
 2. ``config.json`` parsed and re-serialised canonically (sorted keys, no whitespace), so a
    reformatted config keeps its fingerprint;
 3. for every ``*.safetensors`` file, sorted by name: its name, its size, its parsed header
-   re-serialised canonically (tensor names, dtypes, shapes, data offsets, metadata), and a
+   re-serialised canonically (tensor names, dtypes, shapes, data offsets), and a
    sample of its tensor bytes: for every tensor the first and last ``TENSOR_SAMPLE`` bytes of
    its data, plus ``FILE_SAMPLES`` blocks of ``FILE_SAMPLE`` bytes spread evenly over the data.
 
@@ -20,16 +20,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError
+from kernels.model.weights import SafetensorsFile
 
 FINGERPRINT_TAG = b"coli-fp1"
 PREFIX = "fp1:"
-SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors format's own limit
 CONFIG_MAX_BYTES = 4 << 20
 TENSOR_SAMPLE = 64
 FILE_SAMPLES = 16
@@ -63,47 +62,20 @@ def _read_json(path: Path, limit: int) -> Any:
 
 
 def _hash_safetensors(h: "hashlib._Hash", path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: not a regular file")
-        size = st.st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise FormatError(f"{path}: byte 0: {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > SAFETENSORS_MAX_HEADER or 8 + n > size:
-            raise FormatError(f"{path}: byte 0: header length {n} exceeds the file ({size} bytes) "
-                              f"or the limit {SAFETENSORS_MAX_HEADER}")
-        try:
-            header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{path}: byte 8: safetensors header is not valid JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise FormatError(f"{path}: byte 8: safetensors header is not a JSON object")
-        _frame(h, "file", path.name.encode())
-        _frame(h, "size", struct.pack("<Q", size))
-        _frame(h, "header", _canonical(header))
-        base, data_len = 8 + n, size - 8 - n
-        for name in sorted(k for k in header if k != "__metadata__"):
-            info = header[name]
-            offsets = info.get("data_offsets") if isinstance(info, dict) else None
-            if (not isinstance(offsets, list) or len(offsets) != 2
-                    or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                    or not 0 <= offsets[0] <= offsets[1] <= data_len):
-                raise FormatError(f"{path}: tensor {name!r}: data_offsets {offsets!r} outside the "
-                                  f"{data_len} data bytes")
-            begin, end = offsets
-            first = os.pread(fd, min(TENSOR_SAMPLE, end - begin), base + begin)
-            last = os.pread(fd, min(TENSOR_SAMPLE, end - begin), base + max(begin, end - TENSOR_SAMPLE))
-            _frame(h, "t:" + name, first + last)
-        if data_len > 0:
-            for i in range(FILE_SAMPLES):
-                offset = base + (data_len * i) // FILE_SAMPLES
-                _frame(h, f"s{i}", os.pread(fd, min(FILE_SAMPLE, base + data_len - offset), offset))
-    finally:
-        os.close(fd)
+    # the decoder's own parser validates the header (bounded length, offsets inside the file)
+    sf = SafetensorsFile(path)
+    _frame(h, "file", path.name.encode())
+    _frame(h, "size", struct.pack("<Q", sf.file_size))
+    header = {t.name: [t.dtype, list(t.shape), t.begin, t.end] for t in sf.tensors.values()}
+    _frame(h, "header", _canonical(header))
+    for name in sorted(sf.tensors):
+        info = sf.tensors[name]
+        first = sf.data_bytes_at(info.begin, min(info.end, info.begin + TENSOR_SAMPLE))
+        last = sf.data_bytes_at(max(info.begin, info.end - TENSOR_SAMPLE), info.end)
+        _frame(h, "t:" + name, first + last)
+    for i in range(FILE_SAMPLES if sf.data_bytes > 0 else 0):
+        offset = (sf.data_bytes * i) // FILE_SAMPLES
+        _frame(h, f"s{i}", sf.data_bytes_at(offset, offset + FILE_SAMPLE))
 
 
 def fingerprint_dir(model_dir: str | os.PathLike[str]) -> str:

@@ -144,6 +144,11 @@ class SafetensorsFile:
             )
         return TensorInfo(name, dtype, tuple(shape), begin, end, self.path)
 
+    def data_bytes_at(self, begin: int, end: int) -> bytes:
+        """Raw bytes ``[begin, end)`` of the data buffer (clamped to it)."""
+        begin, end = max(0, begin), min(self.data_bytes, end)
+        return self._data[begin:end].tobytes() if end > begin else b""
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as f32 (a zero-copy view for F32, a converted copy for BF16/F16)."""
         info = self.tensors[name]

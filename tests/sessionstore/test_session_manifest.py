@@ -170,7 +170,7 @@ def test_fingerprint_refuses_bad_safetensors(tmp_path) -> None:
     raw = bytearray(st.read_bytes())
     raw[0:8] = (10**12).to_bytes(8, "little")
     st.write_bytes(bytes(raw))
-    with pytest.raises(FormatError, match="header length"):
+    with pytest.raises((FormatError, LimitError), match="header length"):
         fingerprint_dir(tmp_path / "m")
     st.write_bytes(b"abc")
     with pytest.raises(FormatError, match="too short"):
