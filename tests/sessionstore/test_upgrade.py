@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from kernels.fp8 import quantize_rows
-from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash, count_steps
+from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash
 from sessionstore.layout import Header, pack_header, pack_records
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import load_sidecar, sidecar_path
 from sessionstore.upgrade import UPGRADE_SUFFIX
 from sessionstore.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
+    scenario_steps,
     DIMS,
     DIMS_IX,
     assert_sidecar_sound,
@@ -152,16 +153,7 @@ def _scenario(path: str, io: Durability | None, acks: list[int], retry: bool = F
     w.close()
 
 
-def _steps() -> list[str]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kv")
-        _v1_file(path)
-        return count_steps(lambda io: _scenario(path, io, []))
-
-
-STEPS = _steps()
+STEPS = scenario_steps(_v1_file, _scenario)
 
 
 def test_upgrade_scenario_has_the_switch_steps():

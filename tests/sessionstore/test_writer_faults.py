@@ -13,10 +13,11 @@ import os
 
 import pytest
 
-from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash, count_steps
+from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash
 from sessionstore.layout import Header, pack_header
 from sessionstore.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
+    scenario_steps,
     DIMS,
     assert_sidecar_sound,
     expected_records,
@@ -90,16 +91,7 @@ def _check_state(path: str, last_ack: int) -> int:
     return i
 
 
-def _steps() -> list[str]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "kv")
-        _setup(path)
-        return count_steps(lambda io: _scenario(path, io, []))
-
-
-STEPS = _steps()
+STEPS = scenario_steps(_setup, _scenario)
 
 
 def test_scenario_covers_every_kind_of_step():

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
+from collections.abc import Callable
 
 import numpy as np
 
 from kernels.rows import RecordRows
+from sessionstore.durability import Durability, count_steps
 from sessionstore.layout import Dims, pack_records
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import check_records, load_sidecar
@@ -109,3 +112,11 @@ def assert_sidecar_sound(path: str | os.PathLike[str], *, require: bool = True) 
 def leftovers(directory: str | os.PathLike[str]) -> list[str]:
     """Temp files in ``directory`` (anything ending in .tmp or starting with a dot)."""
     return sorted(n for n in os.listdir(directory) if n.endswith(".tmp") or n.startswith("."))
+
+
+def scenario_steps(setup: Callable[[str], object], scenario: Callable[[str, Durability, list], object]) -> list[str]:
+    """The durability steps a fault-injection scenario takes, counted once in a scratch directory."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kv")
+        setup(path)
+        return count_steps(lambda io: scenario(path, io, []))
