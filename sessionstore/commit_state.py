@@ -142,7 +142,12 @@ class StateWriter:
 
     def write(self, manifest: Manifest, *, durable: bool = False) -> None:
         """One 4096-byte ``pwrite`` at offset 0 (``durable``: then fdatasync)."""
-        page = encode_state(manifest)
+        self.write_page(encode_state(manifest), durable=durable)
+
+    def write_page(self, page: bytes, *, durable: bool = False) -> None:
+        """Write a page :func:`encode_state` made (e.g. on a helper thread, ahead of time)."""
+        if len(page) != STATE_BYTES:
+            raise LimitError(f"{self.path}: a state page is {STATE_BYTES} bytes, not {len(page)}")
         self.open()
         _pwrite_page(self._fd, page, self.path)
         if durable:

@@ -18,8 +18,10 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 def _load_sync_file_range():  # type: ignore[no-untyped-def]
@@ -92,11 +94,15 @@ class Durability:
         if _sync_file_range is not None:
             _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
-    def fsync_begin(self, fd: int) -> Callable[[], None]:
-        """Start ``fsync(fd)`` in the helper thread; returns the call that waits for it (and
-        raises its error). The writer overlaps the sidecar's fsync with the data's this way."""
-        future: Future[None] = self._helper().submit(self.fsync, fd)
+    def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
+        """Start ``fn(*args)`` in the helper thread; returns the call that waits for it (and
+        raises its error). The writer stages and fsyncs the sidecar beside the data this way."""
+        future: Future[T] = self._helper().submit(fn, *args)
         return future.result
+
+    def fsync_begin(self, fd: int) -> Callable[[], None]:
+        """Start ``fsync(fd)`` in the helper thread (see :meth:`begin`)."""
+        return self.begin(self.fsync, fd)
 
     def fsync_all(self, fds: Sequence[int]) -> None:
         """fsync every fd; the first in this thread, the others concurrently in the helper.
@@ -269,9 +275,9 @@ class FaultyDurability(Durability):
                 self._synced[path] = f.read()
             self._journal[path] = []
 
-    def fsync_begin(self, fd: int) -> Callable[[], None]:
-        self.fsync(fd)  # at once, in this thread: step numbers stay deterministic
-        return lambda: None
+    def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
+        result = fn(*args)  # at once, in this thread: step numbers stay deterministic
+        return lambda: result
 
     def fsync_all(self, fds: Sequence[int]) -> None:
         for fd in fds:
@@ -319,12 +325,17 @@ def _helper_pool() -> ThreadPoolExecutor:
         return _helpers
 
 
+def beside(fn: Callable[..., T], *args: object) -> Callable[[], T]:
+    """Run ``fn(*args)`` on the shared helpers, beside the caller's own work (e.g. CPU
+    bookkeeping while the caller waits in a barrier); returns the call that waits for it."""
+    return _helper_pool().submit(fn, *args).result
+
+
 class SharedDurability(Durability):
     """The default I/O object of a writer: real I/O, fsyncs overlapped on the shared helpers."""
 
-    def fsync_begin(self, fd: int) -> Callable[[], None]:
-        future: Future[None] = _helper_pool().submit(self.fsync, fd)
-        return future.result
+    def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
+        return beside(fn, *args)
 
     def release(self) -> None:
         """Nothing to stop: the helpers are shared and stay up for the next writer."""
@@ -338,4 +349,4 @@ def count_steps(scenario: Callable[[Durability], object], **kwargs: object) -> l
     return probe.steps
 
 
-__all__ = ["Durability", "FaultyDurability", "SharedDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY"]
+__all__ = ["Durability", "FaultyDurability", "SharedDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY", "beside"]

@@ -12,7 +12,6 @@ import fcntl
 import os
 import stat
 
-
 from kernels.errors import FormatError, LockedError, NotFoundError
 from sessionstore.log import get_logger
 
@@ -80,11 +79,7 @@ class WriterLock:
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
-        try:
-            os.ftruncate(fd, 0)  # no stale pid in the message of the next refusal
-        except OSError:
-            pass
-        os.close(fd)
+        os.close(fd)  # the pid stays: the next holder rewrites it as it takes the lock
         log.info("kv.lock_released", path=self.path)
 
     def __enter__(self) -> WriterLock:

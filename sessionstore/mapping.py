@@ -19,12 +19,18 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _unmapper: ThreadPoolExecutor | None = None
 _unmapper_pid = -1
 _unmapper_lock = threading.Lock()
+_on_unmapper = threading.local()  # .yes on the unmapper thread: a finalizer there unmaps inline
+
+
+def _mark_unmapper() -> None:
+    _on_unmapper.yes = True
 
 
 def _load_libc() -> Any:
@@ -52,14 +58,14 @@ def _background() -> ThreadPoolExecutor:
     global _unmapper, _unmapper_pid
     with _unmapper_lock:
         if _unmapper is None or _unmapper_pid != os.getpid():  # a forked child starts its own
-            _unmapper = ThreadPoolExecutor(1, thread_name_prefix="coli-unmap")
+            _unmapper = ThreadPoolExecutor(1, thread_name_prefix="coli-unmap", initializer=_mark_unmapper)
             _unmapper_pid = os.getpid()
         return _unmapper
 
 
 def _unmap(address: int, size: int, state: dict[str, bool]) -> None:
     """The finalizer: munmap now (GIL released by ctypes) or hand it to the background."""
-    if state["defer"]:
+    if state["defer"] and not getattr(_on_unmapper, "yes", False):
         try:
             _background().submit(_libc.munmap, address, size)
             return
@@ -119,6 +125,25 @@ class FileMapping:
                 pass  # views still held: the mapping is released with the last of them
 
 
+def release_later(box: list[Any], before: Callable[[], object] | None = None) -> None:
+    """On the background thread: ``before()`` (e.g. a reader's close), then empty ``box``.
+    What it held (a session's cache, buffers, views of a mapping) is freed there, so the
+    caller does not wait for the ``free`` and ``munmap`` calls. The caller must hold no
+    other reference to those objects."""
+
+    def run() -> None:
+        try:
+            if before is not None:
+                before()
+        finally:
+            box.clear()
+
+    try:
+        _background().submit(run)
+    except RuntimeError:  # interpreter shutting down: free them here
+        run()
+
+
 def wait_for_unmaps() -> None:
     """Block until every deferred unmap of this process has run (tests, benchmarks)."""
     with _unmapper_lock:
@@ -127,4 +152,4 @@ def wait_for_unmaps() -> None:
         pool.submit(lambda: None).result()
 
 
-__all__ = ["FileMapping", "wait_for_unmaps"]
+__all__ = ["FileMapping", "release_later", "wait_for_unmaps"]

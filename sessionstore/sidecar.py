@@ -257,11 +257,9 @@ class SidecarWriter:
             raise LimitError(
                 f"{self.path}: stage at position {first_position} leaves a gap (count {self.count})")
         k = len(view) // rec
-        entries = np.fromiter(  # [k] u64
-            (record_checksum(view[i * rec:(i + 1) * rec], first_position + i) for i in range(k)),
-            dtype="<u8", count=k)
+        data = struct.pack(f"<{k}Q", *[record_checksum(view[i * rec:(i + 1) * rec], first_position + i)
+                                        for i in range(k)])  # k u64 entries
         offset = SIDECAR_HEADER_SIZE + ENTRY_SIZE * first_position
-        data = entries.tobytes()
         end = offset + len(data)
         if end > self._file_end and self.headroom_entries > 0:  # growing: zero-filled headroom
             # in the same write, so the next commits overwrite allocated blocks and their

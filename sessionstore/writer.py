@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +93,7 @@ class KVWriter:
     def __init__(self, *, path: str, dims: Dims, kv_dtype: str, io: Durability, lock: WriterLock,
                  fd: int, header: Header, nrec: int, disk_nrec: int, staging_bytes: int,
                  checksums: bool, upgrade_chunk_bytes: int, file_bytes: int,
-                 preallocate: int | None) -> None:
+                 preallocate: int | None, write_behind: bool = False) -> None:
         self.path = path
         self.dims = dims
         self.kv_dtype = kv_dtype
@@ -106,7 +107,8 @@ class KVWriter:
         self._checksums = checksums
         self._upgrade_chunk_bytes = upgrade_chunk_bytes
         self._pending: list[_Chunk] = []  # records [nrec, length), in order
-        self._flushed = 0  # leading pending chunks already written (not fsynced)
+        self._written = 0  # leading pending records already written (not fsynced)
+        self._write_behind = write_behind
         self._spare: _Chunk | None = None  # a staging buffer kept for reuse after a commit
         self._sidecar: SidecarWriter | None = None
         self._dir_sync_due = False
@@ -120,7 +122,7 @@ class KVWriter:
              create: bool = True, staging_bytes: int = 8 << 20, durability: Durability | None = None,
              checksums: bool = True,
              upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES,
-             preallocate: int | None = 0) -> KVWriter:
+             preallocate: int | None = 0, write_behind: bool = False) -> KVWriter:
         """Open (or create) ``path`` for appending; takes the writer lock at once.
 
         ``preallocate``: zero-filled headroom (bytes) kept past the committed records after a
@@ -130,6 +132,12 @@ class KVWriter:
         (min(256 records, 8 MiB), what a session uses). The headroom is a stale tail (bytes
         past nrec), which the engine's reading rules ignore; the sidecar then keeps
         HEADROOM_ENTRIES zero entries of headroom too.
+
+        ``write_behind``: every append is written past nrec at once (no fsync) and its
+        write-back started, instead of waiting in the staging buffer for a chunk to fill or for
+        the commit; a decode loop's commit then finds its records on disk and only waits for
+        the barrier. Crash safety is unchanged (bytes past nrec are a stale tail until the
+        commit word moves); off by default (fewer, bigger writes).
 
         Raises LockedError (another writer), ModelMismatchError (other dims), FormatError (bad
         file, not a regular file, v2 with ``kv_dtype="f32"``), NotFoundError (absent, no create).
@@ -147,7 +155,8 @@ class KVWriter:
         lock = WriterLock(path).acquire()
         try:
             writer = cls._open_locked(path, dims, kv_dtype, create, max(staging_bytes, 1), io,
-                                      lock, checksums, upgrade_chunk_bytes, preallocate)
+                                      lock, checksums, upgrade_chunk_bytes, preallocate,
+                                      write_behind)
         except BaseException:
             lock.release()
             raise
@@ -156,7 +165,8 @@ class KVWriter:
     @classmethod
     def _open_locked(cls, path: str, dims: Dims, kv_dtype: str, create: bool, staging_bytes: int,
                      io: Durability, lock: WriterLock, checksums: bool,
-                     upgrade_chunk_bytes: int, preallocate: int | None) -> KVWriter:
+                     upgrade_chunk_bytes: int, preallocate: int | None,
+                     write_behind: bool) -> KVWriter:
         _upgrade.remove_stale_temps(path, io)
         _remove_stale_create(path, io)
         created = False
@@ -196,7 +206,7 @@ class KVWriter:
                          header=header, nrec=complete, disk_nrec=header.nrec,
                          staging_bytes=staging_bytes, checksums=checksums,
                          upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=int(st.st_size),
-                         preallocate=preallocate)
+                         preallocate=preallocate, write_behind=write_behind)
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
@@ -315,7 +325,7 @@ class KVWriter:
         done = 0
         k = int(packed.shape[0])
         while done < k:
-            tail = self._pending[-1] if len(self._pending) > self._flushed else None
+            tail = self._pending[-1] if self._pending else None
             if tail is None or tail.free == 0:
                 if (k - done) * 8 >= capacity:  # a big batch is its own chunk: no copy
                     self._pending.append(_Chunk(packed[done:], k - done))
@@ -336,48 +346,71 @@ class KVWriter:
         return _Chunk(np.empty(capacity, dtype=dtype), 0)  # [capacity] records
 
     def _flush_full_chunks(self) -> None:
-        """Write chunks that are full (no fsync): the disk starts early; failures wait for commit."""
-        full = self._flushed
-        while full < len(self._pending) and self._pending[full].free == 0:
-            full += 1
-        if full == self._flushed:
-            return
+        """Write what is due (no fsync): records of full chunks, or with write-behind every
+        staged record. The disk starts early; a failure is only logged (commit rewrites)."""
+        if self._write_behind:
+            stop = self.length - self._nrec
+        else:
+            stop = 0
+            for chunk in self._pending:
+                if chunk.free:
+                    break
+                stop += chunk.used
         try:
-            offset = self._offset_of_chunk(self._flushed)
-            buffers = [c.data() for c in self._pending[self._flushed:full]]
-            size = sum(len(b) for b in buffers)
-            self._io.pwritev(self._fd, buffers, offset)
-            self._file_end = max(self._file_end, offset + size)
-            self._io.start_writeback(self._fd, offset, size)
-            self._flushed = full
+            self._write_staged(stop, start_writeback=True)
         except OSError as exc:
-            self._flushed = 0
+            self._written = 0
             log.warning("kv.write_deferred", path=self.path, error=str(exc))
 
-    def _offset_of_chunk(self, index: int) -> int:
-        position = self._nrec + sum(c.used for c in self._pending[:index])
-        return HEADER_SIZE + position * self.record_bytes
+    def _write_staged(self, stop: int, *, start_writeback: bool) -> None:
+        """Write pending records [written, stop) at their offsets (no fsync)."""
+        if stop <= self._written:
+            return
+        offset = HEADER_SIZE + (self._nrec + self._written) * self.record_bytes
+        buffers = self._pending_bytes(self._written, stop)
+        size = (stop - self._written) * self.record_bytes
+        self._io.pwritev(self._fd, buffers, offset)
+        self._file_end = max(self._file_end, offset + size)
+        if start_writeback:
+            self._io.start_writeback(self._fd, offset, size)
+        self._written = stop
+
+    def _pending_bytes(self, start: int, stop: int) -> list[np.ndarray]:
+        """Byte views of pending records [start, stop) (0 = the first record past nrec)."""
+        views: list[np.ndarray] = []
+        first = 0
+        for chunk in self._pending:
+            lo, hi = max(start, first), min(stop, first + chunk.used)
+            if lo < hi:
+                views.append(chunk.records[lo - first:hi - first].view(np.uint8))  # [n * rec] u8
+            first += chunk.used
+        return views
 
     # -- commit -----------------------------------------------------------------------------
-    def commit(self) -> int:
+    def commit(self, *, beside: Callable[[], object] | None = None) -> int:
         """Make every appended record durable; returns the committed count.
 
+        ``beside``: called once, on a helper thread while the data barrier is in flight (or
+        here at once when there is nothing to commit), so CPU work overlaps the disk's; its
+        error is raised after the barriers, before the commit word (nothing is committed).
         On an OSError nothing committed changes (nrec stays) and the staged records are kept:
         the next commit rewrites them all. The error is raised.
         """
         self._check_open()
         length = self.length
         if length == self._nrec and not self._dir_sync_due:
+            if beside is not None:
+                beside()
             return self._nrec
         try:
             if self._dir_sync_due:
                 self._io.fsync_dir(self.path)
                 self._dir_sync_due = False
-            self._write_and_sync_records()
+            self._write_and_sync_records(beside)
             if length != self._nrec:
                 self._write_nrec(length)
         except OSError as exc:
-            self._flushed = 0  # rewrite everything from nrec next time
+            self._written = 0  # rewrite everything from nrec next time
             log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
                         error=str(exc))
             raise
@@ -390,28 +423,27 @@ class KVWriter:
             self._refill_headroom(added)
         return length
 
-    def _write_and_sync_records(self) -> None:
-        """Steps 1-2: sidecar entries + count staged and their fsync started (helper thread),
-        records written from nrec up, data fsynced; returns once both fsyncs are done."""
-        wait_sidecar = None
-        if self._sidecar is not None:
-            self._sidecar_catch_up()
-            position = self._nrec
-            for chunk in self._pending:
-                self._sidecar.stage(position, chunk.data())
-                position += chunk.used
-            wait_sidecar = self._io.fsync_begin(self._sidecar.fileno())
+    def _write_and_sync_records(self, beside: Callable[[], object] | None) -> None:
+        """Steps 1-2: the sidecar's entries + count staged and their fdatasync started on a
+        helper thread, the records written from nrec up, ``beside()`` started on another, the
+        data fdatasync here; returns once all are done (then raises the first error)."""
+        waits: list[Callable[[], None]] = []
         try:
-            if self._pending:
-                offset = self._offset_of_chunk(self._flushed)
-                buffers: list[np.ndarray] = [c.data() for c in self._pending[self._flushed:]]
-                self._io.pwritev(self._fd, buffers, offset)
-                self._file_end = max(self._file_end, offset + sum(len(b) for b in buffers))
-                self._flushed = len(self._pending)
+            if self._sidecar is not None:
+                self._sidecar_catch_up()
+                position = self._nrec
+                for chunk in self._pending:
+                    self._sidecar.stage(position, chunk.data())
+                    position += chunk.used
+                waits.append(self._io.fsync_begin(self._sidecar.fileno()))
+            self._write_staged(self.length - self._nrec, start_writeback=False)
+            if beside is not None:  # started last: its Python work must not delay the above
+                waits.append(self._io.begin(beside))
             self._io.fsync(self._fd)
-        finally:
-            if wait_sidecar is not None:
-                wait_sidecar()  # raises the sidecar's error, unless one is already propagating
+        except BaseException:
+            _wait_all(waits, quiet=True)
+            raise
+        _wait_all(waits)
 
     def _refill_headroom(self, added: int) -> None:
         """After a commit (the commit point is behind us): keep zero-filled headroom past the
@@ -461,7 +493,7 @@ class KVWriter:
             if chunk.records.base is None:  # a staging buffer we own: keep one for reuse
                 self._spare = chunk
         self._pending = []
-        self._flushed = 0
+        self._written = 0
 
     # -- truncate ---------------------------------------------------------------------------
     def truncate(self, n: int) -> int:
@@ -491,15 +523,13 @@ class KVWriter:
 
     def _trim_pending(self, keep: int) -> None:
         kept: list[_Chunk] = []
-        for index, chunk in enumerate(self._pending):
+        for chunk in self._pending:
             if keep <= 0:
                 break
-            if chunk.used > keep:
-                chunk.used = keep
-                self._flushed = min(self._flushed, index)
+            chunk.used = min(chunk.used, keep)
             keep -= chunk.used
             kept.append(chunk)
-        self._flushed = min(self._flushed, len(kept))
+        self._written = min(self._written, sum(chunk.used for chunk in kept))
         if len(kept) < len(self._pending) or not kept:
             self._pending = kept
 
@@ -522,7 +552,7 @@ class KVWriter:
         self._file_end = int(os.fstat(self._fd).st_size)
         self._header = result.header
         self._nrec = self._disk_nrec_max = keep
-        self._pending, self._flushed, self._spare = [], 0, None
+        self._pending, self._written, self._spare = [], 0, None
         self._sidecar = result.sidecar
         if self._sidecar is not None and self._preallocate != 0:
             self._sidecar.headroom_entries = HEADROOM_ENTRIES
@@ -559,6 +589,19 @@ class KVWriter:
     def __repr__(self) -> str:
         return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
                 f"length={self.length}, closed={self._closed})")
+
+
+def _wait_all(waits: list[Callable[[], None]], *, quiet: bool = False) -> None:
+    """Wait for every helper's barrier, then raise the first error (``quiet``: none, the
+    caller's own error is propagating)."""
+    error: BaseException | None = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - the others must still be waited for
+            error = error or exc
+    if error is not None and not quiet:
+        raise error
 
 
 def _refuse_non_regular(path: str) -> None:

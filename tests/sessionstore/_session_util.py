@@ -57,7 +57,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if kill_manifest is not None:  # (a whole manifest, or a commit's state page)
         from sessionstore.commit_state import StateWriter
 
-        real, real_state = session_mod.write_manifest, StateWriter.write
+        real, real_state = session_mod.write_manifest, StateWriter.write_page
         calls = {"n": 0}
 
         def dying() -> None:
@@ -69,12 +69,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             dying()
             real(path, manifest, **kw)
 
-        def dying_state(self: Any, manifest: Any, **kw: Any) -> None:
+        def dying_state(self: Any, page: bytes, **kw: Any) -> None:
             dying()
-            real_state(self, manifest, **kw)
+            real_state(self, page, **kw)
 
         session_mod.write_manifest = dying_write
-        StateWriter.write = dying_state  # type: ignore[method-assign]
+        StateWriter.write_page = dying_state  # type: ignore[method-assign]
     if spec.get("kill_at_kv_truncate"):  # SIGKILL after the manifest's epoch bump, before the cut
         from sessionstore.writer import KVWriter
 

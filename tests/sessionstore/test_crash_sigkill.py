@@ -85,7 +85,8 @@ def _kill_after(pid: int, r: int, delay: float, after_acks: int = 0) -> list[tup
 def _append_child(path: str, seed: int):
     def body(ack):
         rng = random.Random(seed)
-        w = KVWriter.open(path, DIMS, staging_bytes=rng.choice([1, 3, 16]) * record_size(2, DIMS))
+        w = KVWriter.open(path, DIMS, staging_bytes=rng.choice([1, 3, 16]) * record_size(2, DIMS),
+                          write_behind=rng.random() < 0.5, preallocate=rng.choice([0, None]))
         ack(COMMITTED, w.nrec)
         while True:
             if w.nrec and (rng.random() < 0.08 or w.length > MAX_RECORDS - 40):

@@ -177,7 +177,7 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     assert mpath.stat().st_ino == inode  # no replace: the manifest file is the same inode
     assert store.read_manifest("s").committed == s.committed == len(PROMPT) + 5
     assert json.loads(mpath.read_bytes())["committed"] == 0  # the page holds the commits
-    assert set(s.commit_timing) == {"kv_commit_s", "manifest_digest_s", "manifest_write_s"}
+    assert set(s.commit_timing) == {"kv_commit_s", "state_wait_s", "state_write_s"}
     s.suspend()
     assert set(s.suspend_timing) == {"commit_s", "release_s"}
     wait_for_unmaps()

@@ -13,6 +13,7 @@ from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore import log as store_log
 from sessionstore.layout import Dims, Header, pack_header
+from sessionstore.durability import FaultyDurability
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import load_sidecar, sidecar_path
 from sessionstore.writer import KVWriter
@@ -96,6 +97,40 @@ def test_uncommitted_records_are_invisible_even_when_written_early(kv):
         w.close(commit=False)
     _, nrec, body, _ = read_committed(kv)
     assert nrec == 3 and body == expected_records(2, DIMS, 3)
+
+
+def test_write_behind_writes_each_append_at_once_and_commits_only_the_word(kv):
+    """write_behind: every append lands past nrec at once (a stale tail until the commit);
+    the commit then writes no record bytes, only the sidecar and the commit word."""
+    rec = record_size(2, DIMS)
+    io = FaultyDurability(None)
+    with KVWriter.open(kv, DIMS, durability=io, staging_bytes=64 * rec, preallocate=None,
+                       write_behind=True) as w:
+        w.append(gen_fp8(DIMS, 0, 2))
+        w.commit()
+        for position in range(2, 6):
+            w.append(gen_fp8(DIMS, position, 1))  # one record, far from filling a chunk
+            with open(kv, "rb") as f:
+                f.seek(40 + position * rec)
+                assert f.read(rec) == expected_records(2, DIMS, position + 1)[position * rec:]
+            assert read_committed(kv)[1] == 2  # not committed: a stale tail for readers
+            with open_kv(kv) as r:
+                assert r.nrec == 2
+        before = len(io.steps)
+        w.truncate(5)  # drops a record that is already in the file: only the count forgets it
+        assert w.commit() == 5
+        assert io.steps[before:] == ["fsync", "fsync", "pwrite", "fsync"]  # sidecar, data, word
+        w.append(gen_fp8(DIMS, 5, 1, epoch=1))
+        w.close(commit=False)  # dropped: its bytes stay past nrec, never counted
+    _, nrec, body, _ = read_committed(kv)
+    assert nrec == 5 and body == expected_records(2, DIMS, 5)
+    assert_sidecar_sound(kv)
+    with KVWriter.open(kv, DIMS, write_behind=True) as w:  # recovery, then it goes on
+        assert w.nrec == 5
+        w.append(gen_fp8(DIMS, 5, 2, epoch=2))
+    assert read_committed(kv)[2] == expected_records(2, DIMS, 5) + expected_records(
+        2, DIMS, 7, epoch=2)[5 * rec:]
+    assert_sidecar_sound(kv)
 
 
 def test_context_manager_commits_on_success_only(kv):

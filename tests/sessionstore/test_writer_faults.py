@@ -41,8 +41,9 @@ def _setup(path: str) -> None:
 
 
 def _scenario(path: str, io: Durability | None, acks: list[int], retry: bool = False,
-              held: list[KVWriter] | None = None) -> None:
-    """open; append 7 + commit; append 3 + truncate(10); append 6 (epoch 1) + commit; close."""
+              held: list[KVWriter] | None = None, write_behind: bool = False) -> None:
+    """open; append 7 + commit; append 3 + truncate(10); append 6 (epoch 1) + commit; close.
+    ``write_behind``: every append is written at once (more write steps, same states)."""
     def call(fn, *args):
         try:
             return fn(*args)
@@ -51,7 +52,9 @@ def _scenario(path: str, io: Durability | None, acks: list[int], retry: bool = F
                 raise
             return fn(*args)
 
-    w = call(lambda: KVWriter.open(path, DIMS, durability=io, staging_bytes=4 * REC))
+    staging = 64 * REC if write_behind else 4 * REC  # big: nothing would be written early
+    w = call(lambda: KVWriter.open(path, DIMS, durability=io, staging_bytes=staging,
+                                   write_behind=write_behind))
     if held is not None:
         held.append(w)
     acks.append(0)
@@ -91,7 +94,15 @@ def _check_state(path: str, last_ack: int) -> int:
     return i
 
 
+def _scenario_write_behind(path: str, io: Durability | None, acks: list[int], retry: bool = False,
+                           held: list[KVWriter] | None = None) -> None:
+    _scenario(path, io, acks, retry, held, write_behind=True)
+
+
 STEPS = scenario_steps(_setup, _scenario)
+STEPS_WB = scenario_steps(_setup, _scenario_write_behind)
+VARIANTS = {"staged": (_scenario, STEPS), "write_behind": (_scenario_write_behind, STEPS_WB)}
+CASES = [(name, k) for name, (_, steps) in VARIANTS.items() for k in range(len(steps))]
 
 
 def test_scenario_covers_every_kind_of_step():
@@ -99,39 +110,41 @@ def test_scenario_covers_every_kind_of_step():
     assert len(STEPS) >= 12
 
 
-@pytest.mark.parametrize("k", range(len(STEPS)))
+@pytest.mark.parametrize("variant, k", CASES)
 @pytest.mark.parametrize("power_cut_seed", [None, 1, 2], ids=["crash", "powercut1", "powercut2"])
-def test_crash_at_every_step_leaves_a_committed_state(tmp_path, k, power_cut_seed):
+def test_crash_at_every_step_leaves_a_committed_state(tmp_path, variant, k, power_cut_seed):
+    scenario, steps = VARIANTS[variant]
     path = str(tmp_path / "kv")
     _setup(path)
     io = FaultyDurability(k, mode="crash", lose_unsynced=power_cut_seed is not None,
                           seed=power_cut_seed or 0)
     acks: list[int] = []
     with pytest.raises(SimulatedCrash):
-        _scenario_abandoning(path, io, acks)
-    assert io.failed_step == STEPS[k]
+        _scenario_abandoning(scenario, path, io, acks)
+    assert io.failed_step == steps[k]
     _check_state(path, acks[-1] if acks else 0)
 
 
-def _scenario_abandoning(path: str, io: FaultyDurability, acks: list[int]) -> None:
+def _scenario_abandoning(scenario, path: str, io: FaultyDurability, acks: list[int]) -> None:
     """Run the scenario; on the crash drop the writer's descriptors as a dead process would."""
     held: list[KVWriter] = []
     try:
-        _scenario(path, io, acks, held=held)
+        scenario(path, io, acks, held=held)
     except SimulatedCrash:
         for w in held:
             w.close(commit=False)  # only closes descriptors and the lock: no I/O step runs
         raise
 
 
-@pytest.mark.parametrize("k", range(len(STEPS)))
-def test_error_at_every_step_is_retried_to_the_final_state(tmp_path, k):
+@pytest.mark.parametrize("variant, k", CASES)
+def test_error_at_every_step_is_retried_to_the_final_state(tmp_path, variant, k):
+    scenario, steps = VARIANTS[variant]
     path = str(tmp_path / "kv")
     _setup(path)
     io = FaultyDurability(k, mode="error")
     acks: list[int] = []
-    _scenario(path, io, acks, retry=True)
-    assert io.failed_step == STEPS[k]
+    scenario(path, io, acks, retry=True)
+    assert io.failed_step == steps[k]
     assert acks == [0, 1, 2, 3]
     assert read_committed(path)[1:3] == STATES[-1]
     assert_sidecar_sound(path)

@@ -136,9 +136,10 @@ def test_a_failed_refill_turns_preallocation_off_and_the_commit_stands(tmp_path)
 
 
 # -- crashes -----------------------------------------------------------------------------------
-def _scenario(path: str, io, acks: list[int], held: list[KVWriter]) -> None:
-    """One-record commits across refills, a truncate, more one-record commits."""
-    w = KVWriter.open(path, WIDE, durability=io, preallocate=WIDE_HEADROOM)
+def _scenario(path: str, io, acks: list[int], held: list[KVWriter], write_behind: bool = False) -> None:
+    """One-record commits across refills, a truncate, more one-record commits (``write_behind``:
+    each record written as it is appended, as a session's decode loop does)."""
+    w = KVWriter.open(path, WIDE, durability=io, preallocate=WIDE_HEADROOM, write_behind=write_behind)
     held.append(w)
     for i in range(12):
         w.append(gen_fp8(WIDE, i, 1))
@@ -151,20 +152,22 @@ def _scenario(path: str, io, acks: list[int], held: list[KVWriter]) -> None:
     w.close()
 
 
-def _steps() -> list[str]:
+def _steps(write_behind: bool = False) -> list[str]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        return count_steps(lambda io: _scenario(os.path.join(d, "kv"), io, [], []))
+        return count_steps(lambda io: _scenario(os.path.join(d, "kv"), io, [], [], write_behind))
 
 
 STEPS = _steps()
+STEPS_WB = _steps(write_behind=True)
+CASES = [(False, k) for k in range(len(STEPS))] + [(True, k) for k in range(len(STEPS_WB))]
 FINAL = expected_records(2, WIDE, 9) + expected_records(2, WIDE, 15, epoch=1)[9 * WREC:]
 
 
-@pytest.mark.parametrize("k", range(len(STEPS)))
+@pytest.mark.parametrize("write_behind, k", CASES)
 @pytest.mark.parametrize("power_cut_seed", [None, 3], ids=["crash", "powercut"])
-def test_crash_at_every_step_reopens_to_a_committed_prefix(tmp_path, k, power_cut_seed):
+def test_crash_at_every_step_reopens_to_a_committed_prefix(tmp_path, write_behind, k, power_cut_seed):
     path = str(tmp_path / "kv")
     io = FaultyDurability(k, mode="crash", lose_unsynced=power_cut_seed is not None,
                           seed=power_cut_seed or 0)
@@ -172,7 +175,7 @@ def test_crash_at_every_step_reopens_to_a_committed_prefix(tmp_path, k, power_cu
     held: list[KVWriter] = []
     with pytest.raises(SimulatedCrash):
         try:
-            _scenario(path, io, acks, held)
+            _scenario(path, io, acks, held, write_behind)
         finally:
             for w in held:
                 w.close(commit=False)

@@ -33,15 +33,17 @@ def record_bytes(position: int, epoch: int) -> bytes:
 
 
 class WriterMachine(RuleBasedStateMachine):
-    @initialize(staging=st.sampled_from([1, 2, 5, 64]))
-    def start(self, staging: int) -> None:
+    @initialize(staging=st.sampled_from([1, 2, 5, 64]), write_behind=st.booleans())
+    def start(self, staging: int, write_behind: bool) -> None:
         self.dir = tempfile.mkdtemp(prefix="coli-stateful-")
         self.path = os.path.join(self.dir, "kv")
         self.staging = staging
+        self.write_behind = write_behind
         self.epoch = 0
         self.committed: list[int] = []  # epoch of each committed record
         self.staged: list[int] = []  # epoch of each appended, uncommitted record
-        self.writer: KVWriter | None = KVWriter.open(self.path, DIMS, staging_bytes=staging * REC)
+        self.writer: KVWriter | None = KVWriter.open(self.path, DIMS, staging_bytes=staging * REC,
+                                                     write_behind=write_behind)
 
     def teardown(self) -> None:
         if getattr(self, "writer", None) is not None:
@@ -117,7 +119,8 @@ class WriterMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.writer is None)
     @rule()
     def reopen(self) -> None:
-        self.writer = KVWriter.open(self.path, DIMS, staging_bytes=self.staging * REC)
+        self.writer = KVWriter.open(self.path, DIMS, staging_bytes=self.staging * REC,
+                                    write_behind=self.write_behind)
         assert self.writer.nrec == len(self.committed) and self.writer.length == self.writer.nrec
 
     @invariant()
