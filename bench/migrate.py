@@ -10,7 +10,8 @@
    same run: ``migrate_vs_cp_fsync`` (``cp -r`` then fsync of every copied file, i.e. `cp` +
    `sync`) and ``migrate_vs_durable_copies`` (two copies of the session written the way import
    writes: write-back started as the bytes land, one fsync per file; the least any durable
-   file-to-file migration does). Every timed step starts after ``os.sync()`` (untimed), so no
+   file-to-file migration does). ``two_cps_ratio`` shows the bound: one cp against two plain cps
+   (src -> bundle-sized copy -> dst, no fsync, no checksum). Every timed step starts after ``os.sync()`` (untimed), so no
    step pays for an earlier one's write-back; the reps interleave the paths; medians of
    ``--reps``; the source sits in the page cache for all of them.
 2. ``zstd_ratio``: raw/zstd size at the bundle's level (``bundle.ZSTD_LEVEL``) of v2 records
@@ -110,6 +111,21 @@ def time_cp(src: Path, dst: Path, *, fsync: bool) -> float:
         _fsync_tree(dst)
     elapsed = time.perf_counter() - t
     shutil.rmtree(dst)
+    return elapsed
+
+
+def time_two_cps(src: Path, mid: Path, dst: Path) -> float:
+    """``cp -r`` twice (src -> mid -> dst), no fsync, no checksum: the bytes written twice, as
+    any migration through a file writes them (the bundle, then the imported session)."""
+    for p in (mid, dst):
+        shutil.rmtree(p, ignore_errors=True)
+    _settle()
+    t = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(mid)], check=True)
+    subprocess.run(["cp", "-r", str(mid), str(dst)], check=True)
+    elapsed = time.perf_counter() - t
+    for p in (mid, dst):
+        shutil.rmtree(p)
     return elapsed
 
 
@@ -253,14 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - t
         session_bytes = sum(p.stat().st_size for p in a.files_of("glm"))
         src = a.session_dir("glm")
-        cp, cp_sync, dcopy, runs = [], [], [], []
+        cp, cp_sync, two_cp, dcopy, runs = [], [], [], [], []
         for _ in range(reps):  # interleaved: slow phases of a shared machine hit every path
             cp.append(time_cp(src, scratch / "cp", fsync=False))
             cp_sync.append(time_cp(src, scratch / "cp", fsync=True))
+            two_cp.append(time_two_cps(src, scratch / "cp", scratch / "cp2"))
             dcopy.append(time_durable_copy(src, scratch / "cp"))
             runs.append(time_migrate(a, b, "glm", scratch / "glm.colibundle"))
         t_cp, t_cp_sync = statistics.median(cp), statistics.median(cp_sync)
-        t_dcopy = statistics.median(dcopy)
+        t_dcopy, t_two_cp = statistics.median(dcopy), statistics.median(two_cp)
         t_exp = statistics.median(r[0] for r in runs)
         t_imp = statistics.median(r[1] for r in runs)
         t_mig = statistics.median(r[0] + r[1] for r in runs)
@@ -280,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         "zstd_ratio": round(profiles["glm_shaped_decoder"][level]["ratio"], 4),
         "migrate_vs_cp_fsync": round(t_cp_sync / t_mig, 3),
         "migrate_vs_durable_copies": round(2 * t_dcopy / t_mig, 3),
+        "two_cps_ratio": round(t_cp / t_two_cp, 3),
         "baseline": "cp -r of the session directory, no fsync (cp_fsync_s: cp -r then fsync of "
                     "every copied file; durable_copy_s: one copy written with streamed "
                     "write-back and fsync, of which a migration makes two)",
         "tokens": tokens, "session_bytes": session_bytes, "reps": reps,
-        "cp_s": round(t_cp, 4), "cp_fsync_s": round(t_cp_sync, 4),
+        "cp_s": round(t_cp, 4), "cp_fsync_s": round(t_cp_sync, 4), "two_cps_s": round(t_two_cp, 4),
         "durable_copy_s": round(t_dcopy, 4), "export_s": round(t_exp, 4),
         "import_s": round(t_imp, 4), "migrate_s": round(t_mig, 4),
         "auto_policy": runs[-1][2], "zstd_level": B.ZSTD_LEVEL,
@@ -295,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GLM-5.2-shaped v2 session: {tokens} tokens, {mb:.1f} MB (build {build_s:.1f} s)")
     print(f"{'path':34} {'median s':>9} {'MB/s':>9}")
     for name, secs in (("cp -r (baseline: no fsync)", t_cp), ("cp -r + fsync", t_cp_sync),
+                       ("2 x cp -r (bytes written twice)", t_two_cp),
                        ("1 durable copy (streamed fsync)", t_dcopy),
                        ("export -> file (fsynced)", t_exp), ("import <- file (fsynced)", t_imp),
                        ("export + import", t_mig)):
@@ -303,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['migrate_vs_cp_fsync']}   vs 2 durable copies: "
           f"{result['migrate_vs_durable_copies']}   auto policy: {runs[-1][2]['zstd_chunks']}/"
           f"{runs[-1][2]['chunks']} chunks zstd")
+    print(f"bound: two plain cps (no fsync, no checksum) reach {result['two_cps_ratio']} of one cp's "
+          "throughput; a migration through a file writes the bytes twice (bundle, then session), "
+          "durably")
     print(f"{'rows':22} {'level':>5} {'ratio':>7} {'comp MB/s':>10} {'decomp MB/s':>12}")
     for kind, prof in profiles.items():
         for lv, v in prof.items():
