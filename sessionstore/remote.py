@@ -19,6 +19,8 @@ that took it; keep hosts NTP-synced: skew eats into the TTL) or until it is rele
   object, then moves the pointer with a conditional write (optionally releasing). A host whose
   lease was taken over meanwhile fails that write: its upload is deleted, the new owner's
   pointer is untouched. A released lease cannot be pushed over without pulling first.
+- ``resume`` opens the session live; a :class:`LeaseKeeper` renews its lease while it stays
+  resident and refuses its commits once the lease is lost (sessionstore/lease_keeper.py).
 
 Endpoint and credentials: the AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...)
 or ``storage_options`` (fsspec/s3fs options), so AWS S3, MinIO and Ceph RGW all work.
@@ -36,6 +38,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError, LimitError, LockedError, NotFoundError
 from sessionstore import migrate
 from sessionstore.bundle import check_session_id, parse_json
+from sessionstore.lease_keeper import LeaseKeeper
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
 from sessionstore.store import SessionStore
@@ -119,7 +122,7 @@ class RemoteStore:
 
     def __init__(self, store: SessionStore, url: str, *, host_id: str | None = None,
                  lease_ttl: float = LEASE_TTL_S, storage_options: dict[str, Any] | None = None,
-                 compression: str | int = "auto") -> None:
+                 compression: str | int = "auto", renew_interval: float | None = None) -> None:
         if not url.startswith("s3://"):
             raise FormatError(f"{url}: the remote tier needs an S3 API URL (s3://bucket/prefix)")
         self.store = store
@@ -128,6 +131,9 @@ class RemoteStore:
         self.lease_ttl = float(lease_ttl)
         if not 0 < self.lease_ttl <= 7 * 86400:
             raise LimitError(f"lease TTL {lease_ttl} s outside (0, 7 days]")
+        self.renew_interval = self.lease_ttl / 3 if renew_interval is None else float(renew_interval)
+        if not 0 < self.renew_interval:
+            raise LimitError(f"lease renewal interval {renew_interval} s must be > 0")
         self.storage_options = storage_options
         self.compression = compression
         self.fs, path = url_filesystem(self.url, storage_options)
@@ -280,14 +286,19 @@ class RemoteStore:
 
     def resume(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
                **session_options: Any) -> Any:
-        """Open the session live on this host: pull it unless this host already holds it."""
+        """Open the session live on this host: pull it unless this host already holds it.
+
+        While it stays resident a :class:`LeaseKeeper` renews the lease every
+        ``renew_interval`` s and fences its commits (LockedError once the lease is lost)."""
         cur = self.lease(session_id)
         if cur is not None and cur.owner == self.host_id and not cur.released \
                 and self.store.exists(session_id):
-            self.renew(session_id)
+            held = self.renew(session_id)
         else:
-            self.pull(session_id, replace=True)
-        return self.store.open(session_id, model_source, **session_options)
+            _, held = self.pull(session_id, replace=True)
+        session = self.store.open(session_id, model_source, **session_options)
+        session.guard_with(LeaseKeeper(self, session_id, held, interval=self.renew_interval).start())
+        return session
 
     def list(self) -> list[Lease]:
         """Every session the remote knows (from the lease objects)."""

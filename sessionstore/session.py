@@ -113,6 +113,7 @@ class Session:
         self._digest: LogitsDigest | None = None  # their digest, taken as they were produced
         self._commits = 0
         self._state = StateWriter(self.directory / MANIFEST_NAME)  # per-commit fields, in place
+        self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
         self.commit_timing: dict[str, float] = {}  # the last commit: kv commit, digest, state write
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
@@ -402,6 +403,8 @@ class Session:
         """
         if self.state != "resident":
             return self.manifest.committed
+        if self._guard is not None:
+            self._guard.check()  # LockedError once another host owns the session
         t0 = time.perf_counter()
         n = self._writer.length
         if n != self.cache.length:
@@ -510,6 +513,9 @@ class Session:
         garbage: list[Any] = [self.cache, self._writer, reader]  # freed by the background thread
         self.cache = self._reader = None
         self._last_logits = None
+        if self._guard is not None:  # resume it through RemoteStore.resume again
+            self._guard.stop()
+            self._guard = None
         self._state.close()
         if self._writer is not None:
             self._writer.close(commit=False)  # descriptors and the lock: released here, now
@@ -519,6 +525,13 @@ class Session:
         if self.state == "resident":
             self.state = "suspended"
         self.store._unregister(self)
+
+    def guard_with(self, keeper: Any) -> None:
+        """Fence this resident session's commits with ``keeper`` (a LeaseKeeper: its
+        ``check()`` runs before every commit; ``stop()`` when the session is released)."""
+        if self.state != "resident":
+            raise ColiError(f"session {self.id!r} is {self.state}: resume it first")
+        self._guard = keeper
 
     def abandon(self) -> None:
         """Drop the session WITHOUT committing, as a crash would (staged records are lost)."""

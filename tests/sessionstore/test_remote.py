@@ -172,3 +172,49 @@ def test_resume_pulls_then_reopens_a_real_session(hosts):
         assert again.committed == 4 + 5 + 3 - 1
     finally:
         again.close()
+
+
+def _remote(base: RemoteStore, host: str, **kw) -> RemoteStore:
+    return RemoteStore(base.store, base.url, host_id=host, **kw)
+
+
+def test_a_resumed_session_keeps_its_lease_alive_past_the_ttl(hosts):
+    a, b = hosts
+    session = a.store.create("chat", "tiny", kv_dtype="fp8")
+    session.generate([5, 6, 7], 3)
+    session.close()
+    a.push("chat")
+    fast_b = _remote(b, "host-b", lease_ttl=1.2, renew_interval=0.3)
+    live = fast_b.resume("chat")
+    try:
+        first = fast_b.lease("chat")
+        time.sleep(2.5)  # twice the TTL: only the keeper's renewals keep it ours
+        now = fast_b.lease("chat")
+        assert now.owner == "host-b" and now.live() and now.generation == first.generation
+        assert now.expires_at > first.expires_at and live._guard.renewals >= 3
+        with pytest.raises(LockedError, match="held live by host 'host-b'"):
+            a.resume("chat")
+        live.generate(None, 2)  # commits go on: the lease is ours
+    finally:
+        live.close()
+    renewals = fast_b.lease("chat").expires_at
+    time.sleep(0.8)
+    assert fast_b.lease("chat").expires_at == renewals  # released with the session: no renewal
+
+
+def test_a_lost_lease_fences_the_old_holders_commits(hosts):
+    a, b = hosts
+    session = a.store.create("chat", "tiny", kv_dtype="fp8")
+    session.generate([5, 6, 7], 3)
+    session.close()
+    a.push("chat")
+    slow_b = _remote(b, "host-b", lease_ttl=0.6, renew_interval=60)  # it will not renew in time
+    live = slow_b.resume("chat", commit_every=1)
+    committed = live.committed
+    time.sleep(0.8)
+    a.pull("chat", replace=True)  # B's lease expired: A takes the session over
+    with pytest.raises(LockedError, match="no longer holds its lease"):
+        live.generate(None, 3)  # the first commit is refused
+    live.abandon()
+    assert b.store.info("chat").tokens == committed  # nothing more was committed on B
+    assert a.lease("chat").owner == "host-a"

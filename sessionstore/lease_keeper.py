@@ -1,0 +1,88 @@
+"""Keep a live session's lease on the object-store tier while this host generates with it.
+
+A lease lives ``ttl`` seconds (``RemoteStore.lease_ttl``). A conversation that stays resident
+longer would otherwise lose it silently: another host could take the session over while this one
+still commits. :class:`LeaseKeeper` renews the lease on a daemon thread every ``interval``
+(``ttl / 3`` by default) and fences this host's commits: once the lease is lost (another host
+took it over, or renewals kept failing until it expired), :meth:`check`, which
+:meth:`Session.commit` calls before every commit, raises :class:`LockedError`, so nothing more is
+committed here. A push is fenced on its own (its conditional write fails).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kernels.errors import ColiError, LockedError
+from sessionstore.log import get_logger
+
+if TYPE_CHECKING:
+    from sessionstore.remote import Lease, RemoteStore
+
+log = get_logger("lease")
+
+
+class LeaseKeeper:
+    """Renews ``session_id``'s lease for this host until :meth:`stop`; see the module doc."""
+
+    def __init__(self, remote: RemoteStore, session_id: str, lease: Lease, *,
+                 interval: float | None = None) -> None:
+        self.remote = remote
+        self.session_id = session_id
+        self.interval = float(interval) if interval is not None else remote.lease_ttl / 3
+        self.renewals = 0
+        self._expires_at = lease.expires_at
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"coli-lease-{session_id}",
+                                        daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease is no longer ours (None while it is)."""
+        if self._lost is None and time.time() >= self._expires_at:
+            self._lost = "it expired before a renewal succeeded"
+        return self._lost
+
+    def check(self) -> None:
+        """Raise LockedError once the lease is lost: the caller must not commit."""
+        why = self.lost
+        if why is not None:
+            raise LockedError(f"session {self.session_id!r}: this host "
+                              f"({self.remote.host_id}) no longer holds its lease ({why}); "
+                              "nothing more is committed here")
+
+    def stop(self) -> None:
+        """Stop renewing (the lease stays as it is: released by a push, or left to expire)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                lease = self.remote.renew(self.session_id)
+            except LockedError as exc:
+                self._lost = str(exc)
+                log.error("lease.lost", id=self.session_id, host=self.remote.host_id, error=str(exc))
+                return
+            except (OSError, ColiError) as exc:  # the store unreachable: try again until expiry
+                log.warning("lease.renew_failed", id=self.session_id, error=str(exc),
+                            expires_in_s=round(self._expires_at - time.time(), 1))
+                if self.lost is not None:
+                    log.error("lease.lost", id=self.session_id, host=self.remote.host_id,
+                              error=self._lost)
+                    return
+                continue
+            self._expires_at = lease.expires_at
+            self.renewals += 1
+            log.info("lease.renew", id=self.session_id, generation=lease.generation,
+                     expires_at=lease.expires_at)
+
+
+__all__ = ["LeaseKeeper"]
