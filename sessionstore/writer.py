@@ -25,7 +25,6 @@ import errno
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,6 +49,7 @@ from sessionstore.layout import (
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
 from sessionstore.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
+from sessionstore.staging import Staging
 
 KV_DTYPES = {"fp8": 2, "f32": 1}
 CREATE_SUFFIX = ".create.tmp"
@@ -64,21 +64,6 @@ log = get_logger("writer")
 def default_headroom(record_bytes: int) -> int:
     """The decode loop's headroom (``preallocate=None``): min(256 records, 8 MiB)."""
     return min(PREALLOC_MAX_BYTES, PREALLOC_RECORDS * record_bytes)
-
-
-@dataclass
-class _Chunk:
-    """Staged records: ``records[:used]`` are appended, in position order."""
-
-    records: np.ndarray  # [capacity] structured records
-    used: int
-
-    @property
-    def free(self) -> int:
-        return int(self.records.shape[0]) - self.used
-
-    def data(self) -> np.ndarray:
-        return self.records[: self.used].view(np.uint8)  # [used * rec] u8
 
 
 def _kind(mode: int) -> str:
@@ -106,15 +91,17 @@ class KVWriter:
         self._staging_bytes = staging_bytes
         self._checksums = checksums
         self._upgrade_chunk_bytes = upgrade_chunk_bytes
-        self._pending: list[_Chunk] = []  # records [nrec, length), in order
-        self._written = 0  # leading pending records already written (not fsynced)
+        self._staging = self._new_staging()  # records [nrec, length), in order
         self._write_behind = write_behind
-        self._spare: _Chunk | None = None  # a staging buffer kept for reuse after a commit
         self._sidecar: SidecarWriter | None = None
         self._dir_sync_due = False
         self._closed = False
         self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
         self._preallocate = preallocate  # headroom bytes; None: the default, 0: off
+
+    def _new_staging(self) -> Staging:
+        rec = self._header.record_bytes
+        return Staging(record_dtype(self._header.version, self.dims), self._staging_bytes // rec)
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -267,7 +254,7 @@ class KVWriter:
     @property
     def length(self) -> int:
         """Appended records, committed or not."""
-        return self._nrec + sum(chunk.used for chunk in self._pending)
+        return self._nrec + self._staging.count
 
     @property
     def version(self) -> int:
@@ -316,75 +303,32 @@ class KVWriter:
             raise FormatError(f"{self.path}: token ids must lie in [0, {self.dims.vocab}), found "
                               f"[{int(tokens.min())}, {int(tokens.max())}]")
         packed = pack_records(self.version, self.dims, rows)  # [k] records
-        self._stage(packed)
+        self._staging.add(packed)
         self._flush_full_chunks()
         return self.length
-
-    def _stage(self, packed: np.ndarray) -> None:
-        capacity = max(1, self._staging_bytes // self.record_bytes)
-        done = 0
-        k = int(packed.shape[0])
-        while done < k:
-            tail = self._pending[-1] if self._pending else None
-            if tail is None or tail.free == 0:
-                if (k - done) * 8 >= capacity:  # a big batch is its own chunk: no copy
-                    self._pending.append(_Chunk(packed[done:], k - done))
-                    return
-                tail = self._take_spare(capacity)
-                self._pending.append(tail)
-            n = min(tail.free, k - done)
-            tail.records[tail.used:tail.used + n] = packed[done:done + n]
-            tail.used += n
-            done += n
-
-    def _take_spare(self, capacity: int) -> _Chunk:
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.records.shape[0] == capacity:
-            spare.used = 0
-            return spare
-        dtype = record_dtype(self.version, self.dims)
-        return _Chunk(np.empty(capacity, dtype=dtype), 0)  # [capacity] records
 
     def _flush_full_chunks(self) -> None:
         """Write what is due (no fsync): records of full chunks, or with write-behind every
         staged record. The disk starts early; a failure is only logged (commit rewrites)."""
-        if self._write_behind:
-            stop = self.length - self._nrec
-        else:
-            stop = 0
-            for chunk in self._pending:
-                if chunk.free:
-                    break
-                stop += chunk.used
+        stop = self._staging.count if self._write_behind else self._staging.full_prefix()
         try:
             self._write_staged(stop, start_writeback=True)
         except OSError as exc:
-            self._written = 0
+            self._staging.written = 0
             log.warning("kv.write_deferred", path=self.path, error=str(exc))
 
     def _write_staged(self, stop: int, *, start_writeback: bool) -> None:
-        """Write pending records [written, stop) at their offsets (no fsync)."""
-        if stop <= self._written:
+        """Write staged records [written, stop) at their offsets (no fsync)."""
+        written = self._staging.written
+        if stop <= written:
             return
-        offset = HEADER_SIZE + (self._nrec + self._written) * self.record_bytes
-        buffers = self._pending_bytes(self._written, stop)
-        size = (stop - self._written) * self.record_bytes
-        self._io.pwritev(self._fd, buffers, offset)
+        offset = HEADER_SIZE + (self._nrec + written) * self.record_bytes
+        size = (stop - written) * self.record_bytes
+        self._io.pwritev(self._fd, self._staging.byte_views(written, stop), offset)
         self._file_end = max(self._file_end, offset + size)
         if start_writeback:
             self._io.start_writeback(self._fd, offset, size)
-        self._written = stop
-
-    def _pending_bytes(self, start: int, stop: int) -> list[np.ndarray]:
-        """Byte views of pending records [start, stop) (0 = the first record past nrec)."""
-        views: list[np.ndarray] = []
-        first = 0
-        for chunk in self._pending:
-            lo, hi = max(start, first), min(stop, first + chunk.used)
-            if lo < hi:
-                views.append(chunk.records[lo - first:hi - first].view(np.uint8))  # [n * rec] u8
-            first += chunk.used
-        return views
+        self._staging.written = stop
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, *, beside: Callable[[], object] | None = None) -> int:
@@ -410,13 +354,13 @@ class KVWriter:
             if length != self._nrec:
                 self._write_nrec(length)
         except OSError as exc:
-            self._written = 0  # rewrite everything from nrec next time
+            self._staging.written = 0  # rewrite everything from nrec next time
             log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
                         error=str(exc))
             raise
         added = length - self._nrec
         self._nrec = length
-        self._recycle_pending()
+        self._staging.committed()
         log.info("kv.commit", path=self.path, nrec=length, records=added,
                  bytes=added * self.record_bytes)
         if added:
@@ -432,9 +376,8 @@ class KVWriter:
             if self._sidecar is not None:
                 self._sidecar_catch_up()
                 position = self._nrec
-                for chunk in self._pending:
-                    self._sidecar.stage(position, chunk.data())
-                    position += chunk.used
+                for run in self._staging.runs():
+                    position = self._sidecar.stage(position, run)
                 waits.append(self._io.fsync_begin(self._sidecar.fileno()))
             self._write_staged(self.length - self._nrec, start_writeback=False)
             if beside is not None:  # started last: its Python work must not delay the above
@@ -488,13 +431,6 @@ class KVWriter:
         self._io.fsync(self._fd)
         self._disk_nrec_max = nrec
 
-    def _recycle_pending(self) -> None:
-        for chunk in self._pending:
-            if chunk.records.base is None:  # a staging buffer we own: keep one for reuse
-                self._spare = chunk
-        self._pending = []
-        self._written = 0
-
     # -- truncate ---------------------------------------------------------------------------
     def truncate(self, n: int) -> int:
         """Keep the first ``n`` records (clamped to the appended length); returns the new length.
@@ -518,20 +454,8 @@ class KVWriter:
             dropped = self._nrec - durable
             self._nrec = durable
             log.info("kv.truncate", path=self.path, nrec=durable, dropped_committed=dropped)
-        self._trim_pending(keep_pending)
+        self._staging.trim(keep_pending)
         return self.length
-
-    def _trim_pending(self, keep: int) -> None:
-        kept: list[_Chunk] = []
-        for chunk in self._pending:
-            if keep <= 0:
-                break
-            chunk.used = min(chunk.used, keep)
-            keep -= chunk.used
-            kept.append(chunk)
-        self._written = min(self._written, sum(chunk.used for chunk in kept))
-        if len(kept) < len(self._pending) or not kept:
-            self._pending = kept
 
     # -- upgrade ----------------------------------------------------------------------------
     def upgrade(self) -> bool:
@@ -552,7 +476,7 @@ class KVWriter:
         self._file_end = int(os.fstat(self._fd).st_size)
         self._header = result.header
         self._nrec = self._disk_nrec_max = keep
-        self._pending, self._written, self._spare = [], 0, None
+        self._staging = self._new_staging()
         self._sidecar = result.sidecar
         if self._sidecar is not None and self._preallocate != 0:
             self._sidecar.headroom_entries = HEADROOM_ENTRIES
