@@ -46,6 +46,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--session", help="session id (delegates to the session layer)")
     p.add_argument("--commit-every", type=int, default=64,
                    help="sessions: commit rows every N positions (default 64; 0 = at the end of the turn only)")
+    p.add_argument("--remote", default=None,
+                   help="sessions: s3://bucket/prefix of a fleet's object store: take the session's lease"
+                   " (pulling it if another host pushed it last; refused while another host holds it"
+                   " live), keep the lease renewed while generating, push the new commit after the turn")
+    p.add_argument("--host-id", default=None, help="with --remote: who holds leases (default: $COLI_HOST_ID"
+                   " or the host name)")
+    p.add_argument("--lease-ttl", type=float, default=None, help="with --remote: lease lifetime in seconds")
+    p.add_argument("--keep-lease", action="store_true", help="with --remote: keep holding the session after"
+                   " the push (default: release it for any host)")
     # the sampling flags above are None unless given: a session keeps its stored value for each one left out
     p.set_defaults(func=handle, explicit_sampler_flags=True)
 
@@ -88,6 +97,8 @@ def handle(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ColiError(f"session support is not available here ({exc})") from None
         return session_generate(args)
+    if args.remote:
+        raise FormatError("--remote needs --root and --session (it moves a session)")
     if not args.model:
         raise FormatError("--model is required (a checkpoint directory or 'tiny') unless --root/--session is given")
     if args.prompt_ids is None:

@@ -125,6 +125,16 @@ def _discard_if_empty(store: SessionStore, session_id: str) -> None:
         pass
 
 
+def _release_quietly(remote: Any, session_id: str) -> None:
+    """Give back a lease this command took before it failed (never masks the failure)."""
+    try:
+        lease = remote.lease(session_id)
+        if lease is not None and lease.owner == remote.host_id and not lease.released:
+            remote.release(session_id)
+    except (ColiError, OSError):
+        pass
+
+
 def _turn_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """(max_new, session options) from the flags, every one checked before the store is touched."""
     commit_every = _opt(args, "commit_every")
@@ -140,9 +150,24 @@ def _turn_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     return max_new, {"commit_every": commit_every, "backend": backend}
 
 
+def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
+    """The fleet's object store for ``--remote`` (None without it)."""
+    url = _opt(args, "remote")
+    if not url:
+        return None
+    from sessionstore.remote import LEASE_TTL_S, RemoteStore
+
+    ttl = _opt(args, "lease_ttl")
+    return RemoteStore(store, url, host_id=_opt(args, "host_id"),
+                       lease_ttl=LEASE_TTL_S if ttl is None else ttl)
+
+
 def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
-                    options: dict[str, Any]) -> tuple[Any, bool]:
-    """(session, created): resume ``args.session``, or create it when absent."""
+                    options: dict[str, Any], remote: Any = None) -> tuple[Any, bool]:
+    """(session, created): resume ``args.session`` (through ``remote`` when the fleet knows it:
+    lease taken, bundle pulled unless this host holds it, lease kept renewed), or create it."""
+    if remote is not None and remote.lease(args.session) is not None:
+        return remote.resume(args.session, _opt(args, "model") or None, **options), False
     if store.exists(args.session):
         return store.open(args.session, _opt(args, "model") or None, **options), False
     model = _opt(args, "model")
@@ -183,15 +208,24 @@ def session_generate(args: argparse.Namespace) -> int:
     store = SessionStore(args.root)
     created = False
     ok = False
+    remote = None
     try:
-        session, created = _open_or_create(store, args, prompt, options)
+        remote = _remote(store, args)
+        session, created = _open_or_create(store, args, prompt, options, remote)
         try:
             tokens, summary = _run_turn(session, args, prompt, max_new, created)
         finally:
             session.close()
         ok = True
+        if remote is not None:  # the turn is committed here; now the fleet gets it
+            keep = bool(_opt(args, "keep_lease"))
+            _, lease = remote.push(args.session, release=not keep)
+            summary["remote"] = {"url": remote.url, "host": remote.host_id, "bundle": lease.bundle,
+                                 "generation": lease.generation, "lease": "held" if keep else "released"}
     finally:
         if not ok:
+            if remote is not None:  # the fleet keeps its last pushed bundle; others may take it
+                _release_quietly(remote, args.session)
             if created:
                 _discard_if_empty(store, args.session)
             if fresh_root:
@@ -204,8 +238,10 @@ def session_generate(args: argparse.Namespace) -> int:
         if summary["resume"].get("recovered"):
             state += (" after recovery (an interrupted or cut file: continued from its "
                       f"{summary['resume'].get('committed', '?')} complete committed records)")
+        pushed = (f"; pushed to {summary['remote']['url']}, lease {summary['remote']['lease']}"
+                  if "remote" in summary else "")
         print(f"session {args.session}: {state}, reused {summary['reused_prefix']}, committed "
-              f"{summary['committed']} records", file=sys.stderr)
+              f"{summary['committed']} records{pushed}", file=sys.stderr)
     return 0
 
 

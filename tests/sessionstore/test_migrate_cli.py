@@ -111,3 +111,34 @@ def test_lease_listing_release_and_refusal(tmp_path, src_root, s3_endpoint, caps
     assert main(["pull", "--root", str(tmp_path / "B"), "--remote", remote, "--host-id", "B",
                  "chat", "--json"]) == 0
     assert last_json(capsys.readouterr().out)["lease"]["owner"] == "B"
+
+
+def _gen(root, *extra: str) -> list[str]:
+    return ["generate", "--root", str(root), "--session", "s", "--json", *extra]
+
+
+def test_generate_through_the_fleet_continues_token_exact_on_another_host(tmp_path, s3_endpoint,
+                                                                          capsys):
+    remote = ["--remote", "s3://fleet/cli-generate"]
+    first = ["--model", "tiny", "--prompt-ids", "72,101,108,108,111", "--max-new", "6",
+             "--temperature", "0.8", "--seed", "3"]
+    assert main(_gen(tmp_path / "U", *first)) == 0  # the uninterrupted reference, no fleet
+    ref_1 = last_json(capsys.readouterr().out)["tokens"]
+    assert main(_gen(tmp_path / "U", "--max-new", "5")) == 0
+    ref_2 = last_json(capsys.readouterr().out)["tokens"]
+
+    assert main(_gen(tmp_path / "A", *first, *remote, "--host-id", "host-a")) == 0
+    out = last_json(capsys.readouterr().out)
+    assert out["tokens"] == ref_1 and out["remote"]["lease"] == "released"
+    # host B has never seen the session: it is pulled, continued, pushed; B keeps the lease
+    assert main(_gen(tmp_path / "B", "--max-new", "5", *remote, "--host-id", "host-b",
+                     "--keep-lease")) == 0
+    out = last_json(capsys.readouterr().out)
+    assert out["tokens"] == ref_2 and out["remote"]["lease"] == "held"
+    before = tree_state(tmp_path / "A")
+    assert main(_gen(tmp_path / "A", "--max-new", "1", *remote, "--host-id", "host-a")) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "held live by host 'host-b'" in err
+    assert tree_state(tmp_path / "A") == before  # refused: host A's store is untouched
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1", *remote]) == 2
+    assert "--remote needs --root and --session" in capsys.readouterr().err
