@@ -57,6 +57,7 @@ CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar c
 PREALLOC_RECORDS = 256  # zero-filled headroom, in records ...
 PREALLOC_MAX_BYTES = 8 << 20  # ... at most this many bytes (the default ``preallocate``)
 PREALLOC_SMALL_COMMIT = 8  # only commits of <= 1/8 of the headroom refill it
+WRITEBACK_MIN_BYTES = 4096  # early writes this big start their write-back (smaller ones wait)
 
 log = get_logger("writer")
 
@@ -326,7 +327,7 @@ class KVWriter:
         size = (stop - written) * self.record_bytes
         self._io.pwritev(self._fd, self._staging.byte_views(written, stop), offset)
         self._file_end = max(self._file_end, offset + size)
-        if start_writeback:
+        if start_writeback and size >= WRITEBACK_MIN_BYTES:  # smaller: a page written per record
             self._io.start_writeback(self._fd, offset, size)
         self._staging.written = stop
 
