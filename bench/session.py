@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where the session store goes (a real disk)")
     ap.add_argument("--tokens", type=int, default=32768, help="committed tokens in the session")
     args = ap.parse_args(argv)
-    reps = 3 if args.quick else 7
+    reps = 5 if args.quick else 9
     big_chunk = 8 if args.quick else 32
     root = tempfile.mkdtemp(prefix="coli-bench-session-", dir=args.dir)
     try:
