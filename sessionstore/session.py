@@ -114,7 +114,7 @@ class Session:
         self._commits = 0
         self._state = StateWriter(self.directory / MANIFEST_NAME)  # per-commit fields, in place
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
-        self.commit_timing: dict[str, float] = {}  # the last commit: kv commit, digest, state write
+        self.commit_timing: dict[str, float] = {}  # the last commit: kv commit, state wait, state write
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
     # ---- construction ------------------------------------------------------------------------
