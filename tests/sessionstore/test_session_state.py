@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -178,9 +179,11 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     assert store.read_manifest("s").committed == s.committed == len(PROMPT) + 5
     assert json.loads(mpath.read_bytes())["committed"] == 0  # the page holds the commits
     assert set(s.commit_timing) == {"kv_commit_s", "state_wait_s", "state_write_s"}
+    cache = weakref.ref(s.cache)
     s.suspend()
     assert set(s.suspend_timing) == {"commit_s", "release_s"}
-    wait_for_unmaps()
+    wait_for_unmaps()  # the background thread freed the cache and unmapped the file
+    assert cache() is None
     assert str(store.kv_path("s").resolve()) not in Path("/proc/self/maps").read_text()
     assert [p.name for p in store.files_of("s")][-1] == STATE_NAME
     info = store.list()[0]
