@@ -131,7 +131,7 @@ def _release_quietly(remote: Any, session_id: str) -> None:
         lease = remote.lease(session_id)
         if lease is not None and lease.owner == remote.host_id and not lease.released:
             remote.release(session_id)
-    except (ColiError, OSError):
+    except Exception:  # noqa: BLE001 - the store may be unreachable: the first error is the one to show
         pass
 
 
@@ -163,11 +163,8 @@ def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
 
 
 def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
-                    options: dict[str, Any], remote: Any = None) -> tuple[Any, bool]:
-    """(session, created): resume ``args.session`` (through ``remote`` when the fleet knows it:
-    lease taken, bundle pulled unless this host holds it, lease kept renewed), or create it."""
-    if remote is not None and remote.lease(args.session) is not None:
-        return remote.resume(args.session, _opt(args, "model") or None, **options), False
+                    options: dict[str, Any]) -> tuple[Any, bool]:
+    """(session, created): resume ``args.session``, or create it when absent."""
     if store.exists(args.session):
         return store.open(args.session, _opt(args, "model") or None, **options), False
     model = _opt(args, "model")
@@ -206,12 +203,15 @@ def session_generate(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args)
     fresh_root = not os.path.lexists(args.root)
     store = SessionStore(args.root)
-    created = False
-    ok = False
+    created = leasing = ok = False
     remote = None
     try:
         remote = _remote(store, args)
-        session, created = _open_or_create(store, args, prompt, options, remote)
+        if remote is not None and remote.lease(args.session) is not None:
+            leasing = True  # the fleet knows it: lease, pull unless held here, keeper renews
+            session = remote.resume(args.session, _opt(args, "model") or None, **options)
+        else:
+            session, created = _open_or_create(store, args, prompt, options)
         try:
             tokens, summary = _run_turn(session, args, prompt, max_new, created)
         finally:
@@ -224,7 +224,7 @@ def session_generate(args: argparse.Namespace) -> int:
                                  "generation": lease.generation, "lease": "held" if keep else "released"}
     finally:
         if not ok:
-            if remote is not None:  # the fleet keeps its last pushed bundle; others may take it
+            if leasing:  # the fleet keeps its last pushed bundle; another host may take it now
                 _release_quietly(remote, args.session)
             if created:
                 _discard_if_empty(store, args.session)
