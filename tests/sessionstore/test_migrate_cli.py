@@ -142,3 +142,22 @@ def test_generate_through_the_fleet_continues_token_exact_on_another_host(tmp_pa
     assert tree_state(tmp_path / "A") == before  # refused: host A's store is untouched
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1", *remote]) == 2
     assert "--remote needs --root and --session" in capsys.readouterr().err
+
+
+def test_generate_with_an_unreachable_fleet_store_is_one_line_and_leaves_no_store(tmp_path, capsys,
+                                                                                 monkeypatch):
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        code = main(_gen(tmp_path / "fresh", "--model", "tiny", "--prompt-ids", "1,2",
+                         "--remote", "s3://fleet/nowhere"))
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and "Could not connect" in err
+    assert not (tmp_path / "fresh").exists()
