@@ -248,14 +248,24 @@ class SidecarWriter:
 
         No fsync (the commit protocol fsyncs). Returns the new count.
         """
+        if first_position < 0 or first_position > self.count:
+            raise LimitError(
+                f"{self.path}: stage at position {first_position} leaves a gap (count {self.count})")
+        self.count = first_position + self.write_entries(first_position, records_bytes)
+        self._write_header()
+        return self.count
+
+    def write_entries(self, first_position: int, records_bytes: bytes | bytearray | memoryview) -> int:
+        """Hash the records at ``first_position..`` and write their entries, leaving the count
+        (what the sidecar vouches for) as it is: entries past it are never read, so a writer may
+        write them ahead of its commit. No fsync. Returns the number of entries written."""
         view = memoryview(records_bytes).cast("B")
         rec = self.record_bytes
         if len(view) % rec:
             raise FormatError(
                 f"{self.path}: staged {len(view)} bytes, not a multiple of the record size {rec}")
-        if first_position < 0 or first_position > self.count:
-            raise LimitError(
-                f"{self.path}: stage at position {first_position} leaves a gap (count {self.count})")
+        if first_position < 0:
+            raise LimitError(f"{self.path}: entry position {first_position} < 0")
         k = len(view) // rec
         data = struct.pack(f"<{k}Q", *[record_checksum(view[i * rec:(i + 1) * rec], first_position + i)
                                         for i in range(k)])  # k u64 entries
@@ -268,9 +278,14 @@ class SidecarWriter:
             data += bytes(target - end)
         _pwrite_all(self._fd, data, offset, self.path)
         self._file_end = max(self._file_end, offset + len(data))
-        self.count = first_position + k
+        return k
+
+    def publish(self, count: int) -> None:
+        """Vouch for the first ``count`` entries (all written before): the header is rewritten."""
+        if count < 0:
+            raise LimitError(f"{self.path}: publish({count})")
+        self.count = count
         self._write_header()
-        return self.count
 
     def set_count(self, n: int) -> None:
         """Vouch for exactly the first ``n`` records (truncate); entries past ``n`` are ignored."""

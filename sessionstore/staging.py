@@ -3,12 +3,11 @@
 Memory only (the writer does every write): chunks of ``capacity`` packed records, filled in
 order; a batch of at least ``capacity / 8`` records becomes a chunk of its own (no copy).
 ``written`` counts the leading staged records the writer has already put in the file (early,
-without fsync). After a commit one owned chunk is kept for reuse, so a decode loop that commits
+without fsync), ``entries_written`` those whose checksum entries are in the sidecar. After a commit one owned chunk is kept for reuse, so a decode loop that commits
 every few tokens allocates nothing.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +34,7 @@ class Staging:
         self.dtype = dtype  # the file version's packed record dtype
         self.capacity = max(1, int(capacity))  # records per owned chunk
         self.written = 0  # leading staged records already written to the file (not fsynced)
+        self.entries_written = 0  # leading staged records whose sidecar entries are written
         self._chunks: list[_Chunk] = []
         self._spare: _Chunk | None = None
 
@@ -85,11 +85,6 @@ class Staging:
             first += chunk.used
         return views
 
-    def runs(self) -> Iterator[np.ndarray]:
-        """Each chunk's staged records as bytes, in position order."""
-        for chunk in self._chunks:
-            yield chunk.records[:chunk.used].view(np.uint8)  # [used * rec] u8
-
     def trim(self, keep: int) -> None:
         """Keep the first ``keep`` staged records."""
         kept: list[_Chunk] = []
@@ -101,6 +96,7 @@ class Staging:
             kept.append(chunk)
         self._chunks = kept
         self.written = min(self.written, self.count)
+        self.entries_written = min(self.entries_written, self.count)
 
     def committed(self) -> None:
         """Everything staged was committed: empty, keeping one owned chunk for reuse."""
@@ -108,7 +104,7 @@ class Staging:
             if chunk.records.base is None:  # a buffer we allocated (not a caller's batch)
                 self._spare = chunk
         self._chunks = []
-        self.written = 0
+        self.written = self.entries_written = 0
 
 
 __all__ = ["Staging", "BIG_BATCH_FRACTION"]

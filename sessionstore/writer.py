@@ -314,8 +314,10 @@ class KVWriter:
         stop = self._staging.count if self._write_behind else self._staging.full_prefix()
         try:
             self._write_staged(stop, start_writeback=True)
+            if self._write_behind:
+                self._write_sidecar_entries(stop)
         except OSError as exc:
-            self._staging.written = 0
+            self._staging.written = self._staging.entries_written = 0
             log.warning("kv.write_deferred", path=self.path, error=str(exc))
 
     def _write_staged(self, stop: int, *, start_writeback: bool) -> None:
@@ -330,6 +332,16 @@ class KVWriter:
         if start_writeback and size >= WRITEBACK_MIN_BYTES:  # smaller: a page written per record
             self._io.start_writeback(self._fd, offset, size)
         self._staging.written = stop
+
+    def _write_sidecar_entries(self, stop: int) -> None:
+        """The sidecar entries of staged records [entries_written, stop), not yet vouched for."""
+        start = self._staging.entries_written
+        if self._sidecar is None or stop <= start:
+            return
+        position = self._nrec + start
+        for view in self._staging.byte_views(start, stop):
+            position += self._sidecar.write_entries(position, view)
+        self._staging.entries_written = stop
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, *, beside: Callable[[], object] | None = None) -> int:
@@ -355,7 +367,7 @@ class KVWriter:
             if length != self._nrec:
                 self._write_nrec(length)
         except OSError as exc:
-            self._staging.written = 0  # rewrite everything from nrec next time
+            self._staging.written = self._staging.entries_written = 0  # rewrite all from nrec
             log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
                         error=str(exc))
             raise
@@ -376,9 +388,8 @@ class KVWriter:
         try:
             if self._sidecar is not None:
                 self._sidecar_catch_up()
-                position = self._nrec
-                for run in self._staging.runs():
-                    position = self._sidecar.stage(position, run)
+                self._write_sidecar_entries(self._staging.count)  # those not written ahead
+                self._sidecar.publish(self.length)
                 waits.append(self._io.fsync_begin(self._sidecar.fileno()))
             self._write_staged(self.length - self._nrec, start_writeback=False)
             if beside is not None:  # started last: its Python work must not delay the above

@@ -15,7 +15,7 @@ from sessionstore import log as store_log
 from sessionstore.layout import Dims, Header, pack_header
 from sessionstore.durability import FaultyDurability
 from sessionstore.reader import open_kv
-from sessionstore.sidecar import load_sidecar, sidecar_path
+from sessionstore.sidecar import load_sidecar, record_checksum, sidecar_path
 from sessionstore.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
     DIMS,
@@ -116,6 +116,11 @@ def test_write_behind_writes_each_append_at_once_and_commits_only_the_word(kv):
             assert read_committed(kv)[1] == 2  # not committed: a stale tail for readers
             with open_kv(kv) as r:
                 assert r.nrec == 2
+            assert load_sidecar(kv).count == 2  # its entry is written ahead, not vouched for
+            with open(sidecar_path(kv), "rb") as f:
+                f.seek(64 + 8 * position)
+                record = expected_records(2, DIMS, position + 1)[position * rec:]
+                assert f.read(8) == struct.pack("<Q", record_checksum(record, position))
         before = len(io.steps)
         w.truncate(5)  # drops a record that is already in the file: only the count forgets it
         assert w.commit() == 5
