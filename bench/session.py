@@ -23,9 +23,10 @@ decoder's compute is smaller.
     right after one; the baselines after as long a sleep): the first barrier after a pause
     costs several times the next ones on a virtual disk. Every side waits for the background
     unmap to finish before it starts (its time is printed). Also printed:
-    the floor, two ordered barriers (record overwrite + fdatasync, then the 4-byte commit
-    word + fdatasync), which the commit protocol needs whatever else it does, alone and with
-    the sidecar's barrier running concurrently with the first.
+    for scale, two ordered barriers with the record written inside the first (record overwrite
+    + fdatasync, then the 4-byte commit word + fdatasync), alone and with the sidecar's barrier
+    running concurrently with the first: what a commit costs when the record was not written
+    ahead.
 (c) resume_vs_recompute: resume time / time to re-prefill the same tokens with the reference
     decoder. Prefilling 32k tokens on 2 cores takes too long, so the per-token prefill cost is
     measured at both ends (a 256-token chunk into an empty cache; a short chunk over the
