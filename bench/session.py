@@ -59,7 +59,6 @@ from kernels.model.weights import DictWeights  # noqa: E402
 from kernels.rows import RecordRows  # noqa: E402
 from sessionstore.fingerprint import fingerprint_tiny  # noqa: E402
 from sessionstore.layout import Dims  # noqa: E402
-from sessionstore import session as session_mod  # noqa: E402
 from sessionstore.manifest import MANIFEST_NAME, ModelRef, make_digest, read_manifest, write_manifest  # noqa: E402
 from sessionstore.reader import wait_for_unmaps  # noqa: E402
 from sessionstore.session import Session  # noqa: E402
@@ -257,7 +256,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
             # Every side is timed in the same state: after the disk was idle for as long as a
             # decode step (the first barrier after a pause costs 2-4x the next ones here).
             for name, write_behind in (("ours", True), ("ours_staged", False)):
-                session_mod.WRITE_BEHIND = write_behind  # read when the writer opens (resume)
+                s.write_behind = write_behind  # the writer's mode, from this resume on
                 s.resume()
                 t0 = time.perf_counter()
                 logits = s.append_tokens([int(rng.integers(2, rec.vocab))], commit=False)  # +1 token
@@ -277,7 +276,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
                 time.sleep(idle)
                 times[name].append(fn())
     finally:
-        session_mod.WRITE_BEHIND = True
+        s.write_behind = True
         helper.shutdown()
         for f in (fd, floor_fd, side_fd):
             os.close(f)

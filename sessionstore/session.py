@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 DEFAULT_COMMIT_EVERY = 64
 DECODE_PREALLOCATE = None  # the writer's decode-loop headroom (writer.default_headroom): token
 # commits overwrite zero-filled blocks instead of growing the file (no metadata in the barrier)
-WRITE_BEHIND = True  # each decoded record goes to the file at once (write-back started): a
-# commit finds the bytes on disk and waits only for the barriers
+WRITE_BEHIND = True  # default: each decoded record (and its sidecar entry) goes to the file at
+# once, write-back started: a commit finds the bytes on disk and waits only for the barriers
 
 log = get_logger("session")
 
@@ -90,7 +90,7 @@ class Session:
     def __init__(self, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef,
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
-                 verify: bool = True) -> None:
+                 verify: bool = True, write_behind: bool = WRITE_BEHIND) -> None:
         self.store = store
         self.id = session_id
         self.model = model
@@ -101,6 +101,7 @@ class Session:
         self.durability = durability
         self.manifest_fsync = manifest_fsync
         self.verify = verify
+        self.write_behind = write_behind  # the writer's mode from the next resume on
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
         self.state = "suspended"
@@ -201,7 +202,7 @@ class Session:
             self.manifest = manifest
             writer = KVWriter.open(self.kv_path, self.dims, kv_dtype=manifest.kv_dtype, create=False,
                                    durability=self.durability, preallocate=DECODE_PREALLOCATE,
-                                   write_behind=WRITE_BEHIND)
+                                   write_behind=self.write_behind)
         else:
             writer.close(commit=False)
             raise ColiError(f"session {self.id!r} keeps changing under us; try again")
