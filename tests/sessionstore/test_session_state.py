@@ -34,7 +34,7 @@ from sessionstore.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.reader import wait_for_unmaps
+from sessionstore.reader import open_kv, wait_for_unmaps
 from sessionstore.session import reference_turns
 from sessionstore.store import STATE_NAME, SessionStore
 
@@ -212,3 +212,16 @@ def test_a_damaged_or_lost_page_recovers_exactly(tmp_path, tiny, damage) -> None
     assert s.generate(None, 5).tokens == expected[1]
     s.close()
     assert store.read_manifest("s").committed == len(PROMPT) + 13
+
+
+def test_write_behind_and_staged_sessions_commit_the_same_bytes(tmp_path) -> None:
+    """The writer's mode changes when bytes reach the file, never which bytes are committed."""
+    out = []
+    for write_behind in (True, False):
+        store = SessionStore(tmp_path / str(write_behind))
+        s = store.create("s", "tiny", kv_dtype="fp8", commit_every=3, write_behind=write_behind)
+        tokens = s.generate(PROMPT, 9).tokens + s.generate([7, 8, 9], 4).tokens
+        s.close()
+        with open_kv(store.kv_path("s")) as r:
+            out.append((tokens, r.nrec, r.records_bytes_view(0, r.nrec).tobytes()))
+    assert out[0] == out[1]
