@@ -178,12 +178,17 @@ def _remote(base: RemoteStore, host: str, **kw) -> RemoteStore:
     return RemoteStore(base.store, base.url, host_id=host, **kw)
 
 
-def test_a_resumed_session_keeps_its_lease_alive_past_the_ttl(hosts):
-    a, b = hosts
-    session = a.store.create("chat", "tiny", kv_dtype="fp8")
+def _push_a_chat(host: RemoteStore) -> None:
+    """A real tiny-model session "chat" generated on ``host`` and pushed (lease released)."""
+    session = host.store.create("chat", "tiny", kv_dtype="fp8")
     session.generate([5, 6, 7], 3)
     session.close()
-    a.push("chat")
+    host.push("chat")
+
+
+def test_a_resumed_session_keeps_its_lease_alive_past_the_ttl(hosts):
+    a, b = hosts
+    _push_a_chat(a)
     fast_b = _remote(b, "host-b", lease_ttl=1.2, renew_interval=0.3)
     live = fast_b.resume("chat")
     try:
@@ -204,10 +209,7 @@ def test_a_resumed_session_keeps_its_lease_alive_past_the_ttl(hosts):
 
 def test_a_lost_lease_fences_the_old_holders_commits(hosts):
     a, b = hosts
-    session = a.store.create("chat", "tiny", kv_dtype="fp8")
-    session.generate([5, 6, 7], 3)
-    session.close()
-    a.push("chat")
+    _push_a_chat(a)
     slow_b = _remote(b, "host-b", lease_ttl=0.6, renew_interval=60)  # it will not renew in time
     live = slow_b.resume("chat", commit_every=1)
     committed = live.committed
