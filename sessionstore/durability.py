@@ -96,7 +96,7 @@ class Durability:
 
     def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
         """Start ``fn(*args)`` in the helper thread; returns the call that waits for it (and
-        raises its error). The writer stages and fsyncs the sidecar beside the data this way."""
+        raises its error). The writer fsyncs the sidecar beside the data this way."""
         future: Future[T] = self._helper().submit(fn, *args)
         return future.result
 
@@ -325,17 +325,11 @@ def _helper_pool() -> ThreadPoolExecutor:
         return _helpers
 
 
-def beside(fn: Callable[..., T], *args: object) -> Callable[[], T]:
-    """Run ``fn(*args)`` on the shared helpers, beside the caller's own work (e.g. CPU
-    bookkeeping while the caller waits in a barrier); returns the call that waits for it."""
-    return _helper_pool().submit(fn, *args).result
-
-
 class SharedDurability(Durability):
     """The default I/O object of a writer: real I/O, fsyncs overlapped on the shared helpers."""
 
     def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
-        return beside(fn, *args)
+        return _helper_pool().submit(fn, *args).result
 
     def release(self) -> None:
         """Nothing to stop: the helpers are shared and stay up for the next writer."""
@@ -349,4 +343,4 @@ def count_steps(scenario: Callable[[Durability], object], **kwargs: object) -> l
     return probe.steps
 
 
-__all__ = ["Durability", "FaultyDurability", "SharedDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY", "beside"]
+__all__ = ["Durability", "FaultyDurability", "SharedDurability", "SimulatedCrash", "count_steps", "DEFAULT_DURABILITY"]

@@ -3,7 +3,9 @@
 One writer per file (``<path>.lock``), ONE persistent read-write descriptor, and a staging
 buffer of megabytes: ``append`` packs records into it (rows as the file stores them: f32 for v1,
 codes + scales for v2, f32 rows for v2 through the row quantizer); full buffers are written
-early (no fsync). ``commit`` is the engine's protocol plus our sidecar:
+early (no fsync); with ``write_behind`` (a session's decode loop) every append is written at once,
+its sidecar entry too, so a commit finds them on disk. ``commit`` is the engine's protocol plus
+our sidecar:
 
 1. write every record from the committed count up to the new length (big ``pwritev`` chunks),
    and stage their sidecar entries and count (``<path>.colisum``);
