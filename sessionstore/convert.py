@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.errors import ColiError, FormatError, NotFoundError
+from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
 from sessionstore.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
 from sessionstore.log import get_logger
 from sessionstore.reader import KVReader, open_kv
 from sessionstore.sidecar import (
+    check_records,
     create_temp_for,
     fsync_dir,
     record_checksum,
     sidecar_path,
+    load_sidecar,
     write_sidecar_atomic,
 )
 
@@ -78,6 +80,17 @@ def _check_destination(src: KVReader, dst: str, force: bool) -> None:
         raise FormatError(f"{dst}: is the same file as {src.path} (same inode); never in place")
     if not force:
         raise DestinationExistsError(f"{dst}: exists; pass --force to replace it")
+
+
+def _refuse_condemned(src: KVReader) -> None:
+    """Never convert rows the source's sidecar condemns (what `verify` calls CORRUPTION): a
+    damaged sidecar, or a vouched record that no longer matches its checksum."""
+    sidecar = load_sidecar(src.path)  # a damaged sidecar raises CorruptionError
+    if sidecar is None:
+        return
+    report = check_records(src, sidecar)
+    if not report.sound:
+        raise CorruptionError(f"refusing to convert {src.path}: " + "; ".join(report.messages))
 
 
 class _ChunkConverter:
@@ -155,6 +168,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
     started = time.perf_counter()
     with open_kv(src) as reader:
         _check_destination(reader, dst, force)
+        _refuse_condemned(reader)
         n, dims = reader.nrec, reader.dims
         header = Header(target, dims, n)
         out_dtype = record_dtype(target, dims)

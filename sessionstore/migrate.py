@@ -131,7 +131,13 @@ class _ExportSource:
             if sidecar.static_hash != static_hash(self.header_bytes) or sidecar.record_bytes != rec:
                 raise CorruptionError(f"{sidecar.path}: describes another header or record size "
                                       f"than {reader.path}; run `coli-kv verify` on the session")
-            self.entries = sidecar.entries[:min(sidecar.count, sidecar.available, n)]  # [k] u64
+            vouched = min(sidecar.count, sidecar.available, n)
+            if vouched < n:  # a session's sidecar vouches for every committed record
+                raise CorruptionError(
+                    f"{reader.path}: its sidecar vouches for {vouched} of the {n} committed "
+                    f"records (count {sidecar.count}, {sidecar.available} entries on disk: rewound "
+                    "or cut short); refusing to export rows it cannot vouch for")
+            self.entries = sidecar.entries[:vouched]  # [n] u64
         self.sidecar = (None if self.entries is None
                         else sidecar_bytes(self.header_bytes, rec, self.entries))
         sizes = {MANIFEST_NAME: len(self.manifest_json), KV_NAME: HEADER_SIZE + n * rec}

@@ -65,6 +65,18 @@ def record_checksum(buf: bytes | bytearray | memoryview, position: int) -> int:
     return xxhash.xxh3_64_intdigest(buf, seed=position)
 
 
+def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
+    """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
+
+    One pass over the mapping at xxh3's speed (~12 GB/s a core). The Python binding holds the
+    GIL while it hashes, so a second thread would add nothing: the loop stays on one core."""
+    body = reader.records_bytes_view(start, stop)
+    rec = reader.record_bytes
+    return np.fromiter(  # [stop - start] u64
+        (xxhash.xxh3_64_intdigest(body[i * rec:(i + 1) * rec], seed=start + i)
+         for i in range(stop - start)), dtype="<u8", count=stop - start)
+
+
 def static_hash(kv_header_bytes: bytes) -> int:
     """xxh3_64 of the kv header without its commit word."""
     return xxhash.xxh3_64_intdigest(static_header_bytes(kv_header_bytes))
@@ -403,9 +415,7 @@ def check_records(reader: KVReader, sidecar: Sidecar) -> SidecarReport:
     first_bad = -1
     for start in range(0, vouched, CHECK_CHUNK_RECORDS):
         stop = min(start + CHECK_CHUNK_RECORDS, vouched)
-        found = np.fromiter(  # [stop - start] u64
-            (record_checksum(reader.record_bytes_view(p), p) for p in range(start, stop)),
-            dtype="<u8", count=stop - start)
+        found = hash_records(reader, start, stop)  # [stop - start] u64
         wrong = np.flatnonzero(found != sidecar.entries[start:stop]) + start  # [m] positions
         mismatched += int(wrong.size)
         if len(bad) < MAX_REPORTED_POSITIONS:
@@ -450,6 +460,6 @@ def check_records(reader: KVReader, sidecar: Sidecar) -> SidecarReport:
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "SidecarReport", "sidecar_path", "record_checksum", "static_hash", "load_sidecar",
-    "check_records", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
+    "check_records", "hash_records", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
     "create_temp_for", "remove_stale_temp",
 ]

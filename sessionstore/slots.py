@@ -15,8 +15,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from kernels.errors import CorruptionError, FormatError, ModelMismatchError, NotFoundError
 from sessionstore.copying import copy_committed, copy_sidecar_prefix
+from sessionstore.integrity import require_vouched
 from sessionstore.layout import Dims
 from sessionstore.log import get_logger
 from sessionstore.manifest import MANIFEST_NAME, Manifest, write_manifest
@@ -24,7 +25,7 @@ from sessionstore.manifest import fsync_dir
 from sessionstore.paths import validate_session_id
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import sidecar_path
-from sessionstore.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionStore
+from sessionstore.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionSnapshot, SessionStore
 
 SLOT_NAME = ".coli_kv"
 MAX_SLOT = 9999
@@ -103,6 +104,7 @@ def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLi
             copy_committed(snap.kv_path, tmp, snap.header)
             if not snap.still_valid():
                 continue
+            _check_copy(tmp, snap)
             stale = Path(sidecar_path(dst))
             if stale.exists() or stale.is_symlink():
                 stale.unlink()
@@ -115,6 +117,21 @@ def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLi
         log.info("slot.export", id=session_id, path=str(dst), records=snap.committed)
         return dst
     raise FormatError(f"session {session_id!r} kept being truncated while exporting; try again")
+
+
+def _check_copy(copy: Path, snap: SessionSnapshot) -> None:
+    """The slot's bytes against the session's sidecar: every committed record it vouches for
+    (all of them, for a session of ours) matches, or the export is refused."""
+    reader = open_kv(copy, expect=snap.header.dims)
+    try:
+        if reader.nrec != snap.committed:
+            raise CorruptionError(f"{copy}: copied {reader.nrec} records, the session commits "
+                                  f"{snap.committed}")
+        require_vouched(reader, snap.committed, vouched_by=snap.kv_path)
+    except CorruptionError as exc:
+        raise CorruptionError(f"session {snap.id!r}: export-slot refused: {exc}") from None
+    finally:
+        reader.close(defer_unmap=True)
 
 
 __all__ = ["slot_path", "import_slot", "export_slot", "SLOT_NAME"]

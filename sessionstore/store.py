@@ -31,6 +31,7 @@ import numpy as np
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
 from sessionstore.commit_state import STATE_SUFFIX
 from sessionstore.copying import copy_committed, copy_sidecar_prefix
+from sessionstore.integrity import require_sound
 from sessionstore.layout import Dims, Header, record_bytes
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
@@ -466,11 +467,7 @@ def verify_session_dir(directory: Path) -> Manifest:
         if reader.nrec < manifest.committed:
             raise CorruptionError(f"{reader.path}: {reader.nrec} records, the manifest says "
                                   f"{manifest.committed}")
-        sidecar = load_sidecar(reader.path)
-        if sidecar is not None:
-            report = check_records(reader, sidecar)
-            if not report.sound:
-                raise CorruptionError(f"{reader.path}: " + "; ".join(report.messages))
+        require_sound(reader, manifest.committed)  # what verify calls sound, before install
     if record_bytes(manifest.kv_version, dims) <= 0:  # pragma: no cover - layout guarantees it
         raise FormatError(f"{directory}: impossible record size")
     return manifest

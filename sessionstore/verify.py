@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError
-from sessionstore.layout import HEADER_SIZE, usable_scales
+from sessionstore.layout import usable_scales
+from sessionstore.integrity import bad_token_message
 from sessionstore.log import get_logger
 from sessionstore.reader import KVReader, open_kv
 from sessionstore.sidecar import SidecarReport, check_records, load_sidecar, sidecar_path
@@ -169,9 +170,7 @@ def _judge_scan(report: VerifyReport, scan: RecordScan, reader: KVReader) -> Non
     if scan.first_bad_token is not None:
         position, token = scan.first_bad_token
         report.sound = False
-        report.problems.append(
-            f"{scan.tokens_out_of_range} token id(s) outside [0, {reader.dims.vocab}); first at "
-            f"record {position} (byte {HEADER_SIZE + position * reader.record_bytes}): {token}")
+        report.problems.append(bad_token_message(scan.tokens_out_of_range, position, token, reader))
     counts = report.counts
     if counts["lc_nan_codes"] or counts["rc_nan_codes"]:
         report.warnings.append(

@@ -48,8 +48,10 @@ from sessionstore.layout import (
     record_dtype,
     validate_dims,
 )
+from sessionstore.integrity import Vouched, require_vouched
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
+from sessionstore.reader import open_kv
 from sessionstore.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 from sessionstore.staging import Staging
 
@@ -101,6 +103,7 @@ class KVWriter:
         self._closed = False
         self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
         self._preallocate = preallocate  # headroom bytes; None: the default, 0: off
+        self.vouched: Vouched | None = None  # what open(vouch=...) checked before any repair
 
     def _new_staging(self) -> Staging:
         rec = self._header.record_bytes
@@ -112,8 +115,14 @@ class KVWriter:
              create: bool = True, staging_bytes: int = 8 << 20, durability: Durability | None = None,
              checksums: bool = True,
              upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES,
-             preallocate: int | None = 0, write_behind: bool = False) -> KVWriter:
+             preallocate: int | None = 0, write_behind: bool = False,
+             vouch: int | None = None) -> KVWriter:
         """Open (or create) ``path`` for appending; takes the writer lock at once.
+
+        ``vouch``: before anything is repaired, upgraded or appended, every committed record the
+        sidecar vouches for is checked, and the sidecar must vouch for at least ``vouch`` of them
+        (:func:`sessionstore.integrity.require_vouched`; CorruptionError, files left as found).
+        What it found is ``writer.vouched``. None (the default): no check (tools that only append).
 
         ``preallocate``: zero-filled headroom (bytes) kept past the committed records after a
         small commit, so the next small commits (a decode loop) overwrite allocated blocks
@@ -146,7 +155,7 @@ class KVWriter:
         try:
             writer = cls._open_locked(path, dims, kv_dtype, create, max(staging_bytes, 1), io,
                                       lock, checksums, upgrade_chunk_bytes, preallocate,
-                                      write_behind)
+                                      write_behind, vouch)
         except BaseException:
             lock.release()
             raise
@@ -156,7 +165,7 @@ class KVWriter:
     def _open_locked(cls, path: str, dims: Dims, kv_dtype: str, create: bool, staging_bytes: int,
                      io: Durability, lock: WriterLock, checksums: bool,
                      upgrade_chunk_bytes: int, preallocate: int | None,
-                     write_behind: bool) -> KVWriter:
+                     write_behind: bool, vouch: int | None = None) -> KVWriter:
         _upgrade.remove_stale_temps(path, io)
         _remove_stale_create(path, io)
         created = False
@@ -197,6 +206,8 @@ class KVWriter:
                          staging_bytes=staging_bytes, checksums=checksums,
                          upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=int(st.st_size),
                          preallocate=preallocate, write_behind=write_behind)
+            if vouch is not None:  # under the lock, before any repair touches the files
+                writer.vouched = _check_vouched(path, dims, vouch)
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
@@ -369,6 +380,8 @@ class KVWriter:
             if length != self._nrec:
                 self._write_nrec(length)
         except OSError as exc:
+            if exc.filename is None:  # ENOSPC/EIO from a bare pwrite/fsync: say which file
+                exc.filename = self.path
             self._staging.written = self._staging.entries_written = 0  # rewrite all from nrec
             log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
                         error=str(exc))
@@ -527,6 +540,14 @@ class KVWriter:
     def __repr__(self) -> str:
         return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
                 f"length={self.length}, closed={self._closed})")
+
+
+def _check_vouched(path: str, dims: Dims, required: int) -> Vouched:
+    reader = open_kv(path, expect=dims)
+    try:
+        return require_vouched(reader, required)
+    finally:
+        reader.close(defer_unmap=True)  # unmapping a big file: off the caller's path
 
 
 def _wait_all(waits: list[Callable[[], None]], *, quiet: bool = False) -> None:

@@ -1,0 +1,121 @@
+"""Rows are used only when the sidecar vouches for them (FORMAT.md 4.4, "Reading for use").
+
+Every path that reads a session's rows to compute from them or to move them (resume, fork,
+export, export-slot, convert of a session file) runs :func:`require_vouched` first:
+
+- an absent sidecar vouches for nothing: the records are *not covered* (a file another writer,
+  such as the engine, produced) and the caller says so; nothing is refused for that alone;
+- a present sidecar must describe this header (static hash, record size) and be whole: it must
+  vouch for at least ``required`` records (a session's manifest count), else it was rewound or
+  cut short and the file is refused;
+- every record it vouches for is hashed and compared; the first mismatch is a CorruptionError
+  naming the file, the record and its byte offset.
+
+Nothing here writes: a refused file is left exactly as found.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.errors import CorruptionError
+from sessionstore.layout import HEADER_SIZE
+from sessionstore.reader import KVReader
+from sessionstore.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
+
+
+@dataclass(frozen=True)
+class Vouched:
+    """What :func:`require_vouched` established about a file's committed records."""
+
+    checked: int  # records [0, checked) match their checksums
+    not_covered: int  # committed records past them that no sidecar of ours vouches for
+    sidecar: bool  # a sidecar exists
+
+    def describe(self) -> str:
+        if not self.sidecar:
+            return (f"no sidecar: {self.not_covered} record(s) not covered by checksums (a file "
+                    "another writer produced)")
+        text = f"{self.checked} record(s) match their checksums"
+        if self.not_covered:
+            text += f"; {self.not_covered} past them not covered by the sidecar (another writer's)"
+        return text
+
+
+def require_vouched(reader: KVReader, required: int = 0, *,
+                    vouched_by: str | os.PathLike[str] | None = None) -> Vouched:
+    """Check every committed record of ``reader`` that its sidecar vouches for (see module doc).
+
+    ``required``: the sidecar must vouch for at least ``min(required, nrec)`` records (the
+    records a session's manifest says it committed). ``vouched_by``: the kv path whose sidecar
+    vouches (a copy checked against its source's sidecar); default ``reader.path``.
+    Raises CorruptionError; never writes.
+    """
+    n = reader.nrec
+    sidecar = load_sidecar(reader.path if vouched_by is None else vouched_by)  # damaged: raises
+    if sidecar is None:
+        return Vouched(checked=0, not_covered=n, sidecar=False)
+    if sidecar.record_bytes != reader.record_bytes or sidecar.static_hash != static_hash(reader.header_bytes):
+        raise CorruptionError(
+            f"{reader.path}: its sidecar {sidecar.path} describes another header (record size "
+            f"{sidecar.record_bytes}, this file's {reader.record_bytes}, or dims/vocab/tag changed); "
+            "refusing to use its rows")
+    vouched = min(sidecar.count, sidecar.available, n)
+    need = min(max(int(required), 0), n)
+    if vouched < need:
+        raise CorruptionError(
+            f"{reader.path}: its sidecar vouches for {vouched} record(s), {need} are committed "
+            f"(count {sidecar.count}, {sidecar.available} entries on disk: rewound or cut short); "
+            "refusing to use rows it cannot vouch for")
+    for start in range(0, vouched, CHECK_CHUNK_RECORDS):
+        stop = min(start + CHECK_CHUNK_RECORDS, vouched)
+        found = hash_records(reader, start, stop)  # [stop - start] u64
+        wrong = np.flatnonzero(found != sidecar.entries[start:stop])  # [m] offsets in the chunk
+        if wrong.size:
+            _raise_mismatch(reader, sidecar.entries, start + int(wrong[0]), int(found[wrong[0]]),
+                            vouched)
+    return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
+
+
+def token_problem(reader: KVReader) -> str | None:
+    """Why the records' input tokens are unsound (an id outside [0, vocab)), or None."""
+    tokens = reader.tokens  # [nrec] i32 (a strided view of the mapping)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= reader.dims.vocab))  # [b] positions
+    if not bad.size:
+        return None
+    return bad_token_message(int(bad.size), int(bad[0]), int(tokens[bad[0]]), reader)
+
+
+def bad_token_message(count: int, position: int, token: int, reader: KVReader) -> str:
+    return (f"{count} token id(s) outside [0, {reader.dims.vocab}); first at record {position} "
+            f"(byte {HEADER_SIZE + position * reader.record_bytes}): {token}")
+
+
+def require_sound(reader: KVReader, required: int = 0) -> Vouched:
+    """What `coli-kv verify` calls sound, required before rows are installed (import): every
+    token id inside the vocabulary and :func:`require_vouched`. Raises CorruptionError."""
+    problem = token_problem(reader)
+    if problem is not None:
+        raise CorruptionError(f"{reader.path}: unsound: {problem}")
+    return require_vouched(reader, required)
+
+
+def _raise_mismatch(reader: KVReader, entries: np.ndarray, first: int, found: int,
+                    vouched: int) -> None:
+    """The error for a condemned record: counts every other mismatch first (a failure path)."""
+    rest = first + 1
+    total = 1
+    for start in range(rest, vouched, CHECK_CHUNK_RECORDS):
+        stop = min(start + CHECK_CHUNK_RECORDS, vouched)
+        total += int(np.count_nonzero(hash_records(reader, start, stop) != entries[start:stop]))
+    rec = reader.record_bytes
+    others = f"; {total} of {vouched} vouched records fail" if total > 1 else ""
+    raise CorruptionError(
+        f"{reader.path}: the record at position {first} (byte {HEADER_SIZE + first * rec}) fails "
+        f"its checksum in the sidecar (hashes {found:#018x}, vouched {int(entries[first]):#018x})"
+        f"{others}; refusing to use its rows (`coli-kv verify` reports the damage)")
+
+
+__all__ = ["Vouched", "require_vouched", "require_sound", "token_problem", "bad_token_message"]
