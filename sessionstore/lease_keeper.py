@@ -7,6 +7,11 @@ still commits. :class:`LeaseKeeper` renews the lease on a daemon thread every ``
 took it over, or renewals kept failing until it expired), :meth:`check`, which
 :meth:`Session.commit` calls before every commit, raises :class:`LockedError`, so nothing more is
 committed here. A push is fenced on its own (its conditional write fails).
+
+An outage of the store (any failure but a LockedError: connection refused, botocore or aiohttp
+errors, a missing bucket) does not lose the lease: renewals go on with a backoff (from
+``RETRY_FIRST_S``, doubling, at most ``interval`` apart and never past half the time left) until
+one succeeds or the lease would have expired (FORMAT.md 6.4).
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from kernels.errors import ColiError, LockedError
+from kernels.errors import LockedError
 from sessionstore.log import get_logger
 
 if TYPE_CHECKING:
     from sessionstore.remote import Lease, RemoteStore
 
 log = get_logger("lease")
+
+RETRY_FIRST_S = 0.25
 
 
 class LeaseKeeper:
@@ -64,25 +71,35 @@ class LeaseKeeper:
             self._thread.join(timeout=self.interval + 30)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        delay, failures = self.interval, 0
+        while not self._stop.wait(delay):
             try:
                 lease = self.remote.renew(self.session_id)
             except LockedError as exc:
                 self._lost = str(exc)
                 log.error("lease.lost", id=self.session_id, host=self.remote.host_id, error=str(exc))
                 return
-            except (OSError, ColiError) as exc:  # the store unreachable: try again until expiry
-                log.warning("lease.renew_failed", id=self.session_id, error=str(exc),
-                            expires_in_s=round(self._expires_at - time.time(), 1))
+            except Exception as exc:  # noqa: BLE001 - the store failing in any way: retry until expiry
                 if self.lost is not None:
                     log.error("lease.lost", id=self.session_id, host=self.remote.host_id,
-                              error=self._lost)
+                              error=f"{self._lost}; last renewal error: {_line(exc)}")
                     return
+                failures += 1
+                left = self._expires_at - time.time()
+                delay = max(0.01, min(self.interval, RETRY_FIRST_S * 2 ** (failures - 1), left / 2))
+                log.warning("lease.renew_failed", id=self.session_id, error=_line(exc),
+                            failures=failures, retry_in_s=round(delay, 2),
+                            expires_in_s=round(left, 1))
                 continue
+            delay, failures = self.interval, 0
             self._expires_at = lease.expires_at
             self.renewals += 1
             log.info("lease.renew", id=self.session_id, generation=lease.generation,
                      expires_at=lease.expires_at)
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 __all__ = ["LeaseKeeper"]

@@ -128,7 +128,52 @@ def _url_sink(url: str, overwrite: bool, storage_options: dict[str, Any] | None
     except BaseException:
         discard_upload(handle)
         raise
-    handle.close()  # completes the upload: the object appears whole or not at all
+    try:
+        handle.close()  # completes the upload: the object appears whole or not at all
+    except BaseException:
+        discard_upload(handle)  # a failed completion must not leave a multipart upload behind
+        raise
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a failing object store raises through fsspec/s3fs: OSError (s3fs translates most
+    answers), botocore's and aiohttp's errors, timeouts."""
+    global _STORE_ERRORS
+    if _STORE_ERRORS is None:
+        found: list[type[BaseException]] = [OSError, TimeoutError]
+        try:
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            found += [BotoCoreError, ClientError]
+        except ImportError:
+            pass
+        try:
+            from aiohttp import ClientError as HttpClientError
+
+            found.append(HttpClientError)
+        except ImportError:
+            pass
+        _STORE_ERRORS = tuple(found)
+    return _STORE_ERRORS
+
+
+_STORE_ERRORS: tuple[type[BaseException], ...] | None = None
+
+
+def _quiet_loop(loop: Any) -> None:
+    """Route what fsspec's I/O loop reports on its own (tasks of a request that failed, whose
+    exception nobody retrieves: "Cannot write to closing transport", ...) to our debug log: the
+    request's failure already reaches its caller once, as one error."""
+    if getattr(loop, "_coli_quiet", False):
+        return
+
+    def handler(_loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        log.debug("transport.loop_exception", message=context.get("message"),
+                  error=" ".join(str(exc).split()) if exc is not None else None)
+
+    loop.set_exception_handler(handler)
+    loop._coli_quiet = True
 
 
 def discard_upload(handle: Any) -> None:
@@ -154,6 +199,9 @@ def url_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> t
                         "s3fs (pip install 'coli-sessionstore[s3]')") from None
     except ValueError as exc:
         raise FormatError(f"{url}: not a usable URL: {exc}") from None
+    loop = getattr(fs, "loop", None)
+    if loop is not None:
+        _quiet_loop(loop)
     return fs, path
 
 
@@ -189,4 +237,4 @@ def open_source(src: str, *, storage_options: dict[str, Any] | None = None
 
 
 __all__ = ["PARTIAL_SUFFIX", "SinkInfo", "is_url", "describe", "open_sink", "open_source",
-           "url_filesystem", "discard_upload", "fsync_directory"]
+           "url_filesystem", "discard_upload", "fsync_directory", "store_errors"]

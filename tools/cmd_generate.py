@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import time
+from typing import Any
 
 from kernels.errors import BackendUnavailableError, ColiError, FormatError
 from kernels.model import Sampler, generate, load_model
@@ -70,6 +71,21 @@ def parse_ids(text: str) -> list[int]:
         if not _ID.fullmatch(s):
             raise FormatError(f"--prompt-ids: {s!r} is not an integer")
     return [int(s) for s in items]
+
+
+def push_turn(remote: Any, session_id: str, keep_lease: bool) -> tuple[dict[str, Any], ColiError | None]:
+    """Push a committed turn to the fleet: (the JSON ``remote`` member, the push's error or None).
+
+    A failed push never hides the turn: the caller prints the tokens (they are committed on this
+    host), then the error as its one line. The member says what the fleet has: ``pushed`` true
+    with the bundle, or false with the error."""
+    where = {"url": remote.url, "host": remote.host_id}
+    try:
+        _, lease = remote.push(session_id, release=not keep_lease)
+    except ColiError as exc:
+        return {**where, "pushed": False, "error": str(exc)}, exc
+    return {**where, "pushed": True, "bundle": lease.bundle, "generation": lease.generation,
+            "lease": "held" if keep_lease else "released"}, None
 
 
 def check_backend(name: str) -> None:

@@ -213,7 +213,13 @@ def run_lease(args: argparse.Namespace) -> int:
         if args.id is None:
             leases = remote.list()
         elif args.release:
-            leases = [remote.release(args.id)]
+            released = remote.release(args.id)
+            if released is None:  # it never pointed at a bundle: deleted, nothing stays
+                print(f"{args.id}: lease deleted (no bundle was ever pushed)")
+                if args.json:
+                    print(json.dumps({"leases": [], "deleted": args.id}))
+                return 0
+            leases = [released]
         elif args.renew:
             leases = [remote.renew(args.id)]
         else:

@@ -14,7 +14,7 @@ from kernels.model import Sampler
 from sessionstore.manifest import SamplerSettings
 from sessionstore.session import DEFAULT_COMMIT_EVERY
 from sessionstore.store import SessionStore
-from tools.cmd_generate import check_backend, parse_ids
+from tools.cmd_generate import check_backend, parse_ids, push_turn
 from tools.cmd_migrate import remove_empty_store
 
 
@@ -204,12 +204,14 @@ def session_generate(args: argparse.Namespace) -> int:
     fresh_root = not os.path.lexists(args.root)
     store = SessionStore(args.root)
     created = leasing = ok = False
-    remote = None
+    remote = push_error = None
     try:
         remote = _remote(store, args)
-        if remote is not None and remote.lease(args.session) is not None:
-            leasing = True  # the fleet knows it: lease, pull unless held here, keeper renews
-            session = remote.resume(args.session, _opt(args, "model") or None, **options)
+        if remote is not None:  # the lease first (pulled unless held here), a keeper renews it
+            session, created = remote.begin_turn(
+                args.session, lambda: _open_or_create(store, args, prompt, options),
+                _opt(args, "model") or None, **options)
+            leasing = True
         else:
             session, created = _open_or_create(store, args, prompt, options)
         try:
@@ -218,10 +220,8 @@ def session_generate(args: argparse.Namespace) -> int:
             session.close()
         ok = True
         if remote is not None:  # the turn is committed here; now the fleet gets it
-            keep = bool(_opt(args, "keep_lease"))
-            _, lease = remote.push(args.session, release=not keep)
-            summary["remote"] = {"url": remote.url, "host": remote.host_id, "bundle": lease.bundle,
-                                 "generation": lease.generation, "lease": "held" if keep else "released"}
+            summary["remote"], push_error = push_turn(remote, args.session,
+                                                      bool(_opt(args, "keep_lease")))
     finally:
         if not ok:
             if leasing:  # the fleet keeps its last pushed bundle; another host may take it now
@@ -233,7 +233,9 @@ def session_generate(args: argparse.Namespace) -> int:
     print(",".join(str(t) for t in tokens))
     if _opt(args, "json"):
         print(json.dumps(summary, sort_keys=True))
-    else:
+    if push_error is not None:  # after the tokens: the turn is committed on this host only
+        raise push_error
+    if not _opt(args, "json"):
         state = "created" if created else "resumed"
         if summary["resume"].get("recovered"):
             state += (" after recovery (an interrupted or cut file: continued from its "
