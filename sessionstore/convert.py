@@ -4,8 +4,9 @@ The output is exactly what the engine would write: the committed records only, h
 their count, tag 0 (v1) / 1 (v2). v1 -> v2 goes through the engine's row quantizer; v2 -> v1 is
 ``table[code] * scale`` in f32 with inert rows (scale non-finite or <= 0) as +0.0 rows; the same
 version is a clean copy of the committed records. Records stream in chunks (memory bounded by
-``chunk_bytes`` times a small factor, whatever the file size), the output goes to a temp file in
-DST's directory -> fsync -> os.replace -> fsync dir, and DST gets a fresh sidecar.
+``chunk_bytes`` times a small factor, whatever the file size), the output goes to a temp file
+``<dst>.<owner>-<hex>.tmp`` in DST's directory -> fsync -> os.replace -> fsync dir, and DST gets
+a fresh sidecar. The temps of killed runs beside DST are swept first (sweep.py).
 """
 from __future__ import annotations
 
@@ -22,14 +23,16 @@ from sessionstore.layout import Dims, Header, pack_header, record_dtype, sanitiz
 from sessionstore.log import get_logger
 from sessionstore.reader import KVReader, open_kv
 from sessionstore.sidecar import (
+    TEMP_SUFFIX,
     check_records,
-    create_temp_for,
     fsync_dir,
     record_checksum,
+    remove_stale_temp,
     sidecar_path,
     load_sidecar,
     write_sidecar_atomic,
 )
+from sessionstore.sweep import sweep_beside, temp_beside
 
 CHUNK_BYTES = 64 << 20  # source + destination bytes per step
 log = get_logger("convert")
@@ -129,6 +132,15 @@ class _ChunkConverter:
         return out
 
 
+def _create_temp(dst: str) -> tuple[int, str]:
+    """A new ``<dst>.<owner>-<hex>.tmp`` for writing, after sweeping the temps of killed runs
+    beside DST (and the ownerless ``<dst>.tmp`` of older versions, as those always replaced it)."""
+    sweep_beside(dst, TEMP_SUFFIX)
+    remove_stale_temp(dst)
+    tmp = temp_beside(dst, TEMP_SUFFIX)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), tmp
+
+
 def _write_all(fd: int, data: memoryview) -> int:
     done = 0
     while done < len(data):
@@ -177,7 +189,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
         entries = np.empty(n, dtype="<u8")  # [nrec] u64 sidecar entries
         converter = None if same else _ChunkConverter(dims, target, min(step, max(n, 1)))
         rec = out_dtype.itemsize
-        fd, tmp = create_temp_for(dst)  # <dst>.tmp: a crashed run's temp is replaced
+        fd, tmp = _create_temp(dst)
         written = 0
         try:
             os.fchmod(fd, os.stat(reader.path).st_mode & 0o666)

@@ -4,8 +4,9 @@ Writers drop ``<name>.partial`` and rename it to its final name when complete (`
 export`` to a path does exactly that). The watcher imports every complete bundle present at
 start, then every one that lands later (watchdog: a rename into the directory, or a file closed
 after writing), one at a time, and moves it to ``DIR/done/`` or to ``DIR/failed/`` next to a
-``<name>.reason`` file saying why. Names ending in ``.partial`` or ``.reason`` and hidden names
-are never touched. A failed import leaves the store exactly as it was (see ``migrate``).
+``<name>.reason`` file saying why (written with the safe create: a new regular file, never
+through a symlink; a bundle that vanished mid-import gets its reason file in ``failed/`` too).
+Names ending in ``.partial`` or ``.reason`` and hidden names are never touched. A failed import leaves the store exactly as it was (see ``migrate``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from typing import Any
 
 from kernels.errors import ColiError
 from sessionstore import migrate
+from sessionstore.bundle_io import WritebackFile
 from sessionstore.log import get_logger
+from sessionstore.paths import check_component
 from sessionstore.store import SessionStore
 from sessionstore.transport import PARTIAL_SUFFIX
 
@@ -65,7 +68,8 @@ class Inbox:
         self.done = self.dir / DONE_DIR
         self.failed = self.dir / FAILED_DIR
         for d in (self.done, self.failed):
-            d.mkdir(exist_ok=True)
+            if not check_component(d, want="dir"):  # a planted symlink is refused, never followed
+                d.mkdir(exist_ok=False)
         self.replace = replace
         self.model = model
         self.outcomes: list[InboxOutcome] = []
@@ -120,19 +124,20 @@ class Inbox:
                 session_id: str | None = None, tokens: int | None = None) -> InboxOutcome:
         target_dir = self.done if ok else self.failed
         target = _unique(target_dir / path.name)
+        moved_to = target
         try:
             os.rename(path, target)
         except FileNotFoundError:
-            target = path  # removed under us: nothing to move
+            moved_to = path  # removed under us: nothing to move; its reason still goes to failed/
         if not ok:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            Path(str(target) + REASON_SUFFIX).write_text(f"{stamp} {reason}\n")
+            _write_reason(Path(str(target) + REASON_SUFFIX), f"{stamp} {reason}\n")
             log.warning("inbox.import_failed", name=path.name, reason=reason,
-                        moved_to=str(target))
+                        moved_to=str(moved_to))
         else:
             log.info("inbox.import_done", name=path.name, id=session_id, tokens=tokens,
-                     moved_to=str(target))
-        outcome = InboxOutcome(path.name, ok, str(target), session_id, tokens, reason)
+                     moved_to=str(moved_to))
+        outcome = InboxOutcome(path.name, ok, str(moved_to), session_id, tokens, reason)
         self.outcomes.append(outcome)
         return outcome
 
@@ -191,13 +196,22 @@ class _Handler:
 
 
 def _unique(path: Path) -> Path:
-    if not os.path.lexists(path):
-        return path
-    for i in range(1, 10_000):
-        candidate = path.with_name(f"{path.name}.{i}")
-        if not os.path.lexists(candidate):
+    """``path``, or ``path.<i>``: a name free for a bundle AND its ``.reason`` file."""
+    for i in range(10_000):
+        candidate = path if i == 0 else path.with_name(f"{path.name}.{i}")
+        if not (os.path.lexists(candidate) or os.path.lexists(str(candidate) + REASON_SUFFIX)):
             return candidate
     raise ColiError(f"{path}: too many bundles of this name")
+
+
+def _write_reason(path: Path, text: str) -> None:
+    """Write a reason file with the safe create (a new regular file, never through a symlink);
+    a name taken meanwhile (a planted link) is refused and logged: the outcome keeps the reason."""
+    try:
+        with WritebackFile.create(path) as handle:
+            handle.write(text.encode("utf-8", "replace"))
+    except OSError as exc:
+        log.warning("inbox.reason_refused", path=str(path), error=str(exc))
 
 
 __all__ = ["Inbox", "InboxOutcome", "is_candidate", "DONE_DIR", "FAILED_DIR", "REASON_SUFFIX"]

@@ -7,7 +7,8 @@ Layout (FORMAT.md section 5)::
     <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
     <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
     <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
-    <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash)
+    <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash),
+                                              each named after its owning process (sweep.py)
 
 A session directory appears only by an atomic rename of a complete temp dir, so every directory
 under ``sessions/`` holds a manifest. Listing reads manifests and ``stat``s files: it never touches
@@ -47,6 +48,15 @@ from sessionstore.manifest import (
 from sessionstore.paths import check_component, confined, resolve_root, validate_session_id
 from sessionstore.reader import open_kv
 from sessionstore.sidecar import check_records, load_sidecar, sidecar_path
+from sessionstore.sweep import (
+    REPLACED_PREFIX,
+    TMP_DIR_PREFIX,
+    TRASH_PREFIX,
+    Swept,
+    current_owner,
+    store_entry_name,
+    sweep_store_tmp,
+)
 
 if TYPE_CHECKING:
     from sessionstore.session import Session
@@ -127,19 +137,50 @@ class SessionStore:
     """A local directory of sessions (the embedded default)."""
 
     def __init__(self, root: str | os.PathLike[str], *, memory_budget: int | None = None,
-                 create: bool = True) -> None:
+                 create: bool = True, sweep: bool | None = None) -> None:
+        """Open the store at ``root`` (created with ``create``; else it must hold ``sessions/``).
+
+        A missing ``tmp/`` beside a real ``sessions/`` is recreated (FORMAT.md 5.1.1). ``sweep``
+        (default: ``create``, a store opened for writing) removes temporaries no live process
+        owns; what it removed is ``self.swept``.
+        """
         self.root = resolve_root(root, create=create)
         self.sessions_root = confined(self.root, SESSIONS_DIR)
         self.tmp_root = confined(self.root, TMP_DIR)
-        for d in (self.sessions_root, self.tmp_root):
-            if not check_component(d, want="dir"):
-                if not create:
-                    raise NotFoundError(f"{self.root}: not a session store (no {d.name}/)")
-                d.mkdir(exist_ok=True)
+        self._open_skeleton(create)
         self.memory_budget = memory_budget
         self._resident: OrderedDict[int, Session] = OrderedDict()
         self._models: dict[str, Any] = {}
         self._lock = threading.RLock()
+        self.swept: list[Swept] = []
+        if create if sweep is None else sweep:
+            self.sweep()
+
+    def _open_skeleton(self, create: bool) -> None:
+        """Check (or make) ``sessions/`` and ``tmp/``; never removes or replaces either."""
+        if not check_component(self.sessions_root, want="dir"):
+            if not create:
+                raise NotFoundError(f"{self.root}: not a session store (no {SESSIONS_DIR}/)")
+            self.sessions_root.mkdir(exist_ok=True)
+        if check_component(self.tmp_root, want="dir"):
+            return
+        try:
+            self.tmp_root.mkdir(exist_ok=True)
+        except OSError as exc:  # a read-only store still lists; tmp_dir() says why it cannot write
+            log.warning("store.skeleton_missing", path=str(self.tmp_root), error=exc.strerror)
+            return
+        log.info("store.skeleton_repaired", path=str(self.tmp_root),
+                 reason="missing beside sessions/ (recreated, empty)")
+
+    def sweep(self) -> list[Swept]:
+        """Remove temporaries under ``tmp/`` that no live process owns (each one logged as
+        ``temp.swept`` with its path and bytes); returns them and adds them to ``self.swept``."""
+        swept = sweep_store_tmp(self.tmp_root, self.sessions_root)
+        self.swept.extend(swept)
+        if swept:
+            log.info("store.sweep", root=str(self.root), entries=len(swept),
+                     bytes=sum(s.bytes for s in swept))
+        return swept
 
     # ---- paths (public API for bundles) ------------------------------------------------------
     def session_dir(self, session_id: str) -> Path:
@@ -173,8 +214,20 @@ class SessionStore:
         return files
 
     def tmp_dir(self) -> Path:
-        """A fresh, empty directory under ``<root>/tmp/`` (same filesystem: renames are atomic)."""
-        return Path(tempfile.mkdtemp(prefix="t-", dir=self.tmp_root))
+        """A fresh, empty directory ``<root>/tmp/t-<owner>-...`` (same filesystem: renames are
+        atomic); its name records this process, so a sweep never takes it while it lives."""
+        if not check_component(self.tmp_root, want="dir"):
+            raise NotFoundError(f"{self.tmp_root}: missing and cannot be recreated; the store "
+                                "cannot be written")
+        prefix = f"{TMP_DIR_PREFIX}{current_owner().token}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.tmp_root))
+
+    def trash_dir(self, session_id: str, *, replaced: bool = False) -> Path:
+        """A fresh name under ``tmp/`` (owned by this process) to move a session out to: a
+        deleted one (swept as debris if this process dies), or one a replace swaps out (kept
+        by the sweep while ``sessions/<id>`` is absent)."""
+        prefix = REPLACED_PREFIX if replaced else TRASH_PREFIX
+        return self.tmp_root / store_entry_name(prefix, session_id)
 
     def read_manifest(self, session_id: str) -> Manifest:
         d = self._existing_dir(session_id)
@@ -267,7 +320,7 @@ class SessionStore:
         """Remove a session (refused with LockedError while a writer holds it)."""
         d = self._existing_dir(session_id)
         with WriterLock(d / KV_NAME):
-            trash = self.tmp_root / f"trash-{session_id}-{os.urandom(4).hex()}"
+            trash = self.trash_dir(session_id)
             os.rename(d, trash)
             fsync_dir(self.sessions_root)
         shutil.rmtree(trash, ignore_errors=True)
@@ -379,7 +432,7 @@ class SessionStore:
             raise FormatError(f"session {session_id!r} already exists (pass replace=True)")
         else:
             with WriterLock(dst / KV_NAME):
-                trash = self.tmp_root / f"trash-{session_id}-{os.urandom(4).hex()}"
+                trash = self.trash_dir(session_id, replaced=True)
                 os.rename(dst, trash)
                 self._install(tmp, session_id)
             shutil.rmtree(trash, ignore_errors=True)

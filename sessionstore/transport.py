@@ -1,9 +1,10 @@
 """Where bundles go and come from: a local path, ``-`` (stdout/stdin) or an fsspec URL.
 
-Sinks are all-or-nothing: a local file is written as ``<dest>.<random>.partial`` beside the
-destination (unbuffered, its write-back started as it grows), fsynced, then renamed into place
+Sinks are all-or-nothing: a local file is written as ``<dest>.<owner>-<random>.partial`` beside
+the destination (unbuffered, its write-back started as it grows), fsynced, then renamed into place
 (and the directory fsynced), so an inbox or a reader never sees a half-written bundle under the
-final name; an fsspec object (``s3://...``)
+final name; the next export to ``<dest>`` sweeps the partials of dead owners (sweep.py). An fsspec
+object (``s3://...``)
 appears only when its upload completes, and an aborted upload is discarded. On stdout an
 aborted bundle simply stops before its trailer, which every reader refuses.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import stat
 import sys
 from collections.abc import Iterator
@@ -26,10 +26,12 @@ from typing import Any, BinaryIO, cast
 from kernels.errors import ColiError, FormatError, NotFoundError
 from sessionstore.bundle_io import WritebackFile
 from sessionstore.log import get_logger
+from sessionstore.sweep import sweep_beside, temp_beside
 
 log = get_logger("transport")
 
 PARTIAL_SUFFIX = ".partial"
+LEGACY_PARTIAL = r"[0-9a-f]{8}\.partial"  # <dest>.<hex>.partial of older versions: no owner recorded
 SINK_BUFFER_BYTES = 1 << 20
 _URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -97,7 +99,8 @@ def _file_sink(path: str, overwrite: bool, durable: bool) -> Iterator[tuple[Bina
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise NotFoundError(f"{directory}: no such directory for the bundle")
-    partial = f"{path}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}"
+    sweep_beside(path, PARTIAL_SUFFIX, legacy=LEGACY_PARTIAL)  # a killed export's debris
+    partial = temp_beside(path, PARTIAL_SUFFIX)  # <dest>.<owner>-<hex>.partial
     handle = WritebackFile.create(partial)
     try:
         yield cast(BinaryIO, handle), SinkInfo(path, final_path=path, kind="file")

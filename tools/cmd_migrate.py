@@ -136,11 +136,23 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def remove_empty_store(root: str) -> None:
-    """Undo the empty store skeleton (``tmp/``, ``sessions/``, the root) a failed command created;
-    rmdir never removes anything that holds data."""
-    for sub in ("tmp", "sessions", ""):
+    """Undo the empty store skeleton (``tmp/``, ``sessions/``, the root) a failed command created.
+
+    Only a skeleton that holds nothing at all goes: a store whose ``sessions/`` or ``tmp/`` has
+    any entry (a session committed before the failure, another command's temp dir) is left
+    whole, so every command still accepts it (FORMAT.md 5.1.1). rmdir never removes data.
+    """
+    parts = [os.path.join(root, sub) for sub in ("tmp", "sessions")]  # a lone sessions/ is repaired
+    try:
+        if any(os.listdir(p) for p in parts if os.path.isdir(p)):
+            return
+    except OSError:
+        return
+    for path in (*parts, root):
         try:
-            os.rmdir(os.path.join(root, sub))
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue
         except OSError:
             return
 

@@ -64,14 +64,14 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_rm(args: argparse.Namespace) -> int:
-    store = SessionStore(args.root, create=False)
+    store = SessionStore(args.root, create=False, sweep=True)  # writes: sweep dead temporaries
     store.delete(args.session_id)
     _emit(args, f"removed {args.session_id}", {"removed": args.session_id})
     return 0
 
 
 def run_fork(args: argparse.Namespace) -> int:
-    store = SessionStore(args.root, create=False)
+    store = SessionStore(args.root, create=False, sweep=True)  # writes: sweep dead temporaries
     info = store.fork(args.session_id, args.new_id, at=args.at)
     _emit(args, f"forked {args.session_id} -> {info.id} ({info.tokens} records)",
           {"forked": args.session_id, **info.to_json()})
