@@ -142,9 +142,9 @@ class Swept:
 
 
 def _tree_stats(path: Path) -> tuple[int, float]:
-    """(bytes, newest mtime) of a file or a directory tree; links are counted, never followed."""
+    """(bytes of its files, newest mtime) of a file or a directory tree; links never followed."""
     st = os.lstat(path)
-    total, newest = st.st_size, st.st_mtime
+    total, newest = (0 if stat.S_ISDIR(st.st_mode) else st.st_size), st.st_mtime
     if stat.S_ISDIR(st.st_mode):
         for top, dirs, files in os.walk(path):
             for name in dirs + files:
