@@ -50,7 +50,7 @@ class Owner:
         return f"{self.pid}-{self.start}-{self.boot}"
 
     def state(self) -> str:
-        """"alive", "dead", or "unknown" (another boot or host: liveness cannot be told here)."""
+        """One of "alive", "dead", "unknown" (another boot or host: liveness is not known here)."""
         if self.boot != _boot_id():
             return "unknown"
         started = _start_time(self.pid)
@@ -92,12 +92,13 @@ def _start_time(pid: int) -> int | None:
 
 
 def _kill_probe(pid: int) -> int | None:
+    """0 (alive, start time unknown) or None (no such process), where /proc cannot be read."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
-    except PermissionError:
-        return 0
+    except PermissionError:  # alive, someone else's
+        pass
     return 0
 
 
@@ -205,7 +206,9 @@ def sweep_store_tmp(tmp_root: Path, sessions_root: Path) -> list[Swept]:
     now = time.time()
     try:
         entries = sorted(os.listdir(tmp_root))
-    except FileNotFoundError:
+    except OSError as exc:  # absent or unreadable: nothing to sweep; the command goes on
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("temp.sweep_failed", path=str(tmp_root), error=str(exc))
         return out
     for name in entries:
         path = tmp_root / name
@@ -220,7 +223,7 @@ def sweep_store_tmp(tmp_root: Path, sessions_root: Path) -> list[Swept]:
             nbytes, newest = _tree_stats(path)
         except FileNotFoundError:
             continue
-        owner = owner_of(name) if m is not None else None
+        owner = Owner(int(m["pid"]), int(m["start"]), m["boot"]) if m is not None else None
         reason = _verdict(owner, newest, now)
         if reason is None:
             continue
