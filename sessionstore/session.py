@@ -244,7 +244,8 @@ class Session:
         if writer.version != self.manifest.kv_version:
             raise FormatError(f"{self.kv_path}: v{writer.version} file, the manifest says "
                               f"{self.manifest.kv_dtype}")
-        self._reader = reader = open_kv(self.kv_path, expect=dims)
+        reader = writer.take_vouched_reader()  # the mapping the checksums were checked through
+        self._reader = reader = reader if reader is not None else open_kv(self.kv_path, expect=dims)
         n = writer.nrec
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")

@@ -51,7 +51,7 @@ from sessionstore.layout import (
 from sessionstore.integrity import Vouched, require_vouched
 from sessionstore.lock import WriterLock
 from sessionstore.log import get_logger
-from sessionstore.reader import open_kv
+from sessionstore.reader import KVReader, open_kv
 from sessionstore.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 from sessionstore.staging import Staging
 
@@ -104,6 +104,7 @@ class KVWriter:
         self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
         self._preallocate = preallocate  # headroom bytes; None: the default, 0: off
         self.vouched: Vouched | None = None  # what open(vouch=...) checked before any repair
+        self._vouched_reader: KVReader | None = None  # the mapping it checked them through
 
     def _new_staging(self) -> Staging:
         rec = self._header.record_bytes
@@ -185,6 +186,7 @@ class KVWriter:
             if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
                 raise FormatError(f"{path}: changed while opening: {exc.strerror}") from None
             raise
+        writer: KVWriter | None = None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
@@ -207,11 +209,14 @@ class KVWriter:
                          upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=int(st.st_size),
                          preallocate=preallocate, write_behind=write_behind)
             if vouch is not None:  # under the lock, before any repair touches the files
-                writer.vouched = _check_vouched(path, dims, vouch)
+                writer._vouched_reader = open_kv(path, expect=dims)
+                writer.vouched = require_vouched(writer._vouched_reader, vouch)
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
             os.close(fd)
+            if writer is not None:
+                writer._drop_vouched_reader()
             raise
         log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=kv_dtype,
                  created=created, pending_upgrade=writer.pending_upgrade, mode="write")
@@ -294,6 +299,21 @@ class KVWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise ColiError(f"{self.path}: writer is closed")
+
+    def take_vouched_reader(self) -> KVReader | None:
+        """The reader ``open(vouch=...)`` checked the records through, handed to the caller (who
+        then owns it) when it still describes the file: no repair changed the commit word or the
+        version since. Reusing it spares a second mapping and its page faults. None otherwise."""
+        reader, self._vouched_reader = self._vouched_reader, None
+        if reader is not None and (reader.header.nrec, reader.version) != (self._nrec, self.version):
+            reader.close(defer_unmap=True)
+            return None
+        return reader
+
+    def _drop_vouched_reader(self) -> None:
+        if self._vouched_reader is not None:
+            self._vouched_reader.close(defer_unmap=True)  # unmapping a big file: off this path
+            self._vouched_reader = None
 
     # -- append -----------------------------------------------------------------------------
     def append(self, rows: RecordRows) -> int:
@@ -523,6 +543,7 @@ class KVWriter:
                 self.commit()
         finally:
             self._closed = True
+            self._drop_vouched_reader()
             if self._sidecar is not None:
                 self._sidecar.close()
             os.close(self._fd)
@@ -540,14 +561,6 @@ class KVWriter:
     def __repr__(self) -> str:
         return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
                 f"length={self.length}, closed={self._closed})")
-
-
-def _check_vouched(path: str, dims: Dims, required: int) -> Vouched:
-    reader = open_kv(path, expect=dims)
-    try:
-        return require_vouched(reader, required)
-    finally:
-        reader.close(defer_unmap=True)  # unmapping a big file: off the caller's path
 
 
 def _wait_all(waits: list[Callable[[], None]], *, quiet: bool = False) -> None:

@@ -21,7 +21,7 @@ def run_bench(name: str, *args: str) -> dict:
 @pytest.mark.timeout(300)
 def test_session_bench_runs_and_reports_its_keys(tmp_path):
     res = run_bench("session.py", "--quick", "--tokens", "300", "--dir", str(tmp_path))
-    for key in ("resume_ratio", "suspend_ratio", "resume_vs_recompute", "suspend_staged_ratio",
+    for key in ("resume_ratio", "resume_cold_ratio", "suspend_ratio", "resume_vs_recompute", "suspend_staged_ratio",
                 "digest_in_decode_s", "suspend_floor_ratio"):
         assert res[key] > 0, key
     assert res["verify_result"] == "bit-identical"
