@@ -77,19 +77,19 @@ class LeaseKeeper:
                 lease = self.remote.renew(self.session_id)
             except LockedError as exc:
                 self._lost = str(exc)
-                log.error("lease.lost", id=self.session_id, host=self.remote.host_id, error=str(exc))
+                log.info("lease.lost", id=self.session_id, host=self.remote.host_id, error=str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - the store failing in any way: retry until expiry
                 if self.lost is not None:
-                    log.error("lease.lost", id=self.session_id, host=self.remote.host_id,
-                              error=f"{self._lost}; last renewal error: {_line(exc)}")
+                    self._lost = f"{self._lost} (last renewal error: {_line(exc)})"
+                    log.info("lease.lost", id=self.session_id, host=self.remote.host_id,
+                             error=self._lost)
                     return
                 failures += 1
                 left = self._expires_at - time.time()
                 delay = max(0.01, min(self.interval, RETRY_FIRST_S * 2 ** (failures - 1), left / 2))
-                log.warning("lease.renew_failed", id=self.session_id, error=_line(exc),
-                            failures=failures, retry_in_s=round(delay, 2),
-                            expires_in_s=round(left, 1))
+                log.info("lease.renew_failed", id=self.session_id, error=_line(exc),
+                         failures=failures, retry_in_s=round(delay, 2), expires_in_s=round(left, 1))
                 continue
             delay, failures = self.interval, 0
             self._expires_at = lease.expires_at

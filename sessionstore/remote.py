@@ -252,7 +252,7 @@ class RemoteStore:
         try:
             return self._read_lease(session_id), True
         except (ColiError, *store_errors()) as exc:
-            log.warning("lease.readback_failed", id=session_id, error=" ".join(str(exc).split()))
+            log.info("lease.readback_failed", id=session_id, error=" ".join(str(exc).split()))
             return None, False
 
     def _confirm(self, written: Lease) -> None:
@@ -352,7 +352,7 @@ class RemoteStore:
             key = self._key("bundles", session_id, name)
             try:
                 with self._failing(f"push (uploading bundle {name})", session_id), \
-                        open_sink(self._url(key), overwrite=False,
+                        open_sink(self._url(key), overwrite=True,  # a fresh random key: no existence check
                                   storage_options=self.storage_options) as (sink, _):
                     result = migrate.export_session(self.store, session_id, sink,
                                                     compression=self.compression)
@@ -383,17 +383,20 @@ class RemoteStore:
         one it points at (superseded ones, uploads of failed pushes) and abort their unfinished
         multipart uploads. Later generations belong to a successor and are left alone."""
         prefix = self._key("bundles", session_id) + "/"
-        try:
-            names = self.fs.ls(f"{self.bucket}/{prefix}", detail=False, refresh=True)
+        keys: list[str] = []
+        try:  # listed directly: s3fs's listing cache would hide objects from later opens
+            page: dict[str, Any] = {"IsTruncated": True}
+            while page.get("IsTruncated"):
+                more = {"ContinuationToken": page["NextContinuationToken"]} \
+                    if page.get("NextContinuationToken") else {}
+                page = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix, **more)
+                keys += [str(obj["Key"]) for obj in page.get("Contents", [])]
             uploads = self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket,
                                       Prefix=prefix).get("Uploads", [])
-        except FileNotFoundError:
-            return
         except store_errors() as exc:
-            log.warning("remote.sweep_failed", id=session_id, error=" ".join(str(exc).split()))
+            log.info("remote.sweep_failed", id=session_id, error=" ".join(str(exc).split()))
             return
-        for name in names:
-            key = name.split("/", 1)[1] if name.startswith(f"{self.bucket}/") else name
+        for key in keys:
             if self._superseded(key, prefix, current):
                 self._delete(key)
         for up in uploads:
@@ -402,7 +405,7 @@ class RemoteStore:
                     self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"],
                                     UploadId=up["UploadId"])
                 except store_errors() as exc:
-                    log.warning("remote.abort_failed", key=up["Key"], error=str(exc))
+                    log.info("remote.abort_failed", key=up["Key"], error=str(exc))
 
     @staticmethod
     def _superseded(key: str, prefix: str, current: Lease) -> bool:
@@ -433,7 +436,7 @@ class RemoteStore:
             try:  # hand the session back as it was: released, same bundle
                 self._write(_replace(held, released=True), expect=held, what="giving the lease back")
             except ColiError as exc:
-                log.warning("lease.giveback_failed", id=session_id, error=str(exc))
+                log.info("lease.giveback_failed", id=session_id, error=str(exc))
             raise
         log.info("remote.pull", id=session_id, host=self.host_id, key=held.bundle,
                  tokens=result.tokens)
@@ -481,7 +484,7 @@ class RemoteStore:
             try:
                 self._forget(held)
             except ColiError as exc:
-                log.warning("lease.forget_failed", id=session_id, error=str(exc))
+                log.info("lease.forget_failed", id=session_id, error=str(exc))
             raise
         return self._keep(session, held), created
 
@@ -514,7 +517,7 @@ class RemoteStore:
             self.fs.call_s3("delete_object", Bucket=self.bucket, Key=key)
             self.fs.invalidate_cache(f"{self.bucket}/{key}")
         except store_errors() as exc:
-            log.warning("remote.delete_failed", key=key, error=" ".join(str(exc).split()))
+            log.info("remote.delete_failed", key=key, error=" ".join(str(exc).split()))
 
 
 def _replace(lease: Lease, **changes: Any) -> Lease:
