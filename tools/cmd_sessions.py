@@ -204,7 +204,8 @@ def session_generate(args: argparse.Namespace) -> int:
     fresh_root = not os.path.lexists(args.root)
     store = SessionStore(args.root)
     created = leasing = ok = False
-    remote = push_error = None
+    remote = None
+    push_error: ColiError | None = None
     try:
         remote = _remote(store, args)
         if remote is not None:  # the lease first (pulled unless held here), a keeper renews it
