@@ -44,7 +44,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kernels.errors import ColiError, FormatError, LimitError, LockedError, NotFoundError
+from kernels.errors import (
+    ColiError,
+    FormatError,
+    LimitError,
+    LockedError,
+    NotFoundError,
+)
 from sessionstore import migrate
 from sessionstore.bundle import check_session_id, parse_json
 from sessionstore.lease_keeper import LeaseKeeper
@@ -249,9 +255,10 @@ class RemoteStore:
 
     def _stored(self, session_id: str) -> tuple[Lease | None, bool]:
         """(the lease now, whether it could be read): the read that settles a lost answer."""
+        unreadable: tuple[type[BaseException], ...] = (ColiError, *store_errors())
         try:
             return self._read_lease(session_id), True
-        except (ColiError, *store_errors()) as exc:
+        except unreadable as exc:
             log.info("lease.readback_failed", id=session_id, error=" ".join(str(exc).split()))
             return None, False
 
@@ -410,7 +417,9 @@ class RemoteStore:
     @staticmethod
     def _superseded(key: str, prefix: str, current: Lease) -> bool:
         match = _BUNDLE_NAME.fullmatch(key[len(prefix):]) if key.startswith(prefix) else None
-        return bool(match) and key != current.bundle and int(match[1]) <= current.generation
+        if match is None or key == current.bundle:
+            return False
+        return int(match[1]) <= current.generation
 
     def pull(self, session_id: str, *, replace: bool = False,
              model: str | os.PathLike[str] | None = None) -> tuple[migrate.MigrateResult, Lease]:
@@ -529,5 +538,11 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-__all__ = ["RemoteStore", "RemoteStoreError", "Lease", "LEASE_TTL_S", "default_host_id",
-           "held_message"]
+__all__ = [
+    "LEASE_TTL_S",
+    "Lease",
+    "RemoteStore",
+    "RemoteStoreError",
+    "default_host_id",
+    "held_message",
+]

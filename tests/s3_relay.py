@@ -200,4 +200,4 @@ def _close(sock: socket.socket) -> None:
         pass
 
 
-__all__ = ["Relay", "Request", "PASS", "HOLD", "DOWN", "LOSE_ANSWER"]
+__all__ = ["DOWN", "HOLD", "LOSE_ANSWER", "PASS", "Relay", "Request"]

@@ -49,8 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="sessions: commit rows every N positions (default 64; 0 = at the end of the turn only)")
     p.add_argument("--remote", default=None,
                    help="sessions: s3://bucket/prefix of a fleet's object store: take the session's lease"
-                   " (pulling it if another host pushed it last; refused while another host holds it"
-                   " live), keep the lease renewed while generating, push the new commit after the turn")
+                   " before generating (pulling it if another host pushed it last; refused while another"
+                   " host holds it live), keep the lease renewed while generating, push the new commit"
+                   " after the turn (a failed push still prints the turn's tokens, then its error)")
     p.add_argument("--host-id", default=None, help="with --remote: who holds leases (default: $COLI_HOST_ID"
                    " or the host name)")
     p.add_argument("--lease-ttl", type=float, default=None, help="with --remote: lease lifetime in seconds")

@@ -47,7 +47,7 @@ def coli(*args: str, endpoint: str | None = None, timeout: float = 60) -> subpro
     env["AWS_MAX_ATTEMPTS"] = "2"
     if endpoint:
         env["AWS_ENDPOINT_URL"] = endpoint
-    return subprocess.run([sys.executable, "-m", "tools.coli_kv", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "tools.coli_kv", *args], check=False, cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
