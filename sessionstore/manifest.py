@@ -363,11 +363,13 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if fd >= 0:
             os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # ENOSPC/EIO name the manifest, not a nameless write
         raise
     if durable:
         fsync_dir(path.parent)

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        result = convert_file(args.src, args.dst, args.to, force=args.force, progress=progress)
+        result = convert_file(args.src, args.dst, args.to, force=args.force, progress=progress,
+                              salvage=args.unverified)
     finally:
         if bar is not None:
             bar.close()
