@@ -435,6 +435,8 @@ class RemoteStore:
                               "--replace to take the remote copy")
         held = self.acquire(session_id)
         assert held.bundle is not None
+        # a listing s3fs cached earlier in this process must not hide a bundle pushed since
+        self.fs.invalidate_cache(f"{self.bucket}/{held.bundle}")
         try:
             with self._failing(f"pull (downloading bundle {held.bundle.rsplit('/', 1)[-1]})",
                                session_id), \

@@ -51,6 +51,14 @@ def coli(*args: str, endpoint: str | None = None, timeout: float = 60) -> subpro
                           capture_output=True, text=True, timeout=timeout)
 
 
+def here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``coli-kv ARGS`` in this process, straight to the store: a host no fault touches."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def gen(root: Path, url: str, host: str, turn: int, *extra: str, prompt: str | None = None) -> list[str]:
     first = ["--model", "tiny", "--prompt-ids", prompt, "--temperature", "0.8", "--seed", "3"] \
         if prompt else []
@@ -189,7 +197,7 @@ def test_store_killed_mid_bundle_put_then_back_with_its_data(tmp_path, fleet, ca
     relay.up()  # the store is back, its data intact: A's next turn pushes both turns
     succeeded(coli(*gen(tmp_path / "A", url, "host-a", 2), endpoint=relay.url), ref[1])
     one_bundle(url)
-    succeeded(coli(*gen(tmp_path / "B", url, "host-b", 3)), ref[2])  # the next holder, exact
+    succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 3)), ref[2])  # the next holder, exact
     one_bundle(url)
 
 
@@ -207,7 +215,7 @@ def test_store_killed_before_the_pointer_write_leaves_no_orphan_after_the_next_p
     relay.up()
     succeeded(coli(*gen(tmp_path / "A", url, "host-a", 2), endpoint=relay.url), ref[1])
     one_bundle(url)  # the next push swept the orphan
-    succeeded(coli(*gen(tmp_path / "B", url, "host-b", 3)), ref[2])
+    succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 3)), ref[2])
 
 
 def test_store_restarted_empty_is_one_line_naming_the_missing_bucket(tmp_path, fleet, capsys):
@@ -239,7 +247,7 @@ def test_store_restarted_empty_is_one_line_naming_the_missing_bucket(tmp_path, f
     fs.mkdir(bucket)  # recreated: A's copy (both turns) becomes the fleet's again
     succeeded(coli(*gen(tmp_path / "A", url, "host-a", 3), endpoint=relay.url), ref[2])
     one_bundle(url)
-    succeeded(coli(*gen(tmp_path / "B", url, "host-b", 4)), ref[3])
+    succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 4)), ref[3])
 
 
 # --- part 4: no session id gets stuck ---------------------------------------------------------
@@ -254,14 +262,14 @@ def test_a_first_push_cut_after_its_lease_exists_does_not_block_the_id(tmp_path,
 
     # while A's lease is live, every other host is refused as held by A (exit 4), one wording
     held = "is held live by host 'host-a'"
-    one_error(coli(*gen(tmp_path / "B", url, "host-b", 1, prompt=PROMPT_B)), 4, held)
-    one_error(coli("pull", "--root", str(tmp_path / "B"), "--remote", url, "--host-id", "host-b",
-                   SID), 4, held)
+    one_error(here(capsys, *gen(tmp_path / "B", url, "host-b", 1, prompt=PROMPT_B)), 4, held)
+    one_error(here(capsys, "pull", "--root", str(tmp_path / "B"), "--remote", url,
+                   "--host-id", "host-b", SID), 4, held)
     assert not (tmp_path / "B").exists()
 
     time.sleep(max(0.0, lease_of(url)["expires_at"] - time.time()) + 0.2)
     # expired with no bundle: another host creates the session (a conditional write)
-    succeeded(coli(*gen(tmp_path / "B", url, "host-b", 1, prompt=PROMPT_B)), ref_b[0])
+    succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 1, prompt=PROMPT_B)), ref_b[0])
     one_bundle(url)
     relay.up()  # A's own copy was never the fleet's: A continues B's session, token-exact
     succeeded(coli(*gen(tmp_path / "A", url, "host-a", 2), endpoint=relay.url), ref_b[1])
@@ -319,7 +327,7 @@ def test_creation_races_have_one_winner_and_a_loser_held_by_it(tmp_path, fleet, 
     assert runs[loser].stdout == "" and not (tmp_path / loser).exists()
     one_bundle(url)
     # the loser's next turn continues the winner's session, token-exact
-    succeeded(coli(*gen(tmp_path / loser, url, loser, 2)), refs[winner][1])
+    succeeded(here(capsys, *gen(tmp_path / loser, url, loser, 2)), refs[winner][1])
 
     # round 2: a host arrives while the creator's first push is in flight (lease, no bundle)
     url2 = url + "-2"
@@ -330,7 +338,7 @@ def test_creation_races_have_one_winner_and_a_loser_held_by_it(tmp_path, fleet, 
         *gen(tmp_path / "C", url2, "host-c", 1, prompt=PROMPT_A), endpoint=relay.url)))
     t.start()
     assert relay.held.wait(30)
-    one_error(coli(*gen(tmp_path / "D", url2, "host-d", 1, prompt=PROMPT_B)), 4,
+    one_error(here(capsys, *gen(tmp_path / "D", url2, "host-d", 1, prompt=PROMPT_B)), 4,
               "is held live by host 'host-c'")
     relay.release()
     t.join()
@@ -360,7 +368,7 @@ def test_a_landed_push_is_a_success_though_another_host_takes_the_session_at_onc
     assert out["remote"]["generation"] == 1
     assert lease_of(url)["owner"] == "host-b" and lease_of(url)["generation"] == 2
     one_bundle(url)  # A's superseded bundle is gone, B's is the only one
-    succeeded(coli(*gen(tmp_path / "A", url, "host-a", 3)), ref[2])
+    succeeded(here(capsys, *gen(tmp_path / "A", url, "host-a", 3)), ref[2])
 
 
 def test_a_pointer_write_whose_answer_was_lost_is_a_landed_push(tmp_path, fleet, capsys):
@@ -371,7 +379,7 @@ def test_a_pointer_write_whose_answer_was_lost_is_a_landed_push(tmp_path, fleet,
               ref[0])
     assert lease_of(url)["released"] and lease_of(url)["owner"] == "host-a"
     one_bundle(url)
-    succeeded(coli(*gen(tmp_path / "B", url, "host-b", 2)), ref[1])
+    succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 2)), ref[1])
 
 
 # --- part 3: the lease keeper survives outages shorter than the lease -------------------------
