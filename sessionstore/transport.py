@@ -186,7 +186,7 @@ def discard_upload(handle: Any) -> None:
         if callable(discard):
             discard()
     except Exception as exc:  # best effort: the object was never completed either way
-        log.warning("transport.discard_failed", error=str(exc))
+        log.info("transport.discard_failed", error=str(exc))  # the upload's error is the one shown
     finally:
         handle.closed = True  # close()/__del__ must not flush a partial bundle into place
 

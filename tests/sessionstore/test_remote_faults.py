@@ -258,6 +258,7 @@ def test_a_first_push_cut_after_its_lease_exists_does_not_block_the_id(tmp_path,
     run = coli(*gen(tmp_path / "A", url, "host-a", 1, "--lease-ttl", "6", prompt=PROMPT_A),
                endpoint=relay.url)
     one_error(run, 1, "push (uploading bundle")
+    sound(tmp_path / "A", committed_after(PROMPT_A, 1), capsys)
     assert objects(url) == [f"leases/{SID}.json"] and lease_of(url)["bundle"] is None
 
     # while A's lease is live, every other host is refused as held by A (exit 4), one wording
@@ -323,6 +324,7 @@ def test_creation_races_have_one_winner_and_a_loser_held_by_it(tmp_path, fleet, 
     winner = next(h for h, r in runs.items() if r.returncode == 0)
     loser = next(h for h in prompts if h != winner)
     succeeded(runs[winner], refs[winner][0])
+    sound(tmp_path / winner, committed_after(prompts[winner], 1), capsys)
     one_error(runs[loser], 4, f"is held live by host '{winner}'")
     assert runs[loser].stdout == "" and not (tmp_path / loser).exists()
     one_bundle(url)
@@ -365,6 +367,7 @@ def test_a_landed_push_is_a_success_though_another_host_takes_the_session_at_onc
         relay.release()
         t.join()
     out = succeeded(pusher["run"], ref[0])  # landed, and said so: exit 0, no error line
+    sound(tmp_path / "A", committed_after(PROMPT_A, 1), capsys)
     assert out["remote"]["generation"] == 1
     assert lease_of(url)["owner"] == "host-b" and lease_of(url)["generation"] == 2
     one_bundle(url)  # A's superseded bundle is gone, B's is the only one
@@ -378,6 +381,7 @@ def test_a_pointer_write_whose_answer_was_lost_is_a_landed_push(tmp_path, fleet,
     succeeded(coli(*gen(tmp_path / "A", url, "host-a", 1, prompt=PROMPT_A), endpoint=relay.url),
               ref[0])
     assert lease_of(url)["released"] and lease_of(url)["owner"] == "host-a"
+    sound(tmp_path / "A", committed_after(PROMPT_A, 1), capsys)
     one_bundle(url)
     succeeded(here(capsys, *gen(tmp_path / "B", url, "host-b", 2)), ref[1])
 
@@ -432,3 +436,28 @@ def test_the_keeper_renews_after_an_outage_longer_than_the_retries(tmp_path, fle
                 ref.generate(None, 3).tokens] == [first, second, third]
     finally:
         ref.close()
+
+
+# --- part 2: an unfinished multipart upload is not left behind --------------------------------
+def test_a_multipart_upload_cut_by_the_store_is_aborted_by_the_next_push(tmp_path, fleet):
+    from tests.sessionstore.migrate_support import make_session, session_files
+
+    url, relay = fleet
+    store = SessionStore(tmp_path / "A")
+    make_session(store, "big", 36000)  # a ~5.6 MiB bundle: two parts (5 MiB and the rest)
+    through_relay = {"client_kwargs": {"endpoint_url": relay.url}, "default_block_size": 5 << 20,
+                     "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}},
+                     "skip_instance_cache": True}
+    a = RemoteStore(store, url, host_id="host-a", storage_options=through_relay,
+                    compression="none")
+    relay.rule = on_first("PUT", "partNumber=2", DOWN)
+    with pytest.raises(RemoteStoreError, match=r"push \(uploading bundle .*session 'big' failed"):
+        a.push("big")
+    relay.up()
+    assert any(k.startswith("upload:") for k in objects(url))  # the store kept the parts
+    a.push("big")
+    keys = objects(url)
+    assert not any(k.startswith("upload:") for k in keys) and len(keys) == 2, keys  # aborted
+    b = RemoteStore(SessionStore(tmp_path / "B"), url, host_id="host-b")
+    b.pull("big")
+    assert session_files(b.store, "big") == session_files(store, "big")
