@@ -103,7 +103,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("id", nargs="?", default=None, help="session id (default: list every lease)")
     _remote_args(p)
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--release", action="store_true", help="release this host's lease")
+    group.add_argument("--release", action="store_true",
+                       help="release this host's lease (one that never pointed at a bundle is "
+                            "deleted; any host may clear it once it expired)")
     group.add_argument("--renew", action="store_true", help="extend this host's lease")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run_lease)
