@@ -155,12 +155,12 @@ def _expanded_update(state: OnlineSoftmax, sc: np.ndarray, vt: np.ndarray, acc: 
     """Online-softmax update of rows (h, s0..s1) with scores sc [H, s, n] and values vt [H, v, n]."""
     heads = sc.shape[0]
     m = state.m.reshape(heads, n_q)[:, s0:s1]  # m: [H, s] f32 view
-    l = state.l.reshape(heads, n_q)[:, s0:s1]  # l: [H, s] f32 view
+    l_run = state.l.reshape(heads, n_q)[:, s0:s1]  # l_run: [H, s] f32 view of the running normaliser l
     m_new = np.maximum(m, sc.max(axis=2))  # m_new: [H, s] f32
     corr = np.exp(m - m_new)  # corr: [H, s] f32
     sc -= m_new[:, :, None]
     np.exp(sc, out=sc)  # p: [H, s, n] f32
-    l[...] = l * corr + sc.sum(axis=2)
+    l_run[...] = l_run * corr + sc.sum(axis=2)
     m[...] = m_new
     part = acc[:, s0:s1]  # part: [H, s, v_head] f32 view
     part *= corr[:, :, None]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -111,6 +111,9 @@ def pair_table() -> np.ndarray:
                 table.flags.writeable = False
                 _pair = table
     return _pair
+
+
+PAIR_TABLE: np.ndarray  # declared only (no value): the module __getattr__ below builds it on first use
 
 
 def __getattr__(name: str) -> np.ndarray:  # PEP 562: PAIR_TABLE is built on first use
@@ -245,7 +248,8 @@ def _alloc_like(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.empty([a.shape[i] for i in perm], dtype).transpose(np.argsort(perm))
 
 
-def _elementwise(src: np.ndarray, out: np.ndarray, dtype: type, flat_fn) -> bool:
+def _elementwise(src: np.ndarray, out: np.ndarray, dtype: type,
+                 flat_fn: Callable[[np.ndarray, np.ndarray], None]) -> bool:
     """Run flat_fn over src -> out in memory order; False when out has no usable layout."""
     perm = _memory_perm(src)
     src_p, out_p = src.transpose(perm), out.transpose(perm)
@@ -280,7 +284,8 @@ def encode(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.float32 and x.flags.c_contiguous and x.size <= _BLOCK:  # small: one pass
         halves = x.reshape(-1).view(np.uint16)  # [2N] u16
         key = halves[_HI::2] | np.minimum(halves[_LO::2], 1)  # [N] u16
-        return _ENCODE_TABLE[key].reshape(x.shape)
+        codes: np.ndarray = _ENCODE_TABLE[key].reshape(x.shape)  # codes: [*x.shape] u8
+        return codes
     return encode_into(x, _alloc_like(x, np.uint8))
 
 
@@ -297,7 +302,8 @@ def decode(codes: np.ndarray) -> np.ndarray:
     """uint8 e4m3 codes (any shape, any strides) -> float32 values (NaN codes -> 0.0)."""
     codes = _as_codes(codes, "decode")
     if codes.flags.c_contiguous and codes.size < _PAIR_MIN:  # small: one lookup
-        return DECODE_TABLE[codes.reshape(-1)].reshape(codes.shape)
+        values: np.ndarray = DECODE_TABLE[codes.reshape(-1)].reshape(codes.shape)  # values: [*codes.shape] f32
+        return values
     return decode_into(codes, _alloc_like(codes, np.float32))
 
 

@@ -62,7 +62,7 @@ class CupyRunner:
                                                    backend="nvrtc")
         return self._modules[key].get_function(entry)
 
-    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple,
+    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple[Any, ...],
                smem_bytes: int = 0) -> None:
         fn = self._function(dims, entry)
         if smem_bytes > 48 * 1024:

@@ -120,12 +120,12 @@ class EmulatorRunner:
     def address(self, arr: np.ndarray) -> int:
         return int(arr.__array_interface__["data"][0])
 
-    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple,
+    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple[Any, ...],
                smem_bytes: int = 0) -> None:
         if smem_bytes > _EMU_SMEM_BYTES:
             raise BackendUnavailableError(f"{entry}: {smem_bytes} B of shared memory exceed the emulator's buffer")
         lib, _ = load(dims)
-        conv = []
+        conv: list[ctypes.c_void_p | ctypes.c_float | ctypes.c_int] = []
         for a in args:
             if isinstance(a, np.ndarray):
                 conv.append(ctypes.c_void_p(self.address(a)))

@@ -55,7 +55,7 @@ class Runner(Protocol):
 
     def address(self, arr: Any) -> int: ...
 
-    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple,
+    def launch(self, dims: KernelDims, entry: str, grid: tuple[int, int, int], block: int, args: tuple[Any, ...],
                smem_bytes: int = 0) -> None: ...
 
     def smem_bytes(self, dims: KernelDims, entry: str) -> int: ...
@@ -70,7 +70,7 @@ def _row_stride(arr: Any, name: str, itemsize: int, align: int) -> int:
     return int(arr.strides[0])
 
 
-def session_record(runner: Runner, rows: F32Rows | Fp8Rows) -> tuple:
+def session_record(runner: Runner, rows: F32Rows | Fp8Rows) -> tuple[int, ...]:
     """The MlaSession fields of one device-resident block (pointers and byte strides)."""
     addr = runner.address
     if isinstance(rows, Fp8Rows):
@@ -133,7 +133,9 @@ def run_split_decode(
     grid = (n_splits, n_items, ctas)
     tail = (q_abs, q_rope, part_o, part_ml, np.float32(scale), np.int32(split_rows), np.int32(n_splits))
     if spec.dynamic_smem:
-        lsc_max = xp.stack([_scale_bound(xp, s) for s in sessions]).astype(xp.float32)  # [B] f32, no host sync
+        fp8_sessions = [s for s in sessions if isinstance(s, Fp8Rows)]
+        assert len(fp8_sessions) == len(sessions)  # dynamic-smem (mma) kernels have no f32 entry
+        lsc_max = xp.stack([_scale_bound(xp, s) for s in fp8_sessions]).astype(xp.float32)  # [B] f32, no host sync
         runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, lsc_max, *tail),
                       runner.smem_bytes(dims, entry))
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from kernels.errors import BackendUnavailableError, ColiError
 
@@ -74,7 +75,7 @@ def base_options(dims: KernelDims) -> tuple[str, ...]:
     return (*dims.defines(), "--std=c++17")
 
 
-def _nvrtc():
+def _nvrtc() -> Any:  # cupy's NVRTC binding module (untyped)
     try:
         from cupy_backends.cuda.libs import nvrtc
     except Exception as exc:  # cupy absent, or its NVRTC library cannot load

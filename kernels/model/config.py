@@ -11,6 +11,7 @@ original checkpoints' ``rope_theta`` + ``rope_scaling``.
 """
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import os
@@ -294,13 +295,13 @@ class _Reader:
             raise self._bad(key, "a positive integer")
         return value
 
-    def even_int(self, key: str) -> int:
+    def even_int(self, key: str) -> builtins.int:
         value = self.int(key)
         if value % 2:
             raise self._bad(key, "an even integer")
         return value
 
-    def opt_int(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+    def opt_int(self, key: str, default: builtins.int | None = None, minimum: builtins.int = 1) -> builtins.int | None:
         value = self.obj.get(key, default)
         if value is None:
             return None
@@ -317,7 +318,7 @@ class _Reader:
             raise self._bad(key, "a number")
         return value
 
-    def opt_float(self, key: str, default: float | None = None) -> float | None:
+    def opt_float(self, key: str, default: builtins.float | None = None) -> builtins.float | None:
         value = self.obj.get(key, default)
         if value is None:
             return None
@@ -325,7 +326,7 @@ class _Reader:
             raise self._bad(key, "a finite number >= 0")
         return float(value)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def bool(self, key: str, default: builtins.bool) -> builtins.bool:
         value = self.obj.get(key, default)
         if value is None:
             return default
@@ -333,7 +334,7 @@ class _Reader:
             raise self._bad(key, "true or false")
         return value
 
-    def token_ids(self, key: str) -> tuple[int, ...]:
+    def token_ids(self, key: str) -> tuple[builtins.int, ...]:
         value = self.obj.get(key)
         items = [] if value is None else value if isinstance(value, list) else [value]
         if len(items) > 64 or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in items):

@@ -32,12 +32,13 @@ class Weights(Protocol):
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """weight * x / sqrt(mean(x^2) + eps) over the last axis, f32."""
     variance = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1] f32
-    return weight * (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps))))
+    y: np.ndarray = weight * (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps))))  # y: [..., D] f32
+    return y
 
 
 def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32."""
-    y = x @ w.T
+    y: np.ndarray = x @ w.T  # y: [N, out] f32
     return y if bias is None else y + bias
 
 
@@ -152,7 +153,8 @@ class MLADecoder:
             cache.discard_pending()
             raise
         h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
-        return h @ self.lm_head.T  # logits: [S, V] f32
+        logits: np.ndarray = h @ self.lm_head.T  # logits: [S, V] f32
+        return logits
 
     def _attention(
         self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache
@@ -163,6 +165,7 @@ class MLADecoder:
         if a.q_proj is not None:
             q = _linear(x, a.q_proj)  # q: [S, H*qk_head]
         else:
+            assert a.q_a is not None and a.q_a_norm is not None and a.q_b is not None  # q_lora layers have all three
             q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias), a.q_a_norm, 1e-6)  # [S, q_lora]
             q = _linear(q_lat, a.q_b)  # q: [S, H*qk_head]
         q = q.reshape(n, heads, c.qk_head_dim)

@@ -17,7 +17,8 @@ from kernels.model.config import ModelConfig
 
 def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x), f32."""
-    return x / (np.float32(1.0) + np.exp(-x))
+    y: np.ndarray = x / (np.float32(1.0) + np.exp(-x))  # y: [*x.shape] f32
+    return y
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class DenseMLP:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [N, hidden] f32 -> [N, hidden] f32."""
-        return (silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+        y: np.ndarray = (silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T  # y: [N, hidden] f32
+        return y
 
 
 def route(

@@ -59,7 +59,7 @@ def _correction_range(rope: RopeConfig, dim: int) -> tuple[float, float]:
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 for YaRN configs that set it."""
-    scale = cfg.qk_head_dim**-0.5
+    scale: float = cfg.qk_head_dim**-0.5  # int ** negative int: typeshed says Any
     if cfg.rope.rope_type != "default" and cfg.rope.mscale_all_dim:
         m = yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim)
         scale = scale * m * m

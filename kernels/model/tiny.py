@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from kernels.errors import UnsupportedModelError
 from kernels.model.config import ModelConfig, parse_config
 from kernels.model.weights import DictWeights
 
@@ -84,13 +85,16 @@ def tiny_weights(cfg: ModelConfig, seed: int = TINY_SEED) -> dict[str, np.ndarra
         "lm_head.weight": linear(cfg.vocab_size, hidden, 4.0),
     }
     heads, qk, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+    q_lora = cfg.q_lora_rank
+    if q_lora is None:
+        raise UnsupportedModelError("tiny_weights: the config has no q_lora_rank (tiny layers use q_a/q_b projections)")
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(hidden)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
-        w[p + "self_attn.q_a_proj.weight"] = linear(cfg.q_lora_rank, hidden)
-        w[p + "self_attn.q_a_layernorm.weight"] = norm(cfg.q_lora_rank)
-        w[p + "self_attn.q_b_proj.weight"] = linear(heads * qk, cfg.q_lora_rank, 2.0)
+        w[p + "self_attn.q_a_proj.weight"] = linear(q_lora, hidden)
+        w[p + "self_attn.q_a_layernorm.weight"] = norm(q_lora)
+        w[p + "self_attn.q_b_proj.weight"] = linear(heads * qk, q_lora, 2.0)
         w[p + "self_attn.kv_a_proj_with_mqa.weight"] = linear(cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden)
         w[p + "self_attn.kv_a_layernorm.weight"] = norm(cfg.kv_lora_rank)
         w[p + "self_attn.kv_b_proj.weight"] = linear(heads * (cfg.qk_nope_head_dim + v), cfg.kv_lora_rank, 2.0)

@@ -11,6 +11,7 @@ to shard files) or a set of ``*.safetensors`` files.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -99,7 +100,7 @@ class SafetensorsFile:
                 continue
             tensors[name] = self._check_entry(name, entry)
         spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
-        for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        for (b0, e0, n0), (b1, _e1, n1) in itertools.pairwise(spans):
             if b1 < e0:
                 raise FormatError(f"{self.path}: tensors {n0!r} [{b0}, {e0}) and {n1!r} overlap at data offset {b1}")
         return tensors

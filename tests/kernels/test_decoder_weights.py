@@ -10,8 +10,8 @@ import pytest
 
 from kernels.errors import FormatError, LimitError, NotFoundError, UnsupportedModelError
 from kernels.model import load_model
-from kernels.model.tiny import tiny_config_dict, tiny_weights
 from kernels.model.config import parse_config
+from kernels.model.tiny import tiny_config_dict, tiny_weights
 from kernels.model.weights import SafetensorsFile, open_checkpoint
 
 
