@@ -1,6 +1,6 @@
 """The durable append path against raw I/O on the same bytes, in the same run.
 
-    python bench/append.py [--quick] [--json] [--dir DIR]
+    python -m bench.append [--quick] [--json] [--dir DIR]
 
 (a) stream_append_ratio: GLM-5.2-shaped v2 records (L=78, kv_lora 512, rope 64; codes + scales
     already quantized, as the engine's cache holds them) appended 64 at a time through KVWriter,
@@ -37,13 +37,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.rows import Fp8Rows, RecordRows  # noqa: E402
-from sessionstore.convert import convert_file  # noqa: E402
-from sessionstore.layout import Dims, pack_records, sanitize_scales  # noqa: E402
-from sessionstore.reader import open_kv  # noqa: E402
-from sessionstore.writer import KVWriter  # noqa: E402
+from kernels.rows import Fp8Rows, RecordRows
+from sessionstore.convert import convert_file
+from sessionstore.layout import Dims, pack_records, sanitize_scales
+from sessionstore.reader import open_kv
+from sessionstore.writer import KVWriter
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
 REC_V2 = 45_556
@@ -58,15 +56,22 @@ def quantized_pool(n: int, seed: int = 0) -> RecordRows:
     """n GLM records of random non-NaN codes and positive scales."""
     rng = np.random.default_rng(seed)
     L = GLM.n_layers
-    codes = lambda w: (rng.integers(0, 0x7F, (n, L, w), dtype=np.uint8)  # noqa: E731
-                       | (rng.integers(0, 2, (n, L, w), dtype=np.uint8) << 7))  # [n, L, w] u8
-    scales = lambda: rng.uniform(1e-3, 1.0, (n, L)).astype(np.float32)  # noqa: E731  [n, L] f32
+
+    def codes(w: int) -> np.ndarray:
+        return (rng.integers(0, 0x7F, (n, L, w), dtype=np.uint8)
+                | (rng.integers(0, 2, (n, L, w), dtype=np.uint8) << 7))  # [n, L, w] u8
+
+    def scales() -> np.ndarray:
+        return rng.uniform(1e-3, 1.0, (n, L)).astype(np.float32)  # [n, L] f32
+
     return RecordRows(tokens=rng.integers(0, GLM.vocab, n).astype(np.int32),
                       lc_codes=codes(GLM.kv_lora), lc_scale=scales(),
                       rc_codes=codes(GLM.qk_rope), rc_scale=scales())
 
 
 def sliced(rows: RecordRows, start: int, stop: int) -> RecordRows:
+    assert rows.lc_codes is not None and rows.lc_scale is not None  # fp8 rows
+    assert rows.rc_codes is not None and rows.rc_scale is not None
     return RecordRows(tokens=rows.tokens[start:stop], lc_codes=rows.lc_codes[start:stop],
                       lc_scale=rows.lc_scale[start:stop], rc_codes=rows.rc_codes[start:stop],
                       rc_scale=rows.rc_scale[start:stop])
@@ -82,7 +87,8 @@ def paired(base: Callable[[], None], ours: Callable[[], None], reps: int,
            setup: Callable[[], None] | None = None) -> tuple[float, float]:
     """Alternate base and ours ``reps`` times; the two medians (seconds). ``setup`` runs before
     each timed call, outside the timing."""
-    tb, to = [], []
+    tb: list[float] = []
+    to: list[float] = []
     for _ in range(reps):
         for fn, sink in ((base, tb), (ours, to)):
             if setup is not None:
@@ -240,7 +246,8 @@ def bench_read(directory: str, n_records: int, reps: int) -> dict:
         blocks = [Fp8Rows(lc[i], sanitized[i, 0], rc[i], sanitized[i, 1]) for i in range(L)]
         assert len(blocks) == L
 
-    raw(), views(), contiguous()  # warm the page cache and the destination pages
+    for warm in (raw, views, contiguous):  # warm the page cache and the destination pages
+        warm()
     raw_t, view_t = paired(raw, views, reps)
     raw_t2, cont_t = paired(raw, contiguous, reps)
     fresh(path)
@@ -279,7 +286,8 @@ def bench_convert(directory: str, n_records: int, reps: int) -> dict:
     def conv() -> None:
         convert_file(src, conv_dst, 2)
 
-    clean(), copy(), clean(), conv()
+    for step in (clean, copy, clean, conv):
+        step()
     copy_t, conv_t = paired(copy, conv, reps, setup=clean)
     for p in (src, copy_dst, conv_dst):
         fresh(p)

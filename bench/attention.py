@@ -1,6 +1,6 @@
 """Absorbed MLA decode attention: CPU fp8 vs CPU f32 on the same rows, and CUDA fp8 bandwidth.
 
-    python bench/attention.py [--quick] [--json] [--with-decoder]
+    python -m bench.attention [--quick] [--json] [--with-decoder]
 
 CPU: one decode step (S=1) at GLM-5.2 head shapes (H=64, kv_lora=512, rope=64; qk_nope=192,
 v_head=256 set the softmax scale) over T = 4k, 32k, 128k cached rows. The f32 cache is random
@@ -14,7 +14,7 @@ effective bandwidth is the cache bytes (codes + scales) over the kernel time, as
 the device's peak memory bandwidth (H200: 4.8 TB/s; others from the device's memory clock and
 bus width). Kernels: mma_fast (the figure), mma and simt (printed).
 
---with-decoder runs bench/decoder.py (the reference decoder's tokens/s) afterwards and nests
+--with-decoder runs bench.decoder (the reference decoder's tokens/s) afterwards and nests
 its JSON under "decoder".
 JSON keys: cpu_fp8_over_f32_ratio_T<T> for each T, cuda_fp8_bandwidth_fraction when measured.
 """
@@ -32,8 +32,6 @@ from collections.abc import Callable
 from functools import partial
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.attention import absorbed_attention
 from kernels.fp8 import quantize_rows
@@ -65,7 +63,8 @@ def cache_bytes(rows: F32Rows | Fp8Rows) -> int:
 
 def paired_medians(base: Callable[[], object], ours: Callable[[], object], reps: int) -> tuple[float, float]:
     base(), ours()  # warm-up
-    tb, to = [], []
+    tb: list[float] = []
+    to: list[float] = []
     for _ in range(reps):
         for fn, sink in ((base, tb), (ours, to)):
             start = time.perf_counter()
@@ -172,11 +171,11 @@ def run_cuda(reps: int) -> dict[str, float | str]:
 
 
 def run_decoder(quick: bool) -> dict:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decoder.py")
-    if not os.path.exists(path):
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(bench_dir, "decoder.py")):
         return {}
-    cmd = [sys.executable, path, "--json"] + (["--quick"] if quick else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    cmd = [sys.executable, "-m", "bench.decoder", "--json"] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=os.path.dirname(bench_dir))
     print(done.stdout.rstrip())
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 minute on 2 cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--with-decoder", action="store_true", help="also run bench/decoder.py and nest its figures")
+    ap.add_argument("--with-decoder", action="store_true", help="also run bench.decoder and nest its figures")
     args = ap.parse_args(argv)
     reps = 3 if args.quick else 9
     results: dict = {"quick": args.quick, "reps": reps}

@@ -1,6 +1,6 @@
 """fp8 e4m3 codec throughput against ml_dtypes' astype on the same array, in the same run.
 
-    python bench/codec.py [--quick] [--json]
+    python -m bench.codec [--quick] [--json]
 
 Encode: kernels.fp8.encode(x) vs x.astype(ml_dtypes.float8_e4m3fn) on GLM-shaped latent rows
 already scaled into the e4m3 range (what the row quantizer feeds the encoder). Decode:
@@ -38,7 +38,8 @@ Timed = Callable[[], object]
 def paired_medians(base: Timed, ours: Timed, reps: int) -> tuple[float, float]:
     """Time base and ours alternately (same machine state), return the two medians in seconds."""
     base(), ours()  # warm caches and lazily built tables
-    base_times, our_times = [], []
+    base_times: list[float] = []
+    our_times: list[float] = []
     for _ in range(reps):
         for fn, sink in ((base, base_times), (ours, our_times)):
             start = time.perf_counter()

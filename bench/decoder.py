@@ -10,23 +10,20 @@ v_head 256 (random weights), one dense SwiGLU of expert size (2048) as its feed-
 1024-entry vocabulary, so that attention and the MLA projections dominate, over a few hundred
 cached positions.
 
-    python bench/decoder.py --quick --json
+    python -m bench.decoder --quick --json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.model import MLADecoder, load_model, parse_config  # noqa: E402
-from kernels.model.weights import DictWeights  # noqa: E402
+from kernels.model import MLADecoder, load_model, parse_config
+from kernels.model.weights import DictWeights
 
 GLM_SHAPE = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
                  qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256)
@@ -50,11 +47,13 @@ def random_weights(cfg_dict: dict, seed: int = 0) -> DictWeights:
         return (np.resize(pool, shape) * np.float32(scale)).astype(np.float32)
 
     h, H, c = cfg.hidden_size, cfg.num_attention_heads, cfg
+    q_lora = c.q_lora_rank
+    assert q_lora is not None  # GLM_SHAPE sets q_lora_rank
     p = "model.layers.0."
     shapes = {
         "model.embed_tokens.weight": (c.vocab_size, h), "lm_head.weight": (c.vocab_size, h),
-        p + "self_attn.q_a_proj.weight": (c.q_lora_rank, h),
-        p + "self_attn.q_b_proj.weight": (H * c.qk_head_dim, c.q_lora_rank),
+        p + "self_attn.q_a_proj.weight": (q_lora, h),
+        p + "self_attn.q_b_proj.weight": (H * c.qk_head_dim, q_lora),
         p + "self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, h),
         p + "self_attn.kv_b_proj.weight": (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         p + "self_attn.o_proj.weight": (h, H * c.v_head_dim),
@@ -64,13 +63,13 @@ def random_weights(cfg_dict: dict, seed: int = 0) -> DictWeights:
     w = {name: tensor(shape, 1.0 / np.sqrt(shape[1])) for name, shape in shapes.items()}
     w["model.embed_tokens.weight"] = tensor((c.vocab_size, h), 1.0)
     for name, n in (("model.norm.weight", h), (p + "input_layernorm.weight", h),
-                    (p + "post_attention_layernorm.weight", h), (p + "self_attn.q_a_layernorm.weight", c.q_lora_rank),
+                    (p + "post_attention_layernorm.weight", h), (p + "self_attn.q_a_layernorm.weight", q_lora),
                     (p + "self_attn.kv_a_layernorm.weight", c.kv_lora_rank)):
         w[name] = np.ones(n, np.float32)
     return DictWeights(w, source="glm-layer")
 
 
-def decode_rate(model: MLADecoder, kv: str, cached: int, steps: int, reps: int) -> dict:
+def decode_rate(model: MLADecoder, kv: str, cached: int, steps: int, reps: int) -> dict[str, float]:
     """Median decode tokens/s over ``reps`` runs of ``steps`` greedy steps after ``cached`` positions."""
     vocab = model.config.vocab_size
     prefix = (np.arange(cached) * 7919 % vocab).astype(np.int32)  # [cached] deterministic ids
@@ -102,20 +101,20 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, float | int | str] = {}
     tiny = load_model("tiny")
+    tiny_rate: dict[str, float] = {}
     for kv in ("f32", "fp8"):
         r = decode_rate(tiny, kv, cached=32, steps=tiny_steps, reps=reps)
-        results[f"tiny_decode_tokens_per_s_{kv}"] = round(r["tokens_per_s"], 1)
-    results["tiny_fp8_over_f32_ratio"] = round(
-        results["tiny_decode_tokens_per_s_fp8"] / results["tiny_decode_tokens_per_s_f32"], 3)
+        tiny_rate[kv] = results[f"tiny_decode_tokens_per_s_{kv}"] = round(r["tokens_per_s"], 1)
+    results["tiny_fp8_over_f32_ratio"] = round(tiny_rate["fp8"] / tiny_rate["f32"], 3)
 
     cfg = glm_layer_config()
     glm = MLADecoder(parse_config(cfg, source="glm-layer"), random_weights(cfg))
+    glm_rate: dict[str, float] = {}
     for kv in ("f32", "fp8"):
         r = decode_rate(glm, kv, cached=glm_cached, steps=glm_steps, reps=reps)
-        results[f"glm_layer_decode_tokens_per_s_{kv}"] = round(r["tokens_per_s"], 2)
+        glm_rate[kv] = results[f"glm_layer_decode_tokens_per_s_{kv}"] = round(r["tokens_per_s"], 2)
         results[f"glm_layer_prefill_tokens_per_s_{kv}"] = round(r["prefill_tokens_per_s"], 1)
-    results["glm_layer_fp8_over_f32_ratio"] = round(
-        results["glm_layer_decode_tokens_per_s_fp8"] / results["glm_layer_decode_tokens_per_s_f32"], 3)
+    results["glm_layer_fp8_over_f32_ratio"] = round(glm_rate["fp8"] / glm_rate["f32"], 3)
     results["glm_layer_cached_positions"] = glm_cached
     results["mode"] = "quick" if args.quick else "full"
 

@@ -9,4 +9,4 @@ mkdir -p "$out"
 py="${PYTHON:-python3}"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 PYTHONUNBUFFERED=1 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu-tests.txt"
-PYTHONUNBUFFERED=1 "$py" bench/attention.py --json 2>&1 | tee "$out/attention.txt"
+PYTHONUNBUFFERED=1 "$py" -m bench.attention --json 2>&1 | tee "$out/attention.txt"

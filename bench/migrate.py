@@ -11,9 +11,9 @@
    `sync`) and ``migrate_vs_durable_copies`` (two copies of the session written the way import
    writes: write-back started as the bytes land, one fsync per file; the least any durable
    file-to-file migration does). ``two_cps_ratio`` shows the bound: one cp against two plain cps
-   (src -> bundle-sized copy -> dst, no fsync, no checksum). Every timed step starts after ``os.sync()`` (untimed), so no
-   step pays for an earlier one's write-back; the reps interleave the paths; medians of
-   ``--reps``; the source sits in the page cache for all of them.
+   (src -> bundle-sized copy -> dst, no fsync, no checksum). Every timed step starts after
+   ``os.sync()`` (untimed), so no step pays for an earlier one's write-back; the reps interleave
+   the paths; medians of ``--reps``; the source sits in the page cache for all of them.
 2. ``zstd_ratio``: raw/zstd size at the bundle's level (``bundle.ZSTD_LEVEL``) of v2 records
    holding rows produced by the reference decoder: GLM-shaped layers (kv_lora 512, rope 64,
    hidden 2048) with seeded random weights fed real text (this repository's source), layers
@@ -47,18 +47,16 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.fp8 import quantize_rows  # noqa: E402
-from kernels.rows import RecordRows  # noqa: E402
-from sessionstore import bundle as B  # noqa: E402
-from sessionstore import migrate  # noqa: E402
-from sessionstore.layout import Dims, pack_records  # noqa: E402
-from sessionstore.manifest import Manifest, ModelRef, write_manifest  # noqa: E402
-from sessionstore.store import SessionStore  # noqa: E402
-from sessionstore.bundle_io import WritebackFile  # noqa: E402
-from sessionstore.transport import fsync_directory, open_sink  # noqa: E402
-from sessionstore.writer import KVWriter  # noqa: E402
+from kernels.fp8 import quantize_rows
+from kernels.rows import RecordRows
+from sessionstore import bundle as B
+from sessionstore import migrate
+from sessionstore.bundle_io import WritebackFile
+from sessionstore.layout import Dims, pack_records
+from sessionstore.manifest import Manifest, ModelRef, write_manifest
+from sessionstore.store import SessionStore
+from sessionstore.transport import fsync_directory, open_sink
+from sessionstore.writer import KVWriter
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
 BLOCK = 256  # distinct token rows generated, then repeated with new token ids
@@ -84,7 +82,7 @@ def build_session(store: SessionStore, sid: str, tokens: int, seed: int = 0) -> 
     manifest = Manifest(id=sid, model=ModelRef("glm-shaped", "glm-shaped", "fp1:" + "0" * 64),
                         kv_dtype="fp8", dims=dict(zip(("n_layers", "kv_lora", "qk_rope",
                                                        "index_head_dim", "n_index_layers", "vocab"),
-                                                      GLM.as_tuple())), committed=tokens)
+                                                      GLM.as_tuple(), strict=True)), committed=tokens)
     write_manifest(tmp / "manifest.json", manifest)
     store.adopt_dir(tmp, sid)
 
@@ -178,7 +176,7 @@ def time_migrate(a: SessionStore, b: SessionStore, sid: str, bundle: Path) -> tu
 # --- compression on decoder rows ------------------------------------------------------------
 def _text_tokens(n: int) -> np.ndarray:
     root = Path(__file__).resolve().parents[1]
-    text = b"".join(p.read_bytes() for p in sorted(root.glob("sessionstore/*.py")))
+    text = b"".join(p.read_bytes() for p in sorted(root.glob("sessionstore/**/*.py")))
     return np.frombuffer(text[:n], dtype=np.uint8).astype(np.int32)  # [n] byte-level ids
 
 
@@ -209,6 +207,8 @@ def decoder_records(kind: str, n: int) -> tuple[bytes, bytes]:
     dims = Dims(*model.dims_for_file())
 
     def pack(layers: slice) -> bytes:
+        assert rows.lc_codes is not None and rows.lc_scale is not None  # fp8 rows
+        assert rows.rc_codes is not None and rows.rc_scale is not None
         part = RecordRows(tokens=rows.tokens, lc_codes=rows.lc_codes[:, layers],
                           lc_scale=rows.lc_scale[:, layers], rc_codes=rows.rc_codes[:, layers],
                           rc_scale=rows.rc_scale[:, layers])
@@ -241,10 +241,10 @@ def zstd_profile(raw: bytes, levels=(1, 3, 9), reps: int = 3) -> dict[str, dict[
             packed = [cctx.compress(p) for p in pieces]
             tc.append(time.perf_counter() - t)
             t = time.perf_counter()
-            for p, q in zip(pieces, packed):
+            for p, q in zip(pieces, packed, strict=True):
                 dctx.decompress(q, max_output_size=len(p))
             td.append(time.perf_counter() - t)
-        stored = sum(min(len(q), len(p)) for p, q in zip(pieces, packed))
+        stored = sum(min(len(q), len(p)) for p, q in zip(pieces, packed, strict=True))
         out[str(level)] = {"ratio": len(raw) / stored,
                            "compress_mb_s": len(raw) / statistics.median(tc) / 1e6,
                            "decompress_mb_s": len(raw) / statistics.median(td) / 1e6}

@@ -1,6 +1,6 @@
 """Session resume and suspend against raw I/O on the same bytes, and against recomputing.
 
-    python bench/session.py [--quick] [--json] [--dir DIR] [--tokens N]
+    python -m bench.session [--quick] [--json] [--dir DIR] [--tokens N]
 
 The session has GLM-5.2's cache shape (78 layers, kv_lora 512, rope 64, vocab 154,880; v2 records
 of 45,556 B) and 32k committed tokens. Its model is a reference decoder with that cache shape but
@@ -53,21 +53,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.model.config import parse_config  # noqa: E402
-from kernels.model.decoder import MLADecoder  # noqa: E402
-from kernels.model.tiny import tiny_weights  # noqa: E402
-from kernels.model.weights import DictWeights  # noqa: E402
-from kernels.rows import RecordRows  # noqa: E402
-from sessionstore.fingerprint import fingerprint_tiny  # noqa: E402
-from sessionstore.integrity import require_vouched  # noqa: E402
-from sessionstore.layout import Dims  # noqa: E402
-from sessionstore.manifest import MANIFEST_NAME, ModelRef, make_digest, read_manifest, write_manifest  # noqa: E402
-from sessionstore.reader import open_kv, wait_for_unmaps  # noqa: E402
-from sessionstore.session import Session  # noqa: E402
-from sessionstore.store import SessionStore  # noqa: E402
-from sessionstore.writer import KVWriter  # noqa: E402
+from kernels.model.config import parse_config
+from kernels.model.decoder import MLADecoder
+from kernels.model.tiny import tiny_weights
+from kernels.model.weights import DictWeights
+from kernels.rows import RecordRows
+from sessionstore.fingerprint import fingerprint_tiny
+from sessionstore.integrity import require_vouched
+from sessionstore.layout import Dims
+from sessionstore.manifest import MANIFEST_NAME, ModelRef, make_digest, read_manifest, write_manifest
+from sessionstore.reader import open_kv, wait_for_unmaps
+from sessionstore.session import Session
+from sessionstore.store import SessionStore
+from sessionstore.writer import KVWriter
 
 CHUNK = 8 << 20
 POOL = 512
@@ -93,7 +91,10 @@ def glm_cache_model() -> tuple[MLADecoder, dict]:
 def pool_rows(n: int, dims: Dims, rng: np.random.Generator) -> RecordRows:
     """n records of random non-NaN fp8 codes and positive scales."""
     L = dims.n_layers
-    codes = lambda w: rng.integers(0, 0x7F, (n, L, w), dtype=np.uint8)  # noqa: E731  [n, L, w] u8
+
+    def codes(w: int) -> np.ndarray:
+        return rng.integers(0, 0x7F, (n, L, w), dtype=np.uint8)  # [n, L, w] u8
+
     return RecordRows(tokens=rng.integers(2, dims.vocab, n).astype(np.int32),
                       lc_codes=codes(dims.kv_lora), lc_scale=rng.uniform(1e-3, 1, (n, L)).astype(np.float32),
                       rc_codes=codes(dims.qk_rope), rc_scale=rng.uniform(1e-3, 1, (n, L)).astype(np.float32))
@@ -110,6 +111,8 @@ def build_session(store: SessionStore, model: MLADecoder, ref: ModelRef, n_token
     dims = s.dims
     rng = np.random.default_rng(SEED)
     pool = pool_rows(POOL, dims, rng)
+    assert pool.lc_codes is not None and pool.lc_scale is not None  # fp8 pool
+    assert pool.rc_codes is not None and pool.rc_scale is not None
     with KVWriter.open(s.kv_path, dims, kv_dtype="fp8", create=False) as writer:
         for start in range(0, n_tokens - 1, POOL):
             k = min(POOL, n_tokens - 1 - start)
@@ -348,7 +351,7 @@ def bench_recompute(model: MLADecoder, s: Session, n_tokens: int, big_chunk: int
     s.resume()
     try:
         layers = range(model.config.n_layers)
-        scratch = model.cache_from_blocks([s.cache.blocks(l) for l in layers], s.cache.tokens, kv_dtype="fp8")
+        scratch = model.cache_from_blocks([s.cache.blocks(layer) for layer in layers], s.cache.tokens, kv_dtype="fp8")
         t0 = time.perf_counter()
         model.forward(rng.integers(2, 1000, big_chunk).astype(np.int32), scratch)
         c_big = (time.perf_counter() - t0) / big_chunk
