@@ -68,13 +68,14 @@ def record_checksum(buf: bytes | bytearray | memoryview, position: int) -> int:
 def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
 
-    One pass over the mapping at xxh3's speed (~12 GB/s a core). The Python binding holds the
-    GIL while it hashes, so a second thread would add nothing: the loop stays on one core."""
-    body = reader.records_bytes_view(start, stop)
-    rec = reader.record_bytes
-    return np.fromiter(  # [stop - start] u64
-        (xxhash.xxh3_64_intdigest(body[i * rec:(i + 1) * rec], seed=start + i)
-         for i in range(stop - start)), dtype="<u8", count=stop - start)
+    One pass over the mapping at xxh3's speed (~13 GB/s a core, the raw read's speed here). The
+    Python binding holds the GIL while it hashes, so a second thread would add nothing: the
+    loop stays on one core."""
+    k = stop - start
+    rows = np.frombuffer(reader.records_bytes_view(start, stop), np.uint8)  # [k * rec] u8
+    rows = rows.reshape(k, reader.record_bytes) if k else rows.reshape(0, reader.record_bytes)
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, rows, range(start, stop)),  # [k] u64
+                       dtype="<u8", count=k)
 
 
 def static_hash(kv_header_bytes: bytes) -> int:
