@@ -38,10 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kernels.rows import Fp8Rows, RecordRows
-from sessionstore.convert import convert_file
-from sessionstore.layout import Dims, pack_records, sanitize_scales
-from sessionstore.reader import open_kv
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile import Dims, KVWriter, convert_file, open_kv, pack_records, sanitize_scales
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
 REC_V2 = 45_556

@@ -49,14 +49,10 @@ import zstandard
 
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
-from sessionstore import bundle as B
-from sessionstore import migrate
-from sessionstore.bundle_io import WritebackFile
-from sessionstore.layout import Dims, pack_records
-from sessionstore.manifest import Manifest, ModelRef, write_manifest
-from sessionstore.store import SessionStore
-from sessionstore.transport import fsync_directory, open_sink
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile import Dims, KVWriter, pack_records
+from sessionstore.migration import WritebackFile, fsync_directory, migrate, open_sink
+from sessionstore.migration import bundle as B
+from sessionstore.sessions import Manifest, ModelRef, SessionStore, write_manifest
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
 BLOCK = 256  # distinct token rows generated, then repeated with new token ids

@@ -58,14 +58,17 @@ from kernels.model.decoder import MLADecoder
 from kernels.model.tiny import tiny_weights
 from kernels.model.weights import DictWeights
 from kernels.rows import RecordRows
-from sessionstore.fingerprint import fingerprint_tiny
-from sessionstore.integrity import require_vouched
-from sessionstore.layout import Dims
-from sessionstore.manifest import MANIFEST_NAME, ModelRef, make_digest, read_manifest, write_manifest
-from sessionstore.reader import open_kv, wait_for_unmaps
-from sessionstore.session import Session
-from sessionstore.store import SessionStore
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile import Dims, KVWriter, open_kv, require_vouched, wait_for_unmaps
+from sessionstore.sessions import (
+    MANIFEST_NAME,
+    ModelRef,
+    Session,
+    SessionStore,
+    fingerprint_tiny,
+    make_digest,
+    read_manifest,
+    write_manifest,
+)
 
 CHUNK = 8 << 20
 POOL = 512

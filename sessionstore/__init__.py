@@ -1,4 +1,6 @@
-"""Persistence and the session service: the ``.coli_kv`` file, sessions, the store, migration.
+"""Persistence and the session service, in three rooms that mirror FORMAT.md: ``kvfile`` (the
+``.coli_kv`` file, sections 1-4), ``sessions`` (section 5) and ``migration`` (section 6). Each room
+imports only the rooms below it; errors have one home, :mod:`kernels.errors`.
 
 The public surface::
 
@@ -6,7 +8,7 @@ The public surface::
     from sessionstore import SessionStore                 # sessions: create, resume, fork, ...
     from sessionstore import export_session, import_bundle, RemoteStore   # migration
 """
-from sessionstore.errors import (
+from kernels.errors import (
     ColiError,
     CorruptionError,
     FormatError,
@@ -15,12 +17,9 @@ from sessionstore.errors import (
     ModelMismatchError,
     NotFoundError,
 )
-from sessionstore.layout import Dims, Header
-from sessionstore.migrate import export_session, import_bundle
-from sessionstore.reader import KVReader, open_kv
-from sessionstore.remote import RemoteStore
-from sessionstore.store import SessionStore
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile import Dims, Header, KVReader, KVWriter, open_kv
+from sessionstore.migration import RemoteStore, export_session, import_bundle
+from sessionstore.sessions import SessionStore
 
 __all__ = [
     "ColiError",

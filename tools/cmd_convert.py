@@ -7,8 +7,7 @@ import sys
 from typing import Any
 
 from kernels.errors import CorruptionError
-from sessionstore.convert import convert_file
-from sessionstore.verify import verify_file
+from sessionstore.kvfile import convert_file, verify_file
 
 
 def register(subparsers: Any) -> None:

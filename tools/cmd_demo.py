@@ -14,9 +14,7 @@ import time
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore.manifest import SamplerSettings
-from sessionstore.session import reference_turns
-from sessionstore.store import SessionStore
+from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
 
 USER_TURNS = ("Hello! Who are you?", " Tell me about the sea.", " And what about mountains?")
 

@@ -8,10 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from sessionstore.layout import usable_scales
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import sidecar_path
-from sessionstore.verify import RecordScan, scan_records
+from sessionstore.kvfile import RecordScan, open_kv, scan_records, sidecar_path, usable_scales
 
 TOKENS_SHOWN = 8  # first and last few token ids without --tokens
 

@@ -18,11 +18,21 @@ from collections.abc import Iterator
 from typing import Any
 
 from kernels.errors import FormatError
-from sessionstore.bundle import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
-from sessionstore.migrate import MigrateResult, export_session, import_bundle
-from sessionstore.remote import LEASE_TTL_S, RemoteStore
-from sessionstore.store import SessionStore
-from sessionstore.transport import describe, is_url, open_sink, open_source
+from sessionstore.migration import (
+    DEFAULT_CHUNK_BYTES,
+    LEASE_TTL_S,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    MigrateResult,
+    RemoteStore,
+    describe,
+    export_session,
+    import_bundle,
+    is_url,
+    open_sink,
+    open_source,
+)
+from sessionstore.sessions import SessionStore
 
 BUNDLE_SUFFIX = ".colibundle"
 

@@ -16,8 +16,8 @@ import sys
 import threading
 from typing import Any
 
-from sessionstore.inbox import Inbox
 from sessionstore.log import reconfigure
+from sessionstore.migration import Inbox
 from tools.cmd_migrate import fresh_store
 
 

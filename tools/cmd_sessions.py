@@ -11,9 +11,7 @@ from typing import Any
 
 from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler
-from sessionstore.manifest import SamplerSettings
-from sessionstore.session import DEFAULT_COMMIT_EVERY
-from sessionstore.store import SessionStore
+from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
 from tools.cmd_generate import check_backend, parse_ids, push_turn
 from tools.cmd_migrate import remove_empty_store
 
@@ -155,7 +153,7 @@ def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
     url = _opt(args, "remote")
     if not url:
         return None
-    from sessionstore.remote import LEASE_TTL_S, RemoteStore
+    from sessionstore.migration import LEASE_TTL_S, RemoteStore
 
     ttl = _opt(args, "lease_ttl")
     return RemoteStore(store, url, host_id=_opt(args, "host_id"),

@@ -6,8 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from sessionstore.slots import export_slot, import_slot
-from sessionstore.store import SessionStore
+from sessionstore.sessions import SessionStore, export_slot, import_slot
 
 
 def register(subparsers: Any) -> None:

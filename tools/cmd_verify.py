@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from sessionstore.verify import VerifyReport, verify_file
+from sessionstore.kvfile import VerifyReport, verify_file
 
 EXIT_UNSOUND = 3
 

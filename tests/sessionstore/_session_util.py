@@ -48,14 +48,14 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    from sessionstore import session as session_mod
-    from sessionstore.manifest import SamplerSettings
-    from sessionstore.store import SessionStore
+    from sessionstore.sessions import session as session_mod
+    from sessionstore.sessions.manifest import SamplerSettings
+    from sessionstore.sessions.store import SessionStore
 
     store = SessionStore(spec["root"])
     kill_manifest = spec.get("kill_at_manifest_write")  # SIGKILL at the n-th manifest write
     if kill_manifest is not None:  # (a whole manifest, or a commit's state page)
-        from sessionstore.commit_state import StateWriter
+        from sessionstore.sessions.commit_state import StateWriter
 
         real, real_state = session_mod.write_manifest, StateWriter.write_page
         calls = {"n": 0}
@@ -76,7 +76,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         session_mod.write_manifest = dying_write
         StateWriter.write_page = dying_state  # type: ignore[method-assign]
     if spec.get("kill_at_kv_truncate"):  # SIGKILL after the manifest's epoch bump, before the cut
-        from sessionstore.writer import KVWriter
+        from sessionstore.kvfile.writer import KVWriter
 
         KVWriter.truncate = lambda self, n: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     results = {}

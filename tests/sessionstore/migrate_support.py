@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from kernels.rows import RecordRows
-from sessionstore.layout import Dims
-from sessionstore.manifest import (
+from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.writer import KVWriter
+from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
     SamplerSettings,
     make_digest,
     write_manifest,
 )
-from sessionstore.reader import open_kv
-from sessionstore.store import SessionStore
-from sessionstore.writer import KVWriter
+from sessionstore.sessions.store import SessionStore
 
 SMALL_DIMS = Dims(n_layers=3, kv_lora=32, qk_rope=8, index_head_dim=0, n_index_layers=0, vocab=1000)
 TEST_FINGERPRINT = "fp1:" + "ab" * 32

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError
-from sessionstore import bundle as B
-from sessionstore.bundle_compress import PROBE_SAMPLE_BYTES
+from sessionstore.migration import bundle as B
+from sessionstore.migration.bundle_compress import PROBE_SAMPLE_BYTES
 
 
 def _manifest(files: dict[str, bytes], chunk_bytes: int = B.MIN_CHUNK_BYTES,

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from sessionstore import bundle_io
-from sessionstore.bundle_io import WritebackFile, read_exactly_into
+from sessionstore.migration import bundle_io
+from sessionstore.migration.bundle_io import WritebackFile, read_exactly_into
 
 
 def test_writeback_file_writes_everything_and_starts_write_back_per_window(tmp_path, monkeypatch):

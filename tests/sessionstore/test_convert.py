@@ -12,10 +12,10 @@ import pytest
 
 from kernels.errors import FormatError, NotFoundError
 from kernels.rows import RecordRows
-from sessionstore.convert import DestinationExistsError, convert_file
-from sessionstore.layout import HEADER_SIZE, Dims, record_bytes
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import check_records, load_sidecar, sidecar_path
+from sessionstore.kvfile.convert import DestinationExistsError, convert_file
+from sessionstore.kvfile.layout import HEADER_SIZE, Dims, record_bytes
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import check_records, load_sidecar, sidecar_path
 from tests.sessionstore.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from sessionstore.convert import convert_file
-from sessionstore.layout import Dims, Header, pack_header, pack_records
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import sidecar_path
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.convert import convert_file
+from sessionstore.kvfile.layout import Dims, Header, pack_header, pack_records
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import sidecar_path
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
     DIMS,
     assert_sidecar_sound,
@@ -244,7 +244,7 @@ def test_kill_inside_sidecar_creation_leaves_nothing_behind(tmp_path, state, die
     assert leftovers(tmp_path) == []
 
 
-# -- 3. convert v1 -> v2 (sessionstore.convert) ----------------------------------------------------
+# -- 3. convert v1 -> v2 (sessionstore.kvfile.convert) ----------------------------------------------------
 def _convert_child(src: str, dst: str):
     def body(ack):
         convert_file(src, dst, 2, chunk_bytes=64 << 10)

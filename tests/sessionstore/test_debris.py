@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from sessionstore import log as store_log
-from sessionstore import sweep
-from sessionstore.convert import convert_file
-from sessionstore.layout import Dims
-from sessionstore.store import SessionStore
-from sessionstore.sweep import SWEEP_GRACE_S, Owner, current_owner
-from sessionstore.verify import verify_file
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile import sweep
+from sessionstore.kvfile.convert import convert_file
+from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.sweep import SWEEP_GRACE_S, Owner, current_owner
+from sessionstore.kvfile.verify import verify_file
+from sessionstore.kvfile.writer import KVWriter
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import make_session, synthetic_rows
 from tools.coli_kv import main
 

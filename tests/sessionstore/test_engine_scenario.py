@@ -2,7 +2,7 @@
 
 Expected bytes are built here with ``struct.pack`` field by field and an fp8 encoder written
 from the format's rules (exact nearest value, ties to the even code) -- independently of
-``sessionstore.layout`` and ``kernels.fp8`` -- then compared with what KVWriter puts on disk.
+``sessionstore.kvfile.layout`` and ``kernels.fp8`` -- then compared with what KVWriter puts on disk.
 Covers: v1 round trip; v1 loaded for fp8 with the file untouched (bytes and mtime); v2 byte-
 identical round trip; v2 refused for f32; self-heal (v1 rewritten as v2 on the first fp8
 append); each with and without indexer rows.
@@ -21,10 +21,10 @@ import pytest
 from kernels.errors import FormatError
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
-from sessionstore.layout import Dims
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import sidecar_path
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import sidecar_path
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import assert_sidecar_sound
 
 TOKENS = list(range(11, 56))  # 45 input tokens

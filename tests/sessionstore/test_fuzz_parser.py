@@ -12,17 +12,26 @@ from pathlib import Path
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.median (inspect's scale statistics) imports it lazily on first
+
 # use, ~2.4 MB of module objects: loaded here so that one-time import never lands in a measured window
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import ColiError
-from sessionstore.layout import HEADER_SIZE, MAGIC_DSV4, MAGIC_V1, MAGIC_V2, MAGIC_V3, pack_header, Header
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import check_records, load_sidecar, sidecar_path, write_sidecar_for
-from sessionstore.verify import verify_file
+from sessionstore.kvfile.layout import (
+    HEADER_SIZE,
+    MAGIC_DSV4,
+    MAGIC_V1,
+    MAGIC_V2,
+    MAGIC_V3,
+    Header,
+    pack_header,
+    pack_records,
+)
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import check_records, load_sidecar, sidecar_path, write_sidecar_for
+from sessionstore.kvfile.verify import verify_file
 from tests.sessionstore.test_layout_fixtures import ENGINE_DIMS, INDEXER_DIMS, f32_rows, fp8_rows
-from sessionstore.layout import pack_records
 from tools.cmd_inspect import inspect_file
 
 SLACK = 2 << 20  # allocation allowance beyond the file size

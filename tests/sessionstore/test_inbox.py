@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore import migrate
-from sessionstore.inbox import Inbox
-from sessionstore.store import SessionStore
-from sessionstore.transport import open_sink
+from sessionstore.migration import migrate
+from sessionstore.migration.inbox import Inbox
+from sessionstore.migration.transport import open_sink
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import make_session, tree_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import ColiError, FormatError
-from sessionstore import inbox as inbox_mod
 from sessionstore import log as store_log
-from sessionstore import migrate
-from sessionstore.inbox import Inbox
-from sessionstore.store import SessionStore
+from sessionstore.migration import inbox as inbox_mod
+from sessionstore.migration import migrate
+from sessionstore.migration.inbox import Inbox
+from sessionstore.sessions.store import SessionStore
 
 NAME = "x.colibundle"
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import CorruptionError
-from sessionstore import migrate
-from sessionstore.convert import convert_file
-from sessionstore.reader import open_kv
-from sessionstore.slots import export_slot
-from sessionstore.store import SessionStore
-from sessionstore.verify import verify_file
+from sessionstore.kvfile.convert import convert_file
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.verify import verify_file
+from sessionstore.migration import migrate
+from sessionstore.sessions.slots import export_slot
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore._session_util import write_tiny_checkpoint
 from tests.sessionstore.migrate_support import make_session, tree_state
 from tools.coli_kv import main

@@ -8,8 +8,8 @@ import pytest
 
 from kernels.errors import FormatError, LimitError
 from kernels.rows import RecordRows
-from sessionstore import layout
-from sessionstore.layout import (
+from sessionstore.kvfile import layout
+from sessionstore.kvfile.layout import (
     HEADER_SIZE,
     MAX_LAYERS,
     MAX_RECORD_BYTES,

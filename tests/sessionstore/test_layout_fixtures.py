@@ -1,7 +1,7 @@
 """Shared builders for H2's format tests: engine-scenario dims and hand-packed files.
 
 ``struct_*`` helpers build bytes with ``struct.pack`` field by field, independently of
-``sessionstore.layout``'s dtype packer, so golden tests compare two separate constructions.
+``sessionstore.kvfile.layout``'s dtype packer, so golden tests compare two separate constructions.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels.rows import RecordRows
-from sessionstore.layout import Dims, Header, pack_header, pack_records
+from sessionstore.kvfile.layout import Dims, Header, pack_header, pack_records
 
 # The engine's test scenario: 2 layers, latent 8, rope 4, tokens 11..55; vocab large enough.
 ENGINE_DIMS = Dims(n_layers=2, kv_lora=8, qk_rope=4, index_head_dim=0, n_index_layers=0, vocab=1000)

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from kernels.errors import FormatError, LockedError
-from sessionstore.lock import WriterLock, lock_path
-from sessionstore.reader import open_kv
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.lock import WriterLock, lock_path
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import DIMS, gen_fp8
 
 

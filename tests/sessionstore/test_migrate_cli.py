@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sessionstore.store import SessionStore
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import make_session, s3_endpoint, tree_state  # noqa: F401
 from tools.coli_kv import main
 

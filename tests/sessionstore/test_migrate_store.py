@@ -21,13 +21,13 @@ from kernels.errors import (
     LockedError,
     ModelMismatchError,
 )
-from sessionstore import bundle as B
-from sessionstore import migrate
-from sessionstore.lock import WriterLock
-from sessionstore.manifest import read_manifest, write_manifest
-from sessionstore.reader import open_kv
-from sessionstore.store import SessionStore
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.lock import WriterLock
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.writer import KVWriter
+from sessionstore.migration import bundle as B
+from sessionstore.migration import migrate
+from sessionstore.sessions.manifest import read_manifest, write_manifest
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import (
     SMALL_DIMS,
     make_session,
@@ -157,7 +157,7 @@ def _kv_chunks_sent(data: bytes) -> int:
 def test_a_corrupt_record_stops_the_one_pass_export_before_its_chunk(stores, tmp_path):
     """Export streams in one pass: the chunks before the bad record are sent, the chunk that
     holds it is not, and there is no trailer; a file sink leaves nothing behind."""
-    from sessionstore.transport import open_sink
+    from sessionstore.migration.transport import open_sink
 
     a, b = stores
     make_session(a, "late", 300)
@@ -291,7 +291,7 @@ def test_model_fingerprint_mismatch_is_refused(bundle_and_target):
 
 
 def test_matching_local_model_is_accepted(stores):
-    from sessionstore.fingerprint import model_fingerprint
+    from sessionstore.sessions.fingerprint import model_fingerprint
 
     a, b = stores
     make_session(a, "t", 5, fingerprint=model_fingerprint("tiny"), model_name="tiny")
@@ -410,7 +410,7 @@ def test_a_session_without_sidecar_gets_one_on_import(stores):
     data = export_bytes(a, "bare")
     assert b"kv.coli_kv.colisum" not in data[:4096]
     migrate.import_bundle(b, io.BytesIO(data))
-    from sessionstore.sidecar import check_records, load_sidecar
+    from sessionstore.kvfile.sidecar import check_records, load_sidecar
 
     with open_kv(b.kv_path("bare")) as reader:
         report = check_records(reader, load_sidecar(reader.path))
@@ -420,8 +420,8 @@ def test_a_session_without_sidecar_gets_one_on_import(stores):
 def test_memory_stays_a_few_chunks_whatever_the_session_size(tmp_path):
     import tracemalloc
 
-    from sessionstore.layout import Dims
-    from sessionstore.transport import open_sink
+    from sessionstore.kvfile.layout import Dims
+    from sessionstore.migration.transport import open_sink
 
     dims = Dims(n_layers=16, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=1000)
     a, b = SessionStore(tmp_path / "A"), SessionStore(tmp_path / "B")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from kernels.model import load_model
-from sessionstore import migrate
-from sessionstore.manifest import SamplerSettings
-from sessionstore.session import reference_turns
-from sessionstore.store import SessionStore
+from sessionstore.migration import migrate
+from sessionstore.sessions.manifest import SamplerSettings
+from sessionstore.sessions.session import reference_turns
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import S3_BUCKET, s3_endpoint  # noqa: F401
 
 PROMPT = [3, 17, 101, 5, 42, 7, 250, 9]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import ColiError, FormatError, LimitError
-from sessionstore.paths import (
+from sessionstore.sessions.paths import (
     MAX_ID_LENGTH,
     InvalidSessionIdError,
     check_component,
@@ -82,7 +82,7 @@ def test_check_component_kinds(tmp_path) -> None:
 
 def test_root_that_is_a_regular_file_is_refused_by_name(tmp_path) -> None:
     from kernels.errors import NotFoundError
-    from sessionstore.store import SessionStore
+    from sessionstore.sessions.store import SessionStore
 
     f = tmp_path / "plain-file"
     f.write_bytes(b"x")

@@ -10,8 +10,8 @@ import pytest
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.rows import F32Rows, Fp8Rows
-from sessionstore.layout import HEADER_SIZE, Dims, record_bytes
-from sessionstore.reader import open_kv
+from sessionstore.kvfile.layout import HEADER_SIZE, Dims, record_bytes
+from sessionstore.kvfile.reader import open_kv
 from tests.sessionstore.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -10,10 +10,10 @@ import pytest
 
 from kernels.errors import FormatError
 from kernels.rows import F32Rows, Fp8Rows
-from sessionstore import reader as reader_mod
-from sessionstore.layout import sanitize_scales
-from sessionstore.reader import open_kv, wait_for_unmaps
-from sessionstore.turns import blocks_from_reader
+from sessionstore.kvfile import reader as reader_mod
+from sessionstore.kvfile.layout import sanitize_scales
+from sessionstore.kvfile.reader import open_kv, wait_for_unmaps
+from sessionstore.sessions.turns import blocks_from_reader
 from tests.sessionstore.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from kernels.errors import ColiError, LockedError, NotFoundError
-from sessionstore.remote import RemoteStore
-from sessionstore.store import SessionStore
+from sessionstore.migration.remote import RemoteStore
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import (  # noqa: F401
     make_session,
     s3_endpoint,

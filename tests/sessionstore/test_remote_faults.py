@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore.remote import RemoteStore, RemoteStoreError
-from sessionstore.store import SessionStore
+from sessionstore.migration.remote import RemoteStore, RemoteStoreError
+from sessionstore.sessions.store import SessionStore
 from tests.s3_relay import DOWN, HOLD, LOSE_ANSWER, PASS, Relay, Request
 from tests.sessionstore.migrate_support import S3_BUCKET, s3_endpoint, tree_state  # noqa: F401
 from tools.coli_kv import main

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from kernels.model import load_model
-from sessionstore.manifest import SamplerSettings
-from sessionstore.session import reference_turns
-from sessionstore.store import SessionStore
+from sessionstore.sessions.manifest import SamplerSettings
+from sessionstore.sessions.session import reference_turns
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore._session_util import REPO
 from tools.cmd_sessions import session_generate
 from tools.coli_kv import main

@@ -17,9 +17,9 @@ import pytest
 
 from kernels.errors import LockedError
 from kernels.model import load_model
-from sessionstore.manifest import MANIFEST_NAME, SamplerSettings
-from sessionstore.session import reference_turns
-from sessionstore.store import STATE_NAME, SessionStore, verify_session_dir
+from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings
+from sessionstore.sessions.session import reference_turns
+from sessionstore.sessions.store import STATE_NAME, SessionStore, verify_session_dir
 from tests.sessionstore._session_util import run_child, spawn_child
 
 PROMPT = list(b"Once upon a time")
@@ -90,7 +90,7 @@ def test_sigkill_between_kv_commit_and_manifest(tmp_path, tiny, kill_at) -> None
         run_child(spec)
     store = SessionStore(tmp_path)
     manifest = store.read_manifest("s")
-    from sessionstore.reader import open_kv
+    from sessionstore.kvfile.reader import open_kv
 
     with open_kv(store.kv_path("s")) as reader:
         assert reader.nrec > manifest.committed  # the disagreement the rule is about

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from kernels.errors import CorruptionError, FormatError
-from sessionstore.manifest import MANIFEST_NAME, SamplerSettings, read_manifest
-from sessionstore.reader import open_kv
-from sessionstore.store import SessionStore
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings, read_manifest
+from sessionstore.sessions.store import SessionStore
 from tools.coli_kv import main
 
 PROMPT = list(b"The quick brown fox")

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from kernels.errors import CorruptionError, ModelMismatchError
 from kernels.model import load_model
-from sessionstore.manifest import MANIFEST_NAME, SamplerSettings, read_manifest, write_manifest
-from sessionstore.reader import open_kv
-from sessionstore.session import reference_turns
-from sessionstore.store import SessionStore
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings, read_manifest, write_manifest
+from sessionstore.sessions.session import reference_turns
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore._session_util import run_child, write_tiny_checkpoint
 
 PROMPT = list(b"The quick brown fox")

@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
-from sessionstore.fingerprint import fingerprint_dir, fingerprint_tiny
-from sessionstore.manifest import (
+from sessionstore.sessions.fingerprint import fingerprint_dir, fingerprint_tiny
+from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
     SamplerSettings,

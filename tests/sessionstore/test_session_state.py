@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from kernels.errors import FormatError
 from kernels.model import load_model
-from sessionstore.commit_state import (
+from sessionstore.kvfile.reader import open_kv, wait_for_unmaps
+from sessionstore.sessions.commit_state import (
     STATE_BYTES,
     StateWriter,
     decode_state,
@@ -23,7 +24,7 @@ from sessionstore.commit_state import (
     read_state_page,
     state_path,
 )
-from sessionstore.manifest import (
+from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     LogitsDigest,
     Manifest,
@@ -34,9 +35,8 @@ from sessionstore.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.reader import open_kv, wait_for_unmaps
-from sessionstore.session import reference_turns
-from sessionstore.store import STATE_NAME, SessionStore
+from sessionstore.sessions.session import reference_turns
+from sessionstore.sessions.store import STATE_NAME, SessionStore
 
 PROMPT = list(b"State pages")
 SAMPLED = SamplerSettings(0.9, 50, 0.95, 77)

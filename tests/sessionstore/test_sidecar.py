@@ -10,9 +10,9 @@ import pytest
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.layout import HEADER_SIZE, Header, pack_header, pack_records, record_bytes
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import (
+from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_records, record_bytes
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import (
     SidecarWriter,
     check_records,
     load_sidecar,
@@ -228,7 +228,7 @@ def test_writer_replaces_a_damaged_sidecar(tmp_path: Path) -> None:
 def test_static_hash_ignores_only_nrec(tmp_path: Path) -> None:
     a = pack_header(Header(2, INDEXER_DIMS, 1))
     b = pack_header(Header(2, INDEXER_DIMS, 99))
-    from sessionstore.sidecar import static_hash
+    from sessionstore.kvfile.sidecar import static_hash
 
     assert static_hash(a) == static_hash(b)
     assert static_hash(a) != static_hash(pack_header(Header(1, INDEXER_DIMS, 1)))

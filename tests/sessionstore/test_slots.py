@@ -8,13 +8,13 @@ import pytest
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.model import load_model
-from sessionstore.layout import Dims, Header, pack_header
-from sessionstore.manifest import SamplerSettings
-from sessionstore.reader import open_kv
-from sessionstore.session import feed_chunk, reference_turns
-from sessionstore.slots import export_slot, import_slot, slot_path
-from sessionstore.store import SessionStore
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.layout import Dims, Header, pack_header
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.writer import KVWriter
+from sessionstore.sessions.manifest import SamplerSettings
+from sessionstore.sessions.session import feed_chunk, reference_turns
+from sessionstore.sessions.slots import export_slot, import_slot, slot_path
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore._session_util import write_tiny_checkpoint
 from tools.coli_kv import main
 

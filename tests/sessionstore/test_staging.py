@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sessionstore.staging import Staging
+from sessionstore.kvfile.staging import Staging
 
 DTYPE = np.dtype([("token", "<i4"), ("row", "u1", (12,))])  # a small packed record
 

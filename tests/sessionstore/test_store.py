@@ -8,12 +8,12 @@ import threading
 import pytest
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
-from sessionstore import copying
-from sessionstore.manifest import MANIFEST_NAME, read_manifest
-from sessionstore.paths import InvalidSessionIdError
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import check_records, load_sidecar
-from sessionstore.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix
+from sessionstore.kvfile import copying
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import check_records, load_sidecar
+from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
+from sessionstore.sessions.paths import InvalidSessionIdError
+from sessionstore.sessions.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix
 
 PROMPT = list(b"Hello, store")
 

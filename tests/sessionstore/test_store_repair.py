@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore.store import SessionStore
-from sessionstore.verify import verify_file
+from sessionstore.kvfile.verify import verify_file
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import make_session
 from tools.cmd_migrate import remove_empty_store
 from tools.coli_kv import main

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kernels.model import load_model
-from sessionstore.manifest import SamplerSettings
-from sessionstore.session import Session
-from sessionstore.store import SessionStore, common_prefix
+from sessionstore.sessions.manifest import SamplerSettings
+from sessionstore.sessions.session import Session
+from sessionstore.sessions.store import SessionStore, common_prefix
 
 IDS = st.sampled_from(["a", "b", "c"])
 TOKENS = st.lists(st.integers(0, 259), min_size=1, max_size=5)

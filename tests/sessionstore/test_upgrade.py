@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 from kernels.fp8 import quantize_rows
-from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash
-from sessionstore.layout import Header, pack_header, pack_records
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import load_sidecar, sidecar_path
-from sessionstore.upgrade import UPGRADE_SUFFIX
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.durability import Durability, FaultyDurability, SimulatedCrash
+from sessionstore.kvfile.layout import Header, pack_header, pack_records
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
+from sessionstore.kvfile.upgrade import UPGRADE_SUFFIX
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
-    scenario_steps,
     DIMS,
     DIMS_IX,
     assert_sidecar_sound,
@@ -24,6 +23,7 @@ from tests.sessionstore.test_writer_support import (
     leftovers,
     read_committed,
     record_size,
+    scenario_steps,
 )
 
 N = 9

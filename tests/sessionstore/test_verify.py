@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kernels.errors import FormatError
-from sessionstore.layout import HEADER_SIZE, record_bytes
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import sidecar_path, write_sidecar_for
-from sessionstore.verify import scan_records, verify_file
+from sessionstore.kvfile.layout import HEADER_SIZE, record_bytes
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import sidecar_path, write_sidecar_for
+from sessionstore.kvfile.verify import scan_records, verify_file
 from tests.sessionstore.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -12,11 +12,11 @@ from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchEr
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore import log as store_log
-from sessionstore.layout import Dims, Header, pack_header
-from sessionstore.durability import FaultyDurability
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import load_sidecar, record_checksum, sidecar_path
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.durability import FaultyDurability
+from sessionstore.kvfile.layout import Dims, Header, pack_header
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import load_sidecar, record_checksum, sidecar_path
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
     DIMS,
     DIMS_IX,
@@ -274,7 +274,7 @@ def test_bad_rows_stage_nothing(kv):
 
 
 def test_nrec_limit(kv, monkeypatch):
-    import sessionstore.writer as writer_module
+    import sessionstore.kvfile.writer as writer_module
 
     monkeypatch.setattr(writer_module, "MAX_NREC", 3)
     with KVWriter.open(kv, DIMS) as w:

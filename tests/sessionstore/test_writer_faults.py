@@ -13,11 +13,10 @@ import os
 
 import pytest
 
-from sessionstore.durability import Durability, FaultyDurability, SimulatedCrash
-from sessionstore.layout import Header, pack_header
-from sessionstore.writer import KVWriter
+from sessionstore.kvfile.durability import Durability, FaultyDurability, SimulatedCrash
+from sessionstore.kvfile.layout import Header, pack_header
+from sessionstore.kvfile.writer import KVWriter
 from tests.sessionstore.test_writer_support import (
-    scenario_steps,
     DIMS,
     assert_sidecar_sound,
     expected_records,
@@ -25,6 +24,7 @@ from tests.sessionstore.test_writer_support import (
     leftovers,
     read_committed,
     record_size,
+    scenario_steps,
 )
 
 REC = record_size(2, DIMS)
@@ -225,7 +225,7 @@ def test_sidecar_fsync_failure_in_the_helper_thread_keeps_nrec(tmp_path):
     """The real concurrent path: the sidecar's fsync (helper thread) fails once."""
     path = str(tmp_path / "kv")
     _setup(path)
-    from sessionstore.sidecar import sidecar_path
+    from sessionstore.kvfile.sidecar import sidecar_path
 
     class SidecarFsyncFailsOnce(Durability):
         failed = False

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sessionstore.layout import HEADER_SIZE, record_bytes
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import write_sidecar_for
+from sessionstore.kvfile.layout import HEADER_SIZE, record_bytes
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import write_sidecar_for
 from tests.sessionstore.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kernels.cuda.device import cuda_status
-from sessionstore.store import SessionStore
+from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import S3_BUCKET, s3_endpoint  # noqa: F401 - a fixture
 from tools.coli_kv import main
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.rows import F32Rows, Fp8Rows
-from sessionstore.layout import (
+from sessionstore.kvfile.layout import (
     HEADER_SIZE,
     Dims,
     Header,
@@ -25,8 +25,8 @@ from sessionstore.layout import (
     record_dtype,
     usable_scales,
 )
+from sessionstore.kvfile.mapping import FileMapping, wait_for_unmaps
 from sessionstore.log import get_logger
-from sessionstore.mapping import FileMapping, wait_for_unmaps
 
 log = get_logger("reader")
 

@@ -27,37 +27,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
-import xxhash
-
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
-from sessionstore import bundle as B
-from sessionstore.bundle_io import WritebackFile
-from sessionstore.durability import Durability
-from sessionstore.layout import HEADER_SIZE, Dims, pack_header, parse_header, record_bytes, validate_dims
+from sessionstore.kvfile import (
+    ENTRY_SIZE,
+    HEADER_SIZE,
+    SIDECAR_HEADER_SIZE,
+    Dims,
+    Durability,
+    load_sidecar,
+    open_kv,
+    pack_header,
+    parse_header,
+    record_bytes,
+    record_checksum,
+    sidecar_bytes,
+    static_hash,
+    validate_dims,
+    write_sidecar_for,
+)
 from sessionstore.log import get_logger
-from sessionstore.manifest import (
+from sessionstore.migration import bundle as B
+from sessionstore.migration.bundle_io import WritebackFile
+from sessionstore.sessions import (
+    KV_NAME,
     KV_VERSION_OF_DTYPE,
     MANIFEST_NAME,
+    SIDECAR_NAME,
     ModelRef,
+    SessionSnapshot,
+    SessionStore,
     manifest_from_json,
     read_manifest,
     write_manifest,
 )
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import (
-    CHECK_STRUCT,
-    ENTRY_SIZE,
-    SIDECAR_HEADER_SIZE,
-    SIDECAR_MAGIC,
-    SIDECAR_STRUCT,
-    SIDECAR_VERSION,
-    load_sidecar,
-    record_checksum,
-    static_hash,
-    write_sidecar_for,
-)
-from sessionstore.store import KV_NAME, SIDECAR_NAME, SessionSnapshot, SessionStore
 
 log = get_logger("migrate")
 
@@ -93,15 +95,6 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
-
-
-def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> bytes:
-    """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.md section 4."""
-    body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, 1, static_hash(kv_header),
-                               rec_bytes, int(entries.shape[0]), b"\0" * 16)
-    head = body + CHECK_STRUCT.pack(xxhash.xxh3_64_intdigest(body))
-    assert len(head) == SIDECAR_HEADER_SIZE
-    return head + np.ascontiguousarray(entries, dtype="<u8").tobytes()
 
 
 class _ExportSource:
@@ -280,7 +273,7 @@ def check_model(manifest: Any, model: str | os.PathLike[str] | None) -> None:
     """Refuse a bundle whose model fingerprint is not the named local model's."""
     if model is None:
         return
-    from sessionstore.fingerprint import model_fingerprint
+    from sessionstore.sessions import model_fingerprint
 
     local = model_fingerprint(model)
     if local != manifest.model.fingerprint:
@@ -367,7 +360,7 @@ def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "
 
 def _point_at_local_model(tmp: Path, model: str | os.PathLike[str]) -> None:
     """The fingerprint matched: record where the model lives on THIS host (resume finds it)."""
-    from sessionstore.fingerprint import TINY_NAME
+    from sessionstore.sessions import TINY_NAME
 
     src = os.fspath(model)
     path = TINY_NAME if src == TINY_NAME else str(Path(src).resolve())
@@ -401,5 +394,5 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
             raise CorruptionError(f"{kv_path}: the shipped sidecar does not describe this header")
 
 
-__all__ = ["MigrateResult", "export_session", "import_bundle", "check_model", "sidecar_bytes",
+__all__ = ["MigrateResult", "export_session", "import_bundle", "check_model",
            "kv_info"]

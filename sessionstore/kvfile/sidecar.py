@@ -30,11 +30,11 @@ import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.layout import HEADER_SIZE, Header, pack_header, static_header_bytes
+from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, static_header_bytes
 from sessionstore.log import get_logger
 
 if TYPE_CHECKING:
-    from sessionstore.reader import KVReader
+    from sessionstore.kvfile.reader import KVReader
 
 SIDECAR_SUFFIX = ".colisum"
 TEMP_SUFFIX = ".tmp"
@@ -331,6 +331,15 @@ def _pwrite_all(fd: int, data: bytes, offset: int, path: str) -> None:
         view, offset = view[done:], offset + done
 
 
+def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> bytes:
+    """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.md section 4."""
+    body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, ALGO_XXH3_64, static_hash(kv_header),
+                               rec_bytes, int(entries.shape[0]), b"\0" * 16)
+    head = body + CHECK_STRUCT.pack(xxhash.xxh3_64_intdigest(body))
+    assert len(head) == SIDECAR_HEADER_SIZE
+    return head + np.ascontiguousarray(entries, dtype="<u8").tobytes()
+
+
 def write_sidecar_for(reader: KVReader) -> int:
     """Write a fresh sidecar vouching for every complete committed record of an open file."""
     with SidecarWriter(reader.path, reader.header) as writer:
@@ -461,6 +470,6 @@ def check_records(reader: KVReader, sidecar: Sidecar) -> SidecarReport:
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "SidecarReport", "sidecar_path", "record_checksum", "static_hash", "load_sidecar",
-    "check_records", "hash_records", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
+    "check_records", "hash_records", "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
     "create_temp_for", "remove_stale_temp",
 ]

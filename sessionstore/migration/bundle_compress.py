@@ -8,8 +8,7 @@ from typing import Any
 import zstandard
 
 from kernels.errors import FormatError
-from sessionstore.bundle_format import CODEC_RAW, CODEC_ZSTD, ZSTD_LEVEL
-
+from sessionstore.migration.bundle_format import CODEC_RAW, CODEC_ZSTD, ZSTD_LEVEL
 
 MIN_MEASURED_BYTES = 4 << 10  # shorter writes and chunks measure per-call overhead: not used
 MAX_PROBE_INTERVAL = 256  # chunks between probes once compression keeps losing

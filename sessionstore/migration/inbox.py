@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore import migrate
-from sessionstore.bundle_io import WritebackFile
 from sessionstore.log import get_logger
-from sessionstore.paths import check_component
-from sessionstore.store import SessionStore
-from sessionstore.transport import PARTIAL_SUFFIX
+from sessionstore.migration import migrate
+from sessionstore.migration.bundle_io import WritebackFile
+from sessionstore.migration.transport import PARTIAL_SUFFIX
+from sessionstore.sessions import SessionStore, check_component
 
 log = get_logger("inbox")
 

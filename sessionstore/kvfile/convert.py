@@ -19,20 +19,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
-from sessionstore.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
-from sessionstore.log import get_logger
-from sessionstore.reader import KVReader, open_kv
-from sessionstore.sidecar import (
+from sessionstore.kvfile.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
+from sessionstore.kvfile.reader import KVReader, open_kv
+from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,
     check_records,
     fsync_dir,
+    load_sidecar,
     record_checksum,
     remove_stale_temp,
     sidecar_path,
-    load_sidecar,
     write_sidecar_atomic,
 )
-from sessionstore.sweep import sweep_beside, temp_beside
+from sessionstore.kvfile.sweep import sweep_beside, temp_beside
+from sessionstore.log import get_logger
 
 CHUNK_BYTES = 64 << 20  # source + destination bytes per step
 log = get_logger("convert")

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import CorruptionError
-from sessionstore.layout import HEADER_SIZE
-from sessionstore.reader import KVReader
-from sessionstore.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
+from sessionstore.kvfile.layout import HEADER_SIZE
+from sessionstore.kvfile.reader import KVReader
+from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ import numpy as np
 
 from kernels.errors import CorruptionError, FormatError, LimitError
 from kernels.rows import F32Rows, Fp8Rows, RecordRows
-from sessionstore.layout import sanitize_scales
-from sessionstore.manifest import SamplerSettings
-from sessionstore.reader import KVReader
+from sessionstore.kvfile import KVReader, sanitize_scales
+from sessionstore.sessions.manifest import SamplerSettings
 
 ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
 # step near the top of the range is up to 32/448 of it): catches a foreign cache, not noise
@@ -89,7 +88,7 @@ def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[in
     ``turns``: (prompt_ids or None to continue, max_new). Prompt ids are prefix-matched against
     the history exactly as a session does.
     """
-    from sessionstore.store import common_prefix
+    from sessionstore.sessions.store import common_prefix
 
     cache = model.new_cache(kv_dtype)
     pending: list[int] = []

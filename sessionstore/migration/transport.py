@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from kernels.errors import ColiError, FormatError, NotFoundError
-from sessionstore.bundle_io import WritebackFile
+from sessionstore.kvfile import sweep_beside, temp_beside
 from sessionstore.log import get_logger
-from sessionstore.sweep import sweep_beside, temp_beside
+from sessionstore.migration.bundle_io import WritebackFile
 
 log = get_logger("transport")
 

@@ -32,9 +32,10 @@ import numpy as np
 
 from kernels.errors import ColiError, FormatError, LimitError, ModelMismatchError, NotFoundError
 from kernels.rows import RecordRows
-from sessionstore import upgrade as _upgrade
-from sessionstore.durability import Durability, SharedDurability
-from sessionstore.layout import (
+from sessionstore.kvfile import upgrade as _upgrade
+from sessionstore.kvfile.durability import Durability, SharedDurability
+from sessionstore.kvfile.integrity import Vouched, require_vouched
+from sessionstore.kvfile.layout import (
     HEADER_SIZE,
     MAX_NREC,
     NREC_OFFSET,
@@ -48,12 +49,11 @@ from sessionstore.layout import (
     record_dtype,
     validate_dims,
 )
-from sessionstore.integrity import Vouched, require_vouched
-from sessionstore.lock import WriterLock
+from sessionstore.kvfile.lock import WriterLock
+from sessionstore.kvfile.reader import KVReader, open_kv
+from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
+from sessionstore.kvfile.staging import Staging
 from sessionstore.log import get_logger
-from sessionstore.reader import KVReader, open_kv
-from sessionstore.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
-from sessionstore.staging import Staging
 
 KV_DTYPES = {"fp8": 2, "f32": 1}
 CREATE_SUFFIX = ".create.tmp"
@@ -122,7 +122,7 @@ class KVWriter:
 
         ``vouch``: before anything is repaired, upgraded or appended, every committed record the
         sidecar vouches for is checked, and the sidecar must vouch for at least ``vouch`` of them
-        (:func:`sessionstore.integrity.require_vouched`; CorruptionError, files left as found).
+        (:func:`sessionstore.kvfile.integrity.require_vouched`; CorruptionError, files left as found).
         What it found is ``writer.vouched``. None (the default): no check (tools that only append).
 
         ``preallocate``: zero-filled headroom (bytes) kept past the committed records after a

@@ -30,9 +30,9 @@ import xxhash
 import zstandard
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.bundle_compress import CompressionPolicy
-from sessionstore.bundle_format import *  # noqa: F403 - the format is part of this module's API
-from sessionstore.bundle_format import (
+from sessionstore.migration.bundle_compress import CompressionPolicy
+from sessionstore.migration.bundle_format import *  # noqa: F403 - the format is part of this module's API
+from sessionstore.migration.bundle_format import (
     BUNDLE_END_MAGIC,
     BUNDLE_MAGIC,
     BUNDLE_VERSION,
@@ -55,8 +55,8 @@ from sessionstore.bundle_format import (
     parse_json,
     validate_manifest_doc,
 )
-from sessionstore.bundle_format import __all__ as _format_all
-from sessionstore.bundle_io import read_exactly_into
+from sessionstore.migration.bundle_format import __all__ as _format_all
+from sessionstore.migration.bundle_io import read_exactly_into
 
 
 # --- writer --------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from kernels.errors import LockedError
 from sessionstore.log import get_logger
 
 if TYPE_CHECKING:
-    from sessionstore.remote import Lease, RemoteStore
+    from sessionstore.migration.remote import Lease, RemoteStore
 
 log = get_logger("lease")
 

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError
-from sessionstore.layout import usable_scales
-from sessionstore.integrity import bad_token_message
+from sessionstore.kvfile.integrity import bad_token_message
+from sessionstore.kvfile.layout import usable_scales
+from sessionstore.kvfile.reader import KVReader, open_kv
+from sessionstore.kvfile.sidecar import SidecarReport, check_records, load_sidecar, sidecar_path
 from sessionstore.log import get_logger
-from sessionstore.reader import KVReader, open_kv
-from sessionstore.sidecar import SidecarReport, check_records, load_sidecar, sidecar_path
 
 SCAN_CHUNK_BYTES = 32 << 20  # records examined per step (page-cache bytes, not heap)
 log = get_logger("verify")

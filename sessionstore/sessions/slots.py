@@ -16,16 +16,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels.errors import CorruptionError, FormatError, ModelMismatchError, NotFoundError
-from sessionstore.copying import copy_committed, copy_sidecar_prefix
-from sessionstore.integrity import require_vouched
-from sessionstore.layout import Dims
+from sessionstore.kvfile import Dims, copy_committed, copy_sidecar_prefix, open_kv, require_vouched, sidecar_path
 from sessionstore.log import get_logger
-from sessionstore.manifest import MANIFEST_NAME, Manifest, write_manifest
-from sessionstore.manifest import fsync_dir
-from sessionstore.paths import validate_session_id
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import sidecar_path
-from sessionstore.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionSnapshot, SessionStore
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, fsync_dir, write_manifest
+from sessionstore.sessions.paths import validate_session_id
+from sessionstore.sessions.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionSnapshot, SessionStore
 
 SLOT_NAME = ".coli_kv"
 MAX_SLOT = 9999
@@ -80,7 +75,7 @@ def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLi
         raise NotFoundError(f"{model_dir}: not a model directory (no config.json)")
     manifest = store.read_manifest(session_id)
     if not force:
-        from sessionstore.fingerprint import model_fingerprint
+        from sessionstore.sessions.fingerprint import model_fingerprint
 
         found = model_fingerprint(model_dir)
         if found != manifest.model.fingerprint:

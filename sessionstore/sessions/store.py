@@ -30,13 +30,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
-from sessionstore.commit_state import STATE_SUFFIX
-from sessionstore.copying import copy_committed, copy_sidecar_prefix
-from sessionstore.integrity import require_sound
-from sessionstore.layout import Dims, Header, record_bytes
-from sessionstore.lock import WriterLock
+from sessionstore.kvfile import (
+    REPLACED_PREFIX,
+    TMP_DIR_PREFIX,
+    TRASH_PREFIX,
+    Dims,
+    Header,
+    Swept,
+    WriterLock,
+    check_records,
+    copy_committed,
+    copy_sidecar_prefix,
+    current_owner,
+    load_sidecar,
+    open_kv,
+    record_bytes,
+    require_sound,
+    sidecar_path,
+    store_entry_name,
+    sweep_store_tmp,
+)
 from sessionstore.log import get_logger
-from sessionstore.manifest import (
+from sessionstore.sessions.commit_state import STATE_SUFFIX
+from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     Manifest,
     ModelRef,
@@ -45,21 +61,10 @@ from sessionstore.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.paths import check_component, confined, resolve_root, validate_session_id
-from sessionstore.reader import open_kv
-from sessionstore.sidecar import check_records, load_sidecar, sidecar_path
-from sessionstore.sweep import (
-    REPLACED_PREFIX,
-    TMP_DIR_PREFIX,
-    TRASH_PREFIX,
-    Swept,
-    current_owner,
-    store_entry_name,
-    sweep_store_tmp,
-)
+from sessionstore.sessions.paths import check_component, confined, resolve_root, validate_session_id
 
 if TYPE_CHECKING:
-    from sessionstore.session import Session
+    from sessionstore.sessions.session import Session
 
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
@@ -272,8 +277,7 @@ class SessionStore:
     def load_model(self, source: str | os.PathLike[str]) -> tuple[Any, ModelRef]:
         """Load (once per fingerprint) the model at ``source`` ("tiny" or a checkpoint dir)."""
         from kernels.model import load_model
-
-        from sessionstore.fingerprint import TINY_NAME, model_fingerprint
+        from sessionstore.sessions.fingerprint import TINY_NAME, model_fingerprint
 
         src = os.fspath(source)
         fingerprint = model_fingerprint(src)
@@ -292,7 +296,7 @@ class SessionStore:
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
                sampler: SamplerSettings | None = None, **session_options: Any) -> Session:
         """A new, empty session for the model at ``model_source``; returned open (lock held)."""
-        from sessionstore.session import Session
+        from sessionstore.sessions.session import Session
 
         validate_session_id(session_id)
         if self.exists(session_id):
@@ -304,7 +308,7 @@ class SessionStore:
     def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
              **session_options: Any) -> Session:
         """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint."""
-        from sessionstore.session import Session
+        from sessionstore.sessions.session import Session
 
         manifest = self.read_manifest(session_id)
         source = manifest.model.path if model_source is None else model_source

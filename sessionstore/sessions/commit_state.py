@@ -4,7 +4,7 @@ Every commit changes the manifest's dynamic fields (``committed``, ``pending``,
 ``last_logits``, ``updated_at``). Replacing the whole ``manifest.json`` for that costs a temp
 file, a rename and the release of the old file's blocks (a discard on some disks), for fields
 that FORMAT.md section 5 makes a verified cache anyway. So a commit overwrites one 4 KiB page of this
-file instead; :func:`sessionstore.manifest.read_manifest` applies it when its epoch equals the
+file instead; :func:`sessionstore.sessions.manifest.read_manifest` applies it when its epoch equals the
 manifest's. A torn, damaged or absent page is ignored: the manifest's own fields (an older
 commit of the same epoch, a valid lower bound) are used, and recovery does the rest.
 
@@ -33,7 +33,7 @@ import xxhash
 from kernels.errors import FormatError, LimitError
 
 if TYPE_CHECKING:
-    from sessionstore.manifest import Manifest
+    from sessionstore.sessions.manifest import Manifest
 
 STATE_SUFFIX = ".state"
 STATE_MAGIC = b"COLIMST1"
@@ -51,7 +51,7 @@ def state_path(manifest_path: str | os.PathLike[str]) -> Path:
 
 def encode_state(manifest: Manifest) -> bytes:
     """The 4096-byte page holding ``manifest``'s epoch and dynamic fields."""
-    from sessionstore.manifest import digest_to_json
+    from sessionstore.sessions.manifest import digest_to_json
 
     payload = json.dumps({"epoch": manifest.epoch, "committed": manifest.committed,
                           "pending": list(manifest.pending),
@@ -67,7 +67,7 @@ def encode_state(manifest: Manifest) -> bytes:
 
 def decode_state(page: bytes, vocab: int, where: str) -> dict[str, Any]:
     """The validated fields of a page; FormatError when torn, damaged or malformed."""
-    from sessionstore.manifest import _int, _need, digest_from_json, pending_from_json
+    from sessionstore.sessions.manifest import _int, _need, digest_from_json, pending_from_json
 
     if len(page) < _HEAD.size:
         raise FormatError(f"{where}: {len(page)} bytes, shorter than the {_HEAD.size}-byte head")

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
-from sessionstore.commit_state import apply_state, update_existing_state
+from sessionstore.sessions.commit_state import apply_state, update_existing_state
 
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
@@ -313,7 +313,7 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``path`` (never follows a symlink; bounded read), with the dynamic
     fields of its commit state page (``<path>.state``) when that page is sound and of the same
-    epoch (:mod:`sessionstore.commit_state`)."""
+    epoch (:mod:`sessionstore.sessions.commit_state`)."""
     path = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-from sessionstore.durability import Durability
+from sessionstore.kvfile import Durability
 
 Buffer = bytes | bytearray | memoryview
 

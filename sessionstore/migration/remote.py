@@ -51,13 +51,13 @@ from kernels.errors import (
     LockedError,
     NotFoundError,
 )
-from sessionstore import migrate
-from sessionstore.bundle import check_session_id, parse_json
-from sessionstore.lease_keeper import LeaseKeeper
-from sessionstore.lock import WriterLock
+from sessionstore.kvfile import WriterLock
 from sessionstore.log import get_logger
-from sessionstore.store import SessionStore
-from sessionstore.transport import open_sink, open_source, store_errors, url_filesystem
+from sessionstore.migration import migrate
+from sessionstore.migration.bundle import check_session_id, parse_json
+from sessionstore.migration.lease_keeper import LeaseKeeper
+from sessionstore.migration.transport import open_sink, open_source, store_errors, url_filesystem
+from sessionstore.sessions import SessionStore
 
 log = get_logger("remote")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.errors import FormatError, LimitError
-from sessionstore.paths import validate_session_id
+from sessionstore.sessions import validate_session_id
 
 # --- frame structs (sizes asserted) -----------------------------------------------------------
 BUNDLE_MAGIC = b"COLIBNDL"

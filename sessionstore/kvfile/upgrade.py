@@ -22,10 +22,10 @@ import numpy as np
 
 from kernels.errors import CorruptionError
 from kernels.rows import RecordRows
-from sessionstore.durability import Durability
-from sessionstore.layout import HEADER_SIZE, Header, pack_header, pack_records, record_dtype
+from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_records, record_dtype
+from sessionstore.kvfile.sidecar import SidecarWriter, sidecar_path
 from sessionstore.log import get_logger
-from sessionstore.sidecar import SidecarWriter, sidecar_path
 
 UPGRADE_SUFFIX = ".upgrade.tmp"
 DEFAULT_CHUNK_BYTES = 32 << 20  # v1 bytes read (and quantized) per step

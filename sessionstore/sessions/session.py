@@ -14,7 +14,7 @@ token can always be re-derived: sampling depends only on (seed, position, logits
 
 Commit = (1) the kv commit (records + sidecar, fsync, commit word, fsync), (2) the manifest's
 dynamic fields (committed, pending, digest) written in place to the commit state page
-(``manifest.json.state``, see :mod:`sessionstore.commit_state`). The kv commit word is THE
+(``manifest.json.state``, see :mod:`sessionstore.sessions.commit_state`). The kv commit word is THE
 commit point; on open, when the file's count F differs from the manifest's M (a crash between
 the two steps, or an OS crash that lost an unsynced manifest), the session takes F and
 recomputes the pending token and the digest from position F-1 (a ``recovery`` event).
@@ -30,10 +30,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
-from sessionstore.commit_state import StateWriter, encode_state
-from sessionstore.layout import HEADER_SIZE, Dims
+from sessionstore.kvfile import (
+    HEADER_SIZE,
+    Dims,
+    KVReader,
+    KVWriter,
+    check_records,
+    load_sidecar,
+    open_kv,
+    release_later,
+)
 from sessionstore.log import get_logger
-from sessionstore.manifest import (
+from sessionstore.sessions.commit_state import StateWriter, encode_state
+from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     LogitsDigest,
     Manifest,
@@ -43,10 +52,7 @@ from sessionstore.manifest import (
     utc_now,
     write_manifest,
 )
-from sessionstore.mapping import release_later
-from sessionstore.reader import KVReader, open_kv
-from sessionstore.sidecar import check_records, load_sidecar
-from sessionstore.turns import (
+from sessionstore.sessions.turns import (
     blocks_from_reader,
     compare_rows,
     feed_chunk,
@@ -55,10 +61,9 @@ from sessionstore.turns import (
     run_turn,
     to_sampler,
 )
-from sessionstore.writer import KVWriter
 
 if TYPE_CHECKING:
-    from sessionstore.store import SessionStore
+    from sessionstore.sessions.store import SessionStore
 
 DEFAULT_COMMIT_EVERY = 64
 DECODE_PREALLOCATE = None  # the writer's decode-loop headroom (writer.default_headroom): token
@@ -122,7 +127,7 @@ class Session:
     @classmethod
     def create(cls, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef, *,
                kv_dtype: str = "fp8", sampler: SamplerSettings | None = None, **options: Any) -> Session:
-        from sessionstore.store import KV_NAME
+        from sessionstore.sessions.store import KV_NAME
 
         dims = Dims(*model.dims_for_file())
         tmp = store.tmp_dir()
@@ -362,7 +367,7 @@ class Session:
             prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
             if not prompt:
                 raise FormatError("the prompt is empty")
-            from sessionstore.store import common_prefix
+            from sessionstore.sessions.store import common_prefix
 
             k = common_prefix(self.cache.tokens, prompt)
             if k < self.cache.length:

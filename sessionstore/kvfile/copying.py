@@ -14,10 +14,10 @@ import fcntl
 import os
 
 from kernels.errors import CorruptionError
-from sessionstore.layout import HEADER_SIZE, Header, pack_header
+from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header
+from sessionstore.kvfile.reader import open_kv, open_regular_file
+from sessionstore.kvfile.sidecar import ENTRY_SIZE, SIDECAR_HEADER_SIZE, SidecarWriter, load_sidecar, sidecar_path
 from sessionstore.log import get_logger
-from sessionstore.reader import open_kv, open_regular_file
-from sessionstore.sidecar import ENTRY_SIZE, SIDECAR_HEADER_SIZE, SidecarWriter, load_sidecar, sidecar_path
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int)
 COPY_CHUNK = 8 << 20

@@ -1,0 +1,58 @@
+"""The ``.coli_kv`` file (FORMAT.md sections 1-4): layout, reading, the single writer and its
+commit protocol, the crash-safe upgrade, the checksum sidecar, conversion and verification.
+Imports nothing from the rooms above it (sessions, migration)."""
+from sessionstore.kvfile.convert import ConvertResult, convert_file
+from sessionstore.kvfile.copying import copy_committed, copy_sidecar_prefix
+from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.integrity import Vouched, require_sound, require_vouched
+from sessionstore.kvfile.layout import (
+    HEADER_SIZE,
+    Dims,
+    Header,
+    pack_header,
+    pack_records,
+    parse_header,
+    record_bytes,
+    sanitize_scales,
+    usable_scales,
+    validate_dims,
+)
+from sessionstore.kvfile.lock import WriterLock
+from sessionstore.kvfile.mapping import release_later
+from sessionstore.kvfile.reader import KVReader, open_kv, wait_for_unmaps
+from sessionstore.kvfile.sidecar import (
+    ENTRY_SIZE,
+    SIDECAR_HEADER_SIZE,
+    check_records,
+    load_sidecar,
+    record_checksum,
+    sidecar_bytes,
+    sidecar_path,
+    static_hash,
+    write_sidecar_for,
+)
+from sessionstore.kvfile.sweep import (
+    REPLACED_PREFIX,
+    TMP_DIR_PREFIX,
+    TRASH_PREFIX,
+    Swept,
+    current_owner,
+    store_entry_name,
+    sweep_beside,
+    sweep_store_tmp,
+    temp_beside,
+)
+from sessionstore.kvfile.verify import RecordScan, VerifyReport, scan_records, verify_file
+from sessionstore.kvfile.writer import KVWriter
+
+__all__ = [
+    "ConvertResult", "Dims", "Durability", "ENTRY_SIZE", "HEADER_SIZE", "Header", "KVReader",
+    "KVWriter", "REPLACED_PREFIX", "RecordScan", "SIDECAR_HEADER_SIZE", "Swept", "TMP_DIR_PREFIX",
+    "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "check_records", "convert_file",
+    "copy_committed", "copy_sidecar_prefix", "current_owner", "load_sidecar", "open_kv",
+    "pack_header", "pack_records", "parse_header", "record_bytes", "record_checksum",
+    "release_later", "require_sound", "require_vouched", "sanitize_scales", "scan_records",
+    "sidecar_bytes", "sidecar_path", "static_hash", "store_entry_name", "sweep_beside",
+    "sweep_store_tmp", "temp_beside", "usable_scales", "validate_dims", "verify_file",
+    "wait_for_unmaps", "write_sidecar_for",
+]

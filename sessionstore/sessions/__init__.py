@@ -1,0 +1,33 @@
+"""Sessions and the store (FORMAT.md section 5): the manifest and its commit state page, the model
+fingerprint, a session's life cycle (suspend, resume, recovery), the store, engine slots.
+Imports the kvfile room below it, never migration."""
+from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
+from sessionstore.sessions.manifest import (
+    KV_VERSION_OF_DTYPE,
+    MANIFEST_NAME,
+    Manifest,
+    ModelRef,
+    SamplerSettings,
+    make_digest,
+    manifest_from_json,
+    read_manifest,
+    write_manifest,
+)
+from sessionstore.sessions.paths import check_component, validate_session_id
+from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, TurnResult, reference_turns
+from sessionstore.sessions.slots import export_slot, import_slot
+from sessionstore.sessions.store import (
+    KV_NAME,
+    SIDECAR_NAME,
+    SessionInfo,
+    SessionSnapshot,
+    SessionStore,
+)
+
+__all__ = [
+    "DEFAULT_COMMIT_EVERY", "KV_NAME", "KV_VERSION_OF_DTYPE", "MANIFEST_NAME", "Manifest",
+    "ModelRef", "SIDECAR_NAME", "SamplerSettings", "Session", "SessionInfo", "SessionSnapshot",
+    "SessionStore", "TINY_NAME", "TurnResult", "check_component", "export_slot",
+    "fingerprint_tiny", "import_slot", "make_digest", "manifest_from_json", "model_fingerprint",
+    "read_manifest", "reference_turns", "validate_session_id", "write_manifest",
+]
