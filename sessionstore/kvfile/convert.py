@@ -205,7 +205,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
                 else:
                     assert converter is not None
                     out = converter.convert(reader.records[start:stop])
-                    data = memoryview(out.view(np.uint8))  # [c * rec] u8
+                    data = out.view(np.uint8).data  # [c * rec] u8
                 written += _write_all(fd, data)
                 for i in range(stop - start):
                     entries[start + i] = record_checksum(data[i * rec:(i + 1) * rec], start + i)

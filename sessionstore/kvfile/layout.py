@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -254,7 +255,7 @@ def layer_dtype(version: int, dims: Dims) -> np.dtype:
 
 def record_dtype(version: int, dims: Dims) -> np.dtype:
     """Structured dtype of one record; its itemsize equals ``record_bytes(version, dims)``."""
-    fields: list[tuple] = [("token", "<i4"), ("layers", layer_dtype(version, dims), (dims.n_layers,))]
+    fields: list[tuple[Any, ...]] = [("token", "<i4"), ("layers", layer_dtype(version, dims), (dims.n_layers,))]
     if dims.n_index_layers:
         fields.append(("index", "<f4", (dims.n_index_layers, dims.index_head_dim)))
     dtype = np.dtype(fields)

@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
+from sessionstore.kvfile.durability import Buffer
 from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, static_header_bytes
 from sessionstore.log import get_logger
 
@@ -60,7 +61,7 @@ def sidecar_path(kv_path: str | os.PathLike[str]) -> str:
     return os.fspath(kv_path) + SIDECAR_SUFFIX
 
 
-def record_checksum(buf: bytes | bytearray | memoryview, position: int) -> int:
+def record_checksum(buf: Buffer, position: int) -> int:
     """xxh3_64 of one record's bytes, seeded with its position (a moved record does not match)."""
     return xxhash.xxh3_64_intdigest(buf, seed=position)
 
@@ -74,8 +75,8 @@ def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     k = stop - start
     rows = np.frombuffer(reader.records_bytes_view(start, stop), np.uint8)  # [k * rec] u8
     rows = rows.reshape(k, reader.record_bytes) if k else rows.reshape(0, reader.record_bytes)
-    return np.fromiter(map(xxhash.xxh3_64_intdigest, rows, range(start, stop)),  # [k] u64
-                       dtype="<u8", count=k)
+    hashes = map(xxhash.xxh3_64_intdigest, rows, range(start, stop))  # type: ignore[arg-type]  # rows are buffers
+    return np.fromiter(hashes, dtype="<u8", count=k)  # [k] u64
 
 
 def static_hash(kv_header_bytes: bytes) -> int:
@@ -256,7 +257,7 @@ class SidecarWriter:
     def fileno(self) -> int:
         return self._fd
 
-    def stage(self, first_position: int, records_bytes: bytes | bytearray | memoryview) -> int:
+    def stage(self, first_position: int, records_bytes: Buffer) -> int:
         """Hash the records at ``first_position..`` and write their entries and the new count.
 
         No fsync (the commit protocol fsyncs). Returns the new count.
@@ -268,7 +269,7 @@ class SidecarWriter:
         self._write_header()
         return self.count
 
-    def write_entries(self, first_position: int, records_bytes: bytes | bytearray | memoryview) -> int:
+    def write_entries(self, first_position: int, records_bytes: Buffer) -> int:
         """Hash the records at ``first_position..`` and write their entries, leaving the count
         (what the sidecar vouches for) as it is: entries past it are never read, so a writer may
         write them ahead of its commit. No fsync. Returns the number of entries written."""
@@ -470,6 +471,6 @@ def check_records(reader: KVReader, sidecar: Sidecar) -> SidecarReport:
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "SidecarReport", "sidecar_path", "record_checksum", "static_hash", "load_sidecar",
-    "check_records", "hash_records", "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic", "fsync_dir", "temp_path_for",
-    "create_temp_for", "remove_stale_temp",
+    "check_records", "hash_records", "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
+    "fsync_dir", "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]

@@ -3,8 +3,9 @@
 Memory only (the writer does every write): chunks of ``capacity`` packed records, filled in
 order; a batch of at least ``capacity / 8`` records becomes a chunk of its own (no copy).
 ``written`` counts the leading staged records the writer has already put in the file (early,
-without fsync), ``entries_written`` those whose checksum entries are in the sidecar. After a commit one owned chunk is kept for reuse, so a decode loop that commits
-every few tokens allocates nothing.
+without fsync), ``entries_written`` those whose checksum entries are in the sidecar. After a
+commit one owned chunk is kept for reuse, so a decode loop that commits every few tokens
+allocates nothing.
 """
 from __future__ import annotations
 

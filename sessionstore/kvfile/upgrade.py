@@ -16,6 +16,7 @@ removes); after 4 the whole v2. A missing or stale sidecar is repaired by the ne
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,8 @@ def remove_stale_temps(path: str, io: Durability) -> list[str]:
     return removed
 
 
-def _v1_chunks(fd: int, path: str, header: Header, keep: int, chunk_bytes: int):
+def _v1_chunks(fd: int, path: str, header: Header, keep: int,
+               chunk_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (start, records) for v1 records [0, keep) in chunks of at most ``chunk_bytes``."""
     rec = header.record_bytes
     dtype = record_dtype(1, header.dims)
@@ -98,9 +100,9 @@ def write_v2_copy(fd_v1: int, path: str, header_v1: Header, keep: int, io: Durab
             rows = RecordRows(tokens=v1["token"], lc=v1["layers"]["lc"], rc=v1["layers"]["rc"],
                               index=v1["index"] if header_v1.dims.n_index_layers else None)
             packed = pack_records(2, header_v2.dims, rows).view(np.uint8)  # [count * rec2] u8
-            io.pwrite(fd, packed, HEADER_SIZE + start * rec2)
+            io.pwrite(fd, packed.data, HEADER_SIZE + start * rec2)
             if side is not None:
-                side.stage(start, packed)
+                side.stage(start, packed.data)
         io.fsync_all([fd] + ([side.fileno()] if side is not None else []))
         old_side = sidecar_path(path)
         if os.path.lexists(old_side):

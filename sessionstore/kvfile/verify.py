@@ -53,7 +53,8 @@ class RecordScan:
 
 
 def _is_nan_code(codes: np.ndarray) -> np.ndarray:
-    return (codes & 0x7F) == 0x7F  # [...] bool
+    nan: np.ndarray = (codes & 0x7F) == 0x7F  # [...] bool
+    return nan
 
 
 def scan_records(reader: KVReader, *, keep_scales: bool = True,
@@ -81,19 +82,19 @@ def scan_records(reader: KVReader, *, keep_scales: bool = True,
             lc_scale, rc_scale = layers["lc_scale"], layers["rc_scale"]  # [c, L] f32
             lc_inert = (~usable_scales(lc_scale)).sum(axis=0)  # [L]
             rc_inert = (~usable_scales(rc_scale)).sum(axis=0)  # [L]
-            for l, layer in enumerate(scan.layers):
-                layer.lc_nan_codes += int(lc_nan[l])
-                layer.rc_nan_codes += int(rc_nan[l])
-                layer.lc_inert_rows += int(lc_inert[l])
-                layer.rc_inert_rows += int(rc_inert[l])
+            for i, layer in enumerate(scan.layers):
+                layer.lc_nan_codes += int(lc_nan[i])
+                layer.rc_nan_codes += int(rc_nan[i])
+                layer.lc_inert_rows += int(lc_inert[i])
+                layer.rc_inert_rows += int(rc_inert[i])
             if scan.lc_scales is not None and scan.rc_scales is not None:
                 scan.lc_scales[start:stop] = lc_scale
                 scan.rc_scales[start:stop] = rc_scale
         else:
             bad_lc = (~np.isfinite(layers["lc"])).sum(axis=(0, 2))  # [L]
             bad_rc = (~np.isfinite(layers["rc"])).sum(axis=(0, 2))  # [L]
-            for l, layer in enumerate(scan.layers):
-                layer.nonfinite_values += int(bad_lc[l] + bad_rc[l])
+            for i, layer in enumerate(scan.layers):
+                layer.nonfinite_values += int(bad_lc[i] + bad_rc[i])
         if dims.n_index_layers:
             scan.index_nonfinite += int((~np.isfinite(chunk["index"])).sum())
         del chunk, tokens, layers

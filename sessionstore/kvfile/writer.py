@@ -360,7 +360,7 @@ class KVWriter:
             return
         offset = HEADER_SIZE + (self._nrec + written) * self.record_bytes
         size = (stop - written) * self.record_bytes
-        self._io.pwritev(self._fd, self._staging.byte_views(written, stop), offset)
+        self._io.pwritev(self._fd, [v.data for v in self._staging.byte_views(written, stop)], offset)
         self._file_end = max(self._file_end, offset + size)
         if start_writeback and size >= WRITEBACK_MIN_BYTES:  # smaller: a page written per record
             self._io.start_writeback(self._fd, offset, size)
@@ -373,7 +373,7 @@ class KVWriter:
             return
         position = self._nrec + start
         for view in self._staging.byte_views(start, stop):
-            position += self._sidecar.write_entries(position, view)
+            position += self._sidecar.write_entries(position, view.data)
         self._staging.entries_written = stop
 
     # -- commit -----------------------------------------------------------------------------
@@ -419,7 +419,7 @@ class KVWriter:
         """Steps 1-2: the sidecar's entries + count staged and their fdatasync started on a
         helper thread, the records written from nrec up, ``beside()`` started on another, the
         data fdatasync here; returns once all are done (then raises the first error)."""
-        waits: list[Callable[[], None]] = []
+        waits: list[Callable[[], object]] = []
         try:
             if self._sidecar is not None:
                 self._sidecar_catch_up()
@@ -456,7 +456,7 @@ class KVWriter:
         start = max(self._file_end, end)
         target = -(-(end + headroom) // 4096) * 4096  # page-aligned new end of the file
         try:
-            self._io.pwrite(self._fd, np.zeros(target - start, dtype=np.uint8), start)  # calloc'ed
+            self._io.pwrite(self._fd, np.zeros(target - start, dtype=np.uint8).data, start)  # calloc'ed
             self._io.start_writeback(self._fd, start, target - start)
         except OSError as exc:
             self._preallocate = 0
@@ -563,7 +563,7 @@ class KVWriter:
                 f"length={self.length}, closed={self._closed})")
 
 
-def _wait_all(waits: list[Callable[[], None]], *, quiet: bool = False) -> None:
+def _wait_all(waits: list[Callable[[], object]], *, quiet: bool = False) -> None:
     """Wait for every helper's barrier, then raise the first error (``quiet``: none, the
     caller's own error is propagating)."""
     error: BaseException | None = None

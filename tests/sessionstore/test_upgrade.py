@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from kernels.fp8 import quantize_rows
-from sessionstore.kvfile.durability import Durability, FaultyDurability, SimulatedCrash
+from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.layout import Header, pack_header, pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
 from sessionstore.kvfile.upgrade import UPGRADE_SUFFIX
 from sessionstore.kvfile.writer import KVWriter
+from sessionstore.testing import FaultyDurability, SimulatedCrash
 from tests.sessionstore.test_writer_support import (
     DIMS,
     DIMS_IX,

@@ -12,11 +12,11 @@ from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchEr
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore import log as store_log
-from sessionstore.kvfile.durability import FaultyDurability
 from sessionstore.kvfile.layout import Dims, Header, pack_header
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, record_checksum, sidecar_path
 from sessionstore.kvfile.writer import KVWriter
+from sessionstore.testing import FaultyDurability
 from tests.sessionstore.test_writer_support import (
     DIMS,
     DIMS_IX,

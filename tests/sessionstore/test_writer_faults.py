@@ -13,9 +13,10 @@ import os
 
 import pytest
 
-from sessionstore.kvfile.durability import Durability, FaultyDurability, SimulatedCrash
+from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.layout import Header, pack_header
 from sessionstore.kvfile.writer import KVWriter
+from sessionstore.testing import FaultyDurability, SimulatedCrash
 from tests.sessionstore.test_writer_support import (
     DIMS,
     assert_sidecar_sound,

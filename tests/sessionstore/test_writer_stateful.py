@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sessionstore.kvfile.durability import FaultyDurability, SimulatedCrash
 from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.writer import KVWriter
+from sessionstore.testing import FaultyDurability, SimulatedCrash
 from tests.sessionstore.test_writer_support import (
     DIMS,
     assert_sidecar_sound,
