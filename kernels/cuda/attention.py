@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kernels.attention_absorbed import query_positions
-from kernels.attention_tiles import cache_shape
+from kernels.attention.absorbed import query_positions
+from kernels.attention.tiles import cache_shape
 from kernels.cuda.launch import KERNELS, Runner, run_split_decode
 from kernels.cuda.sources import KernelDims
 from kernels.errors import FormatError, ModelMismatchError

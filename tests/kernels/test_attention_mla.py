@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kernels.attention import attention_flops, choose_path, expanded_attention, mla_attention
-from kernels.attention_mla import expanded_tile_rows
+from kernels.attention.mla import expanded_tile_rows
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import F32Rows
 from tests.kernels.attention_cases import F32_RTOL, latent_rows, quantize, queries, reference_mla, rel_err, split_rows

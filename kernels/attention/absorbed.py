@@ -5,7 +5,7 @@ Math (per head h, per query s at absolute position pos_s = T - S + s):
     p = softmax_t(score), t <= pos_s (causal) ;  ctx = sum_t (p_t * Lsc_t) * table[Lc8_t]
 f32 rows are the same with no scales. The caller applies W_UV and o_proj (or use ``mla_attention``).
 
-The cache is walked in tiles at ABSOLUTE positions (``kernels.attention_tiles``) with an online
+The cache is walked in tiles at ABSOLUTE positions (``kernels.attention.tiles``) with an online
 softmax, so the scratch stays bounded whatever T is (<= ``SCRATCH_LIMIT_BYTES``), no dequantised
 copy of the cache is ever made, and the result is bitwise identical however the rows are split
 into blocks and whatever their strides (each tile is first gathered into aligned scratch).
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kernels.attention_tiles import CacheShape, TileGatherer, aligned_empty, cache_shape
+from kernels.attention.tiles import CacheShape, TileGatherer, aligned_empty, cache_shape
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import LatentRows
 

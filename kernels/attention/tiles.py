@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.attention_tables import decode_codes_into, sanitize_scales_into
+from kernels.attention.tables import decode_codes_into, sanitize_scales_into
 from kernels.errors import FormatError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from kernels.attention_absorbed import (
+from kernels.attention.absorbed import (
     SCORE_BUDGET_BYTES,
     OnlineSoftmax,
     absorbed_attention,
@@ -21,7 +21,7 @@ from kernels.attention_absorbed import (
     mask_future,
     query_positions,
 )
-from kernels.attention_tiles import TileGatherer, aligned_empty, cache_shape
+from kernels.attention.tiles import TileGatherer, aligned_empty, cache_shape
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import LatentRows
 
