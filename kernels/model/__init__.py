@@ -1,16 +1,20 @@
 """Reference MLA decoder (DeepSeek-V3 family) over a latent cache in f32 or fp8.
 
 Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"tiny"``),
-:class:`MLADecoder`, :class:`DecoderCache`, :class:`Sampler` / :func:`sample`, :func:`generate`.
+:class:`MLADecoder`, :class:`DecoderCache`, :class:`Sampler` / :func:`sample`, :func:`generate`, and the
+seam sessions are typed against (kernels.model.protocols): :class:`Decoder`, :class:`LatentCache`,
+:class:`DecoderConfig`, which ``MLADecoder``, ``DecoderCache`` and ``ModelConfig`` satisfy.
 """
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig, load_config, parse_config
 from kernels.model.decoder import MLADecoder
 from kernels.model.generate import GenerateResult, generate
+from kernels.model.protocols import Decoder, DecoderConfig, LatentCache
 from kernels.model.sampling import Sampler, sample
 from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
 from kernels.model.weights import open_checkpoint
@@ -26,9 +30,18 @@ def load_model(path_or_tiny: str | os.PathLike[str]) -> MLADecoder:
     return MLADecoder(cfg, open_checkpoint(model_dir), source=os.path.abspath(model_dir))
 
 
+if TYPE_CHECKING:  # `mypy kernels` holds the concrete decoder, cache and config to the protocols
+
+    def _conforms(model: MLADecoder, cache: DecoderCache) -> tuple[Decoder[DecoderCache], LatentCache, DecoderConfig]:
+        return model, cache, model.config
+
+
 __all__ = [
+    "Decoder",
     "DecoderCache",
+    "DecoderConfig",
     "GenerateResult",
+    "LatentCache",
     "MLADecoder",
     "ModelConfig",
     "Sampler",
