@@ -8,6 +8,7 @@ from typing import Any
 
 from kernels.errors import CorruptionError
 from sessionstore.kvfile import convert_file, verify_file
+from tools._common import unsound_line
 
 
 def register(subparsers: Any) -> None:
@@ -26,8 +27,6 @@ def register(subparsers: Any) -> None:
 def check_source(path: str) -> None:
     """Refuse an unsound source (checksum mismatch, token out of range): a converted copy gets a
     fresh sidecar, which would vouch for the damage and hide it from every later check."""
-    from tools.cmd_verify import unsound_line
-
     report = verify_file(path)
     if not report.sound:
         raise CorruptionError(f"{unsound_line(report)}; refusing to convert it (see `coli-kv verify`,"

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     fp8 = rows["fp8"]
     print("Conversation with the tiny model (random weights, byte vocabulary; fp8 session):")
-    for i, (text, out) in enumerate(zip(USER_TURNS, fp8["outputs"])):
+    for i, (text, out) in enumerate(zip(USER_TURNS, fp8["outputs"], strict=True)):
         print(f"  user {i + 1}: {text.strip()}\n  model : {_shown(out)}")
     print()
     print(f"{'kv':<4} {'tokens':>6} {'bytes':>9} {'B/token':>8} {'turns (s)':>22} {'resume (ms)':>14} {'exact':>6}")

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from typing import Any
 
-from kernels.errors import BackendUnavailableError, ColiError, FormatError
+from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler, generate, load_model
+from tools._common import check_backend, parse_ids
 
-MAX_PROMPT_IDS = 1 << 20
 DEFAULT_MAX_NEW = 16
-_ID = re.compile(r"-?[0-9]+")  # ASCII digits only: int() would also take '1_0' and other scripts' digits
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
         help="generate tokens with the reference MLA decoder",
@@ -59,46 +57,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    " the push (default: release it for any host)")
     # the sampling flags above are None unless given: a session keeps its stored value for each one left out
     p.set_defaults(func=handle, explicit_sampler_flags=True)
-
-
-def parse_ids(text: str) -> list[int]:
-    """'1, 2,3' -> [1, 2, 3]; anything else is one clear error."""
-    items = [s.strip() for s in text.split(",")]
-    if text.strip() == "" or any(s == "" for s in items):
-        raise FormatError(f"--prompt-ids: expected comma-separated integers, found {text!r}")
-    if len(items) > MAX_PROMPT_IDS:
-        raise FormatError(f"--prompt-ids: more than {MAX_PROMPT_IDS} ids")
-    for s in items:
-        if not _ID.fullmatch(s):
-            raise FormatError(f"--prompt-ids: {s!r} is not an integer")
-    return [int(s) for s in items]
-
-
-def push_turn(remote: Any, session_id: str, keep_lease: bool) -> tuple[dict[str, Any], ColiError | None]:
-    """Push a committed turn to the fleet: (the JSON ``remote`` member, the push's error or None).
-
-    A failed push never hides the turn: the caller prints the tokens (they are committed on this
-    host), then the error as its one line. The member says what the fleet has: ``pushed`` true
-    with the bundle, or false with the error."""
-    where = {"url": remote.url, "host": remote.host_id}
-    try:
-        _, lease = remote.push(session_id, release=not keep_lease)
-    except ColiError as exc:
-        return {**where, "pushed": False, "error": str(exc)}, exc
-    return {**where, "pushed": True, "bundle": lease.bundle, "generation": lease.generation,
-            "lease": "held" if keep_lease else "released"}, None
-
-
-def check_backend(name: str) -> None:
-    """Refuse an unusable backend in one line, before any model is loaded or session touched."""
-    if name == "cpu":
-        return
-    from kernels.backend import get_backend
-
-    try:
-        get_backend(name)
-    except BackendUnavailableError as exc:
-        raise BackendUnavailableError(f"{exc}; or run on the CPU with --backend cpu") from None
 
 
 def sampler_from_args(args: argparse.Namespace) -> Sampler:

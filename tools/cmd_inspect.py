@@ -31,10 +31,10 @@ def _stats(scales: np.ndarray) -> dict[str, float | None]:
 
 def _layers(scan: RecordScan, version: int) -> list[dict[str, Any]]:
     layers = []
-    for l, counts in enumerate(scan.layers):
-        entry: dict[str, Any] = {"layer": l}
+    for i, counts in enumerate(scan.layers):
+        entry: dict[str, Any] = {"layer": i}
         if version == 2 and scan.lc_scales is not None and scan.rc_scales is not None:
-            entry.update(lc_scale=_stats(scan.lc_scales[:, l]), rc_scale=_stats(scan.rc_scales[:, l]),
+            entry.update(lc_scale=_stats(scan.lc_scales[:, i]), rc_scale=_stats(scan.rc_scales[:, i]),
                          lc_inert_rows=counts.lc_inert_rows, rc_inert_rows=counts.rc_inert_rows,
                          lc_nan_codes=counts.lc_nan_codes, rc_nan_codes=counts.rc_nan_codes)
         else:

@@ -10,11 +10,9 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from kernels.errors import FormatError
@@ -33,6 +31,7 @@ from sessionstore.migration import (
     open_source,
 )
 from sessionstore.sessions import SessionStore
+from tools._common import fresh_store
 
 BUNDLE_SUFFIX = ".colibundle"
 
@@ -145,44 +144,6 @@ def run_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.to_json(), "dest": dest}))
     return 0
-
-
-def remove_empty_store(root: str) -> None:
-    """Undo the empty store skeleton (``tmp/``, ``sessions/``, the root) a failed command created.
-
-    Only a skeleton that holds nothing at all goes: a store whose ``sessions/`` or ``tmp/`` has
-    any entry (a session committed before the failure, another command's temp dir) is left
-    whole, so every command still accepts it (FORMAT.md 5.1.1). rmdir never removes data.
-    """
-    parts = [os.path.join(root, sub) for sub in ("tmp", "sessions")]  # a lone sessions/ is repaired
-    try:
-        if any(os.listdir(p) for p in parts if os.path.isdir(p)):
-            return
-    except OSError:
-        return
-    for path in (*parts, root):
-        try:
-            os.rmdir(path)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return
-
-
-@contextlib.contextmanager
-def fresh_store(root: str, *, keep_on_success: bool = True) -> Iterator[SessionStore]:
-    """The store at ``root``, created if absent; a store this command created is removed again
-    when the command fails (or always, with ``keep_on_success=False``: nothing was stored)."""
-    fresh = not os.path.lexists(root)
-    store = SessionStore(root)
-    try:
-        yield store
-    except BaseException:
-        if fresh:
-            remove_empty_store(str(store.root))
-        raise
-    if fresh and not keep_on_success:
-        remove_empty_store(str(store.root))
 
 
 def run_import(args: argparse.Namespace) -> int:

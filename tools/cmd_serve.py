@@ -18,7 +18,7 @@ from typing import Any
 
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
-from tools.cmd_migrate import fresh_store
+from tools._common import fresh_store
 
 
 def register(subparsers: Any) -> None:

@@ -12,8 +12,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
-from tools.cmd_generate import check_backend, parse_ids, push_turn
-from tools.cmd_migrate import remove_empty_store
+from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 
 
 def register(subparsers: Any) -> None:

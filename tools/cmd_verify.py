@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from sessionstore.kvfile import VerifyReport, verify_file
+from tools._common import unsound_line
 
 EXIT_UNSOUND = 3
 
@@ -44,14 +45,6 @@ def _print_human(report: VerifyReport) -> None:
     for problem in report.problems:
         print(f"PROBLEM   {problem}")
     print("result    " + ("sound" if report.sound else "UNSOUND"))
-
-
-def unsound_line(report: VerifyReport) -> str:
-    """The one stderr line for an unsound file: its path, the first problem, how many more."""
-    first = report.problems[0] if report.problems else "no detail"
-    more = len(report.problems) - 1
-    where = "" if str(report.path) in first else f"{report.path}: "
-    return f"{where}UNSOUND: {first}" + (f" (+{more} more problem(s))" if more > 0 else "")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,12 +4,15 @@ Imports the sessions and kvfile rooms below it."""
 from sessionstore.migration.bundle import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from sessionstore.migration.bundle_io import WritebackFile
 from sessionstore.migration.inbox import Inbox
+from sessionstore.migration.lease import LEASE_TTL_S, Lease, default_host_id, held_message
+from sessionstore.migration.lease_keeper import LeaseKeeper
 from sessionstore.migration.migrate import MigrateResult, export_session, import_bundle
-from sessionstore.migration.remote import LEASE_TTL_S, RemoteStore
+from sessionstore.migration.object_store import RemoteStoreError
+from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.transport import describe, fsync_directory, is_url, open_sink, open_source
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES", "Inbox", "LEASE_TTL_S", "MAX_CHUNK_BYTES", "MIN_CHUNK_BYTES",
-    "MigrateResult", "RemoteStore", "WritebackFile", "describe", "export_session", "fsync_directory",
-    "import_bundle", "is_url", "open_sink", "open_source",
+    "DEFAULT_CHUNK_BYTES", "Inbox", "LEASE_TTL_S", "Lease", "LeaseKeeper", "MAX_CHUNK_BYTES", "MIN_CHUNK_BYTES",
+    "MigrateResult", "RemoteStore", "RemoteStoreError", "WritebackFile", "default_host_id", "describe",
+    "export_session", "fsync_directory", "held_message", "import_bundle", "is_url", "open_sink", "open_source",
 ]

@@ -6,7 +6,8 @@ start, then every one that lands later (watchdog: a rename into the directory, o
 after writing), one at a time, and moves it to ``DIR/done/`` or to ``DIR/failed/`` next to a
 ``<name>.reason`` file saying why (written with the safe create: a new regular file, never
 through a symlink; a bundle that vanished mid-import gets its reason file in ``failed/`` too).
-Names ending in ``.partial`` or ``.reason`` and hidden names are never touched. A failed import leaves the store exactly as it was (see ``migrate``).
+Names ending in ``.partial`` or ``.reason`` and hidden names are never touched. A failed import
+leaves the store exactly as it was (see ``migrate``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
@@ -142,7 +145,7 @@ class Inbox:
 
     def drain(self) -> list[InboxOutcome]:
         """Process everything queued now (no waiting)."""
-        out = []
+        out: list[InboxOutcome] = []
         while True:
             try:
                 path = self._queue.get_nowait()
@@ -179,13 +182,13 @@ class Inbox:
         return self.outcomes
 
 
-class _Handler:
+class _Handler(FileSystemEventHandler):
     """watchdog handler: a rename into the inbox, or a file closed after writing."""
 
     def __init__(self, inbox: Inbox) -> None:
         self.inbox = inbox
 
-    def dispatch(self, event: Any) -> None:
+    def dispatch(self, event: FileSystemEvent) -> None:
         if event.is_directory:
             return
         if event.event_type == "moved":

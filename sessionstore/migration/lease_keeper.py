@@ -17,23 +17,35 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kernels.errors import LockedError
 from sessionstore.log import get_logger
-
-if TYPE_CHECKING:
-    from sessionstore.migration.remote import Lease, RemoteStore
+from sessionstore.migration.lease import Lease
 
 log = get_logger("lease")
 
 RETRY_FIRST_S = 0.25
 
 
+class LeaseRenewer(Protocol):
+    """What a keeper needs of the object-store tier (``RemoteStore`` is one)."""
+
+    @property
+    def host_id(self) -> str: ...
+
+    @property
+    def lease_ttl(self) -> float: ...
+
+    def renew(self, session_id: str) -> Lease:
+        """Extend this host's lease; LockedError once it was lost."""
+        ...
+
+
 class LeaseKeeper:
     """Renews ``session_id``'s lease for this host until :meth:`stop`; see the module doc."""
 
-    def __init__(self, remote: RemoteStore, session_id: str, lease: Lease, *,
+    def __init__(self, remote: LeaseRenewer, session_id: str, lease: Lease, *,
                  interval: float | None = None) -> None:
         self.remote = remote
         self.session_id = session_id
@@ -102,4 +114,4 @@ def _line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["LeaseKeeper", "LeaseRenewer"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore.migration.remote import RemoteStore, RemoteStoreError
+from sessionstore.migration import RemoteStore, RemoteStoreError
 from sessionstore.sessions.store import SessionStore
 from tests.s3_relay import DOWN, HOLD, LOSE_ANSWER, PASS, Relay, Request
 from tests.sessionstore.migrate_support import S3_BUCKET, s3_endpoint, tree_state  # noqa: F401

@@ -17,7 +17,7 @@ import pytest
 from sessionstore.kvfile.verify import verify_file
 from sessionstore.sessions.store import SessionStore
 from tests.sessionstore.migrate_support import make_session
-from tools.cmd_migrate import remove_empty_store
+from tools._common import remove_empty_store
 from tools.coli_kv import main
 
 PROMPT = "72,105,33,10"
