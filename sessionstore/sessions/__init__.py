@@ -1,6 +1,8 @@
-"""Sessions and the store (FORMAT.md section 5): the manifest and its commit state page, the model
-fingerprint, a session's life cycle (suspend, resume, recovery), the store, engine slots.
+"""Sessions and the store (FORMAT.md section 5): the manifest and its commit state page, the logits
+digest, the model fingerprint, a session's life cycle (suspend, resume), its recovery, the store
+and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
+from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
 from sessionstore.sessions.manifest import (
     KV_VERSION_OF_DTYPE,
@@ -8,21 +10,18 @@ from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
     SamplerSettings,
-    make_digest,
     manifest_from_json,
     read_manifest,
     write_manifest,
 )
 from sessionstore.sessions.paths import check_component, validate_session_id
-from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, TurnResult, reference_turns
+from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
+from sessionstore.sessions.residency import Residency, Resident
+from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome, TurnResult, reference_turns
 from sessionstore.sessions.slots import export_slot, import_slot
-from sessionstore.sessions.store import (
-    KV_NAME,
-    SIDECAR_NAME,
-    SessionInfo,
-    SessionSnapshot,
-    SessionStore,
-)
+from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
+from sessionstore.sessions.store import KV_NAME, SIDECAR_NAME, SessionInfo, SessionStore
+from sessionstore.sessions.turns import common_prefix
 
 __all__ = [
     "DEFAULT_COMMIT_EVERY", "KV_NAME", "KV_VERSION_OF_DTYPE", "MANIFEST_NAME", "Manifest",
@@ -30,4 +29,7 @@ __all__ = [
     "SessionStore", "TINY_NAME", "TurnResult", "check_component", "export_slot",
     "fingerprint_tiny", "import_slot", "make_digest", "manifest_from_json", "model_fingerprint",
     "read_manifest", "reference_turns", "validate_session_id", "write_manifest",
+    # added with the sessions room's restructuring
+    "LogitsDigest", "Residency", "Resident", "ResumeCheck", "ResumeTarget", "SessionHome",
+    "check_resume", "common_prefix", "logits_hash", "verify_session_dir",
 ]

@@ -4,9 +4,9 @@ Every commit changes the manifest's dynamic fields (``committed``, ``pending``,
 ``last_logits``, ``updated_at``). Replacing the whole ``manifest.json`` for that costs a temp
 file, a rename and the release of the old file's blocks (a discard on some disks), for fields
 that FORMAT.md section 5 makes a verified cache anyway. So a commit overwrites one 4 KiB page of this
-file instead; :func:`sessionstore.sessions.manifest.read_manifest` applies it when its epoch equals the
-manifest's. A torn, damaged or absent page is ignored: the manifest's own fields (an older
-commit of the same epoch, a valid lower bound) are used, and recovery does the rest.
+file instead; :func:`sessionstore.sessions.manifest.read_manifest` applies it (``apply_state``) when
+its epoch equals the manifest's. A torn, damaged or absent page is ignored: the manifest's own
+fields (an older commit of the same epoch, a valid lower bound) are used, and recovery does the rest.
 
 Layout (one page, little-endian)::
 
@@ -19,21 +19,19 @@ Layout (one page, little-endian)::
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
 import stat
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import xxhash
 
 from kernels.errors import FormatError, LimitError
-
-if TYPE_CHECKING:
-    from sessionstore.sessions.manifest import Manifest
+from sessionstore.sessions.digest import LogitsDigest, digest_from_json, digest_to_json
+from sessionstore.sessions.fields import need, need_int, pending_from_json
 
 STATE_SUFFIX = ".state"
 STATE_MAGIC = b"COLIMST1"
@@ -44,15 +42,28 @@ _CHECK = struct.Struct("<Q")
 MAX_PAYLOAD = STATE_BYTES - _HEAD.size - _CHECK.size
 
 
+class CommitFields(Protocol):
+    """What a page holds of a manifest (a :class:`sessionstore.sessions.manifest.Manifest` is one)."""
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def committed(self) -> int: ...
+    @property
+    def pending(self) -> list[int]: ...
+    @property
+    def last_logits(self) -> LogitsDigest | None: ...
+    @property
+    def updated_at(self) -> str: ...
+
+
 def state_path(manifest_path: str | os.PathLike[str]) -> Path:
     """``<manifest path>.state``."""
     return Path(os.fspath(manifest_path) + STATE_SUFFIX)
 
 
-def encode_state(manifest: Manifest) -> bytes:
+def encode_state(manifest: CommitFields) -> bytes:
     """The 4096-byte page holding ``manifest``'s epoch and dynamic fields."""
-    from sessionstore.sessions.manifest import digest_to_json
-
     payload = json.dumps({"epoch": manifest.epoch, "committed": manifest.committed,
                           "pending": list(manifest.pending),
                           "last_logits": digest_to_json(manifest.last_logits),
@@ -67,8 +78,6 @@ def encode_state(manifest: Manifest) -> bytes:
 
 def decode_state(page: bytes, vocab: int, where: str) -> dict[str, Any]:
     """The validated fields of a page; FormatError when torn, damaged or malformed."""
-    from sessionstore.sessions.manifest import _int, _need, digest_from_json, pending_from_json
-
     if len(page) < _HEAD.size:
         raise FormatError(f"{where}: {len(page)} bytes, shorter than the {_HEAD.size}-byte head")
     magic, version, length = _HEAD.unpack_from(page)
@@ -87,11 +96,11 @@ def decode_state(page: bytes, vocab: int, where: str) -> dict[str, Any]:
         raise FormatError(f"{where}: byte 16: payload is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise FormatError(f"{where}: byte 16: payload is not a JSON object")
-    return {"epoch": _int(data, "epoch", where, 0, (1 << 63) - 1),
-            "committed": _int(data, "committed", where),
+    return {"epoch": need_int(data, "epoch", where, 0, (1 << 63) - 1),
+            "committed": need_int(data, "committed", where),
             "pending": pending_from_json(data, vocab, where),
             "last_logits": digest_from_json(data, vocab, where),
-            "updated_at": _need(data, "updated_at", str, where)}
+            "updated_at": need(data, "updated_at", str, where)}
 
 
 def read_state_page(manifest_path: str | os.PathLike[str]) -> bytes | None:
@@ -111,22 +120,6 @@ def read_state_page(manifest_path: str | os.PathLike[str]) -> bytes | None:
         os.close(fd)
 
 
-def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Manifest:
-    """``manifest`` with the dynamic fields of its state page when that page is sound and of
-    the same epoch; otherwise ``manifest`` itself (the older, valid values)."""
-    try:
-        page = read_state_page(manifest_path)
-        if page is None:
-            return manifest
-        state = decode_state(page, manifest.dims["vocab"], str(state_path(manifest_path)))
-    except FormatError:
-        return manifest  # a cache only: torn by a concurrent write, or damaged
-    if state["epoch"] != manifest.epoch:
-        return manifest  # written before a truncate, or a truncate's manifest not yet in place
-    return dataclasses.replace(manifest, committed=state["committed"], pending=state["pending"],
-                               last_logits=state["last_logits"], updated_at=state["updated_at"])
-
-
 class StateWriter:
     """Overwrites the state page of one manifest in place (one descriptor, kept open)."""
 
@@ -140,7 +133,7 @@ class StateWriter:
         if self._fd < 0:
             self._fd = _open_state(self.path, create=True)
 
-    def write(self, manifest: Manifest, *, durable: bool = False) -> None:
+    def write(self, manifest: CommitFields, *, durable: bool = False) -> None:
         """One 4096-byte ``pwrite`` at offset 0 (``durable``: then fdatasync)."""
         self.write_page(encode_state(manifest), durable=durable)
 
@@ -159,7 +152,7 @@ class StateWriter:
             self._fd = -1
 
 
-def update_existing_state(manifest_path: str | os.PathLike[str], manifest: Manifest) -> None:
+def update_existing_state(manifest_path: str | os.PathLike[str], manifest: CommitFields) -> None:
     """Before a whole manifest is replaced: give an existing state page the same values, so it
     never overrides the new manifest with older ones (no page: nothing to do)."""
     path = state_path(manifest_path)
@@ -196,5 +189,5 @@ def _pwrite_page(fd: int, page: bytes, path: Path) -> None:
         view, offset = view[done:], offset + done
 
 
-__all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "state_path", "encode_state",
-           "decode_state", "read_state_page", "apply_state", "StateWriter", "update_existing_state"]
+__all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "CommitFields", "state_path", "encode_state",
+           "decode_state", "read_state_page", "StateWriter", "update_existing_state"]

@@ -22,10 +22,16 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kernels.errors import FormatError, LimitError, NotFoundError
 from kernels.model.weights import SafetensorsFile
+
+
+class Hasher(Protocol):
+    """What the fingerprint needs of a ``hashlib`` object."""
+
+    def update(self, data: bytes, /) -> None: ...
 
 FINGERPRINT_TAG = b"coli-fp1"
 PREFIX = "fp1:"
@@ -40,7 +46,7 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
-def _frame(h: "hashlib._Hash", label: str, data: bytes) -> None:
+def _frame(h: Hasher, label: str, data: bytes) -> None:
     """Length-prefixed fields: no two different inputs hash the same byte stream."""
     name = label.encode()
     h.update(struct.pack("<I", len(name)) + name + struct.pack("<Q", len(data)))
@@ -61,7 +67,7 @@ def _read_json(path: Path, limit: int) -> Any:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
 
-def _hash_safetensors(h: "hashlib._Hash", path: Path) -> None:
+def _hash_safetensors(h: Hasher, path: Path) -> None:
     # the decoder's own parser validates the header (bounded length, offsets inside the file)
     sf = SafetensorsFile(path)
     _frame(h, "file", path.name.encode())

@@ -7,16 +7,14 @@ versions. Writes go temp file -> (fsync) -> ``os.replace`` -> (fsync dir): a rea
 torn manifest. Static changes (create, import, sampler change) are durable (fsynced); the dynamic
 fields written at each commit are a verified cache of the committed state (see FORMAT.md section 5).
 
-The last-logits digest stores the top-k ids and their f32 values plus a hash of the whole logits
-vector. Resume recomputes that position (a single-token step, the same operation that produced
-it, so normally bit-identical: the hash matches); if only the hash differs (another BLAS after a
-migration), the top-1 id must match (or be within a near-tie) and every stored value must agree
-within ``DIGEST_RTOL``/``DIGEST_ATOL``; anything else is a failed resume.
+The last-logits digest (:mod:`sessionstore.sessions.digest`) and the commit state page
+(:mod:`sessionstore.sessions.commit_state`) are their own modules; this one reads the page back
+into a manifest (:func:`apply_state`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import stat
 import tempfile
@@ -26,20 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
-from sessionstore.sessions.commit_state import apply_state, update_existing_state
+from kernels.errors import FormatError, LimitError, NotFoundError
+from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
+from sessionstore.sessions.digest import (
+    DIGEST_ATOL,
+    DIGEST_RTOL,
+    DIGEST_TOP_K,
+    LogitsDigest,
+    digest_from_json,
+    digest_to_json,
+    logits_hash,
+    make_digest,
+)
+from sessionstore.sessions.fields import MAX_PENDING, need, need_float, need_int, pending_from_json
 
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
 SIDECAR_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
-MAX_PENDING = 16
-DIGEST_TOP_K = 8
-DIGEST_RTOL = 1e-3
-DIGEST_ATOL = 1e-4
 KV_DTYPES = ("fp8", "f32")
 KV_VERSION_OF_DTYPE = {"f32": 1, "fp8": 2}
 DIM_NAMES = ("n_layers", "kv_lora", "qk_rope", "index_head_dim", "n_index_layers", "vocab")
@@ -79,96 +83,6 @@ class SamplerSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
-
-
-@dataclass(frozen=True)
-class LogitsDigest:
-    """Digest of the logits at ``position`` (the last committed record)."""
-
-    position: int
-    top_ids: list[int]
-    top_values: list[float]
-    hash: str  # xxh3_128 hex of the logits as little-endian f32
-
-    def check(self, logits: np.ndarray) -> tuple[bool, str]:
-        """Compare with recomputed logits [vocab] f32 -> (exact, detail); raise on a mismatch."""
-        logits = np.ascontiguousarray(logits, dtype="<f4")  # [vocab] f32
-        if logits_hash(logits) == self.hash:
-            return True, "bit-identical"
-        ids = np.asarray(self.top_ids, dtype=np.int64)  # [k]
-        if ids.size == 0 or int(ids.max()) >= logits.shape[0]:
-            raise CorruptionError(f"digest of position {self.position} names ids outside the vocab")
-        stored = np.asarray(self.top_values, dtype=np.float64)  # [k]
-        found = logits[ids].astype(np.float64)  # [k]
-        tol = DIGEST_ATOL + DIGEST_RTOL * np.maximum(np.abs(stored), 1.0)  # [k]
-        worst = int(np.argmax(np.abs(found - stored) - tol))
-        if np.any(np.abs(found - stored) > tol):
-            raise CorruptionError(
-                f"logits at position {self.position}: id {int(ids[worst])} expected "
-                f"{stored[worst]:.6g}, recomputed {found[worst]:.6g} (tolerance {tol[worst]:.2g})")
-        top1 = int(np.argmax(logits))
-        # near-tie: any stored id within tolerance of the stored top-1 may legitimately win
-        tied = {int(i) for i, v in zip(ids, stored) if stored[0] - v <= tol[0]}
-        if top1 not in tied:
-            raise CorruptionError(
-                f"logits at position {self.position}: top-1 expected id {self.top_ids[0]} "
-                f"({stored[0]:.6g}), recomputed id {top1} ({float(logits[top1]):.6g})")
-        err = float(np.max(np.abs(found - stored)))
-        return False, f"within tolerance (max |diff| {err:.3g} over the top-{ids.size})"
-
-
-def logits_hash(logits: np.ndarray) -> str:
-    """xxh3-128 hex of the logits as little-endian f32 (hashed in place: no copy)."""
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(logits, dtype="<f4"))
-
-
-DIGEST_CHUNK = 1024  # logits per chunk of the two-level top-k search
-
-
-def make_digest(logits: np.ndarray, position: int, k: int = DIGEST_TOP_K) -> LogitsDigest:
-    """Digest of ``logits`` [vocab] f32 computed at ``position`` (O(vocab): no full sort).
-
-    The top k are found in two levels: the maximum of every DIGEST_CHUNK-wide chunk, the k-th
-    largest of those maxima t (at least k logits are >= t, so the k-th largest logit is too),
-    then an exact selection among the few logits >= t. Ties at the cut are kept and ordered by
-    id, exactly as a full sort by (value desc, id asc) would.
-    """
-    logits = np.ascontiguousarray(logits, dtype="<f4").reshape(-1)  # [vocab] f32
-    n = logits.shape[0]
-    k = min(k, n)
-    if k <= 0:
-        return LogitsDigest(int(position), [], [], logits_hash(logits))
-    cand = _top_candidates(logits, k)  # [>= k] ids of every logit >= the k-th largest
-    top = cand[np.lexsort((cand, -logits[cand]))][:k]  # [k] by value desc, then id asc
-    return LogitsDigest(int(position), top.tolist(), logits[top].astype(np.float64).tolist(),
-                        logits_hash(logits))
-
-
-def _top_candidates(logits: np.ndarray, k: int) -> np.ndarray:
-    """Ids of every logit >= the k-th largest (ties at the cut included), ascending.
-
-    Only the chunks whose maximum reaches the k-th largest chunk maximum are searched: no
-    temporary as big as the vocabulary (those cost page faults on every call).
-    """
-    n = logits.shape[0]
-    chunks = -(-n // DIGEST_CHUNK)
-    if chunks >= k:
-        whole = n // DIGEST_CHUNK * DIGEST_CHUNK
-        maxima = np.empty(chunks, dtype=np.float32)  # [chunks] f32
-        logits[:whole].reshape(-1, DIGEST_CHUNK).max(axis=1, out=maxima[:whole // DIGEST_CHUNK])
-        if whole < n:
-            maxima[-1] = logits[whole:].max()
-        if not np.isnan(maxima).any():  # NaN: the plain path below decides
-            t = np.partition(maxima, chunks - k)[chunks - k]  # k-th largest chunk maximum
-            sel = np.flatnonzero(maxima >= t)  # [c] chunks holding every logit >= t
-            ids = (sel[:, None] * DIGEST_CHUNK + np.arange(DIGEST_CHUNK)).reshape(-1)  # [c * C]
-            ids = ids[ids < n]
-            values = logits[ids]  # [m] f32
-            near, values = ids[values >= t], values[values >= t]  # [>= k]: holds the top k
-            kth = np.partition(values, values.shape[0] - k)[values.shape[0] - k]
-            return near[values >= kth]
-    part = np.argpartition(logits, n - k)[n - k:]  # [k] ids of the k largest (any order)
-    return np.flatnonzero(logits >= logits[part].min())  # [>= k] ids: ties at the cut included
 
 
 @dataclass
@@ -213,64 +127,20 @@ class Manifest:
                            allow_nan=False) + "\n").encode()
 
 
-def _need(obj: dict, key: str, kind: type | tuple, where: str) -> Any:
-    if key not in obj:
-        raise FormatError(f"{where}: field {key!r} is missing")
-    value = obj[key]
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-        raise FormatError(f"{where}: field {key!r} has type {type(value).__name__}")
-    return value
-
-
-def _int(obj: dict, key: str, where: str, lo: int = 0, hi: int = (1 << 31) - 1) -> int:
-    value = _need(obj, key, int, where)
-    if not lo <= value <= hi:
-        raise FormatError(f"{where}: field {key!r} = {value} outside [{lo}, {hi}]")
-    return value
-
-
-def _float(obj: dict, key: str, where: str) -> float:
-    value = float(_need(obj, key, (int, float), where))
-    if not math.isfinite(value):
-        raise FormatError(f"{where}: field {key!r} is not finite")
-    return value
-
-
-def pending_from_json(data: dict, vocab: int, where: str) -> list[int]:
-    """The validated ``pending`` field (0..16 token ids in [0, vocab))."""
-    pending = _need(data, "pending", list, where)
-    if len(pending) > MAX_PENDING:
-        raise LimitError(f"{where}: {len(pending)} pending tokens exceed the limit {MAX_PENDING}")
-    for t in pending:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < max(vocab, 1):
-            raise FormatError(f"{where}: pending token {t!r} outside the vocab")
-    return list(pending)
-
-
-def digest_from_json(data: dict, vocab: int, where: str) -> LogitsDigest | None:
-    """The validated ``last_logits`` field (None when null or absent)."""
-    raw = data.get("last_logits")
-    if raw is None:
+def manifest_after_commit(manifest: Manifest, n: int, pending: list[int], logits: np.ndarray | None,
+                          noted: LogitsDigest | None) -> Manifest | None:
+    """The manifest after a commit of ``n`` records (FORMAT.md 5.5, step 2), a new object; None if
+    unchanged. ``logits`` [vocab] f32 are those of the last appended position and ``noted`` their
+    digest taken when they were produced (used when it describes position n-1)."""
+    digest = manifest.last_logits
+    if logits is not None and n and (digest is None or digest.position != n - 1
+                                     or manifest.committed != n):
+        digest = noted
+        if digest is None or digest.position != n - 1:
+            digest = make_digest(logits, n - 1)
+    if (n, pending, digest) == (manifest.committed, manifest.pending, manifest.last_logits):
         return None
-    if not isinstance(raw, dict):
-        raise FormatError(f"{where}: field 'last_logits' has type {type(raw).__name__}")
-    ids = _need(raw, "top_ids", list, where)
-    values = _need(raw, "top_values", list, where)
-    if not 0 < len(ids) == len(values) <= 64:
-        raise FormatError(f"{where}: last_logits holds {len(ids)} ids and {len(values)} values")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
-        raise FormatError(f"{where}: last_logits ids outside the vocab")
-    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
-        raise FormatError(f"{where}: last_logits values must be finite numbers")
-    return LogitsDigest(_int(raw, "position", where), list(ids), [float(v) for v in values],
-                        _need(raw, "hash", str, where))
-
-
-def digest_to_json(digest: LogitsDigest | None) -> dict[str, Any] | None:
-    if digest is None:
-        return None
-    return {"position": digest.position, "top_ids": list(digest.top_ids),
-            "top_values": list(digest.top_values), "hash": digest.hash}
+    return dataclasses.replace(manifest, committed=n, pending=list(pending), last_logits=digest)
 
 
 def manifest_from_json(data: Any, where: str) -> Manifest:
@@ -279,35 +149,35 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
         raise FormatError(f"{where}: not a JSON object")
     if data.get("schema") != SCHEMA:
         raise FormatError(f"{where}: schema {data.get('schema')!r}, expected {SCHEMA!r}")
-    version = _int(data, "schema_version", where)
+    version = need_int(data, "schema_version", where)
     if version != SCHEMA_VERSION:
         raise FormatError(f"{where}: schema_version {version} not supported (this reads {SCHEMA_VERSION})")
-    m = _need(data, "model", dict, where)
-    model = ModelRef(_need(m, "name", str, where), _need(m, "path", str, where),
-                     _need(m, "fingerprint", str, where))
-    kv_dtype = _need(data, "kv_dtype", str, where)
+    m = need(data, "model", dict, where)
+    model = ModelRef(need(m, "name", str, where), need(m, "path", str, where),
+                     need(m, "fingerprint", str, where))
+    kv_dtype = need(data, "kv_dtype", str, where)
     if kv_dtype not in KV_DTYPES:
         raise FormatError(f"{where}: kv_dtype {kv_dtype!r}, expected one of {KV_DTYPES}")
-    d = _need(data, "dims", dict, where)
-    dims = {name: _int(d, name, where) for name in DIM_NAMES}
+    d = need(data, "dims", dict, where)
+    dims = {name: need_int(d, name, where) for name in DIM_NAMES}
     pending = pending_from_json(data, dims["vocab"], where)
-    s = _need(data, "sampler", dict, where)
+    s = need(data, "sampler", dict, where)
     try:
-        sampler = SamplerSettings(_float(s, "temperature", where), _int(s, "top_k", where),
-                                  _float(s, "top_p", where), _int(s, "seed", where, 0, (1 << 64) - 1))
+        sampler = SamplerSettings(need_float(s, "temperature", where), need_int(s, "top_k", where),
+                                  need_float(s, "top_p", where), need_int(s, "seed", where, 0, (1 << 64) - 1))
     except FormatError as exc:
         msg = str(exc)
         raise FormatError(msg if msg.startswith(where) else f"{where}: field 'sampler': {msg}") from None
     digest = digest_from_json(data, dims["vocab"], where)
-    kv_file = _need(data, "kv_file", str, where)
+    kv_file = need(data, "kv_file", str, where)
     if kv_file != "kv.coli_kv":
         raise FormatError(f"{where}: kv_file {kv_file!r}, expected 'kv.coli_kv'")
     return Manifest(
-        id=_need(data, "id", str, where), model=model, kv_dtype=kv_dtype, dims=dims,
-        committed=_int(data, "committed", where), epoch=_int(data, "epoch", where, 0, (1 << 63) - 1),
+        id=need(data, "id", str, where), model=model, kv_dtype=kv_dtype, dims=dims,
+        committed=need_int(data, "committed", where), epoch=need_int(data, "epoch", where, 0, (1 << 63) - 1),
         pending=list(pending), sampler=sampler, last_logits=digest,
-        origin=_need(data, "origin", str, where), created_at=_need(data, "created_at", str, where),
-        updated_at=_need(data, "updated_at", str, where), kv_file=kv_file)
+        origin=need(data, "origin", str, where), created_at=need(data, "created_at", str, where),
+        updated_at=need(data, "updated_at", str, where), kv_file=kv_file)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -335,6 +205,22 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{path}: manifest is not valid JSON ({exc})") from None
     return apply_state(manifest_from_json(data, path), path)  # the last commit's fields
+
+
+def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Manifest:
+    """``manifest`` with the dynamic fields of its state page when that page is sound and of
+    the same epoch; otherwise ``manifest`` itself (the older, valid values)."""
+    try:
+        page = read_state_page(manifest_path)
+        if page is None:
+            return manifest
+        state = decode_state(page, manifest.dims["vocab"], str(state_path(manifest_path)))
+    except FormatError:
+        return manifest  # a cache only: torn by a concurrent write, or damaged
+    if state["epoch"] != manifest.epoch:
+        return manifest  # written before a truncate, or a truncate's manifest not yet in place
+    return dataclasses.replace(manifest, committed=state["committed"], pending=state["pending"],
+                               last_logits=state["last_logits"], updated_at=state["updated_at"])
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -376,7 +262,11 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
 
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "ModelRef",
-    "SamplerSettings", "LogitsDigest", "Manifest", "make_digest", "logits_hash",
-    "manifest_from_json", "read_manifest", "write_manifest", "fsync_dir", "utc_now",
+    "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "MAX_PENDING", "ModelRef",
+    "SamplerSettings", "Manifest", "manifest_after_commit", "manifest_from_json", "apply_state", "read_manifest",
+    "write_manifest", "fsync_dir", "utc_now",
+    # the digest, re-exported for callers of the manifest (defined in sessionstore.sessions.digest)
+    "LogitsDigest", "make_digest", "logits_hash", "digest_from_json", "digest_to_json",
+    "DIGEST_TOP_K", "DIGEST_RTOL", "DIGEST_ATOL",
+    "pending_from_json",
 ]

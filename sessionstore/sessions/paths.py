@@ -17,6 +17,9 @@ from pathlib import Path
 from kernels.errors import FormatError, LimitError, NotFoundError
 
 MAX_ID_LENGTH = 128
+KV_NAME = "kv.coli_kv"  # the names inside a session directory (FORMAT.md 5.1)
+SIDECAR_NAME = KV_NAME + ".colisum"
+LOCK_NAME = KV_NAME + ".lock"
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
 
@@ -101,6 +104,6 @@ def confined(root: Path, *names: str) -> Path:
 
 
 __all__ = [
-    "MAX_ID_LENGTH", "InvalidSessionIdError", "validate_session_id", "is_valid_session_id",
-    "resolve_root", "check_component", "confined",
+    "MAX_ID_LENGTH", "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "InvalidSessionIdError", "validate_session_id",
+    "is_valid_session_id", "resolve_root", "check_component", "confined",
 ]

@@ -21,49 +21,38 @@ recomputes the pending token and the digest from position F-1 (a ``recovery`` ev
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
-from sessionstore.kvfile import (
-    HEADER_SIZE,
-    Dims,
-    KVReader,
-    KVWriter,
-    check_records,
-    load_sidecar,
-    open_kv,
-    release_later,
-)
+from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit_state import StateWriter, encode_state
+from sessionstore.sessions.digest import LogitsDigest, make_digest
 from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
-    LogitsDigest,
     Manifest,
     ModelRef,
     SamplerSettings,
-    make_digest,
+    manifest_after_commit,
     utc_now,
     write_manifest,
 )
+from sessionstore.sessions.recovery import ResumeTarget, check_resume
+from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.turns import (
+    TurnResult,
     blocks_from_reader,
-    compare_rows,
+    common_prefix,
     feed_chunk,
     recompute_last,
     reference_turns,
     run_turn,
-    to_sampler,
 )
-
-if TYPE_CHECKING:
-    from sessionstore.sessions.store import SessionStore
 
 DEFAULT_COMMIT_EVERY = 64
 DECODE_PREALLOCATE = None  # the writer's decode-loop headroom (writer.default_headroom): token
@@ -73,30 +62,29 @@ WRITE_BEHIND = True  # default: each decoded record (and its sidecar entry) goes
 
 log = get_logger("session")
 
-@dataclass
-class TurnResult:
-    """What one ``generate`` call did."""
 
-    tokens: list[int] = field(default_factory=list)
-    stopped_at_eos: bool = False
-    reused_prefix: int = 0  # history records kept by prefix matching
-    fed: int = 0  # tokens fed in this turn (prompt rest or pending)
-    committed: int = 0
-    commits: int = 0
-    seconds: float = 0.0
+class SessionHome(Protocol):
+    """What a session needs of its store (a :class:`SessionStore` is one): its paths and
+    manifest, the creation of its files, forks, and the residency budget it reports to."""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def residency(self) -> Residency[Session]: ...
+    def session_dir(self, session_id: str) -> Path: ...
+    def read_manifest(self, session_id: str) -> Manifest: ...
+    def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
+                      sampler: SamplerSettings | None = None) -> Manifest: ...
+    def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> Any: ...
 
 
 class Session:
     """One session. Obtain through :class:`SessionStore` (``create`` / ``open``)."""
 
-    def __init__(self, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef,
+    def __init__(self, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef,
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND) -> None:
         self.store = store
+        self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
         self.model = model
         self.model_ref = model_ref
@@ -125,31 +113,19 @@ class Session:
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef, *,
+    def create(cls, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef, *,
                kv_dtype: str = "fp8", sampler: SamplerSettings | None = None, **options: Any) -> Session:
-        from sessionstore.sessions.store import KV_NAME
-
+        """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
         dims = Dims(*model.dims_for_file())
-        tmp = store.tmp_dir()
-        try:
-            KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
-            manifest = Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
-                                dims={k: int(v) for k, v in asdict(dims).items()},
-                                sampler=sampler or SamplerSettings())
-            write_manifest(tmp / MANIFEST_NAME, manifest)
-            store._install(tmp, session_id)
-        finally:
-            if tmp.exists():
-                import shutil
-
-                shutil.rmtree(tmp, ignore_errors=True)
+        manifest = store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
+                                       sampler=sampler or SamplerSettings())
         log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
         session = cls(store, session_id, model, model_ref, manifest, **options)
         session.resume()
         return session
 
     @classmethod
-    def open(cls, store: SessionStore, session_id: str, model: Any, model_ref: ModelRef,
+    def open(cls, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef,
              **options: Any) -> Session:
         manifest = store.read_manifest(session_id)
         session = cls(store, session_id, model, model_ref, manifest, **options)
@@ -197,13 +173,13 @@ class Session:
         if self.state == "resident":
             return self.resume_report
         t0 = time.perf_counter()
-        writer = None
-        for _ in range(3):  # read the manifest again under the lock: it is the truth on disk
+        self.manifest = manifest = self.store.read_manifest(self.id)
+        writer = self._open_writer(manifest)
+        for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
             manifest = self.store.read_manifest(self.id)
-            if writer is not None:
-                if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
-                    break
-                writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
+            if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
+                break
+            writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
             self.manifest = manifest
             writer = self._open_writer(manifest)
         else:
@@ -218,17 +194,21 @@ class Session:
                 f"({self.model_ref.fingerprint})")
         try:
             ready = self._map_and_build(writer)
-            consistent = self.cache.length == self.manifest.committed
-            report = (self._verify_and_recover() if self.verify or not consistent  # recovery: always
-                      else {"verified": "skipped", "recovered": False,
-                            "checksums": writer.vouched.describe() if writer.vouched else None})
+            target = ResumeTarget(self.id, self.model, self.cache, self._live_reader(), writer.vouched,
+                                  self.manifest, self.directory, self.kv_path, self.manifest_fsync)
+            try:
+                check = check_resume(target, verify=self.verify)  # may recover self.manifest in place
+            finally:
+                self.pending = list(self.manifest.pending)
+            self._note_logits(check.logits)
         except BaseException:
             self._release()
             raise
+        report = check.report
         report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self.cache.length)
         self.resume_report = report
-        self.store._register(self)
-        self.store.enforce_budget(keep=self)
+        self.residency.register(self)
+        self.residency.enforce_budget(keep=self)
         log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
         return report
 
@@ -261,91 +241,17 @@ class Session:
         self.state = "resident"
         return time.perf_counter()
 
-    def _verify_and_recover(self) -> dict[str, Any]:
-        n, m = self.cache.length, self.manifest.committed
-        report: dict[str, Any] = {"verified": "empty", "recovered": False}
-        vouched = self._writer.vouched
-        if vouched is not None:
-            report["checksums"] = vouched.describe()
-            report["not_covered"] = vouched.not_covered
-        if n == 0:
-            self._note_logits(None)
-            if m != 0:
-                self._recover_manifest(n, m, None)
-                report["recovered"] = True
-            return report
-        logits, rows = recompute_last(self.model, self.cache.blocks, self.cache.tokens, self.manifest.kv_dtype)
-        try:
-            report["rows_exact"] = compare_rows(rows, self._reader, n - 1)
-        except CorruptionError as exc:
-            raise self._explain_mismatch(n, exc) from None
-        digest = self.manifest.last_logits
-        if n == m and digest is not None and digest.position == n - 1:
-            try:
-                exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
-            except CorruptionError as exc:
-                raise self._explain_mismatch(n, exc) from None
-            report["verified"] = "bit-identical" if exact else "within tolerance"
-            report["detail"] = detail
-            if not exact:
-                log.warning("session.resume_inexact", id=self.id, detail=detail)
-        else:
-            report["verified"] = "recomputed (no digest to compare)"
-        if vouched is not None and vouched.not_covered:  # the tolerance path, said out loud
-            report["verified"] += (f"; {vouched.not_covered} record(s) not covered by a sidecar of "
-                                   "ours: checked only through the recomputed last position")
-            log.warning("session.resume_not_covered", id=self.id, not_covered=vouched.not_covered)
-        self._note_logits(logits)
-        if n != m:
-            self._recover_manifest(n, m, logits)
-            report["recovered"] = True
-        elif digest is None or digest.position != n - 1:
-            self.manifest.last_logits = make_digest(logits, n - 1)
-            write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
-        return report
+    def _live_writer(self) -> KVWriter:
+        assert self._writer is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
+        return self._writer
 
-    def _explain_mismatch(self, n: int, exc: CorruptionError) -> CorruptionError:
-        """The resume error for a digest mismatch, naming the session and its kv file; the full
-        sidecar check runs only here (after the mismatch), never on a sound resume."""
-        cause = ""
-        try:
-            sidecar = load_sidecar(self.kv_path)
-            report = check_records(self._reader, sidecar) if sidecar is not None else None
-        except ColiError as err:
-            cause = f"; the sidecar cannot vouch for the records ({err})"
-        else:
-            if report is not None and report.status == "corrupt" and report.mismatched_positions:
-                rec = self._reader.record_bytes
-                where = ", ".join(f"{p} (byte {HEADER_SIZE + p * rec})"
-                                  for p in report.mismatched_positions[:8])
-                if report.mismatched == 1:
-                    cause = f"; the record at position {where} fails its checksum in the sidecar"
-                else:
-                    more = " ..." if report.mismatched > 8 else ""
-                    cause = (f"; {report.mismatched} records fail their checksums in the sidecar, "
-                             f"at positions {where}{more}")
-            elif report is not None and report.status == "corrupt":
-                cause = "; " + "; ".join(report.messages)
-        return CorruptionError(f"session {self.id!r}: resume of {self.kv_path} failed verification "
-                               f"({n} committed records): {exc}{cause}")
-
-    def _recover_manifest(self, n: int, m: int, logits: np.ndarray | None) -> None:
-        """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``."""
-        old_pending = list(self.manifest.pending)
-        if logits is not None:
-            self.pending = [to_sampler(self.manifest.sampler)(logits, n)]
-            self.manifest.last_logits = make_digest(logits, n - 1)
-        else:
-            self.pending, self.manifest.last_logits = [], None
-        self.manifest.committed = n
-        self.manifest.pending = list(self.pending)
-        write_manifest(self.directory / MANIFEST_NAME, self.manifest)
-        log.warning("session.recovery", id=self.id, file_committed=n, manifest_committed=m,
-                    pending_was=old_pending, pending=self.pending)
+    def _live_reader(self) -> KVReader:
+        assert self._reader is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
+        return self._reader
 
     # ---- generation ------------------------------------------------------------------------
     def _append_rows(self) -> None:
-        writer = self._writer
+        writer = self._live_writer()
         start = writer.length
         if self.cache.length > start:
             writer.append(self.cache.records_since(start))
@@ -357,7 +263,7 @@ class Session:
         rest truncated) and the remainder fed; without, generation continues where it stopped."""
         t0 = time.perf_counter()
         self.ensure_resident()
-        self.store._touch(self)
+        self.residency.touch(self)
         if sampler is not None and sampler != self.manifest.sampler:
             self.manifest.sampler = sampler
             write_manifest(self.directory / MANIFEST_NAME, self.manifest)  # durable: rare
@@ -367,8 +273,6 @@ class Session:
             prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
             if not prompt:
                 raise FormatError("the prompt is empty")
-            from sessionstore.sessions.store import common_prefix
-
             k = common_prefix(self.cache.tokens, prompt)
             if k < self.cache.length:
                 self.truncate(k)
@@ -387,8 +291,8 @@ class Session:
             self._note_logits(logits)
             if on_token is not None:
                 on_token(token, position)
-            every = self.commit_every
-            if every and self._writer.length - self._writer.nrec >= every:
+            every, writer = self.commit_every, self._live_writer()
+            if every and writer.length - writer.nrec >= every:
                 self.commit()
 
         tokens, logits, eos = run_turn(self.model, self.cache, feed, self._logits, max_new,
@@ -399,10 +303,10 @@ class Session:
         self._note_logits(logits)
         self.commit()
         result.tokens, result.stopped_at_eos = tokens, eos
-        result.committed = self._writer.nrec
+        result.committed = self._live_writer().nrec
         result.commits = self._commits - commits_before
         result.seconds = time.perf_counter() - t0
-        self.store._touch(self)
+        self.residency.touch(self)
         return result
 
     def commit(self) -> int:
@@ -417,11 +321,12 @@ class Session:
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
         t0 = time.perf_counter()
-        n = self._writer.length
+        writer = self._live_writer()
+        n = writer.length
         if n != self.cache.length:
             raise CorruptionError(f"{self.kv_path}: {n} records appended, the cache holds {self.cache.length}")
         prepared: list[tuple[Manifest, bytes] | None] = []
-        committed = self._writer.commit(beside=lambda: prepared.append(self._prepare_state(n)))
+        committed = writer.commit(beside=lambda: prepared.append(self._prepare_state(n)))
         t1 = time.perf_counter()
         state = prepared[0] if prepared else self._prepare_state(n)
         t2 = time.perf_counter()
@@ -439,25 +344,11 @@ class Session:
 
     def _prepare_state(self, n: int) -> tuple[Manifest, bytes] | None:
         """The manifest after a commit of ``n`` records and its state page; None if unchanged."""
-        new = self._next_manifest(n)
+        new = manifest_after_commit(self.manifest, n, self.pending, self._logits, self._digest)
         if new is None:
             return None
         new.updated_at = utc_now()
         return new, encode_state(new)
-
-    def _next_manifest(self, n: int) -> Manifest | None:
-        """The manifest after a commit of ``n`` records (a new object); None if unchanged."""
-        digest = self.manifest.last_logits
-        if self._logits is not None and n and (digest is None or digest.position != n - 1
-                                               or self.manifest.committed != n):
-            digest = self._digest
-            if digest is None or digest.position != n - 1:
-                digest = make_digest(self._logits, n - 1)
-        if (n, self.pending, digest) == (self.manifest.committed, self.manifest.pending,
-                                         self.manifest.last_logits):
-            return None
-        return dataclasses.replace(self.manifest, committed=n, pending=list(self.pending),
-                                   last_logits=digest)
 
     def _note_logits(self, logits: np.ndarray | None) -> None:
         """Keep the logits of the last appended position and digest them at once: they are hot
@@ -478,7 +369,8 @@ class Session:
         logits = feed_chunk(self.model, self.cache, toks, self._append_rows)
         self.pending = []
         self._note_logits(logits)
-        due = bool(self.commit_every) and self._writer.length - self._writer.nrec >= self.commit_every
+        writer = self._live_writer()
+        due = bool(self.commit_every) and writer.length - writer.nrec >= (self.commit_every or 0)
         if commit or (commit is None and due):
             self.commit()
         return logits
@@ -494,7 +386,7 @@ class Session:
         self.manifest.last_logits = None
         self._note_logits(None)
         write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
-        self._writer.truncate(n)
+        self._live_writer().truncate(n)
         self.cache.truncate(n)
         log.info("session.truncate", id=self.id, committed=n, epoch=self.manifest.epoch)
         return n
@@ -532,7 +424,7 @@ class Session:
         release_later(garbage, before=None if reader is None else lambda: reader.close(defer_unmap=True))
         if self.state == "resident":
             self.state = "suspended"
-        self.store._unregister(self)
+        self.residency.unregister(self)
 
     def guard_with(self, keeper: Any) -> None:
         """Fence this resident session's commits with ``keeper`` (a LeaseKeeper: its
@@ -566,5 +458,5 @@ class Session:
         return f"Session({self.id!r}, {self.state}, committed={self.committed}, pending={self.pending})"
 
 
-__all__ = ["Session", "TurnResult", "feed_chunk", "run_turn", "reference_turns", "recompute_last",
+__all__ = ["Session", "SessionHome", "TurnResult", "feed_chunk", "run_turn", "reference_turns", "recompute_last",
            "blocks_from_reader", "DEFAULT_COMMIT_EVERY"]

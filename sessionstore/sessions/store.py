@@ -17,17 +17,15 @@ the least recently used ones are suspended (disk only) when a resident session w
 """
 from __future__ import annotations
 
+import builtins
 import os
 import shutil
 import tempfile
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
 from sessionstore.kvfile import (
@@ -35,17 +33,11 @@ from sessionstore.kvfile import (
     TMP_DIR_PREFIX,
     TRASH_PREFIX,
     Dims,
-    Header,
+    KVWriter,
     Swept,
     WriterLock,
-    check_records,
-    copy_committed,
-    copy_sidecar_prefix,
     current_owner,
-    load_sidecar,
     open_kv,
-    record_bytes,
-    require_sound,
     sidecar_path,
     store_entry_name,
     sweep_store_tmp,
@@ -61,16 +53,22 @@ from sessionstore.sessions.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.sessions.paths import check_component, confined, resolve_root, validate_session_id
-
-if TYPE_CHECKING:
-    from sessionstore.sessions.session import Session
+from sessionstore.sessions.paths import (
+    KV_NAME,
+    LOCK_NAME,
+    SIDECAR_NAME,
+    check_component,
+    confined,
+    resolve_root,
+    validate_session_id,
+)
+from sessionstore.sessions.residency import Residency
+from sessionstore.sessions.session import Session
+from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
+from sessionstore.sessions.turns import common_prefix
 
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
-KV_NAME = "kv.coli_kv"
-SIDECAR_NAME = KV_NAME + ".colisum"
-LOCK_NAME = KV_NAME + ".lock"
 STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
 SNAPSHOT_RETRIES = 5
 
@@ -95,49 +93,6 @@ class SessionInfo:
         return dict(self.__dict__)
 
 
-@dataclass(frozen=True)
-class SessionSnapshot:
-    """A consistent view of a session's last commit: its manifest and committed byte count.
-
-    The committed prefix of a live session is immutable until a truncate, which bumps the
-    manifest's ``epoch`` BEFORE touching the file; ``still_valid()`` after copying tells a copy
-    taken from a live session is consistent. ``copy_to`` does the copy, checks and retries.
-    """
-
-    id: str
-    directory: Path
-    manifest: Manifest
-    header: Header  # the header as it must read for the copy (nrec = committed)
-
-    @property
-    def committed(self) -> int:
-        return self.manifest.committed
-
-    @property
-    def epoch(self) -> int:
-        return self.manifest.epoch
-
-    @property
-    def kv_path(self) -> Path:
-        return self.directory / KV_NAME
-
-    @property
-    def sidecar_path(self) -> Path:
-        return self.directory / SIDECAR_NAME
-
-    @property
-    def committed_bytes(self) -> int:
-        return self.header.committed_end()
-
-    def still_valid(self) -> bool:
-        """True while the copied prefix cannot have changed (no truncate since the snapshot)."""
-        try:
-            now = read_manifest(self.directory / MANIFEST_NAME)
-        except ColiError:
-            return False
-        return now.epoch == self.epoch and now.committed >= self.committed
-
-
 class SessionStore:
     """A local directory of sessions (the embedded default)."""
 
@@ -153,8 +108,7 @@ class SessionStore:
         self.sessions_root = confined(self.root, SESSIONS_DIR)
         self.tmp_root = confined(self.root, TMP_DIR)
         self._open_skeleton(create)
-        self.memory_budget = memory_budget
-        self._resident: OrderedDict[int, Session] = OrderedDict()
+        self.residency: Residency[Session] = Residency(memory_budget)  # resident sessions, LRU budget
         self._models: dict[str, Any] = {}
         self._lock = threading.RLock()
         self.swept: list[Swept] = []
@@ -296,8 +250,6 @@ class SessionStore:
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
                sampler: SamplerSettings | None = None, **session_options: Any) -> Session:
         """A new, empty session for the model at ``model_source``; returned open (lock held)."""
-        from sessionstore.sessions.session import Session
-
         validate_session_id(session_id)
         if self.exists(session_id):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
@@ -308,8 +260,6 @@ class SessionStore:
     def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
              **session_options: Any) -> Session:
         """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint."""
-        from sessionstore.sessions.session import Session
-
         manifest = self.read_manifest(session_id)
         source = manifest.model.path if model_source is None else model_source
         try:
@@ -333,52 +283,12 @@ class SessionStore:
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:
         """The last commit of a live or suspended session: manifest + header at that count."""
-        d = self._existing_dir(session_id)
-        manifest = self.read_manifest(session_id)
-        dims = Dims(**manifest.dims)
-        header = Header(manifest.kv_version, dims, manifest.committed)
-        with open_kv(d / KV_NAME, expect=dims) as reader:
-            if reader.version != manifest.kv_version:
-                raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says "
-                                  f"{manifest.kv_dtype} (v{manifest.kv_version})")
-            if reader.nrec < manifest.committed:
-                raise CorruptionError(
-                    f"{reader.path}: holds {reader.nrec} committed records, the manifest "
-                    f"{manifest.committed}; open the session once to recover it")
-        return SessionSnapshot(session_id, d, manifest, header)
+        return SessionSnapshot.take(session_id, self._existing_dir(session_id), self.read_manifest(session_id))
 
     def copy_snapshot(self, snap: SessionSnapshot, dst_dir: Path, *, at: int | None = None,
                       new_id: str | None = None) -> tuple[Manifest, str]:
-        """Copy ``snap`` (cut to ``at`` records) into ``dst_dir``; returns (manifest, method).
-
-        The kv copy is a reflink where the filesystem has one, else an in-kernel or plain copy of
-        the committed bytes; the copy's records are checked against the copied sidecar.
-        """
-        n = snap.committed if at is None else at
-        if not 0 <= n <= snap.committed:
-            raise FormatError(f"session {snap.id!r}: position {n} outside [0, {snap.committed}]")
-        src = snap.manifest
-        pending = list(src.pending)
-        if n < src.committed:  # the copy continues as the source did at n: its record n is next
-            with open_kv(snap.kv_path, expect=snap.header.dims) as reader:
-                pending = [int(reader.tokens[n])]
-        header = snap.header.with_nrec(n)
-        method = copy_committed(snap.kv_path, dst_dir / KV_NAME, header)
-        copy_sidecar_prefix(snap.kv_path, dst_dir / KV_NAME, header)
-        with open_kv(dst_dir / KV_NAME, expect=header.dims) as reader:
-            sidecar = load_sidecar(reader.path)
-            report = check_records(reader, sidecar) if sidecar is not None else None
-            copied = reader.nrec
-        if report is None or report.status != "ok" or report.vouched != n or copied != n:
-            detail = "no sidecar" if report is None else "; ".join(report.messages) or report.status
-            raise CorruptionError(f"copy of session {snap.id!r} at {n} records failed its check: {detail}")
-        manifest = Manifest(
-            id=new_id or src.id, model=src.model, kv_dtype=src.kv_dtype, dims=dict(src.dims),
-            committed=n, epoch=0, pending=pending, sampler=src.sampler,
-            last_logits=src.last_logits if n == src.committed else None,
-            origin=f"fork of {src.id} at {n}" if new_id else src.origin)
-        write_manifest(dst_dir / MANIFEST_NAME, manifest)
-        return manifest, method
+        """Copy ``snap`` (cut to ``at`` records) into ``dst_dir``: :meth:`SessionSnapshot.copy_to`."""
+        return snap.copy_to(dst_dir, at=at, new_id=new_id)
 
     def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> SessionInfo:
         """A new session ``new_id`` holding ``source_id``'s first ``at`` records (default: all)."""
@@ -399,6 +309,23 @@ class SessionStore:
             log.info("session.fork", id=source_id, new=new_id, at=manifest.committed, method=method)
             return self.info(new_id)
         raise LockedError(f"session {source_id!r} kept being truncated while forking; try again")
+
+    def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
+                      sampler: SamplerSettings | None = None) -> Manifest:
+        """Install a new, empty session (kv file + manifest, prepared under ``tmp/``, FORMAT.md
+        5.1) as ``session_id``; returns its manifest. :meth:`Session.create` opens it."""
+        tmp = self.tmp_dir()
+        try:
+            KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
+            manifest = Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
+                                dims={k: int(v) for k, v in asdict(dims).items()},
+                                sampler=sampler or SamplerSettings())
+            write_manifest(tmp / MANIFEST_NAME, manifest)
+            self._install(tmp, session_id)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
 
     def _install(self, tmp: Path, session_id: str) -> None:
         """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
@@ -454,81 +381,35 @@ class SessionStore:
         with open_kv(snap.kv_path) as reader:
             return common_prefix(reader.tokens[:snap.committed], prompt_ids)
 
-    def history(self, session_id: str) -> list[int]:
+    def history(self, session_id: str) -> builtins.list[int]:
         """The conversation's tokens (committed records + pending), read-only, no lock taken."""
         snap = self.snapshot(session_id)
         with open_kv(snap.kv_path) as reader:
             tokens = [int(t) for t in reader.tokens[:snap.committed]]
         return tokens + list(snap.manifest.pending)
 
-    # ---- memory budget --------------------------------------------------------------------
-    def _register(self, session: Session) -> None:
-        with self._lock:
-            self._resident[id(session)] = session
-            self._resident.move_to_end(id(session))
+    # ---- memory budget (the store's Residency) ----------------------------------------------
+    @property
+    def memory_budget(self) -> int | None:
+        return self.residency.budget
 
-    def _unregister(self, session: Session) -> None:
-        with self._lock:
-            self._resident.pop(id(session), None)
+    @memory_budget.setter
+    def memory_budget(self, budget: int | None) -> None:
+        self.residency.budget = budget
 
-    def _touch(self, session: Session) -> None:
-        with self._lock:
-            if id(session) in self._resident:
-                self._resident.move_to_end(id(session))
-        self.enforce_budget(keep=session)
-
-    def resident_sessions(self) -> list[Session]:
+    def resident_sessions(self) -> builtins.list[Session]:
         """Resident sessions, least recently used first."""
-        with self._lock:
-            return list(self._resident.values())
+        return self.residency.sessions()
 
     def resident_bytes(self) -> int:
-        return sum(s.memory_bytes() for s in self.resident_sessions())
+        return self.residency.resident_bytes()
 
-    def enforce_budget(self, keep: Session | None = None) -> list[str]:
+    def enforce_budget(self, keep: Session | None = None) -> builtins.list[str]:
         """Suspend least recently used sessions until the resident ones fit the budget."""
-        if self.memory_budget is None:
-            return []
-        suspended = []
-        for session in self.resident_sessions():
-            if self.resident_bytes() <= self.memory_budget:
-                break
-            if session is keep:
-                continue
-            session.suspend()
-            suspended.append(session.id)
-            log.info("session.evict", id=session.id, budget=self.memory_budget)
-        return suspended
+        return self.residency.enforce_budget(keep=keep)
 
 
-def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]) -> int:
-    """Longest common prefix of ``history`` and ``prompt_ids``, capped at ``len(prompt) - 1``."""
-    hist = np.asarray(history, dtype=np.int64)  # [n]
-    prompt = np.asarray(list(prompt_ids), dtype=np.int64)  # [m]
-    m = min(hist.shape[0], prompt.shape[0])
-    differ = np.flatnonzero(hist[:m] != prompt[:m])
-    k = int(differ[0]) if differ.size else m
-    return max(min(k, prompt.shape[0] - 1), 0)
-
-
-def verify_session_dir(directory: Path) -> Manifest:
-    """Check a session directory is complete and sound: manifest, kv file and sidecar agree."""
-    for name in (MANIFEST_NAME, KV_NAME):
-        if not check_component(directory / name, want="file"):
-            raise CorruptionError(f"{directory}: {name} is missing")
-    manifest = read_manifest(directory / MANIFEST_NAME)
-    dims = Dims(**manifest.dims)
-    with open_kv(directory / KV_NAME, expect=dims) as reader:
-        if reader.version != manifest.kv_version:
-            raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says {manifest.kv_dtype}")
-        if reader.nrec < manifest.committed:
-            raise CorruptionError(f"{reader.path}: {reader.nrec} records, the manifest says "
-                                  f"{manifest.committed}")
-        require_sound(reader, manifest.committed)  # what verify calls sound, before install
-    if record_bytes(manifest.kv_version, dims) <= 0:  # pragma: no cover - layout guarantees it
-        raise FormatError(f"{directory}: impossible record size")
-    return manifest
-
-
-__all__ = ["SessionStore", "SessionInfo", "SessionSnapshot", "common_prefix", "verify_session_dir",
-           "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "SESSIONS_DIR", "TMP_DIR", "sidecar_path"]
+__all__ = ["SessionStore", "SessionInfo", "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "STATE_NAME", "SESSIONS_DIR",
+           "TMP_DIR", "sidecar_path",
+           # re-exported for the store's callers (defined in snapshot.py and turns.py)
+           "SessionSnapshot", "verify_session_dir", "common_prefix"]

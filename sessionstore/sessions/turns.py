@@ -8,6 +8,7 @@ with exactly that operation over the restored rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,22 @@ from sessionstore.sessions.manifest import SamplerSettings
 
 ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
 # step near the top of the range is up to 32/448 of it): catches a foreign cache, not noise
+
+
+@dataclass
+class TurnResult:
+    """What one ``Session.generate`` call did."""
+
+    tokens: list[int] = field(default_factory=list)
+    stopped_at_eos: bool = False
+    reused_prefix: int = 0  # history records kept by prefix matching
+    fed: int = 0  # tokens fed in this turn (prompt rest or pending)
+    committed: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def feed_chunk(model: Any, cache: Any, tokens: Sequence[int] | np.ndarray,
@@ -81,6 +98,17 @@ def run_turn(model: Any, cache: Any, feed: Sequence[int] | None, last_logits: np
     return out, logits, False
 
 
+def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]) -> int:
+    """Longest common prefix of ``history`` and ``prompt_ids``, capped at ``len(prompt) - 1``
+    (prefix reuse, FORMAT.md 5.6: at least one token is always fed)."""
+    hist = np.asarray(history, dtype=np.int64)  # [n]
+    prompt = np.asarray(list(prompt_ids), dtype=np.int64)  # [m]
+    m = min(hist.shape[0], prompt.shape[0])
+    differ = np.flatnonzero(hist[:m] != prompt[:m])
+    k = int(differ[0]) if differ.size else m
+    return max(min(k, prompt.shape[0] - 1), 0)
+
+
 def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[int] | None, int]],
                     sampler: SamplerSettings, *, stop_at_eos: bool = False) -> list[list[int]]:
     """The uninterrupted run: every turn in one process, one in-memory cache, no store.
@@ -88,8 +116,6 @@ def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[in
     ``turns``: (prompt_ids or None to continue, max_new). Prompt ids are prefix-matched against
     the history exactly as a session does.
     """
-    from sessionstore.sessions.store import common_prefix
-
     cache = model.new_cache(kv_dtype)
     pending: list[int] = []
     last: np.ndarray | None = None
@@ -162,5 +188,5 @@ def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
     return exact
 
 
-__all__ = ["feed_chunk", "to_sampler", "run_turn", "reference_turns", "recompute_last",
+__all__ = ["TurnResult", "feed_chunk", "to_sampler", "run_turn", "common_prefix", "reference_turns", "recompute_last",
            "blocks_from_reader", "compare_rows", "ROW_RTOL"]

@@ -48,7 +48,9 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    from sessionstore.sessions import recovery as recovery_mod
     from sessionstore.sessions import session as session_mod
+    from sessionstore.sessions import store as store_mod
     from sessionstore.sessions.manifest import SamplerSettings
     from sessionstore.sessions.store import SessionStore
 
@@ -73,7 +75,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             dying()
             real_state(self, page, **kw)
 
-        session_mod.write_manifest = dying_write
+        # a session's whole manifest writes: creation (store), recovery, sampler change and truncate
+        for mod in (session_mod, store_mod, recovery_mod):
+            mod.write_manifest = dying_write  # type: ignore[attr-defined]
         StateWriter.write_page = dying_state  # type: ignore[method-assign]
     if spec.get("kill_at_kv_truncate"):  # SIGKILL after the manifest's epoch bump, before the cut
         from sessionstore.kvfile.writer import KVWriter

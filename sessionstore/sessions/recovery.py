@@ -1,0 +1,160 @@
+"""The checks of a resume and the recovery of a session's manifest (FORMAT.md 5.5).
+
+A session resumes under its writer lock, with its committed rows mapped (``Session.resume``);
+then :func:`check_resume` decides what is true and says so in the resume report:
+
+- recovery: the file's committed count F is the truth. When the manifest's M differs (killed
+  between the two commit steps, inside a truncate, or an OS crash that lost an unsynced
+  manifest), the logits of position F-1 are recomputed (a single-token step), the pending
+  token re-sampled at (seed, F) and the manifest rewritten durably (a ``recovery`` event);
+- verification (before the first token is computed): the recomputed last position's rows must
+  equal the stored record and its logits the manifest's digest; anything else is a failed
+  resume (``CorruptionError`` naming the session, its kv file and, when the sidecar finds them,
+  the damaged records), never silently different text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels.errors import ColiError, CorruptionError
+from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, load_sidecar
+from sessionstore.log import get_logger
+from sessionstore.sessions.digest import make_digest
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
+from sessionstore.sessions.turns import compare_rows, recompute_last, to_sampler
+
+log = get_logger("session")
+
+
+@dataclass(frozen=True)
+class ResumeTarget:
+    """A session just mapped under its writer lock: what its checks read and may repair."""
+
+    session_id: str
+    model: Any
+    cache: Any  # the decoder cache built over the committed rows
+    reader: KVReader  # the mapping those rows are views of
+    vouched: Vouched | None  # what the writer's open checked against the sidecar
+    manifest: Manifest  # the session's own manifest: a recovery updates it in place
+    directory: Path
+    kv_path: Path
+    manifest_fsync: bool = False
+
+
+@dataclass
+class ResumeCheck:
+    """The resume report and the logits of the last committed position when they were
+    recomputed (None otherwise: an empty session, or verification skipped)."""
+
+    report: dict[str, Any]
+    logits: np.ndarray | None = None  # [vocab] f32
+
+
+def check_resume(target: ResumeTarget, *, verify: bool = True) -> ResumeCheck:
+    """Verify (``verify``) and recover; a manifest that disagrees with the file is recovered
+    even when verification is off."""
+    consistent = target.cache.length == target.manifest.committed
+    if verify or not consistent:  # recovery: always
+        return verify_and_recover(target)
+    vouched = target.vouched
+    return ResumeCheck({"verified": "skipped", "recovered": False,
+                        "checksums": vouched.describe() if vouched else None})
+
+
+def verify_and_recover(target: ResumeTarget) -> ResumeCheck:
+    """Recompute the last committed position, check it against the stored record and the
+    manifest's digest, and recover the manifest when its count differs from the file's."""
+    manifest = target.manifest
+    n, m = target.cache.length, manifest.committed
+    report: dict[str, Any] = {"verified": "empty", "recovered": False}
+    vouched = target.vouched
+    if vouched is not None:
+        report["checksums"] = vouched.describe()
+        report["not_covered"] = vouched.not_covered
+    if n == 0:
+        if m != 0:
+            recover_manifest(target, n, m, None)
+            report["recovered"] = True
+        return ResumeCheck(report)
+    cache = target.cache
+    logits, rows = recompute_last(target.model, cache.blocks, cache.tokens, manifest.kv_dtype)
+    try:
+        report["rows_exact"] = compare_rows(rows, target.reader, n - 1)
+    except CorruptionError as exc:
+        raise explain_mismatch(target, n, exc) from None
+    digest = manifest.last_logits
+    if n == m and digest is not None and digest.position == n - 1:
+        try:
+            exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
+        except CorruptionError as exc:
+            raise explain_mismatch(target, n, exc) from None
+        report["verified"] = "bit-identical" if exact else "within tolerance"
+        report["detail"] = detail
+        if not exact:
+            log.warning("session.resume_inexact", id=target.session_id, detail=detail)
+    else:
+        report["verified"] = "recomputed (no digest to compare)"
+    if vouched is not None and vouched.not_covered:  # the tolerance path, said out loud
+        report["verified"] += (f"; {vouched.not_covered} record(s) not covered by a sidecar of "
+                               "ours: checked only through the recomputed last position")
+        log.warning("session.resume_not_covered", id=target.session_id, not_covered=vouched.not_covered)
+    if n != m:
+        recover_manifest(target, n, m, logits)
+        report["recovered"] = True
+    elif digest is None or digest.position != n - 1:
+        manifest.last_logits = make_digest(logits, n - 1)
+        write_manifest(target.directory / MANIFEST_NAME, manifest, durable=target.manifest_fsync)
+    return ResumeCheck(report, logits)
+
+
+def explain_mismatch(target: ResumeTarget, n: int, exc: CorruptionError) -> CorruptionError:
+    """The resume error for a digest mismatch, naming the session and its kv file; the full
+    sidecar check runs only here (after the mismatch), never on a sound resume."""
+    cause = ""
+    reader = target.reader
+    try:
+        sidecar = load_sidecar(target.kv_path)
+        report = check_records(reader, sidecar) if sidecar is not None else None
+    except ColiError as err:
+        cause = f"; the sidecar cannot vouch for the records ({err})"
+    else:
+        if report is not None and report.status == "corrupt" and report.mismatched_positions:
+            rec = reader.record_bytes
+            where = ", ".join(f"{p} (byte {HEADER_SIZE + p * rec})"
+                              for p in report.mismatched_positions[:8])
+            if report.mismatched == 1:
+                cause = f"; the record at position {where} fails its checksum in the sidecar"
+            else:
+                more = " ..." if report.mismatched > 8 else ""
+                cause = (f"; {report.mismatched} records fail their checksums in the sidecar, "
+                         f"at positions {where}{more}")
+        elif report is not None and report.status == "corrupt":
+            cause = "; " + "; ".join(report.messages)
+    return CorruptionError(f"session {target.session_id!r}: resume of {target.kv_path} failed "
+                           f"verification ({n} committed records): {exc}{cause}")
+
+
+def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | None) -> None:
+    """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``
+    (the pending token re-sampled at (seed, n) from ``logits``, the digest of position n-1)."""
+    manifest = target.manifest
+    old_pending = list(manifest.pending)
+    pending: list[int] = []
+    if logits is not None:
+        pending = [to_sampler(manifest.sampler)(logits, n)]
+        manifest.last_logits = make_digest(logits, n - 1)
+    else:
+        manifest.last_logits = None
+    manifest.committed = n
+    manifest.pending = list(pending)
+    write_manifest(target.directory / MANIFEST_NAME, manifest)
+    log.warning("session.recovery", id=target.session_id, file_committed=n, manifest_committed=m,
+                pending_was=old_pending, pending=pending)
+
+
+__all__ = ["ResumeTarget", "ResumeCheck", "check_resume", "verify_and_recover", "explain_mismatch",
+           "recover_manifest"]
