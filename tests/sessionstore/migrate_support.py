@@ -52,7 +52,7 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
     manifest = Manifest(id=session_id, model=ModelRef(model_name, model_name, fingerprint),
                         kv_dtype=kv_dtype, dims=dict(zip(
                             ("n_layers", "kv_lora", "qk_rope", "index_head_dim",
-                             "n_index_layers", "vocab"), dims.as_tuple())),
+                             "n_index_layers", "vocab"), dims.as_tuple(), strict=True)),
                         committed=n, pending=[int(np.argmax(logits))] if n else [],
                         sampler=SamplerSettings(temperature=0.7, top_k=20, top_p=0.9, seed=seed),
                         last_logits=make_digest(logits, n - 1) if n else None)
@@ -81,7 +81,7 @@ def session_files(store: SessionStore, session_id: str) -> dict[str, bytes]:
 def tree_state(root: Path) -> dict[str, bytes | str]:
     """Every name under ``root`` with its bytes (files) or kind: equal trees, equal dicts."""
     out: dict[str, bytes | str] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         out[rel + "/"] = "dir"
         for name in filenames:

@@ -63,7 +63,7 @@ def test_gathered_once_read_only_and_shared_by_every_layer(tmp_path):
         first = kv.sanitized_scales()
         assert kv.sanitized_scales() is first  # cached: per-layer views are free
         layers = [kv.layer(layer) for layer in range(INDEXER_DIMS.n_layers)]
-        for layer, rows in enumerate(layers):
+        for rows in layers:
             assert isinstance(rows, Fp8Rows)
             assert np.shares_memory(rows.lc_scale, first) and np.shares_memory(rows.rc_scale, first)
         with pytest.raises(ValueError):
@@ -79,7 +79,7 @@ def test_layer_blocks_is_the_one_implementation(tmp_path):
             blocks = kv.layer_blocks(n)
             same = blocks_from_reader(kv, n)
             assert len(blocks) == INDEXER_DIMS.n_layers and all(len(b) == 1 for b in blocks)
-            for layer, ((block,), (other,)) in enumerate(zip(blocks, same)):
+            for layer, ((block,), (other,)) in enumerate(zip(blocks, same, strict=True)):
                 assert block.length == n
                 for name in ("lc_codes", "lc_scale", "rc_codes", "rc_scale"):
                     assert np.array_equal(getattr(block, name), getattr(other, name))

@@ -89,7 +89,8 @@ def test_two_hosts_racing_to_resume_exactly_one_wins(hosts):
         barrier = threading.Barrier(2)
         outcome: dict[str, str] = {}
 
-        def race(remote: RemoteStore) -> None:
+        def race(remote: RemoteStore, barrier: threading.Barrier = barrier, sid: str = sid,
+                 outcome: dict[str, str] = outcome) -> None:
             barrier.wait()
             try:
                 remote.pull(sid)
