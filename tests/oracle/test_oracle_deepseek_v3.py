@@ -15,12 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modeling
 
-from kernels.fp8 import dequantize_rows, quantize_rows
-from kernels.model import generate, load_model
+NO_ORACLE = "the oracle extra is not installed: pip install -e '.[oracle]'"
+torch = pytest.importorskip("torch", reason=NO_ORACLE)
+transformers = pytest.importorskip("transformers", reason=NO_ORACLE)
+DeepseekV3Config = transformers.DeepseekV3Config
+DeepseekV3ForCausalLM = transformers.DeepseekV3ForCausalLM
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modeling  # noqa: E402
+
+from kernels.fp8 import dequantize_rows, quantize_rows  # noqa: E402
+from kernels.model import generate, load_model  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
