@@ -23,17 +23,17 @@ share one pool of fsync helper threads (:class:`SharedDurability`): no thread st
 """
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from collections.abc import Callable
 
 import numpy as np
 
-from kernels.errors import ColiError, FormatError, LimitError, ModelMismatchError, NotFoundError
+from kernels.errors import ColiError, FormatError, LimitError
 from kernels.rows import RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability, SharedDurability
+from sessionstore.kvfile.headroom import PREALLOC_MAX_BYTES, PREALLOC_RECORDS, Headroom, default_headroom
 from sessionstore.kvfile.integrity import Vouched, require_vouched
 from sessionstore.kvfile.layout import (
     HEADER_SIZE,
@@ -42,39 +42,22 @@ from sessionstore.kvfile.layout import (
     Dims,
     Header,
     complete_records,
-    pack_header,
     pack_nrec,
     pack_records,
-    parse_header,
     record_dtype,
     validate_dims,
 )
 from sessionstore.kvfile.lock import WriterLock
+from sessionstore.kvfile.opening import KV_DTYPES, open_locked, refuse_non_regular
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 from sessionstore.kvfile.staging import Staging
 from sessionstore.log import get_logger
 
-KV_DTYPES = {"fp8": 2, "f32": 1}
-CREATE_SUFFIX = ".create.tmp"
 CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar catches up
-PREALLOC_RECORDS = 256  # zero-filled headroom, in records ...
-PREALLOC_MAX_BYTES = 8 << 20  # ... at most this many bytes (the default ``preallocate``)
-PREALLOC_SMALL_COMMIT = 8  # only commits of <= 1/8 of the headroom refill it
 WRITEBACK_MIN_BYTES = 4096  # early writes this big start their write-back (smaller ones wait)
 
 log = get_logger("writer")
-
-
-def default_headroom(record_bytes: int) -> int:
-    """The decode loop's headroom (``preallocate=None``): min(256 records, 8 MiB)."""
-    return min(PREALLOC_MAX_BYTES, PREALLOC_RECORDS * record_bytes)
-
-
-def _kind(mode: int) -> str:
-    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-             stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
-    return kinds.get(stat.S_IFMT(mode), "not a regular file")
 
 
 class KVWriter:
@@ -102,7 +85,7 @@ class KVWriter:
         self._dir_sync_due = False
         self._closed = False
         self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
-        self._preallocate = preallocate  # headroom bytes; None: the default, 0: off
+        self._headroom = Headroom(preallocate)  # zero-filled headroom past the committed records
         self.vouched: Vouched | None = None  # what open(vouch=...) checked before any repair
         self._vouched_reader: KVReader | None = None  # the mapping it checked them through
 
@@ -148,7 +131,7 @@ class KVWriter:
         if kv_dtype not in KV_DTYPES:
             raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected 'fp8' or 'f32'")
         validate_dims(dims, path)
-        _refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
+        refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
         if preallocate is not None and preallocate < 0:
             raise LimitError(f"{path}: preallocate must be >= 0 bytes, found {preallocate}")
         io = durability if durability is not None else SharedDurability()
@@ -167,46 +150,15 @@ class KVWriter:
                      io: Durability, lock: WriterLock, checksums: bool,
                      upgrade_chunk_bytes: int, preallocate: int | None,
                      write_behind: bool, vouch: int | None = None) -> KVWriter:
-        _upgrade.remove_stale_temps(path, io)
-        _remove_stale_create(path, io)
-        created = False
-        try:
-            before = os.lstat(path)
-        except FileNotFoundError:
-            if not create:
-                raise NotFoundError(f"{path}: no such file (create=False)") from None
-            _create_empty(path, Header(KV_DTYPES[kv_dtype], dims, 0), io)
-            created = True
-            before = os.lstat(path)
-        if not stat.S_ISREG(before.st_mode):
-            raise FormatError(f"{path}: is {_kind(before.st_mode)}, expected a regular .coli_kv file")
-        try:
-            fd = io.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
-                raise FormatError(f"{path}: changed while opening: {exc.strerror}") from None
-            raise
+        opened = open_locked(path, dims, kv_dtype, create=create, io=io)
+        header = opened.header
         writer: KVWriter | None = None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-                raise FormatError(f"{path}: changed while opening (now {_kind(st.st_mode)})")
-            if st.st_size == 0:
-                raise FormatError(f"{path}: empty file (0 bytes): no .coli_kv header")
-            header = parse_header(os.pread(fd, HEADER_SIZE, 0), st.st_size, path)
-            if header.dims != dims:
-                raise ModelMismatchError(
-                    f"{path}: file dims {header.dims.as_tuple()} (n_layers, kv_lora, qk_rope, "
-                    f"index_head_dim, n_index_layers, vocab) differ from the model's {dims.as_tuple()}")
-            if header.version == 2 and kv_dtype == "f32":
-                raise FormatError(
-                    f"{path}: a v2 (fp8) file but kv_dtype is 'f32' (fp8 off); convert it with "
-                    "`coli-kv convert --to v1` or open it with fp8 on")
-            complete = complete_records(header, st.st_size)
-            writer = cls(path=path, dims=dims, kv_dtype=kv_dtype, io=io, lock=lock, fd=fd,
+            complete = complete_records(header, opened.size)
+            writer = cls(path=path, dims=dims, kv_dtype=kv_dtype, io=io, lock=lock, fd=opened.fd,
                          header=header, nrec=complete, disk_nrec=header.nrec,
                          staging_bytes=staging_bytes, checksums=checksums,
-                         upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=int(st.st_size),
+                         upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=opened.size,
                          preallocate=preallocate, write_behind=write_behind)
             if vouch is not None:  # under the lock, before any repair touches the files
                 writer._vouched_reader = open_kv(path, expect=dims)
@@ -214,12 +166,12 @@ class KVWriter:
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
-            os.close(fd)
+            os.close(opened.fd)
             if writer is not None:
                 writer._drop_vouched_reader()
             raise
         log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=kv_dtype,
-                 created=created, pending_upgrade=writer.pending_upgrade, mode="write")
+                 created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")
         return writer
 
     def _recover(self, header_nrec: int) -> None:
@@ -247,7 +199,7 @@ class KVWriter:
                         count=self._nrec)
 
     def _open_sidecar(self) -> SidecarWriter:
-        headroom = 0 if self._preallocate == 0 else HEADROOM_ENTRIES
+        headroom = HEADROOM_ENTRIES if self._headroom.enabled else 0
         return SidecarWriter(self.path, self._header.with_nrec(0), headroom_entries=headroom)
 
     def _sidecar_catch_up(self) -> None:
@@ -412,7 +364,9 @@ class KVWriter:
         log.info("kv.commit", path=self.path, nrec=length, records=added,
                  bytes=added * self.record_bytes)
         if added:
-            self._refill_headroom(added)
+            self._file_end = self._headroom.refill(
+                self._io, self._fd, self.path, committed_end=HEADER_SIZE + self._nrec * self.record_bytes,
+                file_end=self._file_end, added=added, record_bytes=self.record_bytes)
         return length
 
     def _write_and_sync_records(self, beside: Callable[[], object] | None) -> None:
@@ -434,42 +388,6 @@ class KVWriter:
             _wait_all(waits, quiet=True)
             raise
         _wait_all(waits)
-
-    def _refill_headroom(self, added: int) -> None:
-        """After a commit (the commit point is behind us): keep zero-filled headroom past the
-        committed records, so the next small commits overwrite allocated, initialised blocks
-        and their data barrier (fdatasync) has no metadata (size, extents) to commit.
-
-        Runs when a small commit (at most 1/PREALLOC_SMALL_COMMIT of the headroom) leaves less
-        than half the headroom: zeros up to committed end + headroom (page aligned), written
-        without waiting (write-back starts at once, so the disk does it while the model
-        computes the next token). Streaming commits get none: their bytes dwarf the metadata
-        cost, and zeros first would double their I/O. The zeros are a stale tail (bytes past
-        nrec, never read as records). A failed write (ENOSPC) only turns preallocation off.
-        """
-        headroom = self._headroom_bytes()
-        if headroom <= 0 or added * self.record_bytes * PREALLOC_SMALL_COMMIT > headroom:
-            return
-        end = HEADER_SIZE + self._nrec * self.record_bytes
-        if self._file_end - end >= headroom // 2:
-            return
-        start = max(self._file_end, end)
-        target = -(-(end + headroom) // 4096) * 4096  # page-aligned new end of the file
-        try:
-            self._io.pwrite(self._fd, np.zeros(target - start, dtype=np.uint8).data, start)  # calloc'ed
-            self._io.start_writeback(self._fd, start, target - start)
-        except OSError as exc:
-            self._preallocate = 0
-            log.warning("kv.preallocate_failed", path=self.path, error=str(exc),
-                        action="preallocation off for this writer")
-            return
-        self._file_end = target
-        log.info("kv.preallocate", path=self.path, start=start, bytes=target - start)
-
-    def _headroom_bytes(self) -> int:
-        if self._preallocate is None:
-            return default_headroom(self.record_bytes)
-        return self._preallocate
 
     def _write_nrec(self, nrec: int) -> None:
         """Commit word then fsync. ``_disk_nrec_max`` covers a word that landed before a failure."""
@@ -525,7 +443,7 @@ class KVWriter:
         self._nrec = self._disk_nrec_max = keep
         self._staging = self._new_staging()
         self._sidecar = result.sidecar
-        if self._sidecar is not None and self._preallocate != 0:
+        if self._sidecar is not None and self._headroom.enabled:
             self._sidecar.headroom_entries = HEADROOM_ENTRIES
         if result.error is not None:
             self._dir_sync_due = True  # the rename may not be durable yet: the next commit syncs
@@ -574,42 +492,6 @@ def _wait_all(waits: list[Callable[[], object]], *, quiet: bool = False) -> None
             error = error or exc
     if error is not None and not quiet:
         raise error
-
-
-def _refuse_non_regular(path: str) -> None:
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise FormatError(f"{path}: is {_kind(mode)}, expected a regular .coli_kv file")
-
-
-def _create_empty(path: str, header: Header, io: Durability) -> None:
-    """A new file with nrec 0, created whole: temp, fsync, rename, fsync the directory."""
-    tmp = path + CREATE_SUFFIX
-    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        io.pwrite(fd, pack_header(header), 0)
-        io.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        try:
-            io.unlink(tmp)
-        except OSError:
-            pass  # removed at the next open
-        raise
-    os.close(fd)
-    io.replace(tmp, path)
-    io.fsync_dir(path)
-    log.info("kv.create", path=path, version=header.version, dims=header.dims.as_tuple())
-
-
-def _remove_stale_create(path: str, io: Durability) -> None:
-    tmp = path + CREATE_SUFFIX
-    if os.path.lexists(tmp):
-        io.unlink(tmp)
-        log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
 
 
 __all__ = ["KVWriter", "KV_DTYPES", "default_headroom", "PREALLOC_RECORDS",

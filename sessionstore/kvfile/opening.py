@@ -1,0 +1,124 @@
+"""Opening a ``.coli_kv`` file for write (FORMAT.md 3.2), before a :class:`KVWriter` exists.
+
+Under the writer lock: stale temps of a crashed create or upgrade are removed, a missing file is
+created whole (temp, fsync, rename, fsync the directory), and the file is opened without
+following a symlink and checked to be the same regular file that was looked at, with a header
+that parses and whose dims and version fit the caller's model and kv dtype.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from sessionstore.kvfile import upgrade as _upgrade
+from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.layout import HEADER_SIZE, Dims, Header, pack_header, parse_header
+from sessionstore.log import get_logger
+
+KV_DTYPES = {"fp8": 2, "f32": 1}
+CREATE_SUFFIX = ".create.tmp"
+
+log = get_logger("writer")
+
+
+@dataclass(frozen=True)
+class OpenedFile:
+    """A checked read-write descriptor on the file and what it holds."""
+
+    fd: int
+    header: Header
+    size: int
+    created: bool
+
+
+def describe_mode(mode: int) -> str:
+    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+             stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def refuse_non_regular(path: str) -> None:
+    """Before the lock: no lock file is made beside a device, a FIFO or a directory."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path}: is {describe_mode(mode)}, expected a regular .coli_kv file")
+
+
+def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durability) -> OpenedFile:
+    """The caller holds the writer lock. Raises NotFoundError (absent, no create),
+    FormatError (not a regular file, changed while opening, empty, bad header, v2 for f32),
+    ModelMismatchError (other dims)."""
+    _upgrade.remove_stale_temps(path, io)
+    _remove_stale_create(path, io)
+    created = False
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            raise NotFoundError(f"{path}: no such file (create=False)") from None
+        _create_empty(path, Header(KV_DTYPES[kv_dtype], dims, 0), io)
+        created = True
+        before = os.lstat(path)
+    if not stat.S_ISREG(before.st_mode):
+        raise FormatError(f"{path}: is {describe_mode(before.st_mode)}, expected a regular .coli_kv file")
+    try:
+        fd = io.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
+            raise FormatError(f"{path}: changed while opening: {exc.strerror}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise FormatError(f"{path}: changed while opening (now {describe_mode(st.st_mode)})")
+        if st.st_size == 0:
+            raise FormatError(f"{path}: empty file (0 bytes): no .coli_kv header")
+        header = parse_header(os.pread(fd, HEADER_SIZE, 0), st.st_size, path)
+        if header.dims != dims:
+            raise ModelMismatchError(
+                f"{path}: file dims {header.dims.as_tuple()} (n_layers, kv_lora, qk_rope, "
+                f"index_head_dim, n_index_layers, vocab) differ from the model's {dims.as_tuple()}")
+        if header.version == 2 and kv_dtype == "f32":
+            raise FormatError(
+                f"{path}: a v2 (fp8) file but kv_dtype is 'f32' (fp8 off); convert it with "
+                "`coli-kv convert --to v1` or open it with fp8 on")
+    except BaseException:
+        os.close(fd)
+        raise
+    return OpenedFile(fd, header, int(st.st_size), created)
+
+
+def _create_empty(path: str, header: Header, io: Durability) -> None:
+    """A new file with nrec 0, created whole: temp, fsync, rename, fsync the directory."""
+    tmp = path + CREATE_SUFFIX
+    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        io.pwrite(fd, pack_header(header), 0)
+        io.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            io.unlink(tmp)
+        except OSError:
+            pass  # removed at the next open
+        raise
+    os.close(fd)
+    io.replace(tmp, path)
+    io.fsync_dir(path)
+    log.info("kv.create", path=path, version=header.version, dims=header.dims.as_tuple())
+
+
+def _remove_stale_create(path: str, io: Durability) -> None:
+    tmp = path + CREATE_SUFFIX
+    if os.path.lexists(tmp):
+        io.unlink(tmp)
+        log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
+
+
+__all__ = ["CREATE_SUFFIX", "KV_DTYPES", "OpenedFile", "describe_mode", "open_locked", "refuse_non_regular"]
