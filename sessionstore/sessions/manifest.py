@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kernels.errors import FormatError, LimitError, NotFoundError
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
@@ -125,22 +123,6 @@ class Manifest:
         """Compact JSON (sorted keys, one line): the C encoder, a few microseconds."""
         return (json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True,
                            allow_nan=False) + "\n").encode()
-
-
-def manifest_after_commit(manifest: Manifest, n: int, pending: list[int], logits: np.ndarray | None,
-                          noted: LogitsDigest | None) -> Manifest | None:
-    """The manifest after a commit of ``n`` records (FORMAT.md 5.5, step 2), a new object; None if
-    unchanged. ``logits`` [vocab] f32 are those of the last appended position and ``noted`` their
-    digest taken when they were produced (used when it describes position n-1)."""
-    digest = manifest.last_logits
-    if logits is not None and n and (digest is None or digest.position != n - 1
-                                     or manifest.committed != n):
-        digest = noted
-        if digest is None or digest.position != n - 1:
-            digest = make_digest(logits, n - 1)
-    if (n, pending, digest) == (manifest.committed, manifest.pending, manifest.last_logits):
-        return None
-    return dataclasses.replace(manifest, committed=n, pending=list(pending), last_logits=digest)
 
 
 def manifest_from_json(data: Any, where: str) -> Manifest:
@@ -263,7 +245,7 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "MAX_PENDING", "ModelRef",
-    "SamplerSettings", "Manifest", "manifest_after_commit", "manifest_from_json", "apply_state", "read_manifest",
+    "SamplerSettings", "Manifest", "manifest_from_json", "apply_state", "read_manifest",
     "write_manifest", "fsync_dir", "utc_now",
     # the digest, re-exported for callers of the manifest (defined in sessionstore.sessions.digest)
     "LogitsDigest", "make_digest", "logits_hash", "digest_from_json", "digest_to_json",

@@ -12,12 +12,10 @@ step over the restored rows, which attention reads bit-identically however they 
 blocks), so the recomputed logits match the manifest's digest bit for bit, and the pending
 token can always be re-derived: sampling depends only on (seed, position, logits).
 
-Commit = (1) the kv commit (records + sidecar, fsync, commit word, fsync), (2) the manifest's
-dynamic fields (committed, pending, digest) written in place to the commit state page
-(``manifest.json.state``, see :mod:`sessionstore.sessions.commit_state`). The kv commit word is THE
-commit point; on open, when the file's count F differs from the manifest's M (a crash between
-the two steps, or an OS crash that lost an unsynced manifest), the session takes F and
-recomputes the pending token and the digest from position F-1 (a ``recovery`` event).
+Commit = (1) the kv commit, THE commit point, (2) the manifest's dynamic fields on the commit
+state page (:mod:`sessionstore.sessions.commit`). On open, when the file's count F differs from
+the manifest's M, the session takes F and recomputes the pending token and the digest from
+position F-1 (:mod:`sessionstore.sessions.recovery`).
 """
 from __future__ import annotations
 
@@ -31,17 +29,8 @@ import numpy as np
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
 from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
 from sessionstore.log import get_logger
-from sessionstore.sessions.commit_state import StateWriter, encode_state
-from sessionstore.sessions.digest import LogitsDigest, make_digest
-from sessionstore.sessions.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ModelRef,
-    SamplerSettings,
-    manifest_after_commit,
-    utc_now,
-    write_manifest,
-)
+from sessionstore.sessions.commit import Committer
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, SamplerSettings, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.turns import (
@@ -103,12 +92,8 @@ class Session:
         self._writer: KVWriter | None = None
         self._reader: KVReader | None = None
         self.cache: Any = None
-        self._logits: np.ndarray | None = None  # [vocab] f32 of the last appended position
-        self._digest: LogitsDigest | None = None  # their digest, taken as they were produced
-        self._commits = 0
-        self._state = StateWriter(self.directory / MANIFEST_NAME)  # per-commit fields, in place
+        self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path)
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
-        self.commit_timing: dict[str, float] = {}  # the last commit: kv commit, state wait, state write
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
     # ---- construction ------------------------------------------------------------------------
@@ -140,6 +125,11 @@ class Session:
     @property
     def committed(self) -> int:
         return self._writer.nrec if self._writer is not None else self.manifest.committed
+
+    @property
+    def commit_timing(self) -> dict[str, float]:
+        """The last commit: kv commit, state wait, state write (seconds)."""
+        return self._committer.timing
 
     @property
     def length(self) -> int:
@@ -235,7 +225,7 @@ class Session:
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
         blocks = reader.layer_blocks(n)  # zero-copy rows, scales gathered in one pass
-        self._state.open()  # the commit state page, overwritten in place by every commit
+        self._committer.page.open()  # the commit state page, overwritten in place by every commit
         self.cache = self.model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=self.manifest.kv_dtype,
                                                   backend=self.backend)
         self.state = "resident"
@@ -280,11 +270,11 @@ class Session:
             feed = prompt[k:]
         else:
             feed = list(self.pending) if self.pending else None
-            if feed is None and self._logits is None and self.cache.length:
+            if feed is None and self._committer.logits is None and self.cache.length:
                 self._note_logits(recompute_last(self.model, self.cache.blocks, self.cache.tokens,
                                                  self.manifest.kv_dtype)[0])
         result.fed = len(feed) if feed else 0
-        commits_before = self._commits
+        commits_before = self._committer.commits
 
         def on_step(token: int, position: int, logits: np.ndarray) -> None:
             self.pending = [token]
@@ -295,7 +285,7 @@ class Session:
             if every and writer.length - writer.nrec >= every:
                 self.commit()
 
-        tokens, logits, eos = run_turn(self.model, self.cache, feed, self._logits, max_new,
+        tokens, logits, eos = run_turn(self.model, self.cache, feed, self._committer.logits, max_new,
                                        self.manifest.sampler, stop_at_eos=stop_at_eos,
                                        on_rows=self._append_rows, on_step=on_step)
         if not tokens:
@@ -304,59 +294,27 @@ class Session:
         self.commit()
         result.tokens, result.stopped_at_eos = tokens, eos
         result.committed = self._live_writer().nrec
-        result.commits = self._commits - commits_before
+        result.commits = self._committer.commits - commits_before
         result.seconds = time.perf_counter() - t0
         self.residency.touch(self)
         return result
 
     def commit(self) -> int:
-        """kv commit (the commit point), then the manifest's dynamic fields; returns the count.
-
-        The new state page (pending token, the digest taken when the logits were produced)
-        is encoded on a helper thread while the kv commit waits in its data barrier; only its
-        4 KiB ``pwrite`` follows the commit point.
-        """
+        """kv commit (the commit point), then the manifest's dynamic fields; returns the count
+        (:class:`sessionstore.sessions.commit.Committer`)."""
         if self.state != "resident":
             return self.manifest.committed
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
-        t0 = time.perf_counter()
         writer = self._live_writer()
-        n = writer.length
-        if n != self.cache.length:
-            raise CorruptionError(f"{self.kv_path}: {n} records appended, the cache holds {self.cache.length}")
-        prepared: list[tuple[Manifest, bytes] | None] = []
-        committed = writer.commit(beside=lambda: prepared.append(self._prepare_state(n)))
-        t1 = time.perf_counter()
-        state = prepared[0] if prepared else self._prepare_state(n)
-        t2 = time.perf_counter()
-        if committed != n:
-            raise CorruptionError(f"{self.kv_path}: committed {committed} records, expected {n}")
-        if state is not None:  # the dynamic fields: one page overwritten in place (no rename)
-            new, page = state
-            self._state.write_page(page, durable=self.manifest_fsync)
-            self.manifest = new
-            self._commits += 1
-            log.info("session.commit", id=self.id, committed=n, pending=self.pending)
-        self.commit_timing = {"kv_commit_s": t1 - t0, "state_wait_s": t2 - t1,
-                              "state_write_s": time.perf_counter() - t2}
+        n = writer.length  # what the commit makes durable (checked against the cache there)
+        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self.cache.length,
+                                               durable=self.manifest_fsync)
         return n
 
-    def _prepare_state(self, n: int) -> tuple[Manifest, bytes] | None:
-        """The manifest after a commit of ``n`` records and its state page; None if unchanged."""
-        new = manifest_after_commit(self.manifest, n, self.pending, self._logits, self._digest)
-        if new is None:
-            return None
-        new.updated_at = utc_now()
-        return new, encode_state(new)
-
     def _note_logits(self, logits: np.ndarray | None) -> None:
-        """Keep the logits of the last appended position and digest them at once: they are hot
-        in cache now (~85 us for a 155k vocabulary) and a commit then has nothing to compute
-        (at commit time, cold, the same digest costs 3-5x that)."""
-        self._logits = logits
-        self._digest = None if logits is None or not self.cache.length else make_digest(
-            logits, self.cache.length - 1)
+        """The logits of the last appended position, digested now (hot in cache)."""
+        self._committer.note_logits(logits, 0 if logits is None else self.cache.length)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
         """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
@@ -416,7 +374,7 @@ class Session:
         if self._guard is not None:  # resume it through RemoteStore.resume again
             self._guard.stop()
             self._guard = None
-        self._state.close()
+        self._committer.page.close()
         if self._writer is not None:
             self._writer.close(commit=False)  # descriptors and the lock: released here, now
             self._writer = None
