@@ -25,6 +25,7 @@ from kernels.errors import FormatError
 __all__ = [
     "DECODE_TABLE",
     "FP8_MAX",
+    "USABLE_SCALE_BOUND",
     "PAIR_TABLE",
     "decode",
     "decode_into",
@@ -41,7 +42,9 @@ __all__ = [
 FP8_MAX = 448.0
 _F448 = np.float32(448.0)
 _AMAX_MIN = np.float32(1e-35)  # the engine's 1e-35f: a row needs amax > this
-_AMAX_MAX = np.float32(3.4e38)  # the engine's 3.4e38f: a larger amax -> zero row; scales must be below
+# The engine's 3.4e38f, the one home of this bound: a row whose amax is larger is a zero row, and a
+# stored scale is usable only when > 0 and below it (else the row is inert and reads as 0).
+USABLE_SCALE_BOUND = np.float32(3.4e38)
 _BLOCK = 1 << 16  # elements per block: keeps every temporary in L2
 _PAIR_MIN = 1 << 12  # decode arrays at least this long use the pair table
 _LO, _HI = (0, 1) if sys.byteorder == "little" else (1, 0)  # u16 halves of a native f32
@@ -314,7 +317,7 @@ def _quantize_block(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> Non
     """x: [g, n] f32 contiguous -> codes [g, n] u8 contiguous, scales [g] f32."""
     work = np.abs(x)  # [g, n] f32
     amax = np.fmax.reduce(work, axis=1, initial=np.float32(0))  # [g] f32, NaN ignored
-    usable = (amax > _AMAX_MIN) & ~(amax > _AMAX_MAX)  # [g] bool
+    usable = (amax > _AMAX_MIN) & ~(amax > USABLE_SCALE_BOUND)  # [g] bool
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = _F448 / amax  # [g] f32
         np.multiply(x, inv[:, None], out=work)  # [g, n] f32: x * inv in f32
@@ -365,7 +368,7 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _dequantize_block(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
     """codes [g, n] u8 contiguous, scales [g] f32 -> out [g, n] f32 contiguous."""
     _decode_flat(codes.reshape(-1), out.reshape(-1))
-    usable = (scales > 0) & (scales < _AMAX_MAX)  # [g] bool: the engine's reading rule
+    usable = (scales > 0) & (scales < USABLE_SCALE_BOUND)  # [g] bool: the engine's reading rule
     with np.errstate(over="ignore"):  # a usable scale above f32max/448 gives +-inf, as in the engine
         np.multiply(out, np.where(usable, scales, np.float32(0))[:, None], out=out)
     if not usable.all():

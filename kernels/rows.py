@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The kv dtypes, the one table of them: the name a cache, a session or a CLI flag uses -> the
+# ``.coli_kv`` version whose records hold those rows (FORMAT.md: v1 f32 rows, v2 fp8 rows).
+KV_VERSION_OF_DTYPE: dict[str, int] = {"fp8": 2, "f32": 1}
+KV_DTYPES: tuple[str, ...] = tuple(KV_VERSION_OF_DTYPE)  # ("fp8", "f32")
+
 
 @dataclass(frozen=True)
 class F32Rows:

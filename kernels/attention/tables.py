@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.fp8 import DECODE_TABLE, pair_table
+from kernels.fp8 import DECODE_TABLE, USABLE_SCALE_BOUND, pair_table
 
 __all__ = ["DECODE_TABLE", "SCALE_MAX", "decode_codes_into", "sanitize_scales_into"]
 
-SCALE_MAX = np.float32(3.4e38)  # a usable scale is > 0 and below this (the engine's reading rule)
+SCALE_MAX = USABLE_SCALE_BOUND  # a usable scale is > 0 and below this (kernels.fp8 holds the bound)
 _PAIRS_U64: np.ndarray = pair_table().view("<u8").reshape(65536)  # [65536] u64 = 2 x f32
 
 

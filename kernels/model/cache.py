@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import F32Rows, Fp8Rows, LatentRows, RecordRows
+from kernels.rows import KV_DTYPES, F32Rows, Fp8Rows, LatentRows, RecordRows
 
-KV_DTYPES = ("f32", "fp8")
 _FIELDS = {"f32": ("lc", "rc"), "fp8": ("lc_codes", "lc_scale", "rc_codes", "rc_scale")}
 _INITIAL_CAPACITY = 64
 

@@ -12,13 +12,13 @@ original checkpoints' ``rope_theta`` + ``rope_scaling``.
 from __future__ import annotations
 
 import builtins
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError, UnsupportedModelError
+from kernels.jsonfile import read_json_bounded
 
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
 CONFIG_MAX_BYTES = 4 << 20  # a config.json is a few KiB; refuse to read more than this
@@ -114,16 +114,9 @@ def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     if not os.path.isdir(model_dir):
         raise NotFoundError(f"{os.fspath(model_dir)}: not a model directory (expected config.json + *.safetensors)")
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(CONFIG_MAX_BYTES + 1)
+        obj = read_json_bounded(path, CONFIG_MAX_BYTES)
     except FileNotFoundError:
         raise NotFoundError(f"{path}: no config.json in the model directory") from None
-    if len(data) > CONFIG_MAX_BYTES:
-        raise LimitError(f"{path}: config.json larger than {CONFIG_MAX_BYTES} bytes")
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
     return parse_config(obj, source=path)
 
 

@@ -12,7 +12,6 @@ to shard files) or a set of ``*.safetensors`` files.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import stat
 import struct
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import FormatError, LimitError, NotFoundError, UnsupportedModelError
+from kernels.jsonfile import parse_json_bytes, read_json_bounded
 
 HEADER_MAX_BYTES = 100 << 20  # the safetensors reference bound
 INDEX_MAX_BYTES = 64 << 20
@@ -86,10 +86,7 @@ class SafetensorsFile:
         )  # data: [data_bytes] u8 (read-only mapping)
 
     def _parse_header(self, header: bytes) -> dict[str, TensorInfo]:
-        try:
-            obj = json.loads(header.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{self.path}: header at offset 8 is not valid JSON ({exc})") from None
+        obj = parse_json_bytes(header, self.path, "header at offset 8")
         if not isinstance(obj, dict):
             raise FormatError(f"{self.path}: header at offset 8 must be a JSON object")
         tensors: dict[str, TensorInfo] = {}
@@ -240,14 +237,7 @@ def open_checkpoint(model_dir: str | os.PathLike[str]) -> WeightStore:
 
 
 def _load_index(index_path: str) -> dict[str, str]:
-    with open(index_path, "rb") as fh:
-        data = fh.read(INDEX_MAX_BYTES + 1)
-    if len(data) > INDEX_MAX_BYTES:
-        raise LimitError(f"{index_path}: larger than {INDEX_MAX_BYTES} bytes")
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{index_path}: not valid JSON ({exc})") from None
+    obj = read_json_bounded(index_path, INDEX_MAX_BYTES)
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -4,6 +4,15 @@ Imports nothing from the rooms above it (sessions, migration)."""
 from sessionstore.kvfile.convert import ConvertResult, convert_file
 from sessionstore.kvfile.copying import copy_committed, copy_sidecar_prefix
 from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.fsio import (
+    atomic_replace,
+    fsync_directory,
+    fsync_parent,
+    open_regular,
+    pwrite_all,
+    read_json_bounded,
+    write_all,
+)
 from sessionstore.kvfile.integrity import Vouched, require_sound, require_vouched
 from sessionstore.kvfile.layout import (
     HEADER_SIZE,
@@ -48,11 +57,12 @@ from sessionstore.kvfile.writer import KVWriter
 __all__ = [
     "ConvertResult", "Dims", "Durability", "ENTRY_SIZE", "HEADER_SIZE", "Header", "KVReader",
     "KVWriter", "REPLACED_PREFIX", "RecordScan", "SIDECAR_HEADER_SIZE", "Swept", "TMP_DIR_PREFIX",
-    "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "check_records", "convert_file",
-    "copy_committed", "copy_sidecar_prefix", "current_owner", "load_sidecar", "open_kv",
-    "pack_header", "pack_records", "parse_header", "record_bytes", "record_checksum",
+    "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "atomic_replace", "check_records",
+    "convert_file", "copy_committed", "copy_sidecar_prefix", "current_owner", "fsync_directory",
+    "fsync_parent", "load_sidecar", "open_kv", "open_regular", "pack_header", "pack_records",
+    "parse_header", "pwrite_all", "read_json_bounded", "record_bytes", "record_checksum",
     "release_later", "require_sound", "require_vouched", "sanitize_scales", "scan_records",
     "sidecar_bytes", "sidecar_path", "static_hash", "store_entry_name", "sweep_beside",
     "sweep_store_tmp", "temp_beside", "usable_scales", "validate_dims", "verify_file",
-    "wait_for_unmaps", "write_sidecar_for",
+    "wait_for_unmaps", "write_all", "write_sidecar_for",
 ]

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
+from sessionstore.kvfile.fsio import fsync_parent, open_regular, write_all
 from sessionstore.kvfile.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,
     check_records,
-    fsync_dir,
     load_sidecar,
     record_checksum,
     remove_stale_temp,
@@ -138,14 +138,7 @@ def _create_temp(dst: str) -> tuple[int, str]:
     sweep_beside(dst, TEMP_SUFFIX)
     remove_stale_temp(dst)
     tmp = temp_beside(dst, TEMP_SUFFIX)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), tmp
-
-
-def _write_all(fd: int, data: memoryview) -> int:
-    done = 0
-    while done < len(data):
-        done += os.write(fd, data[done:])
-    return done
+    return open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
 
 
 def _install(tmp: str, dst: str, force: bool) -> None:
@@ -154,7 +147,7 @@ def _install(tmp: str, dst: str, force: bool) -> None:
     old_sidecar = sidecar_path(dst)
     if os.path.lexists(old_sidecar):  # never leave DST beside a sidecar of its old bytes
         os.unlink(old_sidecar)
-        fsync_dir(old_sidecar)
+        fsync_parent(old_sidecar)
     if force:
         os.replace(tmp, dst)
     else:
@@ -168,7 +161,7 @@ def _install(tmp: str, dst: str, force: bool) -> None:
             os.replace(tmp, dst)
         else:
             os.unlink(tmp)
-    fsync_dir(dst)
+    fsync_parent(dst)
 
 
 def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_version: int | str,
@@ -197,7 +190,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
         written = 0
         try:
             os.fchmod(fd, os.stat(reader.path).st_mode & 0o666)
-            written += _write_all(fd, memoryview(pack_header(header)))
+            written += write_all(fd, pack_header(header))
             for start in range(0, n, step):
                 stop = min(start + step, n)
                 if same:
@@ -206,7 +199,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
                     assert converter is not None
                     out = converter.convert(reader.records[start:stop])
                     data = out.view(np.uint8).data  # [c * rec] u8
-                written += _write_all(fd, data)
+                written += write_all(fd, data)
                 for i in range(stop - start):
                     entries[start + i] = record_checksum(data[i * rec:(i + 1) * rec], start + i)
                 del data

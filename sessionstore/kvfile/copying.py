@@ -14,6 +14,7 @@ import fcntl
 import os
 
 from kernels.errors import CorruptionError
+from sessionstore.kvfile.fsio import open_regular, pwrite_all, write_all
 from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header
 from sessionstore.kvfile.reader import open_kv, open_regular_file
 from sessionstore.kvfile.sidecar import ENTRY_SIZE, SIDECAR_HEADER_SIZE, SidecarWriter, load_sidecar, sidecar_path
@@ -53,11 +54,7 @@ def _copy_range(src_fd: int, dst_fd: int, nbytes: int) -> str:
             chunk = os.pread(src_fd, min(COPY_CHUNK, nbytes - done), done)
             n = len(chunk)
             if n:
-                view = memoryview(chunk)
-                offset = done
-                while view:
-                    w = os.pwrite(dst_fd, view, offset)
-                    view, offset = view[w:], offset + w
+                pwrite_all(dst_fd, chunk, done)
         if n <= 0:
             raise CorruptionError(f"source ended at byte {done}, expected {nbytes} bytes")
         done += n
@@ -75,14 +72,14 @@ def copy_committed(src: str | os.PathLike[str], dst: str | os.PathLike[str], hea
         if st.st_size < nbytes:
             raise CorruptionError(f"{src}: {st.st_size} bytes, expected at least {nbytes} "
                                   f"({header.nrec} records)")
-        dst_fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        dst_fd = open_regular(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             if _clone(src_fd, dst_fd):
                 method = "reflink"
                 os.ftruncate(dst_fd, nbytes)
             else:
                 method = _copy_range(src_fd, dst_fd, nbytes)
-            os.pwrite(dst_fd, pack_header(header), 0)
+            pwrite_all(dst_fd, pack_header(header), 0)
             os.fsync(dst_fd)
         finally:
             os.close(dst_fd)
@@ -109,9 +106,9 @@ def copy_sidecar_prefix(src_kv: str | os.PathLike[str], dst_kv: str | os.PathLik
             raw = os.pread(src_fd, SIDECAR_HEADER_SIZE + ENTRY_SIZE * keep, 0)
         finally:
             os.close(src_fd)
-        fd = os.open(sidecar_path(dst_kv), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = open_regular(sidecar_path(dst_kv), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, raw)
+            write_all(fd, raw)
         finally:
             os.close(fd)
     with SidecarWriter(dst_kv, header) as writer:  # keeps the copy if it matches the header

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-Buffer = bytes | bytearray | memoryview
+from sessionstore.kvfile.fsio import Buffer, fsync_parent, pwrite_all
+
 T = TypeVar("T")
 
 
@@ -51,14 +52,8 @@ class Durability:
         return os.open(path, flags | os.O_CLOEXEC, mode)
 
     def pwrite(self, fd: int, data: Buffer, offset: int) -> None:
-        """Write all of ``data`` at ``offset`` (loops over short writes)."""
-        view = memoryview(data).cast("B")
-        while len(view):
-            done = os.pwrite(fd, view, offset)
-            if done <= 0:
-                raise OSError(errno.EIO, f"pwrite wrote {done} bytes at offset {offset}")
-            view = view[done:]
-            offset += done
+        """Write all of ``data`` at ``offset`` (loops over short writes: :func:`fsio.pwrite_all`)."""
+        pwrite_all(fd, data, offset)
 
     def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> None:
         """Write the buffers back to back at ``offset`` (one syscall per batch when possible)."""
@@ -122,11 +117,7 @@ class Durability:
 
     def fsync_dir(self, path: str) -> None:
         """fsync the directory that holds ``path`` (makes a new name or a rename durable)."""
-        fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_parent(path)
 
     def unlink(self, path: str) -> None:
         os.unlink(path)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, LimitError
+from kernels.fp8 import USABLE_SCALE_BOUND
 from kernels.rows import RecordRows
 
 # --- magics and struct constants -----------------------------------------------------------
@@ -60,8 +61,8 @@ MAX_VOCAB = 1 << 24  # GLM-5.2: 154,880
 MAX_RECORD_BYTES = 64 << 20  # one record (GLM-5.2 v1: 179,716 B)
 MAX_NREC = (1 << 31) - 1  # the commit word is an i32
 # A v2 row whose scale is not in (0, 3.4e38f) is inert (the engine's finiteness test; the same
-# rule as kernels.fp8.dequantize_rows).
-INERT_SCALE_LIMIT = np.float32(3.4e38)
+# rule as kernels.fp8.dequantize_rows, and the same bound: kernels.fp8.USABLE_SCALE_BOUND).
+INERT_SCALE_LIMIT = USABLE_SCALE_BOUND
 
 
 @dataclass(frozen=True)

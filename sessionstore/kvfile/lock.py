@@ -10,9 +10,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
 
-from kernels.errors import FormatError, LockedError, NotFoundError
+from kernels.errors import LockedError, NotFoundError
+from sessionstore.kvfile.fsio import open_regular, pwrite_all
 from sessionstore.log import get_logger
 
 LOCK_SUFFIX = ".lock"
@@ -43,17 +43,10 @@ class WriterLock:
         if self._fd >= 0:
             return self
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-                         | os.O_NONBLOCK, 0o644)
+            fd = open_regular(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644, what="lock file")
         except FileNotFoundError:
             raise NotFoundError(f"{self.path}: the directory does not exist") from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise FormatError(f"{self.lock_path}: lock file is a symlink; refusing it") from None
-            raise
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise FormatError(f"{self.lock_path}: lock file is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -66,7 +59,7 @@ class WriterLock:
                     f"{self.path}: another writer holds the lock {self.lock_path}{who}; "
                     "one writer at a time (readers are not blocked)") from None
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            pwrite_all(fd, f"{os.getpid()}\n".encode(), 0, self.lock_path)
         except BaseException:
             os.close(fd)
             raise

@@ -7,18 +7,18 @@ that parses and whose dims and version fit the caller's model and kv dtype.
 """
 from __future__ import annotations
 
-import errno
 import os
 import stat
 from dataclasses import dataclass
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from kernels.rows import KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.fsio import describe_mode, open_regular
 from sessionstore.kvfile.layout import HEADER_SIZE, Dims, Header, pack_header, parse_header
 from sessionstore.log import get_logger
 
-KV_DTYPES = {"fp8": 2, "f32": 1}
 CREATE_SUFFIX = ".create.tmp"
 
 log = get_logger("writer")
@@ -32,12 +32,6 @@ class OpenedFile:
     header: Header
     size: int
     created: bool
-
-
-def describe_mode(mode: int) -> str:
-    kinds = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-             stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
-    return kinds.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def refuse_non_regular(path: str) -> None:
@@ -62,21 +56,14 @@ def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durab
     except FileNotFoundError:
         if not create:
             raise NotFoundError(f"{path}: no such file (create=False)") from None
-        _create_empty(path, Header(KV_DTYPES[kv_dtype], dims, 0), io)
+        _create_empty(path, Header(KV_VERSION_OF_DTYPE[kv_dtype], dims, 0), io)
         created = True
         before = os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
         raise FormatError(f"{path}: is {describe_mode(before.st_mode)}, expected a regular .coli_kv file")
-    try:
-        fd = io.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV):
-            raise FormatError(f"{path}: changed while opening: {exc.strerror}") from None
-        raise
+    fd = open_regular(path, os.O_RDWR | os.O_NONBLOCK, same_as=before, opener=io.open)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise FormatError(f"{path}: changed while opening (now {describe_mode(st.st_mode)})")
         if st.st_size == 0:
             raise FormatError(f"{path}: empty file (0 bytes): no .coli_kv header")
         header = parse_header(os.pread(fd, HEADER_SIZE, 0), st.st_size, path)
@@ -97,7 +84,7 @@ def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durab
 def _create_empty(path: str, header: Header, io: Durability) -> None:
     """A new file with nrec 0, created whole: temp, fsync, rename, fsync the directory."""
     tmp = path + CREATE_SUFFIX
-    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, opener=io.open)
     try:
         io.pwrite(fd, pack_header(header), 0)
         io.fsync(fd)
@@ -121,4 +108,4 @@ def _remove_stale_create(path: str, io: Durability) -> None:
         log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
 
 
-__all__ = ["CREATE_SUFFIX", "KV_DTYPES", "OpenedFile", "describe_mode", "open_locked", "refuse_non_regular"]
+__all__ = ["CREATE_SUFFIX", "OpenedFile", "open_locked", "refuse_non_regular"]

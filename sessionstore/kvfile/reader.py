@@ -8,7 +8,6 @@ bytes past ``40 + nrec * record_bytes`` are a stale tail (normal, reported, neve
 """
 from __future__ import annotations
 
-import errno
 import os
 import stat
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.rows import F32Rows, Fp8Rows
+from sessionstore.kvfile.fsio import describe_mode, open_regular
 from sessionstore.kvfile.layout import (
     HEADER_SIZE,
     Dims,
@@ -34,14 +34,6 @@ SCALE_GATHER_RECORDS = 256  # records per step of the one-pass scale gather (fit
 DEFER_UNMAP_BYTES = 64 << 20  # close(defer_unmap=True) hands mappings this big to the unmapper
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-_KIND_NAMES = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symlink"}
-
-
-def _kind(mode: int) -> str:
-    return _KIND_NAMES.get(stat.S_IFMT(mode), "not a regular file")
-
-
 def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only if it is a regular file; returns (fd, fstat). Refuses the rest."""
     where = os.fspath(path)
@@ -50,20 +42,12 @@ def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, os.stat_result
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise NotFoundError(f"{where}: no such file ({exc.strerror})") from None
     if not stat.S_ISREG(before.st_mode):
-        raise FormatError(f"{where}: is {_kind(before.st_mode)}, expected a regular .coli_kv file")
+        raise FormatError(f"{where}: is {describe_mode(before.st_mode)}, expected a regular .coli_kv file")
     try:
-        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(where, os.O_RDONLY | os.O_NONBLOCK, same_as=before)
     except FileNotFoundError:
         raise NotFoundError(f"{where}: no such file (removed while opening)") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FormatError(f"{where}: became a symlink while opening; refusing it") from None
-        raise
-    after = os.fstat(fd)
-    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
-        os.close(fd)
-        raise FormatError(f"{where}: changed while opening (now {_kind(after.st_mode)}); refusing it")
-    return fd, after
+    return fd, os.fstat(fd)
 
 
 class KVReader:

@@ -19,9 +19,7 @@ writer keeps) are never read.
 """
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +28,7 @@ import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.kvfile.durability import Buffer
+from sessionstore.kvfile.fsio import Buffer, atomic_replace, fsync_parent, open_regular, pwrite_all
 from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, static_header_bytes
 from sessionstore.log import get_logger
 
@@ -101,8 +99,7 @@ def create_temp_for(path: str | os.PathLike[str]) -> tuple[int, str]:
     tmp = temp_path_for(path)
     if os.path.lexists(tmp):
         os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    return fd, tmp
+    return open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
 
 
 def remove_stale_temp(path: str | os.PathLike[str]) -> bool:
@@ -113,15 +110,6 @@ def remove_stale_temp(path: str | os.PathLike[str]) -> bool:
         log.info("temp.removed", path=tmp)
         return True
     return False
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync the directory holding ``path`` (makes a rename or a new name durable)."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -144,17 +132,11 @@ def load_sidecar(kv_path: str | os.PathLike[str]) -> Sidecar | None:
     A damaged sidecar raises CorruptionError."""
     path = sidecar_path(kv_path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FormatError(f"{path}: is a symlink; refusing to follow it") from None
-        raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: not a regular file")
         if st.st_size == 0:
             return None  # created, then a crash before its header was durable: nothing vouched
         head = os.pread(fd, SIDECAR_HEADER_SIZE, 0)
@@ -213,7 +195,7 @@ class SidecarWriter:
         else:
             self._replace_with_fresh()
             log.info("sidecar.create", path=self.path, reason=reason)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._fd = open_regular(self.path, os.O_RDWR)
         self._file_end = int(os.fstat(self._fd).st_size)  # grows only (zero-filled headroom)
         if existing is not None and self.count != existing.count:
             self._write_header()  # entries cut short: vouch only for those present
@@ -225,34 +207,20 @@ class SidecarWriter:
         """No sidecar yet: create it in place (no temp). An empty file a crash left is replaced."""
         if os.path.lexists(self.path):
             os.unlink(self.path)  # the empty sidecar load_sidecar reported as absent
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
+        fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.write(fd, self._fresh_header())
             os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_dir(self.path)
+        fsync_parent(self.path)
 
     def _replace_with_fresh(self) -> None:
         """A damaged or foreign sidecar: replace it atomically through ``<sidecar>.tmp``."""
-        fd, tmp = create_temp_for(self.path)
-        try:
-            os.write(fd, self._fresh_header())
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, self.path)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.path)
+        atomic_replace(self.path, self._fresh_header(), make_temp=create_temp_for)
 
     def _write_header(self) -> None:
-        os.pwrite(self._fd, _pack_sidecar_header(self.static_hash, self.record_bytes, self.count), 0)
+        pwrite_all(self._fd, _pack_sidecar_header(self.static_hash, self.record_bytes, self.count), 0, self.path)
 
     def fileno(self) -> int:
         return self._fd
@@ -290,7 +258,7 @@ class SidecarWriter:
             # fdatasync has no metadata to commit; entries past ``count`` are never read
             target = -(-(end + ENTRY_SIZE * self.headroom_entries) // 4096) * 4096
             data += bytes(target - end)
-        _pwrite_all(self._fd, data, offset, self.path)
+        pwrite_all(self._fd, data, offset, self.path)
         self._file_end = max(self._file_end, offset + len(data))
         return k
 
@@ -323,15 +291,6 @@ class SidecarWriter:
         self.close()
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int, path: str) -> None:
-    view = memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, offset)
-        if done <= 0:
-            raise OSError(errno.EIO, f"{path}: pwrite wrote {done} bytes at offset {offset}")
-        view, offset = view[done:], offset + done
-
-
 def sidecar_bytes(kv_header: bytes, rec_bytes: int, entries: np.ndarray) -> bytes:
     """A sidecar vouching for exactly ``entries`` (the committed prefix), per FORMAT.md section 4."""
     body = SIDECAR_STRUCT.pack(SIDECAR_MAGIC, SIDECAR_VERSION, ALGO_XXH3_64, static_hash(kv_header),
@@ -360,19 +319,7 @@ def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
     entries = np.ascontiguousarray(entries, dtype="<u8")  # [count] u64
     head = _pack_sidecar_header(static_hash(pack_header(header.with_nrec(0))),
                                 header.record_bytes, int(entries.shape[0]))
-    fd, tmp = create_temp_for(path)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(head)
-            out.write(entries.tobytes())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path)
+    atomic_replace(path, head + entries.tobytes(), make_temp=create_temp_for)
     return path
 
 
@@ -472,5 +419,5 @@ __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "SidecarReport", "sidecar_path", "record_checksum", "static_hash", "load_sidecar",
     "check_records", "hash_records", "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
-    "fsync_dir", "temp_path_for", "create_temp_for", "remove_stale_temp",
+    "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]

@@ -24,6 +24,7 @@ import numpy as np
 from kernels.errors import CorruptionError
 from kernels.rows import RecordRows
 from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.fsio import open_regular
 from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_records, record_dtype
 from sessionstore.kvfile.sidecar import SidecarWriter, sidecar_path
 from sessionstore.log import get_logger
@@ -91,7 +92,7 @@ def write_v2_copy(fd_v1: int, path: str, header_v1: Header, keep: int, io: Durab
     tmp, tmp_side = upgrade_temp_paths(path)
     header_v2 = Header(2, header_v1.dims, keep)
     rec2 = header_v2.record_bytes
-    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode)
+    fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, file_mode, opener=io.open)
     side: SidecarWriter | None = None
     try:
         io.pwrite(fd, pack_header(header_v2), 0)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kernels.errors import ColiError, FormatError, LimitError
-from kernels.rows import RecordRows
+from kernels.rows import KV_DTYPES, RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability, SharedDurability
 from sessionstore.kvfile.headroom import PREALLOC_MAX_BYTES, PREALLOC_RECORDS, Headroom, default_headroom
@@ -48,7 +48,7 @@ from sessionstore.kvfile.layout import (
     validate_dims,
 )
 from sessionstore.kvfile.lock import WriterLock
-from sessionstore.kvfile.opening import KV_DTYPES, open_locked, refuse_non_regular
+from sessionstore.kvfile.opening import open_locked, refuse_non_regular
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 from sessionstore.kvfile.staging import Staging

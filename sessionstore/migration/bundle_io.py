@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-from sessionstore.kvfile import Durability
+from sessionstore.kvfile import Durability, open_regular, write_all
 
 Buffer = bytes | bytearray | memoryview
 
@@ -41,18 +41,14 @@ class WritebackFile:
     @classmethod
     def create(cls, path: str | os.PathLike[str]) -> WritebackFile:
         """A new file: created exclusively, never through a symlink."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         return cls(fd, os.fspath(path))
 
     def fileno(self) -> int:
         return self._fd
 
     def write(self, data: Buffer) -> int:
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            view = view[os.write(self._fd, view):]
+        total = write_all(self._fd, data)
         self.offset += total
         if self.offset - self._kicked >= WRITEBACK_BYTES:
             _IO.start_writeback(self._fd, self._kicked, self.offset - self._kicked)

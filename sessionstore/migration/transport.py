@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 from kernels.errors import ColiError, FormatError, NotFoundError
-from sessionstore.kvfile import sweep_beside, temp_beside
+from sessionstore.kvfile import fsync_parent, sweep_beside, temp_beside
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_io import WritebackFile
 
@@ -57,14 +57,6 @@ class SinkInfo:
     target: str
     final_path: str | None = None  # the local file, once committed
     kind: str = "file"  # file | stdout | url
-
-
-def fsync_directory(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -109,7 +101,7 @@ def _file_sink(path: str, overwrite: bool, durable: bool) -> Iterator[tuple[Bina
         handle.close()
         os.replace(partial, path)
         if durable:
-            fsync_directory(path)
+            fsync_parent(path)
     except BaseException:
         handle.close()
         try:
@@ -240,4 +232,4 @@ def open_source(src: str, *, storage_options: dict[str, Any] | None = None
 
 
 __all__ = ["PARTIAL_SUFFIX", "SinkInfo", "is_url", "describe", "open_sink", "open_source",
-           "url_filesystem", "discard_upload", "fsync_directory", "store_errors"]
+           "url_filesystem", "discard_upload", "store_errors"]

@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from sessionstore.kvfile.durability import Buffer, Durability
+from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.fsio import Buffer
 
 T = TypeVar("T")
 
