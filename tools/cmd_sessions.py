@@ -10,7 +10,6 @@ from dataclasses import asdict
 from typing import Any
 
 from kernels.errors import ColiError, FormatError
-from kernels.model import Sampler
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 
@@ -107,9 +106,7 @@ def _sampler(args: argparse.Namespace, base: SamplerSettings) -> SamplerSettings
         if value is not None and (explicit or value != getattr(neutral, name)):
             fields[name] = value
     merged = {**asdict(base), **fields}
-    Sampler(**merged)  # raises FormatError naming the bad setting
-    return SamplerSettings(float(merged["temperature"]), int(merged["top_k"]), float(merged["top_p"]),
-                           int(merged["seed"]))
+    return SamplerSettings.checked(**merged)  # raises FormatError naming the bad setting
 
 
 def _discard_if_empty(store: SessionStore, session_id: str) -> None:

@@ -19,10 +19,8 @@ Layout (one page, little-endian)::
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +28,7 @@ from typing import Any, Protocol
 import xxhash
 
 from kernels.errors import FormatError, LimitError
+from sessionstore.kvfile import open_regular, pwrite_all
 from sessionstore.sessions.digest import LogitsDigest, digest_from_json, digest_to_json
 from sessionstore.sessions.fields import need, need_int, pending_from_json
 
@@ -107,14 +106,12 @@ def read_state_page(manifest_path: str | os.PathLike[str]) -> bytes | None:
     """The state page beside a manifest; None when absent (never follows a symlink)."""
     path = state_path(manifest_path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path, os.O_RDONLY | os.O_NONBLOCK, what="commit state")
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise FormatError(f"{path}: cannot open the commit state ({exc.strerror})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FormatError(f"{path}: commit state is not a regular file")
         return os.pread(fd, STATE_BYTES, 0)
     finally:
         os.close(fd)
@@ -142,7 +139,7 @@ class StateWriter:
         if len(page) != STATE_BYTES:
             raise LimitError(f"{self.path}: a state page is {STATE_BYTES} bytes, not {len(page)}")
         self.open()
-        _pwrite_page(self._fd, page, self.path)
+        pwrite_all(self._fd, page, 0, str(self.path))
         if durable:
             os.fdatasync(self._fd)
 
@@ -161,32 +158,14 @@ def update_existing_state(manifest_path: str | os.PathLike[str], manifest: Commi
     except FileNotFoundError:
         return
     try:
-        _pwrite_page(fd, encode_state(manifest), path)
+        pwrite_all(fd, encode_state(manifest), 0, str(path))
     finally:
         os.close(fd)
 
 
 def _open_state(path: Path, *, create: bool) -> int:
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FormatError(f"{path}: commit state is a symlink; refusing it") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FormatError(f"{path}: commit state is not a regular file")
-    return fd
-
-
-def _pwrite_page(fd: int, page: bytes, path: Path) -> None:
-    view, offset = memoryview(page), 0
-    while view:
-        done = os.pwrite(fd, view, offset)
-        if done <= 0:
-            raise OSError(errno.EIO, f"{path}: pwrite wrote {done} bytes at offset {offset}")
-        view, offset = view[done:], offset + done
+    flags = os.O_RDWR | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    return open_regular(path, flags, 0o644, what="commit state")
 
 
 __all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "CommitFields", "state_path", "encode_state",

@@ -24,7 +24,8 @@ import struct
 from pathlib import Path
 from typing import Any, Protocol
 
-from kernels.errors import FormatError, LimitError, NotFoundError
+from kernels.errors import FormatError, NotFoundError
+from kernels.jsonfile import read_json_bounded
 from kernels.model.weights import SafetensorsFile
 
 
@@ -55,16 +56,9 @@ def _frame(h: Hasher, label: str, data: bytes) -> None:
 
 def _read_json(path: Path, limit: int) -> Any:
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(limit + 1)
+        return read_json_bounded(path, limit)
     except FileNotFoundError:
         raise NotFoundError(f"{path}: not found") from None
-    if len(raw) > limit:
-        raise LimitError(f"{path}: larger than {limit} bytes")
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _hash_safetensors(h: Hasher, path: Path) -> None:

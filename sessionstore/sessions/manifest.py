@@ -16,14 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError
+from kernels.jsonfile import parse_json_bytes
+from kernels.rows import KV_DTYPES, KV_VERSION_OF_DTYPE
+from sessionstore.kvfile import atomic_replace, open_regular
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
     DIGEST_ATOL,
@@ -37,13 +39,14 @@ from sessionstore.sessions.digest import (
 )
 from sessionstore.sessions.fields import MAX_PENDING, need, need_float, need_int, pending_from_json
 
+if TYPE_CHECKING:
+    from kernels.model.sampling import Sampler
+
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
 SIDECAR_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
-KV_DTYPES = ("fp8", "f32")
-KV_VERSION_OF_DTYPE = {"f32": 1, "fp8": 2}
 DIM_NAMES = ("n_layers", "kv_lora", "qk_rope", "index_head_dim", "n_index_layers", "vocab")
 
 
@@ -74,9 +77,18 @@ class SamplerSettings:
     def __post_init__(self) -> None:
         """Refuse values the sampler would refuse (one rule: kernels' Sampler validates), so
         a bad setting raises FormatError before anything is written to a manifest."""
-        from kernels.model.sampling import Sampler
+        checked_sampler(self.temperature, self.top_k, self.top_p, self.seed)
 
-        Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+    @classmethod
+    def checked(cls, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplerSettings:
+        """Settings from values as given (a flag, a request): checked by the decoder's rules,
+        stored as float / int (:func:`checked_sampler`)."""
+        s = checked_sampler(temperature, top_k, top_p, seed)
+        return cls(s.temperature, s.top_k, s.top_p, s.seed)
+
+    def to_sampler(self) -> Sampler:
+        """The decoder's :class:`kernels.model.sampling.Sampler` for these settings."""
+        return checked_sampler(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -168,24 +180,19 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     epoch (:mod:`sessionstore.sessions.commit_state`)."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path, os.O_RDONLY | os.O_NONBLOCK, what="manifest")
     except FileNotFoundError:
         raise NotFoundError(f"{path}: no manifest") from None
     except OSError as exc:
         raise FormatError(f"{path}: cannot open the manifest ({exc.strerror})") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: manifest is not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise LimitError(f"{path}: manifest of {st.st_size} bytes exceeds {MAX_MANIFEST_BYTES}")
         raw = os.pread(fd, MAX_MANIFEST_BYTES + 1, 0)
     finally:
         os.close(fd)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: manifest is not valid JSON ({exc})") from None
+    data = parse_json_bytes(raw, path, "manifest")
     return apply_state(manifest_from_json(data, path), path)  # the last commit's fields
 
 
@@ -205,14 +212,6 @@ def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Ma
                                last_logits=state["last_logits"], updated_at=state["updated_at"])
 
 
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    fd = os.open(os.fspath(directory), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> None:
     """Replace ``path`` atomically: temp file -> fsync -> os.replace -> fsync dir (``durable``).
     A commit state page beside it is first given the same dynamic fields."""
@@ -220,33 +219,38 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
     manifest.updated_at = utc_now()
     data = manifest.encode()
     update_existing_state(path, manifest)  # a state page must never override it with older values
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=path.parent)
+    atomic_replace(path, data, make_temp=_manifest_temp, durable=durable)
+
+
+def _manifest_temp(path: str) -> tuple[int, str]:
+    """A new ``.manifest-*.tmp`` beside ``path``, mode 0644 (mkstemp makes 0600; a manifest is as
+    readable as its kv file)."""
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=os.path.dirname(path))
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a manifest is as readable as its kv file
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if durable:
-            os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
+        os.fchmod(fd, 0o644)
     except BaseException as exc:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)
+        os.unlink(tmp)
         if isinstance(exc, OSError) and exc.filename is None:
-            exc.filename = str(path)  # ENOSPC/EIO name the manifest, not a nameless write
+            exc.filename = path
         raise
-    if durable:
-        fsync_dir(path.parent)
+    return fd, tmp
+
+
+def checked_sampler(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
+    """The one conversion between sampler settings and the decoder's Sampler: the values are
+    checked as given (Sampler's rules; FormatError names the bad setting), then handed over as
+    float temperature / top_p and int top_k / seed."""
+    from kernels.model.sampling import Sampler
+
+    Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks the values as given
+    return Sampler(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
 
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "MAX_PENDING", "ModelRef",
     "SamplerSettings", "Manifest", "manifest_from_json", "apply_state", "read_manifest",
-    "write_manifest", "fsync_dir", "utc_now",
+    "write_manifest", "checked_sampler", "utc_now", "KV_VERSION_OF_DTYPE",
     # the digest, re-exported for callers of the manifest (defined in sessionstore.sessions.digest)
     "LogitsDigest", "make_digest", "logits_hash", "digest_from_json", "digest_to_json",
     "DIGEST_TOP_K", "DIGEST_RTOL", "DIGEST_ATOL",

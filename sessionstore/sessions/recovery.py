@@ -25,7 +25,7 @@ from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, l
 from sessionstore.log import get_logger
 from sessionstore.sessions.digest import make_digest
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
-from sessionstore.sessions.turns import compare_rows, recompute_last, to_sampler
+from sessionstore.sessions.turns import compare_rows, recompute_last
 
 log = get_logger("session")
 
@@ -145,7 +145,7 @@ def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | 
     old_pending = list(manifest.pending)
     pending: list[int] = []
     if logits is not None:
-        pending = [to_sampler(manifest.sampler)(logits, n)]
+        pending = [manifest.sampler.to_sampler()(logits, n)]
         manifest.last_logits = make_digest(logits, n - 1)
     else:
         manifest.last_logits = None

@@ -16,9 +16,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kernels.errors import CorruptionError, FormatError, ModelMismatchError, NotFoundError
-from sessionstore.kvfile import Dims, copy_committed, copy_sidecar_prefix, open_kv, require_vouched, sidecar_path
+from sessionstore.kvfile import (
+    Dims,
+    copy_committed,
+    copy_sidecar_prefix,
+    fsync_directory,
+    open_kv,
+    require_vouched,
+    sidecar_path,
+)
 from sessionstore.log import get_logger
-from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, fsync_dir, write_manifest
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
 from sessionstore.sessions.paths import validate_session_id
 from sessionstore.sessions.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionSnapshot, SessionStore
 
@@ -103,9 +111,9 @@ def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLi
             stale = Path(sidecar_path(dst))
             if stale.exists() or stale.is_symlink():
                 stale.unlink()
-                fsync_dir(model_dir)
+                fsync_directory(model_dir)
             os.replace(tmp, dst)
-            fsync_dir(model_dir)
+            fsync_directory(model_dir)
         finally:
             if tmp.exists():
                 tmp.unlink()

@@ -37,6 +37,7 @@ from sessionstore.kvfile import (
     Swept,
     WriterLock,
     current_owner,
+    fsync_directory,
     open_kv,
     sidecar_path,
     store_entry_name,
@@ -49,7 +50,6 @@ from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
     SamplerSettings,
-    fsync_dir,
     read_manifest,
     write_manifest,
 )
@@ -276,7 +276,7 @@ class SessionStore:
         with WriterLock(d / KV_NAME):
             trash = self.trash_dir(session_id)
             os.rename(d, trash)
-            fsync_dir(self.sessions_root)
+            fsync_directory(self.sessions_root)
         shutil.rmtree(trash, ignore_errors=True)
         log.info("session.delete", id=session_id)
 
@@ -329,7 +329,7 @@ class SessionStore:
 
     def _install(self, tmp: Path, session_id: str) -> None:
         """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
-        fsync_dir(tmp)
+        fsync_directory(tmp)
         dst = self.session_dir(session_id)
         if check_component(dst, want="dir"):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
@@ -337,7 +337,7 @@ class SessionStore:
             os.rename(tmp, dst)
         except OSError as exc:
             raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
-        fsync_dir(self.sessions_root)
+        fsync_directory(self.sessions_root)
 
     def adopt_dir(self, tmp_dir: str | os.PathLike[str], session_id: str, *,
                   replace: bool = False) -> SessionInfo:

@@ -54,13 +54,6 @@ def feed_chunk(model: Any, cache: Any, tokens: Sequence[int] | np.ndarray,
     return logits
 
 
-def to_sampler(settings: SamplerSettings) -> Any:
-    from kernels.model.sampling import Sampler
-
-    return Sampler(temperature=float(settings.temperature), top_k=int(settings.top_k),
-                   top_p=float(settings.top_p), seed=int(settings.seed))
-
-
 def run_turn(model: Any, cache: Any, feed: Sequence[int] | None, last_logits: np.ndarray | None,
              max_new: int, sampler: SamplerSettings, *, stop_at_eos: bool = False,
              on_rows: Callable[[], None] | None = None,
@@ -73,7 +66,7 @@ def run_turn(model: Any, cache: Any, feed: Sequence[int] | None, last_logits: np
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
-    draw = to_sampler(sampler)
+    draw = sampler.to_sampler()
     eos = set(model.config.eos_token_ids)
     end = cache.length + (len(feed) if feed is not None else 0) + max(max_new - 1, 0)
     if end > model.config.max_position_embeddings:
@@ -188,5 +181,5 @@ def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
     return exact
 
 
-__all__ = ["TurnResult", "feed_chunk", "to_sampler", "run_turn", "common_prefix", "reference_turns", "recompute_last",
+__all__ = ["TurnResult", "feed_chunk", "run_turn", "common_prefix", "reference_turns", "recompute_last",
            "blocks_from_reader", "compare_rows", "ROW_RTOL"]
