@@ -210,7 +210,7 @@ class Session:
                                  durability=self.durability, preallocate=DECODE_PREALLOCATE,
                                  write_behind=self.write_behind, vouch=manifest.committed)
         except CorruptionError as exc:
-            log.error("session.resume_refused", id=self.id, path=str(self.kv_path), error=str(exc))
+            log.info("session.resume_refused", id=self.id, path=str(self.kv_path), error=str(exc))
             raise CorruptionError(f"session {self.id!r}: resume of {self.kv_path} refused: {exc}") from None
 
     def _map_and_build(self, writer: KVWriter) -> float:

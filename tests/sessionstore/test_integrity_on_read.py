@@ -39,7 +39,10 @@ def _kv(root: Path) -> Path:
 
 
 def _session_files(root: Path) -> dict[str, bytes | str]:
-    return tree_state(root / "sessions" / SID)
+    """Every file of the session but its lock file (not data: it holds the last holder's pid)."""
+    state = tree_state(root / "sessions" / SID)
+    state.pop("kv.coli_kv.lock", None)
+    return state
 
 
 def _xor(path: Path, offset: int, mask: int) -> None:
@@ -258,3 +261,33 @@ def test_resume_report_is_json(tmp_path, capsys) -> None:
     finally:
         s.close()
     shutil.rmtree(root)
+
+
+def test_a_real_process_with_default_logging_prints_one_line(tmp_path) -> None:
+    """What a user sees: the refused resume is one stderr line (no log line beside it)."""
+    import subprocess
+    import sys
+
+    from tests.sessionstore._session_util import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_LOG")}
+    root = tmp_path / "R"
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tools.coli_kv", *argv], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    made = cli("generate", "--root", str(root), "--session", SID, "--model", "tiny",
+               "--prompt-ids", PROMPT, "--max-new", "49", "--kv", "fp8")
+    assert made.returncode == 0, made.stderr
+    with open_kv(_kv(root)) as reader:
+        rec = reader.record_bytes
+    _xor(_kv(root), 40 + 18 * rec + 73, 0x01)
+    before = _session_files(root)
+    for argv in (("generate", "--root", str(root), "--session", SID, "--max-new", "6"),
+                 ("fork", "--root", str(root), SID, "copy"),
+                 ("export", "--root", str(root), SID, str(tmp_path / "b.colib"))):
+        proc = cli(*argv)
+        assert proc.returncode == 3, (argv, proc.stderr)
+        assert "18" in _one_line(proc.stderr), argv
+    assert _session_files(root) == before
