@@ -4,15 +4,8 @@ This module is the ONE parser of the engine's header (``parse_header``); the rea
 ``inspect``, ``verify``, ``convert`` and resume all go through it. Every field is checked against
 named limits and the file size before anything is allocated. All integers are little-endian.
 
-Header (40 bytes)::
-
-    0  magic  8s   COLIKV1\\0 (f32 rows) | COLIKV2\\0 (fp8 rows) | COLIKV3\\0 (4-bit tier, refused)
-    8  n_layers i32   12 kv_lora i32   16 qk_rope i32   20 index_head_dim i32
-    24 n_index_layers i32   28 vocab i32   32 nrec i32 (THE commit word)   36 tag i32
-
-Record p lives at ``40 + p * record_bytes``: token i32, then per layer (v1: Lc f32[kv_lora],
-Rc f32[qk_rope]; v2: Lc u8[kv_lora], Lc_scale f32, Rc u8[qk_rope], Rc_scale f32), then per
-indexer layer Ic f32[index_head_dim].
+The header (40 bytes) is FORMAT.md 1.1, the records 1.2 (record p at ``40 + p * record_bytes``),
+the parsing order 1.3; the struct below is asserted to that size at import.
 """
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
 """Checksums beside a ``.coli_kv`` file (``<path>.colisum``); never inside the engine's bytes.
 
-Layout (little-endian)::
-
-    0  magic        8s  b"COLISUM1"
-    8  version      u32 1
-    12 algo         u32 1 (xxh3_64)
-    16 static_hash  u64 xxh3_64(kv header [0:32] + [36:40])   (everything but nrec)
-    24 record_bytes u64
-    32 count        u64 records vouched for (entries 0..count-1)
-    40 reserved     16 zero bytes
-    56 header_check u64 xxh3_64(sidecar bytes [0:56])
-    64 + 8*p        u64 xxh3_64(record p bytes, seed=p)
-
-Records vouched for are ``[0, min(count, nrec))``. The writer (H3) stages entries and the count,
+The layout is FORMAT.md 4.1 (a 64-byte header, then one xxh3_64 entry per record, seeded with
+its position); writing 4.2, checking 4.3, reading for use 4.4 (:mod:`sessionstore.kvfile.integrity`).
+Records vouched for are ``[0, min(count, nrec))``. The writer stages entries and the count,
 fsyncs the sidecar together with the record data, and only then writes the kv commit word.
 Bytes past entry ``count - 1`` (truncated entries, or the zero-filled headroom a preallocating
 writer keeps) are never read.

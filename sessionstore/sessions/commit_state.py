@@ -8,14 +8,8 @@ file instead; :func:`sessionstore.sessions.manifest.read_manifest` applies it (`
 its epoch equals the manifest's. A torn, damaged or absent page is ignored: the manifest's own
 fields (an older commit of the same epoch, a valid lower bound) are used, and recovery does the rest.
 
-Layout (one page, little-endian)::
-
-    0       8  magic     b"COLIMST1"
-    8       4  u32       version = 1
-    12      4  u32       n: payload length, at most 4072
-    16      n  payload   compact UTF-8 JSON: epoch, committed, pending, last_logits, updated_at
-    16 + n  8  u64       xxh3_64 of bytes [0, 16 + n)
-    ...        zero      up to 4096 bytes
+The page's bytes are FORMAT.md 5.3.1 (magic, version, payload length, compact JSON payload,
+xxh3_64 of what precedes it, zeros to 4096 bytes).
 """
 from __future__ import annotations
 
