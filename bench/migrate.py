@@ -24,7 +24,7 @@
    is faster than compression can pay for).
 
 ``--quick``: 4096 tokens (186 MB), 5 repetitions: seconds. The full run (32768 tokens, 1.5 GB,
-the issue's size) writes GBs durably: on a VM whose disk sustains far less than its burst rate
+GLM-5.2's long-session size) writes GBs durably: on a VM whose disk sustains far less than its burst rate
 (the development VM: ~3 GB/s for the first ~256 MiB of a stream, then ~0.4 GB/s) the durable
 paths then measure the disk, not this code.
 ``--json``: one JSON object as the last line.
