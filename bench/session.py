@@ -181,7 +181,7 @@ def bench_resume(s: Session, reps: int) -> dict:
         t0 = time.perf_counter()
         s.resume()
         took = time.perf_counter() - t0
-        assert s.cache.length == s.manifest.committed
+        assert s.cache is not None and s.cache.length == s.manifest.committed
         assert s.resume_report["checksums"].startswith(f"{s.manifest.committed} record")
         s.suspend()
         return took
@@ -306,7 +306,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
                 logits = s.append_tokens([int(rng.integers(2, rec.vocab))], commit=False)  # +1 token
                 decode_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                make_digest(logits, s.cache.length - 1)  # what the decode step paid for it (hot)
+                make_digest(logits, s.length - 1)  # what the decode step paid for it (hot)
                 digest_s.append(time.perf_counter() - t0)
                 idle = min(max(decode_s[-1], 0.5), 1.5)
                 settle()
@@ -354,7 +354,10 @@ def bench_recompute(model: MLADecoder, s: Session, n_tokens: int, big_chunk: int
     s.resume()
     try:
         layers = range(model.config.n_layers)
-        scratch = model.cache_from_blocks([s.cache.blocks(layer) for layer in layers], s.cache.tokens, kv_dtype="fp8")
+        resident = s.cache
+        assert resident is not None
+        scratch = model.cache_from_blocks([resident.blocks(layer) for layer in layers], resident.tokens,
+                                          kv_dtype="fp8")
         t0 = time.perf_counter()
         model.forward(rng.integers(2, 1000, big_chunk).astype(np.int32), scratch)
         c_big = (time.perf_counter() - t0) / big_chunk

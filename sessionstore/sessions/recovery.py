@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError
+from kernels.model.protocols import Decoder, LatentCache
 from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, load_sidecar
 from sessionstore.log import get_logger
 from sessionstore.sessions.digest import make_digest
@@ -35,8 +36,8 @@ class ResumeTarget:
     """A session just mapped under its writer lock: what its checks read and may repair."""
 
     session_id: str
-    model: Any
-    cache: Any  # the decoder cache built over the committed rows
+    model: Decoder[Any]
+    cache: LatentCache  # the decoder cache built over the committed rows
     reader: KVReader  # the mapping those rows are views of
     vouched: Vouched | None  # what the writer's open checked against the sidecar
     manifest: Manifest  # the session's own manifest: a recovery updates it in place

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
+from kernels.model.protocols import Decoder, LatentCache
 from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
@@ -68,7 +69,7 @@ class SessionHome(Protocol):
 class Session:
     """One session. Obtain through :class:`SessionStore` (``create`` / ``open``)."""
 
-    def __init__(self, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef,
+    def __init__(self, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND) -> None:
@@ -91,14 +92,14 @@ class Session:
         self.resume_report: dict[str, Any] = {}
         self._writer: KVWriter | None = None
         self._reader: KVReader | None = None
-        self.cache: Any = None
+        self.cache: LatentCache | None = None
         self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path)
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
-    def create(cls, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef, *,
+    def create(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef, *,
                kv_dtype: str = "fp8", sampler: SamplerSettings | None = None, **options: Any) -> Session:
         """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
         dims = Dims(*model.dims_for_file())
@@ -110,7 +111,7 @@ class Session:
         return session
 
     @classmethod
-    def open(cls, store: SessionHome, session_id: str, model: Any, model_ref: ModelRef,
+    def open(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
              **options: Any) -> Session:
         manifest = store.read_manifest(session_id)
         session = cls(store, session_id, model, model_ref, manifest, **options)
@@ -149,7 +150,7 @@ class Session:
         if self.state != "resident":
             return 0
         mapped = self._reader.file_bytes if self._reader is not None else 0
-        return int(mapped + self.cache.own_nbytes)
+        return int(mapped + self._live_cache().own_nbytes)
 
     # ---- resume ----------------------------------------------------------------------------
     def ensure_resident(self) -> None:
@@ -184,7 +185,7 @@ class Session:
                 f"({self.model_ref.fingerprint})")
         try:
             ready = self._map_and_build(writer)
-            target = ResumeTarget(self.id, self.model, self.cache, self._live_reader(), writer.vouched,
+            target = ResumeTarget(self.id, self.model, self._live_cache(), self._live_reader(), writer.vouched,
                                   self.manifest, self.directory, self.kv_path, self.manifest_fsync)
             try:
                 check = check_resume(target, verify=self.verify)  # may recover self.manifest in place
@@ -195,7 +196,7 @@ class Session:
             self._release()
             raise
         report = check.report
-        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self.cache.length)
+        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._live_cache().length)
         self.resume_report = report
         self.residency.register(self)
         self.residency.enforce_budget(keep=self)
@@ -235,6 +236,10 @@ class Session:
         assert self._writer is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
         return self._writer
 
+    def _live_cache(self) -> LatentCache:
+        assert self.cache is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
+        return self.cache
+
     def _live_reader(self) -> KVReader:
         assert self._reader is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
         return self._reader
@@ -243,8 +248,8 @@ class Session:
     def _append_rows(self) -> None:
         writer = self._live_writer()
         start = writer.length
-        if self.cache.length > start:
-            writer.append(self.cache.records_since(start))
+        if self._live_cache().length > start:
+            writer.append(self._live_cache().records_since(start))
 
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
                  stop_at_eos: bool = False, sampler: SamplerSettings | None = None,
@@ -263,15 +268,15 @@ class Session:
             prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
             if not prompt:
                 raise FormatError("the prompt is empty")
-            k = common_prefix(self.cache.tokens, prompt)
-            if k < self.cache.length:
+            k = common_prefix(self._live_cache().tokens, prompt)
+            if k < self._live_cache().length:
                 self.truncate(k)
             result.reused_prefix = k
             feed = prompt[k:]
         else:
             feed = list(self.pending) if self.pending else None
-            if feed is None and self._committer.logits is None and self.cache.length:
-                self._note_logits(recompute_last(self.model, self.cache.blocks, self.cache.tokens,
+            if feed is None and self._committer.logits is None and self._live_cache().length:
+                self._note_logits(recompute_last(self.model, self._live_cache().blocks, self._live_cache().tokens,
                                                  self.manifest.kv_dtype)[0])
         result.fed = len(feed) if feed else 0
         commits_before = self._committer.commits
@@ -285,7 +290,7 @@ class Session:
             if every and writer.length - writer.nrec >= every:
                 self.commit()
 
-        tokens, logits, eos = run_turn(self.model, self.cache, feed, self._committer.logits, max_new,
+        tokens, logits, eos = run_turn(self.model, self._live_cache(), feed, self._committer.logits, max_new,
                                        self.manifest.sampler, stop_at_eos=stop_at_eos,
                                        on_rows=self._append_rows, on_step=on_step)
         if not tokens:
@@ -308,13 +313,13 @@ class Session:
             self._guard.check()  # LockedError once another host owns the session
         writer = self._live_writer()
         n = writer.length  # what the commit makes durable (checked against the cache there)
-        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self.cache.length,
+        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self._live_cache().length,
                                                durable=self.manifest_fsync)
         return n
 
     def _note_logits(self, logits: np.ndarray | None) -> None:
         """The logits of the last appended position, digested now (hot in cache)."""
-        self._committer.note_logits(logits, 0 if logits is None else self.cache.length)
+        self._committer.note_logits(logits, 0 if logits is None else self._live_cache().length)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
         """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
@@ -324,7 +329,7 @@ class Session:
         """
         self.ensure_resident()
         toks = [int(t) for t in self.model.check_tokens(np.asarray(list(tokens), dtype=np.int64))]
-        logits = feed_chunk(self.model, self.cache, toks, self._append_rows)
+        logits = feed_chunk(self.model, self._live_cache(), toks, self._append_rows)
         self.pending = []
         self._note_logits(logits)
         writer = self._live_writer()
@@ -336,7 +341,7 @@ class Session:
     def truncate(self, n: int) -> int:
         """Keep the first ``n`` records (prefix reuse). The manifest's epoch is bumped FIRST."""
         self.ensure_resident()
-        n = max(0, min(int(n), self.cache.length))
+        n = max(0, min(int(n), self._live_cache().length))
         self.commit()  # the manifest must never claim records the file has not committed
         self.manifest.epoch += 1
         self.manifest.committed = n
@@ -345,7 +350,7 @@ class Session:
         self._note_logits(None)
         write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
         self._live_writer().truncate(n)
-        self.cache.truncate(n)
+        self._live_cache().truncate(n)
         log.info("session.truncate", id=self.id, committed=n, epoch=self.manifest.epoch)
         return n
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import CorruptionError, FormatError, LimitError
+from kernels.model.protocols import Decoder, LatentCache
 from kernels.rows import F32Rows, Fp8Rows, RecordRows
 from sessionstore.kvfile import KVReader, sanitize_scales
 from sessionstore.sessions.manifest import SamplerSettings
@@ -38,7 +39,7 @@ class TurnResult:
         return asdict(self)
 
 
-def feed_chunk(model: Any, cache: Any, tokens: Sequence[int] | np.ndarray,
+def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | np.ndarray,
                on_rows: Callable[[], None] | None = None) -> np.ndarray:
     """Feed ``tokens`` as chunk[:-1] then chunk[-1:]; returns the last position's logits [vocab]."""
     toks = np.asarray(tokens, dtype="<i4").reshape(-1)  # [S] i32
@@ -54,7 +55,7 @@ def feed_chunk(model: Any, cache: Any, tokens: Sequence[int] | np.ndarray,
     return logits
 
 
-def run_turn(model: Any, cache: Any, feed: Sequence[int] | None, last_logits: np.ndarray | None,
+def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
              max_new: int, sampler: SamplerSettings, *, stop_at_eos: bool = False,
              on_rows: Callable[[], None] | None = None,
              on_step: Callable[[int, int, np.ndarray], None] | None = None) -> tuple[list[int], np.ndarray, bool]:
@@ -102,7 +103,7 @@ def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]
     return max(min(k, prompt.shape[0] - 1), 0)
 
 
-def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[int] | None, int]],
+def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Sequence[int] | None, int]],
                     sampler: SamplerSettings, *, stop_at_eos: bool = False) -> list[list[int]]:
     """The uninterrupted run: every turn in one process, one in-memory cache, no store.
 
@@ -129,7 +130,7 @@ def reference_turns(model: Any, kv_dtype: str, turns: Sequence[tuple[Sequence[in
     return outputs
 
 
-def recompute_last(model: Any, blocks_of: Callable[[int, int], list], tokens: np.ndarray,
+def recompute_last(model: Decoder[Any], blocks_of: Callable[[int, int], list], tokens: np.ndarray,
                    kv_dtype: str) -> tuple[np.ndarray, RecordRows]:
     """Logits [vocab] and rows of the last position, recomputed as a single-token step."""
     n = int(tokens.shape[0])
