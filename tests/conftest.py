@@ -1,4 +1,4 @@
-"""Shared pytest set-up: GPU marker skipping and a quiet log."""
+"""Shared pytest set-up: GPU marker skipping, a quiet log, and the fixtures every room uses."""
 from __future__ import annotations
 
 import os
@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def tiny():  # noqa: ANN201 - an MLADecoder
+    """The embedded tiny model (random weights, byte vocabulary), loaded once per test module."""
+    from kernels.model import load_model
+
+    return load_model("tiny")
