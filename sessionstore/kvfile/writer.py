@@ -50,11 +50,11 @@ from sessionstore.kvfile.layout import (
 from sessionstore.kvfile.lock import WriterLock
 from sessionstore.kvfile.opening import open_locked, refuse_non_regular
 from sessionstore.kvfile.reader import KVReader, open_kv
-from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
+from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter
+from sessionstore.kvfile.sidecar_repair import catch_up, drop_untended, open_beside, repair_on_open
 from sessionstore.kvfile.staging import Staging
 from sessionstore.log import get_logger
 
-CATCH_UP_BYTES = 32 << 20  # committed bytes re-read per step when the sidecar catches up
 WRITEBACK_MIN_BYTES = 4096  # early writes this big start their write-back (smaller ones wait)
 
 log = get_logger("writer")
@@ -181,40 +181,10 @@ class KVWriter:
                         nrec=header_nrec, complete=self._nrec)
             self._write_nrec(self._nrec)
         if not self._checksums:
-            side = sidecar_path(self.path)
-            if os.path.lexists(side):  # we cannot keep it true: drop it rather than let it lie
-                self._io.unlink(side)
-                self._io.fsync_dir(self.path)
-                log.warning("kv.recovery", path=self.path, action="removed sidecar (checksums off)")
+            drop_untended(self.path, self._io)
             return
-        self._sidecar = self._open_sidecar()
-        count = self._sidecar.count
-        if count != self._nrec:
-            if count > self._nrec:
-                self._sidecar.set_count(self._nrec)
-            else:
-                self._sidecar_catch_up()
-            self._io.fsync(self._sidecar.fileno())
-            log.warning("kv.recovery", path=self.path, action="sidecar repaired", count_was=count,
-                        count=self._nrec)
-
-    def _open_sidecar(self) -> SidecarWriter:
-        headroom = HEADROOM_ENTRIES if self._headroom.enabled else 0
-        return SidecarWriter(self.path, self._header.with_nrec(0), headroom_entries=headroom)
-
-    def _sidecar_catch_up(self) -> None:
-        """Stage sidecar entries for committed records the sidecar does not cover yet."""
-        assert self._sidecar is not None
-        rec = self.record_bytes
-        step = max(1, CATCH_UP_BYTES // rec)
-        while self._sidecar.count < self._nrec:
-            start = self._sidecar.count
-            count = min(step, self._nrec - start)
-            raw = os.pread(self._fd, count * rec, HEADER_SIZE + start * rec)
-            if len(raw) != count * rec:
-                raise FormatError(f"{self.path}: byte {HEADER_SIZE + start * rec}: short read of "
-                                  f"committed records ({len(raw)} of {count * rec} bytes)")
-            self._sidecar.stage(start, raw)
+        self._sidecar = repair_on_open(self.path, self._io, self._fd, self._header, self._nrec,
+                                       headroom=self._headroom.enabled)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -376,7 +346,7 @@ class KVWriter:
         waits: list[Callable[[], object]] = []
         try:
             if self._sidecar is not None:
-                self._sidecar_catch_up()
+                catch_up(self._sidecar, self._fd, self.path, self._nrec, self.record_bytes)
                 self._write_sidecar_entries(self._staging.count)  # those not written ahead
                 self._sidecar.publish(self.length)
                 waits.append(self._io.fsync_begin(self._sidecar.fileno()))
@@ -448,7 +418,7 @@ class KVWriter:
         if result.error is not None:
             self._dir_sync_due = True  # the rename may not be durable yet: the next commit syncs
             if self._checksums and self._sidecar is None:
-                self._sidecar = self._open_sidecar()
+                self._sidecar = open_beside(self.path, self._header, headroom=self._headroom.enabled)
             raise result.error
 
     # -- close ------------------------------------------------------------------------------
