@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,7 @@ __all__ = [
     "DECODE_TABLE",
     "FP8_MAX",
     "USABLE_SCALE_BOUND",
+    "usable_scales",
     "PAIR_TABLE",
     "decode",
     "decode_into",
@@ -45,6 +47,12 @@ _AMAX_MIN = np.float32(1e-35)  # the engine's 1e-35f: a row needs amax > this
 # The engine's 3.4e38f, the one home of this bound: a row whose amax is larger is a zero row, and a
 # stored scale is usable only when > 0 and below it (else the row is inert and reads as 0).
 USABLE_SCALE_BOUND = np.float32(3.4e38)
+
+
+def usable_scales(scales: Any) -> Any:
+    """The engine's test for a v2 row scale, the one mask every reader applies: 0 < scale <
+    3.4e38f (NaN and inf fail it). ``scales``: a numpy or cupy array; returns its bool mask."""
+    return (scales > 0) & (scales < USABLE_SCALE_BOUND)
 _BLOCK = 1 << 16  # elements per block: keeps every temporary in L2
 _PAIR_MIN = 1 << 12  # decode arrays at least this long use the pair table
 _LO, _HI = (0, 1) if sys.byteorder == "little" else (1, 0)  # u16 halves of a native f32
@@ -368,7 +376,7 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _dequantize_block(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
     """codes [g, n] u8 contiguous, scales [g] f32 -> out [g, n] f32 contiguous."""
     _decode_flat(codes.reshape(-1), out.reshape(-1))
-    usable = (scales > 0) & (scales < USABLE_SCALE_BOUND)  # [g] bool: the engine's reading rule
+    usable = usable_scales(scales)  # [g] bool: the engine's reading rule
     with np.errstate(over="ignore"):  # a usable scale above f32max/448 gives +-inf, as in the engine
         np.multiply(out, np.where(usable, scales, np.float32(0))[:, None], out=out)
     if not usable.all():

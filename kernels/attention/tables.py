@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.fp8 import DECODE_TABLE, USABLE_SCALE_BOUND, pair_table
+from kernels.fp8 import DECODE_TABLE, USABLE_SCALE_BOUND, pair_table, usable_scales
 
 __all__ = ["DECODE_TABLE", "SCALE_MAX", "decode_codes_into", "sanitize_scales_into"]
 
@@ -41,6 +41,6 @@ def decode_codes_into(codes: np.ndarray, out: np.ndarray) -> None:
 def sanitize_scales_into(scales: np.ndarray, out: np.ndarray) -> None:
     """out = scales where usable (> 0 and < 3.4e38), else 0.0: an inert row contributes exactly 0."""
     np.copyto(out, scales)
-    bad = ~((out > 0) & (out < SCALE_MAX))  # bad: [n] bool (NaN, inf, <= 0)
+    bad = ~usable_scales(out)  # bad: [n] bool (NaN, inf, <= 0)
     if bad.any():
         out[bad] = 0.0

@@ -19,7 +19,7 @@ import numpy as np
 
 from kernels.cuda.sources import KernelDims, mma_supported
 from kernels.errors import FormatError, LimitError
-from kernels.fp8 import USABLE_SCALE_BOUND
+from kernels.fp8 import usable_scales
 from kernels.rows import F32Rows, Fp8Rows
 
 SESSION_FIELDS = ("lc", "rc", "lsc", "rsc", "lc_stride", "rc_stride", "lsc_stride", "rsc_stride")
@@ -150,5 +150,5 @@ def run_split_decode(
 def _scale_bound(xp: Any, rows: Fp8Rows) -> Any:
     """Largest usable Lc scale of a session, as a 0-d device array (the P normaliser of the mma kernels)."""
     s = rows.lc_scale
-    usable = (s > 0) & (s < USABLE_SCALE_BOUND)
+    usable = usable_scales(s)
     return xp.max(xp.where(usable, s, xp.float32(0)))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, LimitError
-from kernels.fp8 import USABLE_SCALE_BOUND
+from kernels.fp8 import USABLE_SCALE_BOUND, usable_scales
 from kernels.rows import RecordRows
 
 # --- magics and struct constants -----------------------------------------------------------
@@ -310,11 +310,6 @@ def pack_records(version: int, dims: Dims, rows: RecordRows) -> np.ndarray:
     elif rows.index is not None and np.asarray(rows.index).size:
         raise FormatError("pack_records: indexer rows given but the dims declare none")
     return out
-
-
-def usable_scales(scales: np.ndarray) -> np.ndarray:
-    """The engine's test for a v2 row scale: 0 < scale < 3.4e38f (NaN and inf fail it)."""
-    return (scales > 0) & (scales < INERT_SCALE_LIMIT)  # [...] bool
 
 
 def sanitize_scales(scales: np.ndarray) -> np.ndarray:
