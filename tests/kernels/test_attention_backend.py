@@ -14,6 +14,7 @@ from kernels.backend import CpuBackend, get_backend
 from kernels.errors import BackendUnavailableError, FormatError
 from kernels.rows import F32Rows
 from tests.kernels.attention_cases import latent_rows, quantize, queries, split_rows
+from tests.support.extras import needs_cuda_extra
 
 
 def test_cpu_backend_entry_points_are_the_numpy_kernels() -> None:
@@ -49,6 +50,7 @@ def test_unknown_backend_name() -> None:
         get_backend("tpu")
 
 
+@needs_cuda_extra
 def test_cuda_without_a_device_raises_our_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from cupy.cuda import runtime
 

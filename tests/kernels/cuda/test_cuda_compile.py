@@ -11,8 +11,10 @@ import pytest
 
 from kernels.cuda import GLM_DIMS, KERNEL_MODULES, KernelDims, compile_all_kernels_to_ptx, sources
 from kernels.errors import BackendUnavailableError
+from tests.support.extras import needs_cuda_extra
 
 
+@needs_cuda_extra
 @pytest.mark.parametrize("dims", [GLM_DIMS, KernelDims(heads=4, kv_lora=64, rope=16)], ids=["glm", "tiny"])
 def test_every_kernel_compiles_to_ptx_without_a_gpu(dims: KernelDims) -> None:
     ptx = compile_all_kernels_to_ptx("compute_90", dims)
@@ -33,6 +35,7 @@ def test_sources_are_self_contained_package_data() -> None:
         assert text.count("#define MLA_COMMON_CUH") == 1
 
 
+@needs_cuda_extra
 def test_a_kernel_that_does_not_compile_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     real = sources._read
     monkeypatch.setattr(sources, "_read", lambda name: real(name) + "\nthis is not C++;\n")
