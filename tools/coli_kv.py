@@ -55,21 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _remote_errors() -> tuple[type[BaseException], ...]:
-    """Network/object-store failures (endpoint down, bad credentials) from the optional S3 stack."""
-    found: list[type[BaseException]] = []
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
+    """Network/object-store failures (endpoint down, bad credentials) from the optional S3 stack:
+    the migration room's one list of them, imported only when an error escapes."""
+    from sessionstore.migration import store_errors
 
-        found += [BotoCoreError, ClientError]
-    except ImportError:
-        pass
-    try:
-        from aiohttp import ClientError as HttpClientError
-
-        found.append(HttpClientError)
-    except ImportError:
-        pass
-    return tuple(found)
+    return store_errors()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

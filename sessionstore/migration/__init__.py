@@ -9,9 +9,10 @@ from sessionstore.migration.lease_keeper import LeaseKeeper
 from sessionstore.migration.migrate import MigrateResult, export_session, import_bundle
 from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
-from sessionstore.migration.transport import describe, is_url, open_sink, open_source
+from sessionstore.migration.transport import describe, is_url, open_sink, open_source, store_errors
 
 __all__ = [
+    "store_errors",
     "DEFAULT_CHUNK_BYTES", "Inbox", "LEASE_TTL_S", "Lease", "LeaseKeeper", "MAX_CHUNK_BYTES", "MIN_CHUNK_BYTES",
     "MigrateResult", "RemoteStore", "RemoteStoreError", "WritebackFile", "default_host_id", "describe",
     "export_session", "held_message", "import_bundle", "is_url", "open_sink", "open_source",
