@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = convert_file(args.src, args.dst, args.to, force=args.force, progress=progress,
-                              salvage=args.unverified)
+                              check_source=False)  # check_source() ran (or --unverified)
     finally:
         if bar is not None:
             bar.close()

@@ -166,17 +166,18 @@ def _install(tmp: str, dst: str, force: bool) -> None:
 
 def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_version: int | str,
                  *, force: bool = False, progress: Progress | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, salvage: bool = False) -> ConvertResult:
+                 chunk_bytes: int = CHUNK_BYTES, check_source: bool = True) -> ConvertResult:
     """Write DST as ``to_version`` from the committed records of SRC (see the module doc).
 
-    A source whose sidecar condemns a record is refused (FORMAT.md 4.4) unless ``salvage``
-    (`convert --unverified`): DST's fresh sidecar then vouches for the damaged records."""
+    A source whose sidecar condemns a record is refused (FORMAT.md 4.4). ``check_source=False``:
+    the caller has checked it already (the CLI runs the whole of `verify` first), or salvages it
+    on purpose (`convert --unverified`: DST's fresh sidecar then vouches for the damaged records)."""
     target = parse_version(to_version)
     dst = os.fspath(dst)
     started = time.perf_counter()
     with open_kv(src) as reader:
         _check_destination(reader, dst, force)
-        if not salvage:
+        if check_source:
             _refuse_condemned(reader)
         n, dims = reader.nrec, reader.dims
         header = Header(target, dims, n)
