@@ -142,3 +142,33 @@ class TileGatherer:
                 self.lsc[dst] = 1.0
                 self.rsc[dst] = 1.0
         return any_fp8
+
+    def gather_at(self, positions: np.ndarray) -> bool:
+        """Fill scratch rows [0, n) with the rows at absolute ``positions`` [n] (ascending, n <= tile);
+        returns True when any of them is fp8. Only those rows are read: nothing else is copied."""
+        pos = np.asarray(positions, dtype=np.int64)  # pos: [n] i64
+        n = int(pos.shape[0])
+        if pos.ndim != 1 or n > self.tile_rows:
+            raise FormatError(f"gather_at: expected at most {self.tile_rows} positions [n], found {pos.shape}")
+        if n and (pos[0] < 0 or pos[-1] >= self.shape.length or bool(np.any(pos[1:] <= pos[:-1]))):
+            raise FormatError(f"gather_at: positions must ascend strictly inside [0, {self.shape.length})")
+        any_fp8 = False
+        cuts = np.searchsorted(pos, self.block_starts)  # cuts: [nblocks + 1] i64, block b owns pos[cuts[b]:cuts[b+1]]
+        for b, blk in enumerate(self.blocks):
+            lo, hi = int(cuts[b]), int(cuts[b + 1])
+            if lo >= hi:
+                continue
+            src = pos[lo:hi] - self.block_starts[b]  # src: [m] i64 rows of this block
+            dst = slice(lo, hi)
+            if isinstance(blk, Fp8Rows):
+                any_fp8 = True
+                decode_codes_into(blk.lc_codes[src], self.lc[dst])
+                decode_codes_into(blk.rc_codes[src], self.rc[dst])
+                sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
+                sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
+            else:
+                np.take(blk.lc, src, axis=0, out=self.lc[dst], mode="clip")
+                np.take(blk.rc, src, axis=0, out=self.rc[dst], mode="clip")
+                self.lsc[dst] = 1.0
+                self.rsc[dst] = 1.0
+        return any_fp8
