@@ -10,7 +10,7 @@ the parsing order 1.3; the struct below is asserted to that size at import.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -93,10 +93,14 @@ class Header:
     version: int
     dims: Dims
     nrec: int = 0
-    tag: int = -1  # -1: the version's tag (0 for v1, 1 for v2)
+    tag: int = None  # type: ignore[assignment]  # None: the version's tag (0 for v1, 1 for v2)
+    # What parsing noticed in a header the engine loads but we never write (FORMAT.md 1.3):
+    # a v1/v2 tag word other than the version's, indexer dims of which only one is 0, a
+    # negative nrec (read as 0). Readers report them; writers refuse to append to such a file.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        if self.tag == -1 and self.version in VERSION_TAGS:
+        if self.tag is None and self.version in VERSION_TAGS:
             object.__setattr__(self, "tag", VERSION_TAGS[self.version])
 
     @property
@@ -112,15 +116,18 @@ class Header:
         return HEADER_SIZE + self.nrec * self.record_bytes
 
     def with_nrec(self, nrec: int) -> Header:
-        return Header(self.version, self.dims, nrec, self.tag)
+        return Header(self.version, self.dims, nrec, self.tag, self.notes)
 
 
 def _where(path: object) -> str:
     return f"{path}" if path is not None else "<buffer>"
 
 
-def validate_dims(dims: Dims, path: object = None) -> None:
-    """Check every dimension against the named limits; raise FormatError/LimitError naming it."""
+def validate_dims(dims: Dims, path: object = None, *, lenient_index: bool = False) -> None:
+    """Check every dimension against the named limits; raise FormatError/LimitError naming it.
+
+    ``lenient_index``: indexer dims of which only one is 0 are accepted (a header the engine
+    loads; they describe no indexer bytes), as parsing does; what we write never has them."""
     fields = (("n_layers", 8, MAX_LAYERS, 1), ("kv_lora", 12, MAX_WIDTH, 1),
               ("qk_rope", 16, MAX_WIDTH, 1), ("index_head_dim", 20, MAX_WIDTH, 0),
               ("n_index_layers", 24, MAX_LAYERS, 0), ("vocab", 28, MAX_VOCAB, 1))
@@ -134,7 +141,7 @@ def validate_dims(dims: Dims, path: object = None) -> None:
         if value > limit:
             raise LimitError(
                 f"{_where(path)}: byte {offset}: {name} = {value} exceeds the limit {limit}")
-    if (dims.index_head_dim == 0) != (dims.n_index_layers == 0):
+    if (dims.index_head_dim == 0) != (dims.n_index_layers == 0) and not lenient_index:
         raise FormatError(
             f"{_where(path)}: byte 20: index_head_dim = {dims.index_head_dim} and "
             f"n_index_layers = {dims.n_index_layers}: both must be 0 or both > 0")
@@ -176,10 +183,10 @@ def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: obje
     """Parse and validate the header at the start of ``buf`` (a file of ``file_size`` bytes).
 
     Refuses (FormatError/LimitError naming the file and byte offset): a short header, an unknown
-    magic, COLIDV41 (DeepSeek-V4 engine) by name, COLIKV3 (4-bit tier), a tag that does not
-    match the version (the forked COLIKV2 keeps a watermark there), impossible or huge dims, a
-    record size over the limit, a negative nrec, and a COLIKV2 file whose size is exactly nrec
-    records of ANOTHER size (nrec >= 2; size arithmetic of a foreign record layout).
+    magic, COLIDV41 (DeepSeek-V4 engine) by name, COLIKV3 (4-bit tier), impossible or huge dims
+    and a record size over the limit (FORMAT.md 1.3). Accepts, with a note in ``Header.notes``,
+    what the engine loads though we never write it: a v1/v2 tag word other than the version's
+    (the engine ignores it), indexer dims of which only one is 0, a negative nrec (read as 0).
     ``nrec`` beyond the file is NOT refused here: readers keep the complete records (engine rule).
     """
     where = _where(path)
@@ -207,33 +214,28 @@ def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: obje
             f"{where}: short header: {min(len(head), file_size)} bytes, expected {HEADER_SIZE}")
     _, *dim_values, nrec, tag = HEADER_STRUCT.unpack(head)
     dims = Dims(*dim_values)
+    notes: list[str] = []
     expected_tag = VERSION_TAGS[version]
     if tag != expected_tag:
-        if version == 2:
-            raise FormatError(
-                f"{where}: byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV2 file, expected "
-                f"{expected_tag} (fp8): this is the forked COLIKV2 format (a watermark in the "
-                "tag word), not the engine's v2; refusing it")
-        raise FormatError(
-            f"{where}: byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV1 file, expected {expected_tag}")
-    validate_dims(dims, path)
+        notes.append(
+            f"byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV{version} file, expected {expected_tag}: "
+            "the engine ignores the tag of v1/v2 files (a forked COLIKV2 keeps a watermark "
+            "there, with rows that may mean something else)")
+    validate_dims(dims, path, lenient_index=True)
+    if (dims.index_head_dim == 0) != (dims.n_index_layers == 0):
+        notes.append(
+            f"bytes 20-24: index_head_dim = {dims.index_head_dim} with n_index_layers = "
+            f"{dims.n_index_layers}: no indexer bytes in the records")
     if nrec < 0:
-        raise FormatError(f"{where}: byte {NREC_OFFSET}: nrec = {nrec}, expected >= 0")
-    header = Header(version, dims, nrec, tag)
-    if version == 2 and nrec >= 2:
-        data = file_size - HEADER_SIZE
-        if 0 < data < nrec * header.record_bytes and data % nrec == 0:
-            raise FormatError(
-                f"{where}: COLIKV2 header says {nrec} records of {header.record_bytes} bytes, but "
-                f"the file holds exactly {nrec} records of {data // nrec} bytes: a forked or "
-                "mislabelled COLIKV2 (or a copy cut exactly there); refusing it")
-    return header
+        notes.append(f"byte {NREC_OFFSET}: nrec = {nrec} is negative: read as 0 records (engine rule)")
+        nrec = 0
+    return Header(version, dims, nrec, tag, tuple(notes))
 
 
 def complete_records(header: Header, file_size: int) -> int:
     """Records a reader may use: nrec, or fewer when the file is cut inside the committed part."""
     available = max(file_size - HEADER_SIZE, 0) // header.record_bytes
-    return min(header.nrec, available)
+    return max(min(header.nrec, available), 0)
 
 
 # --- record dtype and packing --------------------------------------------------------------

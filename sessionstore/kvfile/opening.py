@@ -71,6 +71,10 @@ def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durab
             raise ModelMismatchError(
                 f"{path}: file dims {header.dims.as_tuple()} (n_layers, kv_lora, qk_rope, "
                 f"index_head_dim, n_index_layers, vocab) differ from the model's {dims.as_tuple()}")
+        if header.notes:
+            raise FormatError(
+                f"{path}: {header.notes[0]}; refusing to append to a header this implementation "
+                "never writes (`coli-kv convert` rewrites the file canonically)")
         if header.version == 2 and kv_dtype == "f32":
             raise FormatError(
                 f"{path}: a v2 (fp8) file but kv_dtype is 'f32' (fp8 off); convert it with "

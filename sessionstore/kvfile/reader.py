@@ -74,7 +74,7 @@ class KVReader:
             self.nrec = complete_records(self.header, self.file_bytes)
             mapped = HEADER_SIZE + self.nrec * self.record_bytes
             self.stale_tail_bytes = self.file_bytes - mapped
-            self.warnings: list[str] = []
+            self.warnings: list[str] = list(self.header.notes)
             if self.nrec < self.header.nrec:
                 self.warnings.append(
                     f"file cut inside the committed records: nrec says {self.header.nrec}, the "

@@ -118,7 +118,6 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "size_overflow": (struct.pack("<8s8i", b"COLIKV1\0", 1024, 65536, 65536, 0, 0, 1000, 1, 0),
                           "record size"),
         "colidv41": (b"COLIDV41" + b"\0" * 100, "COLIDV41"),
-        "forked_v2": (struct_header(b"COLIKV2\0", ENGINE_DIMS, 1, 0x574D4B31) + b"\0" * 44, "forked COLIKV2"),
         "v3": (struct.pack("<8s8i", b"COLIKV3\0", 2, 8, 4, 0, 0, 1000, 1, (1 << 8) | 4), "4-bit tier"),
         "empty": (b"", "empty file"),
     }
@@ -135,6 +134,29 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[str, str]]:
     out["unreadable"] = (str(good / "child"), "no such file")  # parent is a file (root ignores chmod 000)
     out["device"] = ("/dev/zero", "character device")
     return out
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_headers_the_engine_loads_read_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      command: str) -> None:
+    """A v2 tag word other than 1, a negative nrec, indexer width > 0 with no indexer layers: the
+    engine loads these, so inspect/verify read them (exit 0) and warn; nothing is refused."""
+    d = ENGINE_DIMS
+    rec = 4 + d.n_layers * (d.kv_lora + d.qk_rope + 8)
+    cases = {
+        "tagged": (struct_header(b"COLIKV2\0", ENGINE_DIMS, 1, 0x574D4B31) + b"\0" * rec, "tag 0x574d4b31"),
+        "negative": (struct_header(b"COLIKV2\0", ENGINE_DIMS, -3, 1) + b"\0" * rec, "nrec = -3"),
+        "index_width": (struct.pack("<8s8i", b"COLIKV2\0", d.n_layers, d.kv_lora, d.qk_rope, 16, 0,
+                                    d.vocab, 1, 1) + b"\0" * rec, "index_head_dim = 16"),
+    }
+    for name, (data, fragment) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        code = main([command, str(path), "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, (name, captured.err)
+        assert fragment in captured.out, (name, captured.out)
+        assert "Traceback" not in captured.err
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])

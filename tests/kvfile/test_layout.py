@@ -146,25 +146,36 @@ def test_v3_refused_as_unsupported_tier() -> None:
 
 
 @pytest.mark.parametrize("tag", [0, 2, 0x574D4B31, -1])
-def test_forked_colikv2_refused_by_tag(tag: int) -> None:
-    with pytest.raises(FormatError, match="forked COLIKV2"):
-        parse_header(_header(tag=tag), 10_000, "fork.kv")
+def test_v2_with_any_tag_reads_with_a_note(tag: int) -> None:
+    """The engine ignores the tag word of v1/v2 files: such a header reads, with a note."""
+    header = parse_header(_header(tag=tag), 10_000, "fork.kv")
+    assert (header.version, header.tag) == (2, tag)
+    assert len(header.notes) == 1 and f"tag {tag:#x} in a COLIKV2" in header.notes[0]
+    assert "forked COLIKV2" in header.notes[0]
 
 
-def test_forked_colikv2_refused_by_size_arithmetic() -> None:
+@pytest.mark.parametrize("tag", [1, 7, 0x104])
+def test_v1_with_any_tag_reads_with_a_note(tag: int) -> None:
+    header = parse_header(_header(magic=b"COLIKV1\0", tag=tag), 1000)
+    assert header.version == 1 and header.tag == tag
+    assert "byte 36: tag" in header.notes[0] and "COLIKV1" in header.notes[0]
+
+
+def test_canonical_headers_carry_no_notes() -> None:
+    assert parse_header(_header(tag=1), 10_000).notes == ()
+    assert parse_header(_header(magic=b"COLIKV1\0", tag=0), 10_000).notes == ()
+
+
+def test_v2_cut_at_any_length_reads_its_complete_records() -> None:
+    """A copy cut anywhere reads as the engine reads it: the complete records before the cut,
+    including lengths whose data part is a whole multiple of nrec (once refused as 'forked')."""
     dims = (2, 8, 4, 0, 0, 1000)
     rec = record_bytes(2, Dims(*dims))  # 44
-    # tag 1, but the file holds exactly nrec records of 40 bytes (a foreign layout): refused
-    with pytest.raises(FormatError, match="exactly 3 records of 40 bytes"):
-        parse_header(_header(dims=dims, nrec=3, tag=1), HEADER_SIZE + 3 * 40, "fork.kv")
-    # a copy cut inside a record (not a whole multiple) is the engine's torn rule: accepted
-    header = parse_header(_header(dims=dims, nrec=3, tag=1), HEADER_SIZE + 2 * rec + 7, "cut.kv")
-    assert complete_records(header, HEADER_SIZE + 2 * rec + 7) == 2
-
-
-def test_v1_with_fp8_tag_refused() -> None:
-    with pytest.raises(FormatError, match="byte 36: tag 0x1 in a COLIKV1"):
-        parse_header(_header(magic=b"COLIKV1\0", tag=1), 1000)
+    for nrec in (2, 3, 5):
+        for size in range(HEADER_SIZE, HEADER_SIZE + nrec * rec + 1):
+            header = parse_header(_header(dims=dims, nrec=nrec, tag=1), size, "cut.kv")
+            assert header.notes == ()
+            assert complete_records(header, size) == min(nrec, (size - HEADER_SIZE) // rec)
 
 
 @pytest.mark.parametrize("index,name,offset", [(0, "n_layers", 8), (1, "kv_lora", 12),
@@ -194,18 +205,26 @@ def test_record_size_overflow_refused() -> None:
         parse_header(_header(dims=dims), 1000)
 
 
-def test_indexer_dims_must_agree() -> None:
-    with pytest.raises(FormatError, match="both must be 0"):
-        parse_header(_header(dims=(2, 8, 4, 16, 0, 1000)), 1000)
-    with pytest.raises(FormatError, match="both must be 0"):
-        parse_header(_header(dims=(2, 8, 4, 0, 1, 1000)), 1000)
+def test_indexer_dims_of_which_one_is_zero_read_with_a_note() -> None:
+    """The engine loads them (no indexer bytes); we read them with a note and never write them."""
+    for dims in ((2, 8, 4, 16, 0, 1000), (2, 8, 4, 0, 1, 1000)):
+        header = parse_header(_header(dims=dims), 1000)
+        assert "no indexer bytes" in header.notes[0]
+        assert header.record_bytes == record_bytes(2, Dims(2, 8, 4, 0, 0, 1000))
+        with pytest.raises(FormatError, match="both must be 0"):
+            pack_header(header)
+
+
+def test_indexer_layers_cannot_exceed_layers() -> None:
     with pytest.raises(FormatError, match="n_index_layers = 3 exceeds n_layers = 2"):
         parse_header(_header(dims=(2, 8, 4, 16, 3, 1000)), 1000)
 
 
-def test_negative_nrec_refused() -> None:
-    with pytest.raises(FormatError, match="byte 32: nrec = -5"):
-        parse_header(_header(nrec=-5), 1000)
+@pytest.mark.parametrize("nrec", [-1, -5, -(2**31)])
+def test_negative_nrec_reads_as_zero_records(nrec: int) -> None:
+    header = parse_header(_header(nrec=nrec), 1000)
+    assert header.nrec == 0 and complete_records(header, 1000) == 0
+    assert f"byte 32: nrec = {nrec}" in header.notes[0]
 
 
 def test_nrec_beyond_file_is_clamped_not_refused() -> None:
