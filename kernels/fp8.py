@@ -321,10 +321,27 @@ def decode(codes: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- row quantizer
 
 
+def _row_amax(work: np.ndarray) -> np.ndarray:
+    """work: [g, n] f32 |x| -> [g] f32 row maxima over the non-NaN values (0 for an all-NaN row).
+
+    Not ``np.fmax.reduce``: numpy's fmax returns NaN when one operand is a signalling NaN (the C
+    fmax rule), so a running maximum that meets one in a scalar loop (rows not a multiple of the
+    SIMD width, or the column-wise loop of short rows) is replaced by the next value. ``np.maximum``
+    propagates every NaN instead; the rare rows that end as NaN are reduced again with NaNs as 0.
+    """
+    amax: np.ndarray = np.maximum.reduce(work, axis=1, initial=np.float32(0))  # [g] f32, NaN if any NaN
+    nan_rows = np.isnan(amax)  # [g] bool
+    if nan_rows.any():
+        sub = work[nan_rows]  # [k, n] f32 copy
+        sub[np.isnan(sub)] = 0.0
+        amax[nan_rows] = np.maximum.reduce(sub, axis=1, initial=np.float32(0))
+    return amax
+
+
 def _quantize_block(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:
     """x: [g, n] f32 contiguous -> codes [g, n] u8 contiguous, scales [g] f32."""
     work = np.abs(x)  # [g, n] f32
-    amax = np.fmax.reduce(work, axis=1, initial=np.float32(0))  # [g] f32, NaN ignored
+    amax = _row_amax(work)  # [g] f32, NaN ignored
     usable = (amax > _AMAX_MIN) & ~(amax > USABLE_SCALE_BOUND)  # [g] bool
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = _F448 / amax  # [g] f32
