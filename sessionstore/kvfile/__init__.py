@@ -32,7 +32,6 @@ from sessionstore.kvfile.reader import KVReader, open_kv, wait_for_unmaps
 from sessionstore.kvfile.sidecar import (
     ENTRY_SIZE,
     SIDECAR_HEADER_SIZE,
-    check_records,
     load_sidecar,
     record_checksum,
     sidecar_bytes,
@@ -40,6 +39,7 @@ from sessionstore.kvfile.sidecar import (
     static_hash,
     write_sidecar_for,
 )
+from sessionstore.kvfile.sidecar_check import SidecarReport, check_records
 from sessionstore.kvfile.sweep import (
     REPLACED_PREFIX,
     TMP_DIR_PREFIX,
@@ -56,7 +56,7 @@ from sessionstore.kvfile.writer import KVWriter
 
 __all__ = [
     "ConvertResult", "Dims", "Durability", "ENTRY_SIZE", "HEADER_SIZE", "Header", "KVReader",
-    "KVWriter", "REPLACED_PREFIX", "RecordScan", "SIDECAR_HEADER_SIZE", "Swept", "TMP_DIR_PREFIX",
+    "KVWriter", "REPLACED_PREFIX", "RecordScan", "SIDECAR_HEADER_SIZE", "SidecarReport", "Swept", "TMP_DIR_PREFIX",
     "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "atomic_replace", "check_records",
     "convert_file", "copy_committed", "copy_sidecar_prefix", "current_owner", "fsync_directory",
     "fsync_parent", "load_sidecar", "open_kv", "open_regular", "pack_header", "pack_records",

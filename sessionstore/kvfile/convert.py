@@ -24,13 +24,13 @@ from sessionstore.kvfile.layout import Dims, Header, pack_header, record_dtype, 
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,
-    check_records,
     load_sidecar,
     record_checksum,
     remove_stale_temp,
     sidecar_path,
     write_sidecar_atomic,
 )
+from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.kvfile.sweep import sweep_beside, temp_beside
 from sessionstore.log import get_logger
 

@@ -20,7 +20,8 @@ from kernels.errors import ColiError
 from sessionstore.kvfile.integrity import bad_token_message
 from sessionstore.kvfile.layout import usable_scales
 from sessionstore.kvfile.reader import KVReader, open_kv
-from sessionstore.kvfile.sidecar import SidecarReport, check_records, load_sidecar, sidecar_path
+from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
+from sessionstore.kvfile.sidecar_check import SidecarReport, check_records
 from sessionstore.log import get_logger
 
 SCAN_CHUNK_BYTES = 32 << 20  # records examined per step (page-cache bytes, not heap)

@@ -15,7 +15,8 @@ from kernels.rows import RecordRows
 from sessionstore.kvfile.convert import DestinationExistsError, convert_file
 from sessionstore.kvfile.layout import HEADER_SIZE, Dims, record_bytes
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.kvfile.sidecar import check_records, load_sidecar, sidecar_path
+from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
+from sessionstore.kvfile.sidecar_check import check_records
 from tests.kvfile.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

@@ -29,7 +29,8 @@ from sessionstore.kvfile.layout import (
     pack_records,
 )
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.kvfile.sidecar import check_records, load_sidecar, sidecar_path, write_sidecar_for
+from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path, write_sidecar_for
+from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.kvfile.verify import verify_file
 from tests.kvfile.test_layout_fixtures import ENGINE_DIMS, INDEXER_DIMS, f32_rows, fp8_rows
 from tools.cmd_inspect import inspect_file

@@ -14,12 +14,12 @@ from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_re
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import (
     SidecarWriter,
-    check_records,
     load_sidecar,
     record_checksum,
     sidecar_path,
     write_sidecar_for,
 )
+from sessionstore.kvfile.sidecar_check import check_records
 from tests.kvfile.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,

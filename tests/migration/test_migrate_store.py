@@ -410,7 +410,8 @@ def test_a_session_without_sidecar_gets_one_on_import(stores):
     data = export_bytes(a, "bare")
     assert b"kv.coli_kv.colisum" not in data[:4096]
     migrate.import_bundle(b, io.BytesIO(data))
-    from sessionstore.kvfile.sidecar import check_records, load_sidecar
+    from sessionstore.kvfile.sidecar import load_sidecar
+    from sessionstore.kvfile.sidecar_check import check_records
 
     with open_kv(b.kv_path("bare")) as reader:
         report = check_records(reader, load_sidecar(reader.path))

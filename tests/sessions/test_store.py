@@ -10,7 +10,8 @@ import pytest
 from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
 from sessionstore.kvfile import copying
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.kvfile.sidecar import check_records, load_sidecar
+from sessionstore.kvfile.sidecar import load_sidecar
+from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import InvalidSessionIdError
 from sessionstore.sessions.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix

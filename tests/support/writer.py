@@ -16,7 +16,8 @@ from kernels.rows import RecordRows
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.layout import Dims, pack_records
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.kvfile.sidecar import check_records, load_sidecar
+from sessionstore.kvfile.sidecar import load_sidecar
+from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.testing import count_steps
 
 DIMS = Dims(n_layers=2, kv_lora=8, qk_rope=4, index_head_dim=0, n_index_layers=0, vocab=1000)
