@@ -1,0 +1,44 @@
+"""cosf/sinf of the platform C library, for the PolarQuant decode tables (facts 4.3).
+
+The engine decodes angles with libm's ``cosf``/``sinf``; numpy's own float32 sin/cos kernels
+round differently for a share of inputs, so the (small) decode tables call libm through ctypes.
+Without a loadable libm the tables fall back to float64 cos/sin rounded to float32.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["LIBM_SOURCE", "cos_sin_f32"]
+
+
+def _load() -> tuple[Callable[[float], float], Callable[[float], float]] | None:
+    name = ctypes.util.find_library("m") or "libm.so.6"
+    try:
+        lib = ctypes.CDLL(name)
+        cosf, sinf = lib.cosf, lib.sinf
+    except (OSError, AttributeError):
+        return None
+    for fn in (cosf, sinf):
+        fn.restype = ctypes.c_float
+        fn.argtypes = [ctypes.c_float]
+    return cosf, sinf
+
+
+_FUNCS = _load()
+LIBM_SOURCE = "libm cosf/sinf (ctypes)" if _FUNCS is not None else "float64 cos/sin rounded to f32"
+
+
+def cos_sin_f32(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cosf and sinf of each f32 angle [k] -> two [k] f32 arrays (k is a table size: <= a few hundred)."""
+    a = np.asarray(angles, dtype=np.float32).reshape(-1)  # a: [k] f32
+    if _FUNCS is None:
+        a64 = a.astype(np.float64)
+        return np.cos(a64).astype(np.float32), np.sin(a64).astype(np.float32)
+    cosf, sinf = _FUNCS
+    cos = np.array([cosf(float(v)) for v in a], dtype=np.float32)  # cos: [k] f32
+    sin = np.array([sinf(float(v)) for v in a], dtype=np.float32)  # sin: [k] f32
+    return cos, sin

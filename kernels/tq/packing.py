@@ -1,0 +1,88 @@
+"""Bit packing of v3 rows: nibbles for int4 (facts 4.2) and the LSB-first stream of PolarQuant (4.3).
+
+Nibbles: byte[i >> 1] holds code i in its LOW nibble when i is even, in its HIGH nibble when odd.
+Bit stream: one cursor per row from bit 0; bit k of a field at cursor ``pos`` goes to byte
+``(pos + k) >> 3``, bit ``(pos + k) & 7``; unused high bits of the last byte stay 0.
+
+Unpacking reads each field (<= 8 bits, so it spans at most two bytes) from a 16-bit little-endian
+window ``byte[p >> 3] | byte[(p >> 3) + 1] << 8`` shifted right by ``p & 7`` and masked.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kernels.errors import FormatError
+
+__all__ = ["FieldLayout", "pack_fields", "pack_nibbles", "unpack_fields", "unpack_nibbles"]
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """codes [..., n] (values 0..15, n even) -> [..., n/2] u8, even element in the low nibble."""
+    c = np.asarray(codes, dtype=np.uint8)  # c: [..., n] u8
+    if c.shape[-1] % 2:
+        raise FormatError(f"pack_nibbles: an even number of codes is needed, found {c.shape[-1]}")
+    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., m] u8 -> codes [..., 2m] u8 (low nibble first)."""
+    p = np.asarray(packed, dtype=np.uint8)  # p: [..., m] u8
+    out = np.empty((*p.shape[:-1], 2 * p.shape[-1]), np.uint8)  # out: [..., 2m] u8
+    np.bitwise_and(p, 0x0F, out=out[..., 0::2])
+    np.right_shift(p, 4, out=out[..., 1::2])
+    return out
+
+
+class FieldLayout:
+    """Where each of k fields sits in a packed row: widths, bit offsets, and the window read plan."""
+
+    def __init__(self, widths: Sequence[int]) -> None:
+        w = np.asarray(widths, dtype=np.int64)  # w: [k] i64
+        if w.ndim != 1 or (w.size and (int(w.min()) < 1 or int(w.max()) > 8)):
+            raise FormatError(f"bit packing: field widths must be 1..8, found {list(widths)[:8]}")
+        self.widths = w
+        self.offsets = np.concatenate([[0], np.cumsum(w)[:-1]]).astype(np.int64) if w.size else w  # [k] i64
+        self.total_bits = int(w.sum())
+        self.nbytes = (self.total_bits + 7) // 8
+        self.byte_index = self.offsets >> 3  # byte_index: [k] i64 (window start)
+        self.shift = (self.offsets & 7).astype(np.uint16)  # shift: [k] u16
+        self.mask = ((1 << w) - 1).astype(np.uint16)  # mask: [k] u16
+
+    @property
+    def count(self) -> int:
+        return int(self.widths.shape[0])
+
+
+def pack_fields(values: np.ndarray, layout: FieldLayout) -> np.ndarray:
+    """values [R, k] (field j < 2^width_j) -> [R, nbytes] u8, fields back to back LSB-first."""
+    v = np.asarray(values)
+    if v.ndim != 2 or v.shape[1] != layout.count:
+        raise FormatError(f"pack_fields: expected values [R, {layout.count}], found {v.shape}")
+    rows = v.shape[0]
+    bits = np.zeros((rows, layout.nbytes * 8), np.uint8)  # bits: [R, nbytes*8] u8 of 0/1
+    v16 = v.astype(np.uint16)  # v16: [R, k] u16
+    for width in np.unique(layout.widths):  # one pass per distinct width (at most 2 in v3 rows)
+        cols = np.flatnonzero(layout.widths == width)  # cols: [kw] i64 fields of this width
+        k = np.arange(int(width), dtype=np.uint16)  # k: [w] u16 bit numbers
+        fb = ((v16[:, cols, None] >> k) & 1).astype(np.uint8)  # fb: [R, kw, w] u8
+        pos = layout.offsets[cols, None] + k.astype(np.int64)  # pos: [kw, w] i64 bit positions
+        bits[:, pos.reshape(-1)] = fb.reshape(rows, -1)
+    return np.packbits(bits, axis=-1, bitorder="little")  # [R, nbytes] u8
+
+
+def unpack_fields(packed: np.ndarray, layout: FieldLayout, out: np.ndarray | None = None) -> np.ndarray:
+    """[R, nbytes] u8 -> fields [R, k] u16 (the inverse of ``pack_fields``; pad bits ignored)."""
+    p = np.asarray(packed)
+    if p.dtype != np.uint8 or p.ndim != 2 or p.shape[1] != layout.nbytes:
+        raise FormatError(f"unpack_fields: expected u8 [R, {layout.nbytes}], found {p.dtype} {p.shape}")
+    rows = p.shape[0]
+    win = np.zeros((rows, layout.nbytes + 1), np.uint16)  # win: [R, nbytes + 1] u16 windows
+    win[:, : layout.nbytes] = p
+    win[:, : layout.nbytes] |= win[:, 1:] << np.uint16(8)
+    res = out if out is not None else np.empty((rows, layout.count), np.uint16)  # res: [R, k] u16
+    np.take(win, layout.byte_index, axis=1, out=res)
+    res >>= layout.shift
+    res &= layout.mask
+    return res

@@ -1,0 +1,140 @@
+"""Codec 0 of v3 rows: PolarQuant with b = 2..6 bits (facts 4.3), over blocks of rows.
+
+Encode: r = rotate(x); while the length is > 1, pair (r[2j], r[2j+1]) into the angle
+``atan2f(r[2j+1], r[2j])`` and the new r[j] = ``hypotf(r[2j], r[2j+1])``: n - 1 angles, level by
+level, j order within a level. Level 1 angles (n/2 of them) use b bits on a uniform grid over
+(-pi, pi]; deeper levels use max(b - 1, 1) bits on [lo, lo + 2 hw] with hw(l) = min(1.5 / sqrtf(2^(l-1)),
+pi/4), lo = pi/4 - hw. The codes are packed LSB-first (kernels.tq.packing).
+Decode: top-down from cur[0] = radius, nxt[2j] = cur[j] cosf(a), nxt[2j+1] = cur[j] sinf(a), then
+unrotate. A ``PolarLayout`` holds, per (n, b), the field layout and one table of (cosf, sinf) pairs
+for every code of every level, so a row decodes with one unpack, one lookup, and a multiply per level.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from kernels.errors import FormatError
+from kernels.tq.libm import cos_sin_f32
+from kernels.tq.packing import FieldLayout, pack_fields, unpack_fields
+from kernels.tq.rotation import check_width, rotate
+
+__all__ = ["PI", "PolarLayout", "decode_unit_into", "encode_rotated", "polar_layout", "polar_row_bytes"]
+
+PI = np.float32(3.14159265358979323846)
+_QUARTER = PI / np.float32(4.0)
+_HALF = np.float32(0.5)
+
+
+def polar_row_bytes(n: int, bits: int) -> int:
+    """((n/2) b + (n/2 - 1) max(b - 1, 1) + 7) // 8 bytes (n=512, b=4: 224; n=64, b=4: 28)."""
+    half = check_width(n) // 2
+    return (half * bits + (half - 1) * max(bits - 1, 1) + 7) // 8
+
+
+@dataclass(frozen=True)
+class Level:
+    """Level l of the angle tree: ``count`` angles of ``width`` bits, fields [start, start + count)."""
+
+    index: int
+    count: int
+    width: int
+    start: int
+    lo: np.float32  # grid start: -pi on level 1, pi/4 - hw deeper
+    span: np.float32  # grid width: 2 pi on level 1, 2 hw deeper
+
+    def quantize(self, ang: np.ndarray) -> np.ndarray:
+        """Angles [R, count] f32 -> codes [R, count] u16 (floor, clamped; NaN -> 0)."""
+        steps = np.float32(1 << self.width)
+        if self.index == 1:
+            t = ((ang + PI) * (_HALF / PI)) * steps  # t: [R, count] f32
+        else:
+            t = ((ang - self.lo) / self.span) * steps
+        t = np.floor(t)
+        t = np.where(t >= 0, t, np.float32(0))  # NaN and negatives -> 0
+        np.minimum(t, steps - 1, out=t)
+        return t.astype(np.uint16)
+
+    def angles(self) -> np.ndarray:
+        """The decoded angle of every code: [2^width] f32 (lo + (q + 0.5) * span / 2^width)."""
+        q = np.arange(1 << self.width, dtype=np.float32)  # q: [2^w] f32
+        return (self.lo + ((q + _HALF) * self.span) / np.float32(1 << self.width)).astype(np.float32)
+
+
+class PolarLayout:
+    """Levels, packed field layout and the (cosf, sinf) decode table of one (n, bits)."""
+
+    def __init__(self, n: int, bits: int) -> None:
+        if bits not in range(2, 7):
+            raise FormatError(f"v3 codec: PolarQuant bits must be 2..6, found {bits!r}")
+        self.n = check_width(n)
+        self.bits = bits
+        levels: list[Level] = []
+        start, count, index = 0, self.n // 2, 1
+        while count >= 1:
+            width = bits if index == 1 else max(bits - 1, 1)
+            if index == 1:
+                lo, span = -PI, np.float32(2.0) * PI
+            else:
+                hw = min(np.float32(1.5) / np.sqrt(np.float32(1 << (index - 1))), _QUARTER)
+                lo, span = np.float32(_QUARTER - hw), np.float32(2.0) * np.float32(hw)
+            levels.append(Level(index, count, width, start, lo, span))
+            start += count
+            count //= 2
+            index += 1
+        self.levels = tuple(levels)
+        self.fields = FieldLayout([lv.width for lv in levels for _ in range(lv.count)])
+        assert self.fields.nbytes == polar_row_bytes(n, bits)
+        bases, tables = [], []
+        base = 0
+        for lv in levels:
+            bases.append(np.full(lv.count, base, np.uint16))
+            tables.append(lv.angles())
+            base += 1 << lv.width
+        cos, sin = cos_sin_f32(np.concatenate(tables))  # [sum 2^w] f32 each
+        pairs = np.ascontiguousarray(np.stack([cos, sin], axis=1))  # pairs: [K, 2] f32
+        self.pair_table = pairs.view(np.uint64).reshape(-1)  # pair_table: [K] u64 = (cosf, sinf)
+        self.field_base = np.concatenate(bases)  # field_base: [n-1] u16 table offset of each field
+
+    @property
+    def row_bytes(self) -> int:
+        return self.fields.nbytes
+
+
+@lru_cache(maxsize=64)
+def polar_layout(n: int, bits: int) -> PolarLayout:
+    return PolarLayout(n, bits)
+
+
+def encode_rotated(x: np.ndarray, layout: PolarLayout) -> np.ndarray:
+    """x [R, n] f32 (usable rows) -> packed codes [R, row_bytes] u8."""
+    r = rotate(x)  # r: [R, n] f32
+    codes = np.empty((x.shape[0], layout.n - 1), np.uint16)  # codes: [R, n-1] u16
+    with np.errstate(invalid="ignore", over="ignore"):
+        for lv in layout.levels:
+            even, odd = r[:, 0::2], r[:, 1::2]  # [R, count] f32 views
+            codes[:, lv.start : lv.start + lv.count] = lv.quantize(np.arctan2(odd, even))
+            r = np.hypot(even, odd)  # r: [R, count] f32
+    return pack_fields(codes, layout.fields)
+
+
+def decode_unit_into(packed: np.ndarray, layout: PolarLayout, top: np.ndarray, out: np.ndarray) -> None:
+    """Top-down decode from cur[0] = ``top`` [R] f32 into ``out`` [R, n] f32 (the ROTATED domain).
+
+    ``top`` is the radius for the engine's decode, or ones for values with the radius hoisted.
+    """
+    rows = packed.shape[0]
+    if rows == 0:
+        return
+    idx = unpack_fields(packed, layout.fields)  # idx: [R, n-1] u16 codes
+    idx += layout.field_base
+    cs = np.take(layout.pair_table, idx).view(np.float32)  # cs: [R, 2(n-1)] f32 (cos, sin) per angle
+    cur = np.asarray(top, np.float32).reshape(rows, 1)  # cur: [R, 1] f32
+    for lv in reversed(layout.levels):
+        pair = cs[:, 2 * lv.start : 2 * (lv.start + lv.count)].reshape(rows, lv.count, 2)  # [R, m, 2] f32
+        if lv.index == 1:
+            np.multiply(cur[:, :, None], pair, out=out.reshape(rows, lv.count, 2))
+        else:
+            cur = (cur[:, :, None] * pair).reshape(rows, 2 * lv.count)  # cur: [R, 2m] f32
