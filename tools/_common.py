@@ -70,20 +70,33 @@ def unsound_line(report: VerifyReport) -> str:
     return f"{where}UNSOUND: {first}" + (f" (+{more} more problem(s))" if more > 0 else "")
 
 
-def remove_empty_store(root: str) -> None:
+SKELETON = ("tmp", "sessions")  # a store's directories; "." names its root
+
+
+def existing_skeleton(root: str) -> frozenset[str]:
+    """The parts of a store at ``root`` that exist now: "." (the root), "tmp", "sessions"."""
+    path = os.path.expanduser(root)
+    return frozenset(name for name in (".", *SKELETON) if os.path.lexists(os.path.join(path, name)))
+
+
+def remove_empty_store(root: str, *, keep: frozenset[str] = frozenset()) -> None:
     """Undo the empty store skeleton (``tmp/``, ``sessions/``, the root) a failed command created.
 
     Only a skeleton that holds nothing at all goes: a store whose ``sessions/`` or ``tmp/`` has
     any entry (a session committed before the failure, another command's temp dir) is left
     whole, so every command still accepts it (FORMAT.md 5.1.1). rmdir never removes data.
+    ``keep``: the parts that existed before the command (see existing_skeleton); they stay, and
+    what they hold does not matter.
     """
-    parts = [os.path.join(root, sub) for sub in ("tmp", "sessions")]  # a lone sessions/ is repaired
+    parts = [(sub, os.path.join(root, sub)) for sub in SKELETON]  # a lone sessions/ is repaired
     try:
-        if any(os.listdir(p) for p in parts if os.path.isdir(p)):
+        if any(os.listdir(p) for sub, p in parts if sub not in keep and os.path.isdir(p)):
             return
     except OSError:
         return
-    for path in (*parts, root):
+    for name, path in (*parts, (".", root)):
+        if name in keep:
+            continue
         try:
             os.rmdir(path)
         except FileNotFoundError:
@@ -95,24 +108,29 @@ def remove_empty_store(root: str) -> None:
 @contextlib.contextmanager
 def fresh_store(root: str, *, keep_on_success: bool = True) -> Iterator[SessionStore]:
     """The store at ``root``, created if absent; a store this command created is removed again
-    when the command fails (or always, with ``keep_on_success=False``: nothing was stored)."""
+    when the command fails (or always, with ``keep_on_success=False``: nothing was stored).
+
+    A root that was no store (absent, or a directory without ``sessions/``, empty or not) loses
+    exactly the skeleton parts the command made, never a directory that existed before."""
     from sessionstore.sessions import SessionStore
 
-    fresh = not os.path.lexists(root)
+    before = existing_skeleton(root)
+    fresh = "sessions" not in before
     store = SessionStore(root)
     try:
         yield store
     except BaseException:
         if fresh:
-            remove_empty_store(str(store.root))
+            remove_empty_store(str(store.root), keep=before)
         raise
     if fresh and not keep_on_success:
-        remove_empty_store(str(store.root))
+        remove_empty_store(str(store.root), keep=before)
 
 
 __all__ = [
     "MAX_PROMPT_IDS",
     "check_backend",
+    "existing_skeleton",
     "fresh_store",
     "parse_ids",
     "push_turn",
