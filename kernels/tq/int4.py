@@ -13,7 +13,7 @@ import numpy as np
 from kernels.tq.packing import pack_nibbles
 from kernels.tq.rotation import rotate
 
-__all__ = ["LEVELS", "LEVEL_PAIRS", "decode_levels_into", "encode_rotated", "int4_std", "nearest_levels"]
+__all__ = ["LEVELS", "LEVEL_PAIRS", "decode_levels_into", "encode_rotated", "int4_std", "nearest_levels", "scan_levels"]
 
 _HALF = (0.128, 0.388, 0.657, 0.942, 1.256, 1.618, 2.069, 2.733)  # N(0,1) Lloyd-Max, the engine's literals
 LEVELS: np.ndarray = np.array([-v for v in reversed(_HALF)] + list(_HALF), dtype=np.float32)  # [16] f32
@@ -37,15 +37,33 @@ def int4_std(radius: np.ndarray, n: int) -> np.ndarray:
 
 
 def nearest_levels(z: np.ndarray) -> np.ndarray:
-    """Index of the nearest level for each element of z [..] f32 -> [..] u8 (the engine's scan order)."""
+    """Index of the nearest level for each element of z [..] f32 -> [..] u8 (the engine's scan order).
+
+    f32 rounding of |z - lev| is monotone in lev on each side of z, so for |z| <= 1e4 (every finite
+    z of a usable row: |z| <= sqrtf(n) up to rounding) the scan's winner is one of the two levels
+    around z, the lower one on a tie. Other elements (inf, NaN, overflowed rows) take the full scan.
+    """
+    code = np.zeros(z.shape, np.uint8)  # code: [..] u8, first the index of the level just below z (0..14)
+    above = np.empty(z.shape, np.bool_)  # above: [..] bool
+    for k in range(1, 15):  # counting thresholds: 14 cheap passes (np.searchsorted is ~6x slower here)
+        np.greater_equal(z, LEVELS[k], out=above)
+        code += above
+    d_lo = np.abs(z - LEVELS[code])  # d_lo: [..] f32
+    d_hi = np.abs(z - LEVELS[code + 1])  # d_hi: [..] f32
+    code += d_hi < d_lo
+    odd = ~(np.abs(z) <= np.float32(1e4))  # odd: [..] bool (NaN included)
+    if odd.any():
+        code[odd] = scan_levels(z[odd])
+    return code
+
+
+def scan_levels(z: np.ndarray) -> np.ndarray:
+    """The engine's loop as written: k = 0..15, replace on a strictly smaller |z - lev[k]|. z: [..] f32 -> [..] u8."""
     best = np.abs(z - LEVELS[0])  # best: [..] f32
     code = np.zeros(z.shape, np.uint8)  # code: [..] u8
-    dist = np.empty_like(best)  # dist: [..] f32
-    closer = np.empty(z.shape, np.bool_)  # closer: [..] bool
     for k in range(1, 16):
-        np.subtract(z, LEVELS[k], out=dist)
-        np.abs(dist, out=dist)
-        np.less(dist, best, out=closer)
+        dist = np.abs(z - LEVELS[k])  # dist: [..] f32
+        closer = dist < best  # closer: [..] bool
         np.copyto(best, dist, where=closer)
         np.copyto(code, np.uint8(k), where=closer)
     return code

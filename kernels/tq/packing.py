@@ -15,7 +15,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 
-__all__ = ["FieldLayout", "pack_fields", "pack_nibbles", "unpack_fields", "unpack_nibbles"]
+__all__ = ["FieldLayout", "pack_fields", "pack_nibbles", "unpack_fields", "unpack_fields_t", "unpack_nibbles"]
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -49,6 +49,8 @@ class FieldLayout:
         self.byte_index = self.offsets >> 3  # byte_index: [k] i64 (window start)
         self.shift = (self.offsets & 7).astype(np.uint16)  # shift: [k] u16
         self.mask = ((1 << w) - 1).astype(np.uint16)  # mask: [k] u16
+        cuts = [0, *(np.flatnonzero(np.diff(w)) + 1).tolist(), int(w.size)] if w.size else [0]
+        self.runs = list(zip(cuts[:-1], cuts[1:], strict=True))  # [(j0, j1)] fields of one width
 
     @property
     def count(self) -> int:
@@ -62,13 +64,12 @@ def pack_fields(values: np.ndarray, layout: FieldLayout) -> np.ndarray:
         raise FormatError(f"pack_fields: expected values [R, {layout.count}], found {v.shape}")
     rows = v.shape[0]
     bits = np.zeros((rows, layout.nbytes * 8), np.uint8)  # bits: [R, nbytes*8] u8 of 0/1
-    v16 = v.astype(np.uint16)  # v16: [R, k] u16
-    for width in np.unique(layout.widths):  # one pass per distinct width (at most 2 in v3 rows)
-        cols = np.flatnonzero(layout.widths == width)  # cols: [kw] i64 fields of this width
-        k = np.arange(int(width), dtype=np.uint16)  # k: [w] u16 bit numbers
-        fb = ((v16[:, cols, None] >> k) & 1).astype(np.uint8)  # fb: [R, kw, w] u8
-        pos = layout.offsets[cols, None] + k.astype(np.int64)  # pos: [kw, w] i64 bit positions
-        bits[:, pos.reshape(-1)] = fb.reshape(rows, -1)
+    for j0, j1 in layout.runs:  # fields j0..j1 share one width: their bits are one contiguous range
+        width = int(layout.widths[j0])
+        k = np.arange(width, dtype=np.uint16)  # k: [w] u16 bit numbers
+        b0 = int(layout.offsets[j0])
+        fb = (v[:, j0:j1, None].astype(np.uint16) >> k) & 1  # fb: [R, m, w] u16
+        bits[:, b0 : b0 + (j1 - j0) * width] = fb.reshape(rows, -1)
     return np.packbits(bits, axis=-1, bitorder="little")  # [R, nbytes] u8
 
 
@@ -85,4 +86,20 @@ def unpack_fields(packed: np.ndarray, layout: FieldLayout, out: np.ndarray | Non
     np.take(win, layout.byte_index, axis=1, out=res)
     res >>= layout.shift
     res &= layout.mask
+    return res
+
+
+def unpack_fields_t(packed: np.ndarray, layout: FieldLayout) -> np.ndarray:
+    """``unpack_fields`` transposed: [R, nbytes] u8 -> fields [k, R] u16 (rows on the inner axis)."""
+    p = np.asarray(packed)
+    if p.dtype != np.uint8 or p.ndim != 2 or p.shape[1] != layout.nbytes:
+        raise FormatError(f"unpack_fields: expected u8 [R, {layout.nbytes}], found {p.dtype} {p.shape}")
+    rows = p.shape[0]
+    win = np.empty((layout.nbytes + 1, rows), np.uint16)  # win: [nbytes + 1, R] u16 windows
+    win[: layout.nbytes] = p.T
+    win[layout.nbytes] = 0
+    win[: layout.nbytes] |= win[1:] << np.uint16(8)
+    res = np.take(win, layout.byte_index, axis=0)  # res: [k, R] u16
+    res >>= layout.shift[:, None]
+    res &= layout.mask[:, None]
     return res

@@ -6,8 +6,8 @@ level, j order within a level. Level 1 angles (n/2 of them) use b bits on a unif
 (-pi, pi]; deeper levels use max(b - 1, 1) bits on [lo, lo + 2 hw] with hw(l) = min(1.5 / sqrtf(2^(l-1)),
 pi/4), lo = pi/4 - hw. The codes are packed LSB-first (kernels.tq.packing).
 Decode: top-down from cur[0] = radius, nxt[2j] = cur[j] cosf(a), nxt[2j+1] = cur[j] sinf(a), then
-unrotate. A ``PolarLayout`` holds, per (n, b), the field layout and one table of (cosf, sinf) pairs
-for every code of every level, so a row decodes with one unpack, one lookup, and a multiply per level.
+unrotate. A ``PolarLayout`` holds, per (n, b), the field layout and tables of cosf and sinf for
+every code of every level, so rows decode with one unpack, two lookups, and two multiplies per level.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.tq.libm import cos_sin_f32
-from kernels.tq.packing import FieldLayout, pack_fields, unpack_fields
+from kernels.tq.packing import FieldLayout, pack_fields, unpack_fields_t
 from kernels.tq.rotation import check_width, rotate
 
 __all__ = ["PI", "PolarLayout", "decode_unit_into", "encode_rotated", "polar_layout", "polar_row_bytes"]
@@ -64,7 +64,7 @@ class Level:
 
 
 class PolarLayout:
-    """Levels, packed field layout and the (cosf, sinf) decode table of one (n, bits)."""
+    """Levels, packed field layout and the cosf / sinf decode tables of one (n, bits)."""
 
     def __init__(self, n: int, bits: int) -> None:
         if bits not in range(2, 7):
@@ -93,9 +93,7 @@ class PolarLayout:
             bases.append(np.full(lv.count, base, np.uint16))
             tables.append(lv.angles())
             base += 1 << lv.width
-        cos, sin = cos_sin_f32(np.concatenate(tables))  # [sum 2^w] f32 each
-        pairs = np.ascontiguousarray(np.stack([cos, sin], axis=1))  # pairs: [K, 2] f32
-        self.pair_table = pairs.view(np.uint64).reshape(-1)  # pair_table: [K] u64 = (cosf, sinf)
+        self.cos_table, self.sin_table = cos_sin_f32(np.concatenate(tables))  # [K = sum 2^w] f32 each
         self.field_base = np.concatenate(bases)  # field_base: [n-1] u16 table offset of each field
 
     @property
@@ -124,17 +122,20 @@ def decode_unit_into(packed: np.ndarray, layout: PolarLayout, top: np.ndarray, o
     """Top-down decode from cur[0] = ``top`` [R] f32 into ``out`` [R, n] f32 (the ROTATED domain).
 
     ``top`` is the radius for the engine's decode, or ones for values with the radius hoisted.
+    The work runs on the transposed block (rows on the inner axis), so every numpy loop is R long
+    whatever the level; the products are the engine's, element by element.
     """
     rows = packed.shape[0]
     if rows == 0:
         return
-    idx = unpack_fields(packed, layout.fields)  # idx: [R, n-1] u16 codes
-    idx += layout.field_base
-    cs = np.take(layout.pair_table, idx).view(np.float32)  # cs: [R, 2(n-1)] f32 (cos, sin) per angle
-    cur = np.asarray(top, np.float32).reshape(rows, 1)  # cur: [R, 1] f32
+    idx = unpack_fields_t(packed, layout.fields)  # idx: [n-1, R] u16 codes, field-major
+    idx += layout.field_base[:, None]
+    cos = np.take(layout.cos_table, idx)  # cos: [n-1, R] f32
+    sin = np.take(layout.sin_table, idx)  # sin: [n-1, R] f32
+    cur = np.asarray(top, np.float32).reshape(1, rows)  # cur: [1, R] f32
     for lv in reversed(layout.levels):
-        pair = cs[:, 2 * lv.start : 2 * (lv.start + lv.count)].reshape(rows, lv.count, 2)  # [R, m, 2] f32
-        if lv.index == 1:
-            np.multiply(cur[:, :, None], pair, out=out.reshape(rows, lv.count, 2))
-        else:
-            cur = (cur[:, :, None] * pair).reshape(rows, 2 * lv.count)  # cur: [R, 2m] f32
+        nxt = np.empty((2 * lv.count, rows), np.float32)  # nxt: [2m, R] f32
+        np.multiply(cur, cos[lv.start : lv.start + lv.count], out=nxt[0::2])
+        np.multiply(cur, sin[lv.start : lv.start + lv.count], out=nxt[1::2])
+        cur = nxt
+    out[...] = cur.T

@@ -17,6 +17,7 @@ __all__ = ["MAX_WIDTH", "SIGNS", "check_width", "fwht", "row_radius", "rotate", 
 MAX_WIDTH = 512
 WIDTHS: tuple[int, ...] = tuple(1 << k for k in range(1, 10))  # 2, 4, ..., 512
 _GOLDEN = np.uint32(0x9E3779B9)
+_TRANSPOSE_ROWS = 32  # from this many rows the FWHT runs on the transposed block
 
 
 def check_width(n: int, what: str = "row") -> int:
@@ -49,20 +50,32 @@ def fwht(a: np.ndarray) -> np.ndarray:
     """The engine's f32 FWHT over the last axis of ``a`` [..., n] -> a new C-contiguous f32 array.
 
     Each stage computes a[j] = u + v, a[j + len] = u - v for every pair at distance len (the same
-    f32 additions as the engine's in-place loop, vectorised over rows and blocks), ping-ponging
-    between two buffers; then one multiply by the f32 ``1 / sqrtf(n)``.
+    f32 additions as the engine's in-place loop, vectorised), ping-ponging between two buffers;
+    then one multiply by the f32 ``1 / sqrtf(n)``. Many rows run transposed ([n, R]: rows on the
+    inner axis, so every stage is a few long loops); the arithmetic is the same either way.
     """
     n = check_width(int(a.shape[-1]))
-    lead = a.shape[:-1]
+    rows = int(np.prod(a.shape[:-1], dtype=np.int64))
+    if rows >= _TRANSPOSE_ROWS:
+        src = np.array(np.asarray(a, dtype=np.float32).reshape(rows, n).T, order="C")  # src: [n, R] f32
+        out = _stages(src, n, (), (rows,))
+        return np.ascontiguousarray(out.T).reshape(a.shape)
     src = np.array(a, dtype=np.float32, order="C", copy=True)  # src: [..., n] f32
-    dst = np.empty_like(src)  # dst: [..., n] f32
+    return _stages(src, n, a.shape[:-1], ())
+
+
+def _stages(src: np.ndarray, n: int, lead: tuple[int, ...], tail: tuple[int, ...]) -> np.ndarray:
+    """The FWHT stages over the axis of length n that sits between ``lead`` and ``tail`` axes."""
+    dst = np.empty_like(src)
     with np.errstate(over="ignore", invalid="ignore"):  # huge rows overflow in f32, as in the engine
         length = 1
         while length < n:
-            s = src.reshape(*lead, n // (2 * length), 2, length)  # s: [.., blocks, 2, len] f32 view
-            d = dst.reshape(*lead, n // (2 * length), 2, length)
-            np.add(s[..., 0, :], s[..., 1, :], out=d[..., 0, :])
-            np.subtract(s[..., 0, :], s[..., 1, :], out=d[..., 1, :])
+            s = src.reshape(*lead, n // (2 * length), 2, length, *tail)  # s: [.., blocks, 2, len, ..] f32 view
+            d = dst.reshape(*lead, n // (2 * length), 2, length, *tail)
+            u = s[(Ellipsis, 0) + (slice(None),) * (1 + len(tail))]
+            v = s[(Ellipsis, 1) + (slice(None),) * (1 + len(tail))]
+            np.add(u, v, out=d[(Ellipsis, 0) + (slice(None),) * (1 + len(tail))])
+            np.subtract(u, v, out=d[(Ellipsis, 1) + (slice(None),) * (1 + len(tail))])
             src, dst = dst, src
             length *= 2
         src *= np.float32(1.0) / np.sqrt(np.float32(n))

@@ -32,12 +32,24 @@ def engine_fwht(row: np.ndarray) -> np.ndarray:
     return np.array([v * inv for v in a], np.float32)
 
 
-@pytest.mark.parametrize("n", [2, 8, 64, 128])
-def test_fwht_is_the_engine_loop_bitwise(n: int) -> None:
-    rows = np.random.default_rng(n).standard_normal((4, n)).astype(np.float32) * 7
+@pytest.mark.parametrize("n,count", [(2, 4), (8, 4), (64, 4), (128, 3), (8, 40), (64, 33)])
+def test_fwht_is_the_engine_loop_bitwise(n: int, count: int) -> None:
+    """Few rows run in place, many rows transposed: both are the engine's loop, bit for bit."""
+    rows = np.random.default_rng(n).standard_normal((count, n)).astype(np.float32) * 7
     got = fwht(rows)
-    for r in range(4):
+    for r in range(count):
         assert np.array_equal(got[r], engine_fwht(rows[r]))
+    assert np.array_equal(fwht(rows.reshape(1, count, n))[0], got)
+
+
+def test_nearest_level_shortcut_is_the_scan() -> None:
+    from kernels.tq.int4 import LEVELS, nearest_levels, scan_levels
+
+    mid = (LEVELS[1:] + LEVELS[:-1]) / 2
+    z = np.concatenate([np.random.default_rng(4).standard_normal(200_000).astype(np.float32) * 4, LEVELS, mid,
+                        np.nextafter(mid, np.float32(9)), np.nextafter(mid, np.float32(-9)),
+                        np.array([np.inf, -np.inf, np.nan, 1e30, -1e30, 1e4, -2e4, 0.0, -0.0], np.float32)])
+    assert np.array_equal(nearest_levels(z.astype(np.float32)), scan_levels(z.astype(np.float32)))
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64, 128, 256, 512])
