@@ -5,6 +5,9 @@ Both backends expose the same entry points:
 - ``mla_attention(q_nope, q_rope, blocks, w_uk, w_uv, softmax_scale, *, causal=True)`` -> [S, H, v_head]
 - ``batched_decode(q_abs [B,H,kv_lora], q_rope [B,H,rope], caches, softmax_scale)`` -> [B, H, kv_lora]
   (one decode step for B sessions; ``caches[b]`` is a block or a list of blocks of session b).
+- ``sparse_absorbed_attention(q_abs [S,H,kv_lora], q_rope [S,H,rope], blocks, selection [S,k] i64,
+  softmax_scale)`` -> ctx [S, H, kv_lora]: DSA, each query over its selected rows only (CPU so far;
+  a backend without it makes a DSA decoder raise BackendUnavailableError).
 The CUDA backend returns numpy arrays for numpy queries and device arrays for cupy queries.
 Asking for "cuda" without cupy or without a usable device raises BackendUnavailableError with
 the install hint.
@@ -16,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kernels.attention import absorbed_attention, mla_attention
+from kernels.attention import absorbed_attention, mla_attention, sparse_absorbed_attention
 from kernels.errors import BackendUnavailableError, FormatError
-from kernels.rows import F32Rows, Fp8Rows, LatentRows
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
 
 class CpuBackend:
@@ -34,12 +37,16 @@ class CpuBackend:
                       w_uv: np.ndarray, softmax_scale: float, *, causal: bool = True) -> np.ndarray:
         return mla_attention(q_nope, q_rope, blocks, w_uk, w_uv, softmax_scale, causal=causal)
 
+    def sparse_absorbed_attention(self, q_abs: np.ndarray, q_rope: np.ndarray, blocks: Sequence[LatentRows],
+                                  selection: np.ndarray, softmax_scale: float) -> np.ndarray:
+        return sparse_absorbed_attention(q_abs, q_rope, blocks, selection, softmax_scale)
+
     def batched_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
                        caches: Sequence[LatentRows | Sequence[LatentRows]], softmax_scale: float) -> np.ndarray:
         if len(caches) != len(q_abs) or len(q_rope) != len(q_abs):
             raise FormatError(f"batched_decode: {len(q_abs)} queries for {len(caches)} sessions")
         out = [absorbed_attention(q_abs[b : b + 1], q_rope[b : b + 1],
-                                  [c] if isinstance(c, (F32Rows, Fp8Rows)) else list(c), softmax_scale)
+                                  [c] if isinstance(c, (F32Rows, Fp8Rows, TqRows)) else list(c), softmax_scale)
                for b, c in enumerate(caches)]
         return np.concatenate(out, axis=0)  # [B, H, kv_lora]
 

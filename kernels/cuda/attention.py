@@ -21,7 +21,7 @@ from kernels.attention.tiles import cache_shape
 from kernels.cuda.launch import KERNELS, Runner, run_split_decode
 from kernels.cuda.sources import KernelDims
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import F32Rows, Fp8Rows, LatentRows
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
 QUERY_CHUNK = 1024  # queries per launch: partials stay <= 1024 x H x kv_lora x 4 B per split
 
@@ -113,7 +113,7 @@ def batched_decode_device(
     """
     if kernel not in KERNELS:
         raise FormatError(f"cuda attention: kernel must be one of {sorted(KERNELS)}, found {kernel!r}")
-    sessions = [device_rows(runner, [c] if isinstance(c, (F32Rows, Fp8Rows)) else list(c)) for c in caches]
+    sessions = [device_rows(runner, [c] if isinstance(c, (F32Rows, Fp8Rows, TqRows)) else list(c)) for c in caches]
     if not sessions:
         raise FormatError("cuda attention: no sessions given")
     first = sessions[0]

@@ -1,9 +1,11 @@
-"""Convert a ``.coli_kv`` file between v1 (f32 rows) and v2 (fp8 rows), never in place.
+"""Convert a ``.coli_kv`` file between v1 (f32 rows), v2 (fp8 rows) and v3 (4-bit rows), never
+in place (FORMAT.md 1.5).
 
 The output is exactly what the engine would write: the committed records only, header nrec =
-their count, tag 0 (v1) / 1 (v2). v1 -> v2 goes through the engine's row quantizer; v2 -> v1 is
-``table[code] * scale`` in f32 with inert rows (scale non-finite or <= 0) as +0.0 rows; the same
-version is a clean copy of the committed records. Records stream in chunks (memory bounded by
+their count, tag 0 (v1) / 1 (v2) / the codec's (v3). Rows go through f32: v1 -> v2 is the
+engine's row quantizer, v2 -> v1 ``table[code] * scale`` with inert rows as +0.0 rows, v3 rows
+are encoded / decoded by their codec (``kernels.tq``); the same version and tag is a clean copy
+of the committed records. Records stream in chunks (memory bounded by
 ``chunk_bytes`` times a small factor, whatever the file size), the output goes to a temp file
 ``<dst>.<owner>-<hex>.tmp`` in DST's directory -> fsync -> os.replace -> fsync dir, and DST gets
 a fresh sidecar. The temps of killed runs beside DST are swept first (sweep.py).
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
+from kernels.tq import TqCodec
 from sessionstore.kvfile.fsio import fsync_parent, open_regular, write_all
-from sessionstore.kvfile.layout import Dims, Header, pack_header, record_dtype, sanitize_scales
+from sessionstore.kvfile.layout import Header, pack_header, record_dtype, sanitize_scales, validate_v3_widths
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,
@@ -50,17 +53,34 @@ class ConvertResult:
     from_version: int
     to_version: int
     nrec: int
+    to_kv_dtype: str
     bytes_written: int
     sidecar: str
     seconds: float
 
 
 def parse_version(value: int | str) -> int:
-    """``1``, ``2``, ``"v1"`` or ``"v2"`` -> 1 or 2."""
+    """``1``, ``2``, ``3``, ``"v1"``, ``"v2"`` or ``"v3"`` -> 1, 2 or 3."""
     text = str(value).lower().removeprefix("v")
-    if text not in ("1", "2"):
-        raise FormatError(f"convert: target version {value!r}, expected v1 or v2")
+    if text not in ("1", "2", "3"):
+        raise FormatError(f"convert: target version {value!r}, expected v1, v2 or v3")
     return int(text)
+
+
+def target_codec(version: int, bits: int | None = None, codec: str | None = None) -> TqCodec | None:
+    """The v3 codec of ``--tq-bits B [--tq-codec int4|polar]`` (default: int4 at 4 bits, PolarQuant
+    otherwise; int4 only with 4 bits); None for v1/v2, which take neither option."""
+    if version != 3:
+        if bits is not None or codec is not None:
+            raise FormatError(f"convert: --tq-bits/--tq-codec apply to --to v3 only, not v{version}")
+        return None
+    bits = 4 if bits is None else bits
+    kind = codec or ("int4" if bits == 4 else "polar")
+    if kind not in ("int4", "polar"):
+        raise FormatError(f"convert: --tq-codec {kind!r}, expected int4 or polar")
+    if kind == "int4" and bits != 4:
+        raise FormatError(f"convert: the int4 codec has 4 bits, found --tq-bits {bits} (use --tq-codec polar)")
+    return TqCodec("int4", 4) if kind == "int4" else TqCodec("polar", bits)
 
 
 def _check_destination(src: KVReader, dst: str, force: bool) -> None:
@@ -97,11 +117,14 @@ def _refuse_condemned(src: KVReader) -> None:
 
 
 class _ChunkConverter:
-    """Converts record chunks between versions, reusing its buffers (no page faults per chunk)."""
+    """Converts record chunks between encodings through f32, reusing its buffers (no page faults
+    per chunk): source rows decoded (v1 copied, v2 dequantised, v3 decoded by its codec), then
+    encoded for the target (v1 stored, v2 the row quantizer, v3 its codec)."""
 
-    def __init__(self, dims: Dims, to_version: int, max_records: int) -> None:
-        self.to_version = to_version
-        self.out = np.empty(max_records, dtype=record_dtype(to_version, dims))  # [c] records
+    def __init__(self, source: Header, target: Header, max_records: int) -> None:
+        dims = source.dims
+        self.source, self.target = source, target
+        self.out = np.empty(max_records, dtype=record_dtype(target.version, dims, target.tag))  # [c] records
         shape = {"lc": (max_records, dims.n_layers, dims.kv_lora),
                  "rc": (max_records, dims.n_layers, dims.qk_rope)}
         self.f32 = {row: np.empty(s, np.float32) for row, s in shape.items()}  # [c, L, n] f32
@@ -109,27 +132,50 @@ class _ChunkConverter:
         self.scales = {row: np.empty(s[:2], np.float32) for row, s in shape.items()}  # [c, L] f32
 
     def convert(self, chunk: np.ndarray) -> np.ndarray:
-        """Records [c] of the source version -> records [c] of ``to_version`` (a reused buffer)."""
-        from kernels.fp8 import dequantize_rows_into, quantize_rows_into
-
+        """Records [c] of the source's encoding -> records [c] of the target's (a reused buffer)."""
         c = chunk.shape[0]
         out = self.out[:c]  # [c] records
         out["token"] = chunk["token"]
-        if "index" in out.dtype.names:
+        if "index" in (out.dtype.names or ()):
             out["index"] = chunk["index"]  # [c, NI, D] f32
         src, dst = chunk["layers"], out["layers"]  # [c, L] layer records
         for row, scale in (("lc", "lc_scale"), ("rc", "rc_scale")):
-            f32, codes, scales = self.f32[row][:c], self.codes[row][:c], self.scales[row][:c]
-            if self.to_version == 2:
-                np.copyto(f32, src[row])  # [c, L, n] f32, contiguous for the kernel
-                quantize_rows_into(f32, codes, scales)
-                dst[row] = codes
-                dst[scale] = scales
-            else:
-                np.copyto(codes, src[row])  # [c, L, n] u8
-                dequantize_rows_into(codes, sanitize_scales(src[scale]), f32)  # inert -> +0.0
-                dst[row] = f32
+            f32 = self._decoded(src, row, scale, c)  # [c, L, n] f32
+            self._encode(f32, dst, row, scale, c)
         return out
+
+    def _decoded(self, src: np.ndarray, row: str, scale: str, c: int) -> np.ndarray:
+        from kernels.fp8 import dequantize_rows_into
+
+        f32 = self.f32[row][:c]  # [c, L, n] f32
+        if self.source.version == 1:
+            np.copyto(f32, src[row])
+        elif self.source.version == 2:
+            codes = self.codes[row][:c]  # [c, L, n] u8
+            np.copyto(codes, src[row])
+            dequantize_rows_into(codes, sanitize_scales(src[scale]), f32)  # inert -> +0.0
+        else:
+            codec = self.source.codec
+            assert codec is not None  # a v3 header always names its codec
+            np.copyto(f32, codec.decode_rows(np.ascontiguousarray(src[row]), np.asarray(src[scale])))
+        return f32
+
+    def _encode(self, f32: np.ndarray, dst: np.ndarray, row: str, scale: str, c: int) -> None:
+        from kernels.fp8 import quantize_rows_into
+
+        if self.target.version == 1:
+            dst[row] = f32
+        elif self.target.version == 2:
+            codes, scales = self.codes[row][:c], self.scales[row][:c]  # [c, L, n] u8, [c, L] f32
+            quantize_rows_into(f32, codes, scales)
+            dst[row] = codes
+            dst[scale] = scales
+        else:
+            codec = self.target.codec
+            assert codec is not None  # a v3 header always names its codec
+            codes_v3, radius = codec.encode_rows(f32)  # [c, L, rb] u8, [c, L] f32
+            dst[row] = codes_v3
+            dst[scale] = radius
 
 
 def _create_temp(dst: str) -> tuple[int, str]:
@@ -165,14 +211,19 @@ def _install(tmp: str, dst: str, force: bool) -> None:
 
 
 def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_version: int | str,
-                 *, force: bool = False, progress: Progress | None = None,
+                 *, codec: TqCodec | None = None, force: bool = False, progress: Progress | None = None,
                  chunk_bytes: int = CHUNK_BYTES, check_source: bool = True) -> ConvertResult:
-    """Write DST as ``to_version`` from the committed records of SRC (see the module doc).
+    """Write DST as ``to_version`` (v3: rows of ``codec``, default int4) from the committed
+    records of SRC (see the module doc).
 
     A source whose sidecar condemns a record is refused (FORMAT.md 4.4). ``check_source=False``:
     the caller has checked it already (the CLI runs the whole of `verify` first), or salvages it
     on purpose (`convert --unverified`: DST's fresh sidecar then vouches for the damaged records)."""
     target = parse_version(to_version)
+    if target == 3:
+        codec = codec or TqCodec("int4", 4)
+    elif codec is not None:
+        raise FormatError(f"convert: a v3 codec given for --to v{target}")
     dst = os.fspath(dst)
     started = time.perf_counter()
     with open_kv(src) as reader:
@@ -180,12 +231,14 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
         if check_source:
             _refuse_condemned(reader)
         n, dims = reader.nrec, reader.dims
-        header = Header(target, dims, n)
-        out_dtype = record_dtype(target, dims)
-        same = target == reader.version
+        header = Header(target, dims, n, codec.tag if codec is not None else None)
+        if codec is not None:
+            validate_v3_widths(dims, codec, reader.path)
+        out_dtype = record_dtype(target, dims, header.tag)
+        same = (target, header.tag) == (reader.version, reader.header.tag)
         step = max(1, chunk_bytes // (reader.record_bytes + out_dtype.itemsize))
         entries = np.empty(n, dtype="<u8")  # [nrec] u64 sidecar entries
-        converter = None if same else _ChunkConverter(dims, target, min(step, max(n, 1)))
+        converter = None if same else _ChunkConverter(reader.header, header, min(step, max(n, 1)))
         rec = out_dtype.itemsize
         fd, tmp = _create_temp(dst)
         written = 0
@@ -225,8 +278,8 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
     seconds = time.perf_counter() - started
     log.info("kv.convert", src=src_path, dst=dst, from_version=from_version, to_version=target,
              nrec=n, bytes=written, seconds=round(seconds, 3))
-    return ConvertResult(src_path, dst, from_version, target, n, written, side, seconds)
+    return ConvertResult(src_path, dst, from_version, target, n, header.kv_dtype, written, side, seconds)
 
 
 __all__ = ["CHUNK_BYTES", "ConvertResult", "DestinationExistsError", "convert_file",
-           "parse_version"]
+           "parse_version", "target_codec"]

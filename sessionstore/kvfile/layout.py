@@ -18,6 +18,8 @@ import numpy as np
 from kernels.errors import FormatError, LimitError
 from kernels.fp8 import USABLE_SCALE_BOUND, usable_scales
 from kernels.rows import RecordRows
+from kernels.tq import TqCodec
+from kernels.tq.rotation import WIDTHS as V3_WIDTHS
 
 # --- magics and struct constants -----------------------------------------------------------
 MAGIC_V1 = b"COLIKV1\0"
@@ -30,8 +32,9 @@ NREC_OFFSET = 32
 TAG_OFFSET = 36
 TAG_F32 = 0
 TAG_FP8 = 1
-VERSION_TAGS = {1: TAG_F32, 2: TAG_FP8}
-VERSION_MAGICS = {1: MAGIC_V1, 2: MAGIC_V2}
+VERSION_TAGS = {1: TAG_F32, 2: TAG_FP8}  # v3's tag names its codec: (codec << 8) | bits
+VERSION_MAGICS = {1: MAGIC_V1, 2: MAGIC_V2, 3: MAGIC_V3}
+MAGIC_VERSIONS = {magic: version for version, magic in VERSION_MAGICS.items()}
 
 HEADER_STRUCT = struct.Struct("<8s8i")  # magic, 6 dims, nrec, tag
 DIMS_STRUCT = struct.Struct("<6i")
@@ -74,16 +77,26 @@ class Dims:
                 self.n_index_layers, self.vocab)
 
 
-def record_bytes(version: int, dims: Dims) -> int:
-    """Bytes of one record (token + all layers + indexer rows) for a v1 or v2 file."""
+def record_bytes(version: int, dims: Dims, tag: int | None = None) -> int:
+    """Bytes of one record (token + all layers + indexer rows); v3 needs its ``tag`` (the codec)."""
     index = dims.n_index_layers * dims.index_head_dim * F32_BYTES
     if version == 1:
         per_layer = (dims.kv_lora + dims.qk_rope) * F32_BYTES
     elif version == 2:
         per_layer = dims.kv_lora + dims.qk_rope + 2 * SCALE_BYTES
+    elif version == 3:
+        codec = v3_codec(tag)
+        per_layer = codec.row_bytes(dims.kv_lora) + codec.row_bytes(dims.qk_rope) + 2 * SCALE_BYTES
     else:
-        raise FormatError(f"record layout: unsupported version {version} (expected 1 or 2)")
+        raise FormatError(f"record layout: unsupported version {version} (expected 1, 2 or 3)")
     return TOKEN_BYTES + dims.n_layers * per_layer + index
+
+
+def v3_codec(tag: int | None) -> TqCodec:
+    """The codec a v3 tag names (FormatError for any other tag)."""
+    if tag is None:
+        raise FormatError("record layout: a v3 header needs its format tag (the codec)")
+    return TqCodec.from_tag(tag)
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ class Header:
     version: int
     dims: Dims
     nrec: int = 0
-    tag: int = None  # type: ignore[assignment]  # None: the version's tag (0 for v1, 1 for v2)
+    tag: int | None = None  # None: the version's tag (0 for v1, 1 for v2); v3 MUST give its codec
     # What parsing noticed in a header the engine loads but we never write (FORMAT.md 1.3):
     # a v1/v2 tag word other than the version's, indexer dims of which only one is 0, a
     # negative nrec (read as 0). Readers report them; writers refuse to append to such a file.
@@ -105,7 +118,19 @@ class Header:
 
     @property
     def record_bytes(self) -> int:
-        return record_bytes(self.version, self.dims)
+        return record_bytes(self.version, self.dims, self.tag)
+
+    @property
+    def codec(self) -> TqCodec | None:
+        """The v3 row codec (None for v1/v2)."""
+        return v3_codec(self.tag) if self.version == 3 else None
+
+    @property
+    def kv_dtype(self) -> str:
+        """The kv dtype whose rows this file holds: "f32", "fp8", "int4" or "polar2".."polar6"."""
+        if self.version == 3:
+            return v3_codec(self.tag).kv_dtype
+        return "fp8" if self.version == 2 else "f32"
 
     @property
     def magic(self) -> bytes:
@@ -158,13 +183,27 @@ def validate_dims(dims: Dims, path: object = None, *, lenient_index: bool = Fals
 
 
 def pack_header(header: Header) -> bytes:
-    """The 40 header bytes, little-endian, for a v1 or v2 header."""
+    """The 40 header bytes, little-endian (only headers we write: the version's tag, sound dims)."""
     if header.version not in VERSION_MAGICS:
         raise FormatError(f"pack_header: unsupported version {header.version}")
     validate_dims(header.dims)
+    if header.version == 3:
+        validate_v3_widths(header.dims, v3_codec(header.tag))
+    elif header.tag != VERSION_TAGS[header.version]:
+        raise FormatError(f"pack_header: tag {header.tag!r} for a v{header.version} header")
     if not 0 <= header.nrec <= MAX_NREC:
         raise LimitError(f"pack_header: nrec {header.nrec} outside [0, {MAX_NREC}]")
-    return HEADER_STRUCT.pack(header.magic, *header.dims.as_tuple(), header.nrec, header.tag)
+    return HEADER_STRUCT.pack(header.magic, *header.dims.as_tuple(), header.nrec, int(header.tag or 0))
+
+
+def validate_v3_widths(dims: Dims, codec: TqCodec, path: object = None) -> None:
+    """v3 rows need kv_lora and qk_rope to be powers of two in 2..512 (the engine's rule)."""
+    for name, offset in (("kv_lora", 12), ("qk_rope", 16)):
+        value = getattr(dims, name)
+        if value not in V3_WIDTHS:
+            raise FormatError(
+                f"{_where(path)}: byte {offset}: {name} = {value}: v3 ({codec.kv_dtype}) rows need a "
+                f"power of two in {V3_WIDTHS[0]}..{V3_WIDTHS[-1]}")
 
 
 def pack_nrec(nrec: int) -> bytes:
@@ -183,10 +222,11 @@ def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: obje
     """Parse and validate the header at the start of ``buf`` (a file of ``file_size`` bytes).
 
     Refuses (FormatError/LimitError naming the file and byte offset): a short header, an unknown
-    magic, COLIDV41 (DeepSeek-V4 engine) by name, COLIKV3 (4-bit tier), impossible or huge dims
-    and a record size over the limit (FORMAT.md 1.3). Accepts, with a note in ``Header.notes``,
-    what the engine loads though we never write it: a v1/v2 tag word other than the version's
-    (the engine ignores it), indexer dims of which only one is 0, a negative nrec (read as 0).
+    magic, COLIDV41 (DeepSeek-V4 engine) by name, impossible or huge dims, a record size over the
+    limit, a v3 tag that names no codec or v3 widths that are not powers of two (FORMAT.md 1.3).
+    Accepts, with a note in ``Header.notes``, what the engine loads though we never write it:
+    a v1/v2 tag word other than the version's (the engine ignores it), indexer dims of which only
+    one is 0, a negative nrec (read as 0).
     ``nrec`` beyond the file is NOT refused here: readers keep the complete records (engine rule).
     """
     where = _where(path)
@@ -198,30 +238,30 @@ def parse_header(buf: bytes | bytearray | memoryview, file_size: int, path: obje
         raise FormatError(
             f"{where}: byte 0: magic COLIDV41 is the DeepSeek-V4 engine's cache format, "
             "not a .coli_kv latent-KV file; refusing it")
-    if magic == MAGIC_V3:
+    version = MAGIC_VERSIONS.get(magic)
+    if version is None:
         raise FormatError(
-            f"{where}: byte 0: magic COLIKV3 (4-bit tier) is not supported: "
-            "4-bit tier not supported by this implementation")
-    if magic == MAGIC_V1:
-        version = 1
-    elif magic == MAGIC_V2:
-        version = 2
-    else:
-        raise FormatError(
-            f"{where}: byte 0: unknown magic {magic!r}, expected {MAGIC_V1!r} or {MAGIC_V2!r}")
+            f"{where}: byte 0: unknown magic {magic!r}, expected {MAGIC_V1!r}, {MAGIC_V2!r} or "
+            f"{MAGIC_V3!r}")
     if len(head) < HEADER_SIZE or file_size < HEADER_SIZE:
         raise FormatError(
             f"{where}: short header: {min(len(head), file_size)} bytes, expected {HEADER_SIZE}")
     _, *dim_values, nrec, tag = HEADER_STRUCT.unpack(head)
     dims = Dims(*dim_values)
     notes: list[str] = []
-    expected_tag = VERSION_TAGS[version]
-    if tag != expected_tag:
+    if version == 3:
+        try:
+            codec = TqCodec.from_tag(tag)
+        except FormatError as exc:
+            raise FormatError(f"{where}: byte {TAG_OFFSET}: {exc}") from None
+    elif tag != VERSION_TAGS[version]:
         notes.append(
-            f"byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV{version} file, expected {expected_tag}: "
+            f"byte {TAG_OFFSET}: tag {tag:#x} in a COLIKV{version} file, expected {VERSION_TAGS[version]}: "
             "the engine ignores the tag of v1/v2 files (a forked COLIKV2 keeps a watermark "
             "there, with rows that may mean something else)")
     validate_dims(dims, path, lenient_index=True)
+    if version == 3:
+        validate_v3_widths(dims, codec, path)
     if (dims.index_head_dim == 0) != (dims.n_index_layers == 0):
         notes.append(
             f"bytes 20-24: index_head_dim = {dims.index_head_dim} with n_index_layers = "
@@ -239,23 +279,29 @@ def complete_records(header: Header, file_size: int) -> int:
 
 
 # --- record dtype and packing --------------------------------------------------------------
-def layer_dtype(version: int, dims: Dims) -> np.dtype:
-    """One layer's slice of a record (structured, packed, little-endian)."""
+def layer_dtype(version: int, dims: Dims, tag: int | None = None) -> np.dtype:
+    """One layer's slice of a record (structured, packed, little-endian). v2 and v3 share the
+    field names: ``lc``/``rc`` codes, each followed by its f32 ``*_scale`` (v3: the row radius)."""
     if version == 1:
         return np.dtype([("lc", "<f4", (dims.kv_lora,)), ("rc", "<f4", (dims.qk_rope,))])
-    if version == 2:
-        return np.dtype([("lc", "u1", (dims.kv_lora,)), ("lc_scale", "<f4"),
-                         ("rc", "u1", (dims.qk_rope,)), ("rc_scale", "<f4")])
+    if version in (2, 3):
+        widths = (dims.kv_lora, dims.qk_rope)
+        if version == 3:
+            codec = v3_codec(tag)
+            widths = (codec.row_bytes(dims.kv_lora), codec.row_bytes(dims.qk_rope))
+        return np.dtype([("lc", "u1", (widths[0],)), ("lc_scale", "<f4"),
+                         ("rc", "u1", (widths[1],)), ("rc_scale", "<f4")])
     raise FormatError(f"record layout: unsupported version {version}")
 
 
-def record_dtype(version: int, dims: Dims) -> np.dtype:
-    """Structured dtype of one record; its itemsize equals ``record_bytes(version, dims)``."""
-    fields: list[tuple[Any, ...]] = [("token", "<i4"), ("layers", layer_dtype(version, dims), (dims.n_layers,))]
-    if dims.n_index_layers:
+def record_dtype(version: int, dims: Dims, tag: int | None = None) -> np.dtype:
+    """Structured dtype of one record; its itemsize equals ``record_bytes(version, dims, tag)``."""
+    fields: list[tuple[Any, ...]] = [("token", "<i4"),
+                                     ("layers", layer_dtype(version, dims, tag), (dims.n_layers,))]
+    if dims.n_index_layers and dims.index_head_dim:
         fields.append(("index", "<f4", (dims.n_index_layers, dims.index_head_dim)))
     dtype = np.dtype(fields)
-    assert dtype.itemsize == record_bytes(version, dims)
+    assert dtype.itemsize == record_bytes(version, dims, tag)
     return dtype
 
 
@@ -268,50 +314,76 @@ def _check_shape(name: str, array: np.ndarray | None, shape: tuple[int, ...]) ->
     return array
 
 
-def pack_records(version: int, dims: Dims, rows: RecordRows) -> np.ndarray:
+def pack_records(version: int, dims: Dims, rows: RecordRows, tag: int | None = None) -> np.ndarray:
     """Pack k records into a structured array [k] of ``record_dtype`` (``.tobytes()`` = file bytes).
 
-    v1 takes f32 rows (fp8 rows are dequantized, inert rows -> zeros); v2 takes codes + scales
-    as given, or f32 rows through ``kernels.fp8.quantize_rows`` (the engine's row quantizer).
+    Rows already in the file's encoding are stored as given; any other encoding goes through f32:
+    v1 stores f32 rows (fp8/v3 rows decoded, inert rows -> zeros), v2 the engine's row quantizer
+    (``kernels.fp8.quantize_rows``), v3 its codec's encoder (``kernels.tq``).
     """
-    k, L = rows.length, dims.n_layers
-    out = np.zeros(k, dtype=record_dtype(version, dims))  # [k] records
+    k = rows.length
+    out = np.zeros(k, dtype=record_dtype(version, dims, tag))  # [k] records
     out["token"] = _check_shape("tokens", rows.tokens, (k,))
     layers = out["layers"]  # [k, L] structured view
     if version == 1:
-        if rows.is_fp8:
-            from kernels.fp8 import dequantize_rows
-            lc = dequantize_rows(_check_shape("lc_codes", rows.lc_codes, (k, L, dims.kv_lora)),
-                                 sanitize_scales(_check_shape("lc_scale", rows.lc_scale, (k, L))))
-            rc = dequantize_rows(_check_shape("rc_codes", rows.rc_codes, (k, L, dims.qk_rope)),
-                                 sanitize_scales(_check_shape("rc_scale", rows.rc_scale, (k, L))))
-        else:
-            lc = _check_shape("lc", rows.lc, (k, L, dims.kv_lora))  # [k, L, kv_lora] f32
-            rc = _check_shape("rc", rows.rc, (k, L, dims.qk_rope))  # [k, L, rope] f32
-        layers["lc"] = lc
-        layers["rc"] = rc
+        lc, rc = _f32_rows(rows, dims)
+        layers["lc"] = lc  # [k, L, kv_lora] f32
+        layers["rc"] = rc  # [k, L, rope] f32
     else:
-        if rows.is_fp8:
-            lc_codes = _check_shape("lc_codes", rows.lc_codes, (k, L, dims.kv_lora))
-            lc_scale = _check_shape("lc_scale", rows.lc_scale, (k, L))
-            rc_codes = _check_shape("rc_codes", rows.rc_codes, (k, L, dims.qk_rope))
-            rc_scale = _check_shape("rc_scale", rows.rc_scale, (k, L))
-        else:
-            from kernels.fp8 import quantize_rows
-            lc_f32 = _check_shape("lc", rows.lc, (k, L, dims.kv_lora))
-            rc_f32 = _check_shape("rc", rows.rc, (k, L, dims.qk_rope))
-            lc_codes, lc_scale = quantize_rows(np.asarray(lc_f32, dtype=np.float32))
-            rc_codes, rc_scale = quantize_rows(np.asarray(rc_f32, dtype=np.float32))
-        layers["lc"] = lc_codes  # [k, L, kv_lora] u8
-        layers["lc_scale"] = lc_scale  # [k, L] f32
-        layers["rc"] = rc_codes  # [k, L, rope] u8
-        layers["rc_scale"] = rc_scale  # [k, L] f32
-    if dims.n_index_layers:
+        codec = v3_codec(tag) if version == 3 else None
+        lc_codes, lc_scale, rc_codes, rc_scale = _coded_rows(rows, dims, codec)
+        layers["lc"] = lc_codes  # [k, L, kv_lora | row_bytes] u8
+        layers["lc_scale"] = lc_scale  # [k, L] f32 (v3: radius)
+        layers["rc"] = rc_codes  # [k, L, rope | row_bytes] u8
+        layers["rc_scale"] = rc_scale  # [k, L] f32 (v3: radius)
+    if dims.n_index_layers and dims.index_head_dim:
         shape = (k, dims.n_index_layers, dims.index_head_dim)
         out["index"] = _check_shape("index", rows.index, shape)  # [k, NI, D] f32
     elif rows.index is not None and np.asarray(rows.index).size:
         raise FormatError("pack_records: indexer rows given but the dims declare none")
     return out
+
+
+def _f32_rows(rows: RecordRows, dims: Dims) -> tuple[np.ndarray, np.ndarray]:
+    """Lc [k, L, kv_lora] and Rc [k, L, rope] as f32, decoded from whatever ``rows`` hold."""
+    k, L = rows.length, dims.n_layers
+    if rows.lc_codes is None:
+        return (_check_shape("lc", rows.lc, (k, L, dims.kv_lora)),
+                _check_shape("rc", rows.rc, (k, L, dims.qk_rope)))
+    lc_scale = _check_shape("lc_scale", rows.lc_scale, (k, L))
+    rc_scale = _check_shape("rc_scale", rows.rc_scale, (k, L))
+    if rows.codec is not None:
+        c = rows.codec
+        return (c.decode_rows(_check_shape("lc_codes", rows.lc_codes, (k, L, c.row_bytes(dims.kv_lora))), lc_scale),
+                c.decode_rows(_check_shape("rc_codes", rows.rc_codes, (k, L, c.row_bytes(dims.qk_rope))), rc_scale))
+    from kernels.fp8 import dequantize_rows
+    return (dequantize_rows(_check_shape("lc_codes", rows.lc_codes, (k, L, dims.kv_lora)), sanitize_scales(lc_scale)),
+            dequantize_rows(_check_shape("rc_codes", rows.rc_codes, (k, L, dims.qk_rope)), sanitize_scales(rc_scale)))
+
+
+def _coded_rows(rows: RecordRows, dims: Dims, codec: TqCodec | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(lc codes, lc scales, rc codes, rc scales) in the target encoding: fp8 (``codec`` None)
+    or v3 ``codec``; rows already in it pass through, others are decoded to f32 and encoded."""
+    k, L = rows.length, dims.n_layers
+    if rows.lc_codes is not None and rows.codec == codec:
+        lw, rw = (dims.kv_lora, dims.qk_rope) if codec is None else \
+            (codec.row_bytes(dims.kv_lora), codec.row_bytes(dims.qk_rope))
+        return (_check_shape("lc_codes", rows.lc_codes, (k, L, lw)),
+                _check_shape("lc_scale", rows.lc_scale, (k, L)),
+                _check_shape("rc_codes", rows.rc_codes, (k, L, rw)),
+                _check_shape("rc_scale", rows.rc_scale, (k, L)))
+    lc, rc = _f32_rows(rows, dims)
+    lc = np.asarray(lc, dtype=np.float32)  # [k, L, kv_lora] f32
+    rc = np.asarray(rc, dtype=np.float32)  # [k, L, rope] f32
+    if codec is None:
+        from kernels.fp8 import quantize_rows
+        lc_codes, lc_scale = quantize_rows(lc)
+        rc_codes, rc_scale = quantize_rows(rc)
+    else:
+        lc_codes, lc_scale = codec.encode_rows(lc)
+        rc_codes, rc_scale = codec.encode_rows(rc)
+    return lc_codes, lc_scale, rc_codes, rc_scale
 
 
 def sanitize_scales(scales: np.ndarray) -> np.ndarray:
@@ -326,5 +398,6 @@ __all__ = [
     "MAX_LAYERS", "MAX_WIDTH", "MAX_VOCAB", "MAX_RECORD_BYTES", "MAX_NREC",
     "Dims", "Header", "record_bytes", "validate_dims", "pack_header", "pack_nrec",
     "static_header_bytes", "parse_header", "complete_records", "layer_dtype", "record_dtype",
+    "v3_codec", "validate_v3_widths", "MAGIC_VERSIONS", "VERSION_MAGICS", "VERSION_TAGS",
     "pack_records", "sanitize_scales", "usable_scales", "INERT_SCALE_LIMIT",
 ]

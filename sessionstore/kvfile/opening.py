@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
-from kernels.rows import KV_VERSION_OF_DTYPE
+from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.fsio import describe_mode, open_regular
@@ -46,8 +46,8 @@ def refuse_non_regular(path: str) -> None:
 
 def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durability) -> OpenedFile:
     """The caller holds the writer lock. Raises NotFoundError (absent, no create),
-    FormatError (not a regular file, changed while opening, empty, bad header, v2 for f32),
-    ModelMismatchError (other dims)."""
+    FormatError (not a regular file, changed while opening, empty, bad header, rows of another
+    kv dtype than a v1 file's upgrade), ModelMismatchError (other dims)."""
     _upgrade.remove_stale_temps(path, io)
     _remove_stale_create(path, io)
     created = False
@@ -56,7 +56,7 @@ def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durab
     except FileNotFoundError:
         if not create:
             raise NotFoundError(f"{path}: no such file (create=False)") from None
-        _create_empty(path, Header(KV_VERSION_OF_DTYPE[kv_dtype], dims, 0), io)
+        _create_empty(path, target_header(kv_dtype, dims), io)
         created = True
         before = os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
@@ -75,14 +75,31 @@ def open_locked(path: str, dims: Dims, kv_dtype: str, *, create: bool, io: Durab
             raise FormatError(
                 f"{path}: {header.notes[0]}; refusing to append to a header this implementation "
                 "never writes (`coli-kv convert` rewrites the file canonically)")
-        if header.version == 2 and kv_dtype == "f32":
-            raise FormatError(
-                f"{path}: a v2 (fp8) file but kv_dtype is 'f32' (fp8 off); convert it with "
-                "`coli-kv convert --to v1` or open it with fp8 on")
+        refuse_other_rows(path, header, kv_dtype)
     except BaseException:
         os.close(fd)
         raise
     return OpenedFile(fd, header, int(st.st_size), created)
+
+
+def target_header(kv_dtype: str, dims: Dims, nrec: int = 0) -> Header:
+    """The header of a file holding ``kv_dtype`` rows (FORMAT.md 1.1: version and tag)."""
+    version, tag = KV_FORMAT_OF_DTYPE[kv_dtype]
+    return Header(version, dims, nrec, tag)
+
+
+def refuse_other_rows(path: str, header: Header, kv_dtype: str) -> None:
+    """A writer keeps a file's rows as they are, except that a v1 file is upgraded (crash-safely)
+    when fp8 or the 4-bit tier is on. Any other pairing is refused with the way out (FORMAT.md 3.2)."""
+    if header.version == 1 or header.kv_dtype == kv_dtype:
+        return
+    target = target_header(kv_dtype, header.dims)
+    to = f"v{target.version}" + (f" --tq-bits {target.codec.bits} --tq-codec {target.codec.kind}"
+                                 if target.codec is not None else "")
+    raise FormatError(
+        f"{path}: a v{header.version} ({header.kv_dtype}) file but kv_dtype is {kv_dtype!r}: a writer "
+        f"keeps the file's rows; convert it with `coli-kv convert --to {to}` or open it as "
+        f"{header.kv_dtype}")
 
 
 def _create_empty(path: str, header: Header, io: Durability) -> None:
@@ -112,4 +129,5 @@ def _remove_stale_create(path: str, io: Durability) -> None:
         log.warning("kv.recovery", path=path, action="removed stale create temp file", file=tmp)
 
 
-__all__ = ["CREATE_SUFFIX", "OpenedFile", "open_locked", "refuse_non_regular"]
+__all__ = ["CREATE_SUFFIX", "OpenedFile", "open_locked", "refuse_non_regular", "refuse_other_rows",
+           "target_header"]

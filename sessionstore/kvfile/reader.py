@@ -14,7 +14,8 @@ import stat
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
-from kernels.rows import F32Rows, Fp8Rows
+from kernels.rows import F32Rows, Fp8Rows, TqRows
+from kernels.tq import usable_radius
 from sessionstore.kvfile.fsio import describe_mode, open_regular
 from sessionstore.kvfile.layout import (
     HEADER_SIZE,
@@ -54,7 +55,7 @@ class KVReader:
     """A read-only, memory-mapped view of the complete committed records of one file."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect: Dims | None = None,
-                 fp8_enabled: bool = True) -> None:
+                 fp8_enabled: bool = True, tq_tag: int | None = None) -> None:
         self.path = os.fspath(path)
         fd, st = open_regular_file(self.path)
         self._map: FileMapping | None = None
@@ -71,6 +72,10 @@ class KVReader:
                     f"{expect.as_tuple()}")
             if self.header.version == 2 and not fp8_enabled:
                 raise FormatError(f"{self.path}: a v2 (fp8) file but fp8 rows are disabled here")
+            if tq_tag is not None and self.version == 3 and self.header.tag != tq_tag:
+                raise FormatError(
+                    f"{self.path}: byte 36: a v3 {self.header.kv_dtype} file (tag {self.header.tag:#x}), "
+                    f"expected tag {tq_tag:#x}: the 4-bit tier resumes only its own codec")
             self.nrec = complete_records(self.header, self.file_bytes)
             mapped = HEADER_SIZE + self.nrec * self.record_bytes
             self.stale_tail_bytes = self.file_bytes - mapped
@@ -81,7 +86,7 @@ class KVReader:
                     f"file ({self.file_bytes} bytes) holds {self.nrec} complete records; using those")
                 log.warning("kv.torn_committed", path=self.path, nrec=self.header.nrec,
                             complete=self.nrec)
-            dtype = record_dtype(self.version, self.dims)
+            dtype = record_dtype(self.version, self.dims, self.header.tag)
             if self.nrec:
                 self._map = FileMapping(fd, mapped)
                 self.records = np.frombuffer(self._map.buffer, dtype=dtype, count=self.nrec,
@@ -117,38 +122,44 @@ class KVReader:
         if not 0 <= layer < self.dims.n_layers:
             raise IndexError(f"layer {layer} outside [0, {self.dims.n_layers})")
 
-    def layer_rows(self, layer: int, start: int = 0, stop: int | None = None) -> F32Rows | Fp8Rows:
-        """Rows of one layer for positions [start, stop): views of the mapping (v2 scales: views
-        of the sanitised scales gathered once per reader, see :meth:`sanitized_scales`)."""
+    def layer_rows(self, layer: int, start: int = 0, stop: int | None = None) -> F32Rows | Fp8Rows | TqRows:
+        """Rows of one layer for positions [start, stop): views of the mapping (v2 scales, v3
+        radii: views of the sanitised values gathered once per reader, :meth:`sanitized_scales`)."""
         self._check_layer(layer)
         part = self.records["layers"][start:stop, layer]  # [T] layer records (view)
         if self.version == 1:
             return F32Rows(lc=part["lc"], rc=part["rc"])  # [T, kv_lora] / [T, rope] f32 views
         scales = self.sanitized_scales()  # [2, L, nrec] f32 (cached)
+        codec = self.header.codec
+        if codec is not None:
+            return TqRows(lc_codes=part["lc"], lc_radius=scales[0, layer, start:stop],  # [T, rbL] u8, [T] f32
+                          rc_codes=part["rc"], rc_radius=scales[1, layer, start:stop],  # [T, rbR] u8, [T] f32
+                          codec=codec, kv_lora=self.dims.kv_lora, qk_rope=self.dims.qk_rope)
         return Fp8Rows(lc_codes=part["lc"],  # [T, kv_lora] u8 view
                        lc_scale=scales[0, layer, start:stop],  # [T] f32 view (contiguous)
                        rc_codes=part["rc"],  # [T, rope] u8 view
                        rc_scale=scales[1, layer, start:stop])  # [T] f32 view (contiguous)
 
-    def layer(self, layer: int) -> F32Rows | Fp8Rows:
+    def layer(self, layer: int) -> F32Rows | Fp8Rows | TqRows:
         return self.layer_rows(layer)
 
-    def layer_blocks(self, stop: int | None = None) -> list[list[F32Rows | Fp8Rows]]:
+    def layer_blocks(self, stop: int | None = None) -> list[list[F32Rows | Fp8Rows | TqRows]]:
         """One block per layer over records [0, stop) (default: all): what a decoder cache is
         built from (``DecoderCache.from_blocks``). Zero-copy rows; v2 scales from the one pass."""
         return [[self.layer_rows(layer, 0, stop)] for layer in range(self.dims.n_layers)]
 
     def sanitized_scales(self) -> np.ndarray:
-        """Every layer's Lc and Rc scales, sanitised by the reading rules (an unusable scale:
-        non-finite, <= 0 or >= 3.4e38, marks an inert row and reads as 0.0): [2, L, nrec] f32,
-        read-only, index 0 = Lc, 1 = Rc; each layer's row is contiguous.
+        """Every layer's Lc and Rc scales (v3: radii), sanitised by the reading rules (an unusable
+        v2 scale: non-finite, <= 0 or >= 3.4e38; an unusable v3 radius: outside [0, 3.4e38); each
+        marks an inert row and reads as 0.0): [2, L, nrec] f32, read-only, index 0 = Lc, 1 = Rc;
+        each layer's row is contiguous.
 
         Gathered on first use in ONE sequential pass over the records (blocks of
         SCALE_GATHER_RECORDS records, both scales of every layer while the block is in cache),
         then cached: per-layer views are free. The scales lie 584 B apart inside a 45 KB GLM
         record, so a pass per layer would walk the whole mapping once per layer.
         """
-        if self.version != 2:
+        if self.version == 1:
             raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
         if self._scales is None:
             n, L = self.nrec, self.dims.n_layers
@@ -159,15 +170,16 @@ class KVReader:
                 src = layers[b0:b0 + step]  # [b, L] layer records of one block
                 np.copyto(out[0, :, b0:b0 + step].T, src["lc_scale"])  # [b, L] f32
                 np.copyto(out[1, :, b0:b0 + step].T, src["rc_scale"])  # [b, L] f32
-            np.copyto(out, np.float32(0), where=~usable_scales(out))  # inert rows read as 0.0
+            usable = usable_radius(out) if self.version == 3 else usable_scales(out)  # [2, L, nrec] bool
+            np.copyto(out, np.float32(0), where=~usable)  # inert rows read as 0.0
             out.flags.writeable = False
             self._scales = out
         return self._scales
 
     def raw_scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The stored (unsanitised) Lc/Rc scales of one layer: [nrec] f32 views."""
+        """The stored (unsanitised) Lc/Rc scales (v3: radii) of one layer: [nrec] f32 views."""
         self._check_layer(layer)
-        if self.version != 2:
+        if self.version == 1:
             raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
         part = self.records["layers"][:, layer]
         return part["lc_scale"], part["rc_scale"]
@@ -176,6 +188,8 @@ class KVReader:
         """Indexer rows of one indexer layer: [nrec, index_head_dim] f32 view."""
         if not 0 <= index_layer < self.dims.n_index_layers:
             raise IndexError(f"indexer layer {index_layer} outside [0, {self.dims.n_index_layers})")
+        if self.dims.index_head_dim == 0:  # a header the engine loads: indexer layers of width 0
+            return np.zeros((self.nrec, 0), dtype=np.float32)  # [nrec, 0] f32
         return self.records["index"][:, index_layer]
 
     def record_bytes_view(self, position: int) -> memoryview:
@@ -223,9 +237,10 @@ class KVReader:
 
 
 def open_kv(path: str | os.PathLike[str], *, expect: Dims | None = None,
-            fp8_enabled: bool = True) -> KVReader:
-    """Open a ``.coli_kv`` file read-only (see :class:`KVReader`)."""
-    return KVReader(path, expect=expect, fp8_enabled=fp8_enabled)
+            fp8_enabled: bool = True, tq_tag: int | None = None) -> KVReader:
+    """Open a ``.coli_kv`` file read-only (see :class:`KVReader`); ``tq_tag``: a v3 file must
+    carry this codec tag (the 4-bit tier resumes only its own codec)."""
+    return KVReader(path, expect=expect, fp8_enabled=fp8_enabled, tq_tag=tq_tag)
 
 
 __all__ = ["KVReader", "open_kv", "open_regular_file", "wait_for_unmaps"]

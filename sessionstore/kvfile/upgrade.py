@@ -1,17 +1,19 @@
-"""Crash-safe rewrite of a v1 (f32) ``.coli_kv`` file as v2 (fp8), for a writer with fp8 on.
+"""Crash-safe rewrite of a v1 (f32) ``.coli_kv`` file as v2 (fp8) or v3 (4-bit), for a writer
+with fp8 or the 4-bit tier on (FORMAT.md 3.7).
 
 The engine upgrades by truncating the file in place, so a crash loses the conversation. Here the
-v1 bytes stay untouched until a COMPLETE, fsynced v2 file replaces them with one atomic rename:
+v1 bytes stay untouched until a COMPLETE, fsynced new file replaces them with one atomic rename:
 
-1. ``<path>.upgrade.tmp``: v2 header (nrec = records kept) + every kept v1 record quantized with
-   the engine's row quantizer, in bounded-memory chunks; its sidecar ``<tmp>.colisum`` beside it.
+1. ``<path>.upgrade.tmp``: the new header (nrec = records kept) + every kept v1 record encoded
+   (v2: the engine's row quantizer; v3: its codec), in bounded-memory chunks; its sidecar
+   ``<tmp>.colisum`` beside it.
 2. fsync both.
 3. remove the old sidecar (it describes v1 bytes), fsync the directory.
 4. ``os.replace(tmp, path)``, fsync the directory: THE switch point.
 5. rename the new sidecar to ``<path>.colisum``, fsync the directory.
 
 A crash before 4 leaves the whole v1 (and at most stale temp files, which the next writer open
-removes); after 4 the whole v2. A missing or stale sidecar is repaired by the next writer open.
+removes); after 4 the whole new file. A missing or stale sidecar is repaired by the next writer open.
 """
 from __future__ import annotations
 
@@ -83,14 +85,16 @@ def _v1_chunks(fd: int, path: str, header: Header, keep: int,
         yield start, np.frombuffer(raw, dtype=dtype)  # [count] v1 records
 
 
-def write_v2_copy(fd_v1: int, path: str, header_v1: Header, keep: int, io: Durability, *,
-                  checksums: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  file_mode: int = 0o644) -> UpgradeResult:
-    """Steps 1-5 above: returns the new file, open read-write. An error before the switch removes
-    the temp files and raises (``path`` is still the untouched v1 file); an OSError after it is
-    returned in ``error`` (the v2 file is in place; ``sidecar`` may then be None)."""
+def write_upgraded_copy(fd_v1: int, path: str, header_v1: Header, target: Header, io: Durability, *,
+                        checksums: bool, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                        file_mode: int = 0o644) -> UpgradeResult:
+    """Steps 1-5 above, keeping ``target.nrec`` records in ``target``'s version and tag: returns
+    the new file, open read-write. An error before the switch removes the temp files and raises
+    (``path`` is still the untouched v1 file); an OSError after it is returned in ``error`` (the
+    new file is in place; ``sidecar`` may then be None)."""
     tmp, tmp_side = upgrade_temp_paths(path)
-    header_v2 = Header(2, header_v1.dims, keep)
+    keep = target.nrec
+    header_v2 = Header(target.version, header_v1.dims, keep, target.tag)
     rec2 = header_v2.record_bytes
     fd = open_regular(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, file_mode, opener=io.open)
     side: SidecarWriter | None = None
@@ -100,7 +104,8 @@ def write_v2_copy(fd_v1: int, path: str, header_v1: Header, keep: int, io: Durab
         for start, v1 in _v1_chunks(fd_v1, path, header_v1, keep, chunk_bytes):
             rows = RecordRows(tokens=v1["token"], lc=v1["layers"]["lc"], rc=v1["layers"]["rc"],
                               index=v1["index"] if header_v1.dims.n_index_layers else None)
-            packed = pack_records(2, header_v2.dims, rows).view(np.uint8)  # [count * rec2] u8
+            packed = pack_records(header_v2.version, header_v2.dims, rows,
+                                  header_v2.tag).view(np.uint8)  # [count * rec2] u8
             io.pwrite(fd, packed.data, HEADER_SIZE + start * rec2)
             if side is not None:
                 side.stage(start, packed.data)
@@ -127,7 +132,7 @@ def write_v2_copy(fd_v1: int, path: str, header_v1: Header, keep: int, io: Durab
     except OSError as exc:
         result.error = exc
         log.warning("kv.upgrade_tail_failed", path=path, error=str(exc))
-    log.info("kv.upgrade", path=path, nrec=keep, from_version=1, to_version=2,
+    log.info("kv.upgrade", path=path, nrec=keep, from_version=1, to_version=header_v2.version,
              v1_bytes=HEADER_SIZE + keep * header_v1.record_bytes, v2_bytes=HEADER_SIZE + keep * rec2)
     return result
 
@@ -141,5 +146,5 @@ def _remove_quietly(io: Durability, *paths: str) -> None:
             pass  # a stale temp is also removed at the next writer open
 
 
-__all__ = ["write_v2_copy", "remove_stale_temps", "upgrade_temp_paths", "UpgradeResult",
+__all__ = ["write_upgraded_copy", "remove_stale_temps", "upgrade_temp_paths", "UpgradeResult",
            "UPGRADE_SUFFIX"]

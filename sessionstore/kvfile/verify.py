@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError
+from kernels.tq import usable_radius
 from sessionstore.kvfile.integrity import bad_token_message
 from sessionstore.kvfile.layout import usable_scales
 from sessionstore.kvfile.reader import KVReader, open_kv
@@ -63,7 +64,7 @@ def scan_records(reader: KVReader, *, keep_scales: bool = True,
     """One chunked pass over the complete committed records of ``reader``."""
     dims, n = reader.dims, reader.nrec
     scan = RecordScan(nrec=n, layers=[LayerScan() for _ in range(dims.n_layers)])
-    if reader.version == 2 and keep_scales:
+    if reader.version in (2, 3) and keep_scales:
         scan.lc_scales = np.empty((n, dims.n_layers), np.float32)  # [nrec, L] f32
         scan.rc_scales = np.empty((n, dims.n_layers), np.float32)  # [nrec, L] f32
     step = max(1, chunk_bytes // reader.record_bytes)
@@ -77,12 +78,17 @@ def scan_records(reader: KVReader, *, keep_scales: bool = True,
                 scan.first_bad_token = (start + int(bad[0]), int(tokens[bad[0]]))
             scan.tokens_out_of_range += int(bad.size)
         layers = chunk["layers"]  # [c, L] layer records
-        if reader.version == 2:
-            lc_nan = _is_nan_code(layers["lc"]).sum(axis=(0, 2))  # [L]
-            rc_nan = _is_nan_code(layers["rc"]).sum(axis=(0, 2))  # [L]
-            lc_scale, rc_scale = layers["lc_scale"], layers["rc_scale"]  # [c, L] f32
-            lc_inert = (~usable_scales(lc_scale)).sum(axis=0)  # [L]
-            rc_inert = (~usable_scales(rc_scale)).sum(axis=0)  # [L]
+        if reader.version in (2, 3):
+            lc_scale, rc_scale = layers["lc_scale"], layers["rc_scale"]  # [c, L] f32 (v3: radii)
+            if reader.version == 2:
+                lc_nan = _is_nan_code(layers["lc"]).sum(axis=(0, 2))  # [L]
+                rc_nan = _is_nan_code(layers["rc"]).sum(axis=(0, 2))  # [L]
+                lc_inert = (~usable_scales(lc_scale)).sum(axis=0)  # [L]
+                rc_inert = (~usable_scales(rc_scale)).sum(axis=0)  # [L]
+            else:  # v3 has no NaN codes; a radius of 0 or one outside [0, 3.4e38) is an inert row
+                lc_nan = rc_nan = np.zeros(dims.n_layers, np.int64)  # [L]
+                lc_inert = (~(usable_radius(lc_scale) & (lc_scale != 0))).sum(axis=0)  # [L]
+                rc_inert = (~(usable_radius(rc_scale) & (rc_scale != 0))).sum(axis=0)  # [L]
             for i, layer in enumerate(scan.layers):
                 layer.lc_nan_codes += int(lc_nan[i])
                 layer.rc_nan_codes += int(rc_nan[i])
@@ -96,7 +102,7 @@ def scan_records(reader: KVReader, *, keep_scales: bool = True,
             bad_rc = (~np.isfinite(layers["rc"])).sum(axis=(0, 2))  # [L]
             for i, layer in enumerate(scan.layers):
                 layer.nonfinite_values += int(bad_lc[i] + bad_rc[i])
-        if dims.n_index_layers:
+        if dims.n_index_layers and dims.index_head_dim:
             scan.index_nonfinite += int((~np.isfinite(chunk["index"])).sum())
         del chunk, tokens, layers
         reader.release_pages(start, stop)

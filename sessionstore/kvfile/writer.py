@@ -48,7 +48,7 @@ from sessionstore.kvfile.layout import (
     validate_dims,
 )
 from sessionstore.kvfile.lock import WriterLock
-from sessionstore.kvfile.opening import open_locked, refuse_non_regular
+from sessionstore.kvfile.opening import open_locked, refuse_non_regular, target_header
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter
 from sessionstore.kvfile.sidecar_repair import catch_up, drop_untended, open_beside, repair_on_open
@@ -91,7 +91,8 @@ class KVWriter:
 
     def _new_staging(self) -> Staging:
         rec = self._header.record_bytes
-        return Staging(record_dtype(self._header.version, self.dims), self._staging_bytes // rec)
+        return Staging(record_dtype(self._header.version, self.dims, self._header.tag),
+                       self._staging_bytes // rec)
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -129,7 +130,7 @@ class KVWriter:
         """
         path = os.fspath(path)
         if kv_dtype not in KV_DTYPES:
-            raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected 'fp8' or 'f32'")
+            raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected one of {', '.join(KV_DTYPES)}")
         validate_dims(dims, path)
         refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
         if preallocate is not None and preallocate < 0:
@@ -211,8 +212,8 @@ class KVWriter:
 
     @property
     def pending_upgrade(self) -> bool:
-        """A v1 file opened with fp8 on, not yet rewritten as v2."""
-        return self.kv_dtype == "fp8" and self._header.version == 1
+        """A v1 file opened with fp8 or the 4-bit tier on, not yet rewritten as v2 / v3."""
+        return self.kv_dtype != "f32" and self._header.version == 1
 
     @property
     def closed(self) -> bool:
@@ -258,7 +259,7 @@ class KVWriter:
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.dims.vocab):
             raise FormatError(f"{self.path}: token ids must lie in [0, {self.dims.vocab}), found "
                               f"[{int(tokens.min())}, {int(tokens.max())}]")
-        packed = pack_records(self.version, self.dims, rows)  # [k] records
+        packed = pack_records(self.version, self.dims, rows, self._header.tag)  # [k] records
         self._staging.add(packed)
         self._flush_full_chunks()
         return self.length
@@ -394,7 +395,8 @@ class KVWriter:
 
     # -- upgrade ----------------------------------------------------------------------------
     def upgrade(self) -> bool:
-        """Rewrite a v1 file opened with fp8 on as v2 now (crash-safe); False if nothing to do."""
+        """Rewrite a v1 file opened with fp8 / the 4-bit tier on as v2 / v3 now (crash-safe);
+        False if nothing to do."""
         self._check_open()
         if not self.pending_upgrade:
             return False
@@ -403,9 +405,10 @@ class KVWriter:
 
     def _do_upgrade(self, keep: int) -> None:
         mode = stat.S_IMODE(os.fstat(self._fd).st_mode)
-        result = _upgrade.write_v2_copy(self._fd, self.path, self._header, keep, self._io,
-                                        checksums=self._checksums,
-                                        chunk_bytes=self._upgrade_chunk_bytes, file_mode=mode)
+        result = _upgrade.write_upgraded_copy(self._fd, self.path, self._header,
+                                              target_header(self.kv_dtype, self.dims, keep), self._io,
+                                              checksums=self._checksums,
+                                              chunk_bytes=self._upgrade_chunk_bytes, file_mode=mode)
         old_fd, self._fd = self._fd, result.fd
         os.close(old_fd)
         self._file_end = int(os.fstat(self._fd).st_size)

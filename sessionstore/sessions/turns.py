@@ -15,7 +15,7 @@ import numpy as np
 
 from kernels.errors import CorruptionError, FormatError, LimitError
 from kernels.model.protocols import Decoder, LatentCache
-from kernels.rows import F32Rows, Fp8Rows, RecordRows
+from kernels.rows import LatentRows, RecordRows
 from sessionstore.kvfile import KVReader, sanitize_scales
 from sessionstore.sessions.manifest import SamplerSettings
 
@@ -141,7 +141,7 @@ def recompute_last(model: Decoder[Any], blocks_of: Callable[[int, int], list], t
     return logits, scratch.records_since(n - 1)
 
 
-def blocks_from_reader(reader: KVReader, n: int) -> list[list[F32Rows | Fp8Rows]]:
+def blocks_from_reader(reader: KVReader, n: int) -> list[list[LatentRows]]:
     """One block per layer over records [0, n) of a mapped file: row views, no copy.
 
     The one implementation is :meth:`KVReader.layer_blocks` (v2 scales gathered for all layers
@@ -161,14 +161,12 @@ def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
                 got = getattr(found, name)[0, layer]  # [w] f32
                 same = np.array_equal(want.view("<u4"), np.asarray(got, "<f4").view("<u4"))
             else:
-                from kernels.fp8 import dequantize_rows
-
-                w_codes, w_scale = stored[layer][name], sanitize_scales(stored[layer][scale_name])
                 g_codes = getattr(found, name + "_codes")[0, layer]
                 g_scale = getattr(found, scale_name)[0, layer]
+                w_codes, w_scale = stored[layer][name], stored[layer][scale_name]
                 same = np.array_equal(w_codes, g_codes) and np.float32(w_scale) == np.float32(g_scale)
-                want = dequantize_rows(np.asarray(w_codes)[None], np.asarray([w_scale], np.float32))[0]
-                got = dequantize_rows(np.asarray(g_codes)[None], np.asarray([g_scale], np.float32))[0]
+                want = _decoded_row(reader, w_codes, w_scale)  # [w] f32
+                got = _decoded_row(reader, g_codes, g_scale)  # [w] f32
             if same:
                 continue
             exact = False
@@ -180,6 +178,19 @@ def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
                     f"from the recomputed one by {err:.3g} (limit {limit:.3g}): the cache does not "
                     "belong to this model or was damaged")
     return exact
+
+
+def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | float) -> np.ndarray:
+    """One stored v2/v3 row (codes + scale or radius), decoded by the file's reading rules: [w] f32."""
+    codec = reader.header.codec
+    if codec is not None:
+        decoded: np.ndarray = codec.decode_rows(np.asarray(codes)[None], np.asarray([scale], np.float32))[0]
+        return decoded
+    from kernels.fp8 import dequantize_rows
+
+    safe = sanitize_scales(np.asarray([scale], np.float32))  # [1] f32
+    row: np.ndarray = dequantize_rows(np.asarray(codes)[None], safe)[0]
+    return row
 
 
 __all__ = ["TurnResult", "feed_chunk", "run_turn", "common_prefix", "reference_turns", "recompute_last",

@@ -118,7 +118,8 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[str, str]]:
         "size_overflow": (struct.pack("<8s8i", b"COLIKV1\0", 1024, 65536, 65536, 0, 0, 1000, 1, 0),
                           "record size"),
         "colidv41": (b"COLIDV41" + b"\0" * 100, "COLIDV41"),
-        "v3": (struct.pack("<8s8i", b"COLIKV3\0", 2, 8, 4, 0, 0, 1000, 1, (1 << 8) | 4), "4-bit tier"),
+        "v3_bad_tag": (struct.pack("<8s8i", b"COLIKV3\0", 2, 8, 4, 0, 0, 1000, 1, (2 << 8) | 4), "v3 format tag"),
+        "v3_width": (struct.pack("<8s8i", b"COLIKV3\0", 2, 12, 4, 0, 0, 1000, 1, (1 << 8) | 4), "power of two"),
         "empty": (b"", "empty file"),
     }
     out: dict[str, tuple[str, str]] = {}

@@ -143,8 +143,8 @@ def test_refuses_in_place_same_inode_and_existing(tmp_path: Path) -> None:
         convert_file(src, tmp_path, "v2", force=True)
     with pytest.raises(NotFoundError):
         convert_file(src, tmp_path / "no" / "dst", "v2")
-    with pytest.raises(FormatError, match="expected v1 or v2"):
-        convert_file(src, tmp_path / "x", "v3")
+    with pytest.raises(FormatError, match="expected v1, v2 or v3"):
+        convert_file(src, tmp_path / "x", "v4")
     assert src.read_bytes() == before
 
 

@@ -140,9 +140,28 @@ def test_colidv41_refused_by_name_even_when_short() -> None:
         parse_header(b"COLIDV41", 8)
 
 
-def test_v3_refused_as_unsupported_tier() -> None:
-    with pytest.raises(FormatError, match="4-bit tier not supported"):
-        parse_header(_header(magic=b"COLIKV3\0", tag=(1 << 8) | 4), 1000)
+@pytest.mark.parametrize("tag,kv_dtype,row_bytes", [(0x104, "int4", (4, 2)), (2, "polar2", (2, 1)),
+                                                    (4, "polar4", (4, 2)), (6, "polar6", (5, 3))])
+def test_v3_header_names_its_codec(tag: int, kv_dtype: str, row_bytes: tuple[int, int]) -> None:
+    header = parse_header(_header(magic=b"COLIKV3\0", tag=tag), 1000)
+    assert header.version == 3 and header.notes == ()
+    assert header.codec is not None and header.codec.tag == tag and header.kv_dtype == kv_dtype
+    # token + 2 layers of (Lc codes, radius, Rc codes, radius), widths 8 and 4
+    assert header.record_bytes == 4 + 2 * (row_bytes[0] + 4 + row_bytes[1] + 4)
+    assert pack_header(header) == _header(magic=b"COLIKV3\0", tag=tag)
+
+
+@pytest.mark.parametrize("tag", [0, 1, 7, 0x103, 0x204, 0x105, -1])
+def test_v3_tag_naming_no_codec_refused(tag: int) -> None:
+    with pytest.raises(FormatError, match="byte 36: v3 format tag"):
+        parse_header(_header(magic=b"COLIKV3\0", tag=tag), 1000, "v3.kv")
+
+
+@pytest.mark.parametrize("dims,name", [((2, 12, 4, 0, 0, 1000), "kv_lora"), ((2, 8, 6, 0, 0, 1000), "qk_rope"),
+                                       ((2, 1024, 4, 0, 0, 1000), "kv_lora"), ((2, 8, 1, 0, 0, 1000), "qk_rope")])
+def test_v3_widths_must_be_powers_of_two(dims: tuple[int, ...], name: str) -> None:
+    with pytest.raises(FormatError, match=f"{name} = .*power of two in 2..512"):
+        parse_header(_header(magic=b"COLIKV3\0", dims=dims, tag=0x104), 1000, "v3.kv")
 
 
 @pytest.mark.parametrize("tag", [0, 2, 0x574D4B31, -1])
