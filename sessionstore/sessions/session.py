@@ -26,14 +26,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kernels.errors import ColiError, CorruptionError, FormatError, ModelMismatchError
+from kernels.errors import ColiError, FormatError, ModelMismatchError
 from kernels.model.protocols import Decoder, LatentCache
-from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
+from sessionstore.kvfile import Dims, KVWriter, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, SamplerSettings, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume
 from sessionstore.sessions.residency import Residency
+from sessionstore.sessions.resident import ResidentFiles
 from sessionstore.sessions.turns import (
     TurnResult,
     blocks_from_reader,
@@ -45,8 +46,6 @@ from sessionstore.sessions.turns import (
 )
 
 DEFAULT_COMMIT_EVERY = 64
-DECODE_PREALLOCATE = None  # the writer's decode-loop headroom (writer.default_headroom): token
-# commits overwrite zero-filled blocks instead of growing the file (no metadata in the barrier)
 WRITE_BEHIND = True  # default: each decoded record (and its sidecar entry) goes to the file at
 # once, write-back started: a commit finds the bytes on disk and waits only for the barriers
 
@@ -90,9 +89,7 @@ class Session:
         self.state = "suspended"
         self.pending: list[int] = list(manifest.pending)
         self.resume_report: dict[str, Any] = {}
-        self._writer: KVWriter | None = None
-        self._reader: KVReader | None = None
-        self.cache: LatentCache | None = None
+        self._files = ResidentFiles(session_id, self.kv_path)  # writer, mapping, cache: while resident
         self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path)
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
@@ -124,8 +121,14 @@ class Session:
         return Dims(**self.manifest.dims)
 
     @property
+    def cache(self) -> LatentCache | None:
+        """The decoder cache over the mapped rows (None unless resident)."""
+        return self._files.cache
+
+    @property
     def committed(self) -> int:
-        return self._writer.nrec if self._writer is not None else self.manifest.committed
+        writer = self._files.writer
+        return writer.nrec if writer is not None else self.manifest.committed
 
     @property
     def commit_timing(self) -> dict[str, float]:
@@ -147,10 +150,7 @@ class Session:
 
     def memory_bytes(self) -> int:
         """Resident footprint: mapped committed bytes + the cache's own rows (0 when suspended)."""
-        if self.state != "resident":
-            return 0
-        mapped = self._reader.file_bytes if self._reader is not None else 0
-        return int(mapped + self._live_cache().own_nbytes)
+        return self._files.memory_bytes() if self.state == "resident" else 0
 
     # ---- resume ----------------------------------------------------------------------------
     def ensure_resident(self) -> None:
@@ -184,8 +184,11 @@ class Session:
                 f"({manifest.model.fingerprint}), not to {self.model_ref.name!r} "
                 f"({self.model_ref.fingerprint})")
         try:
-            ready = self._map_and_build(writer)
-            target = ResumeTarget(self.id, self.model, self._live_cache(), self._live_reader(), writer.vouched,
+            self._files.map(writer, self.manifest, self.model, self.backend)
+            self._committer.page.open()  # the commit state page, overwritten in place by every commit
+            self.state = "resident"
+            ready = time.perf_counter()
+            target = ResumeTarget(self.id, self.model, self._files.live_cache, self._files.live_reader, writer.vouched,
                                   self.manifest, self.directory, self.kv_path, self.manifest_fsync)
             try:
                 check = check_resume(target, verify=self.verify)  # may recover self.manifest in place
@@ -196,7 +199,7 @@ class Session:
             self._release()
             raise
         report = check.report
-        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._live_cache().length)
+        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._files.live_cache.length)
         self.resume_report = report
         self.residency.register(self)
         self.residency.enforce_budget(keep=self)
@@ -204,53 +207,9 @@ class Session:
         return report
 
     def _open_writer(self, manifest: Manifest) -> KVWriter:
-        """The writer, once every record the sidecar vouches for matched its checksum (the
-        sidecar must vouch for all ``manifest.committed``); files untouched when refused."""
-        try:
-            return KVWriter.open(self.kv_path, self.dims, kv_dtype=manifest.kv_dtype, create=False,
-                                 durability=self.durability, preallocate=DECODE_PREALLOCATE,
-                                 write_behind=self.write_behind, vouch=manifest.committed)
-        except CorruptionError as exc:
-            log.info("session.resume_refused", id=self.id, path=str(self.kv_path), error=str(exc))
-            raise CorruptionError(f"session {self.id!r}: resume of {self.kv_path} refused: {exc}") from None
-
-    def _map_and_build(self, writer: KVWriter) -> float:
-        self._writer = writer
-        dims = self.dims
-        if writer.version != self.manifest.kv_version:
-            raise FormatError(f"{self.kv_path}: v{writer.version} file, the manifest says "
-                              f"{self.manifest.kv_dtype}")
-        reader = writer.take_vouched_reader()  # the mapping the checksums were checked through
-        self._reader = reader = reader if reader is not None else open_kv(self.kv_path, expect=dims)
-        n = writer.nrec
-        if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
-            raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
-        blocks = reader.layer_blocks(n)  # zero-copy rows, scales gathered in one pass
-        self._committer.page.open()  # the commit state page, overwritten in place by every commit
-        self.cache = self.model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=self.manifest.kv_dtype,
-                                                  backend=self.backend)
-        self.state = "resident"
-        return time.perf_counter()
-
-    def _live_writer(self) -> KVWriter:
-        assert self._writer is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
-        return self._writer
-
-    def _live_cache(self) -> LatentCache:
-        assert self.cache is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
-        return self.cache
-
-    def _live_reader(self) -> KVReader:
-        assert self._reader is not None, f"session {self.id!r} is {self.state}"  # callers ensure_resident
-        return self._reader
+        return self._files.open_writer(manifest, durability=self.durability, write_behind=self.write_behind)
 
     # ---- generation ------------------------------------------------------------------------
-    def _append_rows(self) -> None:
-        writer = self._live_writer()
-        start = writer.length
-        if self._live_cache().length > start:
-            writer.append(self._live_cache().records_since(start))
-
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
                  stop_at_eos: bool = False, sampler: SamplerSettings | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> TurnResult:
@@ -268,16 +227,16 @@ class Session:
             prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
             if not prompt:
                 raise FormatError("the prompt is empty")
-            k = common_prefix(self._live_cache().tokens, prompt)
-            if k < self._live_cache().length:
+            k = common_prefix(self._files.live_cache.tokens, prompt)
+            if k < self._files.live_cache.length:
                 self.truncate(k)
             result.reused_prefix = k
             feed = prompt[k:]
         else:
             feed = list(self.pending) if self.pending else None
-            if feed is None and self._committer.logits is None and self._live_cache().length:
-                self._note_logits(recompute_last(self.model, self._live_cache().blocks, self._live_cache().tokens,
-                                                 self.manifest.kv_dtype)[0])
+            if feed is None and self._committer.logits is None and self._files.live_cache.length:
+                cache = self._files.live_cache
+                self._note_logits(recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype)[0])
         result.fed = len(feed) if feed else 0
         commits_before = self._committer.commits
 
@@ -286,19 +245,19 @@ class Session:
             self._note_logits(logits)
             if on_token is not None:
                 on_token(token, position)
-            every, writer = self.commit_every, self._live_writer()
+            every, writer = self.commit_every, self._files.live_writer
             if every and writer.length - writer.nrec >= every:
                 self.commit()
 
-        tokens, logits, eos = run_turn(self.model, self._live_cache(), feed, self._committer.logits, max_new,
+        tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        self.manifest.sampler, stop_at_eos=stop_at_eos,
-                                       on_rows=self._append_rows, on_step=on_step)
+                                       on_rows=self._files.append_rows, on_step=on_step)
         if not tokens:
             self.pending = []
         self._note_logits(logits)
         self.commit()
         result.tokens, result.stopped_at_eos = tokens, eos
-        result.committed = self._live_writer().nrec
+        result.committed = self._files.live_writer.nrec
         result.commits = self._committer.commits - commits_before
         result.seconds = time.perf_counter() - t0
         self.residency.touch(self)
@@ -311,15 +270,15 @@ class Session:
             return self.manifest.committed
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
-        writer = self._live_writer()
+        writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
-        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self._live_cache().length,
+        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self._files.live_cache.length,
                                                durable=self.manifest_fsync)
         return n
 
     def _note_logits(self, logits: np.ndarray | None) -> None:
         """The logits of the last appended position, digested now (hot in cache)."""
-        self._committer.note_logits(logits, 0 if logits is None else self._live_cache().length)
+        self._committer.note_logits(logits, 0 if logits is None else self._files.live_cache.length)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
         """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
@@ -329,10 +288,10 @@ class Session:
         """
         self.ensure_resident()
         toks = [int(t) for t in self.model.check_tokens(np.asarray(list(tokens), dtype=np.int64))]
-        logits = feed_chunk(self.model, self._live_cache(), toks, self._append_rows)
+        logits = feed_chunk(self.model, self._files.live_cache, toks, self._files.append_rows)
         self.pending = []
         self._note_logits(logits)
-        writer = self._live_writer()
+        writer = self._files.live_writer
         due = bool(self.commit_every) and writer.length - writer.nrec >= (self.commit_every or 0)
         if commit or (commit is None and due):
             self.commit()
@@ -341,7 +300,7 @@ class Session:
     def truncate(self, n: int) -> int:
         """Keep the first ``n`` records (prefix reuse). The manifest's epoch is bumped FIRST."""
         self.ensure_resident()
-        n = max(0, min(int(n), self._live_cache().length))
+        n = max(0, min(int(n), self._files.live_cache.length))
         self.commit()  # the manifest must never claim records the file has not committed
         self.manifest.epoch += 1
         self.manifest.committed = n
@@ -349,8 +308,8 @@ class Session:
         self.manifest.last_logits = None
         self._note_logits(None)
         write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
-        self._live_writer().truncate(n)
-        self._live_cache().truncate(n)
+        self._files.live_writer.truncate(n)
+        self._files.live_cache.truncate(n)
         log.info("session.truncate", id=self.id, committed=n, epoch=self.manifest.epoch)
         return n
 
@@ -369,22 +328,14 @@ class Session:
         log.info("session.suspend", id=self.id, committed=self.manifest.committed)
 
     def _release(self) -> None:
-        """Release the writer's descriptors and lock now; hand the cache, the staging buffers
-        and the mapping to the background thread, which frees them (freeing and unmapping
-        cost ~1 ms per GB of page tables; nothing of ours reads them again)."""
-        reader = self._reader
-        garbage: list[Any] = [self.cache, self._writer, reader]  # freed by the background thread
-        self.cache = self._reader = None
+        """Release the writer's descriptors and lock now, the cache and the mapping in the
+        background (:meth:`ResidentFiles.release`); the session is suspended after it."""
         self._note_logits(None)
         if self._guard is not None:  # resume it through RemoteStore.resume again
             self._guard.stop()
             self._guard = None
         self._committer.page.close()
-        if self._writer is not None:
-            self._writer.close(commit=False)  # descriptors and the lock: released here, now
-            self._writer = None
-        # the mapping goes with the cache's views, unmapped there too
-        release_later(garbage, before=None if reader is None else lambda: reader.close(defer_unmap=True))
+        self._files.release()
         if self.state == "resident":
             self.state = "suspended"
         self.residency.unregister(self)
