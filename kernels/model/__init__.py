@@ -1,9 +1,10 @@
-"""Reference MLA decoder (DeepSeek-V3 family) over a latent cache in f32 or fp8.
+"""Reference MLA decoders (DeepSeek-V3 family; GLM-5.x with DSA) over a latent cache in f32 or fp8.
 
-Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"tiny"``),
-:class:`MLADecoder`, :class:`DecoderCache`, :class:`Sampler` / :func:`sample`, :func:`generate`, and the
-seam sessions are typed against (kernels.model.protocols): :class:`Decoder`, :class:`LatentCache`,
-:class:`DecoderConfig`, which ``MLADecoder``, ``DecoderCache`` and ``ModelConfig`` satisfy.
+Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"tiny"``; the config's
+``model_type`` picks :class:`MLADecoder` or :class:`GlmDecoder`), :class:`DecoderCache`,
+:class:`Sampler` / :func:`sample`, :func:`generate`, and the seam sessions are typed against
+(kernels.model.protocols): :class:`Decoder`, :class:`LatentCache`, :class:`DecoderConfig`, which
+``MLADecoder``, ``GlmDecoder``, ``DecoderCache`` and ``ModelConfig`` satisfy.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig, load_config, parse_config
 from kernels.model.decoder import MLADecoder
 from kernels.model.generate import GenerateResult, generate
+from kernels.model.glm_config import GLM_MODEL_TYPE
+from kernels.model.glm_decoder import GlmDecoder
 from kernels.model.protocols import Decoder, DecoderConfig, LatentCache
 from kernels.model.sampling import Sampler, sample
 from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
@@ -27,13 +30,17 @@ def load_model(path_or_tiny: str | os.PathLike[str]) -> MLADecoder:
         return MLADecoder(cfg, weights, source=TINY_NAME)
     model_dir = os.fspath(path_or_tiny)
     cfg = load_config(model_dir)
-    return MLADecoder(cfg, open_checkpoint(model_dir), source=os.path.abspath(model_dir))
+    decoder = GlmDecoder if cfg.model_type == GLM_MODEL_TYPE else MLADecoder
+    return decoder(cfg, open_checkpoint(model_dir), source=os.path.abspath(model_dir))
 
 
-if TYPE_CHECKING:  # `mypy kernels` holds the concrete decoder, cache and config to the protocols
+if TYPE_CHECKING:  # `mypy kernels` holds the concrete decoders, cache and config to the protocols
 
     def _conforms(model: MLADecoder, cache: DecoderCache) -> tuple[Decoder[DecoderCache], LatentCache, DecoderConfig]:
         return model, cache, model.config
+
+    def _glm_conforms(model: GlmDecoder) -> Decoder[DecoderCache]:
+        return model
 
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "DecoderCache",
     "DecoderConfig",
     "GenerateResult",
+    "GlmDecoder",
     "LatentCache",
     "MLADecoder",
     "ModelConfig",

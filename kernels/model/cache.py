@@ -7,16 +7,21 @@ session therefore sees the same numbers as one resumed from the file.
 A cache may start from *base blocks* (e.g. memory-mapped views of a file, never copied) and
 grows in its own storage after them. Attention reads ``blocks(layer)``: the base blocks
 followed by one view of the grown rows.
+
+A DSA model (GLM-5.x) also keeps one indexer key per position for each of its ``n_index_layers``
+full layers (the file's Ic rows, always f32): written per forward beside the latent rows,
+committed, truncated and discarded with them, resumed from a ``[T, n_index_layers, hd]`` f32 view.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import KV_DTYPES, F32Rows, Fp8Rows, LatentRows, RecordRows
+from kernels.rows import KV_DTYPES, F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
 
 _FIELDS = {"f32": ("lc", "rc"), "fp8": ("lc_codes", "lc_scale", "rc_codes", "rc_scale")}
 _INITIAL_CAPACITY = 64
@@ -70,20 +75,44 @@ class _GrowableRows:
         )
 
 
+class _GrowableIndex:
+    """One full layer's owned indexer keys: [capacity, hd] f32, doubled when full."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.length = 0
+        self.rows = np.zeros((_INITIAL_CAPACITY, head_dim), dtype=np.float32)  # rows: [capacity, hd] f32
+
+    def write(self, start: int, ic: np.ndarray) -> None:
+        n = ic.shape[0]
+        if start + n > self.rows.shape[0]:
+            grown = np.zeros((max(2 * self.rows.shape[0], start + n), self.rows.shape[1]), dtype=np.float32)
+            grown[: self.length] = self.rows[: self.length]
+            self.rows = grown
+        self.rows[start : start + n] = ic
+        self.length = start + n
+
+
 class DecoderCache:
-    """Latent rows of every layer for positions [0, length), plus the input token of each."""
+    """Latent rows of every layer for positions [0, length), plus the input token of each
+    (and, for a DSA model, the indexer key of each position in every full layer)."""
 
     def __init__(
-        self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu"
+        self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu",
+        *, n_index_layers: int = 0, index_head_dim: int = 0,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise FormatError(f"kv dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        if (n_index_layers > 0) != (index_head_dim > 0) or min(n_index_layers, index_head_dim) < 0:
+            raise FormatError(f"index rows: n_index_layers={n_index_layers} with index_head_dim={index_head_dim}")
         self.n_layers, self.kv_lora, self.qk_rope, self.kv_dtype = n_layers, kv_lora, qk_rope, kv_dtype
+        self.n_index_layers, self.index_head_dim = n_index_layers, index_head_dim
         self.backend = _resolve_backend(backend)
         self._base: list[list[LatentRows]] = [[] for _ in range(n_layers)]
         self._base_tokens = np.zeros(0, dtype="<i4")  # [base_len] i32
+        self._base_index = np.zeros((0, n_index_layers, index_head_dim), np.float32)  # [base_len, NI, hd] f32
         self._base_len = 0
         self._own = [_GrowableRows(kv_dtype, kv_lora, qk_rope) for _ in range(n_layers)]
+        self._own_index = [_GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
         self._own_tokens = np.zeros(_INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
         self.length = 0
 
@@ -98,8 +127,15 @@ class DecoderCache:
         qk_rope: int | None = None,
         kv_dtype: str | None = None,
         backend: str | Any = "cpu",
+        index_rows: np.ndarray | None = None,
+        n_index_layers: int = 0,
+        index_head_dim: int = 0,
     ) -> DecoderCache:
-        """A cache over existing rows (kept as given: views are not copied), one block list per layer."""
+        """A cache over existing rows (kept as given: views are not copied), one block list per layer.
+
+        ``index_rows``: the indexer keys of those positions, [T, n_index_layers, index_head_dim] f32
+        (e.g. a view of a file's Ic rows, not copied); required when ``n_index_layers`` > 0.
+        """
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype != np.dtype("<i4"):
             tokens = np.asarray(tokens, dtype="<i4").reshape(-1)
@@ -112,7 +148,9 @@ class DecoderCache:
             qk_rope = qk_rope or _width(first, "rc")
         if kv_lora is None or qk_rope is None:
             raise FormatError("from_blocks: no rows to infer kv_lora/qk_rope from; pass them explicitly")
-        cache = cls(len(blocks), kv_lora, qk_rope, kv_dtype, backend)
+        cache = cls(len(blocks), kv_lora, qk_rope, kv_dtype, backend,
+                    n_index_layers=n_index_layers, index_head_dim=index_head_dim)
+        cache._base_index = _check_index_rows(index_rows, int(tokens.shape[0]), n_index_layers, index_head_dim)
         want = Fp8Rows if kv_dtype == "fp8" else F32Rows
         for layer, layer_blocks in enumerate(blocks):
             total = 0
@@ -151,6 +189,17 @@ class DecoderCache:
             out.append(own.view(0, stop - self._base_len))
         return out
 
+    def index_blocks(self, slot: int, stop: int | None = None) -> list[np.ndarray]:
+        """Indexer keys of full layer number ``slot`` for positions [0, stop): [t, hd] f32 views."""
+        own = self._own_index[slot]
+        stop = self._base_len + own.length if stop is None else stop
+        out: list[np.ndarray] = []
+        if self._base_len and stop > 0:
+            out.append(self._base_index[: min(stop, self._base_len), slot])  # [t, hd] f32 view
+        if stop > self._base_len:
+            out.append(own.rows[: stop - self._base_len])  # [t, hd] f32 view
+        return out
+
     @property
     def tokens(self) -> np.ndarray:
         """Input tokens [length] i32 (a copy)."""
@@ -162,19 +211,33 @@ class DecoderCache:
         if not 0 <= start <= self.length:
             raise FormatError(f"records_since({start}): the cache holds {self.length} positions")
         tokens = self.tokens[start:]  # [k] i32
-        fields: dict[str, np.ndarray] = {}
+        fields: dict[str, Any] = {}  # RecordRows field name -> [k, L, *] array
         if start == self.length:
             empty = _GrowableRows(self.kv_dtype, self.kv_lora, self.qk_rope).arrays
             for name, arr in empty.items():
                 fields[name] = np.zeros((0, self.n_layers, *arr.shape[1:]), dtype=arr.dtype)  # [0, L, *]
-            return RecordRows(tokens=tokens, **fields)
+            return RecordRows(tokens=tokens, index=self._index_since(start), **fields)
         for name in _FIELDS[self.kv_dtype]:
             per_layer = [
                 np.concatenate([getattr(b, name) for b in _window(self.blocks(layer, self.length), start)])
                 for layer in range(self.n_layers)
             ]  # each: [k, *]
             fields[name] = np.ascontiguousarray(np.stack(per_layer, axis=1))  # [k, L, *]
-        return RecordRows(tokens=tokens, **fields)
+        return RecordRows(tokens=tokens, index=self._index_since(start), **fields)
+
+    def _index_since(self, start: int) -> np.ndarray | None:
+        """Indexer keys of positions [start, length): [k, NI, hd] f32, or None without index layers."""
+        if not self.n_index_layers:
+            return None
+        out = np.empty((self.length - start, self.n_index_layers, self.index_head_dim), np.float32)  # [k, NI, hd]
+        for slot in range(self.n_index_layers):
+            pos = 0
+            for rows in self.index_blocks(slot, self.length):
+                lo = max(start - pos, 0)
+                if lo < rows.shape[0]:
+                    out[pos + lo - start : pos + rows.shape[0] - start, slot] = rows[lo:]
+                pos += rows.shape[0]
+        return out
 
     # ---- writing (the decoder's protocol) -------------------------------------------------
     def write_layer(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
@@ -192,11 +255,15 @@ class DecoderCache:
             values = {"lc": lc, "rc": rc}
         self._own[layer].write(self.length - self._base_len, values)
 
+    def write_index(self, slot: int, ic: np.ndarray) -> None:
+        """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
+        self._own_index[slot].write(self.length - self._base_len, np.asarray(ic, dtype=np.float32))
+
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
         n = tokens.shape[0]
-        if any(own.length != start + n for own in self._own):
+        if any(length != start + n for length in self._own_lengths()):
             raise FormatError("commit_positions: not every layer holds the pending rows")
         if start + n > self._own_tokens.shape[0]:
             grown = np.zeros(max(2 * self._own_tokens.shape[0], start + n), dtype="<i4")
@@ -207,8 +274,7 @@ class DecoderCache:
 
     def discard_pending(self) -> None:
         """Forget rows written after ``length`` (a forward pass that failed part-way)."""
-        for own in self._own:
-            own.length = min(own.length, self.length - self._base_len)
+        self._set_own_length(self.length - self._base_len, shorten_only=True)
 
     def truncate(self, n: int) -> int:
         """Keep positions [0, n) (clamped to ``length``); returns the new length."""
@@ -221,15 +287,25 @@ class DecoderCache:
                 kept.append(self.blocks(layer, n))
             self._base, self._base_len = kept, n
             self._base_tokens = self._base_tokens[:n]
-        for own in self._own:
-            own.length = n - self._base_len
+            self._base_index = self._base_index[:n]
+        self._set_own_length(n - self._base_len)
         self.length = n
         return n
+
+    def _own_lengths(self) -> list[int]:
+        return [own.length for own in self._own] + [own.length for own in self._own_index]
+
+    def _set_own_length(self, n: int, shorten_only: bool = False) -> None:
+        for rows in self._own:
+            rows.length = min(rows.length, n) if shorten_only else n
+        for index in self._own_index:
+            index.length = min(index.length, n) if shorten_only else n
 
     @property
     def own_nbytes(self) -> int:
         """Bytes of the storage this cache allocated (base blocks not counted)."""
-        return sum(arr.nbytes for own in self._own for arr in own.arrays.values())
+        latent = sum(arr.nbytes for own in self._own for arr in own.arrays.values())
+        return latent + sum(own.rows.nbytes for own in self._own_index)
 
 
 def _width(b: LatentRows, which: str) -> int:
@@ -243,6 +319,9 @@ def _width(b: LatentRows, which: str) -> int:
 def _slice(b: LatentRows, start: int, stop: int) -> LatentRows:
     if isinstance(b, F32Rows):
         return F32Rows(lc=b.lc[start:stop], rc=b.rc[start:stop])
+    if isinstance(b, TqRows):
+        return dataclasses.replace(b, lc_codes=b.lc_codes[start:stop], lc_radius=b.lc_radius[start:stop],
+                                   rc_codes=b.rc_codes[start:stop], rc_radius=b.rc_radius[start:stop])
     return Fp8Rows(
         lc_codes=b.lc_codes[start:stop], lc_scale=b.lc_scale[start:stop],
         rc_codes=b.rc_codes[start:stop], rc_scale=b.rc_scale[start:stop],
@@ -259,3 +338,17 @@ def _window(blocks: list[LatentRows], start: int) -> list[LatentRows]:
             out.append(_slice(b, lo, b.length))
         pos += b.length
     return out
+
+
+def _check_index_rows(rows: np.ndarray | None, length: int, n_index: int, head_dim: int) -> np.ndarray:
+    """The resumed indexer keys as given (not copied), checked: [T, NI, hd] f32."""
+    want = (length, n_index, head_dim)
+    if rows is None:
+        if n_index and length:
+            raise ModelMismatchError(f"from_blocks: {length} positions of a model with {n_index} indexer layers"
+                                     " need their indexer rows (index_rows [T, NI, hd])")
+        return np.zeros(want, np.float32)
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.shape != want:
+        found = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
+        raise ModelMismatchError(f"from_blocks: index_rows must be float32 {want}, found {found}")
+    return rows

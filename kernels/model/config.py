@@ -1,4 +1,4 @@
-"""Parse a Hugging Face ``config.json`` of ``model_type`` ``deepseek_v3`` into a checked config.
+"""Parse a Hugging Face ``config.json`` of ``model_type`` ``deepseek_v3`` or ``glm_moe_dsa`` into a checked config.
 
 Only what the reference decoder implements is accepted; everything else is refused BY NAME
 (:class:`UnsupportedModelError`): other model types, fp8 block-quantized checkpoints
@@ -7,7 +7,8 @@ than ``silu``, V2-style routers, sparse-attention indexers, ... Malformed values
 :class:`FormatError`; absurd sizes raise :class:`LimitError` before anything is allocated.
 
 Both spellings of the RoPE settings are read: transformers 5 ``rope_parameters`` and the
-original checkpoints' ``rope_theta`` + ``rope_scaling``.
+original checkpoints' ``rope_theta`` + ``rope_scaling``. GLM-5.x (``glm_moe_dsa``) shares this
+parser; its defaults, DSA indexer schedule and MLP layer types come from kernels.model.glm_config.
 """
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from typing import Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError, UnsupportedModelError
 from kernels.jsonfile import read_json_bounded
+from kernels.model import glm_config as glm_parts
+from kernels.model.glm_config import GLM_MODEL_TYPE, DsaConfig
 
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
+SUPPORTED_MODEL_TYPES = (SUPPORTED_MODEL_TYPE, GLM_MODEL_TYPE)
 CONFIG_MAX_BYTES = 4 << 20  # a config.json is a few KiB; refuse to read more than this
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -91,6 +95,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    model_type: str = SUPPORTED_MODEL_TYPE
+    mlp_layer_types: tuple[str, ...] | None = None  # per layer "dense" | "sparse" (GLM); None: first_k_dense
+    dsa: DsaConfig | None = None  # the DSA indexer (GLM); None: dense attention everywhere
 
     @property
     def eos_token_id(self) -> int | None:
@@ -101,6 +108,8 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_types is not None:
+            return self.n_routed_experts > 0 and self.mlp_layer_types[layer] == "sparse"
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
     @property
@@ -124,10 +133,14 @@ def parse_config(obj: Any, source: str = "config") -> ModelConfig:
     """Check a parsed ``config.json`` dict and return the resolved :class:`ModelConfig`."""
     if not isinstance(obj, dict):
         raise FormatError(f"{source}: the config must be a JSON object, found {type(obj).__name__}")
+    glm = obj.get("model_type") == GLM_MODEL_TYPE
+    if glm:
+        obj = glm_parts.with_glm_defaults(obj)
     r = _Reader(obj, source)
     _refuse_unsupported(obj, source)
 
     n_layers = r.int("num_hidden_layers")
+    mlp_types = glm_parts.mlp_layer_types(obj, source, n_layers) if glm else None
     heads = r.int("num_attention_heads")
     kv_heads = r.opt_int("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
@@ -137,7 +150,9 @@ def parse_config(obj: Any, source: str = "config") -> ModelConfig:
         )
     n_routed = r.opt_int("n_routed_experts", 0, minimum=0) or 0
     first_dense = r.opt_int("first_k_dense_replace", 0, minimum=0) or 0
-    has_moe = n_routed > 0 and first_dense < n_layers
+    has_moe = n_routed > 0 and (first_dense < n_layers if mlp_types is None else "sparse" in mlp_types)
+    if mlp_types is not None and "sparse" in mlp_types and not n_routed:
+        raise FormatError(f"{source}: mlp_layer_types has 'sparse' layers but n_routed_experts is missing or 0")
     n_group = r.opt_int("n_group", 1) or 1
     topk_group = r.opt_int("topk_group", 1) or 1
     k = r.opt_int("num_experts_per_tok", 1) or 1
@@ -173,6 +188,9 @@ def parse_config(obj: Any, source: str = "config") -> ModelConfig:
         eos_token_ids=r.token_ids("eos_token_id"),
         bos_token_id=r.opt_int("bos_token_id", minimum=0),
         raw=dict(obj),
+        model_type=str(obj["model_type"]),
+        mlp_layer_types=mlp_types,
+        dsa=glm_parts.parse_dsa(obj, source, n_layers, r.even_int("qk_rope_head_dim")) if glm else None,
     )
     for tok in (*cfg.eos_token_ids, cfg.bos_token_id):
         if tok is not None and tok >= cfg.vocab_size:
@@ -184,10 +202,11 @@ def parse_config(obj: Any, source: str = "config") -> ModelConfig:
 
 def _refuse_unsupported(obj: dict[str, Any], source: str) -> None:
     model_type = obj.get("model_type")
-    if model_type != SUPPORTED_MODEL_TYPE:
-        raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported (only {SUPPORTED_MODEL_TYPE!r})"
-        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        only = " or ".join(map(repr, SUPPORTED_MODEL_TYPES))
+        raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported (only {only})")
+    if model_type == GLM_MODEL_TYPE:
+        glm_parts.refuse_glm_unsupported(obj, source)
     quant = obj.get("quantization_config")
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -209,7 +228,7 @@ def _refuse_unsupported(obj: dict[str, Any], source: str) -> None:
     if freq != 1:
         raise UnsupportedModelError(f"{source}: moe_layer_freq={freq!r} is not supported (only 1)")
     for key in ("index_n_heads", "index_head_dim", "index_topk"):
-        if obj.get(key):
+        if model_type != GLM_MODEL_TYPE and obj.get(key):
             raise UnsupportedModelError(f"{source}: sparse-attention indexer ({key}) is not supported")
     if obj.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
         raise UnsupportedModelError(

@@ -61,6 +61,15 @@ class MLAttention:
 
 
 @dataclass(frozen=True)
+class Queries:
+    """One layer's queries for absorbed attention, and the q residual they came from."""
+
+    q_abs: np.ndarray  # [S, H, kv_lora] f32 (q_nope @ W_UK)
+    q_rope: np.ndarray  # [S, H, rope] f32
+    q_resid: np.ndarray | None  # [S, q_lora] f32: q_a_layernorm(q_a_proj(x)); None without q_lora
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
     input_norm: np.ndarray  # [hidden]
     post_norm: np.ndarray  # [hidden]
@@ -91,8 +100,9 @@ class MLADecoder:
         return (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, 0, 0, c.vocab_size)
 
     def new_cache(self, kv_dtype: str = "f32", backend: str | Any = "cpu") -> DecoderCache:
-        c = self.config
-        return DecoderCache(c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype, backend)
+        n_layers, kv_lora, rope, index_dim, n_index, _ = self.dims_for_file()
+        return DecoderCache(n_layers, kv_lora, rope, kv_dtype, backend, n_index_layers=n_index,
+                            index_head_dim=index_dim)
 
     def cache_from_blocks(
         self,
@@ -101,14 +111,19 @@ class MLADecoder:
         *,
         kv_dtype: str | None = None,
         backend: str | Any = "cpu",
+        index_rows: np.ndarray | None = None,
     ) -> DecoderCache:
-        """A cache resuming over existing rows (zero copy), checked against this model's dims."""
-        c = self.config
-        if len(per_layer_blocks) != c.n_layers:
-            raise ModelMismatchError(f"{len(per_layer_blocks)} layers of rows for a {c.n_layers}-layer model")
+        """A cache resuming over existing rows (zero copy), checked against this model's dims.
+
+        ``index_rows`` [T, n_index_layers, index_head_dim] f32: the indexer keys of a DSA model (a view
+        of the file's Ic rows, not copied); a model without an indexer takes none.
+        """
+        n_layers, kv_lora, rope, index_dim, n_index, _ = self.dims_for_file()
+        if len(per_layer_blocks) != n_layers:
+            raise ModelMismatchError(f"{len(per_layer_blocks)} layers of rows for a {n_layers}-layer model")
         cache = DecoderCache.from_blocks(
-            per_layer_blocks, tokens, kv_lora=c.kv_lora_rank, qk_rope=c.qk_rope_head_dim,
-            kv_dtype=kv_dtype, backend=backend,
+            per_layer_blocks, tokens, kv_lora=kv_lora, qk_rope=rope, kv_dtype=kv_dtype, backend=backend,
+            index_rows=index_rows, n_index_layers=n_index, index_head_dim=index_dim,
         )
         self.check_tokens(cache.tokens)
         return cache
@@ -132,7 +147,8 @@ class MLADecoder:
         n = toks.shape[0]
         if n == 0:
             raise FormatError("forward needs at least one token")
-        if cache.n_layers != self.config.n_layers or cache.kv_lora != self.config.kv_lora_rank:
+        dims = (cache.n_layers, cache.kv_lora, cache.qk_rope, cache.index_head_dim, cache.n_index_layers)
+        if dims != self.dims_for_file()[:5]:
             raise ModelMismatchError("this cache belongs to a model with other dimensions")
         start = cache.length
         if start + n > self.config.max_position_embeddings:
@@ -142,12 +158,7 @@ class MLADecoder:
         positions = np.arange(start, start + n)  # [S]
         cos, sin = self.rotary.cos_sin(positions)  # [S, rope/2] f32 each
         try:
-            h = self.embed[toks].astype(np.float32)  # h: [S, hidden] f32
-            for i, layer in enumerate(self.layers):
-                x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-                h = h + self._attention(i, layer.attn, x, cos, sin, cache)
-                x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-                h = h + layer.mlp(x)
+            h = self._run_layers(self.embed[toks].astype(np.float32), cos, sin, cache)  # h: [S, hidden] f32
             cache.commit_positions(toks)
         except BaseException:
             cache.discard_pending()
@@ -156,12 +167,25 @@ class MLADecoder:
         logits: np.ndarray = h @ self.lm_head.T  # logits: [S, V] f32
         return logits
 
-    def _attention(
+    def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
+        """Every decoder layer over h [S, hidden] f32 (pending positions written into ``cache``)."""
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+            q = self._project(i, layer.attn, x, cos, sin, cache)
+            ctx = cache.backend.absorbed_attention(q.q_abs, q.q_rope, cache.blocks(i), self.softmax_scale,
+                                                   causal=True)  # ctx: [S, H, kv_lora] f32
+            h = h + self._attention_output(layer.attn, ctx)
+            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            h = h + layer.mlp(x)
+        return h
+
+    def _project(
         self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache
-    ) -> np.ndarray:
-        """x [S, hidden] -> attention output [S, hidden]; writes this layer's rows into the cache first."""
+    ) -> Queries:
+        """x [S, hidden] -> the absorbed queries; writes this layer's Lc/Rc rows into the cache first."""
         c = self.config
         n, heads = x.shape[0], c.num_attention_heads
+        q_lat = None
         if a.q_proj is not None:
             q = _linear(x, a.q_proj)  # q: [S, H*qk_head]
         else:
@@ -176,11 +200,13 @@ class MLADecoder:
         q_rope = self.rotary.apply(q_rot, cos, sin)  # [S, H, rope] f32
         cache.write_layer(layer_idx, lc, rc)  # fp8: quantized here, before anything attends
         q_abs = np.matmul(q_nope.transpose(1, 0, 2), a.w_uk).transpose(1, 0, 2)  # [S, H, kv_lora]
-        ctx = cache.backend.absorbed_attention(
-            np.ascontiguousarray(q_abs), q_rope, cache.blocks(layer_idx), self.softmax_scale, causal=True
-        )  # ctx: [S, H, kv_lora] f32
+        return Queries(np.ascontiguousarray(q_abs), q_rope, q_lat)
+
+    def _attention_output(self, a: MLAttention, ctx: np.ndarray) -> np.ndarray:
+        """ctx [S, H, kv_lora] -> W_UV per head, then o_proj: [S, hidden]."""
+        n, heads = ctx.shape[0], self.config.num_attention_heads
         out = np.matmul(ctx.transpose(1, 0, 2), a.w_uv.transpose(0, 2, 1))  # [H, S, v_head]
-        out = out.transpose(1, 0, 2).reshape(n, heads * c.v_head_dim)  # [S, H*v_head]
+        out = out.transpose(1, 0, 2).reshape(n, heads * self.config.v_head_dim)  # [S, H*v_head]
         return _linear(out, a.o_proj, a.o_bias)  # [S, hidden]
 
 

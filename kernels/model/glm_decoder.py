@@ -1,0 +1,100 @@
+"""The reference GLM-5.x (``glm_moe_dsa``) decoder: MLA + MoE as DeepSeek-V3, plus DSA sparse attention.
+
+Per forward, in every full layer the indexer's key of each new position is written to the cache
+(the file's Ic row, every position, prefill and decode alike); then each query whose context
+(position + 1) exceeds ``index_topk`` selects its ``index_topk`` rows (kernels.attention.selection,
+the engine's tie rule) and attends only those (``sparse_absorbed_attention``). Queries with a
+shorter context attend every row (dense absorbed attention), as transformers' ``min(topk, T)``
+does. Shared layers compute no indexer: they reuse the selection of the most recent full layer
+of the same forward pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.attention.selection import select_rows
+from kernels.errors import BackendUnavailableError, UnsupportedModelError
+from kernels.model.cache import DecoderCache
+from kernels.model.config import ModelConfig
+from kernels.model.decoder import MLADecoder, Queries, Weights, rms_norm
+from kernels.model.glm_config import DsaConfig
+from kernels.model.glm_indexer import Indexer
+
+
+class GlmDecoder(MLADecoder):
+    """A loaded ``glm_moe_dsa`` model; its caches carry one indexer key per position per full layer."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, source: str = "") -> None:
+        if config.dsa is None:
+            raise UnsupportedModelError(f"GlmDecoder: model_type {config.model_type!r} has no DSA indexer")
+        super().__init__(config, weights, source)
+        self.dsa: DsaConfig = config.dsa
+        self.indexers = {i: _load_indexer(config, self.dsa, weights, i) for i in self.dsa.full_layers}
+        self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
+
+    def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
+        """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
+        c, d = self.config, self.dsa
+        return (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, d.index_head_dim, d.n_index_layers, c.vocab_size)
+
+    def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
+        start, n = cache.length, h.shape[0]
+        dense = min(max(self.dsa.index_topk - start, 0), n)  # leading queries that see <= index_topk rows
+        selection: np.ndarray | None = None  # [n - dense, index_topk] i64, from the latest full layer
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+            q = self._project(i, layer.attn, x, cos, sin, cache)
+            if self.dsa.is_full(i):
+                selection = self._index(i, x, q, cos, sin, cache, dense)
+            ctx = self._attend(i, q, cache, dense, selection)  # ctx: [S, H, kv_lora] f32
+            h = h + self._attention_output(layer.attn, ctx)
+            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            h = h + layer.mlp(x)
+        return h
+
+    def _index(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+               cache: DecoderCache, dense: int) -> np.ndarray | None:
+        """Write this full layer's indexer keys; select rows for the queries past the first ``dense``."""
+        indexer, slot = self.indexers[layer], self.index_slots[layer]
+        cache.write_index(slot, indexer.keys(x, self.rotary, cos, sin))
+        if dense == x.shape[0]:
+            return None
+        assert q.q_resid is not None  # a GLM config always has q_lora (glm_config refuses it otherwise)
+        qi, w = indexer.queries(x[dense:], q.q_resid[dense:], self.rotary, cos[dense:], sin[dense:])
+        first = cache.length + dense
+        return select_rows(qi, w, cache.index_blocks(slot), first, self.dsa.index_topk)  # [S - dense, k] i64
+
+    def _attend(self, layer: int, q: Queries, cache: DecoderCache, dense: int,
+                selection: np.ndarray | None) -> np.ndarray:
+        """Dense absorbed attention for the first ``dense`` queries, sparse over ``selection`` for the rest."""
+        backend, n = cache.backend, q.q_abs.shape[0]
+        if dense == n:
+            out: np.ndarray = backend.absorbed_attention(q.q_abs, q.q_rope, cache.blocks(layer), self.softmax_scale,
+                                                         causal=True)
+            return out
+        sparse = getattr(backend, "sparse_absorbed_attention", None)
+        if sparse is None:
+            raise BackendUnavailableError(f"the {backend.name!r} backend has no sparse_absorbed_attention (DSA)")
+        assert selection is not None  # a full layer precedes every shared one (glm_config checks layer 0)
+        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [S, H, kv_lora] f32
+        if dense:
+            ctx[:dense] = backend.absorbed_attention(q.q_abs[:dense], q.q_rope[:dense],
+                                                     cache.blocks(layer, cache.length + dense), self.softmax_scale,
+                                                     causal=True)
+        ctx[dense:] = sparse(q.q_abs[dense:], q.q_rope[dense:], cache.blocks(layer), selection, self.softmax_scale)
+        return ctx
+
+
+def _load_indexer(cfg: ModelConfig, dsa: DsaConfig, w: Weights, i: int) -> Indexer:
+    p = f"model.layers.{i}.self_attn.indexer."
+    nh, hd = dsa.index_n_heads, dsa.index_head_dim
+    assert cfg.q_lora_rank is not None  # glm_config refuses a GLM config without q_lora
+    return Indexer(
+        wq_b=w.get(p + "wq_b.weight", (nh * hd, cfg.q_lora_rank)),
+        wk=w.get(p + "wk.weight", (hd, cfg.hidden_size)),
+        k_norm_weight=w.get(p + "k_norm.weight", (hd,)),
+        k_norm_bias=w.get(p + "k_norm.bias", (hd,)),
+        weights_proj=w.get(p + "weights_proj.weight", (nh, cfg.hidden_size)),
+        n_heads=nh,
+        head_dim=hd,
+    )
