@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kernels.attention.tiles import CacheShape, TileGatherer, aligned_empty, cache_shape
+from kernels.attention.tq import rotate_queries, unrotate_context
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import LatentRows
 
@@ -87,9 +88,10 @@ def absorbed_attention(
 ) -> np.ndarray:
     """Absorbed MLA attention: q_abs [S,H,kv_lora], q_rope [S,H,rope] over ``blocks`` -> ctx [S,H,kv_lora] f32.
 
-    The cache is the concatenation of ``blocks`` (F32Rows and/or Fp8Rows, T rows in all); query s
-    sits at position T-S+s and (causal) attends rows 0..T-S+s. Deterministic and bitwise identical
-    for any split of the same rows into blocks, strided or contiguous.
+    The cache is the concatenation of ``blocks`` (F32Rows and/or Fp8Rows, or only TqRows; T rows in
+    all); query s sits at position T-S+s and (causal) attends rows 0..T-S+s. Deterministic and
+    bitwise identical for any split of the same rows into blocks, strided or contiguous.
+    v3 rows are attended in the rotated domain (kernels.attention.tq): q rotated once, ctx unrotated once.
     """
     shape = cache_shape(blocks)
     qa = as_query("q_abs", q_abs, shape.kv_lora)  # qa: [S, H, kv_lora] f32
@@ -100,12 +102,17 @@ def absorbed_attention(
         raise FormatError(f"attention: tile_rows must be >= 1, found {tile_rows}")
     n_q, heads = qa.shape[:2]
     first_pos = query_positions(n_q, shape.length, causal)
+    if shape.tq is not None:
+        qa, qr = rotate_queries(qa), rotate_queries(qr)  # [S, H, kv_lora], [S, H, rope] f32, rotated domain
     tile = min(tile_rows, shape.length)
     chunk = query_chunk(heads, tile, shape.kv_lora)
     state = OnlineSoftmax(n_q * heads, shape.kv_lora)
     _walk_tiles(qa.reshape(n_q * heads, -1), qr.reshape(n_q * heads, -1), blocks, shape, float(softmax_scale),
                 causal, first_pos, heads, tile, chunk, state)
-    return state.result().reshape(n_q, heads, shape.kv_lora)
+    ctx = state.result()  # ctx: [S*H, kv_lora] f32
+    if shape.tq is not None:
+        ctx = unrotate_context(ctx)
+    return ctx.reshape(n_q, heads, shape.kv_lora)
 
 
 def query_chunk(heads: int, tile: int, width: int) -> int:
@@ -129,7 +136,7 @@ def _walk_tiles(
 ) -> None:
     n_q = qa2.shape[0] // heads
     rows_max = min(chunk, n_q) * heads
-    gather = TileGatherer(blocks, shape, tile)
+    gather = TileGatherer(blocks, shape, tile, tq_rotated=shape.tq is not None)
     sbuf = aligned_empty((rows_max, tile), np.float32)  # sbuf: [rows, tile] f32 scores
     rbuf = aligned_empty((rows_max, tile), np.float32)  # rbuf: [rows, tile] f32 rope scores
     cbuf = aligned_empty((rows_max, shape.kv_lora), np.float32)  # cbuf: [rows, kv_lora] f32 ctx partial

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.attention.tables import decode_codes_into, sanitize_scales_into
+from kernels.attention.tq import check_tq_blocks, decode_tile
 from kernels.errors import FormatError
-from kernels.rows import F32Rows, Fp8Rows, LatentRows
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
+from kernels.tq import TqCodec
 
 _ALIGN = 64
 
@@ -42,6 +44,7 @@ class CacheShape:
     rope: int
     any_fp8: bool
     all_fp8: bool
+    tq: TqCodec | None = None  # set: every block is v3 rows of this codec (kernels.attention.tq)
 
 
 def cache_shape(blocks: Sequence[LatentRows], array_type: type = np.ndarray) -> CacheShape:
@@ -51,6 +54,11 @@ def cache_shape(blocks: Sequence[LatentRows], array_type: type = np.ndarray) -> 
     """
     if len(blocks) == 0:
         raise FormatError("attention: no cache blocks given (need at least one row)")
+    if any(isinstance(b, TqRows) for b in blocks):
+        length, kv_lora, rope, codec = check_tq_blocks(blocks, array_type)
+        if length == 0:
+            raise FormatError("attention: the cache blocks hold no rows (need at least one)")
+        return CacheShape(length, kv_lora, rope, False, False, codec)
     kv_lora = rope = -1
     total = 0
     n_fp8 = 0
@@ -67,7 +75,7 @@ def cache_shape(blocks: Sequence[LatentRows], array_type: type = np.ndarray) -> 
             _check_dtype(i, "lc", lc, np.float32, array_type)
             _check_dtype(i, "rc", rc, np.float32, array_type)
         else:
-            raise FormatError(f"attention: block {i} is {type(blk).__name__}, expected F32Rows or Fp8Rows")
+            raise FormatError(f"attention: block {i} is {type(blk).__name__}, expected F32Rows, Fp8Rows or TqRows")
         if lc.ndim != 2 or rc.ndim != 2 or lc.shape[0] != rc.shape[0]:
             raise FormatError(
                 f"attention: block {i}: Lc {lc.shape} and Rc {rc.shape} must be [T, width] with the same T"
@@ -99,9 +107,14 @@ class TileGatherer:
 
     Scratch (allocated once, reused per tile): ``lc`` [tile, kv_lora] f32, ``rc`` [tile, rope] f32,
     ``lsc``/``rsc`` [tile] f32 (1.0 for f32 rows, so a mixed tile computes f32 rows exactly).
+    v3 rows (TqRows) are decoded rows (factors 1.0), or with ``tq_rotated`` their unit-scale
+    values in the rotated domain with the hoisted factors in ``lsc``/``rsc`` (kernels.attention.tq:
+    the caller rotates the queries and unrotates the context).
     """
 
-    def __init__(self, blocks: Sequence[LatentRows], shape: CacheShape, tile_rows: int) -> None:
+    def __init__(self, blocks: Sequence[LatentRows], shape: CacheShape, tile_rows: int, *,
+                 tq_rotated: bool = False) -> None:
+        self.tq_rotated = tq_rotated
         self.blocks = list(blocks)
         self.shape = shape
         self.tile_rows = tile_rows
@@ -117,7 +130,8 @@ class TileGatherer:
         return self.lc.nbytes + self.rc.nbytes + self.lsc.nbytes + self.rsc.nbytes
 
     def gather(self, start: int, stop: int) -> bool:
-        """Fill scratch rows [0, stop - start); returns True when any row of the tile is fp8."""
+        """Fill scratch rows [0, stop - start); returns True when any row of the tile is fp8 (or v3
+        in the rotated domain): then ``lsc``/``rsc`` are factors the caller must apply."""
         any_fp8 = False
         first = bisect_right(self.block_starts, start) - 1  # the block holding row `start`
         for b in range(max(first, 0), len(self.blocks)):
@@ -136,6 +150,9 @@ class TileGatherer:
                 decode_codes_into(blk.rc_codes[src], self.rc[dst])
                 sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
                 sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
+            elif isinstance(blk, TqRows):
+                any_fp8 = any_fp8 or self.tq_rotated
+                decode_tile(blk, src, self.lc[dst], self.rc[dst], self.lsc[dst], self.rsc[dst], rotated=self.tq_rotated)
             else:
                 self.lc[dst] = blk.lc[src]
                 self.rc[dst] = blk.rc[src]
@@ -166,6 +183,9 @@ class TileGatherer:
                 decode_codes_into(blk.rc_codes[src], self.rc[dst])
                 sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
                 sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
+            elif isinstance(blk, TqRows):
+                any_fp8 = any_fp8 or self.tq_rotated
+                decode_tile(blk, src, self.lc[dst], self.rc[dst], self.lsc[dst], self.rsc[dst], rotated=self.tq_rotated)
             else:
                 np.take(blk.lc, src, axis=0, out=self.lc[dst], mode="clip")
                 np.take(blk.rc, src, axis=0, out=self.rc[dst], mode="clip")
