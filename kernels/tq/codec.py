@@ -121,7 +121,7 @@ class TqCodec:
                 codes[sel] = int4.encode_rotated(blk[live], rad[live])
             else:
                 codes[sel] = polar.encode_rotated(blk[live], polar.polar_layout(n, self.bits))
-        return codes.reshape(*lead, -1), radius.reshape(lead)
+        return codes.reshape(*lead, codes.shape[-1]), radius.reshape(lead)
 
     def decode_rotated_into(self, codes: np.ndarray, out: np.ndarray) -> None:
         """Unit-scale values in the ROTATED domain: codes [R, rb] u8 -> out [R, n] f32 (C order, aligned).
