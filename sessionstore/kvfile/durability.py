@@ -168,5 +168,17 @@ class SharedDurability(Durability):
         """Nothing to stop: the helpers are shared and stay up for the next writer."""
 
 
+def wait_all(waits: list[Callable[[], object]], *, quiet: bool = False) -> None:
+    """Wait for every helper's barrier, then raise the first error (``quiet``: none, the
+    caller's own error is propagating)."""
+    error: BaseException | None = None
+    for wait in waits:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - the others must still be waited for
+            error = error or exc
+    if error is not None and not quiet:
+        raise error
+
 
 __all__ = ["Durability", "SharedDurability", "DEFAULT_DURABILITY"]

@@ -118,4 +118,32 @@ def _raise_mismatch(reader: KVReader, entries: np.ndarray, first: int, found: in
         f"{others}; refusing to use its rows (`coli-kv verify` reports the damage)")
 
 
-__all__ = ["Vouched", "require_vouched", "require_sound", "token_problem", "bad_token_message"]
+class VouchedMapping:
+    """The mapping an opening writer checked its vouched records through (FORMAT.md 4.4), kept
+    so that the caller who resumes can reuse it (no second mapping, no second page faults)."""
+
+    def __init__(self) -> None:
+        self.vouched: Vouched | None = None
+        self._reader: KVReader | None = None
+
+    def check(self, reader: KVReader, required: int) -> None:
+        """Check ``reader``'s vouched records (:func:`require_vouched`) and keep the mapping."""
+        self._reader = reader
+        self.vouched = require_vouched(reader, required)
+
+    def take(self, nrec: int, version: int) -> KVReader | None:
+        """The reader, handed to the caller (who then owns it) when it still describes the file
+        (same commit word and version: no repair changed them); None otherwise."""
+        reader, self._reader = self._reader, None
+        if reader is not None and (reader.header.nrec, reader.version) != (nrec, version):
+            reader.close(defer_unmap=True)
+            return None
+        return reader
+
+    def drop(self) -> None:
+        if self._reader is not None:
+            self._reader.close(defer_unmap=True)  # unmapping a big file: off the caller's path
+            self._reader = None
+
+
+__all__ = ["Vouched", "VouchedMapping", "require_vouched", "require_sound", "token_problem", "bad_token_message"]

@@ -1,7 +1,8 @@
 """A writer's staging buffer: appended records not yet committed, in position order.
 
-Memory only (the writer does every write): chunks of ``capacity`` packed records, filled in
-order; a batch of at least ``capacity / 8`` records becomes a chunk of its own (no copy).
+Chunks of ``capacity`` packed records, filled in order, written to the writer's file and
+sidecar when the writer says so (``write_records``, ``write_entries``; never an fsync); a batch
+of at least ``capacity / 8`` records becomes a chunk of its own (no copy).
 ``written`` counts the leading staged records the writer has already put in the file (early,
 without fsync), ``entries_written`` those whose checksum entries are in the sidecar. After a
 commit one owned chunk is kept for reuse, so a decode loop that commits every few tokens
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.sidecar import SidecarWriter
+
 BIG_BATCH_FRACTION = 8  # a batch of >= capacity / 8 records is staged as its own chunk
+WRITEBACK_MIN_BYTES = 4096  # early writes this big start their write-back (smaller ones wait)
 
 
 @dataclass
@@ -98,6 +103,34 @@ class Staging:
         self._chunks = kept
         self.written = min(self.written, self.count)
         self.entries_written = min(self.entries_written, self.count)
+
+    def write_records(self, io: Durability, fd: int, first_offset: int, stop: int, *,
+                      start_writeback: bool) -> int:
+        """Write staged records [written, stop) to ``fd`` (record 0 of the staging at
+        ``first_offset``), no fsync; with ``start_writeback`` a big enough write starts its
+        write-back at once. Returns the byte offset just past what was written."""
+        written = self.written
+        rec = self.dtype.itemsize
+        if stop <= written:
+            return first_offset + written * rec
+        offset = first_offset + written * rec
+        size = (stop - written) * rec
+        io.pwritev(fd, [v.data for v in self.byte_views(written, stop)], offset)
+        if start_writeback and size >= WRITEBACK_MIN_BYTES:  # smaller: a page written per record
+            io.start_writeback(fd, offset, size)
+        self.written = stop
+        return offset + size
+
+    def write_entries(self, sidecar: SidecarWriter, first_position: int, stop: int) -> None:
+        """Write the sidecar entries of staged records [entries_written, stop) (record 0 of the
+        staging is at ``first_position``); the sidecar does not vouch for them yet."""
+        start = self.entries_written
+        if stop <= start:
+            return
+        position = first_position + start
+        for view in self.byte_views(start, stop):
+            position += sidecar.write_entries(position, view.data)
+        self.entries_written = stop
 
     def committed(self) -> None:
         """Everything staged was committed: empty, keeping one owned chunk for reuse."""

@@ -1,25 +1,15 @@
-"""The durable append path of a ``.coli_kv`` file: :class:`KVWriter`.
+"""The durable append path of a ``.coli_kv`` file: :class:`KVWriter` (FORMAT.md 3).
 
-One writer per file (``<path>.lock``), ONE persistent read-write descriptor, and a staging
-buffer of megabytes: ``append`` packs records into it (rows as the file stores them: f32 for v1,
-codes + scales for v2, f32 rows for v2 through the row quantizer); full buffers are written
-early (no fsync); with ``write_behind`` (a session's decode loop) every append is written at once,
-its sidecar entry too, so a commit finds them on disk. ``commit`` is the engine's protocol plus
-our sidecar:
-
-1. write every record from the committed count up to the new length (big ``pwritev`` chunks),
-   and stage their sidecar entries and count (``<path>.colisum``);
-2. fsync the data and the sidecar (concurrently);
-3. THEN write nrec (4 bytes at offset 32); fsync.
-
-A failed write or fsync keeps the last committed nrec and the staged records in memory; the next
-commit rewrites them all. ``truncate(n)`` rewrites only nrec (the sidecar count first). The file
-is never shortened: bytes past the committed records are stale and get overwritten.
-
-With ``preallocate`` (a session's decode loop), small commits keep zero-filled headroom past
-the committed records, written after the commit point: the next one-record commits overwrite
-allocated blocks, so their data barrier has no metadata to commit (FORMAT.md 3.4.1). Writers
-share one pool of fsync helper threads (:class:`SharedDurability`): no thread start per writer.
+One writer per file (``<path>.lock``, 3.1), ONE persistent read-write descriptor and a staging
+buffer of megabytes: ``append`` packs records into it (in the file's encoding; other encodings
+go through f32), full buffers are written early (no fsync), and with ``write_behind`` every
+append is written at once, its sidecar entry too. ``commit`` is the engine's protocol plus our
+sidecar (3.4): records from the committed count up, their sidecar entries and count; fsync both;
+THEN nrec at offset 32; fsync. A failed write or fsync keeps the last committed nrec and the staged
+records (3.5); ``truncate(n)`` rewrites only nrec, the sidecar count first (3.6); a v1 file opened
+with fp8 or the 4-bit tier on is rewritten crash-safely at the first append (3.7, ``upgrade.py``).
+With ``preallocate``, small commits keep zero-filled headroom past the committed records (3.4.1,
+``headroom.py``). Writers share one pool of fsync helper threads (:class:`SharedDurability`).
 """
 from __future__ import annotations
 
@@ -32,9 +22,9 @@ import numpy as np
 from kernels.errors import ColiError, FormatError, LimitError
 from kernels.rows import KV_DTYPES, RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
-from sessionstore.kvfile.durability import Durability, SharedDurability
+from sessionstore.kvfile.durability import Durability, SharedDurability, wait_all
 from sessionstore.kvfile.headroom import PREALLOC_MAX_BYTES, PREALLOC_RECORDS, Headroom, default_headroom
-from sessionstore.kvfile.integrity import Vouched, require_vouched
+from sessionstore.kvfile.integrity import Vouched, VouchedMapping
 from sessionstore.kvfile.layout import (
     HEADER_SIZE,
     MAX_NREC,
@@ -54,8 +44,6 @@ from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter
 from sessionstore.kvfile.sidecar_repair import catch_up, drop_untended, open_beside, repair_on_open
 from sessionstore.kvfile.staging import Staging
 from sessionstore.log import get_logger
-
-WRITEBACK_MIN_BYTES = 4096  # early writes this big start their write-back (smaller ones wait)
 
 log = get_logger("writer")
 
@@ -86,8 +74,7 @@ class KVWriter:
         self._closed = False
         self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
         self._headroom = Headroom(preallocate)  # zero-filled headroom past the committed records
-        self.vouched: Vouched | None = None  # what open(vouch=...) checked before any repair
-        self._vouched_reader: KVReader | None = None  # the mapping it checked them through
+        self._vouch = VouchedMapping()  # what open(vouch=...) checked before any repair, and how
 
     def _new_staging(self) -> Staging:
         rec = self._header.record_bytes
@@ -102,31 +89,20 @@ class KVWriter:
              upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES,
              preallocate: int | None = 0, write_behind: bool = False,
              vouch: int | None = None) -> KVWriter:
-        """Open (or create) ``path`` for appending; takes the writer lock at once.
+        """Open (or create) ``path`` for appending; takes the writer lock at once (FORMAT.md 3.2).
 
+        ``kv_dtype``: the rows the file holds ("f32", "fp8", "int4", "polar2".."polar6"); a v1
+        file opened with another is rewritten as v2/v3 at the first append or :meth:`upgrade`.
         ``vouch``: before anything is repaired, upgraded or appended, every committed record the
-        sidecar vouches for is checked, and the sidecar must vouch for at least ``vouch`` of them
-        (:func:`sessionstore.kvfile.integrity.require_vouched`; CorruptionError, files left as found).
-        What it found is ``writer.vouched``. None (the default): no check (tools that only append).
-
-        ``preallocate``: zero-filled headroom (bytes) kept past the committed records after a
-        small commit, so the next small commits (a decode loop) overwrite allocated blocks
-        instead of growing the file: their data barrier then needs no metadata commit. 0 (the
-        default): exact files, as the engine writes them; None: :func:`default_headroom`
-        (min(256 records, 8 MiB), what a session uses). The headroom is a stale tail (bytes
-        past nrec), which the engine's reading rules ignore; the sidecar then keeps
-        HEADROOM_ENTRIES zero entries of headroom too.
-
-        ``write_behind``: every append is written past nrec at once (no fsync) and its
-        write-back started, instead of waiting in the staging buffer for a chunk to fill or for
-        the commit; a decode loop's commit then finds its records on disk and only waits for
-        the barrier. Crash safety is unchanged (bytes past nrec are a stale tail until the
-        commit word moves); off by default (fewer, bigger writes).
+        sidecar vouches for is checked and it must vouch for at least ``vouch`` of them
+        (:func:`~sessionstore.kvfile.integrity.require_vouched`, FORMAT.md 4.4); what it found is
+        ``writer.vouched``. ``preallocate``: bytes of zero-filled headroom kept past the committed
+        records (0: exact files, as the engine writes them; None: :func:`default_headroom`).
+        ``write_behind``: write every append past nrec at once (a decode loop's commit then only
+        waits for the barrier).
 
         Raises LockedError (another writer), ModelMismatchError (other dims), FormatError (bad
-        file, not a regular file, v2 with ``kv_dtype="f32"``), NotFoundError (absent, no create).
-        A v1 file opened with ``kv_dtype="fp8"`` stays untouched until the first append (or
-        :meth:`upgrade`) rewrites it as v2 crash-safely.
+        file, not a regular file, rows of another kv dtype), NotFoundError (absent, no create).
         """
         path = os.fspath(path)
         if kv_dtype not in KV_DTYPES:
@@ -162,14 +138,13 @@ class KVWriter:
                          upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=opened.size,
                          preallocate=preallocate, write_behind=write_behind)
             if vouch is not None:  # under the lock, before any repair touches the files
-                writer._vouched_reader = open_kv(path, expect=dims)
-                writer.vouched = require_vouched(writer._vouched_reader, vouch)
+                writer._vouch.check(open_kv(path, expect=dims), vouch)
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
             os.close(opened.fd)
             if writer is not None:
-                writer._drop_vouched_reader()
+                writer._vouch.drop()
             raise
         log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=kv_dtype,
                  created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")
@@ -223,20 +198,15 @@ class KVWriter:
         if self._closed:
             raise ColiError(f"{self.path}: writer is closed")
 
-    def take_vouched_reader(self) -> KVReader | None:
-        """The reader ``open(vouch=...)`` checked the records through, handed to the caller (who
-        then owns it) when it still describes the file: no repair changed the commit word or the
-        version since. Reusing it spares a second mapping and its page faults. None otherwise."""
-        reader, self._vouched_reader = self._vouched_reader, None
-        if reader is not None and (reader.header.nrec, reader.version) != (self._nrec, self.version):
-            reader.close(defer_unmap=True)
-            return None
-        return reader
+    @property
+    def vouched(self) -> Vouched | None:
+        """What ``open(vouch=...)`` found (None without ``vouch``)."""
+        return self._vouch.vouched
 
-    def _drop_vouched_reader(self) -> None:
-        if self._vouched_reader is not None:
-            self._vouched_reader.close(defer_unmap=True)  # unmapping a big file: off this path
-            self._vouched_reader = None
+    def take_vouched_reader(self) -> KVReader | None:
+        """The reader ``open(vouch=...)`` checked the records through, handed to the caller when
+        it still describes the file (:meth:`VouchedMapping.take`); None otherwise."""
+        return self._vouch.take(self._nrec, self.version)
 
     # -- append -----------------------------------------------------------------------------
     def append(self, rows: RecordRows) -> int:
@@ -278,26 +248,14 @@ class KVWriter:
 
     def _write_staged(self, stop: int, *, start_writeback: bool) -> None:
         """Write staged records [written, stop) at their offsets (no fsync)."""
-        written = self._staging.written
-        if stop <= written:
-            return
-        offset = HEADER_SIZE + (self._nrec + written) * self.record_bytes
-        size = (stop - written) * self.record_bytes
-        self._io.pwritev(self._fd, [v.data for v in self._staging.byte_views(written, stop)], offset)
-        self._file_end = max(self._file_end, offset + size)
-        if start_writeback and size >= WRITEBACK_MIN_BYTES:  # smaller: a page written per record
-            self._io.start_writeback(self._fd, offset, size)
-        self._staging.written = stop
+        first = HEADER_SIZE + self._nrec * self.record_bytes
+        end = self._staging.write_records(self._io, self._fd, first, stop, start_writeback=start_writeback)
+        self._file_end = max(self._file_end, end)
 
     def _write_sidecar_entries(self, stop: int) -> None:
         """The sidecar entries of staged records [entries_written, stop), not yet vouched for."""
-        start = self._staging.entries_written
-        if self._sidecar is None or stop <= start:
-            return
-        position = self._nrec + start
-        for view in self._staging.byte_views(start, stop):
-            position += self._sidecar.write_entries(position, view.data)
-        self._staging.entries_written = stop
+        if self._sidecar is not None:
+            self._staging.write_entries(self._sidecar, self._nrec, stop)
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, *, beside: Callable[[], object] | None = None) -> int:
@@ -356,9 +314,9 @@ class KVWriter:
                 waits.append(self._io.begin(beside))
             self._io.fsync(self._fd)
         except BaseException:
-            _wait_all(waits, quiet=True)
+            wait_all(waits, quiet=True)
             raise
-        _wait_all(waits)
+        wait_all(waits)
 
     def _write_nrec(self, nrec: int) -> None:
         """Commit word then fsync. ``_disk_nrec_max`` covers a word that landed before a failure."""
@@ -434,7 +392,7 @@ class KVWriter:
                 self.commit()
         finally:
             self._closed = True
-            self._drop_vouched_reader()
+            self._vouch.drop()
             if self._sidecar is not None:
                 self._sidecar.close()
             os.close(self._fd)
@@ -452,19 +410,6 @@ class KVWriter:
     def __repr__(self) -> str:
         return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
                 f"length={self.length}, closed={self._closed})")
-
-
-def _wait_all(waits: list[Callable[[], object]], *, quiet: bool = False) -> None:
-    """Wait for every helper's barrier, then raise the first error (``quiet``: none, the
-    caller's own error is propagating)."""
-    error: BaseException | None = None
-    for wait in waits:
-        try:
-            wait()
-        except BaseException as exc:  # noqa: BLE001 - the others must still be waited for
-            error = error or exc
-    if error is not None and not quiet:
-        raise error
 
 
 __all__ = ["KVWriter", "KV_DTYPES", "default_headroom", "PREALLOC_RECORDS",
