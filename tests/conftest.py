@@ -33,3 +33,11 @@ def tiny():  # noqa: ANN201 - an MLADecoder
     from kernels.model import load_model
 
     return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a pathlib.Path
+    """A tiny random glm_moe_dsa checkpoint directory (DSA indexer, shared layers), written with numpy."""
+    from kernels.model.tiny_glm import write_tiny_glm
+
+    return write_tiny_glm(tmp_path_factory.mktemp("tiny-glm"))

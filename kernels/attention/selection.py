@@ -7,7 +7,7 @@ where ``qi`` [S, nh, hd] are the indexer queries (RoPE applied) and ``w`` [S, nh
 
 Top-k, the colibri engine's tie rule: threshold = the k-th largest score; the positions scoring
 above it are taken, then those equal to it in ascending position order until k are taken. The
-selection is returned as ascending absolute positions. A NaN score counts as -inf.
+selection is returned as ascending absolute positions. A NaN score counts as -inf when selecting.
 
 The keys are walked in tiles of ``KEY_TILE`` rows at absolute positions: a tile inside one block
 is read in place (a strided file view included), a tile that straddles blocks is gathered first,
@@ -64,7 +64,7 @@ def index_scores(qi: np.ndarray, weights: np.ndarray, key_blocks: Sequence[np.nd
         np.maximum(logits, np.float32(0), out=logits)  # relu
         scores[:, a : a + keys.shape[0]] = np.matmul(w, logits.reshape(n_q, nh, -1))[:, 0]  # [S, n] f32
     future = np.arange(stop)[None, :] > (first_pos + np.arange(n_q))[:, None]  # future: [S, T] bool
-    scores[future | np.isnan(scores)] = -np.inf
+    scores[future] = -np.inf
     return scores
 
 
@@ -76,9 +76,10 @@ def engine_topk(scores: np.ndarray, first_pos: int, k: int) -> np.ndarray:
         raise FormatError(f"engine_topk: k={k} rows for queries at {first_pos}..{first_pos + n_q - 1}"
                           f" over {length} keys (each needs more than k visible keys)")
     visible = np.arange(length)[None, :] <= (first_pos + np.arange(n_q))[:, None]  # visible: [S, T] bool
-    thr = np.partition(np.where(visible, scores, -np.inf), length - k, axis=1)[:, length - k]  # [S] k-th largest
-    above = scores > thr[:, None]  # above: [S, T] bool (never a future key: those are -inf)
-    equal = (scores == thr[:, None]) & visible  # equal: [S, T] bool
+    clean = np.where(visible & ~np.isnan(scores), scores, np.float32(-np.inf))  # clean: [S, T] f32
+    thr = np.partition(clean, length - k, axis=1)[:, length - k]  # thr: [S] the k-th largest visible score
+    above = clean > thr[:, None]  # above: [S, T] bool (fewer than k per row)
+    equal = (clean == thr[:, None]) & visible  # equal: [S, T] bool
     need = k - above.sum(axis=1)  # need: [S] ties to take
     take = above | (equal & (np.cumsum(equal, axis=1) <= need[:, None]))  # take: [S, T] bool, k per row
     return np.nonzero(take)[1].reshape(n_q, k).astype(np.int64)

@@ -4,7 +4,7 @@ A session (``sessionstore.sessions``) drives a model and the latent cache the mo
 name exactly what it calls, so it can be typed without importing the concrete classes:
 
 - :class:`Decoder`: ``config`` (:class:`DecoderConfig`), ``source``, ``dims_for_file()``,
-  ``new_cache()``, ``cache_from_blocks()`` (resume over a file's rows), ``check_tokens()`` and
+  ``new_cache()``, ``cache_from_blocks()`` (resume over a file's rows, and its Ic rows for DSA), ``check_tokens()`` and
   ``forward(tokens, cache)``, the one step: S tokens are a prefill, one token a decode step.
 - :class:`LatentCache`: ``length``, ``tokens``, ``blocks(layer, stop)``, ``records_since(start)``
   (the rows a writer appends), ``truncate(n)`` and ``own_nbytes`` (its share of a memory budget).
@@ -105,8 +105,13 @@ class Decoder(Protocol[CacheT]):
         *,
         kv_dtype: str | None = None,
         backend: str | Any = "cpu",
+        index_rows: np.ndarray | None = None,
     ) -> CacheT:
-        """A cache resuming over existing rows (one block list per layer, zero copy), checked against the model."""
+        """A cache resuming over existing rows (one block list per layer, zero copy), checked against the model.
+
+        ``index_rows`` [T, n_index_layers, index_head_dim] f32: the file's Ic rows (a view, not copied);
+        required by a DSA model (``dims_for_file()[4] > 0``), refused by a model without an indexer.
+        """
         ...
 
     def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
