@@ -116,6 +116,12 @@ class ModelConfig:
     def has_moe(self) -> bool:
         return any(self.is_moe_layer(layer) for layer in range(self.n_layers))
 
+    @property
+    def file_dims(self) -> tuple[int, int, int, int, int, int]:
+        """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
+        hd, ni = (self.dsa.index_head_dim, self.dsa.n_index_layers) if self.dsa else (0, 0)
+        return (self.n_layers, self.kv_lora_rank, self.qk_rope_head_dim, hd, ni, self.vocab_size)
+
 
 def load_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """Read and check ``<model_dir>/config.json``."""
@@ -241,16 +247,13 @@ def _check_router(source: str, n_routed: int, n_group: int, topk_group: int, k: 
         raise FormatError(f"{source}: n_routed_experts={n_routed} is not a multiple of n_group={n_group}")
     per_group = n_routed // n_group
     if per_group < 2:
-        raise UnsupportedModelError(
-            f"{source}: {per_group} expert per group (n_routed_experts={n_routed}, n_group={n_group}):"
-            " the V3 group score needs at least 2"
-        )
+        raise UnsupportedModelError(f"{source}: {per_group} expert per group (n_routed_experts={n_routed},"
+                                    f" n_group={n_group}): the V3 group score needs at least 2")
     if topk_group > n_group:
         raise FormatError(f"{source}: topk_group={topk_group} > n_group={n_group}")
     if k > topk_group * per_group:
-        raise FormatError(
-            f"{source}: num_experts_per_tok={k} > experts in the chosen groups ({topk_group} x {per_group})"
-        )
+        raise FormatError(f"{source}: num_experts_per_tok={k} > experts in the {topk_group} chosen groups"
+                          f" of {per_group}")
 
 
 def _parse_rope(obj: dict[str, Any], source: str, max_pos: int) -> RopeConfig:

@@ -96,8 +96,7 @@ class MLADecoder:
 
     def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
         """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
-        c = self.config
-        return (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, 0, 0, c.vocab_size)
+        return self.config.file_dims
 
     def new_cache(self, kv_dtype: str = "f32", backend: str | Any = "cpu") -> DecoderCache:
         n_layers, kv_lora, rope, index_dim, n_index, _ = self.dims_for_file()

@@ -22,7 +22,8 @@ from kernels.model.glm_indexer import Indexer
 
 
 class GlmDecoder(MLADecoder):
-    """A loaded ``glm_moe_dsa`` model; its caches carry one indexer key per position per full layer."""
+    """A loaded ``glm_moe_dsa`` model; its caches carry one indexer key per position per full layer
+    (``dims_for_file()`` = ``config.file_dims`` names index_head_dim and the number of full layers)."""
 
     def __init__(self, config: ModelConfig, weights: Weights, source: str = "") -> None:
         if config.dsa is None:
@@ -31,11 +32,6 @@ class GlmDecoder(MLADecoder):
         self.dsa: DsaConfig = config.dsa
         self.indexers = {i: _load_indexer(config, self.dsa, weights, i) for i in self.dsa.full_layers}
         self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
-
-    def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
-        """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
-        c, d = self.config, self.dsa
-        return (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, d.index_head_dim, d.n_index_layers, c.vocab_size)
 
     def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
         start, n = cache.length, h.shape[0]

@@ -31,6 +31,13 @@ def test_tiny_glm_config_resolves() -> None:
     assert (c.dsa.index_topk, c.dsa.index_n_heads, c.dsa.index_head_dim) == (16, 16, 32)
     assert [c.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     assert c.rope.rope_type == "default" and c.rope.theta == 8e6 and c.rope_interleave
+    assert c.file_dims == (4, 64, 16, 32, 2, 260)  # the .coli_kv header: index_head_dim, full layers
+
+
+def test_deepseek_v3_file_dims_carry_no_indexer() -> None:
+    from kernels.model.tiny import tiny_config
+
+    assert tiny_config().file_dims == (3, 64, 16, 0, 0, 260)
 
 
 @pytest.mark.parametrize(
