@@ -1,50 +1,25 @@
-"""``SessionStore(root)``: a directory of sessions (create, open, list, delete, fork, prefix match).
+"""``SessionStore(root)``: the sessions of a store directory (create, open, fork, adopt, prefix
+match) over :class:`sessionstore.sessions.directory.StoreDirectory` (its layout, listing, installs
+and deletes; FORMAT.md section 5).
 
-Layout (FORMAT.md section 5)::
-
-    <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
-    <root>/sessions/<id>/manifest.json.state  its last commit's dynamic fields (one page)
-    <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
-    <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
-    <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
-    <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash),
-                                              each named after its owning process (sweep.py)
-
-A session directory appears only by an atomic rename of a complete temp dir, so every directory
-under ``sessions/`` holds a manifest. Listing reads manifests and ``stat``s files: it never touches
-a lock, so it never waits on a writer. Resident sessions are bounded by ``memory_budget`` bytes;
-the least recently used ones are suspended (disk only) when a resident session would exceed it.
+Resident sessions are bounded by ``memory_budget`` bytes; the least recently used ones are
+suspended (disk only) when a resident session would exceed it.
 """
 from __future__ import annotations
 
 import builtins
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import ColiError, CorruptionError, FormatError, LockedError, NotFoundError
-from sessionstore.kvfile import (
-    REPLACED_PREFIX,
-    TMP_DIR_PREFIX,
-    TRASH_PREFIX,
-    Dims,
-    KVWriter,
-    Swept,
-    WriterLock,
-    current_owner,
-    fsync_directory,
-    open_kv,
-    sidecar_path,
-    store_entry_name,
-    sweep_store_tmp,
-)
+from kernels.errors import FormatError, LockedError, NotFoundError
+from sessionstore.kvfile import Dims, KVWriter, WriterLock, open_kv, sidecar_path
 from sessionstore.log import get_logger
-from sessionstore.sessions.commit_state import STATE_SUFFIX
+from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME, TMP_DIR, SessionInfo, StoreDirectory
 from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -53,179 +28,29 @@ from sessionstore.sessions.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.sessions.paths import (
-    KV_NAME,
-    LOCK_NAME,
-    SIDECAR_NAME,
-    check_component,
-    confined,
-    resolve_root,
-    validate_session_id,
-)
+from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.turns import common_prefix
 
-SESSIONS_DIR = "sessions"
-TMP_DIR = "tmp"
-STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
 SNAPSHOT_RETRIES = 5
 
 log = get_logger("store")
 
 
-@dataclass(frozen=True)
-class SessionInfo:
-    """One line of ``ls``: read from the manifest and ``stat``, never from a lock."""
-
-    id: str
-    tokens: int  # committed records
-    pending: list[int]
-    kv_dtype: str
-    kv_path: str
-    bytes: int  # the kv file on disk
-    model: str
-    fingerprint: str
-    updated_at: str
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-class SessionStore:
-    """A local directory of sessions (the embedded default)."""
+class SessionStore(StoreDirectory):
+    """A local directory of sessions (the embedded default): models, live sessions, forks,
+    adoptions and the residency budget over the store's directory tree."""
 
     def __init__(self, root: str | os.PathLike[str], *, memory_budget: int | None = None,
                  create: bool = True, sweep: bool | None = None) -> None:
-        """Open the store at ``root`` (created with ``create``; else it must hold ``sessions/``).
-
-        A missing ``tmp/`` beside a real ``sessions/`` is recreated (FORMAT.md 5.1.1). ``sweep``
-        (default: ``create``, a store opened for writing) removes temporaries no live process
-        owns; what it removed is ``self.swept``.
-        """
-        self.root = resolve_root(root, create=create)
-        self.sessions_root = confined(self.root, SESSIONS_DIR)
-        self.tmp_root = confined(self.root, TMP_DIR)
-        self._open_skeleton(create)
+        """Open the store at ``root`` (:class:`StoreDirectory`: created with ``create``, swept
+        with ``sweep``); at most ``memory_budget`` bytes of sessions stay resident."""
+        super().__init__(root, create=create, sweep=sweep)
         self.residency: Residency[Session] = Residency(memory_budget)  # resident sessions, LRU budget
         self._models: dict[str, Any] = {}
         self._lock = threading.RLock()
-        self.swept: list[Swept] = []
-        if create if sweep is None else sweep:
-            self.sweep()
-
-    def _open_skeleton(self, create: bool) -> None:
-        """Check (or make) ``sessions/`` and ``tmp/``; never removes or replaces either."""
-        if not check_component(self.sessions_root, want="dir"):
-            if not create:
-                raise NotFoundError(f"{self.root}: not a session store (no {SESSIONS_DIR}/)")
-            self.sessions_root.mkdir(exist_ok=True)
-        if check_component(self.tmp_root, want="dir"):
-            return
-        try:
-            self.tmp_root.mkdir(exist_ok=True)
-        except OSError as exc:  # a read-only store still lists; tmp_dir() says why it cannot write
-            log.warning("store.skeleton_missing", path=str(self.tmp_root), error=exc.strerror)
-            return
-        log.info("store.skeleton_repaired", path=str(self.tmp_root),
-                 reason="missing beside sessions/ (recreated, empty)")
-
-    def sweep(self) -> list[Swept]:
-        """Remove temporaries under ``tmp/`` that no live process owns (each one logged as
-        ``temp.swept`` with its path and bytes); returns them and adds them to ``self.swept``."""
-        swept = sweep_store_tmp(self.tmp_root, self.sessions_root)
-        self.swept.extend(swept)
-        if swept:
-            log.info("store.sweep", root=str(self.root), entries=len(swept),
-                     bytes=sum(s.bytes for s in swept))
-        return swept
-
-    # ---- paths (public API for bundles) ------------------------------------------------------
-    def session_dir(self, session_id: str) -> Path:
-        """``<root>/sessions/<id>`` (validated id; the directory may not exist)."""
-        return confined(self.root, SESSIONS_DIR, validate_session_id(session_id))
-
-    def kv_path(self, session_id: str) -> Path:
-        return self.session_dir(session_id) / KV_NAME
-
-    def exists(self, session_id: str) -> bool:
-        return check_component(self.session_dir(session_id), want="dir")
-
-    def _existing_dir(self, session_id: str) -> Path:
-        d = self.session_dir(session_id)
-        if not check_component(d, want="dir"):
-            raise NotFoundError(f"no session {session_id!r} in {self.sessions_root}")
-        return d
-
-    def files_of(self, session_id: str) -> list[Path]:
-        """The session's files to copy it whole: manifest, kv, then the sidecar and the commit
-        state page when present (bundles fold the state into the manifest they carry); the
-        lock file is not data."""
-        d = self._existing_dir(session_id)
-        files = [d / MANIFEST_NAME, d / KV_NAME]
-        for optional in (SIDECAR_NAME, STATE_NAME):
-            if check_component(d / optional, want="file"):
-                files.append(d / optional)
-        for f in files[:2]:
-            if not check_component(f, want="file"):
-                raise CorruptionError(f"{f}: missing from session {session_id!r}")
-        return files
-
-    def tmp_dir(self) -> Path:
-        """A fresh, empty directory ``<root>/tmp/t-<owner>-...`` (same filesystem: renames are
-        atomic); its name records this process, so a sweep never takes it while it lives."""
-        if not check_component(self.tmp_root, want="dir"):
-            raise NotFoundError(f"{self.tmp_root}: missing and cannot be recreated; the store "
-                                "cannot be written")
-        prefix = f"{TMP_DIR_PREFIX}{current_owner().token}-"
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.tmp_root))
-
-    def trash_dir(self, session_id: str, *, replaced: bool = False) -> Path:
-        """A fresh name under ``tmp/`` (owned by this process) to move a session out to: a
-        deleted one (swept as debris if this process dies), or one a replace swaps out (kept
-        by the sweep while ``sessions/<id>`` is absent)."""
-        prefix = REPLACED_PREFIX if replaced else TRASH_PREFIX
-        return self.tmp_root / store_entry_name(prefix, session_id)
-
-    def read_manifest(self, session_id: str) -> Manifest:
-        d = self._existing_dir(session_id)
-        manifest = read_manifest(d / MANIFEST_NAME)
-        if manifest.id != session_id:
-            raise FormatError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
-        return manifest
-
-    # ---- listing -------------------------------------------------------------------------------
-    def ids(self) -> list[str]:
-        out = []
-        for entry in sorted(os.listdir(self.sessions_root)):
-            try:
-                validate_session_id(entry)
-            except ColiError:
-                continue  # not ours (a stray name): never listed, never touched
-            out.append(entry)
-        return out
-
-    def info(self, session_id: str) -> SessionInfo:
-        manifest = self.read_manifest(session_id)
-        kv = self.kv_path(session_id)
-        try:
-            size = os.lstat(kv).st_size
-        except FileNotFoundError:
-            size = 0
-        return SessionInfo(manifest.id, manifest.committed, list(manifest.pending), manifest.kv_dtype,
-                           str(kv), size, manifest.model.name, manifest.model.fingerprint,
-                           manifest.updated_at)
-
-    def list(self) -> list[SessionInfo]:
-        """Every session (sorted by id); a damaged one is logged and skipped, never waited on."""
-        out = []
-        for sid in self.ids():
-            try:
-                out.append(self.info(sid))
-            except ColiError as exc:
-                log.warning("store.list_skip", id=sid, error=str(exc))
-        return out
 
     # ---- models ----------------------------------------------------------------------------
     def load_model(self, source: str | os.PathLike[str]) -> tuple[Any, ModelRef]:
@@ -270,20 +95,10 @@ class SessionStore:
                 f"loaded: {exc}; pass --model") from None
         return Session.open(self, session_id, model, ref, **session_options)
 
-    def delete(self, session_id: str) -> None:
-        """Remove a session (refused with LockedError while a writer holds it)."""
-        d = self._existing_dir(session_id)
-        with WriterLock(d / KV_NAME):
-            trash = self.trash_dir(session_id)
-            os.rename(d, trash)
-            fsync_directory(self.sessions_root)
-        shutil.rmtree(trash, ignore_errors=True)
-        log.info("session.delete", id=session_id)
-
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:
         """The last commit of a live or suspended session: manifest + header at that count."""
-        return SessionSnapshot.take(session_id, self._existing_dir(session_id), self.read_manifest(session_id))
+        return SessionSnapshot.take(session_id, self.existing_dir(session_id), self.read_manifest(session_id))
 
     def copy_snapshot(self, snap: SessionSnapshot, dst_dir: Path, *, at: int | None = None,
                       new_id: str | None = None) -> tuple[Manifest, str]:
@@ -303,7 +118,7 @@ class SessionStore:
                 if not snap.still_valid():
                     log.info("session.fork_retry", id=source_id, attempt=attempt)
                     continue
-                self._install(tmp, new_id)
+                self.install_dir(tmp, new_id)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             log.info("session.fork", id=source_id, new=new_id, at=manifest.committed, method=method)
@@ -321,23 +136,11 @@ class SessionStore:
                                 dims={k: int(v) for k, v in asdict(dims).items()},
                                 sampler=sampler or SamplerSettings())
             write_manifest(tmp / MANIFEST_NAME, manifest)
-            self._install(tmp, session_id)
+            self.install_dir(tmp, session_id)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return manifest
-
-    def _install(self, tmp: Path, session_id: str) -> None:
-        """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
-        fsync_directory(tmp)
-        dst = self.session_dir(session_id)
-        if check_component(dst, want="dir"):
-            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
-        try:
-            os.rename(tmp, dst)
-        except OSError as exc:
-            raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
-        fsync_directory(self.sessions_root)
 
     def adopt_dir(self, tmp_dir: str | os.PathLike[str], session_id: str, *,
                   replace: bool = False) -> SessionInfo:
@@ -358,14 +161,14 @@ class SessionStore:
             write_manifest(tmp / MANIFEST_NAME, manifest)
         dst = self.session_dir(session_id)
         if not check_component(dst, want="dir"):
-            self._install(tmp, session_id)
+            self.install_dir(tmp, session_id)
         elif not replace:
             raise FormatError(f"session {session_id!r} already exists (pass replace=True)")
         else:
             with WriterLock(dst / KV_NAME):
                 trash = self.trash_dir(session_id, replaced=True)
                 os.rename(dst, trash)
-                self._install(tmp, session_id)
+                self.install_dir(tmp, session_id)
             shutil.rmtree(trash, ignore_errors=True)
         log.info("session.adopt", id=session_id, replace=replace, tokens=manifest.committed)
         return self.info(session_id)
@@ -410,6 +213,6 @@ class SessionStore:
 
 
 __all__ = ["SessionStore", "SessionInfo", "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "STATE_NAME", "SESSIONS_DIR",
-           "TMP_DIR", "sidecar_path",
-           # re-exported for the store's callers (defined in snapshot.py and turns.py)
-           "SessionSnapshot", "verify_session_dir", "common_prefix"]
+           "TMP_DIR", "SNAPSHOT_RETRIES", "sidecar_path",
+           # re-exported for the store's callers (defined in directory.py, snapshot.py and turns.py)
+           "StoreDirectory", "SessionSnapshot", "verify_session_dir", "common_prefix"]

@@ -1,0 +1,232 @@
+"""The store's directories on disk (FORMAT.md section 5): layout, listing, and the atomic
+installation and removal of whole session directories.
+
+Layout::
+
+    <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
+    <root>/sessions/<id>/manifest.json.state  its last commit's dynamic fields (one page)
+    <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
+    <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
+    <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
+    <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash),
+                                              each named after its owning process (sweep.py)
+
+A session directory appears only by an atomic rename of a complete temp dir, so every directory
+under ``sessions/`` holds a manifest. Listing reads manifests and ``stat``s files: it never touches
+a lock, so it never waits on a writer.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
+from sessionstore.kvfile import (
+    REPLACED_PREFIX,
+    TMP_DIR_PREFIX,
+    TRASH_PREFIX,
+    Swept,
+    WriterLock,
+    current_owner,
+    fsync_directory,
+    store_entry_name,
+    sweep_store_tmp,
+)
+from sessionstore.log import get_logger
+from sessionstore.sessions.commit_state import STATE_SUFFIX
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
+from sessionstore.sessions.paths import (
+    KV_NAME,
+    SIDECAR_NAME,
+    check_component,
+    confined,
+    resolve_root,
+    validate_session_id,
+)
+
+SESSIONS_DIR = "sessions"
+TMP_DIR = "tmp"
+STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
+
+log = get_logger("store")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One line of ``ls``: read from the manifest and ``stat``, never from a lock."""
+
+    id: str
+    tokens: int  # committed records
+    pending: list[int]
+    kv_dtype: str
+    kv_path: str
+    bytes: int  # the kv file on disk
+    model: str
+    fingerprint: str
+    updated_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class StoreDirectory:
+    """A store's directory tree: ``sessions/`` and ``tmp/`` under ``root``, their paths, the
+    listing, and whole session directories installed by rename or moved out to be deleted."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True, sweep: bool | None = None) -> None:
+        """Open the tree at ``root`` (created with ``create``; else it must hold ``sessions/``).
+
+        A missing ``tmp/`` beside a real ``sessions/`` is recreated (FORMAT.md 5.1.1). ``sweep``
+        (default: ``create``, a store opened for writing) removes temporaries no live process
+        owns; what it removed is ``self.swept``.
+        """
+        self.root = resolve_root(root, create=create)
+        self.sessions_root = confined(self.root, SESSIONS_DIR)
+        self.tmp_root = confined(self.root, TMP_DIR)
+        self._open_skeleton(create)
+        self.swept: list[Swept] = []
+        if create if sweep is None else sweep:
+            self.sweep()
+
+    def _open_skeleton(self, create: bool) -> None:
+        """Check (or make) ``sessions/`` and ``tmp/``; never removes or replaces either."""
+        if not check_component(self.sessions_root, want="dir"):
+            if not create:
+                raise NotFoundError(f"{self.root}: not a session store (no {SESSIONS_DIR}/)")
+            self.sessions_root.mkdir(exist_ok=True)
+        if check_component(self.tmp_root, want="dir"):
+            return
+        try:
+            self.tmp_root.mkdir(exist_ok=True)
+        except OSError as exc:  # a read-only store still lists; tmp_dir() says why it cannot write
+            log.warning("store.skeleton_missing", path=str(self.tmp_root), error=exc.strerror)
+            return
+        log.info("store.skeleton_repaired", path=str(self.tmp_root),
+                 reason="missing beside sessions/ (recreated, empty)")
+
+    def sweep(self) -> list[Swept]:
+        """Remove temporaries under ``tmp/`` that no live process owns (each one logged as
+        ``temp.swept`` with its path and bytes); returns them and adds them to ``self.swept``."""
+        swept = sweep_store_tmp(self.tmp_root, self.sessions_root)
+        self.swept.extend(swept)
+        if swept:
+            log.info("store.sweep", root=str(self.root), entries=len(swept),
+                     bytes=sum(s.bytes for s in swept))
+        return swept
+
+    # ---- paths (public API for bundles) ------------------------------------------------------
+    def session_dir(self, session_id: str) -> Path:
+        """``<root>/sessions/<id>`` (validated id; the directory may not exist)."""
+        return confined(self.root, SESSIONS_DIR, validate_session_id(session_id))
+
+    def kv_path(self, session_id: str) -> Path:
+        return self.session_dir(session_id) / KV_NAME
+
+    def exists(self, session_id: str) -> bool:
+        return check_component(self.session_dir(session_id), want="dir")
+
+    def existing_dir(self, session_id: str) -> Path:
+        """``sessions/<id>``, which must exist (else NotFoundError)."""
+        d = self.session_dir(session_id)
+        if not check_component(d, want="dir"):
+            raise NotFoundError(f"no session {session_id!r} in {self.sessions_root}")
+        return d
+
+    def files_of(self, session_id: str) -> list[Path]:
+        """The session's files to copy it whole: manifest, kv, then the sidecar and the commit
+        state page when present (bundles fold the state into the manifest they carry); the
+        lock file is not data."""
+        d = self.existing_dir(session_id)
+        files = [d / MANIFEST_NAME, d / KV_NAME]
+        for optional in (SIDECAR_NAME, STATE_NAME):
+            if check_component(d / optional, want="file"):
+                files.append(d / optional)
+        for f in files[:2]:
+            if not check_component(f, want="file"):
+                raise CorruptionError(f"{f}: missing from session {session_id!r}")
+        return files
+
+    def tmp_dir(self) -> Path:
+        """A fresh, empty directory ``<root>/tmp/t-<owner>-...`` (same filesystem: renames are
+        atomic); its name records this process, so a sweep never takes it while it lives."""
+        if not check_component(self.tmp_root, want="dir"):
+            raise NotFoundError(f"{self.tmp_root}: missing and cannot be recreated; the store "
+                                "cannot be written")
+        prefix = f"{TMP_DIR_PREFIX}{current_owner().token}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.tmp_root))
+
+    def trash_dir(self, session_id: str, *, replaced: bool = False) -> Path:
+        """A fresh name under ``tmp/`` (owned by this process) to move a session out to: a
+        deleted one (swept as debris if this process dies), or one a replace swaps out (kept
+        by the sweep while ``sessions/<id>`` is absent)."""
+        prefix = REPLACED_PREFIX if replaced else TRASH_PREFIX
+        return self.tmp_root / store_entry_name(prefix, session_id)
+
+    def read_manifest(self, session_id: str) -> Manifest:
+        d = self.existing_dir(session_id)
+        manifest = read_manifest(d / MANIFEST_NAME)
+        if manifest.id != session_id:
+            raise FormatError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
+        return manifest
+
+    # ---- listing -------------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        out = []
+        for entry in sorted(os.listdir(self.sessions_root)):
+            try:
+                validate_session_id(entry)
+            except ColiError:
+                continue  # not ours (a stray name): never listed, never touched
+            out.append(entry)
+        return out
+
+    def info(self, session_id: str) -> SessionInfo:
+        manifest = self.read_manifest(session_id)
+        kv = self.kv_path(session_id)
+        try:
+            size = os.lstat(kv).st_size
+        except FileNotFoundError:
+            size = 0
+        return SessionInfo(manifest.id, manifest.committed, list(manifest.pending), manifest.kv_dtype,
+                           str(kv), size, manifest.model.name, manifest.model.fingerprint,
+                           manifest.updated_at)
+
+    def list(self) -> list[SessionInfo]:
+        """Every session (sorted by id); a damaged one is logged and skipped, never waited on."""
+        out = []
+        for sid in self.ids():
+            try:
+                out.append(self.info(sid))
+            except ColiError as exc:
+                log.warning("store.list_skip", id=sid, error=str(exc))
+        return out
+
+    # ---- installation and removal ---------------------------------------------------------
+    def install_dir(self, tmp: Path, session_id: str) -> None:
+        """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
+        fsync_directory(tmp)
+        dst = self.session_dir(session_id)
+        if check_component(dst, want="dir"):
+            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        try:
+            os.rename(tmp, dst)
+        except OSError as exc:
+            raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
+        fsync_directory(self.sessions_root)
+
+    def delete(self, session_id: str) -> None:
+        """Remove a session (refused with LockedError while a writer holds it)."""
+        d = self.existing_dir(session_id)
+        with WriterLock(d / KV_NAME):
+            trash = self.trash_dir(session_id)
+            os.rename(d, trash)
+            fsync_directory(self.sessions_root)
+        shutil.rmtree(trash, ignore_errors=True)
+        log.info("session.delete", id=session_id)
+
+
+__all__ = ["SESSIONS_DIR", "STATE_NAME", "TMP_DIR", "SessionInfo", "StoreDirectory"]
