@@ -103,7 +103,7 @@ def absorbed_attention(
     n_q, heads = qa.shape[:2]
     first_pos = query_positions(n_q, shape.length, causal)
     if shape.tq is not None:
-        qa, qr = rotate_queries(qa), rotate_queries(qr)  # [S, H, kv_lora], [S, H, rope] f32, rotated domain
+        qa, qr = rotate_queries(qa, shape.tq), rotate_queries(qr, shape.tq)  # [S, H, kv_lora], [S, H, rope] rotated
     tile = min(tile_rows, shape.length)
     chunk = query_chunk(heads, tile, shape.kv_lora)
     state = OnlineSoftmax(n_q * heads, shape.kv_lora)
@@ -111,7 +111,7 @@ def absorbed_attention(
                 causal, first_pos, heads, tile, chunk, state)
     ctx = state.result()  # ctx: [S*H, kv_lora] f32
     if shape.tq is not None:
-        ctx = unrotate_context(ctx)
+        ctx = unrotate_context(ctx, shape.tq)
     return ctx.reshape(n_q, heads, shape.kv_lora)
 
 

@@ -7,6 +7,8 @@ and symmetric, so
     q . x_hat_t = s_t * (rotate(q) . u_t)   and   sum_t w_t x_hat_t = unrotate(sum_t w_t s_t u_t):
 attention rotates q_abs (kv_lora wide) and q_rope (rope wide) once per call, scores each tile
 against u with s hoisted exactly like the fp8 scale, and unrotates the context once at the end.
+Tiles hold u in the codec's ``rotated_order`` (PolarQuant: bit-reversed, what its tree writes
+with contiguous loops); q is put in the same order and the context back, once per call.
 Tiles are decoded (``decode_tile``) into the attention's bounded scratch, a sub-block of rows at
 a time, so temporaries stay small. The same function can also write fully decoded rows (the
 engine's decode) for paths that need them (expanded MLA, sparse DSA attention).
@@ -81,11 +83,19 @@ def decode_tile(blk: TqRows, src: slice | np.ndarray, lc: np.ndarray, rc: np.nda
         rsc[...] = 1.0
 
 
-def rotate_queries(q: np.ndarray) -> np.ndarray:
-    """rotate() over the last axis of q [S, H, w] f32 -> [S, H, w] f32 (the width's own rotation)."""
-    return rotate(q)
+def rotate_queries(q: np.ndarray, codec: TqCodec) -> np.ndarray:
+    """rotate() over the last axis of q [S, H, w] f32, columns in the codec's ``rotated_order(w)``
+    (the order its tiles decode in) -> [S, H, w] f32."""
+    rq = rotate(q)
+    order = codec.rotated_order(int(q.shape[-1]))
+    return rq if order is None else np.ascontiguousarray(rq[..., order])
 
 
-def unrotate_context(ctx: np.ndarray) -> np.ndarray:
-    """unrotate() over the last axis of the accumulated ctx [.., kv_lora] f32."""
+def unrotate_context(ctx: np.ndarray, codec: TqCodec) -> np.ndarray:
+    """The accumulated ctx [.., kv_lora] f32 (columns in ``rotated_order``) back in element order, unrotated."""
+    order = codec.rotated_order(int(ctx.shape[-1]))
+    if order is not None:
+        elems = np.empty_like(ctx)  # elems: [.., kv_lora] f32
+        elems[..., order] = ctx
+        ctx = elems
     return unrotate(ctx)

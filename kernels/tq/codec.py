@@ -99,7 +99,7 @@ class TqCodec:
         return int4.int4_std(r, n) if self.kind == "int4" else r
 
     def encode_rows(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """x [..., n] floats -> (codes [..., row_bytes(n)] u8, radius [...] f32), engine bytes."""
+        """x [..., n] floats (taken as f32) -> (codes [..., row_bytes(n)] u8, radius [...] f32), engine bytes."""
         arr = np.asarray(x)
         if arr.dtype.kind != "f" or arr.ndim < 1:
             raise FormatError(f"v3 encode: expected a float array [..., n], found {arr.dtype} {arr.shape}")
@@ -110,7 +110,8 @@ class TqCodec:
         radius = np.zeros(rows.shape[0], np.float32)  # radius: [R] f32
         step = max(1, _BLOCK_ELEMS // n)
         for a in range(0, rows.shape[0], step):
-            blk = np.asarray(rows[a : a + step], dtype=np.float32)  # blk: [r, n] f32
+            with np.errstate(over="ignore"):  # a value beyond f32 becomes inf: an inert row
+                blk = np.asarray(rows[a : a + step], dtype=np.float32)  # blk: [r, n] f32
             rad = row_radius(blk)  # rad: [r] f32
             live = np.isfinite(rad) & (rad >= RADIUS_MIN)  # live: [r] bool (an Inf/NaN element makes rad non-finite)
             if not live.any():
@@ -123,18 +124,25 @@ class TqCodec:
                 codes[sel] = polar.encode_rotated(blk[live], polar.polar_layout(n, self.bits))
         return codes.reshape(*lead, codes.shape[-1]), radius.reshape(lead)
 
+    def rotated_order(self, n: int) -> np.ndarray | None:
+        """The element order of ``decode_rotated_into``'s columns (out[:, p] holds rotated element
+        order[p]): None for int4 (element order); PolarQuant: bit-reversed, its decode's natural order."""
+        return None if self.kind == "int4" else polar.polar_layout(check_width(n), self.bits).order
+
     def decode_rotated_into(self, codes: np.ndarray, out: np.ndarray) -> None:
-        """Unit-scale values in the ROTATED domain: codes [R, rb] u8 -> out [R, n] f32 (C order, aligned).
+        """Unit-scale values in the ROTATED domain: codes [R, rb] u8 -> out [R, n] f32 (C order, aligned),
+        columns in ``rotated_order(n)``.
 
         int4: LEVELS[code]; PolarQuant: the angle tree from cur[0] = 1. Multiplied by
-        ``row_scale(radius)`` and unrotated they give the decoded rows (to f32 rounding).
+        ``row_scale(radius)``, put in element order and unrotated they give the decoded rows (to f32
+        rounding).
         """
         n = int(out.shape[1])
         if self.kind == "int4":
             int4.decode_levels_into(codes, out)
         else:
             ones = np.ones(codes.shape[0], np.float32)  # ones: [R] f32
-            polar.decode_unit_into(codes, polar.polar_layout(n, self.bits), ones, out)
+            polar.decode_unit_into(codes, polar.polar_layout(n, self.bits), ones, out, stored_order=True)
 
     def decode_rows(self, codes: np.ndarray, radius: np.ndarray, width: int | None = None) -> np.ndarray:
         """(codes [..., rb] u8, radius [...] f32) -> rows [..., n] f32, as the engine decodes them.

@@ -51,6 +51,15 @@ class FieldLayout:
         self.mask = ((1 << w) - 1).astype(np.uint16)  # mask: [k] u16
         cuts = [0, *(np.flatnonzero(np.diff(w)) + 1).tolist(), int(w.size)] if w.size else [0]
         self.runs = list(zip(cuts[:-1], cuts[1:], strict=True))  # [(j0, j1)] fields of one width
+        self.packable = True
+
+    def reordered(self, order: np.ndarray) -> FieldLayout:
+        """The same fields read in ``order`` (a permutation of 0..k-1): for unpacking only."""
+        out = FieldLayout([])
+        out.widths, out.offsets = self.widths[order], self.offsets[order]
+        out.byte_index, out.shift, out.mask = self.byte_index[order], self.shift[order], self.mask[order]
+        out.total_bits, out.nbytes, out.runs, out.packable = self.total_bits, self.nbytes, [], False
+        return out
 
     @property
     def count(self) -> int:
@@ -60,7 +69,7 @@ class FieldLayout:
 def pack_fields(values: np.ndarray, layout: FieldLayout) -> np.ndarray:
     """values [R, k] (field j < 2^width_j) -> [R, nbytes] u8, fields back to back LSB-first."""
     v = np.asarray(values)
-    if v.ndim != 2 or v.shape[1] != layout.count:
+    if not layout.packable or v.ndim != 2 or v.shape[1] != layout.count:
         raise FormatError(f"pack_fields: expected values [R, {layout.count}], found {v.shape}")
     rows = v.shape[0]
     bits = np.zeros((rows, layout.nbytes * 8), np.uint8)  # bits: [R, nbytes*8] u8 of 0/1

@@ -6,8 +6,9 @@ level, j order within a level. Level 1 angles (n/2 of them) use b bits on a unif
 (-pi, pi]; deeper levels use max(b - 1, 1) bits on [lo, lo + 2 hw] with hw(l) = min(1.5 / sqrtf(2^(l-1)),
 pi/4), lo = pi/4 - hw. The codes are packed LSB-first (kernels.tq.packing).
 Decode: top-down from cur[0] = radius, nxt[2j] = cur[j] cosf(a), nxt[2j+1] = cur[j] sinf(a), then
-unrotate. A ``PolarLayout`` holds, per (n, b), the field layout and tables of cosf and sinf for
-every code of every level, so rows decode with one unpack, two lookups, and two multiplies per level.
+unrotate. A ``PolarLayout`` holds, per (n, b), the field layout (and the order decoding reads it
+in) and tables of cosf and sinf for every code of every level, so rows decode with one unpack,
+two lookups, and two multiplies per level.
 """
 from __future__ import annotations
 
@@ -95,10 +96,26 @@ class PolarLayout:
             base += 1 << lv.width
         self.cos_table, self.sin_table = cos_sin_f32(np.concatenate(tables))  # [K = sum 2^w] f32 each
         self.field_base = np.concatenate(bases)  # field_base: [n-1] u16 table offset of each field
+        # Decoding stores each level's values bit-reversed (element i of a length-m level at rev_m(i)),
+        # so every multiply of the tree writes two contiguous blocks: nxt = [cur * cos, cur * sin].
+        self.order = bit_reversal(self.n)  # order: [n] i64, storage position p holds element order[p]
+        read = np.concatenate([lv.start + bit_reversal(lv.count) for lv in levels])  # read: [n-1] i64
+        self.read_fields = self.fields.reordered(read)
+        self.read_base = self.field_base[read]  # read_base: [n-1] u16
 
     @property
     def row_bytes(self) -> int:
         return self.fields.nbytes
+
+
+def bit_reversal(m: int) -> np.ndarray:
+    """[m] i64: i with its log2(m) bits reversed (m a power of two; an involution)."""
+    bits = m.bit_length() - 1
+    i = np.arange(m, dtype=np.int64)
+    out = np.zeros(m, np.int64)
+    for k in range(bits):
+        out |= ((i >> k) & 1) << (bits - 1 - k)
+    return out
 
 
 @lru_cache(maxsize=64)
@@ -118,24 +135,28 @@ def encode_rotated(x: np.ndarray, layout: PolarLayout) -> np.ndarray:
     return pack_fields(codes, layout.fields)
 
 
-def decode_unit_into(packed: np.ndarray, layout: PolarLayout, top: np.ndarray, out: np.ndarray) -> None:
+def decode_unit_into(packed: np.ndarray, layout: PolarLayout, top: np.ndarray, out: np.ndarray, *,
+                     stored_order: bool = False) -> None:
     """Top-down decode from cur[0] = ``top`` [R] f32 into ``out`` [R, n] f32 (the ROTATED domain).
 
     ``top`` is the radius for the engine's decode, or ones for values with the radius hoisted.
-    The work runs on the transposed block (rows on the inner axis), so every numpy loop is R long
-    whatever the level; the products are the engine's, element by element.
+    The work runs on the transposed block (rows on the inner axis) with each level stored
+    bit-reversed, so every multiply is one long contiguous loop; the products are the engine's,
+    element by element. ``stored_order``: leave the values bit-reversed (out[:, p] holds element
+    ``layout.order[p]``), as attention reads them; otherwise they are put back in element order.
     """
     rows = packed.shape[0]
     if rows == 0:
         return
-    idx = unpack_fields_t(packed, layout.fields)  # idx: [n-1, R] u16 codes, field-major
-    idx += layout.field_base[:, None]
+    idx = unpack_fields_t(packed, layout.read_fields)  # idx: [n-1, R] u16, storage order within each level
+    idx += layout.read_base[:, None]
     cos = np.take(layout.cos_table, idx)  # cos: [n-1, R] f32
     sin = np.take(layout.sin_table, idx)  # sin: [n-1, R] f32
     cur = np.asarray(top, np.float32).reshape(1, rows)  # cur: [1, R] f32
     for lv in reversed(layout.levels):
-        nxt = np.empty((2 * lv.count, rows), np.float32)  # nxt: [2m, R] f32
-        np.multiply(cur, cos[lv.start : lv.start + lv.count], out=nxt[0::2])
-        np.multiply(cur, sin[lv.start : lv.start + lv.count], out=nxt[1::2])
+        m = lv.count
+        nxt = np.empty((2 * m, rows), np.float32)  # nxt: [2m, R] f32
+        np.multiply(cur, cos[lv.start : lv.start + m], out=nxt[:m])  # element 2j at storage rev(j)
+        np.multiply(cur, sin[lv.start : lv.start + m], out=nxt[m:])  # element 2j + 1 at storage m + rev(j)
         cur = nxt
-    out[...] = cur.T
+    out[...] = (cur if stored_order else np.take(cur, layout.order, axis=0)).T

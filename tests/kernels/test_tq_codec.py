@@ -157,3 +157,33 @@ def test_batch_shapes_and_blocks_agree_with_single_rows() -> None:
         assert np.array_equal(one_c, codes[2, 699]) and one_r == radius[2, 699]
         dec = codec.decode_rows(codes, radius)
         assert dec.shape == rows.shape and np.array_equal(dec[1, 5], codec.decode_rows(codes[1, 5], radius[1, 5]))
+
+
+@pytest.mark.parametrize("codec", [INT4, POLAR4, TqCodec("polar", 2), TqCodec("polar", 5)], ids=lambda c: c.kv_dtype)
+@pytest.mark.parametrize("n", [2, 16, 512])
+def test_rotated_decode_is_the_decode_before_scale_and_unrotation(codec: TqCodec, n: int) -> None:
+    """decode_rotated_into (columns in rotated_order) * row_scale, put in element order and unrotated,
+    is decode_rows to f32 rounding; PolarQuant's stored order is an exact permutation of its decode."""
+    from kernels.tq import unrotate
+    from kernels.tq.polar import decode_unit_into, polar_layout
+
+    x = np.random.default_rng(n).standard_normal((40, n)).astype(np.float32)
+    codes, radius = codec.encode_rows(x)
+    unit = np.empty((40, n), np.float32)
+    codec.decode_rotated_into(codes, unit)
+    order = codec.rotated_order(n)
+    elems = unit.copy()
+    if order is not None:
+        elems[:, order] = unit
+    got = unrotate(elems * codec.row_scale(radius, n)[:, None])
+    want = codec.decode_rows(codes, radius, n)
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    if codec.kind == "polar":
+        assert order is not None and sorted(order.tolist()) == list(range(n))
+        layout = polar_layout(n, codec.bits)
+        a, b = np.empty((40, n), np.float32), np.empty((40, n), np.float32)
+        decode_unit_into(codes, layout, radius, a, stored_order=True)
+        decode_unit_into(codes, layout, radius, b)
+        assert np.array_equal(a, b[:, order])
+    else:
+        assert order is None
