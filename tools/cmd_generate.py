@@ -13,6 +13,7 @@ from typing import Any
 
 from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler, generate, load_model
+from kernels.rows import KV_DTYPES
 from tools._common import check_backend, parse_ids
 
 DEFAULT_MAX_NEW = 16
@@ -30,8 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prompt-ids", help="comma-separated input token ids, e.g. 1,2,3 (required unless a session"
                    " continues from its pending token)")
     p.add_argument("--max-new", type=int, default=None, help=f"tokens to generate (default {DEFAULT_MAX_NEW})")
-    p.add_argument("--kv", choices=("f32", "fp8"), default=None,
-                   help="latent cache dtype (default: f32 in memory; the session layer's default with sessions)")
+    p.add_argument("--kv", choices=KV_DTYPES, default=None,
+                   help="latent cache dtype: f32, fp8, or the 4-bit tier (int4, polar2..polar6) (default: f32 in"
+                   " memory; the session layer's default, fp8, with sessions)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="attention backend (default cpu)")
     # sampler flags default to None so that a session's stored sampler is only overridden when given
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")

@@ -1,8 +1,9 @@
-"""The decoder's latent cache: per-layer Lc/Rc rows in f32, or fp8 codes + per-row scales.
+"""The decoder's latent cache: per-layer Lc/Rc rows in f32, fp8 codes + per-row scales, or v3
+4-bit codes + per-row radii (kv dtypes int4, polar2..polar6).
 
-With fp8 the cache holds ONLY codes and scales, exactly as a ``.coli_kv`` v2 record does, and
-new rows are quantized before anything attends to them (prefill included): an uninterrupted
-session therefore sees the same numbers as one resumed from the file.
+With fp8 or v3 the cache holds ONLY codes and scales (radii), exactly as a ``.coli_kv`` v2 / v3
+record does, and new rows are encoded before anything attends to them (prefill included): an
+uninterrupted session therefore sees the same numbers as one resumed from the file.
 
 A cache may start from *base blocks* (e.g. memory-mapped views of a file, never copied) and
 grows in its own storage after them. Attention reads ``blocks(layer)``: the base blocks
@@ -21,9 +22,13 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import KV_DTYPES, F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
+from kernels.rows import KV_DTYPES, KV_VERSION_OF_DTYPE, F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
+from kernels.tq import TqCodec
 
-_FIELDS = {"f32": ("lc", "rc"), "fp8": ("lc_codes", "lc_scale", "rc_codes", "rc_scale")}
+# the arrays a layer's rows live in, by row kind; v3 radii are RecordRows' lc_scale / rc_scale
+_FIELDS = {"f32": ("lc", "rc"), "fp8": ("lc_codes", "lc_scale", "rc_codes", "rc_scale"),
+           "tq": ("lc_codes", "lc_radius", "rc_codes", "rc_radius")}
+_RECORD_FIELD = {"lc_radius": "lc_scale", "rc_radius": "rc_scale"}
 _INITIAL_CAPACITY = 64
 
 
@@ -37,19 +42,29 @@ def _resolve_backend(backend: str | Any) -> Any:
     return backend
 
 
+def row_kind(kv_dtype: str) -> str:
+    """"f32", "fp8" or "tq" (the 4-bit tier) for a kv dtype name."""
+    if kv_dtype not in KV_DTYPES:
+        raise FormatError(f"kv dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    return "tq" if KV_VERSION_OF_DTYPE[kv_dtype] == 3 else kv_dtype
+
+
 class _GrowableRows:
     """One layer's owned rows: arrays with spare capacity, doubled when full."""
 
     def __init__(self, kv_dtype: str, kv_lora: int, rope: int) -> None:
-        self.kv_dtype = kv_dtype
+        self.kind = row_kind(kv_dtype)
+        self.codec = TqCodec.from_kv_dtype(kv_dtype) if self.kind == "tq" else None
+        self.kv_lora, self.rope = kv_lora, rope
         self.length = 0
-        shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (kv_lora,), "rc_codes": (rope,),
-                  "lc_scale": (), "rc_scale": ()}
-        dtypes = {"lc": np.float32, "rc": np.float32, "lc_codes": np.uint8, "rc_codes": np.uint8,
-                  "lc_scale": np.float32, "rc_scale": np.float32}
+        code_widths = (kv_lora, rope) if self.codec is None else (self.codec.row_bytes(kv_lora),
+                                                                  self.codec.row_bytes(rope))
+        shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (code_widths[0],), "rc_codes": (code_widths[1],),
+                  "lc_scale": (), "rc_scale": (), "lc_radius": (), "rc_radius": ()}
         self.arrays = {
-            name: np.zeros((_INITIAL_CAPACITY, *shapes[name]), dtype=dtypes[name]) for name in _FIELDS[kv_dtype]
-        }  # each: [capacity, *] (f32 rows, u8 codes or f32 scales)
+            name: np.zeros((_INITIAL_CAPACITY, *shapes[name]), dtype=np.uint8 if name.endswith("codes") else np.float32)
+            for name in _FIELDS[self.kind]
+        }  # each: [capacity, *] (f32 rows, u8 codes or f32 scales / radii)
 
     def write(self, start: int, values: dict[str, np.ndarray]) -> None:
         """Write rows at owned positions [start, start + n) (n = rows in values)."""
@@ -67,8 +82,12 @@ class _GrowableRows:
 
     def view(self, start: int, stop: int) -> LatentRows:
         a = self.arrays
-        if self.kv_dtype == "f32":
+        if self.kind == "f32":
             return F32Rows(lc=a["lc"][start:stop], rc=a["rc"][start:stop])
+        if self.codec is not None:
+            return TqRows(lc_codes=a["lc_codes"][start:stop], lc_radius=a["lc_radius"][start:stop],
+                          rc_codes=a["rc_codes"][start:stop], rc_radius=a["rc_radius"][start:stop],
+                          codec=self.codec, kv_lora=self.kv_lora, qk_rope=self.rope)
         return Fp8Rows(
             lc_codes=a["lc_codes"][start:stop], lc_scale=a["lc_scale"][start:stop],
             rc_codes=a["rc_codes"][start:stop], rc_scale=a["rc_scale"][start:stop],
@@ -100,8 +119,7 @@ class DecoderCache:
         self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu",
         *, n_index_layers: int = 0, index_head_dim: int = 0,
     ) -> None:
-        if kv_dtype not in KV_DTYPES:
-            raise FormatError(f"kv dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+        self.kind = row_kind(kv_dtype)
         if (n_index_layers > 0) != (index_head_dim > 0) or min(n_index_layers, index_head_dim) < 0:
             raise FormatError(f"index rows: n_index_layers={n_index_layers} with index_head_dim={index_head_dim}")
         self.n_layers, self.kv_lora, self.qk_rope, self.kv_dtype = n_layers, kv_lora, qk_rope, kv_dtype
@@ -142,7 +160,8 @@ class DecoderCache:
         blocks = [list(layer) for layer in per_layer_blocks]
         first = next((b for layer in blocks for b in layer), None)
         if kv_dtype is None:
-            kv_dtype = "fp8" if isinstance(first, Fp8Rows) else "f32"
+            kv_dtype = ("fp8" if isinstance(first, Fp8Rows) else
+                        first.codec.kv_dtype if isinstance(first, TqRows) else "f32")
         if first is not None:
             kv_lora = kv_lora or _width(first, "lc")
             qk_rope = qk_rope or _width(first, "rc")
@@ -151,11 +170,11 @@ class DecoderCache:
         cache = cls(len(blocks), kv_lora, qk_rope, kv_dtype, backend,
                     n_index_layers=n_index_layers, index_head_dim=index_head_dim)
         cache._base_index = _check_index_rows(index_rows, int(tokens.shape[0]), n_index_layers, index_head_dim)
-        want = Fp8Rows if kv_dtype == "fp8" else F32Rows
+        want = {"f32": F32Rows, "fp8": Fp8Rows, "tq": TqRows}[cache.kind]
         for layer, layer_blocks in enumerate(blocks):
             total = 0
             for b in layer_blocks:
-                if not isinstance(b, want):
+                if not isinstance(b, want) or (isinstance(b, TqRows) and b.codec.kv_dtype != kv_dtype):
                     raise ModelMismatchError(
                         f"layer {layer}: {type(b).__name__} block given to a {kv_dtype} cache"
                         " (a cache reads rows only in the dtype it stores)"
@@ -212,18 +231,19 @@ class DecoderCache:
             raise FormatError(f"records_since({start}): the cache holds {self.length} positions")
         tokens = self.tokens[start:]  # [k] i32
         fields: dict[str, Any] = {}  # RecordRows field name -> [k, L, *] array
+        codec = self._own[0].codec if self._own else None
         if start == self.length:
             empty = _GrowableRows(self.kv_dtype, self.kv_lora, self.qk_rope).arrays
             for name, arr in empty.items():
-                fields[name] = np.zeros((0, self.n_layers, *arr.shape[1:]), dtype=arr.dtype)  # [0, L, *]
-            return RecordRows(tokens=tokens, index=self._index_since(start), **fields)
-        for name in _FIELDS[self.kv_dtype]:
+                fields[_RECORD_FIELD.get(name, name)] = np.zeros((0, self.n_layers, *arr.shape[1:]), arr.dtype)
+            return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
+        for name in _FIELDS[self.kind]:
             per_layer = [
                 np.concatenate([getattr(b, name) for b in _window(self.blocks(layer, self.length), start)])
                 for layer in range(self.n_layers)
             ]  # each: [k, *]
-            fields[name] = np.ascontiguousarray(np.stack(per_layer, axis=1))  # [k, L, *]
-        return RecordRows(tokens=tokens, index=self._index_since(start), **fields)
+            fields[_RECORD_FIELD.get(name, name)] = np.ascontiguousarray(np.stack(per_layer, axis=1))  # [k, L, *]
+        return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
 
     def _index_since(self, start: int) -> np.ndarray | None:
         """Indexer keys of positions [start, length): [k, NI, hd] f32, or None without index layers."""
@@ -243,9 +263,14 @@ class DecoderCache:
     def write_layer(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Store the rows of the pending positions [length, length + S) of one layer.
 
-        lc [S, kv_lora] f32, rc [S, qk_rope] f32; fp8 caches keep only the quantized form.
+        lc [S, kv_lora] f32, rc [S, qk_rope] f32; fp8 and v3 caches keep only the encoded form.
         """
-        if self.kv_dtype == "fp8":
+        codec = self._own[layer].codec
+        if codec is not None:
+            lc_codes, lc_radius = codec.encode_rows(np.ascontiguousarray(lc, dtype=np.float32))  # [S, rbL] u8, [S]
+            rc_codes, rc_radius = codec.encode_rows(np.ascontiguousarray(rc, dtype=np.float32))  # [S, rbR] u8, [S]
+            values = {"lc_codes": lc_codes, "lc_radius": lc_radius, "rc_codes": rc_codes, "rc_radius": rc_radius}
+        elif self.kv_dtype == "fp8":
             from kernels.fp8 import quantize_rows
 
             lc_codes, lc_scale = quantize_rows(np.ascontiguousarray(lc, dtype=np.float32))  # [S, kv_lora] u8, [S]
@@ -309,6 +334,9 @@ class DecoderCache:
 
 
 def _width(b: LatentRows, which: str) -> int:
+    """The row width (kv_lora or qk_rope) of a block's Lc or Rc rows."""
+    if isinstance(b, TqRows):
+        return b.kv_lora if which == "lc" else b.qk_rope
     if isinstance(b, F32Rows):
         arr = b.lc if which == "lc" else b.rc
     else:

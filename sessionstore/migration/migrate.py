@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
+from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile import (
     ENTRY_SIZE,
     HEADER_SIZE,
@@ -50,7 +51,6 @@ from sessionstore.migration import bundle as B
 from sessionstore.migration.bundle_io import WritebackFile
 from sessionstore.sessions import (
     KV_NAME,
-    KV_VERSION_OF_DTYPE,
     MANIFEST_NAME,
     SIDECAR_NAME,
     ModelRef,
@@ -243,7 +243,7 @@ def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
                                        for k in ("version", "nrec", "record_bytes", "tag")):
         raise FormatError(f"{where}: 'kv' must hold exactly {sorted(expected_keys)} "
                           "(version, nrec, record_bytes and tag as integers)")
-    if kv["dtype"] != manifest.kv_dtype or kv["version"] != KV_VERSION_OF_DTYPE[manifest.kv_dtype]:
+    if kv["dtype"] != manifest.kv_dtype or (kv["version"], kv["tag"]) != KV_FORMAT_OF_DTYPE[manifest.kv_dtype]:
         raise FormatError(f"{where}: kv v{kv['version']!r} {kv['dtype']!r} does not match the "
                           f"session's {manifest.kv_dtype}")
     if kv["dims"] != manifest.dims or kv["nrec"] != manifest.committed:
@@ -251,7 +251,7 @@ def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
                           f"session manifest's {manifest.dims}/{manifest.committed}")
     dims = Dims(**manifest.dims)
     validate_dims(dims, where)
-    rec = record_bytes(manifest.kv_version, dims)
+    rec = record_bytes(manifest.kv_version, dims, manifest.kv_tag)
     if kv["record_bytes"] != rec:
         raise FormatError(f"{where}: kv record_bytes {kv['record_bytes']!r}, expected {rec}")
     kv_file = bm.file(KV_NAME)
@@ -379,7 +379,8 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
     with open(kv_path, "rb") as fh:
         head = fh.read(HEADER_SIZE)
     header = parse_header(head, os.path.getsize(kv_path), kv_path)
-    if (header.version, header.dims, header.nrec) != (manifest.kv_version, dims, manifest.committed):
+    if (header.version, header.dims, header.nrec, header.tag) != (manifest.kv_version, dims, manifest.committed,
+                                                                  manifest.kv_tag):
         raise FormatError(f"{kv_path}: header v{header.version} {header.dims.as_tuple()} nrec "
                           f"{header.nrec} differs from the manifest (v{manifest.kv_version} "
                           f"{dims.as_tuple()} nrec {manifest.committed})")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError
 from kernels.jsonfile import parse_json_bytes
-from kernels.rows import KV_DTYPES, KV_VERSION_OF_DTYPE
+from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
@@ -116,6 +116,11 @@ class Manifest:
     @property
     def kv_version(self) -> int:
         return KV_VERSION_OF_DTYPE[self.kv_dtype]
+
+    @property
+    def kv_tag(self) -> int:
+        """The ``.coli_kv`` format tag of this session's rows (v3: the codec)."""
+        return KV_FORMAT_OF_DTYPE[self.kv_dtype][1]
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "id": self.id,

@@ -46,7 +46,7 @@ def slot_path(model_dir: str | os.PathLike[str], slot: int = 0) -> Path:
 
 def import_slot(store: SessionStore, model_dir: str | os.PathLike[str], *, slot: int = 0,
                 session_id: str | None = None, replace: bool = False) -> SessionInfo:
-    """A new session from the engine's slot file (v1 -> f32 session, v2 -> fp8 session)."""
+    """A new session from the engine's slot file (v1 -> f32, v2 -> fp8, v3 -> its 4-bit codec)."""
     session_id = validate_session_id(session_id or f"slot-{slot}")
     model, ref = store.load_model(model_dir)
     src = slot_path(model_dir, slot)
@@ -54,7 +54,7 @@ def import_slot(store: SessionStore, model_dir: str | os.PathLike[str], *, slot:
     with open_kv(src, expect=dims) as reader:
         header = reader.header.with_nrec(reader.nrec)
         warnings = list(reader.warnings)
-    kv_dtype = "fp8" if header.version == 2 else "f32"
+    kv_dtype = header.kv_dtype
     tmp = store.tmp_dir()
     try:
         method = copy_committed(src, tmp / KV_NAME, header)

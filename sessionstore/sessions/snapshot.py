@@ -73,9 +73,9 @@ class SessionSnapshot:
         """The snapshot of the session in ``directory`` whose manifest (read per 5.3.1) is
         ``manifest``: its kv file must hold at least the committed records."""
         dims = Dims(**manifest.dims)
-        header = Header(manifest.kv_version, dims, manifest.committed)
+        header = Header(manifest.kv_version, dims, manifest.committed, manifest.kv_tag)
         with open_kv(directory / KV_NAME, expect=dims) as reader:
-            if reader.version != manifest.kv_version:
+            if reader.header.kv_dtype != manifest.kv_dtype:
                 raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says "
                                   f"{manifest.kv_dtype} (v{manifest.kv_version})")
             if reader.nrec < manifest.committed:
@@ -127,13 +127,14 @@ def verify_session_dir(directory: Path) -> Manifest:
     manifest = read_manifest(directory / MANIFEST_NAME)
     dims = Dims(**manifest.dims)
     with open_kv(directory / KV_NAME, expect=dims) as reader:
-        if reader.version != manifest.kv_version:
-            raise FormatError(f"{reader.path}: v{reader.version} file, the manifest says {manifest.kv_dtype}")
+        if reader.header.kv_dtype != manifest.kv_dtype:
+            raise FormatError(f"{reader.path}: v{reader.version} {reader.header.kv_dtype} file, the manifest says "
+                              f"{manifest.kv_dtype}")
         if reader.nrec < manifest.committed:
             raise CorruptionError(f"{reader.path}: {reader.nrec} records, the manifest says "
                                   f"{manifest.committed}")
         require_sound(reader, manifest.committed)  # what verify calls sound, before install
-    if record_bytes(manifest.kv_version, dims) <= 0:  # pragma: no cover - layout guarantees it
+    if record_bytes(manifest.kv_version, dims, manifest.kv_tag) <= 0:  # pragma: no cover - layout guarantees it
         raise FormatError(f"{directory}: impossible record size")
     return manifest
 

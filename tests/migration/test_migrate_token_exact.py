@@ -62,7 +62,7 @@ def _move(a: SessionStore, b: SessionStore, sid: str, transport: str) -> None:
 
 @pytest.mark.parametrize("transport", ["file", "pipe"])
 @pytest.mark.parametrize("sampler", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "fp8", "int4"])
 def test_migrated_session_continues_token_exact(tmp_path, tiny, kv, sampler, transport):
     expected = _reference(tiny, kv, sampler)
     a, b = SessionStore(tmp_path / "hostA"), SessionStore(tmp_path / "hostB")
@@ -79,7 +79,7 @@ def test_migrated_session_continues_token_exact(tmp_path, tiny, kv, sampler, tra
     assert [first, second] == expected
 
 
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "fp8", "int4"])
 def test_export_of_a_live_session_continues_token_exact(tmp_path, tiny, kv):
     """Host A keeps the session open (live, lock held) while it is exported."""
     expected = _reference(tiny, kv, SAMPLED)

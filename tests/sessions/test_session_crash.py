@@ -42,7 +42,7 @@ def _check_prefix_and_continue(root, sid: str, tiny, kv: str, sampler: SamplerSe
 
 
 @pytest.mark.parametrize("kv, mode", [("fp8", "sampled"), ("f32", "greedy"), ("fp8", "greedy"),
-                                      ("f32", "sampled")])
+                                      ("f32", "sampled"), ("int4", "sampled"), ("polar4", "greedy")])
 def test_sigkill_at_random_moments(tmp_path, tiny, kv, mode) -> None:
     rng = random.Random(f"{kv}-{mode}")
     sampler = SamplerSettings(*SAMPLERS[mode])

@@ -105,7 +105,7 @@ def test_any_split_is_token_exact(tmp_path_factory, tiny, kv, sampled, seed, pro
     assert got == reference_turns(tiny, kv, turns, sampler)
 
 
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "fp8", "int4", "polar4"])
 def test_fork_continues_exactly(tmp_path, tiny, kv) -> None:
     """A fork at n inside the generated text re-generates the source's tokens after n."""
     sampler = SamplerSettings(0.7, 0, 1.0, 99)

@@ -8,7 +8,8 @@ import kernels.attention as attention
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.fp8 import dequantize_rows, quantize_rows
 from kernels.model.cache import DecoderCache
-from kernels.rows import F32Rows, Fp8Rows, RecordRows
+from kernels.rows import F32Rows, Fp8Rows, RecordRows, TqRows
+from kernels.tq import TqCodec
 
 PROMPT = np.array([72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], dtype=np.int32)
 
@@ -16,15 +17,16 @@ PROMPT = np.array([72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], dty
 
 def as_file_records(rec: RecordRows) -> np.ndarray:
     """Records laid out like a .coli_kv file (token-major, every layer's rows inside): [k] structured."""
-    k, layers = rec.length, (rec.lc if not rec.is_fp8 else rec.lc_codes).shape[1]
-    if rec.is_fp8:
+    coded = rec.lc_codes is not None  # fp8 or v3 codes, each row followed by its scale / radius
+    k, layers = rec.length, (rec.lc_codes if coded else rec.lc).shape[1]
+    if coded:
         row = [("lc", "u1", rec.lc_codes.shape[2]), ("lc_scale", "<f4"), ("rc", "u1", rec.rc_codes.shape[2]),
                ("rc_scale", "<f4")]
     else:
         row = [("lc", "<f4", rec.lc.shape[2]), ("rc", "<f4", rec.rc.shape[2])]
     out = np.zeros(k, dtype=[("token", "<i4"), ("layers", row, (layers,))])  # [k] records
     out["token"] = rec.tokens
-    if rec.is_fp8:
+    if coded:
         out["layers"]["lc"], out["layers"]["lc_scale"] = rec.lc_codes, rec.lc_scale
         out["layers"]["rc"], out["layers"]["rc_scale"] = rec.rc_codes, rec.rc_scale
     else:
@@ -32,27 +34,34 @@ def as_file_records(rec: RecordRows) -> np.ndarray:
     return out
 
 
-def file_blocks(records: np.ndarray, fp8: bool, split: int | None = None) -> list[list]:
-    """Per-layer blocks that are strided views into ``records`` (optionally split in two)."""
+def file_blocks(records: np.ndarray, fp8: bool | str, split: int | None = None,
+                widths: tuple[int, int] = (64, 16)) -> list[list]:
+    """Per-layer blocks (``fp8``: True/False, or a kv dtype name such as "int4"): strided views into
+    ``records`` (optionally split in two)."""
+    kv = fp8 if isinstance(fp8, str) else "fp8" if fp8 else "f32"
     cuts = [(0, records.shape[0])] if split is None else [(0, split), (split, records.shape[0])]
     blocks = []
     for layer in range(records["layers"].shape[1]):
         rows = records["layers"][:, layer]
-        if fp8:
+        if kv == "fp8":
             blocks.append([Fp8Rows(rows["lc"][a:b], rows["lc_scale"][a:b], rows["rc"][a:b], rows["rc_scale"][a:b])
                            for a, b in cuts])
+        elif kv != "f32":
+            codec = TqCodec.from_kv_dtype(kv)
+            blocks.append([TqRows(rows["lc"][a:b], rows["lc_scale"][a:b], rows["rc"][a:b], rows["rc_scale"][a:b],
+                                  codec, *widths) for a, b in cuts])
         else:
             blocks.append([F32Rows(rows["lc"][a:b], rows["rc"][a:b]) for a, b in cuts])
     return blocks
 
 
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "fp8", "int4", "polar4"])
 @pytest.mark.parametrize("split", [None, 5])
 def test_resume_from_strided_file_rows_is_bitwise_identical(model, kv: str, split: int | None) -> None:
     live = model.new_cache(kv)
     model.forward(PROMPT, live)
     records = as_file_records(live.records_since(0))
-    resumed = model.cache_from_blocks(file_blocks(records, kv == "fp8", split), records["token"])
+    resumed = model.cache_from_blocks(file_blocks(records, kv, split), records["token"])
     base = resumed.blocks(0)[0]
     assert np.shares_memory(base.lc if kv == "f32" else base.lc_codes, records)  # zero copy
     assert resumed.length == live.length and np.array_equal(resumed.tokens, PROMPT)
@@ -95,12 +104,12 @@ def test_truncate_then_continue_equals_never_having_seen_the_tail(model) -> None
         a.truncate(-1)
 
 
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "fp8", "int4", "polar4"])
 def test_truncate_into_resumed_base_rows(model, kv: str) -> None:
     live = model.new_cache(kv)
     model.forward(PROMPT[:8], live)
     records = as_file_records(live.records_since(0))
-    resumed = model.cache_from_blocks(file_blocks(records, kv == "fp8", split=3), records["token"])
+    resumed = model.cache_from_blocks(file_blocks(records, kv, split=3), records["token"])
     model.forward(PROMPT[8:], resumed)
     assert resumed.truncate(5) == 5
     fresh = model.new_cache(kv)
