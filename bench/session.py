@@ -36,7 +36,8 @@ decoder's compute is smaller.
     session's 32k rows) and integrated linearly over the 32k tokens: an extrapolation, printed
     as such. It is a LOWER bound of the real recompute (GLM-5.2's layers are far wider), so the
     ratio is an upper bound.
-Medians of several repetitions, both sides alternated.
+Medians of several repetitions, both sides alternated. The session is built by
+bench/session_build.py; figure (b) is timed by bench/session_suspend.py.
 """
 from __future__ import annotations
 
@@ -49,88 +50,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kernels.model.config import parse_config
+from bench.session_build import SEED, build_session, glm_cache_model
+from bench.session_suspend import bench_suspend
 from kernels.model.decoder import MLADecoder
-from kernels.model.tiny import tiny_weights
-from kernels.model.weights import DictWeights
-from kernels.rows import RecordRows
-from sessionstore.kvfile import Dims, KVWriter, open_kv, require_vouched, wait_for_unmaps
-from sessionstore.sessions import (
-    MANIFEST_NAME,
-    ModelRef,
-    Session,
-    SessionStore,
-    fingerprint_tiny,
-    make_digest,
-    read_manifest,
-    write_manifest,
-)
+from sessionstore.kvfile import open_kv, require_vouched, wait_for_unmaps
+from sessionstore.sessions import ModelRef, Session, SessionStore, fingerprint_tiny
 
 CHUNK = 8 << 20
-POOL = 512
 PREFILL_CHUNK = 256
 GOALS = {"resume_ratio": ("<=", 1.5), "suspend_ratio": ("<=", 1.5)}
-SEED = 5
-
-
-def glm_cache_model() -> tuple[MLADecoder, dict]:
-    """A decoder with GLM-5.2's cache shape and a small body (see the module doc)."""
-    cfg = {
-        "model_type": "deepseek_v3", "vocab_size": 154880, "hidden_size": 64, "intermediate_size": 64,
-        "num_hidden_layers": 78, "num_attention_heads": 1, "num_key_value_heads": 1, "q_lora_rank": 32,
-        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
-        "n_routed_experts": 0, "max_position_embeddings": 65536, "rope_theta": 10000.0,
-        "rope_interleave": True, "hidden_act": "silu", "rms_norm_eps": 1e-6, "eos_token_id": 1,
-        "bos_token_id": 0, "tie_word_embeddings": False,
-    }
-    config = parse_config(cfg, source="bench-glm-cache")
-    return MLADecoder(config, DictWeights(tiny_weights(config, SEED), source="bench-glm-cache")), cfg
-
-
-def pool_rows(n: int, dims: Dims, rng: np.random.Generator) -> RecordRows:
-    """n records of random non-NaN fp8 codes and positive scales."""
-    L = dims.n_layers
-
-    def codes(w: int) -> np.ndarray:
-        return rng.integers(0, 0x7F, (n, L, w), dtype=np.uint8)  # [n, L, w] u8
-
-    return RecordRows(tokens=rng.integers(2, dims.vocab, n).astype(np.int32),
-                      lc_codes=codes(dims.kv_lora), lc_scale=rng.uniform(1e-3, 1, (n, L)).astype(np.float32),
-                      rc_codes=codes(dims.qk_rope), rc_scale=rng.uniform(1e-3, 1, (n, L)).astype(np.float32))
-
-
-def build_session(store: SessionStore, model: MLADecoder, ref: ModelRef, n_tokens: int) -> Session:
-    """An fp8 session with ``n_tokens`` committed records written through the real writer.
-
-    The first n-1 records are random codes; the last is decoded by the model over them, so the
-    digest and the rows of the last position are genuine and resume verification can check them.
-    """
-    s = Session.create(store, "glm", model, ref, kv_dtype="fp8")
-    s.suspend()
-    dims = s.dims
-    rng = np.random.default_rng(SEED)
-    pool = pool_rows(POOL, dims, rng)
-    assert pool.lc_codes is not None and pool.lc_scale is not None  # fp8 pool
-    assert pool.rc_codes is not None and pool.rc_scale is not None
-    with KVWriter.open(s.kv_path, dims, kv_dtype="fp8", create=False) as writer:
-        for start in range(0, n_tokens - 1, POOL):
-            k = min(POOL, n_tokens - 1 - start)
-            writer.append(RecordRows(tokens=rng.integers(2, dims.vocab, k).astype(np.int32),
-                                     lc_codes=pool.lc_codes[:k], lc_scale=pool.lc_scale[:k],
-                                     rc_codes=pool.rc_codes[:k], rc_scale=pool.rc_scale[:k]))
-        writer.commit()
-    manifest = read_manifest(s.directory / MANIFEST_NAME)
-    manifest.committed, manifest.pending, manifest.last_logits = n_tokens - 1, [], None
-    write_manifest(s.directory / MANIFEST_NAME, manifest)
-    s.verify = False
-    s.resume()
-    s.append_tokens([7], commit=True)
-    s.suspend()
-    return s
 
 
 def paired(base: Callable[[], float], ours: Callable[[], float], reps: int) -> tuple[float, float]:
@@ -214,126 +145,6 @@ def bench_resume(s: Session, reps: int) -> dict:
             "resume_cold_ratio": cold_ours_s / cold_base_s, "resume_cold_s": cold_ours_s,
             "raw_read_cold_s": cold_base_s,
             "resume_with_verify_s": verify_total, "verify_result": report.get("verified")}
-
-
-def bench_suspend(s: Session, directory: str, reps: int) -> dict:
-    """suspend() after one more token vs raw write + fsync of one record; plus the floor."""
-    rec = s.dims
-    record = os.urandom(45_556 if rec.n_layers == 78 else 4096)
-    raw_path = os.path.join(directory, "raw-record.bin")
-    floor_path = os.path.join(directory, "floor.bin")
-    reps = max(reps, 4)
-    fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    floor_fd = os.open(floor_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    side_fd = os.open(floor_path + ".colisum", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.write(floor_fd, bytes(40 + 64 * len(record)))  # allocated, initialised blocks
-    os.write(side_fd, bytes(64 + 8 * 64))
-    os.fsync(floor_fd)
-    os.fsync(side_fd)
-    helper = ThreadPoolExecutor(1)
-    decode_s: list[float] = []
-    s.verify = False
-    rng = np.random.default_rng(1)
-    floor_n = 0
-
-    def settle() -> None:
-        wait_for_unmaps()  # our deferred unmap must not run during the baseline (nor ours)
-
-    def raw() -> float:
-        settle()
-        t0 = time.perf_counter()
-        os.write(fd, record)
-        os.fsync(fd)
-        return time.perf_counter() - t0
-
-    def floor(sidecar: bool) -> float:
-        """Two ordered barriers, as the commit protocol needs at the least: the record
-        overwritten in place + fdatasync, then the 4-byte commit word + fdatasync; with
-        ``sidecar``, an 8-byte entry + 64-byte header overwritten and fdatasynced concurrently
-        with the first barrier (in a helper thread), as the checksum rule asks."""
-        nonlocal floor_n
-        settle()
-        t0 = time.perf_counter()
-        wait = None
-        if sidecar:
-            os.pwrite(side_fd, record[:8], 64 + 8 * (floor_n % 64))
-            os.pwrite(side_fd, record[:64], 0)
-            wait = helper.submit(os.fdatasync, side_fd)
-        os.pwrite(floor_fd, record, 40 + (floor_n % 64) * len(record))
-        os.fdatasync(floor_fd)
-        if wait is not None:
-            wait.result()
-        floor_n += 1
-        os.pwrite(floor_fd, floor_n.to_bytes(4, "little"), 32)
-        os.fdatasync(floor_fd)
-        return time.perf_counter() - t0
-
-    phases: dict[str, list[float]] = {"kv_commit": [], "state_wait": [], "state_write": [],
-                                      "release": [], "unmap_deferred": []}
-
-    def suspend_only() -> float:
-        t0 = time.perf_counter()
-        s.suspend()
-        took = time.perf_counter() - t0
-        wait_for_unmaps()
-        return took
-
-    def suspend() -> float:
-        t0 = time.perf_counter()
-        s.suspend()  # commit (kv commit, then the manifest) + release of cache, mapping, lock
-        took = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        wait_for_unmaps()  # after the timing: how long the background unmap took
-        phases["unmap_deferred"].append(time.perf_counter() - t1)
-        ct, st = s.commit_timing, s.suspend_timing
-        phases["kv_commit"].append(ct["kv_commit_s"])
-        phases["state_wait"].append(ct["state_wait_s"])
-        phases["state_write"].append(ct["state_write_s"])
-        phases["release"].append(st["release_s"])
-        return took
-
-    times: dict[str, list[float]] = {"raw": [], "floor": [], "floor_side": [], "ours": [],
-                                     "ours_staged": []}
-    digest_s: list[float] = []
-    try:
-        for _ in range(reps):
-            # Every side is timed in the same state: after the disk was idle for as long as a
-            # decode step (the first barrier after a pause costs 2-4x the next ones here).
-            for name, write_behind in (("ours", True), ("ours_staged", False)):
-                s.write_behind = write_behind  # the writer's mode, from this resume on
-                s.resume()
-                t0 = time.perf_counter()
-                logits = s.append_tokens([int(rng.integers(2, rec.vocab))], commit=False)  # +1 token
-                decode_s.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                make_digest(logits, s.length - 1)  # what the decode step paid for it (hot)
-                digest_s.append(time.perf_counter() - t0)
-                idle = min(max(decode_s[-1], 0.5), 1.5)
-                settle()
-                if name == "ours":
-                    times[name].append(suspend())
-                else:
-                    times[name].append(suspend_only())
-            for name, fn in (("raw", raw), ("floor", lambda: floor(False)),
-                             ("floor_side", lambda: floor(True))):
-                settle()
-                time.sleep(idle)
-                times[name].append(fn())
-    finally:
-        s.write_behind = True
-        helper.shutdown()
-        for f in (fd, floor_fd, side_fd):
-            os.close(f)
-    base_s, ours_s = statistics.median(times["raw"]), statistics.median(times["ours"])
-    staged_s = statistics.median(times["ours_staged"])
-    floor_s, floor_side_s = statistics.median(times["floor"]), statistics.median(times["floor_side"])
-    return {"suspend_ratio": ours_s / base_s, "suspend_s": ours_s, "raw_write_fsync_s": base_s,
-            "suspend_floor_s": floor_s, "suspend_floor_ratio": floor_s / base_s,
-            "suspend_floor_sidecar_s": floor_side_s, "suspend_floor_sidecar_ratio": floor_side_s / base_s,
-            "decode_step_s": statistics.median(decode_s),
-            "suspend_staged_s": staged_s, "suspend_staged_ratio": staged_s / base_s,
-            "digest_in_decode_s": statistics.median(digest_s),
-            **{f"suspend_{k}_s": statistics.median(v) for k, v in phases.items()}}
 
 
 def bench_recompute(model: MLADecoder, s: Session, n_tokens: int, big_chunk: int) -> dict:
