@@ -219,6 +219,20 @@ class DecoderCache:
             out.append(own.rows[: stop - self._base_len])  # [t, hd] f32 view
         return out
 
+    def index_rows(self, stop: int | None = None) -> np.ndarray | None:
+        """Indexer keys of positions [0, stop) of every full layer: [stop, NI, hd] f32, a view of the
+        resumed rows when they cover it (no copy of a file's Ic rows), else a copy; None without."""
+        if not self.n_index_layers:
+            return None
+        stop = self.length if stop is None else stop
+        if stop <= self._base_len:
+            return self._base_index[:stop]  # [stop, NI, hd] f32 view
+        out = np.empty((stop, self.n_index_layers, self.index_head_dim), np.float32)  # [stop, NI, hd] f32
+        out[: self._base_len] = self._base_index
+        for slot, own in enumerate(self._own_index):
+            out[self._base_len :, slot] = own.rows[: stop - self._base_len]
+        return out
+
     @property
     def tokens(self) -> np.ndarray:
         """Input tokens [length] i32 (a copy)."""

@@ -66,6 +66,10 @@ class LatentCache(Protocol):
         """Blocks covering positions [0, stop) of ``layer`` (default: every row it holds)."""
         ...
 
+    def index_rows(self, stop: int | None = None) -> np.ndarray | None:
+        """Indexer keys of positions [0, stop): [stop, NI, hd] f32 (None for a model without an indexer)."""
+        ...
+
     def records_since(self, start: int) -> RecordRows:
         """Positions [start, length) across all layers, record-major, as the file stores them."""
         ...

@@ -192,6 +192,13 @@ class KVReader:
             return np.zeros((self.nrec, 0), dtype=np.float32)  # [nrec, 0] f32
         return self.records["index"][:, index_layer]
 
+    def index_block(self, stop: int | None = None) -> np.ndarray | None:
+        """Every indexer layer's rows of records [0, stop): [n, n_index_layers, index_head_dim] f32
+        view (what a DSA decoder cache resumes from), or None when the file stores no indexer rows."""
+        if not (self.dims.n_index_layers and self.dims.index_head_dim):
+            return None
+        return self.records["index"][:stop]  # [n, NI, hd] f32 view
+
     def record_bytes_view(self, position: int) -> memoryview:
         """The exact bytes of record ``position`` (zero-copy)."""
         return self.records_bytes_view(position, position + 1)

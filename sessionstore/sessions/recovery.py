@@ -82,7 +82,7 @@ def verify_and_recover(target: ResumeTarget) -> ResumeCheck:
             report["recovered"] = True
         return ResumeCheck(report)
     cache = target.cache
-    logits, rows = recompute_last(target.model, cache.blocks, cache.tokens, manifest.kv_dtype)
+    logits, rows = recompute_last(target.model, cache.blocks, cache.tokens, manifest.kv_dtype, cache.index_rows())
     try:
         report["rows_exact"] = compare_rows(rows, target.reader, n - 1)
     except CorruptionError as exc:

@@ -55,7 +55,8 @@ class ResidentFiles:
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
         blocks = reader.layer_blocks(n)  # zero-copy rows, scales gathered in one pass
-        self.cache = model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=manifest.kv_dtype, backend=backend)
+        self.cache = model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=manifest.kv_dtype, backend=backend,
+                                             index_rows=reader.index_block(n))
 
     @property
     def live_writer(self) -> KVWriter:

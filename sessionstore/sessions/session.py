@@ -236,7 +236,8 @@ class Session:
             feed = list(self.pending) if self.pending else None
             if feed is None and self._committer.logits is None and self._files.live_cache.length:
                 cache = self._files.live_cache
-                self._note_logits(recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype)[0])
+                self._note_logits(recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype,
+                                                 cache.index_rows())[0])
         result.fed = len(feed) if feed else 0
         commits_before = self._committer.commits
 

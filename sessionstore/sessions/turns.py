@@ -123,7 +123,7 @@ def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Se
         else:
             feed = list(pending) if pending else None
             if feed is None and last is None and cache.length:
-                last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype)[0]
+                last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype, cache.index_rows())[0]
         tokens, last, _ = run_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
         pending = tokens[-1:] if tokens else []
         outputs.append(tokens)
@@ -131,12 +131,14 @@ def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Se
 
 
 def recompute_last(model: Decoder[Any], blocks_of: Callable[[int, int], list], tokens: np.ndarray,
-                   kv_dtype: str) -> tuple[np.ndarray, RecordRows]:
-    """Logits [vocab] and rows of the last position, recomputed as a single-token step."""
+                   kv_dtype: str, index_rows: np.ndarray | None = None) -> tuple[np.ndarray, RecordRows]:
+    """Logits [vocab] and rows of the last position, recomputed as a single-token step.
+
+    ``index_rows``: the indexer keys [>= n-1, NI, hd] of a DSA model's positions (None without)."""
     n = int(tokens.shape[0])
     per_layer = [blocks_of(layer, n - 1) for layer in range(model.config.n_layers)]
-    scratch = model.cache_from_blocks(per_layer, np.asarray(tokens[:n - 1], dtype="<i4"),
-                                      kv_dtype=kv_dtype)
+    scratch = model.cache_from_blocks(per_layer, np.asarray(tokens[:n - 1], dtype="<i4"), kv_dtype=kv_dtype,
+                                      index_rows=None if index_rows is None else index_rows[:n - 1])
     logits = model.forward(np.asarray(tokens[n - 1:n], dtype="<i4"), scratch)[-1]  # [vocab]
     return logits, scratch.records_since(n - 1)
 
