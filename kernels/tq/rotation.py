@@ -12,7 +12,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 
-__all__ = ["MAX_WIDTH", "SIGNS", "check_width", "fwht", "row_radius", "rotate", "sign_hash", "unrotate"]
+__all__ = ["MAX_WIDTH", "SIGNS", "WIDTHS", "check_width", "fwht", "row_radius", "rotate", "sign_hash", "unrotate"]
 
 MAX_WIDTH = 512
 WIDTHS: tuple[int, ...] = tuple(1 << k for k in range(1, 10))  # 2, 4, ..., 512
