@@ -93,7 +93,7 @@ def export_slot(store: SessionStore, session_id: str, model_dir: str | os.PathLi
     from kernels.model.config import load_config
 
     cfg = load_config(model_dir)
-    model_dims = (cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 0, 0, cfg.vocab_size)
+    model_dims = cfg.file_dims  # a DSA model's slot carries its Ic rows
     if Dims(**manifest.dims).as_tuple() != model_dims:
         raise ModelMismatchError(f"session dims {Dims(**manifest.dims).as_tuple()} differ from "
                                  f"{model_dir}'s {model_dims}")
