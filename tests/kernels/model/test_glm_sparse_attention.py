@@ -1,7 +1,9 @@
 """Sparse absorbed attention (DSA): each query over its selected rows equals dense attention restricted
-to those rows; bitwise the same for any block split; bounded scratch; bad selections refused."""
+to those rows (f32, fp8, v3 4-bit rows); bitwise the same for any block split; bounded scratch; bad
+selections refused."""
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 from kernels.attention import absorbed_attention, sparse_absorbed_attention, sparse_scratch_bytes
 from kernels.backend import get_backend
 from kernels.errors import FormatError
-from kernels.rows import F32Rows
+from kernels.rows import F32Rows, TqRows
+from kernels.tq import TqCodec
 from tests.kernels.attention_cases import (
     F32_RTOL,
     latent_rows,
@@ -153,3 +156,25 @@ def test_a_query_may_not_select_a_row_after_its_own() -> None:
     sparse_absorbed_attention(q_abs, q_rope, [F32Rows(lc, rc)], ok, SCALE)
     with pytest.raises(FormatError, match="T - S"):
         sparse_absorbed_attention(q_abs, q_rope, [F32Rows(lc, rc)], np.array([[0, 9], [3, 9]]), SCALE)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "polar4"])
+def test_v3_rows_equal_the_reference_on_their_decoded_selected_rows(case: dict, kv_dtype: str) -> None:
+    codec = TqCodec.from_kv_dtype(kv_dtype)
+    lc_codes, lc_radius = codec.encode_rows(case["lc"])
+    rc_codes, rc_radius = codec.encode_rows(case["rc"])
+    rows = TqRows(lc_codes, lc_radius, rc_codes, rc_radius, codec, KV, ROPE)
+    lc, rc = codec.decode_rows(lc_codes, lc_radius, KV), codec.decode_rows(rc_codes, rc_radius, ROPE)
+    sel = case["sel"]
+    got = sparse_absorbed_attention(case["q_abs"], case["q_rope"], split_rows_tq(rows, [90, 200]), sel, SCALE)
+    for s in range(S):
+        ref = reference_absorbed(case["q_abs"][s : s + 1], case["q_rope"][s : s + 1], lc[sel[s]], rc[sel[s]], SCALE,
+                                 causal=False)
+        assert rel_err(got[s : s + 1], ref) < F32_RTOL
+
+
+def split_rows_tq(rows: TqRows, cuts: list[int]) -> list[TqRows]:
+    edges = [0, *cuts, rows.length]
+    return [dataclasses.replace(rows, lc_codes=rows.lc_codes[a:b], lc_radius=rows.lc_radius[a:b],
+                                rc_codes=rows.rc_codes[a:b], rc_radius=rows.rc_radius[a:b])
+            for a, b in zip(edges[:-1], edges[1:], strict=True)]
