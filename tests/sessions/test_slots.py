@@ -45,7 +45,7 @@ def test_slot_paths(tmp_path) -> None:
             slot_path(tmp_path, bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kv, slot", [("fp8", 0), ("f32", 2)])
+@pytest.mark.parametrize("kv, slot", [("fp8", 0), ("f32", 2), ("int4", 3), ("polar4", 1)])
 def test_import_continues_like_an_uninterrupted_run(tmp_path, model_dir, kv, slot) -> None:
     _engine_slot(model_dir, slot, kv)
     store = SessionStore(tmp_path / "store")
@@ -77,7 +77,7 @@ def test_import_refuses_other_dims_and_missing(tmp_path, model_dir) -> None:
     assert store.list() == []
 
 
-@pytest.mark.parametrize("kv", ["fp8", "f32"])
+@pytest.mark.parametrize("kv", ["fp8", "f32", "int4"])
 def test_export_is_the_engines_bytes(tmp_path, model_dir, kv) -> None:
     store = SessionStore(tmp_path / "store")
     s = store.create("chat", model_dir, kv_dtype=kv)
