@@ -9,8 +9,10 @@ Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"ti
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernels.errors import NotFoundError
 from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig, load_config, parse_config
 from kernels.model.decoder import MLADecoder
@@ -22,13 +24,30 @@ from kernels.model.sampling import Sampler, sample
 from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
 from kernels.model.weights import open_checkpoint
 
+GLM_MINI_NAME = "glm-mini"  # the small trained GLM-5-architecture model shipped in the repository
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+
+
+def resolve_model(name: str | os.PathLike[str]) -> str:
+    """A model name as a loadable source: ``"tiny"`` stays, ``"glm-mini"`` becomes the shipped
+    checkpoint directory (models/glm-mini/), anything else is a checkpoint directory path."""
+    src = os.fspath(name)
+    if src == GLM_MINI_NAME and not os.path.isdir(src):
+        shipped = SHIPPED_MODELS_DIR / GLM_MINI_NAME
+        if not (shipped / "config.json").is_file():
+            raise NotFoundError(f"the shipped model {GLM_MINI_NAME!r} is not in this checkout ({shipped}); "
+                                "pass --model DIR or --model tiny")
+        return str(shipped)
+    return src
+
 
 def load_model(path_or_tiny: str | os.PathLike[str]) -> MLADecoder:
-    """Load ``"tiny"`` (the embedded model) or a checkpoint directory (config.json + *.safetensors)."""
+    """Load ``"tiny"`` (the embedded model), ``"glm-mini"`` (the shipped trained model) or a
+    checkpoint directory (config.json + *.safetensors)."""
     if os.fspath(path_or_tiny) == TINY_NAME:
         cfg, weights = tiny_checkpoint(TINY_SEED)
         return MLADecoder(cfg, weights, source=TINY_NAME)
-    model_dir = os.fspath(path_or_tiny)
+    model_dir = resolve_model(path_or_tiny)
     cfg = load_config(model_dir)
     decoder = GlmDecoder if cfg.model_type == GLM_MODEL_TYPE else MLADecoder
     return decoder(cfg, open_checkpoint(model_dir), source=os.path.abspath(model_dir))
@@ -44,6 +63,7 @@ if TYPE_CHECKING:  # `mypy kernels` holds the concrete decoders, cache and confi
 
 
 __all__ = [
+    "GLM_MINI_NAME",
     "Decoder",
     "DecoderCache",
     "DecoderConfig",
@@ -57,5 +77,6 @@ __all__ = [
     "load_config",
     "load_model",
     "parse_config",
+    "resolve_model",
     "sample",
 ]

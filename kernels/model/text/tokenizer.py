@@ -1,0 +1,92 @@
+"""A checkpoint's tokenizer and chat template together: text <-> ids, conversations -> ids.
+
+``chat_ids`` is what transformers' ``apply_chat_template(messages, tokenize=True)`` gives: the
+template's text encoded with ``add_special_tokens=False`` (the template writes bos and the
+role markers itself; special tokens spelled in the text become their ids).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from kernels.model.text.files import TOKENIZER_NAME, TextFiles, read_text_files
+from kernels.model.text.template import ChatTemplate
+
+MAX_TEXT_CHARS = 16 << 20  # one prompt or conversation, before tokenisation
+
+
+class ChatTokenizer:
+    """``tokenizer.json`` through the ``tokenizers`` library plus the chat template."""
+
+    def __init__(self, files: TextFiles) -> None:
+        where = str(files.directory / TOKENIZER_NAME)
+        try:
+            self._tok = Tokenizer.from_str(files.tokenizer_json)
+        except Exception as exc:  # noqa: BLE001 - the Rust parser raises plain Exception
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise FormatError(f"{where}: not a tokenizers tokenizer.json ({first})") from None
+        self.files = files
+        self.source = str(files.directory)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self.template = (ChatTemplate(files.chat_template, files.special_tokens, where=f"{files.directory}: "
+                                      "chat template") if files.chat_template is not None else None)
+        eos = list(files.eos_ids)
+        eos_text = files.special_tokens.get("eos_token")
+        if eos_text is not None:
+            eos_id = self._tok.token_to_id(eos_text)
+            if eos_id is None:
+                raise FormatError(f"{files.directory}: eos_token {eos_text!r} is not in {TOKENIZER_NAME}")
+            if eos_id not in eos:
+                eos.append(int(eos_id))
+        self.eos_ids: tuple[int, ...] = tuple(eos)
+
+    def check_vocab(self, model_vocab: int) -> None:
+        """Refuse a tokenizer whose ids do not fit the model's vocabulary."""
+        if self.vocab_size > model_vocab:
+            raise ModelMismatchError(f"{self.source}: the tokenizer has {self.vocab_size} ids, the model's "
+                                     f"vocabulary only {model_vocab}")
+        big = [i for i in self.eos_ids if i >= model_vocab]
+        if big:
+            raise ModelMismatchError(f"{self.source}: eos id {big[0]} is outside the model's vocabulary "
+                                     f"({model_vocab})")
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text``; ``add_special_tokens`` runs the tokenizer's post-processor (bos etc.)."""
+        if not isinstance(text, str):
+            raise FormatError(f"text must be a string, found {type(text).__name__}")
+        if len(text) > MAX_TEXT_CHARS:
+            raise FormatError(f"the text is longer than {MAX_TEXT_CHARS} characters")
+        return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens).ids]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        bad = [int(i) for i in ids if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise FormatError(f"token id {bad[0]} is outside the tokenizer's {self.vocab_size} ids")
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise FormatError(f"{self.source}: no chat template (tokenizer_config.json 'chat_template' or "
+                              "chat_template.jinja)")
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """The conversation rendered and tokenised as ``apply_chat_template(..., tokenize=True)``."""
+        return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
+
+
+def load_text(model_dir: str | os.PathLike[str]) -> ChatTokenizer:
+    """The tokenizer and chat template of a checkpoint directory (one clear error if unusable)."""
+    path = os.fspath(model_dir)
+    if not os.path.isdir(path):
+        raise NotFoundError(f"{path}: the model has no tokenizer files (text needs a checkpoint directory with "
+                            f"{TOKENIZER_NAME}; use --prompt-ids with this model)")
+    return ChatTokenizer(read_text_files(path))
+
+
+__all__ = ["ChatTokenizer", "MAX_TEXT_CHARS", "load_text"]
