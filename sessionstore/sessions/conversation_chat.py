@@ -1,0 +1,248 @@
+"""Conversations over a session: messages in, a streamed reply out, the conversation file kept
+consistent with the kv commit.
+
+A reply to ``messages`` (the whole conversation, ending with the new prompt) goes:
+
+1. render ``messages`` with the generation prompt -> prompt ids P; refuse (nothing written) a
+   prompt that leaves no room in the model's context for the reply;
+2. write the conversation file with the turn OPEN (its messages, len(P), sha256(P)); the
+   complete messages before it keep the history they stood for;
+3. reuse the longest common prefix k of the committed records and P (truncate there), feed
+   P[k:] and COMMIT the kv file: the committed history is now exactly P;
+4. sample, streaming text; eos (any of the tokenizer's eos ids), the limit or an interruption
+   (checked at each token boundary) ends the turn and the kv file is committed;
+5. write the conversation file with the reply appended as an assistant message and the turn
+   closed; it names the whole history (records + pending token) by length and digest.
+
+Recovery (:meth:`Conversation.open`), history H = committed records + pending tokens:
+an open turn whose prompt H starts with is closed with H[len(P):] as the (partial) reply; an
+open turn whose prompt never reached the file (H is still the complete messages' history) is
+dropped; an open turn cut after its truncation (H a proper prefix of P) has P[len(H):] fed and
+committed, then closes with an empty reply. A closed conversation must agree with H exactly.
+So after any crash the messages on disk are the ones the committed tokens were rendered from.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kernels.errors import ColiError, FormatError, LimitError
+from kernels.model.protocols import Decoder
+from kernels.model.text import ChatTokenizer, StreamDecoder
+from sessionstore.sessions.conversation import (
+    ConversationRecord,
+    OpenTurn,
+    check_messages,
+    read_record,
+    tokens_digest,
+    write_record,
+)
+from sessionstore.sessions.manifest import SamplerSettings
+from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
+
+
+class ConversationMismatchError(ColiError):
+    """A session's conversation file does not describe its committed tokens."""
+
+
+class _StopTurn(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Reply:
+    """One answered turn."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stopped: str = "limit"  # "eos" | "limit" | "interrupted"
+    prompt_tokens: int = 0
+    reused_prefix: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
+                "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
+
+
+def _token_stopper(eos: frozenset[int], stream: StreamDecoder, tokens: list[int],
+                   on_text: Callable[[str], None] | None,
+                   should_stop: Callable[[], bool] | None) -> Callable[[int, int], None]:
+    """The per-token callback: stream the text, end the turn at eos or when asked (token boundary)."""
+
+    def on_token(token: int, position: int) -> None:
+        tokens.append(int(token))
+        piece = stream.push(token)
+        if piece and on_text is not None:
+            on_text(piece)
+        if token in eos:
+            raise _StopTurn("eos")
+        if should_stop is not None and should_stop():
+            raise _StopTurn("interrupted")
+
+    return on_token
+
+
+def check_room(prompt: Sequence[int], max_new: int, context: int) -> None:
+    end = len(prompt) + max(max_new - 1, 0)
+    if end > context:
+        raise LimitError(f"the conversation is {len(prompt)} tokens; with {max_new} new tokens it needs {end} "
+                         f"positions, past the model's context of {context}")
+
+
+class Conversation:
+    """A resident :class:`Session` with the messages its tokens were rendered from."""
+
+    def __init__(self, session: Any, tokenizer: ChatTokenizer, record: ConversationRecord) -> None:
+        self.session = session
+        self.tokenizer = tokenizer
+        self.record = record
+        self.eos = frozenset(tokenizer.eos_ids)
+
+    # ---- open and recover ------------------------------------------------------------------
+    @classmethod
+    def open(cls, session: Any, tokenizer: ChatTokenizer) -> Conversation:
+        """The session's conversation, recovered to agree with its committed tokens."""
+        tokenizer.check_vocab(session.model.config.vocab_size)
+        session.ensure_resident()
+        record = read_record(session.directory)
+        history = session.history()
+        if record is None:  # no messages known: the next reply renders only its own messages
+            return cls(session, tokenizer, ConversationRecord([], len(history), tokens_digest(history)))
+        conv = cls(session, tokenizer, record)
+        if record.turn is not None:
+            conv._recover(record.turn, history)
+        elif not record.agrees_with(history):
+            raise ConversationMismatchError(
+                f"session {session.id!r}: its conversation stands for {record.tokens} tokens that are not its "
+                f"{len(history)} committed tokens (changed by token-level commands); start a new session")
+        return conv
+
+    def _recover(self, turn: OpenTurn, history: list[int]) -> None:
+        prompt = self.tokenizer.chat_ids(turn.messages)
+        if len(prompt) != turn.prompt_tokens or tokens_digest(prompt) != turn.prompt_digest:
+            raise ConversationMismatchError(
+                f"session {self.session.id!r}: the interrupted turn no longer renders to the prompt it fed "
+                "(another tokenizer or template?)")
+        n = len(prompt)
+        if len(history) >= n and tokens_digest(history[:n]) == turn.prompt_digest:
+            self._close_turn(turn.messages, history[n:])
+        elif self.record.agrees_with(history):
+            self.record.turn = None  # the prompt never reached the kv file
+            write_record(self.session.directory, self.record)
+        elif len(history) < n and history == prompt[:len(history)]:
+            self.session.append_tokens(prompt[len(history):], commit=True)
+            self._close_turn(turn.messages, [])
+        else:
+            raise ConversationMismatchError(
+                f"session {self.session.id!r}: its committed tokens are neither the conversation's nor its "
+                "interrupted turn's")
+
+    def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int]) -> str:
+        text = self.tokenizer.decode(list(answer))
+        history = self.session.history()
+        self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
+                                         tokens_digest(history), None)
+        write_record(self.session.directory, self.record)
+        return text
+
+    # ---- turns -----------------------------------------------------------------------------
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [dict(m) for m in self.record.messages]
+
+    def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
+                on_text: Callable[[str], None] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> Reply:
+        """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused."""
+        checked = check_messages(list(messages), "messages")
+        if not checked:
+            raise FormatError("the conversation is empty: give at least one message")
+        session, model = self.session, self.session.model
+        prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)
+        model.check_tokens(np.asarray(prompt, dtype=np.int64))
+        check_room(prompt, max_new, model.config.max_position_embeddings)
+        session.ensure_resident()
+        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt))
+        write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
+        k = common_prefix(session.cache.tokens, prompt)
+        if k < session.cache.length:
+            session.truncate(k)
+        session.append_tokens(prompt[k:], commit=True)
+        reply = Reply(prompt_tokens=len(prompt), reused_prefix=k)
+        stream = StreamDecoder(self.tokenizer)
+        try:
+            session.generate(None, max_new, on_token=_token_stopper(self.eos, stream, reply.tokens, on_text,
+                                                                    should_stop))
+        except _StopTurn as stop:
+            session.commit()
+            reply.stopped = stop.reason
+        rest = stream.finish()
+        if rest and on_text is not None:
+            on_text(rest)
+        assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
+        reply.text = self._close_turn(checked, reply.tokens)
+        assert reply.text == stream.text
+        return reply
+
+    def say(self, text: str, max_new: int, **kw: Any) -> Reply:
+        return self.respond([*self.record.messages, {"role": "user", "content": text}], max_new, **kw)
+
+    def regenerate(self, max_new: int, **kw: Any) -> Reply:
+        """Answer the conversation again without its last assistant message."""
+        msgs = self.record.messages
+        if not msgs or msgs[-1]["role"] != "assistant" or len(msgs) < 2:
+            raise FormatError("nothing to regenerate: the conversation does not end with an answer")
+        return self.respond(msgs[:-1], max_new, **kw)
+
+    def edit(self, index: int, text: str, max_new: int, **kw: Any) -> Reply:
+        """Replace user message ``index`` (and drop everything after it), then answer."""
+        msgs = self.record.messages
+        if not 0 <= index < len(msgs) or msgs[index]["role"] != "user":
+            raise FormatError(f"message {index} is not a user message (see /history)")
+        return self.respond([*msgs[:index], {**msgs[index], "content": text}], max_new, **kw)
+
+    def fork(self, new_id: str) -> None:
+        """Fork the session into ``new_id`` with this conversation (between turns)."""
+        self.session.fork(new_id)
+        store = self.session.store
+        write_record(store.session_dir(new_id), ConversationRecord(self.messages, self.record.tokens,
+                                                                   self.record.digest, None))
+
+
+class ReferenceChat:
+    """The uninterrupted run of a conversation: one in-memory cache, no store, no files; the same
+    rendering, prefix reuse, feeding and stopping as :class:`Conversation`."""
+
+    def __init__(self, model: Decoder[Any], tokenizer: ChatTokenizer, kv_dtype: str,
+                 sampler: SamplerSettings | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = model.new_cache(kv_dtype)
+        self.sampler = sampler or SamplerSettings()
+        self.eos = frozenset(tokenizer.eos_ids)
+
+    def respond(self, messages: Sequence[dict[str, Any]], max_new: int) -> list[int]:
+        prompt = self.tokenizer.chat_ids(list(messages), add_generation_prompt=True)
+        k = common_prefix(self.cache.tokens, prompt)
+        if k < self.cache.length:
+            self.cache.truncate(k)
+        logits = feed_chunk(self.model, self.cache, prompt[k:])
+        tokens: list[int] = []
+
+        def on_step(token: int, position: int, _logits: np.ndarray) -> None:
+            tokens.append(int(token))
+            if token in self.eos:
+                raise _StopTurn("eos")
+
+        try:
+            run_turn(self.model, self.cache, None, logits, max_new, self.sampler, on_step=on_step)
+        except _StopTurn:
+            pass
+        return tokens
+
+
+__all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "Reply", "check_room"]
