@@ -15,6 +15,7 @@ from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler, generate, load_model
 from kernels.rows import KV_DTYPES
 from tools._common import check_backend, parse_ids
+from tools._text import generate_text, text_input
 
 DEFAULT_MAX_NEW = 16
 
@@ -30,6 +31,11 @@ def register(subparsers: Any) -> None:
                    " required unless --root/--session is given")
     p.add_argument("--prompt-ids", help="comma-separated input token ids, e.g. 1,2,3 (required unless a session"
                    " continues from its pending token)")
+    p.add_argument("--prompt", help="input text, encoded with the model's tokenizer.json (instead of --prompt-ids);"
+                   " prints the generated text (and its ids: on stderr, or in --json)")
+    p.add_argument("--messages", metavar="FILE.json", help="an OpenAI-style message list (JSON), rendered with the"
+                   " model's chat template and the generation prompt; with a session it becomes the session's"
+                   " conversation (the reply is appended to it)")
     p.add_argument("--max-new", type=int, default=None, help=f"tokens to generate (default {DEFAULT_MAX_NEW})")
     p.add_argument("--kv", choices=KV_DTYPES, default=None,
                    help="latent cache dtype: f32, fp8, or the 4-bit tier (int4, polar2..polar6) (default: f32 in"
@@ -68,6 +74,7 @@ def sampler_from_args(args: argparse.Namespace) -> Sampler:
 
 
 def handle(args: argparse.Namespace) -> int:
+    text = text_input(args)  # --prompt / --messages, checked before anything is touched
     if args.root or args.session:
         try:
             from tools.cmd_sessions import session_generate
@@ -78,8 +85,14 @@ def handle(args: argparse.Namespace) -> int:
         raise FormatError("--remote needs --root and --session (it moves a session)")
     if not args.model:
         raise FormatError("--model is required (a checkpoint directory or 'tiny') unless --root/--session is given")
+    if text is not None:
+        check_backend(args.backend)
+        max_new = DEFAULT_MAX_NEW if args.max_new is None else args.max_new
+        if max_new < 0:
+            raise FormatError(f"--max-new: max_new must be an integer >= 0, found {max_new}")
+        return generate_text(args, text[0], text[1], sampler_from_args(args), max_new)
     if args.prompt_ids is None:
-        raise FormatError("--prompt-ids is required (comma-separated token ids)")
+        raise FormatError("--prompt-ids, --prompt or --messages is required")
     ids = parse_ids(args.prompt_ids)
     sampler = sampler_from_args(args)
     max_new = DEFAULT_MAX_NEW if args.max_new is None else args.max_new

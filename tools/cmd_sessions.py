@@ -10,8 +10,10 @@ from dataclasses import asdict
 from typing import Any
 
 from kernels.errors import ColiError, FormatError
+from kernels.model import resolve_model
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
+from tools._text import session_text_turn, text_input, tokenizer_for
 
 
 def register(subparsers: Any) -> None:
@@ -193,6 +195,9 @@ def session_generate(args: argparse.Namespace) -> int:
     A refused command leaves the store as it was (no empty session, no empty store skeleton)."""
     if not _opt(args, "root") or not _opt(args, "session"):
         raise FormatError("--root and --session go together")
+    text = text_input(args)  # --prompt / --messages: read and checked before the store is touched
+    if text is not None:
+        return session_generate_text(args, *text)
     max_new, options = _turn_options(args)
     prompt = _prompt_ids(args)
     fresh_root = not os.path.lexists(args.root)
@@ -242,4 +247,48 @@ def session_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_fork", "run_ls", "run_rm", "session_generate"]
+def session_generate_text(args: argparse.Namespace, kind: str, value: Any) -> int:
+    """``generate --root R --session ID --prompt TEXT | --messages FILE``: the tokenizer and the
+    prompt are checked before the session is created or changed; a refused turn leaves no trace."""
+    if _opt(args, "remote"):
+        raise FormatError("--remote takes token-level turns (--prompt-ids) only")
+    max_new, options = _turn_options(args)
+    fresh_root = not os.path.lexists(args.root)
+    store = SessionStore(args.root)
+    created = ok = False
+    try:
+        if store.exists(args.session):
+            source = _opt(args, "model") or store.read_manifest(args.session).model.path
+            tok = tokenizer_for(source)
+            session = store.open(args.session, _opt(args, "model") or None, **options)
+        else:
+            if not _opt(args, "model"):
+                raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
+            tok = tokenizer_for(args.model)
+            session = store.create(args.session, resolve_model(args.model), kv_dtype=_opt(args, "kv") or "fp8",
+                                   sampler=_sampler(args, SamplerSettings()), **options)
+            created = True
+        try:
+            summary = session_text_turn(session, args, kind, value, tok, max_new,
+                                        _sampler(args, session.manifest.sampler))
+        finally:
+            session.close()
+        ok = True
+    finally:
+        if not ok:
+            if created:
+                _discard_if_empty(store, args.session)
+            if fresh_root:
+                remove_empty_store(str(store.root))
+    print(summary["text"])
+    summary.update(session=args.session, created=created)
+    if _opt(args, "json"):
+        print(json.dumps(summary, sort_keys=True, ensure_ascii=False))
+    else:
+        print(f"ids: {' '.join(str(t) for t in summary['tokens'])}", file=sys.stderr)
+        print(f"session {args.session}: {'created' if created else 'resumed'}, reused {summary['reused_prefix']}, "
+              f"committed {summary['committed']} records", file=sys.stderr)
+    return 0
+
+
+__all__ = ["register", "run_fork", "run_ls", "run_rm", "session_generate", "session_generate_text"]

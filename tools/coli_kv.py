@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "tools.cmd_verify",
     "tools.cmd_convert",
     "tools.cmd_generate",
+    "tools.cmd_chat",
     "tools.cmd_sessions",
     "tools.cmd_slots",
     "tools.cmd_demo",

@@ -102,6 +102,7 @@ class Conversation:
         self.tokenizer = tokenizer
         self.record = record
         self.eos = frozenset(tokenizer.eos_ids)
+        self.recovered: dict[str, Any] | None = None  # what open() did to an interrupted turn
 
     # ---- open and recover ------------------------------------------------------------------
     @classmethod
@@ -131,12 +132,15 @@ class Conversation:
         n = len(prompt)
         if len(history) >= n and tokens_digest(history[:n]) == turn.prompt_digest:
             self._close_turn(turn.messages, history[n:])
+            self.recovered = {"action": "closed", "reply_tokens": history[n:]}
         elif self.record.agrees_with(history):
             self.record.turn = None  # the prompt never reached the kv file
             write_record(self.session.directory, self.record)
+            self.recovered = {"action": "dropped", "reply_tokens": []}
         elif len(history) < n and history == prompt[:len(history)]:
             self.session.append_tokens(prompt[len(history):], commit=True)
             self._close_turn(turn.messages, [])
+            self.recovered = {"action": "completed", "reply_tokens": []}
         else:
             raise ConversationMismatchError(
                 f"session {self.session.id!r}: its committed tokens are neither the conversation's nor its "
@@ -188,6 +192,10 @@ class Conversation:
         reply.text = self._close_turn(checked, reply.tokens)
         assert reply.text == stream.text
         return reply
+
+    def say_all(self, messages: Sequence[dict[str, Any]], max_new: int, **kw: Any) -> Reply:
+        """:meth:`respond` with ``max_new`` after the messages (the chat's calling order)."""
+        return self.respond(messages, max_new, **kw)
 
     def say(self, text: str, max_new: int, **kw: Any) -> Reply:
         return self.respond([*self.record.messages, {"role": "user", "content": text}], max_new, **kw)
