@@ -5,9 +5,12 @@ emulator in tests). Blocks may hold numpy arrays (uploaded) or device arrays (us
 when their layout allows: any row stride that is a multiple of 4 bytes, e.g. a record array).
 Several blocks of one session are concatenated on the device first.
 
-Kernels: "simt" (default; f32 arithmetic, f32 and fp8 rows: agrees with the CPU to f32
+Kernels: "simt" (default; f32 arithmetic, f32, fp8 and v3 int4 rows: agrees with the CPU to f32
 rounding), "mma" (tensor cores, fp8 rows, hi/lo f16 split: f32-like), "mma_fast" (tensor cores,
 single f16 operands: ~1e-3 relative; the bandwidth benchmark's kernel).
+v3 int4 rows (TqRows, tag 0x104) are attended in the rotated domain: q rotated once on the device
+before the split kernel, the context unrotated once after (kernels.cuda.rotation). PolarQuant rows
+are refused by name (FormatError): use the CPU backend for them.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import numpy as np
 
 from kernels.attention.absorbed import query_positions
 from kernels.attention.tiles import cache_shape
-from kernels.cuda.launch import KERNELS, Runner, run_split_decode
+from kernels.cuda.launch import KERNELS, DeviceRows, Runner, row_kind, run_split_decode
+from kernels.cuda.rotation import rotate_device
 from kernels.cuda.sources import KernelDims
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
@@ -36,17 +40,31 @@ def _device_field(runner: Runner, dev: Any) -> Any:
 def _as_host_or_device(runner: Runner, blk: LatentRows) -> LatentRows:
     """numpy fields of a block are uploaded; device fields stay (validated by cache_shape)."""
     xp = runner.xp
-    if xp is np or not isinstance(blk, (F32Rows, Fp8Rows)):
+    if xp is np or not isinstance(blk, (F32Rows, Fp8Rows, TqRows)):
         return blk
     up = {k: (xp.asarray(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for k, v in vars(blk).items()}
     return type(blk)(**up)
 
 
-def device_rows(runner: Runner, blocks: Sequence[LatentRows]) -> F32Rows | Fp8Rows:
+def _tq_device_rows(runner: Runner, host: list[LatentRows]) -> TqRows:
+    """v3 int4 blocks of one session (validated by cache_shape) as ONE device block."""
+    xp = runner.xp
+    first = host[0]
+    assert isinstance(first, TqRows)
+    row_kind(first)  # refuses PolarQuant by name
+    fields = ("lc_codes", "lc_radius", "rc_codes", "rc_radius")
+    parts = {f: [_device_field(runner, getattr(b, f)) for b in host] for f in fields}
+    merged = {f: (v[0] if len(v) == 1 else xp.concatenate(v)) for f, v in parts.items()}
+    return TqRows(**merged, codec=first.codec, kv_lora=first.kv_lora, qk_rope=first.qk_rope)
+
+
+def device_rows(runner: Runner, blocks: Sequence[LatentRows]) -> DeviceRows:
     """One session's blocks as ONE device block (zero copy for a single, suitably aligned block)."""
     xp = runner.xp
     host = [_as_host_or_device(runner, b) for b in blocks]
     shape = cache_shape(host, xp.ndarray)
+    if shape.tq is not None:
+        return _tq_device_rows(runner, host)
     if not shape.any_fp8 or shape.all_fp8:
         fields = ("lc_codes", "lc_scale", "rc_codes", "rc_scale") if shape.all_fp8 else ("lc", "rc")
         parts = {f: [_device_field(runner, getattr(b, f)) for b in host] for f in fields}
@@ -55,7 +73,16 @@ def device_rows(runner: Runner, blocks: Sequence[LatentRows]) -> F32Rows | Fp8Ro
     raise FormatError("cuda attention: a session's blocks must all be f32 or all fp8 (mixed kinds: use the CPU)")
 
 
-def _queries(runner: Runner, q: Any, name: str, width: int) -> Any:
+def row_widths(rows: DeviceRows) -> tuple[int, int]:
+    """(kv_lora, rope) of a device block."""
+    if isinstance(rows, TqRows):
+        return rows.kv_lora, rows.qk_rope
+    if isinstance(rows, Fp8Rows):
+        return int(rows.lc_codes.shape[1]), int(rows.rc_codes.shape[1])
+    return int(rows.lc.shape[1]), int(rows.rc.shape[1])
+
+
+def device_queries(runner: Runner, q: Any, name: str, width: int) -> Any:
     xp = runner.xp
     dev = xp.ascontiguousarray(xp.asarray(q), dtype=xp.float32)
     if dev.ndim != 3 or dev.shape[2] != width:
@@ -76,15 +103,17 @@ def absorbed_attention_device(
 ) -> Any:
     """Same contract as kernels.attention.absorbed_attention; returns a device array [S, H, kv_lora]."""
     rows = device_rows(runner, blocks)
-    width = rows.lc_codes.shape[1] if isinstance(rows, Fp8Rows) else rows.lc.shape[1]
-    rope = rows.rc_codes.shape[1] if isinstance(rows, Fp8Rows) else rows.rc.shape[1]
+    width, rope = row_widths(rows)
     length = rows.length
-    qa, qr = _queries(runner, q_abs, "q_abs", width), _queries(runner, q_rope, "q_rope", rope)
+    qa, qr = device_queries(runner, q_abs, "q_abs", width), device_queries(runner, q_rope, "q_rope", rope)
     if qa.shape[:2] != qr.shape[:2]:
         raise FormatError(f"cuda attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
     n_q, heads = int(qa.shape[0]), int(qa.shape[1])
     first = query_positions(n_q, length, causal)
     dims = KernelDims(heads, width, rope)
+    tq = isinstance(rows, TqRows)
+    if tq:  # the rotated domain: q once here, the context once at the end
+        qa, qr = rotate_device(runner, dims, qa), rotate_device(runner, dims, qr)
     outs = []
     for s0 in range(0, n_q, QUERY_CHUNK):  # bounded partials and grid.y
         s1 = min(n_q, s0 + QUERY_CHUNK)
@@ -93,7 +122,8 @@ def absorbed_attention_device(
         items[:, 2] = first + np.arange(s0, s1) + 1 if causal else length
         outs.append(run_split_decode(runner, dims, kernel, [rows], items, qa[s0:s1], qr[s0:s1], softmax_scale,
                                      split_rows))
-    return outs[0] if len(outs) == 1 else runner.xp.concatenate(outs, axis=0)
+    ctx = outs[0] if len(outs) == 1 else runner.xp.concatenate(outs, axis=0)  # ctx: [S, H, kv_lora] f32
+    return rotate_device(runner, dims, ctx, inverse=True) if tq else ctx
 
 
 def batched_decode_device(
@@ -116,14 +146,12 @@ def batched_decode_device(
     sessions = [device_rows(runner, [c] if isinstance(c, (F32Rows, Fp8Rows, TqRows)) else list(c)) for c in caches]
     if not sessions:
         raise FormatError("cuda attention: no sessions given")
-    first = sessions[0]
-    width = first.lc_codes.shape[1] if isinstance(first, Fp8Rows) else first.lc.shape[1]
-    rope = first.rc_codes.shape[1] if isinstance(first, Fp8Rows) else first.rc.shape[1]
+    width, rope = row_widths(sessions[0])
     for b, s in enumerate(sessions):
-        w = (s.lc_codes.shape[1], s.rc_codes.shape[1]) if isinstance(s, Fp8Rows) else (s.lc.shape[1], s.rc.shape[1])
+        w = row_widths(s)
         if w != (width, rope):
             raise ModelMismatchError(f"cuda attention: session {b} widths {w} differ from session 0 {(width, rope)}")
-    qa, qr = _queries(runner, q_abs, "q_abs", width), _queries(runner, q_rope, "q_rope", rope)
+    qa, qr = device_queries(runner, q_abs, "q_abs", width), device_queries(runner, q_rope, "q_rope", rope)
     if qa.shape[0] != len(sessions) or qr.shape[:2] != qa.shape[:2]:
         raise FormatError(f"cuda attention: q_abs {qa.shape}/q_rope {qr.shape} need one row per session"
                           f" ({len(sessions)})")
@@ -132,4 +160,8 @@ def batched_decode_device(
     items[:, 1] = np.arange(len(sessions))
     items[:, 2] = [s.length for s in sessions]
     dims = KernelDims(int(qa.shape[1]), width, rope)
+    if isinstance(sessions[0], TqRows):  # one row kind per launch: run_split_decode refuses a mix
+        qa, qr = rotate_device(runner, dims, qa), rotate_device(runner, dims, qr)
+        ctx = run_split_decode(runner, dims, kernel, sessions, items, qa, qr, softmax_scale, split_rows)
+        return rotate_device(runner, dims, ctx, inverse=True)
     return run_split_decode(runner, dims, kernel, sessions, items, qa, qr, softmax_scale, split_rows)

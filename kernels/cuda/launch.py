@@ -7,7 +7,12 @@ arithmetic below are exercised by CI through the emulator exactly as they run on
 Work items: one per (query row, session): item = (session, q_row, visible length). Batched decode
 is one item per session; a causal batch of S queries over one session is S items whose visible
 lengths are T-S+1 .. T. The split kernel covers each item's rows in chunks of ``split_rows``;
-the reduce kernel merges the chunks (flash-decoding), so T has no cap.
+the reduce kernel merges the chunks (flash-decoding), so T has no cap. A sparse (DSA) launch
+passes ``sel`` [n_items, k] i32: item i then attends rows sel[i, :length] of its session, read
+by index in place (SIMT gather entries).
+
+Row kinds: f32 (F32Rows), fp8 (Fp8Rows), int4 (TqRows of v3 tag 0x104: the kernel reads
+unit-scale rotated-domain levels; the caller rotates the queries and unrotates the context).
 """
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ import numpy as np
 from kernels.cuda.sources import KernelDims, mma_supported
 from kernels.errors import FormatError, LimitError
 from kernels.fp8 import usable_scales
-from kernels.rows import F32Rows, Fp8Rows
+from kernels.rows import F32Rows, Fp8Rows, TqRows
+from kernels.tq.int4 import LEVELS
+
+DeviceRows = F32Rows | Fp8Rows | TqRows
 
 SESSION_FIELDS = ("lc", "rc", "lsc", "rsc", "lc_stride", "rc_stride", "lsc_stride", "rsc_stride")
 SESSION_DTYPE = np.dtype([(f, "<i8") for f in SESSION_FIELDS])  # struct MlaSession: 64 bytes
@@ -39,13 +47,31 @@ class KernelSpec:
     heads_per_cta: int
     tile_rows: int
     dynamic_smem: bool
+    int4_entry: str | None = None
+    sparse_prefix: str | None = None  # sparse entries are <prefix>_<kind>
+
+    def entry(self, kind: str, sparse: bool) -> str | None:
+        if sparse:
+            return None if self.sparse_prefix is None else f"{self.sparse_prefix}_{kind}"
+        return {"fp8": self.fp8_entry, "f32": self.f32_entry, "int4": self.int4_entry}[kind]
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "simt": KernelSpec("mla_split_simt_fp8", "mla_split_simt_f32", 256, 8, 16, False),
+    "simt": KernelSpec("mla_split_simt_fp8", "mla_split_simt_f32", 256, 8, 16, False, "mla_split_simt_int4",
+                       "mla_sparse_simt"),
     "mma": KernelSpec("mla_split_mma_exact", None, 256, 32, 32, True),
     "mma_fast": KernelSpec("mla_split_mma_fast", None, 256, 32, 32, True),
 }
+
+
+def row_kind(rows: DeviceRows) -> str:
+    """"f32", "fp8" or "int4" (the kernels' row kinds); other v3 codecs are refused by name."""
+    if isinstance(rows, TqRows):
+        if rows.codec.kind != "int4":
+            raise FormatError(f"cuda attention: v3 {rows.codec.kv_dtype} (PolarQuant) rows are not supported by the"
+                              " CUDA kernels (v3 int4 rows are); use the CPU backend")
+        return "int4"
+    return "fp8" if isinstance(rows, Fp8Rows) else "f32"
 
 
 class Runner(Protocol):
@@ -71,9 +97,16 @@ def _row_stride(arr: Any, name: str, itemsize: int, align: int) -> int:
     return int(arr.strides[0])
 
 
-def session_record(runner: Runner, rows: F32Rows | Fp8Rows) -> tuple[int, ...]:
+def session_record(runner: Runner, rows: DeviceRows) -> tuple[int, ...]:
     """The MlaSession fields of one device-resident block (pointers and byte strides)."""
     addr = runner.address
+    if isinstance(rows, TqRows):  # codes are read byte by byte; radii are f32 (the scale fields)
+        for name, arr in (("lc_radius", rows.lc_radius), ("rc_radius", rows.rc_radius)):
+            if arr.ndim != 1 or arr.strides[0] % 4 or addr(arr) % 4:
+                raise FormatError(f"cuda attention: {name} must be [T] f32 with a 4-byte stride")
+        return (addr(rows.lc_codes), addr(rows.rc_codes), addr(rows.lc_radius), addr(rows.rc_radius),
+                _row_stride(rows.lc_codes, "lc_codes", 1, 1), _row_stride(rows.rc_codes, "rc_codes", 1, 1),
+                int(rows.lc_radius.strides[0]), int(rows.rc_radius.strides[0]))
     if isinstance(rows, Fp8Rows):
         for name, arr in (("lc_scale", rows.lc_scale), ("rc_scale", rows.rc_scale)):
             if arr.ndim != 1 or arr.strides[0] % 4:
@@ -99,22 +132,24 @@ def run_split_decode(
     runner: Runner,
     dims: KernelDims,
     kernel: str,
-    sessions: Sequence[F32Rows | Fp8Rows],
+    sessions: Sequence[DeviceRows],
     items: np.ndarray,  # [n_items, 4] i32: session, q_row, length, 0
-    q_abs: Any,  # [R, H, kv_lora] f32 device
-    q_rope: Any,  # [R, H, rope] f32 device
+    q_abs: Any,  # [R, H, kv_lora] f32 device (rotated for int4 rows)
+    q_rope: Any,  # [R, H, rope] f32 device (rotated for int4 rows)
     scale: float,
     split_rows: int | None = None,
+    sel: Any = None,  # [n_items, k] i32 device: sparse rows of each item (k >= its length)
 ) -> Any:
     """Launch the split kernel + reduce over ``items``; returns ctx [n_items, H, kv_lora] f32 (device)."""
     xp = runner.xp
     spec = KERNELS[kernel]
-    fp8 = isinstance(sessions[0], Fp8Rows)
-    if any(isinstance(s, Fp8Rows) != fp8 for s in sessions):
-        raise FormatError("cuda attention: one launch takes sessions of one row kind (all f32 or all fp8)")
-    entry = spec.fp8_entry if fp8 else spec.f32_entry
+    kind = row_kind(sessions[0])
+    if any(row_kind(s) != kind for s in sessions):
+        raise FormatError("cuda attention: one launch takes sessions of one row kind (all f32, all fp8 or all int4)")
+    entry = spec.entry(kind, sel is not None)
     if entry is None:
-        raise FormatError(f"cuda attention: kernel {kernel!r} reads fp8 rows only; use kernel='simt' for f32 rows")
+        what = "sparse (DSA) attention" if sel is not None else f"{kind} rows"
+        raise FormatError(f"cuda attention: kernel {kernel!r} reads dense fp8 rows only; use kernel='simt' for {what}")
     if spec.dynamic_smem and not mma_supported(dims):
         raise FormatError(f"cuda attention: kernel {kernel!r} needs kv_lora % 32 == 0 and rope % 16 == 0,"
                           f" found {dims.kv_lora}/{dims.rope}; use kernel='simt'")
@@ -139,6 +174,11 @@ def run_split_decode(
         lsc_max = xp.stack([_scale_bound(xp, s) for s in fp8_sessions]).astype(xp.float32)  # [B] f32, no host sync
         runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, lsc_max, *tail),
                       runner.smem_bytes(dims, entry))
+    elif sel is not None:
+        runner.launch(dims, entry, grid, spec.threads,
+                      (dev_sessions, dev_items, *tail, xp.asarray(LEVELS), sel, np.int32(sel.shape[1])))
+    elif kind == "int4":
+        runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, *tail, xp.asarray(LEVELS)))
     else:
         runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, *tail))
     out = xp.empty((n_items, dims.heads, dims.kv_lora), dtype=xp.float32)  # ctx [n, H, kv_lora]

@@ -1,12 +1,19 @@
 // Split-T (flash-decoding) absorbed MLA attention, f32 SIMT arithmetic: the exact kernel.
 //
 // grid = (n_splits, n_items, ceil(H / 8)), block = 256 threads (8 warps, one head per warp).
-// CTA (j, i, g) attends rows [j*split_rows, (j+1)*split_rows) of item i's visible rows with
+// CTA (j, i, g) attends positions [j*split_rows, (j+1)*split_rows) of item i's `length` rows with
 // heads g*8 .. g*8+7 and writes an un-normalised partial (acc, running max m, normaliser l);
 // mla_reduce.cu merges the partials. Rows are staged tile by tile into shared memory, decoded
-// (fp8: table value, scale kept apart and hoisted out of the dots, as the engine does).
+// (fp8: table value; int4: Lloyd-Max level of each nibble) with the row factor kept apart and
+// hoisted out of the dots, as the engine does.
 //   score_t = (Lsc_t * (qabs . Lc_t) + Rsc_t * (qrope . Rc_t)) * scale
 //   acc     = sum_t exp(score_t - m) * Lsc_t * Lc_t ,  l = sum_t exp(score_t - m)
+// Row kinds: f32 rows (factors 1); fp8 codes + scales; int4 (v3 tag 0x104) codes + radii, read as
+// unit-scale ROTATED-domain values with factor radius / sqrtf(width): the host rotates the queries
+// before and unrotates the context after (mla_rotate.cu).
+// Dense entries (mla_split_simt_*) attend rows 0 .. length-1 of the session; sparse entries
+// (mla_sparse_simt_*) attend rows sel[i * sel_stride + p], p < length (DSA: the selected rows,
+// read by index in place, no gathered copy).
 #include "mla_common.cuh"
 
 #define SIMT_WARPS 8
@@ -14,47 +21,62 @@
 #define SIMT_KV_PER ((MLA_KV + 31) / 32)
 #define SIMT_ROPE_PER ((MLA_ROPE + 31) / 32)
 
-template <bool FP8>
-MLA_DEVICE void mla_stage_tile(const MlaSession& s, int r0, int n, float (*lc_s)[MLA_KV], float (*rc_s)[MLA_ROPE],
-                               float* lsc_s, float* rsc_s) {
+enum { MLA_F32 = 0, MLA_FP8 = 1, MLA_INT4 = 2 };
+
+// Element d of a cache row as the tile holds it (before the row factor).
+template <int KIND>
+MLA_DEVICE float mla_element(const mla_u8* row, int d, const float* levels_s) {
+    if (KIND == MLA_FP8) return mla_fp8_decode(row[d]);
+    if (KIND == MLA_INT4) return levels_s[(row[d >> 1] >> ((d & 1) * 4)) & 15u];  // even element: low nibble
+    return ((const float*)row)[d];
+}
+
+// The hoisted factor of a row: 1 (f32), the sanitised fp8 scale, or the int4 std (radius / sqrtf(width)).
+template <int KIND>
+MLA_DEVICE float mla_row_factor(const mla_u8* p, float sqrt_width) {
+    if (KIND == MLA_F32) return 1.0f;
+    const float v = mla_sanitize_scale(*(const float*)p);
+    return KIND == MLA_INT4 ? v / sqrt_width : v;
+}
+
+// Stage tile positions [p0, p0 + n) into shared memory; position p is row `sel ? sel[p] : p`.
+template <int KIND>
+MLA_DEVICE void mla_stage_tile(const MlaSession& s, const int* sel, int p0, int n, float (*lc_s)[MLA_KV],
+                               float (*rc_s)[MLA_ROPE], float* lsc_s, float* rsc_s, const float* levels_s) {
     const int tid = threadIdx.x;
     for (int idx = tid; idx < SIMT_TILE * MLA_KV; idx += blockDim.x) {
         int t = idx / MLA_KV, d = idx % MLA_KV;
         float v = 0.0f;
-        if (t < n) {
-            const mla_u8* row = mla_row(s.lc, s.lc_stride, r0 + t);
-            v = FP8 ? mla_fp8_decode(row[d]) : ((const float*)row)[d];
-        }
+        if (t < n) v = mla_element<KIND>(mla_row(s.lc, s.lc_stride, sel ? sel[p0 + t] : p0 + t), d, levels_s);
         lc_s[t][d] = v;
     }
     for (int idx = tid; idx < SIMT_TILE * MLA_ROPE; idx += blockDim.x) {
         int t = idx / MLA_ROPE, d = idx % MLA_ROPE;
         float v = 0.0f;
-        if (t < n) {
-            const mla_u8* row = mla_row(s.rc, s.rc_stride, r0 + t);
-            v = FP8 ? mla_fp8_decode(row[d]) : ((const float*)row)[d];
-        }
+        if (t < n) v = mla_element<KIND>(mla_row(s.rc, s.rc_stride, sel ? sel[p0 + t] : p0 + t), d, levels_s);
         rc_s[t][d] = v;
     }
     if (tid < SIMT_TILE) {
         float ls = 1.0f, rs = 1.0f;
-        if (FP8 && tid < n) {
-            ls = mla_sanitize_scale(*(const float*)mla_row(s.lsc, s.lsc_stride, r0 + tid));
-            rs = mla_sanitize_scale(*(const float*)mla_row(s.rsc, s.rsc_stride, r0 + tid));
+        if (tid < n) {
+            const int r = sel ? sel[p0 + tid] : p0 + tid;
+            ls = mla_row_factor<KIND>(mla_row(s.lsc, s.lsc_stride, r), sqrtf((float)MLA_KV));
+            rs = mla_row_factor<KIND>(mla_row(s.rsc, s.rsc_stride, r), sqrtf((float)MLA_ROPE));
         }
         lsc_s[tid] = ls;
         rsc_s[tid] = rs;
     }
 }
 
-template <bool FP8>
+template <int KIND>
 MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                const float* q_rope, float* part_o, float* part_ml, float scale, int split_rows,
-                               int n_splits) {
+                               int n_splits, const float* levels, const int* sel_all, int sel_stride) {
     __shared__ float lc_s[SIMT_TILE][MLA_KV];
     __shared__ float rc_s[SIMT_TILE][MLA_ROPE];
     __shared__ float lsc_s[SIMT_TILE];
     __shared__ float rsc_s[SIMT_TILE];
+    __shared__ float levels_s[16];
 
     const int split = blockIdx.x, item_ix = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -65,6 +87,8 @@ MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items,
     if (row0 >= item.length) return;  // whole CTA: uniform, no barrier skipped by a subset
     const int row1 = min(row0 + split_rows, item.length);
     const MlaSession sess = sessions[item.session];
+    const int* sel = sel_all ? sel_all + (mla_i64)item_ix * sel_stride : nullptr;
+    if (KIND == MLA_INT4 && threadIdx.x < 16) levels_s[threadIdx.x] = levels[threadIdx.x];  // read after a barrier
 
     float qa[SIMT_KV_PER], qr[SIMT_ROPE_PER], acc[SIMT_KV_PER];
     const float* qa_row = q_abs + ((mla_i64)item.q_row * MLA_HEADS + (live ? head : 0)) * MLA_KV;
@@ -85,7 +109,7 @@ MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items,
     for (int r0 = row0; r0 < row1; r0 += SIMT_TILE) {
         const int n = min(SIMT_TILE, row1 - r0);
         __syncthreads();  // previous tile fully consumed
-        mla_stage_tile<FP8>(sess, r0, n, lc_s, rc_s, lsc_s, rsc_s);
+        mla_stage_tile<KIND>(sess, sel, r0, n, lc_s, rc_s, lsc_s, rsc_s, levels_s);
         __syncthreads();
         float sc[SIMT_TILE];
         float tile_max = MLA_NEG_INF;
@@ -142,11 +166,45 @@ MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items,
 MLA_KERNEL void mla_split_simt_fp8(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                    const float* q_rope, float* part_o, float* part_ml, float scale,
                                    int split_rows, int n_splits) {
-    mla_split_simt<true>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits);
+    mla_split_simt<MLA_FP8>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            nullptr, nullptr, 0);
 }
 
 MLA_KERNEL void mla_split_simt_f32(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                    const float* q_rope, float* part_o, float* part_ml, float scale,
                                    int split_rows, int n_splits) {
-    mla_split_simt<false>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits);
+    mla_split_simt<MLA_F32>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            nullptr, nullptr, 0);
+}
+
+MLA_KERNEL void mla_split_simt_int4(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* levels) {
+    mla_split_simt<MLA_INT4>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            levels, nullptr, 0);
+}
+
+// Sparse (DSA) entries: item i attends rows sel[i * sel_stride + p], p < items[i].length.
+MLA_KERNEL void mla_sparse_simt_f32(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* levels, const int* sel,
+                                    int sel_stride) {
+    mla_split_simt<MLA_F32>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            levels, sel, sel_stride);
+}
+
+MLA_KERNEL void mla_sparse_simt_fp8(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* levels, const int* sel,
+                                    int sel_stride) {
+    mla_split_simt<MLA_FP8>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            levels, sel, sel_stride);
+}
+
+MLA_KERNEL void mla_sparse_simt_int4(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* levels, const int* sel,
+                                    int sel_stride) {
+    mla_split_simt<MLA_INT4>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                            levels, sel, sel_stride);
 }
