@@ -1,0 +1,207 @@
+"""Conversations in sessions: token-exact against the uninterrupted in-memory run across suspends,
+regenerate, edit and fork; the conversation file agrees with the committed tokens after a crash at
+every step of a turn (before the truncate, between truncate and the prompt's commit, mid-reply)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
+
+from kernels.errors import FormatError, LimitError  # noqa: E402
+from kernels.model.text import load_text  # noqa: E402
+from sessionstore.sessions import SessionStore  # noqa: E402
+from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record, tokens_digest  # noqa: E402
+from sessionstore.sessions.conversation_chat import (  # noqa: E402
+    Conversation,
+    ConversationMismatchError,
+    ReferenceChat,
+)
+from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
+
+
+class Crash(Exception):
+    """A simulated process death at a chosen point (the session is then abandoned, uncommitted)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_text_model(tmp_path_factory.mktemp("conv-model"), "glm")
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _open(root: Path, sid: str, model_dir: Path, kv: str = "fp8", every: int = 3) -> tuple[Any, Conversation]:
+    store = SessionStore(root)
+    if store.exists(sid):
+        s = store.open(sid, commit_every=every)
+    else:
+        s = store.create(sid, str(model_dir), kv_dtype=kv, commit_every=every)
+    try:
+        return s, Conversation.open(s, load_text(model_dir))
+    except BaseException:
+        s.close()
+        raise
+
+
+@pytest.mark.parametrize("kv", ["f32", "fp8"])
+def test_turns_exact_across_suspend_regenerate_edit_fork(tmp_path: Path, model_dir: Path, kv: str) -> None:
+    tok = load_text(model_dir)
+    s, conv = _open(tmp_path, "a", model_dir, kv)
+    ref = ReferenceChat(s.model, tok, kv)
+    msgs: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]
+
+    def turn(messages: list[dict[str, str]], max_new: int, got: Any) -> list[dict[str, str]]:
+        want = ref.respond(messages, max_new)
+        assert got.tokens == want
+        return [*messages, {"role": "assistant", "content": tok.decode(want)}]
+
+    pieces: list[str] = []
+    r = conv.respond([*msgs, _user("Hello there \u4e2d\u6587")], 14, on_text=pieces.append)
+    assert "".join(pieces) == r.text == conv.messages[-1]["content"]
+    msgs = turn([*msgs, _user("Hello there \u4e2d\u6587")], 14, r)
+    msgs = turn([*msgs, _user("What is the capital?")], 9, conv.say("What is the capital?", 9))
+    s.suspend()  # between turns: the next one resumes from disk
+    s, conv = _open(tmp_path, "a", model_dir)
+    assert conv.messages == msgs
+    msgs = turn(msgs[:-1], 9, conv.regenerate(9))
+    r = conv.edit(1, "Hi instead", 7)  # an earlier message: truncated exactly at the first difference
+    assert r.reused_prefix < len(tok.chat_ids(msgs[:1] + [_user("Hi")]))
+    msgs = turn([msgs[0], _user("Hi instead")], 7, r)
+    conv.fork("b")
+    s.close()
+    sb, cb = _open(tmp_path, "b", model_dir)
+    assert cb.messages == msgs
+    msgs = turn([*msgs, _user("in the fork")], 8, cb.say("in the fork", 8))
+    assert read_record(sb.directory).agrees_with(sb.history())
+    sb.close()
+    sa, ca = _open(tmp_path, "a", model_dir)  # the source kept its conversation
+    assert ca.messages == msgs[:-2]
+    sa.close()
+
+
+def _crash_run(root: Path, model_dir: Path, where: str) -> tuple[list[dict[str, str]], list[int]]:
+    """One complete turn, then a second one crashing at ``where``; returns (messages of the
+    complete turn, prompt ids of the second)."""
+    s, conv = _open(root, "c", model_dir, every=2)
+    conv.say("Hello there", 6)
+    before = conv.messages
+    second = [*before, _user("Caf\u00e9?")]
+    prompt = conv.tokenizer.chat_ids(second)
+    if where == "before_truncate":
+        s.truncate = _raiser()  # type: ignore[method-assign]
+        s.append_tokens = _raiser()  # type: ignore[method-assign]
+        second = [_user("Different start")]  # forces a truncate
+        prompt = conv.tokenizer.chat_ids(second)
+    elif where == "after_truncate":
+        s.append_tokens = _raiser()  # type: ignore[method-assign]
+        second = [_user("Different start")]
+        prompt = conv.tokenizer.chat_ids(second)
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise Crash()
+        return False
+
+    with pytest.raises(Crash):
+        conv.respond(second, 40, should_stop=stop)
+    s.abandon()
+    return before, prompt
+
+
+def _raiser() -> Any:
+    def fail(*a: Any, **k: Any) -> Any:
+        raise Crash()
+    return fail
+
+
+@pytest.mark.parametrize("where", ["before_truncate", "after_truncate", "mid_reply"])
+def test_crash_leaves_messages_that_agree(tmp_path: Path, model_dir: Path, where: str) -> None:
+    before, prompt = _crash_run(tmp_path, model_dir, where)
+    assert read_record(SessionStore(tmp_path).session_dir("c")).turn is not None  # the crash left it open
+    s, conv = _open(tmp_path, "c", model_dir)
+    history = s.history()
+    rec = read_record(s.directory)
+    assert rec.turn is None and rec.agrees_with(history)
+    if where == "before_truncate":
+        assert conv.recovered["action"] == "dropped" and conv.messages == before
+    elif where == "after_truncate":
+        assert conv.recovered["action"] == "completed" and history == prompt
+        assert conv.messages[-1] == {"role": "assistant", "content": ""}
+    else:
+        reply = conv.recovered["reply_tokens"]
+        assert conv.recovered["action"] == "closed" and history == prompt + reply
+        assert 1 <= len(reply) <= 7 and conv.messages[-1]["content"] == conv.tokenizer.decode(reply)
+    s.close()
+
+
+@pytest.mark.parametrize("where", ["before_truncate", "after_truncate", "mid_reply"])
+def test_crash_then_exact_continuation(tmp_path: Path, model_dir: Path, where: str) -> None:
+    """After a crash at any step, the next turn equals the uninterrupted run of the turns as the
+    recovered conversation holds them (a dropped turn absent, a cut reply cut)."""
+    tok = load_text(model_dir)
+    _crash_run(tmp_path, model_dir, where)
+    s, conv = _open(tmp_path, "c", model_dir)
+    cut = conv.recovered["reply_tokens"]
+    ref = ReferenceChat(s.model, tok, "fp8")
+    first = ref.respond([_user("Hello there")], 6)
+    msgs = [_user("Hello there"), {"role": "assistant", "content": tok.decode(first)}]
+    if where == "mid_reply":
+        msgs.append(_user("Caf\u00e9?"))
+    elif where == "after_truncate":
+        msgs = [_user("Different start")]
+    if where != "before_truncate":
+        assert ref.respond(msgs, len(cut)) == cut
+        msgs.append({"role": "assistant", "content": tok.decode(cut)})
+    assert conv.messages == msgs
+    assert conv.say("And then?", 9).tokens == ref.respond([*msgs, _user("And then?")], 9)
+    s.close()
+
+
+def test_refusals_change_nothing(tmp_path: Path, model_dir: Path) -> None:
+    s, conv = _open(tmp_path, "r", model_dir)
+    conv.say("Hello", 4)
+    raw = (s.directory / CONVERSATION_NAME).read_bytes()
+    history = s.history()
+    context = s.model.config.max_position_embeddings
+    with pytest.raises(LimitError, match="past the model's context"):
+        conv.say("word " * context, 4)
+    with pytest.raises(FormatError):
+        conv.respond([{"role": "wizard", "content": "x"}], 4)  # the template raises
+    with pytest.raises(FormatError):
+        conv.respond([{"role": "user", "content": 5}], 4)
+    assert s.history() == history and (s.directory / CONVERSATION_NAME).read_bytes() == raw
+    s.close()
+
+
+def test_disagreeing_or_damaged_file_is_refused(tmp_path: Path, model_dir: Path) -> None:
+    s, conv = _open(tmp_path, "d", model_dir)
+    conv.say("Hello", 4)
+    s.generate([1, 2, 3], 2)  # token-level change behind the conversation's back
+    s.close()
+    with pytest.raises(ConversationMismatchError, match="not its"):
+        _open(tmp_path, "d", model_dir)
+    path = SessionStore(tmp_path).session_dir("d") / CONVERSATION_NAME
+    obj = json.loads(path.read_text())
+    obj["digest"] = "zz"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(FormatError, match="digest"):
+        _open(tmp_path, "d", model_dir)
+    path.write_bytes(b"\xff{")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        _open(tmp_path, "d", model_dir)
+
+
+def test_digest_is_of_int32_ids() -> None:
+    import hashlib
+
+    import numpy as np
+
+    assert tokens_digest([1, 258]) == hashlib.sha256(np.array([1, 258], "<i4").tobytes()).hexdigest()
