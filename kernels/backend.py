@@ -6,8 +6,8 @@ Both backends expose the same entry points:
 - ``batched_decode(q_abs [B,H,kv_lora], q_rope [B,H,rope], caches, softmax_scale)`` -> [B, H, kv_lora]
   (one decode step for B sessions; ``caches[b]`` is a block or a list of blocks of session b).
 - ``sparse_absorbed_attention(q_abs [S,H,kv_lora], q_rope [S,H,rope], blocks, selection [S,k] i64,
-  softmax_scale)`` -> ctx [S, H, kv_lora]: DSA, each query over its selected rows only (CPU so far;
-  a backend without it makes a DSA decoder raise BackendUnavailableError).
+  softmax_scale)`` -> ctx [S, H, kv_lora]: DSA, each query over its selected rows only (both
+  backends; a backend without it makes a DSA decoder raise BackendUnavailableError).
 The CUDA backend returns numpy arrays for numpy queries and device arrays for cupy queries.
 Asking for "cuda" without cupy or without a usable device raises BackendUnavailableError with
 the install hint.
@@ -52,19 +52,23 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """cupy + NVRTC kernels (kernels.cuda). ``kernel``: "simt" (default), "mma" or "mma_fast"."""
+    """cupy + NVRTC kernels (kernels.cuda). ``kernel``: "simt" (default), "mma" or "mma_fast".
+
+    Rows: f32 and fp8 (every kernel reads fp8; f32 and v3 int4 rows need "simt"); v3 PolarQuant
+    rows are refused by name (FormatError): attend them with the CPU backend."""
 
     name = "cuda"
 
-    def __init__(self, kernel: str = "simt") -> None:
+    def __init__(self, kernel: str = "simt", runner: Any = None) -> None:
+        """``runner``: a ``kernels.cuda.launch.Runner`` (default: the GPU; tests pass the CPU emulator)."""
         from kernels.cuda.device import get_runner
         from kernels.cuda.launch import KERNELS
 
         if kernel not in KERNELS:
             raise FormatError(f"cuda backend: kernel must be one of {sorted(KERNELS)}, found {kernel!r}")
-        self.runner = get_runner()
+        self.runner = get_runner() if runner is None else runner
         self.kernel = kernel
-        self.device_name = self.runner.device_name
+        self.device_name = str(getattr(self.runner, "device_name", type(self.runner).__name__))
 
     def _out(self, like: Any, dev: Any) -> Any:
         return dev if isinstance(like, self.runner.xp.ndarray) else self.runner.xp.asnumpy(dev)
@@ -96,6 +100,15 @@ class CudaBackend:
         from kernels.cuda.attention import batched_decode_device
 
         dev = batched_decode_device(self.runner, q_abs, q_rope, caches, softmax_scale, kernel=self.kernel)
+        return self._out(q_abs, dev)
+
+    def sparse_absorbed_attention(self, q_abs: Any, q_rope: Any, blocks: Sequence[LatentRows], selection: Any,
+                                  softmax_scale: float) -> Any:
+        """DSA: each query over its selected rows, read by index on the device (always the SIMT gather
+        kernel, whatever ``kernel`` is: the tensor-core kernels have no gather variant)."""
+        from kernels.cuda.sparse import sparse_absorbed_attention_device
+
+        dev = sparse_absorbed_attention_device(self.runner, q_abs, q_rope, blocks, selection, softmax_scale)
         return self._out(q_abs, dev)
 
 
