@@ -21,7 +21,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
-from tools._common import check_backend
+from tools._common import check_backend, fresh_store
 from tools._text import tokenizer_for
 
 DEFAULT_MAX_NEW = 256
@@ -71,11 +71,9 @@ class _Interrupt:
 class ChatLoop:
     """One chat: the store, the current session and its conversation, and the output."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        from sessionstore.sessions import SessionStore
-
+    def __init__(self, args: argparse.Namespace, store: Any) -> None:
         self.args = args
-        self.store = SessionStore(args.root)
+        self.store = store
         self.options = {"commit_every": args.commit_every, "backend": args.backend}
         self.session: Any = None
         self.conv: Any = None
@@ -215,12 +213,13 @@ def handle(args: argparse.Namespace) -> int:
     if args.max_new < 0 or args.commit_every < 0:
         raise FormatError("--max-new and --commit-every must be >= 0")
     check_backend(args.backend)
-    loop = ChatLoop(args)
-    try:
-        loop.open(args.session)
-        return loop.run(sys.stdin)
-    finally:
-        loop.close()
+    with fresh_store(args.root) as store:  # a store this chat created goes again if it fails to start
+        loop = ChatLoop(args, store)
+        try:
+            loop.open(args.session)
+            return loop.run(sys.stdin)
+        finally:
+            loop.close()
 
 
 __all__ = ["ChatLoop", "handle", "register"]
