@@ -28,8 +28,8 @@ SUPPORTED_MODEL_TYPES = (SUPPORTED_MODEL_TYPE, GLM_MODEL_TYPE)
 CONFIG_MAX_BYTES = 4 << 20  # a config.json is a few KiB; refuse to read more than this
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
-# Upper bounds on declared sizes: far above any real MLA model, low enough that a hostile
-# config cannot make us allocate absurd arrays.
+# Upper bounds on declared sizes: far above any real MLA model, low enough that a hostile config cannot make us
+# allocate absurd arrays.
 LIMITS = {
     "vocab_size": 1 << 22,
     "hidden_size": 1 << 16,
@@ -200,9 +200,7 @@ def parse_config(obj: Any, source: str = "config") -> ModelConfig:
     )
     for tok in (*cfg.eos_token_ids, cfg.bos_token_id):
         if tok is not None and tok >= cfg.vocab_size:
-            raise FormatError(
-                f"{source}: special token id {tok} is outside the vocabulary (vocab_size={cfg.vocab_size})"
-            )
+            raise FormatError(f"{source}: special token id {tok} is outside the vocabulary [0, {cfg.vocab_size})")
     return cfg
 
 
@@ -217,10 +215,8 @@ def _refuse_unsupported(obj: dict[str, Any], source: str) -> None:
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-        raise UnsupportedModelError(
-            f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}, "
-            f"weight_block_size={block!r}) is not supported: use a bf16/f16/f32 checkpoint"
-        )
+        raise UnsupportedModelError(f"{source}: quantized checkpoint (quantization_config.quant_method={method!r}, "
+                                    f"weight_block_size={block!r}) is not supported: use a bf16/f16/f32 checkpoint")
     act = obj.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")

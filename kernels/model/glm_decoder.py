@@ -70,7 +70,8 @@ class GlmDecoder(MLADecoder):
             return out
         sparse = getattr(backend, "sparse_absorbed_attention", None)
         if sparse is None:
-            raise BackendUnavailableError(f"the {backend.name!r} backend has no sparse_absorbed_attention (DSA)")
+            name = getattr(backend, "name", type(backend).__name__)
+            raise BackendUnavailableError(f"the {name!r} backend has no sparse_absorbed_attention (DSA)")
         assert selection is not None  # a full layer precedes every shared one (glm_config checks layer 0)
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [S, H, kv_lora] f32
         if dense:
