@@ -13,7 +13,7 @@ pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the
 
 from kernels.errors import FormatError, LimitError  # noqa: E402
 from kernels.model.text import load_text  # noqa: E402
-from sessionstore.sessions import SessionStore  # noqa: E402
+from sessionstore.sessions import SamplerSettings, SessionStore  # noqa: E402
 from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record, tokens_digest  # noqa: E402
 from sessionstore.sessions.conversation_chat import (  # noqa: E402
     Conversation,
@@ -49,11 +49,16 @@ def _open(root: Path, sid: str, model_dir: Path, kv: str = "fp8", every: int = 3
         raise
 
 
-@pytest.mark.parametrize("kv", ["f32", "fp8"])
-def test_turns_exact_across_suspend_regenerate_edit_fork(tmp_path: Path, model_dir: Path, kv: str) -> None:
+@pytest.mark.parametrize("kv,style,sampled", [("f32", "glm", False), ("fp8", "glm", True),
+                                              ("fp8", "chatml", False), ("f32", "chatml", True)])
+def test_turns_exact_across_suspend_regenerate_edit_fork(tmp_path: Path, kv: str, style: str,
+                                                         sampled: bool) -> None:
+    model_dir = write_text_model(tmp_path / "model", style)
     tok = load_text(model_dir)
-    s, conv = _open(tmp_path, "a", model_dir, kv)
-    ref = ReferenceChat(s.model, tok, kv)
+    sampler = SamplerSettings(temperature=0.8, top_k=40, top_p=0.95, seed=99) if sampled else SamplerSettings()
+    s = SessionStore(tmp_path).create("a", str(model_dir), kv_dtype=kv, sampler=sampler, commit_every=3)
+    conv = Conversation.open(s, tok)
+    ref = ReferenceChat(s.model, tok, kv, sampler)
     msgs: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]
 
     def turn(messages: list[dict[str, str]], max_new: int, got: Any) -> list[dict[str, str]]:

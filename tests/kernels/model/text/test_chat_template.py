@@ -136,3 +136,23 @@ def test_sandbox_refuses_unsafe_access() -> None:
     ns = ChatTemplate("{% set ns = namespace(_secret=1) %}{{ ns._secret }}")
     with pytest.raises(FormatError):
         ns.render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+def test_shipped_model_equals_transformers(conv: int) -> None:
+    """The shipped glm-mini's own template and tokenizer, when this checkout has it."""
+    from kernels.model import GLM_MINI_NAME, SHIPPED_MODELS_DIR
+
+    transformers = pytest.importorskip("transformers", reason="transformers is the apply_chat_template oracle")
+    shipped = SHIPPED_MODELS_DIR / GLM_MINI_NAME
+    if not (shipped / "tokenizer.json").is_file():
+        pytest.skip(f"{shipped} is not in this checkout (the trained model ships separately)")
+    hf = transformers.AutoTokenizer.from_pretrained(str(shipped))
+    ours = load_text(shipped)
+    messages = CONVERSATIONS[conv]
+    for gen in (True, False):
+        want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=False)
+        assert ours.render(messages, add_generation_prompt=gen) == hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen)
+        assert ours.chat_ids(messages, add_generation_prompt=gen) == list(want)
