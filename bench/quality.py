@@ -1,0 +1,187 @@
+"""Quality of the quantised latent caches on the trained model (models/glm-mini), against the f32 cache.
+
+    python -m bench.quality [--quick] [--json] [--model models/glm-mini]
+
+On held-out text (the Python documentation topics the model never trained on; training.corpus),
+each kv dtype's cache ("f32", "fp8", "int4", "polar4") is filled the way a session fills it: the
+first ``PREFIX`` tokens of a window in one forward, the rest one token at a time, so every
+prediction reads stored (quantised) rows, and past ``index_topk`` the DSA selection runs over them.
+(a) Teacher-forced perplexity per dtype and its relative delta to f32, top-1 agreement with f32's
+    argmax, mean KL(f32 || dtype) of the next-token distributions.
+(b) Greedy answers to chat prompts (rendered with the checkpoint's template): tokens that agree with
+    f32's before the first divergence, and how many answers are identical.
+(c) Relative L2 error ||decode(encode(x)) - x|| / ||x|| of int4 and polar2..6 on the latent rows
+    (Lc [kv_lora], Rc [qk_rope]) the decoder wrote for the held-out text (kernels.tq.TqCodec).
+JSON keys: ppl_<dtype>, ppl_rel_delta_<dtype>, top1_agree_<dtype>, kl_<dtype>, greedy_prefix_mean_<dtype>,
+greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, plus tokens/prompts counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels.model import GlmDecoder, MLADecoder, Sampler, generate, load_model
+from kernels.tq import KV_DTYPES_V3, TqCodec
+
+DTYPES = ("f32", "fp8", "int4", "polar4")
+PREFIX = 8
+MODEL_DIR = "models/glm-mini"
+PROMPTS = (
+    [{"role": "user", "content": "Explain the \"for\" statement."}],
+    [{"role": "user", "content": "What is the \"with\" statement?"}],
+    [{"role": "user", "content": "Tell me about lists."}],
+    [{"role": "system", "content": "You answer questions about Python."},
+     {"role": "user", "content": "Describe the \"if\" statement."}],
+    [{"role": "user", "content": "Explain the \"while\" statement."},
+     {"role": "assistant", "content": "The \"while\" statement is used for repeated execution as long as an"
+                                      " expression is true."},
+     {"role": "user", "content": "What does the manual say about the \"break\" statement?"}],
+    [{"role": "user", "content": "What is the \"import\" statement?"}],
+)
+
+
+def load_text_tools(model_dir: str) -> tuple[Any, Any]:
+    """(tokenizers.Tokenizer, a render(messages) -> str function) from the checkpoint's files."""
+    import jinja2.sandbox
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    template_src = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())["chat_template"]
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        template_src)
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"{model_dir}: chat template: {message}")
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return str(template.render(messages=messages, add_generation_prompt=True, raise_exception=raise_exception))
+
+    return tok, render
+
+
+def teacher_forced(model: MLADecoder, window: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, Any]:
+    """Log-probabilities of every next token of ``window`` [T]: [T-1, V] f32, and the filled cache."""
+    cache = model.new_cache(kv_dtype)
+    logits = [model.forward(window[:PREFIX], cache)]  # each: [n, V] f32
+    for t in range(PREFIX, window.shape[0] - 1):
+        logits.append(model.forward(window[t:t + 1], cache))
+    lg = np.concatenate(logits).astype(np.float64)  # lg: [T-1, V] f64
+    lg -= lg.max(axis=1, keepdims=True)
+    return (lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))).astype(np.float32), cache
+
+
+def run_perplexity(model: MLADecoder, windows: list[np.ndarray]) -> tuple[dict[str, float], list[Any]]:
+    out: dict[str, float] = {}
+    nll: dict[str, list[float]] = {d: [] for d in DTYPES}
+    agree: dict[str, list[bool]] = {d: [] for d in DTYPES}
+    kl: dict[str, list[float]] = {d: [] for d in DTYPES}
+    f32_caches = []
+    for window in windows:
+        ref, cache = teacher_forced(model, window, "f32")
+        f32_caches.append(cache)
+        targets = window[1:]
+        for d in DTYPES:
+            logp = ref if d == "f32" else teacher_forced(model, window, d)[0]  # logp: [T-1, V] f32
+            nll[d] += (-logp[np.arange(targets.size), targets]).tolist()
+            agree[d] += (logp.argmax(1) == ref.argmax(1)).tolist()
+            kl[d] += (np.exp(ref) * (ref - logp)).sum(1).tolist()
+    base = math.exp(statistics.fmean(nll["f32"]))
+    print(f"(a) teacher-forced, {len(nll['f32'])} held-out tokens in {len(windows)} windows of {windows[0].size}")
+    print(f"    {'dtype':>7} {'ppl':>9} {'rel delta':>10} {'top-1 agree':>12} {'KL':>10}")
+    for d in DTYPES:
+        ppl = math.exp(statistics.fmean(nll[d]))
+        out[f"ppl_{d}"], out[f"ppl_rel_delta_{d}"] = ppl, ppl / base - 1.0
+        out[f"top1_agree_{d}"], out[f"kl_{d}"] = statistics.fmean(agree[d]), statistics.fmean(kl[d])
+        print(f"    {d:>7} {ppl:9.3f} {ppl / base - 1.0:+10.2%} {out[f'top1_agree_{d}']:12.2%}"
+              f" {out[f'kl_{d}']:10.2e}")
+    out["heldout_tokens"] = float(len(nll["f32"]))
+    return out, f32_caches
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def run_greedy(model: MLADecoder, tok: Any, render: Any, max_new: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    prompts = [tok.encode(render(m)).ids for m in PROMPTS]
+    answers = {d: [generate(model, model.new_cache(d), p, max_new, Sampler(), stop_at_eos=True).tokens
+                   for p in prompts] for d in DTYPES}
+    lengths = [len(p) + len(a) for p, a in zip(prompts, answers["f32"], strict=True)]
+    print(f"(b) greedy answers to {len(prompts)} chat prompts (context {min(lengths)}..{max(lengths)} tokens,"
+          f" index_topk {getattr(getattr(model, 'dsa', None), 'index_topk', '-')})")
+    print(f"    {'dtype':>7} {'agree-before-diverge':>22} {'identical':>10}")
+    for d in DTYPES:
+        prefix = [common_prefix(a, r) / max(len(r), 1) for a, r in zip(answers[d], answers["f32"], strict=True)]
+        same = sum(a == r for a, r in zip(answers[d], answers["f32"], strict=True))
+        out[f"greedy_prefix_mean_{d}"], out[f"greedy_identical_{d}"] = statistics.fmean(prefix), float(same)
+        print(f"    {d:>7} {statistics.fmean(prefix):22.1%} {same:>8}/{len(prompts)}")
+    out["prompts"] = float(len(prompts))
+    first = tok.decode(answers["f32"][0], skip_special_tokens=True).strip().replace("\n", " ")
+    print(f"    f32 answer to {PROMPTS[0][-1]['content']!r}: {first[:160]!r}")
+    return out
+
+
+def run_row_errors(caches: list[Any]) -> dict[str, float]:
+    """Mean relative L2 error per codec on the decoder's own Lc and Rc rows."""
+    recs = [c.records_since(0) for c in caches]
+    lc = np.concatenate([r.lc.reshape(-1, r.lc.shape[-1]) for r in recs])  # lc: [T*L, kv_lora] f32
+    rc = np.concatenate([r.rc.reshape(-1, r.rc.shape[-1]) for r in recs])  # rc: [T*L, qk_rope] f32
+    out: dict[str, float] = {}
+    print(f"(c) relative L2 error on the decoder's latent rows ({lc.shape[0]} Lc rows of {lc.shape[1]},"
+          f" {rc.shape[0]} Rc rows of {rc.shape[1]}): codec, Lc, Rc")
+    for name in ("int4", *[k for k in KV_DTYPES_V3 if k != "int4"]):
+        codec = TqCodec.from_kv_dtype(name)
+        errs = []
+        for which, rows in (("lc", lc), ("rc", rc)):
+            codes, radius = codec.encode_rows(rows)
+            back = codec.decode_rows(codes, radius, rows.shape[1])  # back: [R, n] f32
+            norm = np.linalg.norm(rows, axis=1)
+            live = norm > 0
+            err = float(np.mean(np.linalg.norm(back - rows, axis=1)[live] / norm[live]))
+            out[f"{which}_rel_err_{name}"] = err
+            errs.append(err)
+        print(f"    {name:>7} {errs[0]:.4f} {errs[1]:.4f}")
+    return out
+
+
+def heldout_windows(tok: Any, length: int, count: int) -> list[np.ndarray]:
+    from training.corpus import load_corpus
+
+    ids = np.asarray(tok.encode(load_corpus().heldout_text).ids, dtype=np.int32)  # ids: [N] i32
+    n = min(count, ids.size // length)
+    stride = ids.size // max(n, 1)
+    return [ids[i * stride:i * stride + length] for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="4 windows of 96 tokens and 32 new tokens per answer (else 12 of 192, 48 new)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", default=MODEL_DIR)
+    args = p.parse_args(argv)
+    model = load_model(args.model)
+    if not isinstance(model, GlmDecoder):
+        print(f"note: {args.model} is not a glm_moe_dsa model; no DSA selection runs")
+    tok, render = load_text_tools(args.model)
+    length, count, max_new = (96, 4, 32) if args.quick else (192, 12, 48)
+    results, caches = run_perplexity(model, heldout_windows(tok, length, count))
+    results.update(run_greedy(model, tok, render, max_new))
+    results.update(run_row_errors(caches))
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    return results
+
+
+if __name__ == "__main__":
+    main()

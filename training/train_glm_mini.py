@@ -1,0 +1,231 @@
+"""Train models/glm-mini: a small GLM-5-architecture (``glm_moe_dsa``) model, on CPU, in under an hour.
+
+Data: CPython's ``pydoc_data.topics`` (the Python documentation topics; PSF License Version 2),
+from the running interpreter (training.corpus). Whole topics are held out for evaluation.
+Tokenizer: byte-level BPE (``tokenizers``) with GLM-style special tokens and chat template
+(training.tokenizer). Model: transformers ``GlmMoeDsaForCausalLM`` with MLA (kv_lora 64 and
+qk_rope 16, powers of two so the 4-bit v3 tier applies), a DSA indexer on "full" layers reused by
+"shared" ones, MoE layers with a dense first layer, and ``index_topk`` 32.
+
+Training mixes raw text windows with chat samples (a section title asked about, its paragraph as
+the answer). The first ``--dense-frac`` of the run attends densely (top-k = the whole window) while
+the indexer learns to predict attention (training.indexer_loss); the rest runs the real sparse
+top-k so the model adapts to it. The run ends at ``--steps`` or the ``--minutes`` budget; the
+learning-rate schedule follows whichever is nearer. Validation perplexity (half the held-out
+topics) is measured every ``--eval-every`` sparse steps and the best checkpoint is kept; the other
+half gives the reported test perplexity. Output: a Hugging Face checkpoint directory
+(bf16 safetensors + tokenizer files) and ``train_log.json``.
+
+    python -m training.train_glm_mini --out models/glm-mini --minutes 40
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.corpus import ask, chat_pairs, load_corpus
+from training.indexer_loss import ExpertBalancer, IndexerTap, indexer_kl
+from training.tokenizer import EOS_TOKENS, PAD_TOKEN, render_chat, special_ids, train_tokenizer, write_tokenizer_files
+
+DATA_NAME = "CPython pydoc_data.topics (Python documentation topics), PSF License Version 2"
+N_LAYERS = 6
+MODEL_SHAPE: dict[str, Any] = dict(
+    hidden_size=160, intermediate_size=448, moe_intermediate_size=96, num_hidden_layers=N_LAYERS,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16,
+    qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    first_k_dense_replace=1, mlp_layer_types=["dense"] + ["sparse"] * (N_LAYERS - 1),
+    index_topk=32, index_n_heads=4, index_head_dim=32,
+    indexer_types=["full", "shared", "shared", "full", "shared", "shared"],
+    max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False, attention_bias=False, rms_norm_eps=1e-5,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="models/glm-mini")
+    p.add_argument("--minutes", type=float, default=40.0, help="wall-clock training budget")
+    p.add_argument("--steps", type=int, default=100000, help="step limit")
+    p.add_argument("--vocab", type=int, default=3072)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--chat-frac", type=float, default=0.5, help="share of chat samples in a batch")
+    p.add_argument("--dense-frac", type=float, default=0.6, help="share of the run trained dense (indexer warm-up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
+    return p.parse_args(argv)
+
+
+class Batches:
+    """Random training batches: text windows of the token stream and padded chat samples."""
+
+    def __init__(self, tok: Any, corpus: Any, seq: int, chat_frac: float, seed: int) -> None:
+        self.ids = special_ids(tok)
+        self.seq, self.chat_frac = seq, chat_frac
+        self.rng = random.Random(seed)
+        eot = [self.ids["<|endoftext|>"]]
+        stream: list[int] = []
+        for text in corpus.train_topics.values():
+            stream += tok.encode(text).ids + eot
+        self.stream = torch.tensor(stream, dtype=torch.long)  # stream: [N] i64
+        self.pairs = chat_pairs(corpus.train_topics)
+        self.tok = tok
+
+    def chat_sample(self) -> list[int]:
+        messages: list[dict[str, str]] = []
+        if self.rng.random() < 0.2:
+            messages.append({"role": "system", "content": "You answer questions about Python."})
+        for _ in range(self.rng.choice((1, 1, 2, 3))):
+            subject, answer = self.rng.choice(self.pairs)
+            messages += [{"role": "user", "content": ask(subject, self.rng)}, {"role": "assistant", "content": answer}]
+        ids: list[int] = self.tok.encode(render_chat(messages) + "<|endoftext|>").ids
+        return ids[: self.seq]
+
+    def next(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [B, seq] i64, labels [B, seq] i64 with -100 on padding)."""
+        inputs = torch.full((batch, self.seq), self.ids[PAD_TOKEN], dtype=torch.long)
+        labels = torch.full((batch, self.seq), -100, dtype=torch.long)
+        for b in range(batch):
+            if self.rng.random() < self.chat_frac:
+                row = torch.tensor(self.chat_sample(), dtype=torch.long)
+            else:
+                start = self.rng.randrange(0, self.stream.numel() - self.seq)
+                row = self.stream[start:start + self.seq]
+            inputs[b, : row.numel()] = row
+            labels[b, : row.numel()] = row
+        return inputs, labels
+
+
+def build_model(vocab: int, ids: dict[str, int], seed: int) -> Any:
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GlmMoeDsaConfig(vocab_size=vocab, bos_token_id=ids["[gMASK]"], pad_token_id=ids[PAD_TOKEN],
+                          eos_token_id=[ids[t] for t in EOS_TOKENS], **MODEL_SHAPE)
+    cfg._attn_implementation = "eager"  # attention probabilities are the indexer's training target
+    return GlmMoeDsaForCausalLM(cfg)
+
+
+def set_topk(tap: IndexerTap, k: int) -> None:
+    for ix in tap.modules.values():
+        ix.index_topk = k
+
+
+@torch.no_grad()
+def heldout_nll(model: Any, tok: Any, text: str, seq: int, max_windows: int = 64) -> tuple[float, int]:
+    """Mean next-token NLL over consecutive ``seq``-token windows of ``text`` (sparse top-k as shipped)."""
+    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    total, count = 0.0, 0
+    model.eval()
+    for w in range(min(max_windows, (ids.numel() - 1) // seq)):
+        window = ids[w * seq:(w + 1) * seq].unsqueeze(0)
+        out = model(input_ids=window, labels=window)
+        total += float(out.loss) * (seq - 1)
+        count += seq - 1
+    model.train()
+    return total / max(count, 1), count
+
+
+def lr_at(progress: float, base: float, warmup: float = 0.03) -> float:
+    if progress < warmup:
+        return base * progress / warmup
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))))
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus()
+    tok = train_tokenizer(corpus.train_topics.values(), args.vocab)
+    batches = Batches(tok, corpus, args.seq, args.chat_frac, args.seed)
+    model = build_model(tok.get_vocab_size(), batches.ids, args.seed)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    tap, balancer = IndexerTap(model), ExpertBalancer(model, gamma=3e-3)
+    topk = model.config.index_topk
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    budget = args.minutes * 60.0
+    t0 = time.monotonic()
+    log: list[dict[str, float]] = []
+    print(f"params {n_params:,}  vocab {tok.get_vocab_size()}  train tokens {batches.stream.numel():,}"
+          f"  chat pairs {len(batches.pairs)}", flush=True)
+    step, best_nll, best_state, best_step = 0, float("inf"), None, 0
+    while step < args.steps:
+        elapsed = time.monotonic() - t0
+        progress = max(step / args.steps, elapsed / budget)
+        if progress >= 1.0:
+            break
+        dense = progress < args.dense_frac
+        set_topk(tap, args.seq if dense else topk)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(progress, args.lr)
+        inputs, labels = batches.next(args.batch)
+        result = model(input_ids=inputs, labels=labels, output_attentions=dense)
+        loss = result.loss
+        kl = indexer_kl(tap, result.attentions, (labels != -100).float()) if dense else torch.zeros(())
+        opt.zero_grad(set_to_none=True)
+        (loss + kl).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        imbalance = balancer.step()
+        step += 1
+        if step % 10 == 0 or step == 1:
+            entry = {"step": step, "s": round(time.monotonic() - t0, 1), "loss": round(float(loss.detach()), 4),
+                     "indexer_kl": round(float(kl.detach()), 4), "lr": round(opt.param_groups[0]["lr"], 6),
+                     "dense": int(dense), "expert_imbalance": round(imbalance, 2)}
+            if step % args.eval_every == 0 and not dense:
+                set_topk(tap, topk)
+                entry["valid_nll"], _ = heldout_nll(model, tok, corpus.valid_text, args.seq, max_windows=24)
+                if entry["valid_nll"] < best_nll:
+                    best_nll, best_step = entry["valid_nll"], step
+                    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+    set_topk(tap, topk)
+    train_secs = time.monotonic() - t0
+    final_valid, _ = heldout_nll(model, tok, corpus.valid_text, args.seq, max_windows=24)
+    if best_state is not None and best_nll < final_valid:
+        model.load_state_dict(best_state)
+    else:
+        best_step = step
+    nll, n_tok = heldout_nll(model, tok, corpus.test_text, args.seq)
+    train_nll, _ = heldout_nll(model, tok, corpus.train_text[: len(corpus.test_text)], args.seq)
+    summary = {
+        "data": DATA_NAME, "train_topics": len(corpus.train_topics), "heldout_topics": sorted(corpus.heldout_topics),
+        "params": n_params, "vocab": tok.get_vocab_size(), "steps": step, "train_seconds": round(train_secs, 1),
+        "batch": args.batch, "seq": args.seq, "tokens_seen": step * args.batch * args.seq,
+        "final_train_loss": log[-1]["loss"] if log else None, "kept_step": best_step,
+        "test_nll": round(nll, 4), "test_ppl": round(math.exp(nll), 3), "test_tokens": n_tok,
+        "train_slice_ppl": round(math.exp(train_nll), 3), "args": vars(args),
+    }
+    save(model, tok, out, summary, log)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def save(model: Any, tok: Any, out: Path, summary: dict[str, Any], log: list[dict[str, float]]) -> None:
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    write_tokenizer_files(tok, out, model.config.max_position_embeddings)
+    (out / "train_log.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
