@@ -210,3 +210,19 @@ def test_digest_is_of_int32_ids() -> None:
     import numpy as np
 
     assert tokens_digest([1, 258]) == hashlib.sha256(np.array([1, 258], "<i4").tobytes()).hexdigest()
+
+
+def test_reply_stops_at_any_eos_id(tmp_path: Path, model_dir: Path) -> None:
+    """A reply ends at the first token in the tokenizer's eos set (whichever file listed it)."""
+    tok = load_text(model_dir)
+    s, conv = _open(tmp_path, "e", model_dir)
+    free = ReferenceChat(s.model, tok, "fp8")
+    free.eos = frozenset()
+    msgs = [_user("Hello there")]
+    run = free.respond(msgs, 12)
+    stop_id = run[4]
+    conv.eos = frozenset({stop_id})
+    r = conv.respond(msgs, 12)
+    assert r.stopped == "eos" and r.tokens == run[:run.index(stop_id) + 1]
+    assert s.history()[-1] == stop_id and s.pending == [stop_id]  # sampled, not fed: the pending token
+    s.close()

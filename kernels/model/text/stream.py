@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kernels.errors import FormatError
 from kernels.model.text.tokenizer import ChatTokenizer
 
 REPLACEMENT = "\ufffd"
@@ -64,7 +65,8 @@ class StreamDecoder:
         """The rest of the text (a trailing U+FFFD the ids really end in comes out here)."""
         final = self._decode(self.ids)
         if not final.startswith(self.emitted):
-            raise AssertionError("streamed text is not a prefix of the final decode")
+            raise FormatError(f"{self.tokenizer.source}: the tokenizer's decoder rewrote text that was already "
+                              "streamed; this tokenizer cannot stream")
         new = final[len(self.emitted):]
         self.emitted = final
         self._base, self._base_chars = len(self.ids), len(final)
