@@ -1,4 +1,6 @@
-"""``coli-kv serve --root R --inbox DIR``: import every bundle that lands in DIR until stopped.
+"""``coli-kv serve --root R --inbox DIR``: import every bundle that lands in DIR until stopped;
+``coli-kv serve --http [HOST:]PORT --root R --model M``: the chat service (OpenAI-compatible HTTP
+API over persistent sessions, :mod:`sessionstore.service`); both can run in one process.
 
 Complete bundles already in DIR are imported at start, then every one renamed into it (writers
 drop ``*.partial`` and rename) or closed after writing; each is moved to ``DIR/done/`` or
@@ -11,22 +13,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 from typing import Any
 
+from kernels.errors import FormatError
+from kernels.rows import KV_DTYPES
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
+from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, ServiceLimits, check_bind, parse_bind
 from tools._common import fresh_store
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="watch an inbox directory and import every bundle that lands")
+    p = subparsers.add_parser("serve", help="serve sessions over HTTP (--http) and/or import every bundle that "
+                              "lands in an inbox directory (--inbox)")
     p.add_argument("--root", required=True, help="session store directory")
-    p.add_argument("--inbox", required=True, help="directory to watch")
+    p.add_argument("--inbox", default=None, help="directory to watch")
     p.add_argument("--replace", action="store_true", help="bundles replace existing sessions")
-    p.add_argument("--model", default=None, help="refuse bundles of any other model (dir or 'tiny')")
+    p.add_argument("--model", default=None, help="the model served (--http: required; dir, 'tiny' or 'glm-mini');"
+                   " the inbox refuses bundles of any other model")
+    p.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                   help=f"serve the HTTP API here (host default {DEFAULT_HOST}; port 0: any free port, printed)")
+    p.add_argument("--kv", choices=KV_DTYPES, default="fp8", help="latent cache dtype of new sessions (default fp8)")
+    p.add_argument("--api-key", default=None, help=f"require Authorization: Bearer KEY (or set {API_KEY_ENV}); "
+                   "needed to listen on a non-loopback address")
+    p.add_argument("--max-resident", type=int, default=ServiceLimits.max_resident,
+                   help=f"sessions resident at once (default {ServiceLimits.max_resident}); the least recently "
+                   "used idle one is suspended")
+    p.add_argument("--max-kv-bytes", type=int, default=None, help="resident KV bytes at most (default: no bound)")
+    p.add_argument("--commit-every", type=int, default=16, help="commit a reply every N tokens (default 16)")
     p.add_argument("--once", action="store_true", help="import what is there now, then exit (1 if any failed)")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     p.set_defaults(func=run)
@@ -34,6 +52,46 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     reconfigure()
+    if args.http is None and args.inbox is None:
+        raise FormatError("give --http [HOST:]PORT, --inbox DIR or both")
+    if args.http is not None:
+        return run_http(args)
+    return run_inbox(args)
+
+
+def run_http(args: argparse.Namespace) -> int:
+    """The HTTP service (with the inbox watched beside it when --inbox is given)."""
+    if args.once:
+        raise FormatError("--once is for --inbox alone")
+    if not args.model:
+        raise FormatError("--http needs --model (a checkpoint directory, 'tiny' or 'glm-mini')")
+    if args.max_resident < 1 or args.commit_every < 1:
+        raise FormatError("--max-resident and --commit-every must be >= 1")
+    if args.max_kv_bytes is not None and args.max_kv_bytes < 1:
+        raise FormatError("--max-kv-bytes must be >= 1")
+    host, port = parse_bind(args.http)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    check_bind(host, api_key)
+    from sessionstore.service.server import ServeConfig, serve_http  # the service extra: imported here only
+
+    config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
+                         limits=ServiceLimits(max_resident=args.max_resident), max_kv_bytes=args.max_kv_bytes,
+                         session_options={"commit_every": args.commit_every})
+    if args.inbox is None:
+        return serve_http(config)
+    stop = threading.Event()
+    with fresh_store(args.root) as store:
+        inbox = Inbox(store, args.inbox, replace=args.replace, model=args.model)
+    watcher = threading.Thread(target=inbox.run, args=(stop,), name="coli-inbox", daemon=True)
+    watcher.start()
+    try:
+        return serve_http(config)
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def run_inbox(args: argparse.Namespace) -> int:
     with fresh_store(args.root) as store:  # a refused inbox leaves no empty store behind
         inbox = Inbox(store, args.inbox, replace=args.replace, model=args.model)
     if args.once:

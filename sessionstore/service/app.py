@@ -1,0 +1,271 @@
+"""The HTTP API (Starlette): OpenAI-compatible completions, the sessions API, health and metrics.
+
+Handlers validate the request, queue its work on the :class:`Engine` and stream what comes back;
+every refusal is an OpenAI-shaped error (:mod:`sessionstore.service.errors`).
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from sessionstore.service.auth import BearerAuth
+from sessionstore.service.engine import Engine
+from sessionstore.service.errors import ApiError, api_error_of
+from sessionstore.service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ForkRequest,
+    TurnFields,
+    chat_chunk,
+    completion_chunk,
+    now,
+    parse_body,
+    sse,
+    usage,
+)
+from sessionstore.service.streams import Event, TurnStream
+from sessionstore.service.turns import TurnOutcome, TurnSpec
+from sessionstore.sessions import validate_session_id
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class Api:
+    """The routes over one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.limits = engine.limits
+        self.model_id = engine.model_ref.name
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def route(self, name: str, fn: Handler) -> Handler:
+        """``fn`` with its errors as API errors and its outcome counted."""
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await fn(request)
+            except Exception as exc:
+                response = error_response(api_error_of(exc))
+            self.engine.metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+        return wrapped
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body of {declared} bytes exceeds the limit of {limit}",
+                           code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+    def session_id(self, request: Request) -> str:
+        sid: str = request.path_params["sid"]
+        validate_session_id(sid)
+        return sid
+
+    async def engine_call(self, fn: Callable[[], Any], session: str | None = None) -> Any:
+        return await asyncio.wrap_future(self.engine.submit(fn, session=session))
+
+    # ---- turns ---------------------------------------------------------------------------------
+    def spec_of(self, req: TurnFields, kind: str) -> TurnSpec:
+        self.check_model(req.model)
+        if req.session is not None:
+            validate_session_id(req.session)
+        sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
+                                      ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
+        spec = TurnSpec("chat" if kind == "chat" else "completion", req.session, max_tokens=req.max_tokens,
+                        sampling=sampling, stops=req.stops())
+        if isinstance(req, ChatCompletionRequest):
+            spec.messages = req.message_dicts()
+        elif isinstance(req, CompletionRequest):
+            spec.prompt, spec.ignore_eos = req.prompt, req.ignore_eos
+        return spec
+
+    async def start_turn(self, spec: TurnSpec) -> tuple[TurnStream, Event]:
+        """Queue the turn; its stream and first event (an error before any text is raised)."""
+        stream = TurnStream(asyncio.get_running_loop())
+
+        def job() -> None:
+            try:
+                stream.finish(self.engine.run_turn(spec, stream))
+            except BaseException as exc:
+                stream.fail(exc)
+
+        self.engine.submit(job, session=spec.session, turn=True)
+        first = await stream.next()
+        if first.kind == "error":
+            raise first.value
+        return stream, first
+
+    def extra(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
+        fields: dict[str, Any] = {"usage": usage(out.prompt_tokens, len(out.tokens))}
+        if spec.session is not None:
+            fields["session"] = {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
+                                 "committed": out.committed}
+        return fields
+
+    async def turn(self, request: Request, kind: str) -> Response:
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = parse_body(await self.body(request), model)
+        req.check(self.limits)
+        spec = self.spec_of(req, kind)
+        stream, first = await self.start_turn(spec)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
+        created = now()
+        if not req.stream:
+            event = first
+            while event.kind == "text":
+                event = await stream.next()
+            if event.kind == "error":
+                raise event.value
+            out: TurnOutcome = event.value
+            if kind == "chat":
+                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                          "finish_reason": out.finish, "logprobs": None, "token_ids": out.tokens}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": out.text, "finish_reason": out.finish, "logprobs": None,
+                          "token_ids": out.tokens}
+                obj = "text_completion"
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
+                                 "choices": [choice], **self.extra(spec, out)})
+        return StreamingResponse(self.events(kind, spec, stream, first, rid, created), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def events(self, kind: str, spec: TurnSpec, stream: TurnStream, first: Event, rid: str,
+                     created: int) -> AsyncIterator[bytes]:
+        def piece(text: str, finish: str | None = None, tokens: list[int] | None = None, **extra: Any) -> bytes:
+            if kind == "chat":
+                return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
+                                      finish, tokens, **extra))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra))
+
+        try:
+            if kind == "chat":
+                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}))
+            event = first
+            while True:
+                if event.kind == "text":
+                    yield piece(event.value)
+                elif event.kind == "done":
+                    out: TurnOutcome = event.value
+                    yield piece("", out.finish, out.tokens, **self.extra(spec, out))
+                    break
+                else:
+                    yield sse(api_error_of(event.value).body())
+                    break
+                event = await stream.next()
+            yield sse("[DONE]")
+        finally:
+            stream.cancel()  # a vanished client ends its turn at the next token (it commits)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.turn(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.turn(request, "completion")
+
+    # ---- models, health, metrics ------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                                         "owned_by": "coli-sessionstore"}]})
+
+    async def healthz(self, request: Request) -> Response:
+        if self.engine.stopping.is_set():
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def describe(self, sid: str) -> dict[str, Any]:
+        info = self.engine.store.info(sid)
+        last = self.engine.last_use.get(sid)
+        return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
+                "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model,
+                "state": self.engine.state_of(sid),
+                "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+
+    async def list_sessions(self, request: Request) -> Response:
+        data = [self.describe(sid) for sid in self.engine.store.ids()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_session(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        if not self.engine.store.exists(sid):
+            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+        body = self.describe(sid)
+        if request.query_params.get("history") in ("1", "true"):
+            body["history"] = self.engine.store.history(sid)
+        return JSONResponse(body)
+
+    async def delete_session(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        await self.engine_call(lambda: self.engine.delete(sid), session=sid)
+        return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
+
+    async def fork_session(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        req: ForkRequest = parse_body(await self.body(request), ForkRequest)
+        validate_session_id(req.new)
+        await self.engine_call(lambda: self.engine.fork(sid, req.new, req.at), session=sid)
+        return JSONResponse(self.describe(req.new))
+
+    async def suspend_session(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        await self.engine_call(lambda: self.engine.suspend(sid), session=sid)
+        return JSONResponse(self.describe(sid))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    return error_response(ApiError(status, f"{request.method} {request.url.path}: {message}"))
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Any:
+    """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set)."""
+    api = Api(engine)
+    r = api.route
+    routes = [
+        Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
+        Route("/metrics", r("metrics", api.metrics), methods=["GET"]),
+        Route("/v1/models", r("models", api.models), methods=["GET"]),
+        Route("/v1/chat/completions", r("chat", api.chat_completions), methods=["POST"]),
+        Route("/v1/completions", r("completions", api.completions), methods=["POST"]),
+        Route("/v1/sessions", r("sessions", api.list_sessions), methods=["GET"]),
+        Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
+        Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),
+        Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
+        Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return BearerAuth(app, api_key)
+
+
+__all__ = ["Api", "build_app", "error_response"]

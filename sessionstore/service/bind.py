@@ -1,0 +1,38 @@
+"""Where the service listens: ``[HOST:]PORT``, loopback by default, and the rule that a
+non-loopback address needs an API key. (No web stack imported: the CLI checks flags with it.)"""
+from __future__ import annotations
+
+import ipaddress
+
+from kernels.errors import FormatError
+
+DEFAULT_HOST = "127.0.0.1"
+API_KEY_ENV = "COLI_API_KEY"
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` (``[::1]:PORT`` for IPv6) as (host, port); port 0 asks the OS for one."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") if sep else DEFAULT_HOST
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise FormatError(f"--http {text!r}: expected [HOST:]PORT with a port in [0, 65535]")
+    return host or DEFAULT_HOST, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """A non-loopback address is refused without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise FormatError(f"refusing to listen on {host} (not loopback) without an API key: pass --api-key KEY "
+                          f"or set {API_KEY_ENV}")
+
+
+__all__ = ["API_KEY_ENV", "DEFAULT_HOST", "check_bind", "is_loopback", "parse_bind"]

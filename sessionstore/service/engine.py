@@ -1,0 +1,223 @@
+"""The engine: one thread owns the decoder and every open session; handlers queue work here and
+stream what comes back.
+
+Turns run one at a time, in arrival order: the decoder's batched matmuls are not bitwise equal to
+the same rows computed one at a time (numpy/BLAS blocks differently by batch size), so batching
+sessions together would make a session's tokens depend on who shares its batch. Two requests on
+one session never interleave: while a session has a turn queued or running, another request on
+it is refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions the least
+recently used idle one is suspended (commit, release memory and lock); its next request resumes
+it token-exact. Shutdown cuts the running turn at its next token, commits and suspends every
+session.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kernels.model.text import ChatTokenizer
+from sessionstore.log import get_logger
+from sessionstore.service.errors import ApiError
+from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.metrics import ServiceMetrics
+from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
+from sessionstore.sessions import Session, SessionStore, validate_session_id
+from sessionstore.sessions.conversation import read_record, write_record
+
+log = get_logger("service")
+
+Job = tuple[Callable[[], Any], Future[Any], str | None]
+
+
+class Engine:
+    """The decoder's thread, its queue of jobs, the open sessions and the residency limits."""
+
+    def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
+                 tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
+                 metrics: ServiceMetrics | None = None, session_options: dict[str, Any] | None = None) -> None:
+        self.store = store
+        self.model_source = model_source
+        self.model, self.model_ref = store.load_model(model_source)
+        self.kv_dtype = kv_dtype
+        self.limits = limits or ServiceLimits()
+        self.metrics = metrics or ServiceMetrics()
+        self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens)
+        self.options = dict(session_options or {})
+        self.stopping = threading.Event()
+        self.last_use: dict[str, float] = {}
+        self._sessions: dict[str, Session] = {}  # touched by the engine thread only
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._busy: set[str] = set()
+        self._busy_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="coli-engine", daemon=True)
+        self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes)
+
+    # ---- the thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut, sid = job
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # handed to the waiting handler
+                        fut.set_exception(exc)
+            finally:
+                self.release(sid)
+
+    def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
+        """Queue ``fn`` for the engine thread (holding ``session`` until it ends); its future."""
+        if self.stopping.is_set():
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if turn and self._jobs.qsize() >= self.limits.max_queued_turns:
+            raise ApiError(503, f"{self._jobs.qsize()} turns are waiting; try again later", code="busy")
+        if session is not None:
+            self.claim(session)
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut, session))
+        return fut
+
+    def claim(self, session_id: str) -> None:
+        """Mark ``session_id`` busy, or refuse with 409 while another request holds it."""
+        with self._busy_lock:
+            if session_id in self._busy:
+                raise ApiError(409, f"session {session_id!r} is busy with another request; retry when it has "
+                               "finished", code="session_busy")
+            self._busy.add(session_id)
+
+    def release(self, session_id: str | None) -> None:
+        if session_id is not None:
+            with self._busy_lock:
+                self._busy.discard(session_id)
+
+    def stop(self) -> None:
+        """Refuse new work, cut the running turn at its next token, run what is queued, then
+        commit and suspend every open session."""
+        self.stopping.set()
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        for session in list(self._sessions.values()):
+            try:
+                session.close()
+            except Exception as exc:  # one session's failure must not keep the others uncommitted
+                log.error("service.close_failed", id=session.id, error=str(exc))
+        self._sessions.clear()
+
+    # ---- sessions (engine thread) ------------------------------------------------------------
+    def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
+        """The open session ``session_id``, resident (created if absent and ``create``)."""
+        session = self._sessions.get(session_id)
+        created = False
+        if session is None:
+            if self.store.exists(session_id):
+                session = self.store.open(session_id, self.model_source, **self.options)
+                self._observe_resume(session)
+            elif create:
+                session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype, **self.options)
+                created = True
+            else:
+                raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
+            self._sessions[session_id] = session
+        elif session.state != "resident":
+            session.ensure_resident()
+            self._observe_resume(session)
+        self.last_use[session_id] = time.time()
+        return session, created
+
+    def _observe_resume(self, session: Session) -> None:
+        seconds = session.resume_report.get("resume_s")
+        if isinstance(seconds, float):
+            self.metrics.resume_seconds.observe(seconds)
+
+    def enforce_residency(self, keep: Session | None) -> None:
+        """Suspend least recently used sessions until at most ``max_resident`` stay resident."""
+        for session in self.store.resident_sessions():
+            if len(self.store.resident_sessions()) <= self.limits.max_resident:
+                return
+            if session is not keep:
+                session.suspend()
+                self.metrics.evictions.inc()
+                log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
+
+    def run_turn(self, spec: TurnSpec, sink: TurnSink) -> TurnOutcome:
+        """One turn (engine thread): on its session, or stateless."""
+        if self.stopping.is_set():
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        t0 = time.perf_counter()
+        stopping = self.stopping.is_set
+        if spec.session is None:
+            outcome = self.runner.stateless(spec, sink, stopping)
+        else:
+            session, created = self.open_session(spec.session, create=True)
+            try:
+                outcome = self.runner.on_session(session, spec, sink, stopping)
+            except BaseException:
+                if created and not session.history():  # a refused first turn leaves no session behind
+                    self._drop(spec.session)
+                raise
+            outcome.created = created
+            self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
+            self.last_use[spec.session] = time.time()
+            self.enforce_residency(keep=session)
+        self.metrics.tokens.inc(len(outcome.tokens))
+        self.metrics.turn_seconds.observe(time.perf_counter() - t0)
+        return outcome
+
+    def _drop(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.close()
+        self.store.delete(session_id)
+        self.last_use.pop(session_id, None)
+
+    # ---- session operations (engine thread) -----------------------------------------------------
+    def suspend(self, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is None and not self.store.exists(session_id):
+            raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
+        if session is not None:
+            session.suspend()
+
+    def delete(self, session_id: str) -> None:
+        if not self.store.exists(session_id):
+            raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
+        self._drop(session_id)
+
+    def fork(self, session_id: str, new_id: str, at: int | None) -> None:
+        validate_session_id(new_id)
+        if not self.store.exists(session_id):
+            raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
+        if self.store.exists(new_id):
+            raise ApiError(409, f"session {new_id!r} already exists", code="session_exists")
+        source = self._sessions.get(session_id)
+        if source is not None:
+            source.commit()
+        self.store.fork(session_id, new_id, at=at)
+        record = read_record(self.store.session_dir(session_id))
+        if at is None and record is not None and record.turn is None:  # the same tokens: the same messages
+            write_record(self.store.session_dir(new_id), record)
+
+    # ---- what handlers may read ---------------------------------------------------------------
+    def state_of(self, session_id: str) -> str:
+        session = self._sessions.get(session_id)
+        return "resident" if session is not None and session.state == "resident" else "suspended"
+
+    def resident_count(self) -> int:
+        return len(self.store.resident_sessions())
+
+    def suspended_count(self) -> int:
+        return max(0, len(self.store.ids()) - self.resident_count())
+
+
+__all__ = ["Engine"]

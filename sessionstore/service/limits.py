@@ -1,0 +1,29 @@
+"""The service's named limits, with their documented defaults (every one refuses with a 4xx)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds on what one request may ask of the server."""
+
+    max_body_bytes: int = 4 << 20  # a request body larger than this: 413
+    max_messages: int = 1024  # messages in one chat request: 400
+    max_prompt_ids: int = 1 << 16  # token ids in one completion prompt: 400
+    default_max_tokens: int = 256  # max_tokens when a request gives none (clamped to the context)
+    max_tokens: int = 4096  # the largest max_tokens a request may ask for: 400
+    max_stop: int = 4  # stop strings per request: 400
+    max_stop_chars: int = 256  # characters in one stop string: 400
+    max_queued_turns: int = 256  # turns waiting for the engine; past it new ones get 503
+    max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"service limit {name} must be an integer >= 1, found {value!r}")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens must not exceed max_tokens")
+
+
+__all__ = ["ServiceLimits"]

@@ -1,0 +1,43 @@
+"""The service's Prometheus metrics (``GET /metrics``), in a registry of their own."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServiceMetrics:
+    """Tokens, requests by outcome, sessions and their resident bytes, commit / resume latency."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tokens = Counter("coli_tokens_generated", "tokens sampled by the engine", registry=r)
+        self.requests = Counter("coli_requests", "HTTP requests by endpoint and outcome (HTTP status)",
+                                ["endpoint", "status"], registry=r)
+        self.evictions = Counter("coli_sessions_evicted", "idle sessions suspended by the residency limits",
+                                 registry=r)
+        self.resident = Gauge("coli_sessions_resident", "sessions resident (lock held, rows mapped)", registry=r)
+        self.suspended = Gauge("coli_sessions_suspended", "committed sessions not resident", registry=r)
+        self.resident_bytes = Gauge("coli_resident_kv_bytes", "mapped + owned KV bytes of resident sessions",
+                                    registry=r)
+        self.commit_seconds = Histogram("coli_commit_seconds", "the last commit of each turn", registry=r,
+                                        buckets=LATENCY_BUCKETS)
+        self.resume_seconds = Histogram("coli_resume_seconds", "resume of a suspended session on request",
+                                        registry=r, buckets=LATENCY_BUCKETS)
+        self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
+                                      buckets=LATENCY_BUCKETS)
+
+    def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
+                      resident_bytes: Callable[[], int]) -> None:
+        """Session gauges read at scrape time."""
+        self.resident.set_function(resident)
+        self.suspended.set_function(suspended)
+        self.resident_bytes.set_function(resident_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["LATENCY_BUCKETS", "ServiceMetrics"]

@@ -1,0 +1,154 @@
+"""Request bodies of the HTTP API (pydantic), checked against :class:`ServiceLimits`, and the
+OpenAI-shaped response objects built from a finished or streaming turn.
+
+Unknown request fields are ignored, as OpenAI-compatible servers do; fields the service cannot
+honour (``n`` > 1, ``logprobs``, ``echo``, ``tools``) are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sessionstore.service.errors import ApiError
+from sessionstore.service.limits import ServiceLimits
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str
+
+
+class TurnFields(BaseModel):
+    """What chat and text completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM's name)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    session: str | None = None  # the conversation this turn continues (created if absent)
+    logprobs: Any = None
+    tools: Any = None
+
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check(self, limits: ServiceLimits, what: str) -> None:
+        if self.n != 1:
+            raise ApiError(400, "n must be 1 (one choice per request)", param="n")
+        if self.logprobs not in (None, False):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if self.tools is not None:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
+            raise ApiError(400, f"max_tokens must be in [1, {limits.max_tokens}], found {self.max_tokens}",
+                           param="max_tokens", code="limit_exceeded")
+        stops = self.stops()
+        if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stops):
+            raise ApiError(400, f"stop: at most {limits.max_stop} non-empty strings of at most "
+                           f"{limits.max_stop_chars} characters", param="stop")
+
+
+class ChatCompletionRequest(TurnFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    def check(self, limits: ServiceLimits, what: str = "chat") -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        super().check(limits, what)
+        if not self.messages:
+            raise ApiError(400, "messages is empty: give at least one message", param="messages")
+        if len(self.messages) > limits.max_messages:
+            raise ApiError(400, f"{len(self.messages)} messages exceed the limit of {limits.max_messages}",
+                           param="messages", code="limit_exceeded")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump() for m in self.messages]
+
+
+class CompletionRequest(TurnFields):
+    prompt: str | list[int]
+    echo: bool = False
+    ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
+
+    def check(self, limits: ServiceLimits, what: str = "completion") -> None:
+        super().check(limits, what)
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if isinstance(self.prompt, list) and len(self.prompt) > limits.max_prompt_ids:
+            raise ApiError(400, f"the prompt's {len(self.prompt)} token ids exceed the limit of "
+                           f"{limits.max_prompt_ids}", param="prompt", code="limit_exceeded")
+        if not self.prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    new: str
+    at: int | None = Field(default=None, ge=0)
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+
+
+# ---- responses ------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
+               token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice], **extra}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
+                     token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], **extra}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest", "TurnFields",
+           "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "usage"]

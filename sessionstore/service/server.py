@@ -1,0 +1,112 @@
+"""Running the service: the bind rule, the store and the engine, uvicorn on a socket we bound,
+and the shutdown order (SIGTERM/SIGINT: stop accepting, cut running turns at a token boundary,
+commit and suspend every session, exit 0)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from kernels.errors import ColiError
+from sessionstore.log import get_logger
+from sessionstore.service.app import build_app
+from sessionstore.service.bind import DEFAULT_HOST, check_bind
+from sessionstore.service.engine import Engine
+from sessionstore.service.limits import ServiceLimits
+from sessionstore.sessions import SessionStore
+
+GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
+
+log = get_logger("service")
+
+
+@dataclass
+class ServeConfig:
+    root: str
+    model: str
+    host: str = DEFAULT_HOST
+    port: int = 8000
+    kv_dtype: str = "fp8"
+    api_key: str | None = None
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+    max_kv_bytes: int | None = None
+    session_options: dict[str, Any] = field(default_factory=dict)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ColiError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def load_tokenizer(model_source: str) -> Any:
+    """The model's tokenizer and chat template, or None for a model without text files."""
+    try:
+        from kernels.model.text import load_text
+    except ImportError:
+        return None
+    try:
+        return load_text(model_source)
+    except (ColiError, OSError):
+        return None
+
+
+def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns 0 once every session is committed."""
+    import uvicorn
+
+    from kernels.model import resolve_model
+
+    check_bind(config.host, config.api_key)
+    source = resolve_model(config.model)
+    store = SessionStore(config.root, memory_budget=config.max_kv_bytes)
+    engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
+                    limits=config.limits, session_options=config.session_options)
+    sock = bind_socket(config.host, config.port)
+    engine.start()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            engine.stopping.set()  # new turns refused; the running one ends at its next token
+            super().handle_exit(sig, frame)
+
+    uv_config = uvicorn.Config(build_app(engine, config.api_key), log_level="warning", lifespan="off",
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
+    server = Server(uv_config)
+    host, port = sock.getsockname()[:2]
+    ready = {"event": "listening", "url": f"http://{'[' + host + ']' if ':' in host else host}:{port}",
+             "model": engine.model_ref.name, "pid": os.getpid()}
+    # uvicorn re-raises the signal it caught once it has stopped; this handler absorbs it so the
+    # shutdown below (commit every session) runs and the exit status is 0
+    previous = {s: signal.signal(s, lambda _s, _f: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if on_ready is not None:
+            on_ready(ready)
+        else:
+            print(json.dumps(ready), flush=True)
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    log.info("service.stopped", sessions=len(store.ids()))
+    print(json.dumps({"event": "stopped", "sessions": len(store.ids())}), file=sys.stderr, flush=True)
+    return 0
+
+
+__all__ = ["ServeConfig", "bind_socket", "load_tokenizer", "serve_http"]

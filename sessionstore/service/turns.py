@@ -1,0 +1,226 @@
+"""One turn as the engine thread runs it: a chat reply or a text completion, on a session or
+stateless, streamed piece by piece into a :class:`TurnSink` and ended at a token boundary by eos,
+``max_tokens``, a stop string, a vanished client or a shutdown.
+
+On a session, chat turns go through its :class:`Conversation` (the whole ``messages`` list is
+rendered and prefix-matched against the history; the conversation file stays consistent) and
+completion turns through ``Session.generate`` (the prompt ids are the whole history; the
+conversation file, which no longer describes the tokens, is removed first). Every ending commits.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from kernels.errors import FormatError
+from kernels.model.text import ChatTokenizer, StreamDecoder
+from sessionstore.service.errors import ApiError
+from sessionstore.sessions import MANIFEST_NAME, SamplerSettings, Session, write_manifest
+from sessionstore.sessions.conversation import remove_record
+from sessionstore.sessions.conversation_chat import Conversation, check_room
+from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
+
+
+class TurnSink(Protocol):
+    """Where a turn's text goes, and whether its client still listens."""
+
+    def text(self, piece: str) -> None: ...
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class TurnSpec:
+    """What a request asks of one turn (already checked against the limits)."""
+
+    kind: Literal["chat", "completion"]
+    session: str | None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # the fields the request gave
+    stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class TurnOutcome:
+    tokens: list[int]
+    text: str
+    finish: str  # "stop" (eos or a stop string) | "length" | "abort" (client gone, server stopping)
+    prompt_tokens: int
+    reused_prefix: int = 0
+    committed: int | None = None
+    created: bool = False
+
+
+class _Stop(Exception):
+    def __init__(self, finish: str) -> None:
+        super().__init__(finish)
+        self.finish = finish
+
+
+class TextGate:
+    """Streamed text through the stop strings: what cannot begin a stop string goes out at once,
+    a possible beginning is held back; a completed stop string ends the text before it."""
+
+    def __init__(self, stops: Sequence[str], sink: TurnSink) -> None:
+        self.stops, self.sink = list(stops), sink
+        self.emitted = ""
+        self.held = ""
+        self.hit = False
+
+    def push(self, piece: str) -> None:
+        if self.hit or not piece:
+            return
+        buf = self.held + piece
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self._emit(buf[:min(found)])
+            self.held, self.hit = "", True
+            return
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self._emit(buf[:len(buf) - keep])
+        self.held = buf[len(buf) - keep:]
+
+    def flush(self) -> None:
+        if not self.hit:
+            self._emit(self.held)
+        self.held = ""
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.emitted += text
+            self.sink.text(text)
+
+
+def sampler_for(base: SamplerSettings, given: dict[str, Any]) -> SamplerSettings:
+    """``base`` with the fields a request gave replaced (checked by the sampler's rules)."""
+    merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
+    return SamplerSettings.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
+
+
+def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
+    """``max_tokens``, or the default clamped to the room the context leaves; checked against it."""
+    max_new = spec.max_tokens if spec.max_tokens is not None else max(1, min(default, context - prompt_len + 1))
+    check_room(list(range(prompt_len)), max_new, context)
+    return max_new
+
+
+class TurnRunner:
+    """Runs turns for one model (and its tokenizer, None for a model without text files)."""
+
+    def __init__(self, model: Any, tokenizer: ChatTokenizer | None, kv_dtype: str, default_max_tokens: int) -> None:
+        self.model, self.tok, self.kv_dtype = model, tokenizer, kv_dtype
+        self.default_max_tokens = default_max_tokens
+        self.context = int(model.config.max_position_embeddings)
+        self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
+
+    def _text_tokenizer(self, what: str) -> ChatTokenizer:
+        if self.tok is None:
+            raise ApiError(400, f"{what} needs text, and the model {self.model.source!r} has no tokenizer files; "
+                           "send token ids to /v1/completions", code="no_tokenizer")
+        return self.tok
+
+    def prompt_ids(self, spec: TurnSpec) -> list[int]:
+        if spec.kind == "chat":
+            ids = self._text_tokenizer("chat").chat_ids(spec.messages or [], add_generation_prompt=True)
+        elif isinstance(spec.prompt, str):
+            ids = self._text_tokenizer("a text prompt").encode(spec.prompt, add_special_tokens=True)
+        else:
+            ids = list(spec.prompt or [])
+        if not ids:
+            raise FormatError("the prompt tokenizes to nothing")
+        return [int(t) for t in self.model.check_tokens(np.asarray(ids, dtype=np.int64))]
+
+    def _token_callback(self, tokens: list[int], gate: TextGate, sink: TurnSink, stop_at_eos: bool,
+                        stream: StreamDecoder | None, stopping: Any) -> Any:
+        def on_token(token: int, position: int) -> None:
+            tokens.append(int(token))
+            if stream is not None:
+                gate.push(stream.push(token))
+            if stop_at_eos and token in self.eos:
+                raise _Stop("stop")
+            if gate.hit:
+                raise _Stop("stop")
+            if sink.cancelled() or stopping():
+                raise _Stop("abort")
+        return on_token
+
+    # ---- on a session --------------------------------------------------------------------------
+    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, stopping: Any) -> TurnOutcome:
+        prompt = self.prompt_ids(spec)
+        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+        sampler = sampler_for(session.manifest.sampler, spec.sampling)
+        gate = TextGate(spec.stops, sink)
+        if spec.kind == "chat":
+            return self._chat_on_session(session, spec, prompt, max_new, sampler, gate, sink, stopping)
+        stream = StreamDecoder(self.tok) if self.tok is not None else None
+        tokens: list[int] = []
+        remove_record(session.directory)  # before the tokens change: never a stale conversation
+        session.ensure_resident()
+        reused = common_prefix(session.history()[:session.length], prompt)
+        finish = "length"
+        try:
+            session.generate(prompt, max_new, sampler=sampler, on_token=self._token_callback(
+                tokens, gate, sink, not spec.ignore_eos, stream, stopping))
+        except _Stop as stop:
+            session.commit()
+            finish = stop.finish
+        if stream is not None:
+            gate.push(stream.finish())
+        gate.flush()
+        return TurnOutcome(tokens, gate.emitted, finish, len(prompt), reused, session.committed)
+
+    def _chat_on_session(self, session: Session, spec: TurnSpec, prompt: list[int], max_new: int,
+                         sampler: SamplerSettings, gate: TextGate, sink: TurnSink, stopping: Any) -> TurnOutcome:
+        conv = Conversation.open(session, self._text_tokenizer("chat"))
+        if sampler != session.manifest.sampler:
+            session.manifest.sampler = sampler
+            write_manifest(session.directory / MANIFEST_NAME, session.manifest)
+        cut = {"abort": False}
+
+        def should_stop() -> bool:
+            if sink.cancelled() or stopping():
+                cut["abort"] = True
+            return gate.hit or cut["abort"]
+
+        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop)
+        gate.flush()
+        finish = {"eos": "stop", "limit": "length"}.get(reply.stopped, "stop" if gate.hit else "abort")
+        return TurnOutcome(reply.tokens, gate.emitted, finish, reply.prompt_tokens, reply.reused_prefix,
+                           session.committed)
+
+    # ---- stateless ----------------------------------------------------------------------------
+    def stateless(self, spec: TurnSpec, sink: TurnSink, stopping: Any) -> TurnOutcome:
+        """A turn in a fresh in-memory cache (no session, nothing stored)."""
+        prompt = self.prompt_ids(spec)
+        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+        sampler = sampler_for(SamplerSettings(), spec.sampling)
+        cache = self.model.new_cache(self.kv_dtype)
+        gate = TextGate(spec.stops, sink)
+        stream = StreamDecoder(self.tok) if self.tok is not None else None
+        tokens: list[int] = []
+        stop_at_eos = spec.kind == "chat" or not spec.ignore_eos
+        on_token = self._token_callback(tokens, gate, sink, stop_at_eos, stream, stopping)
+        finish = "length"
+        try:
+            logits = feed_chunk(self.model, cache, prompt)
+            run_turn(self.model, cache, None, logits, max_new, sampler,
+                     on_step=lambda token, position, _logits: on_token(token, position))
+        except _Stop as stop:
+            finish = stop.finish
+        if stream is not None:
+            gate.push(stream.finish())
+        gate.flush()
+        return TurnOutcome(tokens, gate.emitted, finish, len(prompt))
+
+
+__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for"]
