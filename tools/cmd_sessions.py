@@ -161,9 +161,10 @@ def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
 def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
                     options: dict[str, Any]) -> tuple[Any, bool]:
     """(session, created): resume ``args.session``, or create it when absent."""
-    if store.exists(args.session):
-        return store.open(args.session, _opt(args, "model") or None, **options), False
     model = _opt(args, "model")
+    model = resolve_model(model) if model else None  # "glm-mini": the shipped checkpoint directory
+    if store.exists(args.session):
+        return store.open(args.session, model, **options), False
     if not model:
         raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
     if prompt is None:
@@ -260,7 +261,8 @@ def session_generate_text(args: argparse.Namespace, kind: str, value: Any) -> in
         if store.exists(args.session):
             source = _opt(args, "model") or store.read_manifest(args.session).model.path
             tok = tokenizer_for(source)
-            session = store.open(args.session, _opt(args, "model") or None, **options)
+            model = _opt(args, "model")
+            session = store.open(args.session, resolve_model(model) if model else None, **options)
         else:
             if not _opt(args, "model"):
                 raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")

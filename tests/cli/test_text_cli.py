@@ -161,3 +161,21 @@ def test_chat_default_model(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     else:
         _one_error(capsys, rc, GLM_MINI_NAME, "not in this checkout")
         assert not (tmp_path / "r").exists()
+
+
+def test_glm_mini_name_resolves_to_the_shipped_dir(tmp_path: Path, model_dir: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.model as km
+
+    shipped = tmp_path / "models"
+    shutil.copytree(model_dir, shipped / GLM_MINI_NAME)
+    monkeypatch.setattr(km, "SHIPPED_MODELS_DIR", shipped)
+    assert km.resolve_model(GLM_MINI_NAME) == str(shipped / GLM_MINI_NAME)
+    assert km.load_model(GLM_MINI_NAME).config.vocab_size == load_text(model_dir).vocab_size
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    assert main(["chat", "--root", str(tmp_path / "r"), "--session", "d", "--max-new", "3"]) == 0  # default
+    assert SessionStore(tmp_path / "r").read_manifest("d").model.path == str((shipped / GLM_MINI_NAME).resolve())
+    assert main(["generate", "--root", str(tmp_path / "r"), "--session", "t", "--model", GLM_MINI_NAME,
+                 "--prompt-ids", "5,6,7", "--max-new", "2"]) == 0
+    capsys.readouterr()
