@@ -38,6 +38,21 @@ class TextFiles:
     chat_template: str | None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token -> "<s>", ...
     eos_ids: tuple[int, ...] = ()  # ids listed by config.json and generation_config.json
+    # tokens the config declares, in the order transformers adds the missing ones to the tokenizer:
+    # added_tokens_decoder (by id), the named special tokens, extra/additional special tokens
+    declared_tokens: tuple[TokenSpec, ...] = ()
+
+
+TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """An added token as a config declares it (AddedToken's fields); None flags take its defaults."""
+
+    content: str
+    flags: tuple[tuple[str, bool], ...] = ()
+    source: str = "added"  # "added" | "named" | "extra"
 
 
 def _json(path: Path, limit: int, what: str) -> Any:
@@ -56,6 +71,53 @@ def _token_content(value: Any, where: str, name: str) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
     raise FormatError(f"{where}: {name} must be a string or an object with a string 'content', found {value!r}")
+
+
+def _token_spec(value: Any, where: str, name: str, source: str, special: bool | None = None) -> TokenSpec | None:
+    """A declared token (string or AddedToken dict); a bare string of a special list is special."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return TokenSpec(value, (("special", True),) if special else (), source)
+    content = _token_content(value, where, name)
+    assert content is not None
+    flags = []
+    for key in TOKEN_FLAGS:
+        if key in value:
+            if not isinstance(value[key], bool):
+                raise FormatError(f"{where}: {name}.{key} must be true or false")
+            flags.append((key, bool(value[key])))
+    return TokenSpec(content, tuple(flags), source)
+
+
+def _declared_tokens(config: dict[str, Any], where: str) -> tuple[TokenSpec, ...]:
+    out: list[TokenSpec] = []
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise FormatError(f"{where}: added_tokens_decoder must be an object of id -> token")
+    try:
+        ordered = sorted(decoder.items(), key=lambda kv: int(kv[0]))
+    except ValueError:
+        raise FormatError(f"{where}: added_tokens_decoder keys must be token ids") from None
+    for key, value in ordered:
+        if not isinstance(value, dict):
+            raise FormatError(f"{where}: added_tokens_decoder[{key}] must be an object")
+        spec = _token_spec(value, where, f"added_tokens_decoder[{key}]", "added")
+        assert spec is not None
+        out.append(spec)
+    for name in SPECIAL_TOKEN_NAMES:
+        spec = _token_spec(config.get(name), where, name, "named", special=True)
+        if spec is not None:
+            out.append(spec)
+    extra = config.get("extra_special_tokens", config.get("additional_special_tokens"))
+    if isinstance(extra, list):
+        for i, value in enumerate(extra):
+            spec = _token_spec(value, where, f"extra_special_tokens[{i}]", "extra", special=True)
+            if spec is not None:
+                out.append(spec)
+    elif extra is not None and not isinstance(extra, dict):
+        raise FormatError(f"{where}: extra_special_tokens must be a list")
+    return tuple(out)
 
 
 def _template_of(config: dict[str, Any], where: str) -> str | None:
@@ -126,7 +188,7 @@ def read_text_files(directory: str | os.PathLike[str]) -> TextFiles:
         obj = _json(root / name, MAX_SMALL_JSON_BYTES, name)
         if isinstance(obj, dict):
             eos += [i for i in _ids_of(obj.get("eos_token_id"), str(root / name), "eos_token_id") if i not in eos]
-    return TextFiles(root, tokenizer_json, template, special, tuple(eos))
+    return TextFiles(root, tokenizer_json, template, special, tuple(eos), _declared_tokens(config, str(cfg_path)))
 
 
-__all__ = ["MAX_TEMPLATE_BYTES", "MAX_TOKENIZER_BYTES", "TextFiles", "read_text_files"]
+__all__ = ["MAX_TEMPLATE_BYTES", "MAX_TOKENIZER_BYTES", "TextFiles", "TokenSpec", "read_text_files"]

@@ -10,10 +10,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
-from kernels.model.text.files import TOKENIZER_NAME, TextFiles, read_text_files
+from kernels.model.text.files import TOKENIZER_NAME, TextFiles, TokenSpec, read_text_files
 from kernels.model.text.template import ChatTemplate
 
 MAX_TEXT_CHARS = 16 << 20  # one prompt or conversation, before tokenisation
@@ -31,6 +31,7 @@ class ChatTokenizer:
             raise FormatError(f"{where}: not a tokenizers tokenizer.json ({first})") from None
         self.files = files
         self.source = str(files.directory)
+        _add_declared_tokens(self._tok, files.declared_tokens)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.template = (ChatTemplate(files.chat_template, files.special_tokens, where=f"{files.directory}: "
@@ -78,6 +79,33 @@ class ChatTokenizer:
     def chat_ids(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
         """The conversation rendered and tokenised as ``apply_chat_template(..., tokenize=True)``."""
         return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt))
+
+
+def _flags_of(token: Any) -> tuple[str, tuple[bool, ...]]:
+    return (str(token.content), (bool(token.single_word), bool(token.lstrip), bool(token.rstrip),
+                                 bool(token.normalized), bool(token.special)))
+
+
+def _add_declared_tokens(tok: Tokenizer, declared: Sequence[TokenSpec]) -> None:
+    """Add the tokens a config declares that tokenizer.json lacks, as transformers does on load:
+    added_tokens_decoder entries not already there (same content and flags), then named and
+    extra special tokens whose text is not yet an added token (made special)."""
+    present = {_flags_of(t) for t in tok.get_added_tokens_decoder().values()}
+    known = {str(t.content) for t in tok.get_added_tokens_decoder().values()}
+    to_add: list[AddedToken] = []
+    for spec in declared:
+        flags = dict(spec.flags)
+        if spec.source != "added":
+            if spec.content in known:
+                continue
+            flags["special"] = True
+        token = AddedToken(spec.content, **flags)
+        if spec.source == "added" and _flags_of(token) in present:
+            continue
+        to_add.append(token)
+        known.add(spec.content)
+    if to_add:
+        tok.add_tokens(to_add)
 
 
 def load_text(model_dir: str | os.PathLike[str]) -> ChatTokenizer:

@@ -156,3 +156,35 @@ def test_shipped_model_equals_transformers(conv: int) -> None:
         assert ours.render(messages, add_generation_prompt=gen) == hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=gen)
         assert ours.chat_ids(messages, add_generation_prompt=gen) == list(want)
+
+
+@pytest.mark.oracle
+def test_tokens_declared_only_in_the_config(tmp_path: Path) -> None:
+    """Special tokens the config names but tokenizer.json lacks are added as transformers adds them
+    (named, additional_special_tokens, added_tokens_decoder with its own flags)."""
+    from tests.kernels.model.text.textkit import CHATML_TEMPLATE, train_tokenizer
+
+    transformers = pytest.importorskip("transformers", reason="transformers is the tokenizer oracle")
+    tok = train_tokenizer([])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    n = tok.get_vocab_size()
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
+           "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+           "pad_token": {"__type": "AddedToken", "content": "<|pad|>", "lstrip": False, "rstrip": False,
+                         "normalized": False, "single_word": False, "special": True},
+           "additional_special_tokens": ["<|im_start|>"],
+           "added_tokens_decoder": {str(n + 7): {"content": "<tool>", "lstrip": True, "rstrip": False,
+                                                 "normalized": False, "single_word": False, "special": False}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_text(tmp_path)
+    assert ours.vocab_size > n
+    for messages in CONVERSATIONS:
+        want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ours.chat_ids(messages) == list(want)
+    text = "a  <tool> b<|im_end|> <|im_start|>c<|pad|>"
+    ids = hf.encode(text, add_special_tokens=False)
+    assert ours.encode(text) == ids
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+    assert ours.eos_ids == (hf.convert_tokens_to_ids("<|im_end|>"),)
