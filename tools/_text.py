@@ -136,7 +136,7 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
     if kind == "messages":
         conv = Conversation.open(session, tok)
         if sampler != session.manifest.sampler:
-            _set_sampler(session, sampler)
+            set_sampler(session, sampler)
         reply = conv.respond(value, max_new)
         return {**reply.to_json(), "stopped_at_eos": reply.stopped == "eos", "committed": session.committed,
                 "pending": list(session.pending), "messages": len(conv.messages)}
@@ -159,7 +159,7 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
             "reused_prefix": reused, "committed": session.committed, "pending": list(session.pending)}
 
 
-def _set_sampler(session: Any, sampler: Any) -> None:
+def set_sampler(session: Any, sampler: Any) -> None:
     """Store a changed sampler in the manifest (generate does this for token-level turns)."""
     from sessionstore.sessions.manifest import MANIFEST_NAME, write_manifest
 
@@ -167,5 +167,5 @@ def _set_sampler(session: Any, sampler: Any) -> None:
     write_manifest(session.directory / MANIFEST_NAME, session.manifest)
 
 
-__all__ = ["MAX_MESSAGES_FILE_BYTES", "eos_stopper", "generate_text", "prompt_ids", "read_messages_file",
+__all__ = ["MAX_MESSAGES_FILE_BYTES", "eos_stopper", "set_sampler", "generate_text", "prompt_ids", "read_messages_file",
            "session_text_turn", "text_input", "tokenizer_for"]

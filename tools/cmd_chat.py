@@ -10,6 +10,7 @@ on the same session continues the conversation token-exact.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import signal
@@ -22,7 +23,7 @@ from kernels.errors import ColiError, FormatError
 from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
 from tools._common import check_backend, fresh_store
-from tools._text import tokenizer_for
+from tools._text import set_sampler, tokenizer_for
 
 DEFAULT_MAX_NEW = 256
 HELP = "commands: /history  /regenerate  /edit N TEXT  /fork NEW  /suspend  /quit"
@@ -40,6 +41,11 @@ def register(subparsers: Any) -> None:
                    help=f"most tokens per reply (default {DEFAULT_MAX_NEW}); a reply also ends at an eos token")
     p.add_argument("--system", default=None, help="a system message starting a new conversation")
     p.add_argument("--commit-every", type=int, default=16, help="commit the reply every N tokens (default 16)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy; default:"
+                   " the session's, greedy for a new one)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="keep the smallest set with this probability")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; draws depend only on (seed, position)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="attention backend (default cpu)")
     p.add_argument("--json", action="store_true", help="machine output: one JSON object per line (text pieces as"
                    " they stream, then each reply with its ids)")
@@ -107,11 +113,15 @@ class ChatLoop:
         else:
             model = self.args.model or GLM_MINI_NAME
             tok = tokenizer_for(model)
-            session = self.store.create(session_id, resolve_model(model), kv_dtype=self.args.kv, **self.options)
+            session = self.store.create(session_id, resolve_model(model), kv_dtype=self.args.kv,
+                                        sampler=self.sampler(None), **self.options)
             created = True
             self.created.add(session_id)
         try:
             conv = Conversation.open(session, tok)
+            wanted = self.sampler(session.manifest.sampler)
+            if wanted != session.manifest.sampler:
+                set_sampler(session, wanted)
         except BaseException:
             session.close()
             raise
@@ -120,6 +130,15 @@ class ChatLoop:
                    "tokens": len(session.history()), "recovered": conv.recovered},
                   None if created else f"[session {session_id}: {len(conv.messages)} messages"
                   + (f", interrupted turn {conv.recovered['action']}" if conv.recovered else "") + "]")
+
+    def sampler(self, base: Any) -> Any:
+        """The session's sampler (``base``; greedy for a new one) with the flags given applied, checked."""
+        from sessionstore.sessions import SamplerSettings
+
+        given = {k: getattr(self.args, k) for k in ("temperature", "top_k", "top_p", "seed")
+                 if getattr(self.args, k) is not None}
+        merged = {**dataclasses.asdict(base if base is not None else SamplerSettings()), **given}
+        return SamplerSettings.checked(**merged)
 
     def close(self) -> None:
         if self.session is not None:

@@ -179,3 +179,23 @@ def test_glm_mini_name_resolves_to_the_shipped_dir(tmp_path: Path, model_dir: Pa
     assert main(["generate", "--root", str(tmp_path / "r"), "--session", "t", "--model", GLM_MINI_NAME,
                  "--prompt-ids", "5,6,7", "--max-new", "2"]) == 0
     capsys.readouterr()
+
+
+def test_chat_sampler_flags(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new chat stores its sampler flags; a later chat keeps them unless given; a bad one is refused."""
+    root = tmp_path / "r"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(["chat", "--root", str(root), "--session", "s", "--model", str(model_dir), "--max-new", "3",
+                 "--temperature", "0.7", "--seed", "5"]) == 0
+    sampler = SessionStore(root).read_manifest("s").sampler
+    assert (sampler.temperature, sampler.seed) == (0.7, 5)
+    monkeypatch.setattr("sys.stdin", io.StringIO("More\n"))
+    assert main(["chat", "--root", str(root), "--session", "s", "--max-new", "3", "--top-k", "9"]) == 0
+    sampler = SessionStore(root).read_manifest("s").sampler
+    assert (sampler.temperature, sampler.seed, sampler.top_k) == (0.7, 5, 9)
+    capsys.readouterr()
+    before = _snapshot(SessionStore(root).session_dir("s"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("More\n"))
+    _one_error(capsys, main(["chat", "--root", str(root), "--session", "s", "--top-p", "7"]), "top_p")
+    assert _snapshot(SessionStore(root).session_dir("s")) == before
