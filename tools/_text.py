@@ -131,6 +131,7 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
     conversation file then no longer describes the tokens and is removed first)."""
     from sessionstore.sessions.conversation import remove_record
     from sessionstore.sessions.conversation_chat import Conversation, check_room
+    from sessionstore.sessions.turns import common_prefix
 
     tok.check_vocab(session.model.config.vocab_size)
     if kind == "messages":
@@ -143,8 +144,6 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
     ids = prompt_ids(tok, kind, value)
     session.model.check_tokens(np.asarray(ids, dtype="int64"))
     check_room(ids, max_new, session.model.config.max_position_embeddings)
-    from sessionstore.sessions.turns import common_prefix
-
     reused = common_prefix(session.cache.tokens, ids)
     remove_record(session.directory)  # before the tokens change: never a stale conversation
     tokens: list[int] = []

@@ -200,6 +200,14 @@ class ChatLoop:
         return True
 
     def run(self, stream: Any) -> int:
+        """Read and run lines until end of input or /quit; Ctrl-C outside a reply ends the chat
+        (a reply turns it into a stop at the next token: its state is committed either way)."""
+        try:
+            return self._loop(stream)
+        except KeyboardInterrupt:
+            return 0
+
+    def _loop(self, stream: Any) -> int:
         interactive = stream.isatty()
         failed = 0
         if interactive:
@@ -208,10 +216,7 @@ class ChatLoop:
             if interactive:
                 sys.stderr.write("you> ")
                 sys.stderr.flush()
-            try:
-                line = stream.readline()
-            except KeyboardInterrupt:
-                break
+            line = stream.readline()
             if not line:
                 break
             line = line.rstrip("\r\n")

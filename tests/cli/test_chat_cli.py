@@ -182,3 +182,20 @@ def test_scripted_chat_is_token_exact(tmp_path: Path) -> None:
         assert record is not None and record.turn is None and record.messages == messages
         assert record.agrees_with(store.history(sid))
         assert streamed[sid] == [m["content"] for m in messages if m["role"] == "assistant"]
+
+
+def test_ctrl_c_while_waiting_suspends_and_exits(tmp_path: Path) -> None:
+    """SIGINT at the prompt (no reply streaming) ends the chat cleanly: exit 0, the turn committed,
+    the next chat finds the conversation whole (nothing to recover)."""
+    model_dir = write_text_model(tmp_path / "model", "chatml")
+    root = tmp_path / "store"
+    chat = Chat(root, "w", model_dir)
+    pieces, reply = chat.turn("Hello there")
+    assert reply is not None and pieces == reply["text"]
+    chat.proc.send_signal(signal.SIGINT)
+    out, err = chat.proc.communicate(timeout=60)
+    assert chat.proc.returncode == 0, err
+    again = Chat(root, "w", model_dir)
+    assert again.opened["recovered"] is None and again.opened["messages"] == 2
+    assert again.opened["tokens"] == reply["prompt_tokens"] + len(reply["tokens"])
+    again.quit()
