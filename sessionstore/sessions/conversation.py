@@ -145,6 +145,18 @@ def write_record(directory: str | os.PathLike[str], record: ConversationRecord) 
     atomic_replace(Path(directory) / CONVERSATION_NAME, data, make_temp=_temp, durable=True)
 
 
+def copy_record(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str],
+                dst_history: Sequence[int]) -> bool:
+    """Give a copied session (a fork) its source's conversation when it describes the copy's
+    history exactly (a closed turn, same length and digest); True if copied. A fork cut
+    elsewhere, or taken during a turn, starts without messages."""
+    record = read_record(src_dir)
+    if record is None or record.turn is not None or not record.agrees_with(dst_history):
+        return False
+    write_record(dst_dir, record)
+    return True
+
+
 def remove_record(directory: str | os.PathLike[str]) -> bool:
     """Remove the conversation file durably (tokens changed by a token-level command); True if one was there."""
     path = Path(directory) / CONVERSATION_NAME
@@ -157,4 +169,5 @@ def remove_record(directory: str | os.PathLike[str]) -> bool:
 
 
 __all__ = ["CONVERSATION_NAME", "ConversationRecord", "MAX_CONVERSATION_BYTES", "OpenTurn", "check_messages",
+           "copy_record",
            "parse_record", "read_record", "remove_record", "tokens_digest", "write_record"]

@@ -36,6 +36,7 @@ from sessionstore.sessions.conversation import (
     ConversationRecord,
     OpenTurn,
     check_messages,
+    copy_record,
     read_record,
     tokens_digest,
     write_record,
@@ -218,8 +219,9 @@ class Conversation:
         """Fork the session into ``new_id`` with this conversation (between turns)."""
         self.session.fork(new_id)
         store = self.session.store
-        write_record(store.session_dir(new_id), ConversationRecord(self.messages, self.record.tokens,
-                                                                   self.record.digest, None))
+        if not copy_record(self.session.directory, store.session_dir(new_id), store.history(new_id)):
+            raise ConversationMismatchError(f"session {new_id!r} was forked, but its tokens do not match the "
+                                            "conversation; it starts without messages")
 
 
 class ReferenceChat:

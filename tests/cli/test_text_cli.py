@@ -199,3 +199,17 @@ def test_chat_sampler_flags(tmp_path: Path, model_dir: Path, capsys: pytest.Capt
     monkeypatch.setattr("sys.stdin", io.StringIO("More\n"))
     _one_error(capsys, main(["chat", "--root", str(root), "--session", "s", "--top-p", "7"]), "top_p")
     assert _snapshot(SessionStore(root).session_dir("s")) == before
+
+
+def test_fork_command_carries_the_conversation(tmp_path: Path, model_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = _existing(tmp_path, model_dir, capsys)
+    source = read_record(SessionStore(root).session_dir("s"))
+    assert main(["fork", "s", "whole", "--root", str(root)]) == 0
+    assert main(["fork", "s", "cut", "--root", str(root), "--at", "3"]) == 0
+    store = SessionStore(root)
+    copied = read_record(store.session_dir("whole"))
+    assert copied is not None and copied.messages == source.messages
+    assert copied.agrees_with(store.history("whole"))
+    assert read_record(store.session_dir("cut")) is None  # cut inside the conversation: no messages
+    capsys.readouterr()
