@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from datetime import UTC, datetime
 from typing import Any
 
@@ -108,14 +109,16 @@ class Api:
     async def start_turn(self, spec: TurnSpec) -> tuple[TurnStream, Event]:
         """Queue the turn; its stream and first event (an error before any text is raised)."""
         stream = TurnStream(asyncio.get_running_loop())
+        fut = self.engine.submit(lambda: self.engine.run_turn(spec, stream), session=spec.session, turn=True)
 
-        def job() -> None:
-            try:
-                stream.finish(self.engine.run_turn(spec, stream))
-            except BaseException as exc:
-                stream.fail(exc)
+        def deliver(done: Future[TurnOutcome]) -> None:
+            error = done.exception()
+            if error is not None:
+                stream.fail(error)
+            else:
+                stream.finish(done.result())
 
-        self.engine.submit(job, session=spec.session, turn=True)
+        fut.add_done_callback(deliver)
         first = await stream.next()
         if first.kind == "error":
             raise first.value

@@ -1,18 +1,17 @@
-"""The engine: one thread owns the decoder and every open session; handlers queue work here and
-stream what comes back.
+"""The engine: the decoder and every open session, driven by one piece of work at a time (the
+holder of the :class:`DecoderBaton`); handlers queue work here and stream what comes back.
 
-Turns run one at a time, in arrival order: the decoder's batched matmuls are not bitwise equal to
-the same rows computed one at a time (numpy/BLAS blocks differently by batch size), so batching
-sessions together would make a session's tokens depend on who shares its batch. Two requests on
-one session never interleave: while a session has a turn queued or running, another request on
-it is refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions the least
-recently used idle one is suspended (commit, release memory and lock); its next request resumes
-it token-exact. Shutdown cuts the running turn at its next token, commits and suspends every
-session.
+Each request's work runs in a thread of its own that waits for the baton; a turn hands it on at
+every token boundary, so concurrent sessions advance token by token in turn. Sessions are not
+batched into one forward (see :mod:`sessionstore.service.scheduler`). Two requests on one
+session never interleave: while a session has work queued or running, another request on it is
+refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions (or
+``max_kv_bytes``) the least recently used idle one is suspended (commit, release memory and
+lock); its next request resumes it token-exact. Shutdown cuts every running turn at its next
+token, waits for the work in flight, then commits and suspends every session.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -24,13 +23,12 @@ from sessionstore.log import get_logger
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import ServiceMetrics
+from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.sessions import Session, SessionStore, validate_session_id
 from sessionstore.sessions.conversation import read_record, write_record
 
 log = get_logger("service")
-
-Job = tuple[Callable[[], Any], Future[Any], str | None]
 
 
 class Engine:
@@ -38,7 +36,8 @@ class Engine:
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
-                 metrics: ServiceMetrics | None = None, session_options: dict[str, Any] | None = None) -> None:
+                 metrics: ServiceMetrics | None = None, session_options: dict[str, Any] | None = None,
+                 max_kv_bytes: int | None = None) -> None:
         self.store = store
         self.model_source = model_source
         self.model, self.model_ref = store.load_model(model_source)
@@ -47,49 +46,64 @@ class Engine:
         self.metrics = metrics or ServiceMetrics()
         self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens)
         self.options = dict(session_options or {})
+        self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
+        self.baton = DecoderBaton()
         self.last_use: dict[str, float] = {}
-        self._sessions: dict[str, Session] = {}  # touched by the engine thread only
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._sessions: dict[str, Session] = {}  # touched only by the baton's holder
         self._busy: set[str] = set()
-        self._busy_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="coli-engine", daemon=True)
-        self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes)
+        self._workers: set[threading.Thread] = set()
+        self._lock = threading.Lock()  # the busy set and the workers
+        self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
+                                   lambda: self.baton.handoffs)
 
-    # ---- the thread ----------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, fut, sid = job
-            try:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # handed to the waiting handler
-                        fut.set_exception(exc)
-            finally:
-                self.release(sid)
-
+    # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
-        """Queue ``fn`` for the engine thread (holding ``session`` until it ends); its future."""
+        """Run ``fn`` holding the decoder (and ``session``, refused with 409 while busy); its future."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        if turn and self._jobs.qsize() >= self.limits.max_queued_turns:
-            raise ApiError(503, f"{self._jobs.qsize()} turns are waiting; try again later", code="busy")
+        with self._lock:
+            if turn and len(self._workers) >= self.limits.max_queued_turns:
+                raise ApiError(503, f"{len(self._workers)} requests are in flight; try again later", code="busy")
         if session is not None:
             self.claim(session)
         fut: Future[Any] = Future()
-        self._jobs.put((fn, fut, session))
+        worker = threading.Thread(target=self._work, args=(fn, fut, session), name="coli-turn", daemon=True)
+        with self._lock:
+            self._workers.add(worker)
+        worker.start()
         return fut
+
+    def _work(self, fn: Callable[[], Any], fut: Future[Any], session: str | None) -> None:
+        """Run ``fn`` holding the decoder; the session is free again BEFORE its outcome is
+        delivered, so a client that waits for its reply and asks again is never refused."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            with self.baton.held():
+                if not fut.set_running_or_notify_cancel():
+                    return
+                try:
+                    result = fn()
+                except BaseException as exc:  # handed to the waiting handler
+                    error = exc
+        finally:
+            self.release(session)
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def at_token(self) -> bool:
+        """A turn's token boundary: hand the decoder to waiting work; True once the server stops."""
+        self.baton.offer()
+        return self.stopping.is_set()
 
     def claim(self, session_id: str) -> None:
         """Mark ``session_id`` busy, or refuse with 409 while another request holds it."""
-        with self._busy_lock:
+        with self._lock:
             if session_id in self._busy:
                 raise ApiError(409, f"session {session_id!r} is busy with another request; retry when it has "
                                "finished", code="session_busy")
@@ -97,24 +111,29 @@ class Engine:
 
     def release(self, session_id: str | None) -> None:
         if session_id is not None:
-            with self._busy_lock:
+            with self._lock:
                 self._busy.discard(session_id)
 
     def stop(self) -> None:
-        """Refuse new work, cut the running turn at its next token, run what is queued, then
-        commit and suspend every open session."""
+        """Refuse new work, cut running turns at their next token, wait for the work in flight,
+        then commit and suspend every open session."""
         self.stopping.set()
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-        for session in list(self._sessions.values()):
-            try:
-                session.close()
-            except Exception as exc:  # one session's failure must not keep the others uncommitted
-                log.error("service.close_failed", id=session.id, error=str(exc))
-        self._sessions.clear()
+        while True:
+            with self._lock:
+                workers = list(self._workers)
+            if not workers:
+                break
+            for worker in workers:
+                worker.join()
+        with self.baton.held():
+            for session in list(self._sessions.values()):
+                try:
+                    session.close()
+                except Exception as exc:  # one session's failure must not keep the others uncommitted
+                    log.error("service.close_failed", id=session.id, error=str(exc))
+            self._sessions.clear()
 
-    # ---- sessions (engine thread) ------------------------------------------------------------
+    # ---- sessions (the baton's holder) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
         """The open session ``session_id``, resident (created if absent and ``create``)."""
         session = self._sessions.get(session_id)
@@ -140,28 +159,36 @@ class Engine:
         if isinstance(seconds, float):
             self.metrics.resume_seconds.observe(seconds)
 
+    def _over_limits(self) -> bool:
+        resident = self.store.resident_sessions()
+        if len(resident) > self.limits.max_resident:
+            return True
+        return self.max_kv_bytes is not None and sum(s.memory_bytes() for s in resident) > self.max_kv_bytes
+
     def enforce_residency(self, keep: Session | None) -> None:
-        """Suspend least recently used sessions until at most ``max_resident`` stay resident."""
-        for session in self.store.resident_sessions():
-            if len(self.store.resident_sessions()) <= self.limits.max_resident:
+        """Suspend least recently used idle sessions (never ``keep``, never one with work in
+        flight) until the resident ones fit ``max_resident`` and ``max_kv_bytes``."""
+        for session in self.store.resident_sessions():  # least recently used first
+            if not self._over_limits():
                 return
-            if session is not keep:
+            with self._lock:
+                idle = session.id not in self._busy
+            if session is not keep and idle:
                 session.suspend()
                 self.metrics.evictions.inc()
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
     def run_turn(self, spec: TurnSpec, sink: TurnSink) -> TurnOutcome:
-        """One turn (engine thread): on its session, or stateless."""
+        """One turn (the baton's holder): on its session, or stateless."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         t0 = time.perf_counter()
-        stopping = self.stopping.is_set
         if spec.session is None:
-            outcome = self.runner.stateless(spec, sink, stopping)
+            outcome = self.runner.stateless(spec, sink, self.at_token)
         else:
             session, created = self.open_session(spec.session, create=True)
             try:
-                outcome = self.runner.on_session(session, spec, sink, stopping)
+                outcome = self.runner.on_session(session, spec, sink, self.at_token)
             except BaseException:
                 if created and not session.history():  # a refused first turn leaves no session behind
                     self._drop(spec.session)
@@ -181,7 +208,7 @@ class Engine:
         self.store.delete(session_id)
         self.last_use.pop(session_id, None)
 
-    # ---- session operations (engine thread) -----------------------------------------------------
+    # ---- session operations (the baton's holder) -----------------------------------------------------
     def suspend(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
         if session is None and not self.store.exists(session_id):

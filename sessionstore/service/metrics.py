@@ -26,12 +26,15 @@ class ServiceMetrics:
                                         buckets=LATENCY_BUCKETS)
         self.resume_seconds = Histogram("coli_resume_seconds", "resume of a suspended session on request",
                                         registry=r, buckets=LATENCY_BUCKETS)
+        self.handoffs = Gauge("coli_decoder_handoffs", "times the decoder passed to other work at a token boundary",
+                              registry=r)
         self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
                                       buckets=LATENCY_BUCKETS)
 
     def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
-                      resident_bytes: Callable[[], int]) -> None:
-        """Session gauges read at scrape time."""
+                      resident_bytes: Callable[[], int], handoffs: Callable[[], int]) -> None:
+        """Gauges read at scrape time."""
+        self.handoffs.set_function(handoffs)
         self.resident.set_function(resident)
         self.suspended.set_function(suspended)
         self.resident_bytes.set_function(resident_bytes)

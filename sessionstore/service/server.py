@@ -73,11 +73,10 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
 
     check_bind(config.host, config.api_key)
     source = resolve_model(config.model)
-    store = SessionStore(config.root, memory_budget=config.max_kv_bytes)
+    store = SessionStore(config.root)
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
-                    limits=config.limits, session_options=config.session_options)
+                    limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes)
     sock = bind_socket(config.host, config.port)
-    engine.start()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

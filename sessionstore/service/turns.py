@@ -9,7 +9,7 @@ conversation file, which no longer describes the tokens, is removed first). Ever
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -115,7 +115,10 @@ def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> 
 
 
 class TurnRunner:
-    """Runs turns for one model (and its tokenizer, None for a model without text files)."""
+    """Runs turns for one model (and its tokenizer, None for a model without text files).
+
+    ``at_token()`` is called at every token boundary (the engine hands the decoder on there) and
+    answers whether the server is stopping; a stopping server or a vanished client ends the turn."""
 
     def __init__(self, model: Any, tokenizer: ChatTokenizer | None, kv_dtype: str, default_max_tokens: int) -> None:
         self.model, self.tok, self.kv_dtype = model, tokenizer, kv_dtype
@@ -141,7 +144,7 @@ class TurnRunner:
         return [int(t) for t in self.model.check_tokens(np.asarray(ids, dtype=np.int64))]
 
     def _token_callback(self, tokens: list[int], gate: TextGate, sink: TurnSink, stop_at_eos: bool,
-                        stream: StreamDecoder | None, stopping: Any) -> Any:
+                        stream: StreamDecoder | None, at_token: Callable[[], bool]) -> Any:
         def on_token(token: int, position: int) -> None:
             tokens.append(int(token))
             if stream is not None:
@@ -150,18 +153,18 @@ class TurnRunner:
                 raise _Stop("stop")
             if gate.hit:
                 raise _Stop("stop")
-            if sink.cancelled() or stopping():
+            if at_token() or sink.cancelled():
                 raise _Stop("abort")
         return on_token
 
     # ---- on a session --------------------------------------------------------------------------
-    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, stopping: Any) -> TurnOutcome:
+    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
         sampler = sampler_for(session.manifest.sampler, spec.sampling)
         gate = TextGate(spec.stops, sink)
         if spec.kind == "chat":
-            return self._chat_on_session(session, spec, prompt, max_new, sampler, gate, sink, stopping)
+            return self._chat_on_session(session, spec, prompt, max_new, sampler, gate, sink, at_token)
         stream = StreamDecoder(self.tok) if self.tok is not None else None
         tokens: list[int] = []
         remove_record(session.directory)  # before the tokens change: never a stale conversation
@@ -170,7 +173,7 @@ class TurnRunner:
         finish = "length"
         try:
             session.generate(prompt, max_new, sampler=sampler, on_token=self._token_callback(
-                tokens, gate, sink, not spec.ignore_eos, stream, stopping))
+                tokens, gate, sink, not spec.ignore_eos, stream, at_token))
         except _Stop as stop:
             session.commit()
             finish = stop.finish
@@ -180,7 +183,8 @@ class TurnRunner:
         return TurnOutcome(tokens, gate.emitted, finish, len(prompt), reused, session.committed)
 
     def _chat_on_session(self, session: Session, spec: TurnSpec, prompt: list[int], max_new: int,
-                         sampler: SamplerSettings, gate: TextGate, sink: TurnSink, stopping: Any) -> TurnOutcome:
+                         sampler: SamplerSettings, gate: TextGate, sink: TurnSink,
+                         at_token: Callable[[], bool]) -> TurnOutcome:
         conv = Conversation.open(session, self._text_tokenizer("chat"))
         if sampler != session.manifest.sampler:
             session.manifest.sampler = sampler
@@ -188,7 +192,7 @@ class TurnRunner:
         cut = {"abort": False}
 
         def should_stop() -> bool:
-            if sink.cancelled() or stopping():
+            if at_token() or sink.cancelled():
                 cut["abort"] = True
             return gate.hit or cut["abort"]
 
@@ -199,7 +203,7 @@ class TurnRunner:
                            session.committed)
 
     # ---- stateless ----------------------------------------------------------------------------
-    def stateless(self, spec: TurnSpec, sink: TurnSink, stopping: Any) -> TurnOutcome:
+    def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
@@ -209,7 +213,7 @@ class TurnRunner:
         stream = StreamDecoder(self.tok) if self.tok is not None else None
         tokens: list[int] = []
         stop_at_eos = spec.kind == "chat" or not spec.ignore_eos
-        on_token = self._token_callback(tokens, gate, sink, stop_at_eos, stream, stopping)
+        on_token = self._token_callback(tokens, gate, sink, stop_at_eos, stream, at_token)
         finish = "length"
         try:
             logits = feed_chunk(self.model, cache, prompt)

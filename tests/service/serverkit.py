@@ -1,0 +1,121 @@
+"""A real ``coli-kv serve --http`` process on loopback for tests: started on a port the OS picks
+(printed by the server), ready once ``/healthz`` answers, stopped by SIGTERM or SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 60.0
+
+
+class ServerProc:
+    """One server process; ``url`` once started."""
+
+    def __init__(self, root: Path, model: Path | str, *args: str, log_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.root, self.model, self.args = root, str(model), list(args)
+        self.log_dir = log_dir or root.parent
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.api_key: str | None = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self._n = 0
+
+    def start(self) -> ServerProc:
+        self._n += 1
+        self.stderr_path = self.log_dir / f"server-{os.getpid()}-{id(self)}-{self._n}.stderr"
+        cmd = [sys.executable, "-m", "tools", "serve", "--http", "127.0.0.1:0", "--root", str(self.root),
+               "--model", self.model, *self.args]
+        env = {**os.environ, "COLI_LOG": "off", "PYTHONPATH": str(REPO), **(self.env or {})}
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, env=env)
+        line = self._first_line()
+        self.url = json.loads(line)["url"]
+        self._wait_healthy()
+        return self
+
+    def _first_line(self) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        buf = b""
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not ready:
+                raise AssertionError(f"server printed nothing in {START_TIMEOUT_S}s: {self.stderr()}")
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise AssertionError(f"server exited ({self.proc.wait()}): {self.stderr()}")
+            buf += chunk
+        return buf.split(b"\n", 1)[0]
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # readiness by polling, never a fixed sleep
+            try:
+                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc is None or self.proc.poll() is not None:
+                raise AssertionError(f"server never became healthy: {self.stderr()}")
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(), timeout=60, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        kw.setdefault("headers", self.headers())
+        return httpx.post(self.url + path, timeout=120, **kw)
+
+    def openai(self) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
+                             timeout=120)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the server and wait for it; its exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=60)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return rc
+
+    def __enter__(self) -> ServerProc:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(signal.SIGKILL)
+
+
+def sse_events(response: httpx.Response) -> Any:
+    """The JSON objects of a streamed response, in order (``[DONE]`` ends it)."""
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
