@@ -112,7 +112,7 @@ def _broken_model(tmp_path: Path, model_dir: Path, damage: str) -> Path:
                                            ("unknown", "only tokenizer.json is supported"),
                                            ("template_syntax", "not a valid Jinja template")])
 def test_bad_tokenizer_or_template_files(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str],
-                                         damage: str, needle: str) -> None:
+                                         monkeypatch: pytest.MonkeyPatch, damage: str, needle: str) -> None:
     bad = _broken_model(tmp_path, model_dir, damage)
     m = _messages(tmp_path / "m.json", [{"role": "user", "content": "Hi"}])
     rc = main(["generate", "--root", str(tmp_path / "new"), "--session", "n", "--model", str(bad), "--messages", m])
@@ -120,6 +120,13 @@ def test_bad_tokenizer_or_template_files(tmp_path: Path, model_dir: Path, capsys
     assert not (tmp_path / "new").exists()
     rc = main(["generate", "--model", str(bad), "--messages", m])
     _one_error(capsys, rc, needle)
+    root, before = _existing(tmp_path, model_dir, capsys)  # an existing session asked to use it
+    rc = main(["generate", "--root", str(root), "--session", "s", "--model", str(bad), "--messages", m])
+    _one_error(capsys, rc, needle)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    rc = main(["chat", "--root", str(root), "--session", "s", "--model", str(bad)])
+    _one_error(capsys, rc, needle)
+    assert _snapshot(SessionStore(root).session_dir("s")) == before
 
 
 def test_raising_template_and_context(tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
