@@ -12,7 +12,6 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import resolve_model
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
-from sessionstore.sessions.conversation import copy_record
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._text import session_text_turn, text_input, tokenizer_for
 
@@ -71,9 +70,7 @@ def run_rm(args: argparse.Namespace) -> int:
 
 def run_fork(args: argparse.Namespace) -> int:
     store = SessionStore(args.root, create=False, sweep=True)  # writes: sweep dead temporaries
-    info = store.fork(args.session_id, args.new_id, at=args.at)
-    # the conversation goes along when it describes the copy (not for a fork cut inside it)
-    copy_record(store.session_dir(args.session_id), store.session_dir(info.id), store.history(info.id))
+    info = store.fork(args.session_id, args.new_id, at=args.at)  # the conversation goes along (snapshot.copy_to)
     _emit(args, f"forked {args.session_id} -> {info.id} ({info.tokens} records)",
           {"forked": args.session_id, **info.to_json()})
     return 0

@@ -36,7 +36,6 @@ from sessionstore.sessions.conversation import (
     ConversationRecord,
     OpenTurn,
     check_messages,
-    copy_record,
     read_record,
     tokens_digest,
     write_record,
@@ -217,9 +216,10 @@ class Conversation:
 
     def fork(self, new_id: str) -> None:
         """Fork the session into ``new_id`` with this conversation (between turns)."""
-        self.session.fork(new_id)
+        self.session.fork(new_id)  # the fork copies the conversation when it describes the copy
         store = self.session.store
-        if not copy_record(self.session.directory, store.session_dir(new_id), store.history(new_id)):
+        copied = read_record(store.session_dir(new_id))
+        if copied is None or not copied.agrees_with(store.history(new_id)):
             raise ConversationMismatchError(f"session {new_id!r} was forked, but its tokens do not match the "
                                             "conversation; it starts without messages")
 

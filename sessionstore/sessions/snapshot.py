@@ -22,6 +22,7 @@ from sessionstore.kvfile import (
     record_bytes,
     require_sound,
 )
+from sessionstore.sessions.conversation import copy_record
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME, check_component
 
@@ -107,6 +108,7 @@ class SessionSnapshot:
             sidecar = load_sidecar(reader.path)
             report = check_records(reader, sidecar) if sidecar is not None else None
             copied = reader.nrec
+            history = [int(t) for t in reader.tokens[:n]] + pending
         if report is None or report.status != "ok" or report.vouched != n or copied != n:
             detail = "no sidecar" if report is None else "; ".join(report.messages) or report.status
             raise CorruptionError(f"copy of session {snap.id!r} at {n} records failed its check: {detail}")
@@ -116,6 +118,7 @@ class SessionSnapshot:
             last_logits=src.last_logits if n == src.committed else None,
             origin=f"fork of {src.id} at {n}" if new_id else src.origin)
         write_manifest(dst_dir / MANIFEST_NAME, manifest)
+        copy_record(snap.kv_path.parent, dst_dir, history)  # the messages, when they describe the copy
         return manifest, method
 
 

@@ -226,3 +226,19 @@ def test_reply_stops_at_any_eos_id(tmp_path: Path, model_dir: Path) -> None:
     assert r.stopped == "eos" and r.tokens == run[:run.index(stop_id) + 1]
     assert s.history()[-1] == stop_id and s.pending == [stop_id]  # sampled, not fed: the pending token
     s.close()
+
+
+def test_store_fork_carries_the_conversation_only_when_it_describes_the_copy(tmp_path: Path,
+                                                                             model_dir: Path) -> None:
+    """SessionStore.fork (and so every fork) copies conversation.json with a whole-history copy,
+    and leaves it out of a fork cut inside the conversation."""
+    s, conv = _open(tmp_path, "src", model_dir)
+    conv.say("Tell me something.", 6)
+    messages = conv.messages
+    s.close()
+    store = SessionStore(tmp_path)
+    whole = store.fork("src", "whole")
+    cut = store.fork("src", "cut", at=whole.tokens - 3)
+    copied = read_record(store.session_dir("whole"))
+    assert copied is not None and copied.messages == messages and copied.agrees_with(store.history("whole"))
+    assert read_record(store.session_dir(cut.id)) is None
