@@ -50,6 +50,7 @@ from sessionstore.log import get_logger
 from sessionstore.migration import bundle as B
 from sessionstore.migration.bundle_io import WritebackFile
 from sessionstore.sessions import (
+    CONVERSATION_NAME,
     KV_NAME,
     MANIFEST_NAME,
     SIDECAR_NAME,
@@ -58,6 +59,7 @@ from sessionstore.sessions import (
     SessionStore,
     manifest_from_json,
     read_manifest,
+    read_record,
     write_manifest,
 )
 
@@ -65,7 +67,7 @@ log = get_logger("migrate")
 
 FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
 RELEASE_BYTES = 64 << 20  # export unmaps the records it has sent every this many bytes
-assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME) == B.ALLOWED_FILES
+assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME) == B.ALLOWED_FILES
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,15 @@ class _ExportSource:
             self.entries = sidecar.entries[:vouched]  # [n] u64
         self.sidecar = (None if self.entries is None
                         else sidecar_bytes(self.header_bytes, rec, self.entries))
+        history = [int(t) for t in reader.tokens[:n]] + list(snap.manifest.pending)
+        record = read_record(snap.kv_path.parent)  # the messages go along when they describe it
+        self.conversation = record.encode() if record is not None and record.turn is None and \
+            record.agrees_with(history) else None
         sizes = {MANIFEST_NAME: len(self.manifest_json), KV_NAME: HEADER_SIZE + n * rec}
         if self.sidecar is not None:
             sizes[SIDECAR_NAME] = len(self.sidecar)
+        if self.conversation is not None:
+            sizes[CONVERSATION_NAME] = len(self.conversation)
         self.files = tuple(B.BundleFile(name, size) for name, size in sizes.items())
 
     def kv_chunks(self) -> Iterator[bytes | memoryview]:
@@ -208,6 +216,8 @@ def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
                 _changed_while_exporting(session_id)
             if source.sidecar is not None:
                 writer.write_file(SIDECAR_NAME, [source.sidecar])
+            if source.conversation is not None:
+                writer.write_file(CONVERSATION_NAME, [source.conversation])
             if not snap.still_valid():
                 _changed_while_exporting(session_id)
             stats = writer.finish()
@@ -386,6 +396,13 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
                           f"{dims.as_tuple()} nrec {manifest.committed})")
     if header.tag != bm.kv["tag"]:
         raise FormatError(f"{kv_path}: byte 36: tag {header.tag}, the frame says {bm.kv['tag']}")
+    if bm.file(CONVERSATION_NAME) is not None:  # it MUST describe exactly the shipped history
+        record = read_record(tmp)
+        with open_kv(kv_path, expect=dims) as reader:
+            history = [int(t) for t in reader.tokens[:manifest.committed]] + list(manifest.pending)
+        if record is None or record.turn is not None or not record.agrees_with(history):
+            raise FormatError(f"{tmp / CONVERSATION_NAME}: the shipped conversation does not describe the "
+                              f"session's {len(history)} tokens")
     if bm.file(SIDECAR_NAME) is None:
         with open_kv(kv_path, expect=dims) as reader:
             write_sidecar_for(reader)  # checksums for the store from now on

@@ -2,6 +2,7 @@
 digest, the model fingerprint, a session's life cycle (suspend, resume), its recovery, the store
 and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
+from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
 from sessionstore.sessions.manifest import (
@@ -32,4 +33,6 @@ __all__ = [
     # added with the sessions room's restructuring
     "LogitsDigest", "Residency", "Resident", "ResumeCheck", "ResumeTarget", "SessionHome",
     "check_resume", "common_prefix", "logits_hash", "verify_session_dir",
+    # the rendered conversation (FORMAT.md 5.8)
+    "CONVERSATION_NAME", "read_record",
 ]
