@@ -2,17 +2,18 @@
 
     python -m bench.cuda_paths [--quick] [--json] [--emulate]
 
-(a) int4 vs fp8, dense decode (S=1): the SAME random rows (with outliers) quantised both ways, at
-    GLM-5.2 head shapes (H=64, kv_lora=512, rope=64), T = 32k and 128k, SIMT kernel for both
-    (int4 adds the q rotation and the context unrotation). Figure: int4 time / fp8 time, and the
+(a) v3 (int4, polar4) vs fp8, dense decode (S=1): the SAME random rows (with outliers) quantised
+    each way, at GLM-5.2 head shapes (H=64, kv_lora=512, rope=64), T = 32k and 128k, SIMT kernel for
+    all (v3 adds the q rotation and the context unrotation). Figure: v3 time / fp8 time, and the
     cache bytes each streams.
-(b) sparse vs dense over the same cache (f32, fp8 and int4 rows): each query attends k = 2048
+(b) sparse vs dense over the same cache (f32, fp8, int4 and polar4 rows): each query attends k = 2048
     selected rows (GLM-5.2's index_topk) of T = 128k; S = 1 (decode) and S = 16 (a prefill chunk).
     Figure: sparse time / dense time. The sparse call includes validating and uploading the selection.
 Device times are CUDA event medians of interleaved repetitions (cupy); --emulate runs the same
 calls on the CPU emulator at tiny shapes (a smoke run of this script: its times say nothing about a
 GPU). Without a device and without --emulate, the script says so and exits 0.
-JSON keys: int4_over_fp8_ratio_T<T>, sparse_over_dense_ratio_<kind>_S<S>, and the *_ms figures.
+JSON keys: int4_over_fp8_ratio_T<T>, polar4_over_fp8_ratio_T<T>, sparse_over_dense_ratio_<kind>_S<S>,
+and the *_ms figures.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ EMULATED = Shape(4, 64, 16, (64,), 64, 16, 2)
 
 
 def rows_of(shape: Shape, length: int, seed: int) -> dict[str, LatentRows]:
-    """The same random rows as f32, fp8 and int4 blocks (host arrays)."""
+    """The same random rows as f32, fp8, int4 and polar4 blocks (host arrays)."""
     rng = np.random.default_rng(seed)
     lc = rng.standard_normal((length, shape.kv_lora), dtype=np.float32)  # lc: [T, kv_lora] f32
     rc = rng.standard_normal((length, shape.rope), dtype=np.float32)  # rc: [T, rope] f32
@@ -57,11 +58,12 @@ def rows_of(shape: Shape, length: int, seed: int) -> dict[str, LatentRows]:
     lc[rng.random(lc.shape) < 0.002] *= 30.0
     lcode, lsc = quantize_rows(lc)
     rcode, rsc = quantize_rows(rc)
-    codec = TqCodec("int4", 4)
-    lq, lrad = codec.encode_rows(lc)
-    rq, rrad = codec.encode_rows(rc)
-    return {"f32": F32Rows(lc, rc), "fp8": Fp8Rows(lcode, lsc, rcode, rsc),
-            "int4": TqRows(lq, lrad, rq, rrad, codec, shape.kv_lora, shape.rope)}
+    out: dict[str, LatentRows] = {"f32": F32Rows(lc, rc), "fp8": Fp8Rows(lcode, lsc, rcode, rsc)}
+    for codec in (TqCodec("int4", 4), TqCodec("polar", 4)):
+        lq, lrad = codec.encode_rows(lc)
+        rq, rrad = codec.encode_rows(rc)
+        out[codec.kv_dtype] = TqRows(lq, lrad, rq, rrad, codec, shape.kv_lora, shape.rope)
+    return out
 
 
 def on_device(xp: Any, rows: LatentRows) -> LatentRows:
@@ -125,24 +127,26 @@ def run(runner: Any, shape: Shape, reps: int) -> dict[str, float | int | str]:
     def q(n_q: int, width: int) -> Any:
         return xp.asarray((rng.standard_normal((n_q, shape.heads, width)) * 0.1).astype(np.float32))
 
-    print(f"(a) dense decode, int4 vs fp8 (SIMT), H={shape.heads} kv_lora={shape.kv_lora} rope={shape.rope}")
-    print(f"{'T':>8} {'fp8 ms':>9} {'int4 ms':>9} {'ratio':>6} {'fp8 MiB':>9} {'int4 MiB':>9}")
+    print(f"(a) dense decode, v3 vs fp8 (SIMT), H={shape.heads} kv_lora={shape.kv_lora} rope={shape.rope}")
+    print(f"{'T':>8} {'v3':>6} {'fp8 ms':>9} {'v3 ms':>9} {'ratio':>6} {'fp8 MiB':>9} {'v3 MiB':>9}")
+    mib = float(1 << 20)
     for length in shape.lengths:
         rows = rows_of(shape, length, seed=length)
-        fp8, int4 = on_device(xp, rows["fp8"]), on_device(xp, rows["int4"])
+        fp8 = on_device(xp, rows["fp8"])
         qa, qr = q(1, shape.kv_lora), q(1, shape.rope)
-        t8, t4 = timer.pair(partial(absorbed_attention_device, runner, qa, qr, [fp8], scale),
-                            partial(absorbed_attention_device, runner, qa, qr, [int4], scale), reps)
-        out[f"fp8_ms_T{length}"], out[f"int4_ms_T{length}"] = round(t8 * 1e3, 3), round(t4 * 1e3, 3)
-        out[f"int4_over_fp8_ratio_T{length}"] = round(t4 / t8, 3)
-        mib = float(1 << 20)
-        print(f"{length:>8} {t8 * 1e3:>9.3f} {t4 * 1e3:>9.3f} {t4 / t8:>6.2f} {nbytes(fp8) / mib:>9.1f}"
-              f" {nbytes(int4) / mib:>9.1f}")
+        for name in ("int4", "polar4"):
+            v3 = on_device(xp, rows[name])
+            t8, t4 = timer.pair(partial(absorbed_attention_device, runner, qa, qr, [fp8], scale),
+                                partial(absorbed_attention_device, runner, qa, qr, [v3], scale), reps)
+            out[f"fp8_ms_T{length}"], out[f"{name}_ms_T{length}"] = round(t8 * 1e3, 3), round(t4 * 1e3, 3)
+            out[f"{name}_over_fp8_ratio_T{length}"] = round(t4 / t8, 3)
+            print(f"{length:>8} {name:>6} {t8 * 1e3:>9.3f} {t4 * 1e3:>9.3f} {t4 / t8:>6.2f} {nbytes(fp8) / mib:>9.1f}"
+                  f" {nbytes(v3) / mib:>9.1f}")
     length, k = shape.sparse_length, shape.k
     print(f"(b) sparse (k={k}) vs dense over T={length}")
     print(f"{'kind':>5} {'S':>3} {'dense ms':>9} {'sparse ms':>10} {'ratio':>6}")
     rows = rows_of(shape, length, seed=99)
-    for kind in ("f32", "fp8", "int4"):
+    for kind in ("f32", "fp8", "int4", "polar4"):
         blk = on_device(xp, rows[kind])
         for n_q in (1, shape.prefill):
             qa, qr = q(n_q, shape.kv_lora), q(n_q, shape.rope)

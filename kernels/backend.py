@@ -54,8 +54,8 @@ class CpuBackend:
 class CudaBackend:
     """cupy + NVRTC kernels (kernels.cuda). ``kernel``: "simt" (default), "mma" or "mma_fast".
 
-    Rows: f32 and fp8 (every kernel reads fp8; f32 and v3 int4 rows need "simt"); v3 PolarQuant
-    rows are refused by name (FormatError): attend them with the CPU backend."""
+    Rows: f32, fp8 and v3 (int4, PolarQuant 2..6 bits); every kernel reads fp8, f32 and v3 rows
+    need "simt" (the tensor-core kernels refuse them with a FormatError naming the kind)."""
 
     name = "cuda"
 

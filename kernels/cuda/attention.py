@@ -8,9 +8,9 @@ Several blocks of one session are concatenated on the device first.
 Kernels: "simt" (default; f32 arithmetic, f32, fp8 and v3 int4 rows: agrees with the CPU to f32
 rounding), "mma" (tensor cores, fp8 rows, hi/lo f16 split: f32-like), "mma_fast" (tensor cores,
 single f16 operands: ~1e-3 relative; the bandwidth benchmark's kernel).
-v3 int4 rows (TqRows, tag 0x104) are attended in the rotated domain: q rotated once on the device
-before the split kernel, the context unrotated once after (kernels.cuda.rotation). PolarQuant rows
-are refused by name (FormatError): use the CPU backend for them.
+v3 rows (TqRows: int4, tag 0x104, and PolarQuant, bits 2..6; "simt" only) are attended in the
+rotated domain: q rotated once on the device before the split kernel, the context unrotated once
+after (kernels.cuda.rotation).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import numpy as np
 
 from kernels.attention.absorbed import query_positions
 from kernels.attention.tiles import cache_shape
-from kernels.cuda.launch import KERNELS, DeviceRows, Runner, row_kind, run_split_decode
-from kernels.cuda.rotation import rotate_device
+from kernels.cuda.launch import KERNELS, DeviceRows, Runner, run_split_decode
+from kernels.cuda.rotation import from_rotated_domain, to_rotated_domain
 from kernels.cuda.sources import KernelDims
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
@@ -30,10 +30,10 @@ from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 QUERY_CHUNK = 1024  # queries per launch: partials stay <= 1024 x H x kv_lora x 4 B per split
 
 
-def _device_field(runner: Runner, dev: Any) -> Any:
-    """A device field as the kernels can read it in place (4-byte aligned rows/scales), else a copy."""
+def _device_field(runner: Runner, dev: Any, align: int = 4) -> Any:
+    """A device field as the kernels can read it in place (``align``-byte aligned rows/scales), else a copy."""
     ok = dev.strides[-1] == dev.itemsize if dev.ndim == 2 else True
-    ok = ok and all(st % 4 == 0 for st in dev.strides[:1]) and runner.address(dev) % 4 == 0
+    ok = ok and all(st % align == 0 for st in dev.strides[:1]) and runner.address(dev) % align == 0
     return dev if ok else runner.xp.ascontiguousarray(dev)
 
 
@@ -47,13 +47,13 @@ def _as_host_or_device(runner: Runner, blk: LatentRows) -> LatentRows:
 
 
 def _tq_device_rows(runner: Runner, host: list[LatentRows]) -> TqRows:
-    """v3 int4 blocks of one session (validated by cache_shape) as ONE device block."""
+    """v3 blocks of one session (validated by cache_shape: one codec) as ONE device block."""
     xp = runner.xp
     first = host[0]
     assert isinstance(first, TqRows)
-    row_kind(first)  # refuses PolarQuant by name
     fields = ("lc_codes", "lc_radius", "rc_codes", "rc_radius")
-    parts = {f: [_device_field(runner, getattr(b, f)) for b in host] for f in fields}
+    parts = {f: [_device_field(runner, getattr(b, f), 1 if f.endswith("codes") else 4) for b in host]
+             for f in fields}  # codes are read byte by byte, radii as f32
     merged = {f: (v[0] if len(v) == 1 else xp.concatenate(v)) for f, v in parts.items()}
     return TqRows(**merged, codec=first.codec, kv_lora=first.kv_lora, qk_rope=first.qk_rope)
 
@@ -111,9 +111,9 @@ def absorbed_attention_device(
     n_q, heads = int(qa.shape[0]), int(qa.shape[1])
     first = query_positions(n_q, length, causal)
     dims = KernelDims(heads, width, rope)
-    tq = isinstance(rows, TqRows)
-    if tq:  # the rotated domain: q once here, the context once at the end
-        qa, qr = rotate_device(runner, dims, qa), rotate_device(runner, dims, qr)
+    codec = rows.codec if isinstance(rows, TqRows) else None
+    if codec is not None:  # the rotated domain: q once here, the context once at the end
+        qa, qr = to_rotated_domain(runner, dims, qa, codec), to_rotated_domain(runner, dims, qr, codec)
     outs = []
     for s0 in range(0, n_q, QUERY_CHUNK):  # bounded partials and grid.y
         s1 = min(n_q, s0 + QUERY_CHUNK)
@@ -123,7 +123,7 @@ def absorbed_attention_device(
         outs.append(run_split_decode(runner, dims, kernel, [rows], items, qa[s0:s1], qr[s0:s1], softmax_scale,
                                      split_rows))
     ctx = outs[0] if len(outs) == 1 else runner.xp.concatenate(outs, axis=0)  # ctx: [S, H, kv_lora] f32
-    return rotate_device(runner, dims, ctx, inverse=True) if tq else ctx
+    return ctx if codec is None else from_rotated_domain(runner, dims, ctx, codec)
 
 
 def batched_decode_device(
@@ -160,8 +160,9 @@ def batched_decode_device(
     items[:, 1] = np.arange(len(sessions))
     items[:, 2] = [s.length for s in sessions]
     dims = KernelDims(int(qa.shape[1]), width, rope)
-    if isinstance(sessions[0], TqRows):  # one row kind per launch: run_split_decode refuses a mix
-        qa, qr = rotate_device(runner, dims, qa), rotate_device(runner, dims, qr)
+    first = sessions[0]
+    if isinstance(first, TqRows):  # one row kind and codec per launch: run_split_decode refuses a mix
+        qa, qr = to_rotated_domain(runner, dims, qa, first.codec), to_rotated_domain(runner, dims, qr, first.codec)
         ctx = run_split_decode(runner, dims, kernel, sessions, items, qa, qr, softmax_scale, split_rows)
-        return rotate_device(runner, dims, ctx, inverse=True)
+        return from_rotated_domain(runner, dims, ctx, first.codec)
     return run_split_decode(runner, dims, kernel, sessions, items, qa, qr, softmax_scale, split_rows)

@@ -223,3 +223,9 @@ static inline void emu_mma_m16n8k16(float d[4], const unsigned a[4], const unsig
     emu::yield(emu::WARP_BAR);
     for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+
+static inline unsigned __brev(unsigned x) {
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
+    return r;
+}

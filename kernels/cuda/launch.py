@@ -11,8 +11,9 @@ the reduce kernel merges the chunks (flash-decoding), so T has no cap. A sparse 
 passes ``sel`` [n_items, k] i32: item i then attends rows sel[i, :length] of its session, read
 by index in place (SIMT gather entries).
 
-Row kinds: f32 (F32Rows), fp8 (Fp8Rows), int4 (TqRows of v3 tag 0x104: the kernel reads
-unit-scale rotated-domain levels; the caller rotates the queries and unrotates the context).
+Row kinds: f32 (F32Rows), fp8 (Fp8Rows), int4 and polar (TqRows: v3 tag 0x104 or PolarQuant
+bits 2..6; the kernel reads unit-scale rotated-domain values in the codec's ``rotated_order``,
+the caller rotates the queries and unrotates the context: kernels.cuda.rotation).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kernels.errors import FormatError, LimitError
 from kernels.fp8 import usable_scales
 from kernels.rows import F32Rows, Fp8Rows, TqRows
 from kernels.tq.int4 import LEVELS
+from kernels.tq.polar import polar_layout
 
 DeviceRows = F32Rows | Fp8Rows | TqRows
 
@@ -47,17 +49,19 @@ class KernelSpec:
     heads_per_cta: int
     tile_rows: int
     dynamic_smem: bool
-    int4_entry: str | None = None
+    v3_prefix: str | None = None  # dense v3 entries are <prefix>_int4 / <prefix>_polar
     sparse_prefix: str | None = None  # sparse entries are <prefix>_<kind>
 
     def entry(self, kind: str, sparse: bool) -> str | None:
         if sparse:
             return None if self.sparse_prefix is None else f"{self.sparse_prefix}_{kind}"
-        return {"fp8": self.fp8_entry, "f32": self.f32_entry, "int4": self.int4_entry}[kind]
+        if kind in ("int4", "polar"):
+            return None if self.v3_prefix is None else f"{self.v3_prefix}_{kind}"
+        return self.fp8_entry if kind == "fp8" else self.f32_entry
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "simt": KernelSpec("mla_split_simt_fp8", "mla_split_simt_f32", 256, 8, 16, False, "mla_split_simt_int4",
+    "simt": KernelSpec("mla_split_simt_fp8", "mla_split_simt_f32", 256, 8, 16, False, "mla_split_simt",
                        "mla_sparse_simt"),
     "mma": KernelSpec("mla_split_mma_exact", None, 256, 32, 32, True),
     "mma_fast": KernelSpec("mla_split_mma_fast", None, 256, 32, 32, True),
@@ -65,13 +69,22 @@ KERNELS: dict[str, KernelSpec] = {
 
 
 def row_kind(rows: DeviceRows) -> str:
-    """"f32", "fp8" or "int4" (the kernels' row kinds); other v3 codecs are refused by name."""
+    """"f32", "fp8", "int4" or "polar" (the kernels' row kinds)."""
     if isinstance(rows, TqRows):
-        if rows.codec.kind != "int4":
-            raise FormatError(f"cuda attention: v3 {rows.codec.kv_dtype} (PolarQuant) rows are not supported by the"
-                              " CUDA kernels (v3 int4 rows are); use the CPU backend")
-        return "int4"
+        return rows.codec.kind
     return "fp8" if isinstance(rows, Fp8Rows) else "f32"
+
+
+def v3_tables(xp: Any, rows: DeviceRows) -> tuple[Any, int]:
+    """(tables, bits) a v3 split kernel reads: int4 the 16 levels; PolarQuant cos | sin of the Lc
+    width, then of the Rc width (PolarLayout tables, f32)."""
+    if not isinstance(rows, TqRows):
+        return xp.asarray(LEVELS), 0
+    if rows.codec.kind == "int4":
+        return xp.asarray(LEVELS), 4
+    lay_l, lay_r = polar_layout(rows.kv_lora, rows.codec.bits), polar_layout(rows.qk_rope, rows.codec.bits)
+    host = np.concatenate([lay_l.cos_table, lay_l.sin_table, lay_r.cos_table, lay_r.sin_table])  # [2KL + 2KR] f32
+    return xp.asarray(host.astype(np.float32)), rows.codec.bits
 
 
 class Runner(Protocol):
@@ -144,8 +157,10 @@ def run_split_decode(
     xp = runner.xp
     spec = KERNELS[kernel]
     kind = row_kind(sessions[0])
-    if any(row_kind(s) != kind for s in sessions):
-        raise FormatError("cuda attention: one launch takes sessions of one row kind (all f32, all fp8 or all int4)")
+    found = sorted({s.codec.kv_dtype if isinstance(s, TqRows) else row_kind(s) for s in sessions})
+    if len(found) > 1:
+        raise FormatError(f"cuda attention: one launch takes sessions of one row kind (f32, fp8 or one v3 codec),"
+                          f" found {found}")
     entry = spec.entry(kind, sel is not None)
     if entry is None:
         what = "sparse (DSA) attention" if sel is not None else f"{kind} rows"
@@ -174,13 +189,14 @@ def run_split_decode(
         lsc_max = xp.stack([_scale_bound(xp, s) for s in fp8_sessions]).astype(xp.float32)  # [B] f32, no host sync
         runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, lsc_max, *tail),
                       runner.smem_bytes(dims, entry))
-    elif sel is not None:
-        runner.launch(dims, entry, grid, spec.threads,
-                      (dev_sessions, dev_items, *tail, xp.asarray(LEVELS), sel, np.int32(sel.shape[1])))
-    elif kind == "int4":
-        runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, *tail, xp.asarray(LEVELS)))
-    else:
+    elif sel is None and kind in ("f32", "fp8"):
         runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, *tail))
+    else:  # v3 and sparse entries: + tables (+ selection) (+ PolarQuant bits)
+        tables, bits = v3_tables(xp, sessions[0])
+        extra: tuple[Any, ...] = () if sel is None else (sel, np.int32(sel.shape[1]))
+        if kind == "polar":
+            extra = (*extra, np.int32(bits))
+        runner.launch(dims, entry, grid, spec.threads, (dev_sessions, dev_items, *tail, tables, *extra))
     out = xp.empty((n_items, dims.heads, dims.kv_lora), dtype=xp.float32)  # ctx [n, H, kv_lora]
     runner.launch(dims, "mla_reduce", (n_items, dims.heads, 1), 128,
                   (dev_items, part_o, part_ml, out, np.int32(split_rows), np.int32(n_splits)))

@@ -8,20 +8,22 @@
 // hoisted out of the dots, as the engine does.
 //   score_t = (Lsc_t * (qabs . Lc_t) + Rsc_t * (qrope . Rc_t)) * scale
 //   acc     = sum_t exp(score_t - m) * Lsc_t * Lc_t ,  l = sum_t exp(score_t - m)
-// Row kinds: f32 rows (factors 1); fp8 codes + scales; int4 (v3 tag 0x104) codes + radii, read as
-// unit-scale ROTATED-domain values with factor radius / sqrtf(width): the host rotates the queries
-// before and unrotates the context after (mla_rotate.cu).
+// Row kinds: f32 rows (factors 1); fp8 codes + scales; v3 rows, read as unit-scale ROTATED-domain
+// values: int4 (tag 0x104, factor radius / sqrtf(width)) and PolarQuant (tag = bits, factor radius,
+// the angle tree of mla_polar.cuh); the host rotates the queries before and unrotates the context
+// after (mla_rotate.cu). `tables`: int4 the 16 levels; PolarQuant cos | sin of Lc, then of Rc.
 // Dense entries (mla_split_simt_*) attend rows 0 .. length-1 of the session; sparse entries
 // (mla_sparse_simt_*) attend rows sel[i * sel_stride + p], p < length (DSA: the selected rows,
 // read by index in place, no gathered copy).
 #include "mla_common.cuh"
+#include "mla_polar.cuh"
 
 #define SIMT_WARPS 8
 #define SIMT_TILE 16
 #define SIMT_KV_PER ((MLA_KV + 31) / 32)
 #define SIMT_ROPE_PER ((MLA_ROPE + 31) / 32)
 
-enum { MLA_F32 = 0, MLA_FP8 = 1, MLA_INT4 = 2 };
+enum { MLA_F32 = 0, MLA_FP8 = 1, MLA_INT4 = 2, MLA_POLAR = 3 };
 
 // Element d of a cache row as the tile holds it (before the row factor).
 template <int KIND>
@@ -31,7 +33,8 @@ MLA_DEVICE float mla_element(const mla_u8* row, int d, const float* levels_s) {
     return ((const float*)row)[d];
 }
 
-// The hoisted factor of a row: 1 (f32), the sanitised fp8 scale, or the int4 std (radius / sqrtf(width)).
+// The hoisted factor of a row: 1 (f32), the sanitised fp8 scale or PolarQuant radius, or the int4 std
+// (radius / sqrtf(width)).
 template <int KIND>
 MLA_DEVICE float mla_row_factor(const mla_u8* p, float sqrt_width) {
     if (KIND == MLA_F32) return 1.0f;
@@ -42,19 +45,27 @@ MLA_DEVICE float mla_row_factor(const mla_u8* p, float sqrt_width) {
 // Stage tile positions [p0, p0 + n) into shared memory; position p is row `sel ? sel[p] : p`.
 template <int KIND>
 MLA_DEVICE void mla_stage_tile(const MlaSession& s, const int* sel, int p0, int n, float (*lc_s)[MLA_KV],
-                               float (*rc_s)[MLA_ROPE], float* lsc_s, float* rsc_s, const float* levels_s) {
+                               float (*rc_s)[MLA_ROPE], float* lsc_s, float* rsc_s, const float* tables_s,
+                               int bits) {
     const int tid = threadIdx.x;
-    for (int idx = tid; idx < SIMT_TILE * MLA_KV; idx += blockDim.x) {
-        int t = idx / MLA_KV, d = idx % MLA_KV;
-        float v = 0.0f;
-        if (t < n) v = mla_element<KIND>(mla_row(s.lc, s.lc_stride, sel ? sel[p0 + t] : p0 + t), d, levels_s);
-        lc_s[t][d] = v;
-    }
-    for (int idx = tid; idx < SIMT_TILE * MLA_ROPE; idx += blockDim.x) {
-        int t = idx / MLA_ROPE, d = idx % MLA_ROPE;
-        float v = 0.0f;
-        if (t < n) v = mla_element<KIND>(mla_row(s.rc, s.rc_stride, sel ? sel[p0 + t] : p0 + t), d, levels_s);
-        rc_s[t][d] = v;
+    if (KIND == MLA_POLAR) {
+        const int kl = mla_polar_entries(MLA_KV, bits), kr = mla_polar_entries(MLA_ROPE, bits);
+        mla_polar_tile<MLA_KV, SIMT_TILE>(s.lc, s.lc_stride, sel, p0, n, lc_s, tables_s, tables_s + kl, bits);
+        mla_polar_tile<MLA_ROPE, SIMT_TILE>(s.rc, s.rc_stride, sel, p0, n, rc_s, tables_s + 2 * kl,
+                                            tables_s + 2 * kl + kr, bits);
+    } else {
+        for (int idx = tid; idx < SIMT_TILE * MLA_KV; idx += blockDim.x) {
+            int t = idx / MLA_KV, d = idx % MLA_KV;
+            float v = 0.0f;
+            if (t < n) v = mla_element<KIND>(mla_row(s.lc, s.lc_stride, sel ? sel[p0 + t] : p0 + t), d, tables_s);
+            lc_s[t][d] = v;
+        }
+        for (int idx = tid; idx < SIMT_TILE * MLA_ROPE; idx += blockDim.x) {
+            int t = idx / MLA_ROPE, d = idx % MLA_ROPE;
+            float v = 0.0f;
+            if (t < n) v = mla_element<KIND>(mla_row(s.rc, s.rc_stride, sel ? sel[p0 + t] : p0 + t), d, tables_s);
+            rc_s[t][d] = v;
+        }
     }
     if (tid < SIMT_TILE) {
         float ls = 1.0f, rs = 1.0f;
@@ -71,12 +82,12 @@ MLA_DEVICE void mla_stage_tile(const MlaSession& s, const int* sel, int p0, int 
 template <int KIND>
 MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                const float* q_rope, float* part_o, float* part_ml, float scale, int split_rows,
-                               int n_splits, const float* levels, const int* sel_all, int sel_stride) {
+                               int n_splits, const float* tables, const int* sel_all, int sel_stride, int bits) {
     __shared__ float lc_s[SIMT_TILE][MLA_KV];
     __shared__ float rc_s[SIMT_TILE][MLA_ROPE];
     __shared__ float lsc_s[SIMT_TILE];
     __shared__ float rsc_s[SIMT_TILE];
-    __shared__ float levels_s[16];
+    __shared__ float tables_s[KIND == MLA_POLAR ? MLA_POLAR_TABLES : 16];
 
     const int split = blockIdx.x, item_ix = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -88,7 +99,9 @@ MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items,
     const int row1 = min(row0 + split_rows, item.length);
     const MlaSession sess = sessions[item.session];
     const int* sel = sel_all ? sel_all + (mla_i64)item_ix * sel_stride : nullptr;
-    if (KIND == MLA_INT4 && threadIdx.x < 16) levels_s[threadIdx.x] = levels[threadIdx.x];  // read after a barrier
+    const int n_tables = KIND == MLA_POLAR ? 2 * (mla_polar_entries(MLA_KV, bits) + mla_polar_entries(MLA_ROPE, bits))
+                                           : KIND == MLA_INT4 ? 16 : 0;
+    for (int i = threadIdx.x; i < n_tables; i += blockDim.x) tables_s[i] = tables[i];  // read after a barrier
 
     float qa[SIMT_KV_PER], qr[SIMT_ROPE_PER], acc[SIMT_KV_PER];
     const float* qa_row = q_abs + ((mla_i64)item.q_row * MLA_HEADS + (live ? head : 0)) * MLA_KV;
@@ -109,7 +122,7 @@ MLA_DEVICE void mla_split_simt(const MlaSession* sessions, const MlaItem* items,
     for (int r0 = row0; r0 < row1; r0 += SIMT_TILE) {
         const int n = min(SIMT_TILE, row1 - r0);
         __syncthreads();  // previous tile fully consumed
-        mla_stage_tile<KIND>(sess, sel, r0, n, lc_s, rc_s, lsc_s, rsc_s, levels_s);
+        mla_stage_tile<KIND>(sess, sel, r0, n, lc_s, rc_s, lsc_s, rsc_s, tables_s, bits);
         __syncthreads();
         float sc[SIMT_TILE];
         float tile_max = MLA_NEG_INF;
@@ -167,21 +180,28 @@ MLA_KERNEL void mla_split_simt_fp8(const MlaSession* sessions, const MlaItem* it
                                    const float* q_rope, float* part_o, float* part_ml, float scale,
                                    int split_rows, int n_splits) {
     mla_split_simt<MLA_FP8>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            nullptr, nullptr, 0);
+                            nullptr, nullptr, 0, 0);
 }
 
 MLA_KERNEL void mla_split_simt_f32(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                    const float* q_rope, float* part_o, float* part_ml, float scale,
                                    int split_rows, int n_splits) {
     mla_split_simt<MLA_F32>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            nullptr, nullptr, 0);
+                            nullptr, nullptr, 0, 0);
 }
 
 MLA_KERNEL void mla_split_simt_int4(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
                                    const float* q_rope, float* part_o, float* part_ml, float scale,
                                    int split_rows, int n_splits, const float* levels) {
     mla_split_simt<MLA_INT4>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            levels, nullptr, 0);
+                            levels, nullptr, 0, 0);
+}
+
+MLA_KERNEL void mla_split_simt_polar(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* tables, int bits) {
+    mla_split_simt<MLA_POLAR>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                             tables, nullptr, 0, bits);
 }
 
 // Sparse (DSA) entries: item i attends rows sel[i * sel_stride + p], p < items[i].length.
@@ -190,7 +210,7 @@ MLA_KERNEL void mla_sparse_simt_f32(const MlaSession* sessions, const MlaItem* i
                                    int split_rows, int n_splits, const float* levels, const int* sel,
                                     int sel_stride) {
     mla_split_simt<MLA_F32>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            levels, sel, sel_stride);
+                            levels, sel, sel_stride, 0);
 }
 
 MLA_KERNEL void mla_sparse_simt_fp8(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
@@ -198,7 +218,7 @@ MLA_KERNEL void mla_sparse_simt_fp8(const MlaSession* sessions, const MlaItem* i
                                    int split_rows, int n_splits, const float* levels, const int* sel,
                                     int sel_stride) {
     mla_split_simt<MLA_FP8>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            levels, sel, sel_stride);
+                            levels, sel, sel_stride, 0);
 }
 
 MLA_KERNEL void mla_sparse_simt_int4(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
@@ -206,5 +226,13 @@ MLA_KERNEL void mla_sparse_simt_int4(const MlaSession* sessions, const MlaItem* 
                                    int split_rows, int n_splits, const float* levels, const int* sel,
                                     int sel_stride) {
     mla_split_simt<MLA_INT4>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
-                            levels, sel, sel_stride);
+                            levels, sel, sel_stride, 0);
+}
+
+MLA_KERNEL void mla_sparse_simt_polar(const MlaSession* sessions, const MlaItem* items, const float* q_abs,
+                                   const float* q_rope, float* part_o, float* part_ml, float scale,
+                                   int split_rows, int n_splits, const float* tables, const int* sel,
+                                     int sel_stride, int bits) {
+    mla_split_simt<MLA_POLAR>(sessions, items, q_abs, q_rope, part_o, part_ml, scale, split_rows, n_splits,
+                             tables, sel, sel_stride, bits);
 }

@@ -22,8 +22,8 @@ INSTALL_HINT = 'install the CUDA extra: pip install -e ".[cuda]" (cupy-cuda12x +
 COMMON_HEADER = "mla_common.cuh"
 # module file -> kernel entry points it defines (extern "C" names)
 KERNEL_MODULES: dict[str, tuple[str, ...]] = {
-    "mla_simt.cu": ("mla_split_simt_fp8", "mla_split_simt_f32", "mla_split_simt_int4", "mla_sparse_simt_f32",
-                    "mla_sparse_simt_fp8", "mla_sparse_simt_int4"),
+    "mla_simt.cu": ("mla_split_simt_fp8", "mla_split_simt_f32", "mla_split_simt_int4", "mla_split_simt_polar",
+                    "mla_sparse_simt_f32", "mla_sparse_simt_fp8", "mla_sparse_simt_int4", "mla_sparse_simt_polar"),
     "mla_mma.cu": ("mla_split_mma_exact", "mla_split_mma_fast", "mla_mma_smem_bytes"),
     "mla_reduce.cu": ("mla_reduce",),
     "mla_rotate.cu": ("mla_tq_rotate",),

@@ -3,8 +3,8 @@
 Same contract as ``kernels.attention.sparse.sparse_absorbed_attention``: selection [S, k] holds
 ascending absolute positions of the cache (query s at position T - S + s may select rows <= it).
 The SIMT gather kernels (mla_sparse_simt_*) read those rows by index where they lie: the cache
-is never gathered into a copy. f32, fp8 and v3 int4 rows (int4 in the rotated domain: q rotated
-once before, the context unrotated once after). One work item per query, whose length is k, so
+is never gathered into a copy. f32, fp8 and v3 rows (int4 and PolarQuant, in the rotated domain:
+q rotated once before, the context unrotated once after). One work item per query, whose length is k, so
 the split planning and the reduce are those of the dense path.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from kernels.attention.sparse import check_selection
 from kernels.cuda.attention import QUERY_CHUNK, device_queries, device_rows, row_widths
 from kernels.cuda.launch import Runner, run_split_decode
-from kernels.cuda.rotation import rotate_device
+from kernels.cuda.rotation import from_rotated_domain, to_rotated_domain
 from kernels.cuda.sources import KernelDims
 from kernels.errors import FormatError, LimitError
 from kernels.rows import LatentRows, TqRows
@@ -54,9 +54,9 @@ def sparse_absorbed_attention_device(
     sel = check_selection(_host_selection(runner, selection), n_q, rows.length)  # sel: [S, k] i64, validated
     k = int(sel.shape[1])
     dims = KernelDims(heads, width, rope)
-    tq = isinstance(rows, TqRows)
-    if tq:
-        qa, qr = rotate_device(runner, dims, qa), rotate_device(runner, dims, qr)
+    codec = rows.codec if isinstance(rows, TqRows) else None
+    if codec is not None:
+        qa, qr = to_rotated_domain(runner, dims, qa, codec), to_rotated_domain(runner, dims, qr, codec)
     xp = runner.xp
     outs = []
     for s0 in range(0, n_q, QUERY_CHUNK):
@@ -68,4 +68,4 @@ def sparse_absorbed_attention_device(
         outs.append(run_split_decode(runner, dims, "simt", [rows], items, qa[s0:s1], qr[s0:s1], softmax_scale,
                                      split_rows, sel=dev_sel))
     ctx = outs[0] if len(outs) == 1 else xp.concatenate(outs, axis=0)  # ctx: [S, H, kv_lora] f32
-    return rotate_device(runner, dims, ctx, inverse=True) if tq else ctx
+    return ctx if codec is None else from_rotated_domain(runner, dims, ctx, codec)

@@ -16,8 +16,8 @@ def test_emulated_run_reports_every_ratio(capsys: pytest.CaptureFixture[str]) ->
     assert cuda_paths.main(["--emulate", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["emulated"] is True
-    assert out["int4_over_fp8_ratio_T64"] > 0
-    for kind in ("f32", "fp8", "int4"):
+    assert out["int4_over_fp8_ratio_T64"] > 0 and out["polar4_over_fp8_ratio_T64"] > 0
+    for kind in ("f32", "fp8", "int4", "polar4"):
         for n_q in (1, 2):
             assert out[f"sparse_over_dense_ratio_{kind}_S{n_q}"] > 0
             assert out[f"sparse_ms_{kind}_S{n_q}"] > 0

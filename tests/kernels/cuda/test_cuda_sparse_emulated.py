@@ -1,5 +1,5 @@
 """CUDA sparse (DSA) attention, run on the CPU by the emulator: the SIMT gather kernels read each
-query's selected rows by index (f32, fp8, v3 int4 rows) and match the numpy
+query's selected rows by index (f32, fp8, v3 int4 and PolarQuant rows) and match the numpy
 ``sparse_absorbed_attention`` within CUDA_RTOL over block splits, split sizes, causal prefill and
 decode, inert rows and selections that cross or repeat the kernel's 16-row tile boundaries.
 A selection of every visible row is bitwise the dense kernel's result. The emulated backend also
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="the CUDA emulator ne
 
 T, KV, ROPE, HEADS = 120, 64, 16, 10  # 10 heads: a full and a partial SIMT group
 SCALE = 0.11
-KINDS = ["f32", "fp8", "int4"]
+KINDS = ["f32", "fp8", "int4", "polar4"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def runner() -> EmulatorRunner:
 def cache() -> dict[str, LatentRows]:
     rng = np.random.default_rng(21)
     lc, rc = latent_rows(rng, T, KV, ROPE)
-    return {"f32": F32Rows(lc, rc), "fp8": quantize(lc, rc).rows, "int4": encode(lc, rc)}
+    return {"f32": F32Rows(lc, rc), "fp8": quantize(lc, rc).rows, "int4": encode(lc, rc),
+            "polar4": encode(lc, rc, TqCodec("polar", 4))}
 
 
 def blocks_of(rows: LatentRows, cuts: list[int]) -> list[LatentRows]:
@@ -75,7 +76,7 @@ def test_sparse_matches_cpu(runner: EmulatorRunner, cache: dict[str, LatentRows]
     runner.launches.clear()
     got = sparse_absorbed_attention_device(runner, qa, qr, blocks_of(cache[kind], cuts), sel, SCALE,
                                            split_rows=split)
-    assert [e for e, _, _ in runner.launches].count(f"mla_sparse_simt_{kind}") == 1
+    assert [e for e, _, _ in runner.launches].count(f"mla_sparse_simt_{kind[:5]}") == 1
     want = sparse_absorbed_attention(qa, qr, [cache[kind]], sel, SCALE).astype(np.float64)
     assert got.shape == (n_q, HEADS, KV) and got.dtype == np.float32
     assert rel_err(got, want) < CUDA_RTOL
@@ -162,8 +163,9 @@ def test_bad_selections_and_rows_raise_format_error(runner: EmulatorRunner, cach
         with pytest.raises(FormatError, match=match.strip()):
             sparse_absorbed_attention_device(runner, qa, qr, [cache["fp8"]], sel, SCALE)
     polar = encode(*latent_rows(rng, T, KV, ROPE), TqCodec("polar", 3))
-    with pytest.raises(FormatError, match=r"polar3 \(PolarQuant\) rows are not supported"):
-        sparse_absorbed_attention_device(runner, qa, qr, [polar], good, SCALE)
+    with pytest.raises(FormatError, match="block 1 is polar4 .*block 0 is polar3"):
+        sparse_absorbed_attention_device(runner, qa, qr, [*cut(polar, [60])[:1], *blocks_of(cache["polar4"], [60])[1:]],
+                                         good, SCALE)
     f32 = cache["f32"]
     assert isinstance(f32, F32Rows)
     with pytest.raises(FormatError, match="expected float32"):
@@ -172,7 +174,7 @@ def test_bad_selections_and_rows_raise_format_error(runner: EmulatorRunner, cach
         sparse_absorbed_attention_device(runner, qa, qr[:1], [f32], good, SCALE)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8", "int4", "polar4"])
 def test_emulated_cuda_backend_runs_the_tiny_glm_like_the_cpu(tiny_glm_dir: Path, runner: EmulatorRunner,
                                                               kv_dtype: str) -> None:
     from kernels.model import generate, load_model

@@ -1,9 +1,11 @@
-"""CUDA attention over v3 int4 rows (TqRows, tag 0x104), run on the CPU by the emulator (no GPU).
+"""CUDA attention over v3 rows (TqRows: int4, tag 0x104, and PolarQuant 2..6 bits), run on the CPU
+by the emulator (no GPU).
 
-The device path rotates q on the device (mla_rotate.cu), scores int4 levels with radius/sqrtf(n)
-hoisted (mla_split_simt_int4) and unrotates the context; checked against the numpy attention over
-the same TqRows (kernels.attention.tq) within CUDA_RTOL, and against attention over the decoded
-rows. The rotation kernel is checked bitwise against kernels.tq.rotate / unrotate.
+The device path rotates q on the device (mla_rotate.cu; PolarQuant: then into its bit-reversed
+storage order), scores unit-scale rotated-domain values with the row factor hoisted (int4: levels,
+radius/sqrtf(n); PolarQuant: the angle tree, the radius) and unrotates the context; checked against
+the numpy attention over the same TqRows (kernels.attention.tq) within CUDA_RTOL, and against
+attention over the decoded rows. The rotation kernel is checked bitwise against kernels.tq.
 """
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ import numpy as np
 import pytest
 
 from kernels.attention import absorbed_attention
+from kernels.attention.tq import rotate_queries, unrotate_context
 from kernels.cuda import GLM_DIMS, KERNEL_MODULES, KernelDims, compile_all_kernels_to_ptx
 from kernels.cuda.attention import absorbed_attention_device, batched_decode_device, device_rows
 from kernels.cuda.emulator import EmulatorRunner, compiler
-from kernels.cuda.rotation import rotate_device
+from kernels.cuda.rotation import from_rotated_domain, rotate_device, to_rotated_domain
 from kernels.errors import FormatError
 from kernels.rows import F32Rows, TqRows
 from kernels.tq import TqCodec, rotate, unrotate
@@ -28,8 +31,15 @@ needs_emulator = pytest.mark.skipif(compiler() is None, reason="the CUDA emulato
 KV, ROPE, HEADS = 64, 16, 18  # 18 heads: a partial SIMT group of 8
 SCALE = 0.12
 INT4 = TqCodec("int4", 4)
-NEW_ENTRIES = {"mla_simt.cu": ("mla_split_simt_int4", "mla_sparse_simt_f32", "mla_sparse_simt_fp8",
-                               "mla_sparse_simt_int4"), "mla_rotate.cu": ("mla_tq_rotate",)}
+POLAR4 = TqCodec("polar", 4)
+NEW_ENTRIES = {"mla_simt.cu": ("mla_split_simt_int4", "mla_split_simt_polar", "mla_sparse_simt_f32",
+                               "mla_sparse_simt_fp8", "mla_sparse_simt_int4", "mla_sparse_simt_polar"),
+               "mla_rotate.cu": ("mla_tq_rotate",)}
+CASES = [(1, 1, True, 32, []), (150, 1, True, 32, [40, 41]), (150, 4, True, 16, [100]), (97, 3, False, 32, []),
+         (40, 40, True, None, [16, 32])]
+CODEC_CASES = [(INT4, *c) for c in CASES] + [
+    (TqCodec("polar", bits), *CASES[i]) for bits, i in ((2, 1), (3, 3), (4, 2), (4, 4), (5, 0), (6, 1))
+]
 
 
 def encode(lc: np.ndarray, rc: np.ndarray, codec: TqCodec = INT4) -> TqRows:
@@ -74,24 +84,25 @@ def test_rotation_kernel_is_bitwise_the_cpu_rotation(runner: EmulatorRunner, wid
     dims = KernelDims(5, KV, ROPE)
     assert np.array_equal(rotate_device(runner, dims, x), rotate(x))
     assert np.array_equal(rotate_device(runner, dims, x, inverse=True), unrotate(x))
+    for codec in (INT4, POLAR4):  # PolarQuant: into and out of its bit-reversed storage order
+        assert np.array_equal(to_rotated_domain(runner, dims, x, codec), rotate_queries(x, codec))
+        assert np.array_equal(from_rotated_domain(runner, dims, x, codec), unrotate_context(x, codec))
     with pytest.raises(FormatError, match="power of two"):
         rotate_device(runner, dims, np.zeros((2, 3), np.float32))
 
 
 @needs_emulator
-@pytest.mark.parametrize("length,n_q,causal,split,cuts", [
-    (1, 1, True, 32, []), (150, 1, True, 32, [40, 41]), (150, 4, True, 16, [100]), (97, 3, False, 32, []),
-    (40, 40, True, None, [16, 32]),
-])
-def test_int4_matches_cpu_over_the_same_rows(runner: EmulatorRunner, length: int, n_q: int, causal: bool,
-                                             split: int | None, cuts: list[int]) -> None:
+@pytest.mark.parametrize("codec,length,n_q,causal,split,cuts", CODEC_CASES,
+                         ids=[f"{c[0].kv_dtype}-T{c[1]}-S{c[2]}" for c in CODEC_CASES])
+def test_v3_rows_match_cpu_over_the_same_rows(runner: EmulatorRunner, codec: TqCodec, length: int, n_q: int,
+                                              causal: bool, split: int | None, cuts: list[int]) -> None:
     rng = np.random.default_rng(length * 11 + n_q)
     lc, rc = latent_rows(rng, length, KV, ROPE)
-    rows = encode(lc, rc)
+    rows = encode(lc, rc, codec)
     qa, qr = queries(rng, n_q, HEADS, KV, 0.5), queries(rng, n_q, HEADS, ROPE, 0.5)
     runner.launches.clear()
     got = absorbed_attention_device(runner, qa, qr, cut(rows, cuts), SCALE, causal=causal, split_rows=split)
-    assert [e for e, _, _ in runner.launches].count("mla_split_simt_int4") == 1
+    assert [e for e, _, _ in runner.launches].count(f"mla_split_simt_{codec.kind}") == 1
     assert [e for e, _, _ in runner.launches].count("mla_tq_rotate") == 3  # q_abs, q_rope, then the context
     want = absorbed_attention(qa, qr, [rows], SCALE, causal=causal).astype(np.float64)
     assert got.shape == (n_q, HEADS, KV) and got.dtype == np.float32
@@ -103,30 +114,32 @@ def test_int4_matches_cpu_over_the_same_rows(runner: EmulatorRunner, length: int
 
 
 @needs_emulator
-def test_int4_inert_rows_and_strided_record_views(runner: EmulatorRunner) -> None:
+@pytest.mark.parametrize("codec", [INT4, POLAR4], ids=lambda c: c.kv_dtype)
+def test_inert_rows_and_strided_record_views(runner: EmulatorRunner, codec: TqCodec) -> None:
     rng = np.random.default_rng(5)
     lc, rc = latent_rows(rng, 80, KV, ROPE)
     lc[7] = 0.0  # written inert: radius 0
-    rows = encode(lc, rc)
+    rows = encode(lc, rc, codec)
     lrad, rrad = rows.lc_radius.copy(), rows.rc_radius.copy()
     lrad[[20, 21, 22, 23]] = [np.nan, -2.0, np.inf, np.float32(3.4e38)]  # read inert
     rrad[[30, 31]] = [np.nan, -1.0]
     recs = record_array(rows.lc_codes, lrad, rows.rc_codes, rrad, 3, 2)  # [T] records, 3 layers
     lay = recs["layers"][:, 2]
-    strided = TqRows(lay["lc"], lay["lc_scale"], lay["rc"], lay["rc_scale"], INT4, KV, ROPE)
+    strided = TqRows(lay["lc"], lay["lc_scale"], lay["rc"], lay["rc_scale"], codec, KV, ROPE)
     dev = device_rows(runner, [strided])
     assert isinstance(dev, TqRows) and runner.address(dev.lc_codes) == runner.address(strided.lc_codes)  # in place
     qa, qr = queries(rng, 3, HEADS, KV, 0.5), queries(rng, 3, HEADS, ROPE, 0.5)
     got = absorbed_attention_device(runner, qa, qr, [strided], SCALE, split_rows=32)
     assert np.isfinite(got).all()
-    want = absorbed_attention(qa, qr, [TqRows(rows.lc_codes, lrad, rows.rc_codes, rrad, INT4, KV, ROPE)], SCALE)
+    want = absorbed_attention(qa, qr, [TqRows(rows.lc_codes, lrad, rows.rc_codes, rrad, codec, KV, ROPE)], SCALE)
     assert rel_err(got, want.astype(np.float64)) < CUDA_RTOL
 
 
 @needs_emulator
-def test_int4_batched_decode_and_glm_head_shapes(runner: EmulatorRunner) -> None:
+@pytest.mark.parametrize("codec", [INT4, TqCodec("polar", 3), TqCodec("polar", 6)], ids=lambda c: c.kv_dtype)
+def test_batched_decode_at_glm_head_shapes(runner: EmulatorRunner, codec: TqCodec) -> None:
     rng = np.random.default_rng(3)
-    caches = [encode(*latent_rows(rng, n, 512, 64)) for n in (70, 130)]
+    caches = [encode(*latent_rows(rng, n, 512, 64), codec) for n in (70, 130)]
     qa, qr = queries(rng, 2, 64, 512, 0.1), queries(rng, 2, 64, 64, 0.1)
     got = batched_decode_device(runner, qa, qr, [caches[0], cut(caches[1], [64])], 0.05, split_rows=64)
     for b in range(2):
@@ -135,18 +148,23 @@ def test_int4_batched_decode_and_glm_head_shapes(runner: EmulatorRunner) -> None
 
 
 @needs_emulator
-def test_unsupported_v3_rows_are_refused_by_name(runner: EmulatorRunner) -> None:
+def test_bad_v3_inputs_are_refused(runner: EmulatorRunner) -> None:
     rng = np.random.default_rng(7)
     lc, rc = latent_rows(rng, 20, KV, ROPE)
     rows = encode(lc, rc)
-    polar = encode(lc, rc, TqCodec("polar", 4))
+    polar = encode(lc, rc, POLAR4)
     qa, qr = queries(rng, 1, HEADS, KV), queries(rng, 1, HEADS, ROPE)
-    with pytest.raises(FormatError, match=r"polar4 \(PolarQuant\) rows are not supported"):
-        absorbed_attention_device(runner, qa, qr, [polar], SCALE)
-    with pytest.raises(FormatError, match="PolarQuant"):
-        batched_decode_device(runner, qa, qr, [polar], SCALE)
     with pytest.raises(FormatError, match="kernel='simt' for int4 rows"):
         absorbed_attention_device(runner, qa, qr, [rows], SCALE, kernel="mma")
+    with pytest.raises(FormatError, match="kernel='simt' for polar rows"):
+        absorbed_attention_device(runner, qa, qr, [polar], SCALE, kernel="mma_fast")
+    with pytest.raises(FormatError, match=r"one row kind .*found \['int4', 'polar4'\]"):
+        batched_decode_device(runner, np.repeat(qa, 2, 0), np.repeat(qr, 2, 0), [rows, polar], SCALE)
+    with pytest.raises(FormatError, match=r"found \['polar3', 'polar4'\]"):
+        batched_decode_device(runner, np.repeat(qa, 2, 0), np.repeat(qr, 2, 0),
+                              [encode(lc, rc, TqCodec("polar", 3)), polar], SCALE)
+    with pytest.raises(FormatError, match="block 1 is polar4"):
+        absorbed_attention_device(runner, qa, qr, [*cut(rows, [5])[:1], *cut(polar, [5])[1:]], SCALE)
     with pytest.raises(FormatError, match="cannot be mixed"):
         absorbed_attention_device(runner, qa, qr, [*cut(rows, [5])[:1], quantize(lc[5:], rc[5:]).rows], SCALE)
     with pytest.raises(FormatError, match="one row kind"):
