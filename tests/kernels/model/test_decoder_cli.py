@@ -58,7 +58,7 @@ def test_stop_at_eos_flag_accepted(capsys: pytest.CaptureFixture) -> None:
         (("--model", "tiny", "--prompt-ids", ""), "comma-separated integers"),
         (("--model", "tiny", "--prompt-ids", "1,260"), "token id 260 at index 1 is outside the vocabulary"),
         (("--model", "tiny", "--prompt-ids", "-3"), "token id -3"),
-        (("--model", "tiny"), "--prompt-ids is required"),
+        (("--model", "tiny"), "--prompt-ids, --prompt or --messages is required"),
         (("--prompt-ids", "1"), "--model is required"),
         (("--model", "/nonexistent/model", "--prompt-ids", "1"), "not a model directory"),
         (("--model", "tiny", "--prompt-ids", "1", "--top-p", "2"), "top_p"),
