@@ -1,27 +1,49 @@
-"""``coli-kv demo``: the README's main job (separate processes, token-exact verdict)."""
+"""``coli-kv demo``: the README's main job (separate processes, token-exact verdict).
+
+The text demo runs on a model with a tokenizer and chat template (the shipped glm-mini by default;
+here also a test-built one), the id demo on the random tiny model."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.support.session_util import REPO
 from tools import cmd_demo
 from tools.coli_kv import main
 
 
-def test_demo_runs_in_real_processes_and_is_token_exact(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tools", "demo", "--max-new", "10", "--root",
-                           str(tmp_path), "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+def _demo(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tools", "demo", *args, "--json"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert "token-exact: yes" in lines
-    out = json.loads(lines[-1])
-    assert out["token_exact"] is True and out["bytes_ratio_f32_over_fp8"] > 3
+    return json.loads(lines[-1])
+
+
+def test_id_demo_runs_in_real_processes_and_is_token_exact(tmp_path) -> None:
+    out = _demo(["--model", "tiny", "--max-new", "10", "--root", str(tmp_path)])
+    assert out["token_exact"] is True and out["bytes_ratio"]["f32/fp8"] > 3
     for kv in ("fp8", "f32"):
         run = out["runs"][kv]
         assert run["token_exact"] and len(run["outputs"]) == 3 and all(len(o) == 10 for o in run["outputs"])
-        assert len(run["resume_s"]) == 2  # turns 2 and 3 resumed in their own processes
+
+
+def test_text_demo_chats_in_real_processes_and_is_token_exact(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
+    from tests.kernels.model.text.textkit import write_text_model
+
+    model = write_text_model(tmp_path / "model", "glm")
+    out = _demo(["--model", str(model), "--max-new", "8", "--root", str(tmp_path / "root")])
+    for kv in ("fp8", "int4"):
+        run = out["runs"][kv]
+        assert run["token_exact"] and len(run["outputs"]) == 3 and len(run["texts"]) == 3
+        assert all(1 <= len(o) <= 8 for o in run["outputs"])
+    assert out["bytes_ratio"]["int4/fp8"] < 1  # the 4-bit tier is smaller on disk
 
 
 def test_demo_says_no_and_fails_on_any_mismatch(tmp_path, capsys, monkeypatch) -> None:
@@ -33,6 +55,6 @@ def test_demo_says_no_and_fails_on_any_mismatch(tmp_path, capsys, monkeypatch) -
         return outs
 
     monkeypatch.setattr(cmd_demo, "reference_turns", off_by_one)
-    assert main(["demo", "--max-new", "4", "--root", str(tmp_path)]) == 1
+    assert main(["demo", "--model", "tiny", "--max-new", "4", "--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "token-exact: no" in out and "token-exact: yes" not in out
