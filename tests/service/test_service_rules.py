@@ -150,3 +150,20 @@ def test_sessions_api_fork_suspend_delete_and_metrics(server: ServerProc) -> Non
     tokens = [line for line in metrics.splitlines() if line.startswith("coli_tokens_generated_total")]
     assert float(tokens[0].split()[-1]) >= 18
     assert 'coli_requests_total{endpoint="chat",status="200"}' in metrics
+
+
+def test_stop_strings_end_the_reply_before_them(server: ServerProc) -> None:
+    chat = {"model": server.model_id, "messages": [{"role": "user", "content": "stop somewhere"}],
+            "max_tokens": 40, "temperature": 0.0}
+    full = server.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    text = full["message"]["content"]
+    assert len(text) >= 8, text  # the greedy reply of the test model is long enough to cut
+    stop = text[4:6]
+    cut = server.post("/v1/chat/completions", json={**chat, "stop": [stop, "\x00never"]}).json()["choices"][0]
+    assert cut["message"]["content"] == text[:text.index(stop)]
+    assert cut["finish_reason"] == "stop"
+    assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]  # the same tokens, ended at the stop
+    events = list(sse_events(httpx.post(server.url + "/v1/chat/completions", json={**chat, "stop": stop,
+                                                                                    "stream": True})))
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert streamed == text[:text.index(stop)] and events[-1]["choices"][0]["finish_reason"] == "stop"

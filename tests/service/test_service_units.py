@@ -1,0 +1,110 @@
+"""In-process pieces of the service: stop strings over streamed text, the bind rule, the limits,
+the decoder baton's token-by-token fairness, the error mapping."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
+from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback, parse_bind
+from sessionstore.service.scheduler import DecoderBaton
+from sessionstore.service.turns import TextGate
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+
+    def text(self, piece: str) -> None:
+        self.pieces.append(piece)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _gate(stops: list[str], pieces: list[str]) -> tuple[TextGate, Sink]:
+    sink = Sink()
+    gate = TextGate(stops, sink)
+    for p in pieces:
+        gate.push(p)
+        if gate.hit:
+            break
+    gate.flush()
+    return gate, sink
+
+
+def test_stop_string_split_over_pieces_is_never_streamed() -> None:
+    gate, sink = _gate(["END"], ["hello E", "N", "D tail"])
+    assert gate.hit and gate.emitted == "hello " and "".join(sink.pieces) == "hello "
+    gate, sink = _gate(["END"], ["an E", "nd"])  # a held possible start that did not complete goes out
+    assert not gate.hit and "".join(sink.pieces) == "an End"
+
+
+@given(st.lists(st.text(alphabet="abXY", max_size=4), max_size=8), st.sampled_from(["XY", "aXa", "Y"]))
+def test_gate_output_is_the_text_up_to_the_first_stop(pieces: list[str], stop: str) -> None:
+    gate, sink = _gate([stop], pieces)
+    full = "".join(pieces)
+    want = full[:full.index(stop)] if stop in full else full
+    assert "".join(sink.pieces) == gate.emitted == want
+    assert gate.hit == (stop in full)
+
+
+def test_bind_rule() -> None:
+    assert parse_bind("8080") == ("127.0.0.1", 8080)
+    assert parse_bind("0.0.0.0:0") == ("0.0.0.0", 0)
+    assert parse_bind("[::1]:9") == ("::1", 9)
+    for bad in ("x", "1:99999", "host:", ":-1"):
+        with pytest.raises(FormatError):
+            parse_bind(bad)
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "key")
+    with pytest.raises(FormatError, match="without an API key"):
+        check_bind("0.0.0.0", None)
+
+
+def test_limits_are_checked() -> None:
+    assert ServiceLimits().max_tokens >= ServiceLimits().default_max_tokens
+    with pytest.raises(ValueError):
+        ServiceLimits(max_resident=0)
+    with pytest.raises(ValueError):
+        ServiceLimits(default_max_tokens=10, max_tokens=5)
+
+
+def test_errors_map_to_statuses() -> None:
+    assert api_error_of(NotFoundError("x")).status == 404
+    assert api_error_of(ModelMismatchError("x")).status == 409
+    assert api_error_of(LockedError("x")).status == 409
+    assert api_error_of(LimitError("x")).status == 400
+    assert api_error_of(FormatError("x")).status == 400
+    body = api_error_of(RuntimeError("boom")).body()
+    assert body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
+
+
+def test_baton_hands_the_decoder_on_at_every_token() -> None:
+    baton, order = DecoderBaton(), []
+    inside = threading.Event()
+
+    def turn(name: str, steps: int, started: threading.Event | None = None) -> None:
+        with baton.held():
+            if started is not None:
+                started.set()
+                while baton.waiting == 0:  # hold on until the other turn queues
+                    pass
+            for _ in range(steps):
+                order.append(name)
+                baton.offer()
+
+    a = threading.Thread(target=turn, args=("a", 4, inside))
+    a.start()
+    inside.wait()
+    b = threading.Thread(target=turn, args=("b", 3))
+    b.start()
+    a.join()
+    b.join()
+    assert order == ["a", "b", "a", "b", "a", "b", "a"]  # one token each in turn, never two holders
+    assert baton.handoffs >= 5
