@@ -98,6 +98,8 @@ def test_bad_inputs_are_4xx_and_the_server_stays_up(server: ServerProc) -> None:
     assert _error(post({**chat, "max_tokens": 4097}), 400)["param"] == "max_tokens"
     overflow = {**chat, "messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 4096}
     assert "context" in _error(post(overflow), 400)["message"]
+    assert "context" in _error(post({**overflow, "session": "ovf"}), 400)["message"]
+    assert server.get("/v1/sessions/ovf").status_code == 404  # a refused first turn leaves no session
     assert _error(post({**chat, "model": "gpt-4"}), 404)["code"] == "model_not_found"
     assert _error(post({**chat, "session": "../escape"}), 400)["message"].startswith("invalid session id")
     assert _error(post({**chat, "session": "x" * 5000}), 400)
@@ -167,3 +169,13 @@ def test_stop_strings_end_the_reply_before_them(server: ServerProc) -> None:
                                                                                     "stream": True})))
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     assert streamed == text[:text.index(stop)] and events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_max_kv_bytes_suspends_the_least_recently_used_idle_session(tmp_path: Path, text_model_dir: Path) -> None:
+    with ServerProc(tmp_path / "root", text_model_dir, "--max-kv-bytes", "1") as srv:
+        name = srv.get("/v1/models").json()["data"][0]["id"]
+        for sid in ("a", "b"):
+            body = {"model": name, "prompt": [3, 4, 5], "max_tokens": 3, "session": sid}
+            assert srv.post("/v1/completions", json=body).status_code == 200
+        states = {s["id"]: s["state"] for s in srv.get("/v1/sessions").json()["data"]}
+        assert states == {"a": "suspended", "b": "resident"}  # b, in use, is kept even past the budget
