@@ -44,6 +44,8 @@ def register(subparsers: Any) -> None:
                    help=f"sessions resident at once (default {ServiceLimits.max_resident}); the least recently "
                    "used idle one is suspended")
     p.add_argument("--max-kv-bytes", type=int, default=None, help="resident KV bytes at most (default: no bound)")
+    p.add_argument("--max-bundle-bytes", type=int, default=ServiceLimits.max_bundle_bytes,
+                   help=f"largest bundle PUT /v1/sessions/ID/bundle accepts (default {ServiceLimits.max_bundle_bytes})")
     p.add_argument("--commit-every", type=int, default=16, help="commit a reply every N tokens (default 16)")
     p.add_argument("--once", action="store_true", help="import what is there now, then exit (1 if any failed)")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
@@ -67,15 +69,16 @@ def run_http(args: argparse.Namespace) -> int:
         raise FormatError("--http needs --model (a checkpoint directory, 'tiny' or 'glm-mini')")
     if args.max_resident < 1 or args.commit_every < 1:
         raise FormatError("--max-resident and --commit-every must be >= 1")
-    if args.max_kv_bytes is not None and args.max_kv_bytes < 1:
-        raise FormatError("--max-kv-bytes must be >= 1")
+    if (args.max_kv_bytes is not None and args.max_kv_bytes < 1) or args.max_bundle_bytes < 1:
+        raise FormatError("--max-kv-bytes and --max-bundle-bytes must be >= 1")
     host, port = parse_bind(args.http)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(host, api_key)
     from sessionstore.service.server import ServeConfig, serve_http  # the service extra: imported here only
 
     config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
-                         limits=ServiceLimits(max_resident=args.max_resident), max_kv_bytes=args.max_kv_bytes,
+                         limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes),
+                         max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every})
     if args.inbox is None:
         return serve_http(config)

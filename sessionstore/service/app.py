@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sessionstore.service.auth import BearerAuth
+from sessionstore.service.bundles import export_stream, import_spooled, spool_path
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, api_error_of
 from sessionstore.service.protocol import (
@@ -239,6 +241,33 @@ class Api:
         await self.engine_call(lambda: self.engine.fork(sid, req.new, req.at), session=sid)
         return JSONResponse(self.describe(req.new))
 
+    async def get_bundle(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        if not self.engine.store.exists(sid):
+            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+        return StreamingResponse(await export_stream(self.engine, sid), media_type="application/octet-stream",
+                                 headers={"content-disposition": f'attachment; filename="{sid}.colibundle"'})
+
+    async def put_bundle(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        limit = self.limits.max_bundle_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the bundle of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
+        path = spool_path(self.engine)
+        try:
+            size = 0
+            with open(path, "wb") as spool:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(413, f"the bundle exceeds the limit of {limit} bytes", code="body_too_large")
+                    spool.write(chunk)
+            result = await self.engine_call(lambda: import_spooled(self.engine, sid, path), session=sid)
+        finally:
+            shutil.rmtree(path.parent, ignore_errors=True)
+        return JSONResponse({**self.describe(sid), "imported": result})
+
     async def suspend_session(self, request: Request) -> Response:
         sid = self.session_id(request)
         await self.engine_call(lambda: self.engine.suspend(sid), session=sid)
@@ -265,6 +294,8 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
         Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),
         Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
+        Route("/v1/sessions/{sid}/bundle", r("bundle_get", api.get_bundle), methods=["GET"]),
+        Route("/v1/sessions/{sid}/bundle", r("bundle_put", api.put_bundle), methods=["PUT"]),
         Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -201,6 +201,12 @@ class Engine:
         self.metrics.turn_seconds.observe(time.perf_counter() - t0)
         return outcome
 
+    def forget(self, session_id: str) -> None:
+        """Let go of a suspended session's object (its files are about to be replaced)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.close()
+
     def _drop(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
