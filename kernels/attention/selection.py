@@ -56,13 +56,14 @@ def index_scores(qi: np.ndarray, weights: np.ndarray, key_blocks: Sequence[np.nd
                           f" weights {weights.shape}")
     if any(b.ndim != 2 or b.shape[1] != hd or b.dtype != np.float32 for b in key_blocks):
         raise FormatError(f"index_scores: key blocks must be float32 [t, {hd}]")
-    w = (np.asarray(weights, dtype=np.float32) * np.float32(hd**-0.5))[:, None, :]  # w: [S, 1, nh] f32
-    q2 = np.ascontiguousarray(qi, dtype=np.float32).reshape(n_q * nh, hd)  # q2: [S*nh, hd] f32
+    w = (np.asarray(weights, dtype=np.float32) * np.float32(hd**-0.5))[:, :, None]  # w: [S, nh, 1] f32
+    q2t = np.ascontiguousarray(np.asarray(qi, dtype=np.float32).reshape(n_q * nh, hd).T)  # q2t: [hd, S*nh] f32
     scores = np.empty((n_q, stop), np.float32)  # scores: [S, T] f32
     for a, keys in _key_tiles(key_blocks, stop, hd):
-        logits = q2 @ keys.T  # logits: [S*nh, n] f32
+        logits = keys @ q2t  # logits: [n, S*nh] f32 (keys as the tall operand: the faster GEMM shape)
         np.maximum(logits, np.float32(0), out=logits)  # relu
-        scores[:, a : a + keys.shape[0]] = np.matmul(w, logits.reshape(n_q, nh, -1))[:, 0]  # [S, n] f32
+        per_query = logits.reshape(-1, n_q, nh).transpose(1, 0, 2)  # per_query: [S, n, nh] view
+        scores[:, a : a + keys.shape[0]] = np.matmul(per_query, w)[:, :, 0]  # [S, n] f32
     for s in range(n_q):
         scores[s, first_pos + s + 1 :] = -np.inf  # keys after the query
     return scores
