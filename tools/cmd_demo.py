@@ -22,7 +22,7 @@ from typing import Any
 from kernels.errors import ColiError
 from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
 
-USER_TURNS = ("Hello! Who are you?", "Tell me about the sea.", "And what about mountains?")
+USER_TURNS = ("Explain the for statement.", "What is a scope?", "Tell me about exceptions.")
 TEXT_KV = ("fp8", "int4")  # the text demo's sessions: fp8 rows and the 4-bit tier
 IDS_KV = ("fp8", "f32")
 

@@ -58,3 +58,15 @@ def test_demo_says_no_and_fails_on_any_mismatch(tmp_path, capsys, monkeypatch) -
     assert main(["demo", "--model", "tiny", "--max-new", "4", "--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "token-exact: no" in out and "token-exact: yes" not in out
+
+
+def test_the_default_demo_chats_with_the_shipped_model(tmp_path: Path) -> None:
+    """README's main job as a new user runs it: `coli-kv demo` on glm-mini, readable text, exact."""
+    pytest.importorskip("tokenizers", reason="the text extra (tokenizers) reads glm-mini's tokenizer")
+    out = _demo(["--max-new", "12", "--root", str(tmp_path)])
+    assert out["model"] == "glm-mini"
+    for kv in ("fp8", "int4"):
+        run = out["runs"][kv]
+        assert run["token_exact"] and len(run["texts"]) == 3
+        words = " ".join(run["texts"]).split()
+        assert sum(w.strip(".,;:*()'`").isalpha() for w in words) >= len(words) // 2  # mostly words
