@@ -98,7 +98,7 @@ def test_turns_exact_across_suspend_eviction_and_restart(tmp_path: Path, text_mo
 def test_concurrent_clients_on_their_own_sessions_are_exact(tmp_path: Path, text_model_dir: Path,
                                                             text_model: tuple[Any, Any]) -> None:
     model, tok = text_model
-    n_clients, turns = 4, 2
+    n_clients, turns = 8, 2
     with ServerProc(tmp_path / "root", text_model_dir, "--max-resident", "2") as server:
         name = _model_id(server)
         results: dict[int, list[list[int]]] = {}
