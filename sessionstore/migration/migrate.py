@@ -1,12 +1,5 @@
-"""Export a session as a bundle, import a bundle as a session (the store side of migration).
-
-Export works from a suspended or a live session: it takes the store's snapshot of the last
-commit (manifest + header with ``nrec = committed``) and streams it in ONE pass over the
-committed bytes (zero-copy mmap views cut at chunk boundaries): before a chunk is sent, every
-record it touches is checked against its sidecar entry (a corrupt source stops the stream before
-its trailer, so no reader accepts it), then the chunk is hashed and written while hot in the
-cache. The committed prefix only changes through a truncate, which bumps the manifest's epoch
-first: checked after streaming (the stream is abandoned before its trailer: try again).
+"""Export a session as a bundle (``exporting.py``, re-exported here), import a bundle as a session
+(the store side of migration).
 
 Import reads the manifest frame, validates it against the session manifest schema, the layout
 limits, the model (``model=``) and the store (id taken without ``replace``), checks the free
@@ -20,14 +13,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, LockedError, ModelMismatchError
+from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, ModelMismatchError
 from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile import (
     ENTRY_SIZE,
@@ -37,11 +28,8 @@ from sessionstore.kvfile import (
     Durability,
     load_sidecar,
     open_kv,
-    pack_header,
     parse_header,
     record_bytes,
-    record_checksum,
-    sidecar_bytes,
     static_hash,
     validate_dims,
     write_sidecar_for,
@@ -49,13 +37,13 @@ from sessionstore.kvfile import (
 from sessionstore.log import get_logger
 from sessionstore.migration import bundle as B
 from sessionstore.migration.bundle_io import WritebackFile
+from sessionstore.migration.exporting import MigrateResult, export_session, kv_info, progress_bar
 from sessionstore.sessions import (
     CONVERSATION_NAME,
     KV_NAME,
     MANIFEST_NAME,
     SIDECAR_NAME,
     ModelRef,
-    SessionSnapshot,
     SessionStore,
     manifest_from_json,
     read_manifest,
@@ -64,183 +52,12 @@ from sessionstore.sessions import (
 )
 
 log = get_logger("migrate")
+_progress = progress_bar  # the import side's progress bar (the same as export's)
 
 FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
-RELEASE_BYTES = 64 << 20  # export unmaps the records it has sent every this many bytes
 assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME) == B.ALLOWED_FILES
 
 
-@dataclass(frozen=True)
-class MigrateResult:
-    """What one export or import moved."""
-
-    session_id: str
-    tokens: int
-    kv_dtype: str
-    raw_bytes: int
-    stored_bytes: int
-    chunks: int
-    zstd_chunks: int
-    seconds: float
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "ratio": round(self.ratio, 4)}
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    if not (enabled and sys.stderr.isatty()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
-
-
-class _ExportSource:
-    """The snapshot's bytes, served chunk by chunk in one pass, every record checked first."""
-
-    def __init__(self, snap: SessionSnapshot, chunk_bytes: int) -> None:
-        self.snap = snap
-        self.chunk_bytes = chunk_bytes
-        self.reader = open_kv(snap.kv_path, expect=snap.header.dims)
-        try:
-            self._prepare()
-        except BaseException:
-            self.reader.close()
-            raise
-
-    def _prepare(self) -> None:
-        snap, reader = self.snap, self.reader
-        n, rec = snap.committed, snap.header.record_bytes
-        if reader.version != snap.header.version or reader.nrec < n:
-            raise CorruptionError(f"{reader.path}: v{reader.version} with {reader.nrec} records "
-                                  f"does not hold the snapshot (v{snap.header.version}, {n})")
-        self.manifest_json = snap.manifest.encode()
-        self.header_bytes = pack_header(snap.header)  # the engine's header, nrec = committed
-        sidecar = load_sidecar(reader.path)
-        self.entries = None
-        if sidecar is not None:
-            if sidecar.static_hash != static_hash(self.header_bytes) or sidecar.record_bytes != rec:
-                raise CorruptionError(f"{sidecar.path}: describes another header or record size "
-                                      f"than {reader.path}; run `coli-kv verify` on the session")
-            vouched = min(sidecar.count, sidecar.available, n)
-            if vouched < n:  # a session's sidecar vouches for every committed record
-                raise CorruptionError(
-                    f"{reader.path}: its sidecar vouches for {vouched} of the {n} committed "
-                    f"records (count {sidecar.count}, {sidecar.available} entries on disk: rewound "
-                    "or cut short); refusing to export rows it cannot vouch for")
-            self.entries = sidecar.entries[:vouched]  # [n] u64
-        self.sidecar = (None if self.entries is None
-                        else sidecar_bytes(self.header_bytes, rec, self.entries))
-        history = [int(t) for t in reader.tokens[:n]] + list(snap.manifest.pending)
-        record = read_record(snap.kv_path.parent)  # the messages go along when they describe it
-        self.conversation = record.encode() if record is not None and record.turn is None and \
-            record.agrees_with(history) else None
-        sizes = {MANIFEST_NAME: len(self.manifest_json), KV_NAME: HEADER_SIZE + n * rec}
-        if self.sidecar is not None:
-            sizes[SIDECAR_NAME] = len(self.sidecar)
-        if self.conversation is not None:
-            sizes[CONVERSATION_NAME] = len(self.conversation)
-        self.files = tuple(B.BundleFile(name, size) for name, size in sizes.items())
-
-    def kv_chunks(self) -> Iterator[bytes | memoryview]:
-        """The kv file's bytes cut at chunk boundaries: the header (nrec = committed) and the
-        committed records, as zero-copy views of the mapping (chunk 0 only is joined to the
-        header); every record a chunk touches is checked against its sidecar entry before the
-        chunk is handed out."""
-        n, rec, cb = self.snap.committed, self.snap.header.record_bytes, self.chunk_bytes
-        body = self.reader.records_bytes_view(0, n) if n else memoryview(b"")
-        total = HEADER_SIZE + len(body)
-        checked = released = 0  # records [0, checked) verified, [0, released) unmapped
-        for start in range(0, total, cb):
-            end = min(start + cb, total)
-            if self.entries is not None:
-                checked = self._check(body, checked, -(-(end - HEADER_SIZE) // rec))
-            if start == 0:
-                yield self.header_bytes + body[:end - HEADER_SIZE]
-            else:
-                yield body[start - HEADER_SIZE:end - HEADER_SIZE]
-            sent = (end - HEADER_SIZE) // rec  # records [0, sent) are written: unmap them
-            if (sent - released) * rec >= RELEASE_BYTES:
-                self.reader.release_pages(released, sent)
-                released = sent
-
-    def _check(self, body: memoryview, first: int, stop: int) -> int:
-        """Compare records [first, stop) with their sidecar entries (those it covers)."""
-        entries, rec = self.entries, self.snap.header.record_bytes
-        assert entries is not None
-        for p in range(first, min(stop, entries.shape[0])):
-            found = record_checksum(body[p * rec:(p + 1) * rec], p)
-            if found != int(entries[p]):
-                raise CorruptionError(
-                    f"{self.reader.path}: byte {HEADER_SIZE + p * rec}: record {p} hashes "
-                    f"{found:#018x}, the sidecar vouches for {int(entries[p]):#018x}; "
-                    "refusing to export a corrupt session (the bundle was abandoned)")
-        return max(first, stop)
-
-    def close(self) -> None:
-        self.reader.close(defer_unmap=True)
-
-
-def kv_info(snap: SessionSnapshot) -> dict[str, Any]:
-    h = snap.header
-    return {"version": h.version, "dtype": snap.manifest.kv_dtype, "nrec": snap.committed,
-            "record_bytes": h.record_bytes, "tag": h.tag, "dims": dict(snap.manifest.dims)}
-
-
-def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
-                   compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
-                   progress: bool = False) -> MigrateResult:
-    """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
-    start = time.perf_counter()
-    snap = store.snapshot(session_id)
-    source = _ExportSource(snap, chunk_bytes)
-    try:
-        manifest = B.BundleManifest(
-            session_id=session_id, session=snap.manifest.to_json(), kv=kv_info(snap),
-            files=source.files, chunk_bytes=chunk_bytes,
-            created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            producer="coli-sessionstore")
-        bar = _progress(manifest.total_bytes, f"export {session_id}", progress)
-        try:
-            writer = B.BundleWriter(sink, manifest, B.CompressionPolicy(compression), bar)
-            writer.write_file(MANIFEST_NAME, [source.manifest_json])
-            try:
-                writer.write_file(KV_NAME, source.kv_chunks())
-            except CorruptionError:
-                if snap.still_valid():
-                    raise
-                _changed_while_exporting(session_id)
-            if source.sidecar is not None:
-                writer.write_file(SIDECAR_NAME, [source.sidecar])
-            if source.conversation is not None:
-                writer.write_file(CONVERSATION_NAME, [source.conversation])
-            if not snap.still_valid():
-                _changed_while_exporting(session_id)
-            stats = writer.finish()
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        source.close()
-    result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
-                           stats.stored_bytes, stats.chunks, stats.zstd_chunks,
-                           time.perf_counter() - start)
-    log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
-             stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
-    return result
-
-
-def _changed_while_exporting(session_id: str) -> None:
-    log.info("bundle.export_abandoned", id=session_id, reason="truncated by its live writer")
-    raise LockedError(f"session {session_id!r} was truncated by its live writer while being "
-                      "exported; the bundle was abandoned (no trailer): try again")
-
-
-# --- import ----------------------------------------------------------------------------------
 def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
     """The manifest frame must describe one consistent session; returns (manifest, dims, rec)."""
     manifest = manifest_from_json(bm.session, f"{where}: session manifest")
