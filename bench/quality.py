@@ -8,12 +8,13 @@ first ``PREFIX`` tokens of a window in one forward, the rest one token at a time
 prediction reads stored (quantised) rows, and past ``index_topk`` the DSA selection runs over them.
 (a) Teacher-forced perplexity per dtype and its relative delta to f32, top-1 agreement with f32's
     argmax, mean KL(f32 || dtype) of the next-token distributions.
-(b) Greedy answers to chat prompts (rendered with the checkpoint's template): tokens that agree with
-    f32's before the first divergence, and how many answers are identical.
+(b) Greedy answers (up to an eos) to chat prompts rendered with the checkpoint's template: tokens that
+    agree with f32's answer before the first divergence, and how many answers are identical.
 (c) Relative L2 error ||decode(encode(x)) - x|| / ||x|| of int4 and polar2..6 on the latent rows
     (Lc [kv_lora], Rc [qk_rope]) the decoder wrote for the held-out text (kernels.tq.TqCodec).
-JSON keys: ppl_<dtype>, ppl_rel_delta_<dtype>, top1_agree_<dtype>, kl_<dtype>, greedy_prefix_mean_<dtype>,
-greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, plus tokens/prompts counts.
+JSON keys: ppl_<dtype>, ppl_rel_delta_<dtype>, top1_agree_<dtype>, kl_<dtype>, greedy_prefix_tokens_mean_<dtype>
+(tokens agreeing with f32's answer before the first divergence), greedy_prefix_mean_<dtype> (that as a share
+of f32's answer), greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, plus tokens/prompts counts.
 """
 from __future__ import annotations
 
@@ -119,12 +120,15 @@ def run_greedy(model: MLADecoder, tok: Any, render: Any, max_new: int) -> dict[s
     lengths = [len(p) + len(a) for p, a in zip(prompts, answers["f32"], strict=True)]
     print(f"(b) greedy answers to {len(prompts)} chat prompts (context {min(lengths)}..{max(lengths)} tokens,"
           f" index_topk {getattr(getattr(model, 'dsa', None), 'index_topk', '-')})")
-    print(f"    {'dtype':>7} {'agree-before-diverge':>22} {'identical':>10}")
+    print(f"    {'dtype':>7} {'tokens before divergence':>25} {'share of f32 answer':>20} {'identical':>10}")
     for d in DTYPES:
-        prefix = [common_prefix(a, r) / max(len(r), 1) for a, r in zip(answers[d], answers["f32"], strict=True)]
-        same = sum(a == r for a, r in zip(answers[d], answers["f32"], strict=True))
-        out[f"greedy_prefix_mean_{d}"], out[f"greedy_identical_{d}"] = statistics.fmean(prefix), float(same)
-        print(f"    {d:>7} {statistics.fmean(prefix):22.1%} {same:>8}/{len(prompts)}")
+        pairs = list(zip(answers[d], answers["f32"], strict=True))
+        agreed = [common_prefix(a, r) for a, r in pairs]
+        share = statistics.fmean(n / max(len(r), 1) for n, (_, r) in zip(agreed, pairs, strict=True))
+        same = sum(a == r for a, r in pairs)
+        out[f"greedy_prefix_tokens_mean_{d}"], out[f"greedy_prefix_mean_{d}"] = statistics.fmean(agreed), share
+        out[f"greedy_identical_{d}"] = float(same)
+        print(f"    {d:>7} {statistics.fmean(agreed):25.1f} {share:20.1%} {same:>8}/{len(prompts)}")
     out["prompts"] = float(len(prompts))
     first = tok.decode(answers["f32"][0], skip_special_tokens=True).strip().replace("\n", " ")
     print(f"    f32 answer to {PROMPTS[0][-1]['content']!r}: {first[:160]!r}")
