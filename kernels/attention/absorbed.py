@@ -13,6 +13,7 @@ into blocks and whatever their strides (each tile is first gathered into aligned
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,16 @@ def as_query(name: str, q: np.ndarray, width: int | None = None) -> np.ndarray:
     if width is not None and arr.shape[2] != width:
         raise ModelMismatchError(f"attention: {name} width {arr.shape[2]} != cache width {width}")
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def check_query_pair(what: str, qa: Any, qr: Any, tile_rows: int | None = None) -> tuple[int, int]:
+    """q_abs [S, H, *] and q_rope [S, H, *] (numpy or device arrays) must agree on [S, H]; a tile
+    size, when given, must be >= 1. Returns (S, H). ``what`` names the caller in the error."""
+    if qa.shape[:2] != qr.shape[:2]:
+        raise FormatError(f"{what}: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
+    if tile_rows is not None and tile_rows < 1:
+        raise FormatError(f"{what}: tile_rows must be >= 1, found {tile_rows}")
+    return int(qa.shape[0]), int(qa.shape[1])
 
 
 def query_positions(n_queries: int, length: int, causal: bool) -> int:
@@ -96,11 +107,7 @@ def absorbed_attention(
     shape = cache_shape(blocks)
     qa = as_query("q_abs", q_abs, shape.kv_lora)  # qa: [S, H, kv_lora] f32
     qr = as_query("q_rope", q_rope, shape.rope)  # qr: [S, H, rope] f32
-    if qa.shape[:2] != qr.shape[:2]:
-        raise FormatError(f"attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
-    if tile_rows < 1:
-        raise FormatError(f"attention: tile_rows must be >= 1, found {tile_rows}")
-    n_q, heads = qa.shape[:2]
+    n_q, heads = check_query_pair("attention", qa, qr, tile_rows)
     first_pos = query_positions(n_q, shape.length, causal)
     if shape.tq is not None:
         qa, qr = rotate_queries(qa, shape.tq), rotate_queries(qr, shape.tq)  # [S, H, kv_lora], [S, H, rope] rotated

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kernels.attention.absorbed import DEFAULT_TILE_ROWS, OnlineSoftmax, as_query
+from kernels.attention.absorbed import DEFAULT_TILE_ROWS, OnlineSoftmax, as_query, check_query_pair
 from kernels.attention.tiles import TileGatherer, aligned_empty, cache_shape
 from kernels.errors import FormatError
 from kernels.rows import LatentRows
@@ -50,11 +50,7 @@ def sparse_absorbed_attention(
     shape = cache_shape(blocks)
     qa = as_query("q_abs", q_abs, shape.kv_lora)  # qa: [S, H, kv_lora] f32
     qr = as_query("q_rope", q_rope, shape.rope)  # qr: [S, H, rope] f32
-    if qa.shape[:2] != qr.shape[:2]:
-        raise FormatError(f"sparse attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
-    if tile_rows < 1:
-        raise FormatError(f"sparse attention: tile_rows must be >= 1, found {tile_rows}")
-    n_q, heads = qa.shape[:2]
+    n_q, heads = check_query_pair("sparse attention", qa, qr, tile_rows)
     sel = check_selection(selection, n_q, shape.length)  # sel: [S, k] i64
     k = sel.shape[1]
     tile = min(tile_rows, k)

@@ -141,24 +141,32 @@ class TileGatherer:
             lo, hi = max(start, b0), min(stop, b1)
             if lo >= hi:
                 continue  # an empty block
-            blk = self.blocks[b]
-            dst = slice(lo - start, hi - start)
-            src = slice(lo - b0, hi - b0)
-            if isinstance(blk, Fp8Rows):
-                any_fp8 = True
-                decode_codes_into(blk.lc_codes[src], self.lc[dst])
-                decode_codes_into(blk.rc_codes[src], self.rc[dst])
-                sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
-                sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
-            elif isinstance(blk, TqRows):
-                any_fp8 = any_fp8 or self.tq_rotated
-                decode_tile(blk, src, self.lc[dst], self.rc[dst], self.lsc[dst], self.rsc[dst], rotated=self.tq_rotated)
-            else:
-                self.lc[dst] = blk.lc[src]
-                self.rc[dst] = blk.rc[src]
-                self.lsc[dst] = 1.0
-                self.rsc[dst] = 1.0
+            scaled = self._fill(self.blocks[b], slice(lo - b0, hi - b0), slice(lo - start, hi - start))
+            any_fp8 = any_fp8 or scaled
         return any_fp8
+
+    def _fill(self, blk: LatentRows, src: slice | np.ndarray, dst: slice) -> bool:
+        """Rows ``src`` of one block (a slice, or ascending row indices) into scratch rows ``dst``:
+        f32 rows copied with scale 1.0, fp8 rows decoded beside their sanitised scales, v3 rows
+        decoded by their codec. Returns True when the scales must be applied (fp8, rotated v3)."""
+        if isinstance(blk, Fp8Rows):
+            decode_codes_into(blk.lc_codes[src], self.lc[dst])
+            decode_codes_into(blk.rc_codes[src], self.rc[dst])
+            sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
+            sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
+            return True
+        if isinstance(blk, TqRows):
+            decode_tile(blk, src, self.lc[dst], self.rc[dst], self.lsc[dst], self.rsc[dst], rotated=self.tq_rotated)
+            return self.tq_rotated
+        if isinstance(src, slice):
+            self.lc[dst] = blk.lc[src]
+            self.rc[dst] = blk.rc[src]
+        else:  # only the selected rows, straight into the scratch
+            np.take(blk.lc, src, axis=0, out=self.lc[dst], mode="clip")
+            np.take(blk.rc, src, axis=0, out=self.rc[dst], mode="clip")
+        self.lsc[dst] = 1.0
+        self.rsc[dst] = 1.0
+        return False
 
     def gather_at(self, positions: np.ndarray) -> bool:
         """Fill scratch rows [0, n) with the rows at absolute ``positions`` [n] (ascending, n <= tile);
@@ -176,19 +184,6 @@ class TileGatherer:
             if lo >= hi:
                 continue
             src = pos[lo:hi] - self.block_starts[b]  # src: [m] i64 rows of this block
-            dst = slice(lo, hi)
-            if isinstance(blk, Fp8Rows):
-                any_fp8 = True
-                decode_codes_into(blk.lc_codes[src], self.lc[dst])
-                decode_codes_into(blk.rc_codes[src], self.rc[dst])
-                sanitize_scales_into(blk.lc_scale[src], self.lsc[dst])
-                sanitize_scales_into(blk.rc_scale[src], self.rsc[dst])
-            elif isinstance(blk, TqRows):
-                any_fp8 = any_fp8 or self.tq_rotated
-                decode_tile(blk, src, self.lc[dst], self.rc[dst], self.lsc[dst], self.rsc[dst], rotated=self.tq_rotated)
-            else:
-                np.take(blk.lc, src, axis=0, out=self.lc[dst], mode="clip")
-                np.take(blk.rc, src, axis=0, out=self.rc[dst], mode="clip")
-                self.lsc[dst] = 1.0
-                self.rsc[dst] = 1.0
+            scaled = self._fill(blk, src, slice(lo, hi))
+            any_fp8 = any_fp8 or scaled
         return any_fp8

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.attention.absorbed import query_positions
+from kernels.attention.absorbed import check_query_pair, query_positions
 from kernels.attention.tiles import cache_shape
 from kernels.cuda.launch import KERNELS, DeviceRows, Runner, run_split_decode
 from kernels.cuda.rotation import from_rotated_domain, to_rotated_domain
@@ -106,9 +106,7 @@ def absorbed_attention_device(
     width, rope = row_widths(rows)
     length = rows.length
     qa, qr = device_queries(runner, q_abs, "q_abs", width), device_queries(runner, q_rope, "q_rope", rope)
-    if qa.shape[:2] != qr.shape[:2]:
-        raise FormatError(f"cuda attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
-    n_q, heads = int(qa.shape[0]), int(qa.shape[1])
+    n_q, heads = check_query_pair("cuda attention", qa, qr)
     first = query_positions(n_q, length, causal)
     dims = KernelDims(heads, width, rope)
     codec = rows.codec if isinstance(rows, TqRows) else None

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from kernels.attention.absorbed import check_query_pair
 from kernels.attention.sparse import check_selection
 from kernels.cuda.attention import QUERY_CHUNK, device_queries, device_rows, row_widths
 from kernels.cuda.launch import Runner, run_split_decode
 from kernels.cuda.rotation import from_rotated_domain, to_rotated_domain
 from kernels.cuda.sources import KernelDims
-from kernels.errors import FormatError, LimitError
+from kernels.errors import LimitError
 from kernels.rows import LatentRows, TqRows
 
 MAX_ROWS = (1 << 31) - 1  # selected positions travel as int32
@@ -46,9 +47,7 @@ def sparse_absorbed_attention_device(
     rows = device_rows(runner, blocks)
     width, rope = row_widths(rows)
     qa, qr = device_queries(runner, q_abs, "q_abs", width), device_queries(runner, q_rope, "q_rope", rope)
-    if qa.shape[:2] != qr.shape[:2]:
-        raise FormatError(f"cuda sparse attention: q_abs {qa.shape} and q_rope {qr.shape} disagree on [S, H]")
-    n_q, heads = int(qa.shape[0]), int(qa.shape[1])
+    n_q, heads = check_query_pair("cuda sparse attention", qa, qr)
     if rows.length > MAX_ROWS:
         raise LimitError(f"cuda sparse attention: {rows.length} cache rows exceed {MAX_ROWS} (int32 positions)")
     sel = check_selection(_host_selection(runner, selection), n_q, rows.length)  # sel: [S, k] i64, validated
