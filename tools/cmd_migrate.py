@@ -1,9 +1,12 @@
 """``coli-kv export|import|push|pull|lease``: move sessions between hosts as verified bundles.
 
 - ``export --root R ID DEST``: DEST is a path (a directory gets ``<ID>.colibundle``), ``-``
-  (stdout) or an fsspec URL (``s3://bucket/key``, ``file://...``).
+  (stdout), an fsspec URL (``s3://bucket/key``, ``file://...``) or a ``coli-kv serve --http``
+  server, ``http(s)://HOST:PORT`` (installed as ID there; ``.../NEW_ID`` names another id),
+  streamed into ``PUT /v1/sessions/ID/bundle`` (``--replace`` swaps out the server's session).
 - ``import --root R SRC [--replace] [--model DIR|tiny] [--as NEW_ID]``: SRC likewise (``-`` =
-  stdin). Any failure: one line on stderr, non-zero exit, the store unchanged.
+  stdin; ``http(s)://HOST:PORT/ID`` streams ``GET /v1/sessions/ID/bundle``). Any failure: one
+  line on stderr, non-zero exit, the store unchanged.
 - ``push|pull --root R --remote s3://bucket/prefix ID``: the object-store tier with its lease;
   ``lease --remote URL [ID] [--release|--renew]`` shows or changes leases.
 """
@@ -30,6 +33,8 @@ from sessionstore.migration import (
     open_sink,
     open_source,
 )
+from sessionstore.migration.http_transport import HttpOptions, is_http, with_session
+from sessionstore.service import API_KEY_ENV
 from sessionstore.sessions import SessionStore
 from tools._common import fresh_store
 
@@ -67,26 +72,45 @@ def _remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S, help="lease lifetime in seconds")
 
 
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None,
+                   help=f"http(s)://: the server's key, sent as a bearer token (default: ${API_KEY_ENV})")
+    p.add_argument("--timeout", type=float, default=HttpOptions.timeout_s,
+                   help="http(s)://: the longest silence tolerated, in seconds (default %(default)s)")
+
+
+def _http_options(args: argparse.Namespace) -> HttpOptions:
+    if not args.timeout > 0:  # also refuses nan
+        raise FormatError("--timeout must be a positive number of seconds")
+    return HttpOptions(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, timeout_s=args.timeout)
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("export", help="write a session (its last commit) as a migration bundle")
     p.add_argument("--root", required=True, help="session store directory")
     p.add_argument("id", help="session id")
-    p.add_argument("dest", help="bundle path or directory, '-' for stdout, or a URL (s3://...)")
+    p.add_argument("dest", help="bundle path or directory, '-' for stdout, a URL (s3://...), or a server "
+                                "(http(s)://HOST:PORT[/NEW_ID])")
     p.add_argument("--compress", type=_compression, default="auto",
                    help="auto (zstd only while it pays, measured), none, or a zstd level 1..22")
     p.add_argument("--chunk-mib", type=_chunk_mib, default=DEFAULT_CHUNK_BYTES,
                    help="raw bytes per chunk in MiB (default 4)")
     p.add_argument("--force", action="store_true", help="overwrite an existing bundle")
+    p.add_argument("--replace", action="store_true",
+                   help="http(s)://: swap out the server's (suspended) session of that id")
+    _http_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run_export)
 
     p = subparsers.add_parser("import", help="verify a bundle and install it as a session")
     p.add_argument("--root", required=True, help="session store directory")
-    p.add_argument("src", help="bundle path, '-' for stdin, or a URL (s3://...)")
+    p.add_argument("src", help="bundle path, '-' for stdin, a URL (s3://...), or a server's session "
+                               "(http(s)://HOST:PORT/ID)")
     p.add_argument("--replace", action="store_true", help="swap out an existing session of that id")
     p.add_argument("--model", default=None, help="refuse the bundle unless it belongs to this "
                                                  "model (checkpoint dir or 'tiny')")
     p.add_argument("--as", dest="as_id", default=None, help="install under another session id")
+    _http_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run_import)
 
@@ -131,23 +155,32 @@ def run_export(args: argparse.Namespace) -> int:
         raise FormatError("export to '-' writes the bundle on stdout: --json cannot share it")
     store = SessionStore(args.root, create=False)
     dest = args.dest
+    if is_http(dest):
+        if args.force:
+            raise FormatError("--force is for bundle files; give --replace to swap out the server's session")
+        dest = with_session(dest, args.id)
+    elif args.replace:
+        raise FormatError("--replace is for http(s):// servers; give --force to overwrite a bundle file")
     if dest != "-" and not is_url(dest) and os.path.isdir(dest):
         dest = os.path.join(dest, args.id + BUNDLE_SUFFIX)
-    with open_sink(dest, overwrite=args.force) as (sink, _):
+    with open_sink(dest, overwrite=args.force or args.replace, http=_http_options(args)) as (sink, info):
         result = export_session(store, args.id, sink, compression=args.compress,
                                 chunk_bytes=args.chunk_mib, progress=True)
+    if info.reply is not None:
+        dest = info.target
     line = _summary("exported", result, f"to {describe(dest)}")
     if dest == "-":
         print(line, file=sys.stderr)
         return 0
     print(line)
     if args.json:
-        print(json.dumps({**result.to_json(), "dest": dest}))
+        server = {} if info.reply is None else {"server": info.reply}
+        print(json.dumps({**result.to_json(), "dest": dest, **server}))
     return 0
 
 
 def run_import(args: argparse.Namespace) -> int:
-    with fresh_store(args.root) as store, open_source(args.src) as source:
+    with fresh_store(args.root) as store, open_source(args.src, http=_http_options(args)) as source:
         result = import_bundle(store, source, source_name=describe(args.src),
                                replace=args.replace, model=args.model, as_id=args.as_id,
                                progress=True)

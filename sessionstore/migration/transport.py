@@ -11,6 +11,9 @@ aborted bundle simply stops before its trailer, which every reader refuses.
 Endpoint and credentials of object stores come from fsspec/botocore's usual sources: the
 ``AWS_*`` environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), config files,
 or ``storage_options`` passed through.
+
+``http(s)://HOST:PORT/ID`` names a session on a ``coli-kv serve --http`` server
+(http_transport.py): a sink PUTs the bundle there, a source GETs it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from kernels.errors import ColiError, FormatError, NotFoundError
 from sessionstore.kvfile import fsync_parent, sweep_beside, temp_beside
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_io import WritebackFile
+from sessionstore.migration.http_transport import HttpOptions, http_sink, http_source, is_http
 
 log = get_logger("transport")
 
@@ -56,13 +60,22 @@ def _local_path(target: str) -> str | None:
 class SinkInfo:
     target: str
     final_path: str | None = None  # the local file, once committed
-    kind: str = "file"  # file | stdout | url
+    kind: str = "file"  # file | stdout | url | http
+    reply: dict[str, Any] | None = None  # http: the server's description of the installed session
 
 
 @contextmanager
 def open_sink(dest: str, *, overwrite: bool = False, durable: bool = True,
-              storage_options: dict[str, Any] | None = None) -> Iterator[tuple[BinaryIO, SinkInfo]]:
-    """A binary sink for one bundle; committed when the block exits normally, discarded on error."""
+              storage_options: dict[str, Any] | None = None,
+              http: HttpOptions | None = None) -> Iterator[tuple[BinaryIO, SinkInfo]]:
+    """A binary sink for one bundle; committed when the block exits normally, discarded on error.
+    (``http(s)://``: ``overwrite`` lets the server replace its session of that id.)"""
+    if is_http(dest):
+        with http_sink(dest, http or HttpOptions(), replace=overwrite) as (upload, outcome):
+            info = SinkInfo(outcome.url, kind="http")
+            yield upload, info
+        info.reply = outcome.reply
+        return
     if dest == "-":
         out = sys.stdout.buffer
         if out.isatty():
@@ -201,9 +214,13 @@ def url_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> t
 
 
 @contextmanager
-def open_source(src: str, *, storage_options: dict[str, Any] | None = None
-                ) -> Iterator[BinaryIO]:
+def open_source(src: str, *, storage_options: dict[str, Any] | None = None,
+                http: HttpOptions | None = None) -> Iterator[BinaryIO]:
     """A binary source for one bundle (read front to back only)."""
+    if is_http(src):
+        with http_source(src, http or HttpOptions()) as download:
+            yield download
+        return
     if src == "-":
         stream = sys.stdin.buffer
         if stream.isatty():

@@ -86,9 +86,12 @@ def spool_path(engine: Engine) -> Path:
     return engine.store.tmp_dir() / "upload.colibundle"
 
 
-def import_spooled(engine: Engine, session_id: str, path: Path) -> dict[str, Any]:
-    """Import the uploaded bundle as ``session_id`` (the baton's holder; the session is claimed)."""
+def import_spooled(engine: Engine, session_id: str, path: Path, replace: bool = True) -> dict[str, Any]:
+    """Import the uploaded bundle as ``session_id`` (the baton's holder; the session is claimed);
+    without ``replace`` a session of that id is refused (409 session_exists)."""
     try:
+        if not replace and engine.store.exists(session_id):
+            raise ApiError(409, f"session {session_id!r} already exists here (replace=0)", code="session_exists")
         if engine.state_of(session_id) == "resident":
             raise ApiError(409, f"session {session_id!r} is resident here; suspend it before replacing it",
                            code="session_live")
