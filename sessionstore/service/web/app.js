@@ -5,6 +5,7 @@
 
 const KEY_STORE = "coli.apiKey";
 const MESSAGES_STORE = "coli.messages.";
+const SELECTED_STORE = "coli.selected";
 const REFRESH_MS = 3000;
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9._-]*$/;
 
@@ -232,6 +233,8 @@ function newSession(event) {
 // ---- the chat pane ----------------------------------------------------------------------------
 function select(sid) {
   state.selected = sid;
+  if (sid) sessionStorage.setItem(SELECTED_STORE, sid);
+  else sessionStorage.removeItem(SELECTED_STORE);
   renderList();
   const log = $("log");
   log.replaceChildren();
@@ -347,13 +350,16 @@ async function start() {
       $("composer").requestSubmit();
     }
   });
+  const last = sessionStorage.getItem(SELECTED_STORE);
   select(null);
   await run(async () => {
     const res = await api("GET", "/v1/models");
     state.model = (await res.json()).data[0].id;
     $("model").textContent = state.model;
+    await refresh();
   });
-  refreshLoop();
+  if (last && findSession(last)) select(last);  // a reload keeps the open session
+  setTimeout(refreshLoop, REFRESH_MS);
 }
 
 document.addEventListener("DOMContentLoaded", start);
