@@ -62,7 +62,9 @@ def is_http(target: str) -> bool:
 
 @dataclass(frozen=True)
 class HttpOptions:
-    """How to talk to the server: the bearer key and the longest silence tolerated."""
+    """How to talk to the server: the bearer key and the longest silence tolerated. Proxies and CA
+    files come from the usual environment (``HTTPS_PROXY``, ``NO_PROXY``, ``SSL_CERT_FILE``), as
+    httpx reads them; certificates are verified."""
 
     api_key: str | None = None
     timeout_s: float = TRANSFER_TIMEOUT_S
@@ -74,7 +76,7 @@ class HttpOptions:
             raise ColiError("http(s):// transfers need httpx (pip install 'coli-sessionstore[http]')") from None
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
-        return httpx.Client(headers=headers, timeout=timeout, follow_redirects=False, trust_env=False)
+        return httpx.Client(headers=headers, timeout=timeout, follow_redirects=False)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def _server_error(where: str, status: int, body: bytes) -> ColiError:
     return HttpTransferError(f"{where}: {said}")
 
 
-def _wire_error(where: str, exc: BaseException, moved: int | None = None, verb: str = "sent") -> HttpTransferError:
+def _wire_error(where: str, exc: BaseException, moved: int | None = None, verb: str = "sent",
+                outcome: str = "") -> HttpTransferError:
     """What happened on the wire (httpx's transport errors), in one line."""
     import httpx
 
@@ -167,7 +170,7 @@ def _wire_error(where: str, exc: BaseException, moved: int | None = None, verb: 
         return HttpTransferError(f"{where}: the server was silent for too long ({type(exc).__name__}: {detail})")
     if moved is not None:
         return HttpTransferError(f"{where}: the connection was cut after {moved} bytes of the bundle were "
-                                 f"{verb} ({detail}); nothing was installed")
+                                 f"{verb} ({detail}){outcome}")
     return HttpTransferError(f"{where}: the connection failed ({type(exc).__name__}: {detail})")
 
 
@@ -228,6 +231,7 @@ class UploadSink(io.RawIOBase):
         self.pieces: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=QUEUE_PIECES)
         self.buffer = bytearray()
         self.sent = 0  # body bytes handed to the connection
+        self.sent_all = False  # the body's end was handed over too
         self.done = threading.Event()
         self.status = 0
         self.body = b""
@@ -272,6 +276,7 @@ class UploadSink(io.RawIOBase):
             if isinstance(item, BaseException):
                 raise item
             if item == _END:
+                self.sent_all = True
                 return
             self.sent += len(item)
             yield item
@@ -287,7 +292,9 @@ class UploadSink(io.RawIOBase):
         except _Aborted:
             pass
         except httpx.HTTPError as exc:
-            self.failure = _wire_error(self.target.bundle_url, exc, self.sent)
+            outcome = (f"; the server's verdict is unknown: see GET {self.target.session_url}" if self.sent_all
+                       else "; the server installs nothing")
+            self.failure = _wire_error(self.target.bundle_url, exc, self.sent, "sent", outcome)
         except BaseException as exc:  # handed to the exporter's thread, which raises it
             self.failure = exc
         finally:
@@ -365,7 +372,7 @@ class DownloadSource(io.RawIOBase):
     def __init__(self, response: httpx.Response, where: str) -> None:
         super().__init__()
         self.where = where
-        self.pieces = response.iter_raw()
+        self.pieces = response.iter_bytes()  # content-encoding undone, if a proxy added one
         self.left = memoryview(b"")
         self.received = 0
 
@@ -381,7 +388,7 @@ class DownloadSource(io.RawIOBase):
             except StopIteration:
                 return 0
             except httpx.HTTPError as exc:
-                raise _wire_error(self.where, exc, self.received, "received") from None
+                raise _wire_error(self.where, exc, self.received, "received", "; nothing was installed") from None
             self.left = memoryview(piece)
         view = memoryview(b).cast("B")
         n = min(len(view), len(self.left))
@@ -394,10 +401,10 @@ class DownloadSource(io.RawIOBase):
 @contextmanager
 def http_source(url: str, options: HttpOptions) -> Iterator[BinaryIO]:
     """The bundle of the session ``url`` names, streamed front to back."""
+    target = BundleUrl.parse(url)
+    client = options.client()  # a missing httpx is one line here
     import httpx
 
-    target = BundleUrl.parse(url)
-    client = options.client()
     try:
         try:
             response = client.send(client.build_request("GET", target.bundle_url), stream=True)

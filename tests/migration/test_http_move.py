@@ -6,6 +6,7 @@ server) is one stderr line naming the URL, a non-zero exit, and nothing installe
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -131,6 +132,13 @@ def test_url_shapes() -> None:
         assert str(info.value).startswith(bad) and why in str(info.value)
 
 
+def test_without_httpx_one_line_names_the_extra(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` fails as where it is not installed
+    assert main(["import", "--root", str(tmp_path / "r"), "http://127.0.0.1:9/x"]) == 2
+    one_error_line(capsys, "need httpx", "coli-sessionstore[http]")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_session_moves_between_servers_and_continues_token_exact(tmp_path: Path, capsys: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels.model import load_model
@@ -185,6 +193,9 @@ def test_refusals_leave_both_sides_unchanged(tmp_path: Path, capsys: Any) -> Non
         one_error_line(capsys, f"{a.url}/v1/sessions/other-model/bundle", "HTTP 409 model_mismatch")
         assert main(["import", "--root", str(local.root), f"{a.url}/nope"]) == 2
         one_error_line(capsys, f"{a.url}/v1/sessions/nope/bundle", "HTTP 404 session_not_found")
+        tls = a.url.replace("http://", "https://")  # TLS spoken to a plain-HTTP server
+        assert main(["import", "--root", str(local.root), f"{tls}/nope"]) == 1
+        one_error_line(capsys, f"{tls}/v1/sessions/nope/bundle", "cannot reach the server", "SSL")
         assert main(["import", "--root", str(local.root), f"{a.url}/v1/sessions/-x"]) == 2
         one_error_line(capsys, "-x")
         turn = {"model": "tiny", "prompt": list(range(1, 41)), "max_tokens": 4, "session": "t"}
@@ -227,7 +238,7 @@ def test_a_connection_cut_by_a_killed_server(tmp_path: Path, capsys: Any) -> Non
         relay = Relay(b.url, up=True, cut_after=2 << 20, on_cut=server.proc.kill)  # type: ignore[union-attr]
         assert main(["export", "--root", str(local.root), "big", relay.url]) == 1
         err = one_error_line(capsys, f"{relay.url}/v1/sessions/big/bundle", "the connection was cut after")
-        assert "bytes of the bundle were sent" in err
+        assert "bytes of the bundle were sent" in err and "the server installs nothing" in err
         relay.close()
     assert spool_entries(tmp_path / "b") != []  # the killed server's spool, until a store opens the root
     served = SessionStore(tmp_path / "b")  # swept: its owner is dead
@@ -238,6 +249,6 @@ def test_a_connection_cut_by_a_killed_server(tmp_path: Path, capsys: Any) -> Non
         before = tree_state(local.root)
         assert main(["import", "--root", str(local.root), f"{relay.url}/big", "--as", "copy"]) == 1
         err = one_error_line(capsys, f"{relay.url}/v1/sessions/big/bundle", "the connection was cut after")
-        assert "bytes of the bundle were received" in err
+        assert "bytes of the bundle were received" in err and "nothing was installed" in err
         assert tree_state(local.root) == before
         relay.close()
