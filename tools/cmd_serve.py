@@ -47,6 +47,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-bundle-bytes", type=int, default=ServiceLimits.max_bundle_bytes,
                    help=f"largest bundle PUT /v1/sessions/ID/bundle accepts (default {ServiceLimits.max_bundle_bytes})")
     p.add_argument("--commit-every", type=int, default=16, help="commit a reply every N tokens (default 16)")
+    p.add_argument("--remote", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="--http: serve as one host of a fleet on this object store (sessions leased, pulled "
+                   "and pushed back; endpoint and credentials from the AWS environment, e.g. AWS_ENDPOINT_URL)")
+    p.add_argument("--host-id", default=None, help="--remote: who holds leases (default: $COLI_HOST_ID or hostname)")
+    p.add_argument("--lease-ttl", type=float, default=None, help="--remote: lease lifetime in seconds (default 900)")
     p.add_argument("--once", action="store_true", help="import what is there now, then exit (1 if any failed)")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     p.set_defaults(func=run)
@@ -56,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     reconfigure()
     if args.http is None and args.inbox is None:
         raise FormatError("give --http [HOST:]PORT, --inbox DIR or both")
+    if args.http is None and (args.remote or args.host_id or args.lease_ttl is not None):
+        raise FormatError("--remote, --host-id and --lease-ttl are for --http")
     if args.http is not None:
         return run_http(args)
     return run_inbox(args)
@@ -79,7 +86,8 @@ def run_http(args: argparse.Namespace) -> int:
     config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
                          limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes),
                          max_kv_bytes=args.max_kv_bytes,
-                         session_options={"commit_every": args.commit_every})
+                         session_options={"commit_every": args.commit_every},
+                         remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl)
     if args.inbox is None:
         return serve_http(config)
     stop = threading.Event()

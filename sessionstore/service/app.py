@@ -37,6 +37,7 @@ from sessionstore.service.protocol import (
 )
 from sessionstore.service.streams import Event, TurnStream
 from sessionstore.service.turns import TurnOutcome, TurnSpec
+from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -218,6 +219,9 @@ class Api:
 
     async def list_sessions(self, request: Request) -> Response:
         data = [self.describe(sid) for sid in self.engine.store.ids()]
+        home = self.engine.home
+        if home is not None:  # a fleet server: the fleet's sessions too (state "remote" where not current here)
+            data = await asyncio.to_thread(home.listing, data)
         return JSONResponse({"object": "list", "data": data})
 
     async def get_session(self, request: Request) -> Response:
@@ -254,6 +258,9 @@ class Api:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the bundle of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
+        replace = request.query_params.get("replace", "1") not in ("0", "false")  # ?replace=0: refuse a taken id
+        if not replace and self.engine.store.exists(sid):
+            raise ApiError(409, f"session {sid!r} already exists here (replace=0)", code="session_exists")
         path = spool_path(self.engine)
         try:
             size = 0
@@ -263,7 +270,8 @@ class Api:
                     if size > limit:
                         raise ApiError(413, f"the bundle exceeds the limit of {limit} bytes", code="body_too_large")
                     spool.write(chunk)
-            result = await self.engine_call(lambda: import_spooled(self.engine, sid, path), session=sid)
+            result = await self.engine_call(lambda: import_spooled(self.engine, sid, path, replace=replace),
+                                            session=sid)
         finally:
             shutil.rmtree(path.parent, ignore_errors=True)
         return JSONResponse({**self.describe(sid), "imported": result})
@@ -281,7 +289,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Engine, api_key: str | None = None) -> Any:
-    """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set)."""
+    """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set; the web
+    page at ``/`` is served without it)."""
     api = Api(engine)
     r = api.route
     routes = [
@@ -299,7 +308,7 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
         Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
-    return BearerAuth(app, api_key)
+    return WithPage(BearerAuth(app, api_key))
 
 
 __all__ = ["Api", "build_app", "error_response"]

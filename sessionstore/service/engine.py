@@ -37,8 +37,9 @@ class Engine:
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
                  metrics: ServiceMetrics | None = None, session_options: dict[str, Any] | None = None,
-                 max_kv_bytes: int | None = None) -> None:
+                 max_kv_bytes: int | None = None, home: Any = None) -> None:
         self.store = store
+        self.home = home  # fleet hook: a fleet.SessionHome (serve --remote), else None
         self.model_source = model_source
         self.model, self.model_ref = store.load_model(model_source)
         self.kv_dtype = kv_dtype
@@ -132,11 +133,16 @@ class Engine:
                 except Exception as exc:  # one session's failure must not keep the others uncommitted
                     log.error("service.close_failed", id=session.id, error=str(exc))
             self._sessions.clear()
+            if self.home is not None:  # fleet hook: push back every session still checked out
+                self.home.close()
 
     # ---- sessions (the baton's holder) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
         """The open session ``session_id``, resident (created if absent and ``create``)."""
         session = self._sessions.get(session_id)
+        if self.home is not None and self.home.check_out(session_id, create=create):
+            self.forget(session_id)  # fleet hook: the fleet's newer copy was pulled over it: reopen
+            session = None
         created = False
         if session is None:
             if self.store.exists(session_id):
@@ -151,6 +157,8 @@ class Engine:
         elif session.state != "resident":
             session.ensure_resident()
             self._observe_resume(session)
+        if self.home is not None:  # fleet hook: renew the lease while resident, fence commits
+            self.home.keep(session)
         self.last_use[session_id] = time.time()
         return session, created
 
@@ -175,6 +183,8 @@ class Engine:
                 idle = session.id not in self._busy
             if session is not keep and idle:
                 session.suspend()
+                if self.home is not None:  # fleet hook: push back and release
+                    self.home.check_in(session.id)
                 self.metrics.evictions.inc()
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
@@ -211,6 +221,8 @@ class Engine:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             session.close()
+        if self.home is not None:  # fleet hook: deleted from the fleet first (409 if held elsewhere)
+            self.home.forget(session_id)
         self.store.delete(session_id)
         self.last_use.pop(session_id, None)
 
@@ -221,8 +233,12 @@ class Engine:
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         if session is not None:
             session.suspend()
+        if self.home is not None:  # fleet hook: push back and release
+            self.home.check_in(session_id)
 
     def delete(self, session_id: str) -> None:
+        if self.home is not None and not self.store.exists(session_id) and self.home.forget(session_id):
+            return  # fleet hook: a session only the fleet had
         if not self.store.exists(session_id):
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         self._drop(session_id)

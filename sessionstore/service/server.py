@@ -37,6 +37,9 @@ class ServeConfig:
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     max_kv_bytes: int | None = None
     session_options: dict[str, Any] = field(default_factory=dict)
+    remote: str | None = None  # s3://bucket/prefix: one host of a fleet (sessionstore.service.fleet)
+    host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
+    lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -65,6 +68,19 @@ def load_tokenizer(model_source: str) -> Any:
         return None
 
 
+def fleet_home(config: ServeConfig, store: SessionStore, model_source: str) -> Any:
+    """The fleet's side of this server (``--remote``), its store checked reachable; or None."""
+    if config.remote is None:
+        return None
+    from sessionstore.migration import LEASE_TTL_S, RemoteStore
+    from sessionstore.service.fleet import SessionHome
+
+    ttl = LEASE_TTL_S if config.lease_ttl is None else config.lease_ttl
+    home = SessionHome(RemoteStore(store, config.remote, host_id=config.host_id, lease_ttl=ttl), model=model_source)
+    home.probe()
+    return home
+
+
 def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 once every session is committed."""
     import uvicorn
@@ -74,8 +90,10 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     check_bind(config.host, config.api_key)
     source = resolve_model(config.model)
     store = SessionStore(config.root)
+    home = fleet_home(config, store, source)
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
-                    limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes)
+                    limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes,
+                    home=home)
     sock = bind_socket(config.host, config.port)
 
     class Server(uvicorn.Server):
@@ -89,6 +107,8 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     host, port = sock.getsockname()[:2]
     ready = {"event": "listening", "url": f"http://{'[' + host + ']' if ':' in host else host}:{port}",
              "model": engine.model_ref.name, "pid": os.getpid()}
+    if home is not None:
+        ready.update(remote=home.url, host_id=home.host_id)
     # uvicorn re-raises the signal it caught once it has stopped; this handler absorbs it so the
     # shutdown below (commit every session) runs and the exit status is 0
     previous = {s: signal.signal(s, lambda _s, _f: None) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -108,4 +128,4 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     return 0
 
 
-__all__ = ["ServeConfig", "bind_socket", "load_tokenizer", "serve_http"]
+__all__ = ["ServeConfig", "bind_socket", "fleet_home", "load_tokenizer", "serve_http"]

@@ -1,0 +1,185 @@
+"""Servers as hosts of one fleet (``serve --http --remote s3://...``) on a real S3 API server (moto)
+on loopback: alternating turns of one conversation on two servers are token-exact against one
+uninterrupted run (the session leased and pulled before each turn, pushed back on suspend,
+eviction and shutdown); a request while another server holds the session live is 409 naming it;
+a lost lease (the store cut past the TTL, the session taken over) is 503 / 409 at the next turn
+and never pushed over the new owner's bundle; the sessions list shows the fleet's sessions."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sessionstore.migration import RemoteStore
+from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
+from tests.service.serverkit import ServerProc
+from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - the moto fixture
+from tests.support.s3_relay import Relay
+
+pytestmark = pytest.mark.timeout(240)
+
+SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 11}  # stored by turn 1; it must travel with the session
+
+
+@pytest.fixture
+def fleet_url(s3_endpoint: str, request: pytest.FixtureRequest) -> str:  # noqa: F811 - the moto fixture
+    return f"s3://{S3_BUCKET}/{request.node.name}"
+
+
+def host(tmp_path: Path, name: str, model: Path, url: str, *args: str, env: dict[str, str] | None = None) -> ServerProc:
+    return ServerProc(tmp_path / name, model, "--remote", url, "--host-id", name, *args,
+                      log_dir=tmp_path, env=env)
+
+
+class Conversation:
+    """One conversation in completions turns: each prompt is the whole history plus new ids."""
+
+    def __init__(self, model_id: str, sid: str) -> None:
+        self.model_id, self.sid = model_id, sid
+        self.history: list[int] = []
+        self.turns: list[tuple[list[int], int]] = []
+
+    def body(self, new: list[int], max_tokens: int) -> dict[str, Any]:
+        prompt = self.history + new
+        extra = SAMPLING if not self.turns else {}
+        return {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "session": self.sid, **extra}
+
+    def turn(self, server: ServerProc, new: list[int], max_tokens: int) -> list[int]:
+        body = self.body(new, max_tokens)
+        response = server.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        tokens: list[int] = response.json()["choices"][0]["token_ids"]
+        # the copy served is the fleet's latest: all it had committed (all but the pending id) reused
+        assert response.json()["session"]["reused_prefix"] == max(len(self.history) - 1, 0)
+        self.turns.append((body["prompt"], max_tokens))
+        self.history = body["prompt"] + tokens
+        return tokens
+
+    def refused(self, server: ServerProc, new: list[int], status: int, code: str) -> str:
+        response = server.post("/v1/completions", json=self.body(new, 4))
+        assert response.status_code == status, response.text
+        err = response.json()["error"]
+        assert err["code"] == code, err
+        return str(err["message"])
+
+    def reference(self, model: Any) -> list[list[int]]:
+        sampler = SamplerSettings.checked(SAMPLING["temperature"], SAMPLING["top_k"], 1.0, SAMPLING["seed"])
+        return reference_turns(model, "fp8", self.turns, sampler)
+
+
+def listed(server: ServerProc) -> dict[str, dict[str, Any]]:
+    response = server.get("/v1/sessions")
+    assert response.status_code == 200, response.text
+    return {d["id"]: d for d in response.json()["data"]}
+
+
+def test_two_servers_alternate_turns_token_exact(tmp_path: Path, text_model_dir: Path,
+                                                 text_model: tuple[Any, Any], fleet_url: str) -> None:
+    model, _ = text_model
+    with host(tmp_path, "host-a", text_model_dir, fleet_url) as a, \
+            host(tmp_path, "host-b", text_model_dir, fleet_url, "--max-resident", "1") as b:
+        conv = Conversation(a.get("/v1/models").json()["data"][0]["id"], "conv")
+        got = [conv.turn(a, [9, 8, 7, 6], 10)]
+        message = conv.refused(b, [5], 409, "session_held")  # A holds it live
+        assert "held live by host 'host-a'" in message
+        seen = listed(b)["conv"]
+        assert seen["state"] == "remote" and seen["fleet"]["holder"] == "host-a"
+        assert a.post("/v1/sessions/conv/suspend").status_code == 200  # pushed, released
+        assert listed(a)["conv"]["fleet"]["held"] is False
+
+        got.append(conv.turn(b, [5, 4], 8))  # pulled on B
+        assert listed(a)["conv"]["state"] == "remote"  # A's copy is stale now, B holds it
+        assert conv.refused(a, [3], 409, "session_held").count("'host-b'") == 1
+        other = conv.model_id
+        evict = b.post("/v1/completions", json={"model": other, "prompt": [1, 2], "max_tokens": 2,
+                                                 "session": "other"})
+        assert evict.status_code == 200, evict.text  # max_resident 1: conv is evicted, pushed back
+
+        got.append(conv.turn(a, [3, 2], 9))  # A pulls B's newer bundle over its own copy
+        assert a.stop() == 0  # shutdown pushes conv back
+        got.append(conv.turn(b, [1], 7))  # B's copy is stale: pulled again
+        assert got == conv.reference(model)
+        assert b.stop() == 0
+
+    remote = RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader")
+    leases = {lease.session_id: lease for lease in remote.list()}
+    assert set(leases) == {"conv", "other"} and all(lease.released for lease in leases.values())
+    assert leases["conv"].owner == "host-b" and leases["conv"].bundle_tokens == len(conv.history) - 1
+    kept = remote.fs.ls(f"{S3_BUCKET}/{remote.prefix}/bundles/conv", detail=False, refresh=True)
+    assert [k.rsplit("/", 1)[-1] for k in kept] == [leases["conv"].bundle.rsplit("/", 1)[-1]]
+
+
+def test_a_lost_lease_is_refused_at_the_next_turn_and_never_pushed_over(
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], fleet_url: str,
+        s3_endpoint: str) -> None:  # noqa: F811 - the moto fixture
+    model, _ = text_model
+    relay = Relay(("127.0.0.1", int(s3_endpoint.rsplit(":", 1)[1])))
+    through = {"AWS_ENDPOINT_URL": relay.url, "AWS_MAX_ATTEMPTS": "2"}
+    ttl = 3.0
+    try:
+        with host(tmp_path, "host-a", text_model_dir, fleet_url, "--lease-ttl", str(ttl), env=through) as a, \
+                host(tmp_path, "host-b", text_model_dir, fleet_url) as b:
+            conv = Conversation(a.get("/v1/models").json()["data"][0]["id"], "conv")
+            first = conv.turn(a, [9, 8, 7], 6)
+            assert a.post("/v1/sessions/conv/suspend").status_code == 200  # the fleet has turn 1
+            pushed = RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader").lease("conv")
+            a_second = conv.turn(a, [6, 5], 5)  # resident on A, its lease renewed through the relay
+            time.sleep(ttl / 2)
+            assert conv.turn(a, [4], 3)  # renewed past half its TTL: A still serves it
+
+            relay.down()
+            time.sleep(ttl + 0.5)  # A's renewals fail until its lease expires
+            cut = Conversation(conv.model_id, "conv")  # the fleet never saw A's last two turns
+            cut.history, cut.turns = [9, 8, 7] + first, [([9, 8, 7], 6)]
+            assert "fleet_unavailable" in a.post("/v1/completions", json=cut.body([1], 3)).text  # 503
+            second = cut.turn(b, [6, 5], 5)  # B takes the expired lease and pulls turn 1
+            relay.up()
+            message = cut.refused(a, [2], 409, "session_held")  # B holds it now; A lost it
+            assert "'host-b'" in message
+            assert b.post("/v1/sessions/conv/suspend").status_code == 200
+            third = cut.turn(a, [2, 1], 4)  # A pulls B's history: its own lost turns are gone
+            assert a.stop() == 0 and b.stop() == 0
+    finally:
+        relay.close()
+    assert a_second and [first, second, third] == cut.reference(model)
+    final = RemoteStore(SessionStore(tmp_path / "reader2"), fleet_url, host_id="reader").lease("conv")
+    assert final.owner == "host-a" and final.released and final.generation > pushed.generation
+    assert final.bundle_tokens == len(cut.history) - 1
+
+
+def test_delete_on_a_fleet_server_deletes_from_the_fleet(tmp_path: Path, text_model_dir: Path,
+                                                         fleet_url: str) -> None:
+    with host(tmp_path, "host-a", text_model_dir, fleet_url) as a, \
+            host(tmp_path, "host-b", text_model_dir, fleet_url) as b:
+        conv = Conversation(a.get("/v1/models").json()["data"][0]["id"], "gone")
+        conv.turn(a, [4, 5, 6], 3)
+        assert b.post("/v1/sessions/gone/suspend").status_code == 404  # B never had it
+        deleted = httpx.delete(b.url + "/v1/sessions/gone", timeout=60)
+        assert deleted.status_code == 409 and "'host-a'" in deleted.text  # held live by A
+        assert a.post("/v1/sessions/gone/suspend").status_code == 200
+        remote = RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader")
+        assert remote.lease("gone").bundle is not None  # the fleet has a bundle of it now
+        assert httpx.delete(b.url + "/v1/sessions/gone", timeout=60).status_code == 200  # only the fleet had it
+        assert listed(a)["gone"]["state"] == "suspended"  # A's own copy, no longer the fleet's
+        fresh = conv.turn(a, [4, 5, 6], 3)  # A's local copy is its own again: no bundle to pull
+        assert fresh
+        assert httpx.delete(a.url + "/v1/sessions/gone", timeout=60).status_code == 200
+        assert "gone" not in listed(a) and "gone" not in listed(b)
+        assert httpx.delete(a.url + "/v1/sessions/gone", timeout=60).status_code == 404
+        assert a.stop() == 0 and b.stop() == 0
+    assert remote.lease("gone") is None
+    remote.fs.invalidate_cache()
+    assert remote.fs.find(f"{S3_BUCKET}/{remote.prefix}") == []  # no lease, no bundle left
+
+
+def test_serve_remote_refuses_an_unreachable_store_in_one_line(tmp_path: Path, text_model_dir: Path,
+                                                               fleet_url: str) -> None:
+    proc = host(tmp_path, "host-a", text_model_dir, "s3://no-such-bucket/p")
+    with pytest.raises(AssertionError, match="no-such-bucket"):
+        proc.start()
+    assert proc.proc is not None and proc.proc.wait(timeout=30) != 0
+    assert "Traceback" not in proc.stderr()
