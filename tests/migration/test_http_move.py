@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kernels.errors import FormatError
@@ -164,6 +165,8 @@ def test_a_session_moves_between_servers_and_continues_token_exact(tmp_path: Pat
         one_error_line(capsys, f"{b.url}/v1/sessions/mv/bundle", "already has session 'mv'", "--replace")
         assert main(["export", "--root", str(a.root), "mv", b.url, "--replace"]) == 4  # resident on b now
         one_error_line(capsys, f"{b.url}/v1/sessions/mv/bundle", "resident on the server", "suspend")
+        taken = httpx.put(b.url + "/v1/sessions/mv/bundle?replace=0", content=b"x", headers=b.headers(), timeout=60)
+        assert taken.status_code == 409 and taken.json()["error"]["code"] == "session_exists"
         assert b.post("/v1/sessions/mv/suspend").status_code == 200
         assert main(["export", "--root", str(a.root), "mv", b.url, "--replace"]) == 0  # a's 16 tokens again
         assert b.get("/v1/sessions/mv").json()["tokens"] == 16
