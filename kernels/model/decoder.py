@@ -18,6 +18,7 @@ from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
+from kernels.model.rowwise import head_matmul, rowwise_linear
 from kernels.rows import LatentRows
 
 
@@ -36,9 +37,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return y
 
 
-def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32."""
-    y: np.ndarray = x @ w.T  # y: [N, out] f32
+def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, rowwise: bool = False) -> np.ndarray:
+    """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32; ``rowwise``: each row alone (batch-invariant)."""
+    y = rowwise_linear(x, w) if rowwise else x @ w.T  # y: [N, out] f32
     return y if bias is None else y + bias
 
 
@@ -140,20 +141,28 @@ class MLADecoder:
             )
         return arr.astype("<i4")
 
+    def check_room(self, cache: DecoderCache, n: int) -> None:
+        """Refuse a cache of other dimensions, or ``n`` more positions past the context."""
+        dims = (cache.n_layers, cache.kv_lora, cache.qk_rope, cache.index_head_dim, cache.n_index_layers)
+        if dims != self.dims_for_file()[:5]:
+            raise ModelMismatchError("this cache belongs to a model with other dimensions")
+        if cache.length + n > self.config.max_position_embeddings:
+            raise LimitError(f"positions up to {cache.length + n} exceed the model's context of "
+                             f"{self.config.max_position_embeddings}")
+
     def forward(self, tokens: np.ndarray, cache: DecoderCache) -> np.ndarray:
-        """Run ``tokens`` [S] at positions [cache.length, +S); returns logits [S, vocab] f32."""
+        """Run ``tokens`` [S] at positions [cache.length, +S); returns logits [S, vocab] f32.
+
+        One token is a decode step, run as a batch of one (:meth:`decode_step`): a session's
+        decode is bitwise the same alone or batched with others."""
         toks = self.check_tokens(tokens)  # [S] i32
         n = toks.shape[0]
         if n == 0:
             raise FormatError("forward needs at least one token")
-        dims = (cache.n_layers, cache.kv_lora, cache.qk_rope, cache.index_head_dim, cache.n_index_layers)
-        if dims != self.dims_for_file()[:5]:
-            raise ModelMismatchError("this cache belongs to a model with other dimensions")
+        if n == 1:
+            return self.decode_step([cache], toks)
+        self.check_room(cache, n)
         start = cache.length
-        if start + n > self.config.max_position_embeddings:
-            raise LimitError(
-                f"positions up to {start + n} exceed the model's context of {self.config.max_position_embeddings}"
-            )
         positions = np.arange(start, start + n)  # [S]
         cos, sin = self.rotary.cos_sin(positions)  # [S, rope/2] f32 each
         try:
@@ -165,6 +174,64 @@ class MLADecoder:
         h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
         logits: np.ndarray = h @ self.lm_head.T  # logits: [S, V] f32
         return logits
+
+    def decode_step(self, caches: Sequence[DecoderCache], tokens: np.ndarray) -> np.ndarray:
+        """One decode step of B sessions at once: token b at position caches[b].length of cache b;
+        returns logits [B, vocab] f32.
+
+        Batch-invariant: row b is bitwise what cache b's step alone gives, whoever shares the batch
+        and however large it is. Every projection, the MoE and lm_head run row by row in one call
+        (:mod:`kernels.model.rowwise`); attention, the indexer's selection and the cache writes run
+        per session over its own rows."""
+        toks = self.check_tokens(tokens)  # [B] i32
+        if toks.shape[0] != len(caches) or not caches:
+            raise FormatError(f"decode_step: {toks.shape[0]} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise FormatError("decode_step: a cache appears twice in one batch")
+        for cache in caches:
+            self.check_room(cache, 1)
+        positions = np.array([c.length for c in caches])  # [B]
+        cos, sin = self.rotary.cos_sin(positions)  # [B, rope/2] f32 each
+        try:
+            h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, caches)  # h: [B, hidden] f32
+            for b, cache in enumerate(caches):
+                cache.commit_positions(toks[b : b + 1])
+        except BaseException:
+            for cache in caches:
+                cache.discard_pending()
+            raise
+        h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        return rowwise_linear(h, self.lm_head)  # [B, V] f32
+
+    def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[DecoderCache]) -> np.ndarray:
+        """Every layer over one new position per cache: h [B, hidden] f32."""
+        step: dict[str, Any] = {}  # what one layer leaves for the next (a DSA model's selections)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
+            q = self._project_step(i, layer.attn, x, cos, sin, caches)
+            ctx = self._attend_step(i, x, q, cos, sin, caches, step)  # ctx: [B, H, kv_lora] f32
+            h = h + self._attention_output(layer.attn, ctx, rowwise=True)
+            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
+            h = h + layer.mlp(x, rowwise=True)
+        return h
+
+    def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[DecoderCache], step: dict[str, Any]) -> np.ndarray:
+        """Dense absorbed attention of each session's query over its own rows -> [B, H, kv_lora]."""
+        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
+        for b, cache in enumerate(caches):
+            ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
+                                                              cache.blocks(layer), self.softmax_scale, causal=True)
+        return ctx
+
+    def _project_step(self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                      caches: Sequence[DecoderCache]) -> Queries:
+        """The queries of one new position per cache (row by row); writes each cache's Lc/Rc row."""
+        q, lc, rc = self._queries(a, x, cos, sin, rowwise=True)
+        for b, cache in enumerate(caches):
+            cache.write_layer(layer_idx, lc[b : b + 1], rc[b : b + 1])
+        return q
 
     def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
         """Every decoder layer over h [S, hidden] f32 (pending positions written into ``cache``)."""
@@ -182,31 +249,37 @@ class MLADecoder:
         self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache
     ) -> Queries:
         """x [S, hidden] -> the absorbed queries; writes this layer's Lc/Rc rows into the cache first."""
+        q, lc, rc = self._queries(a, x, cos, sin, rowwise=False)
+        cache.write_layer(layer_idx, lc, rc)  # fp8: quantized here, before anything attends
+        return q
+
+    def _queries(self, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 rowwise: bool) -> tuple[Queries, np.ndarray, np.ndarray]:
+        """x [S, hidden] -> (the absorbed queries, lc [S, kv_lora], rc [S, rope]) f32."""
         c = self.config
         n, heads = x.shape[0], c.num_attention_heads
         q_lat = None
         if a.q_proj is not None:
-            q = _linear(x, a.q_proj)  # q: [S, H*qk_head]
+            q = _linear(x, a.q_proj, rowwise=rowwise)  # q: [S, H*qk_head]
         else:
             assert a.q_a is not None and a.q_a_norm is not None and a.q_b is not None  # q_lora layers have all three
-            q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias), a.q_a_norm, 1e-6)  # [S, q_lora]
-            q = _linear(q_lat, a.q_b)  # q: [S, H*qk_head]
+            q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias, rowwise), a.q_a_norm, 1e-6)  # [S, q_lora]
+            q = _linear(q_lat, a.q_b, rowwise=rowwise)  # q: [S, H*qk_head]
         q = q.reshape(n, heads, c.qk_head_dim)
         q_nope, q_rot = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]  # [S,H,nope], [S,H,rope]
-        compressed = _linear(x, a.kv_a, a.kv_a_bias)  # [S, kv_lora + rope]
+        compressed = _linear(x, a.kv_a, a.kv_a_bias, rowwise)  # [S, kv_lora + rope]
         lc = rms_norm(compressed[:, : c.kv_lora_rank], a.kv_a_norm, 1e-6)  # lc: [S, kv_lora] f32
         rc = self.rotary.apply(compressed[:, c.kv_lora_rank :], cos, sin)  # rc: [S, rope] f32
         q_rope = self.rotary.apply(q_rot, cos, sin)  # [S, H, rope] f32
-        cache.write_layer(layer_idx, lc, rc)  # fp8: quantized here, before anything attends
-        q_abs = np.matmul(q_nope.transpose(1, 0, 2), a.w_uk).transpose(1, 0, 2)  # [S, H, kv_lora]
-        return Queries(np.ascontiguousarray(q_abs), q_rope, q_lat)
+        q_abs = head_matmul(q_nope, a.w_uk, rowwise)  # [S, H, kv_lora]
+        return Queries(np.ascontiguousarray(q_abs), q_rope, q_lat), lc, rc
 
-    def _attention_output(self, a: MLAttention, ctx: np.ndarray) -> np.ndarray:
+    def _attention_output(self, a: MLAttention, ctx: np.ndarray, rowwise: bool = False) -> np.ndarray:
         """ctx [S, H, kv_lora] -> W_UV per head, then o_proj: [S, hidden]."""
         n, heads = ctx.shape[0], self.config.num_attention_heads
-        out = np.matmul(ctx.transpose(1, 0, 2), a.w_uv.transpose(0, 2, 1))  # [H, S, v_head]
-        out = out.transpose(1, 0, 2).reshape(n, heads * self.config.v_head_dim)  # [S, H*v_head]
-        return _linear(out, a.o_proj, a.o_bias)  # [S, hidden]
+        out = head_matmul(ctx, a.w_uv, rowwise, w_transposed=True)  # [S, H, v_head]
+        out = out.reshape(n, heads * self.config.v_head_dim)  # [S, H*v_head]
+        return _linear(out, a.o_proj, a.o_bias, rowwise)  # [S, hidden]
 
 
 def _load_layer(cfg: ModelConfig, w: Weights, i: int) -> DecoderLayer:

@@ -10,6 +10,9 @@ of the same forward pass.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 from kernels.attention.selection import select_rows
@@ -68,10 +71,7 @@ class GlmDecoder(MLADecoder):
             out: np.ndarray = backend.absorbed_attention(q.q_abs, q.q_rope, cache.blocks(layer), self.softmax_scale,
                                                          causal=True)
             return out
-        sparse = getattr(backend, "sparse_absorbed_attention", None)
-        if sparse is None:
-            name = getattr(backend, "name", type(backend).__name__)
-            raise BackendUnavailableError(f"the {name!r} backend has no sparse_absorbed_attention (DSA)")
+        sparse = self._sparse_of(backend)
         assert selection is not None  # a full layer precedes every shared one (glm_config checks layer 0)
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [S, H, kv_lora] f32
         if dense:
@@ -80,6 +80,50 @@ class GlmDecoder(MLADecoder):
                                                      causal=True)
         ctx[dense:] = sparse(q.q_abs[dense:], q.q_rope[dense:], cache.blocks(layer), selection, self.softmax_scale)
         return ctx
+
+
+    def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[DecoderCache], step: dict[str, Any]) -> np.ndarray:
+        """One new position per cache: a full layer writes each cache's indexer key and selects rows
+        for every session past ``index_topk`` (shared layers reuse that selection); those attend
+        their selected rows, the others every row. Per session over its own rows -> [B, H, kv_lora]."""
+        if self.dsa.is_full(layer):
+            step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
+        selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
+        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
+        for b, cache in enumerate(caches):
+            qa, qr = q.q_abs[b : b + 1], q.q_rope[b : b + 1]  # [1, H, kv_lora], [1, H, rope]
+            if b in selections:
+                ctx[b : b + 1] = self._sparse_of(cache.backend)(qa, qr, cache.blocks(layer), selections[b],
+                                                                self.softmax_scale)
+            else:
+                ctx[b : b + 1] = cache.backend.absorbed_attention(qa, qr, cache.blocks(layer), self.softmax_scale,
+                                                                  causal=True)
+        return ctx
+
+    def _select_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[DecoderCache]) -> dict[int, np.ndarray]:
+        """Write this full layer's key of each cache's new position; {b: selection [1, k] i64} for
+        the caches whose new position sees more than ``index_topk`` rows."""
+        indexer, slot = self.indexers[layer], self.index_slots[layer]
+        keys = indexer.keys(x, self.rotary, cos, sin, rowwise=True)  # keys: [B, hd] f32
+        for b, cache in enumerate(caches):
+            cache.write_index(slot, keys[b : b + 1])
+        past = [b for b, cache in enumerate(caches) if cache.length >= self.dsa.index_topk]
+        if not past:
+            return {}
+        assert q.q_resid is not None  # a GLM config always has q_lora (glm_config refuses it otherwise)
+        qi, w = indexer.queries(x, q.q_resid, self.rotary, cos, sin, rowwise=True)  # [B, nh, hd], [B, nh]
+        return {b: select_rows(qi[b : b + 1], w[b : b + 1], caches[b].index_blocks(slot), caches[b].length,
+                               self.dsa.index_topk) for b in past}
+
+    @staticmethod
+    def _sparse_of(backend: Any) -> Any:
+        sparse = getattr(backend, "sparse_absorbed_attention", None)
+        if sparse is None:
+            name = getattr(backend, "name", type(backend).__name__)
+            raise BackendUnavailableError(f"the {name!r} backend has no sparse_absorbed_attention (DSA)")
+        return sparse
 
 
 def _load_indexer(cfg: ModelConfig, dsa: DsaConfig, w: Weights, i: int) -> Indexer:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.model.rope import Rotary
+from kernels.model.rowwise import rowwise_linear
 
 LAYER_NORM_EPS = 1e-6
 
@@ -38,16 +39,20 @@ class Indexer:
     n_heads: int
     head_dim: int
 
-    def keys(self, x: np.ndarray, rotary: Rotary, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def keys(self, x: np.ndarray, rotary: Rotary, cos: np.ndarray, sin: np.ndarray,
+             rowwise: bool = False) -> np.ndarray:
         """Indexer keys of the normalised layer input x [S, hidden] -> [S, hd] f32."""
-        k = layer_norm(x @ self.wk.T, self.k_norm_weight, self.k_norm_bias)  # k: [S, hd] f32
+        kx = rowwise_linear(x, self.wk) if rowwise else x @ self.wk.T  # [S, hd] f32
+        k = layer_norm(kx, self.k_norm_weight, self.k_norm_bias)  # k: [S, hd] f32
         return _rope_prefix(k, rotary, cos, sin)
 
     def queries(self, x: np.ndarray, q_resid: np.ndarray, rotary: Rotary, cos: np.ndarray,
-                sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                sin: np.ndarray, rowwise: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(qi [S, nh, hd] f32 roped, w [S, nh] f32 scaled by nh ** -0.5)."""
-        qi = (q_resid @ self.wq_b.T).reshape(q_resid.shape[0], self.n_heads, self.head_dim)  # [S, nh, hd]
-        w = (x @ self.weights_proj.T) * np.float32(self.n_heads**-0.5)  # w: [S, nh] f32
+        qx = rowwise_linear(q_resid, self.wq_b) if rowwise else q_resid @ self.wq_b.T  # [S, nh*hd]
+        qi = qx.reshape(q_resid.shape[0], self.n_heads, self.head_dim)  # [S, nh, hd]
+        wx = rowwise_linear(x, self.weights_proj) if rowwise else x @ self.weights_proj.T  # [S, nh]
+        w = wx * np.float32(self.n_heads**-0.5)  # w: [S, nh] f32
         return _rope_prefix(qi, rotary, cos, sin), w.astype(np.float32)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.model.config import ModelConfig
+from kernels.model.rowwise import rowwise_linear
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -29,20 +30,24 @@ class DenseMLP:
     up: np.ndarray  # [I, hidden] f32
     down: np.ndarray  # [hidden, I] f32
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x [N, hidden] f32 -> [N, hidden] f32."""
+    def __call__(self, x: np.ndarray, rowwise: bool = False) -> np.ndarray:
+        """x [N, hidden] f32 -> [N, hidden] f32 (``rowwise``: each row alone, batch-invariant)."""
+        if rowwise:
+            inner = silu(rowwise_linear(x, self.gate)) * rowwise_linear(x, self.up)  # [N, I] f32
+            return rowwise_linear(inner, self.down)  # [N, hidden] f32
         y: np.ndarray = (silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T  # y: [N, hidden] f32
         return y
 
 
 def route(
-    x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: ModelConfig
+    x: np.ndarray, gate_w: np.ndarray, bias: np.ndarray, cfg: ModelConfig, rowwise: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(weights [N, k] f32, experts [N, k] i64) for tokens x [N, hidden] f32."""
     n_tok = x.shape[0]
     n_exp, n_group, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
     per_group = n_exp // n_group
-    scores = np.float32(1.0) / (np.float32(1.0) + np.exp(-(x @ gate_w.T)))  # [N, E] f32 sigmoid
+    logits = rowwise_linear(x, gate_w) if rowwise else x @ gate_w.T  # [N, E] f32
+    scores = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))  # [N, E] f32 sigmoid
     choice = scores + bias[None, :]  # [N, E] f32, for choosing only
     grouped = choice.reshape(n_tok, n_group, per_group)  # [N, G, E/G]
     top2 = -np.sort(-grouped, axis=-1)[..., :2]  # [N, G, 2]
@@ -82,14 +87,15 @@ class MoE:
         self.experts = experts
         self.shared = shared
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x [N, hidden] f32 -> [N, hidden] f32; experts accumulate in ascending expert order."""
-        weights, chosen = route(x, self.gate_w, self.bias, self.cfg)  # [N, k], [N, k]
+    def __call__(self, x: np.ndarray, rowwise: bool = False) -> np.ndarray:
+        """x [N, hidden] f32 -> [N, hidden] f32; experts accumulate in ascending expert order
+        (``rowwise``: each token alone, batch-invariant)."""
+        weights, chosen = route(x, self.gate_w, self.bias, self.cfg, rowwise)  # [N, k], [N, k]
         out = np.zeros_like(x)  # [N, hidden] f32
         for expert in np.unique(chosen):
             tok, slot = np.nonzero(chosen == expert)  # tokens routed to this expert
-            y = self.experts[int(expert)](x[tok])  # [n, hidden]
+            y = self.experts[int(expert)](x[tok], rowwise)  # [n, hidden]
             out[tok] += y * weights[tok, slot][:, None]  # a token picks an expert at most once
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(x, rowwise)
         return out

@@ -1,0 +1,120 @@
+"""Batch-invariant matrix products for the decode step: row b of a batched product is bitwise
+what row b alone gives, whatever else shares the batch and however large it is.
+
+Why not BLAS: a GEMM picks its kernels, blockings and thread splits by the problem's shape, and a
+row's result depends on them. Measured with numpy's OpenBLAS: ``x[B, K] @ W`` rows differ from the
+rows computed alone by up to 4e-5, and a GEMM padded to a fixed 16 rows still differs by the row's
+position in the block (11 of 12 decoder shapes, single-threaded). A stacked ``[B, 1, K]`` matmul
+is invariant (one GEMV per row) but reads the weights once per row.
+
+So these kernels fix the arithmetic per output element by construction: ``out[b, n]`` is
+``((0 + x[b, 0] * w[0, n]) + x[b, 1] * w[1, n]) + ...``, k ascending, a multiply then an add (no
+fused multiply-add, no reassociation: numba's default strict IEEE mode), the same sequence for
+every b and every B. Only the loop order is chosen for speed: a block of output columns of one
+row accumulates in L1 while the weight rows stream past, and the innermost loop runs along n
+(independent elements, so the compiler vectorises it without reordering any sum).
+Single-threaded, no GIL held (numba: a well-kept JIT, so the kernel is plain Python loops here
+rather than C; compiled once and cached next to this module).
+
+The weights are used as ``[in, out]`` (the transpose of a checkpoint's ``[out, in]``), made
+contiguous once per weight array and kept while the array lives (:func:`transposed`).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+from numba import float32, njit, void
+
+COLUMN_BLOCK = 256  # output columns per block: 16 rows x 256 f32 = 16 KiB of accumulators in L1
+
+
+_F32_2D = float32[:, ::1]
+_F32_3D = float32[:, :, ::1]
+
+
+@njit(void(_F32_2D, _F32_2D, _F32_2D), cache=True, nogil=True, boundscheck=False)
+def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [B, N] = x [B, K] @ wt [K, N], k ascending per element."""
+    n_rows, depth = x.shape
+    width = wt.shape[1]
+    for n0 in range(0, width, COLUMN_BLOCK):
+        n1 = min(n0 + COLUMN_BLOCK, width)
+        for b in range(n_rows):
+            acc = out[b, n0:n1]  # acc: [n1 - n0] f32, in L1
+            acc[:] = 0
+            for k in range(depth):
+                xv = x[b, k]
+                w_row = wt[k, n0:n1]  # w_row: [n1 - n0] f32
+                for n in range(n1 - n0):
+                    acc[n] = acc[n] + xv * w_row[n]
+
+
+@njit(void(_F32_3D, _F32_3D, _F32_3D), cache=True, nogil=True, boundscheck=False)
+def _heads_times(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [B, H, N] = x [B, H, K] @ w [H, K, N] per head, k ascending per element."""
+    n_rows, heads, depth = x.shape
+    width = w.shape[2]
+    for b in range(n_rows):
+        for h in range(heads):
+            acc = out[b, h]  # acc: [N] f32
+            acc[:] = 0
+            for k in range(depth):
+                xv = x[b, h, k]
+                w_row = w[h, k]  # w_row: [N] f32
+                for n in range(width):
+                    acc[n] = acc[n] + xv * w_row[n]
+
+
+_lock = threading.Lock()
+_transposes: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
+
+
+def transposed(w: np.ndarray) -> np.ndarray:
+    """w [..., out, in] as a contiguous f32 [..., in, out] (the last two axes swapped), made once and
+    kept while ``w`` lives."""
+    key = id(w)
+    with _lock:
+        held = _transposes.get(key)
+        if held is not None and held[0]() is w:
+            return held[1]
+    wt = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=np.float32)  # wt: [..., in, out] f32
+
+    def forget(_ref: weakref.ref[np.ndarray], key: int = key) -> None:
+        with _lock:
+            if _transposes.get(key, (None,))[0] is _ref:
+                del _transposes[key]
+
+    with _lock:
+        _transposes[key] = (weakref.ref(w, forget), wt)
+    return wt
+
+
+def rowwise_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [B, in] @ w[out, in]^T -> [B, out] f32, batch-invariant."""
+    xs = np.ascontiguousarray(x, dtype=np.float32)  # xs: [B, in] f32
+    wt = transposed(w)  # wt: [in, out] f32
+    out = np.empty((xs.shape[0], wt.shape[1]), np.float32)  # out: [B, out] f32
+    _rows_times(xs, wt, out)
+    return out
+
+
+def head_matmul(x: np.ndarray, w: np.ndarray, rowwise: bool, *, w_transposed: bool = False) -> np.ndarray:
+    """Per-head products x [S, H, a] @ w [H, a, b] -> [S, H, b] f32 (``w_transposed``: w is given
+    as [H, b, a]).
+
+    ``rowwise``: batch-invariant (each row and head alone); otherwise one GEMM per head over the
+    S rows (a prefill)."""
+    if not rowwise:
+        wv = w.transpose(0, 2, 1) if w_transposed else w  # wv: [H, a, b]
+        y: np.ndarray = np.matmul(x.transpose(1, 0, 2), wv).transpose(1, 0, 2)  # y: [S, H, b]
+        return y
+    xs = np.ascontiguousarray(x, dtype=np.float32)  # xs: [S, H, a] f32
+    ws = transposed(w) if w_transposed else np.ascontiguousarray(w, dtype=np.float32)  # ws: [H, a, b] f32
+    out = np.empty((xs.shape[0], xs.shape[1], ws.shape[2]), np.float32)  # out: [S, H, b] f32
+    _heads_times(xs, ws, out)
+    return out
+
+
+__all__ = ["COLUMN_BLOCK", "head_matmul", "rowwise_linear", "transposed"]
