@@ -1,0 +1,243 @@
+"""The web page at ``/``: its headers and assets (no browser), then the page itself in headless
+Chromium against a real server serving ``glm-mini``: a streamed chat whose text matches the API's,
+the sessions list, fork / suspend / delete, and the API-key prompt.
+
+The browser tests need Chromium (Debian's ``chromium``) and the ``playwright`` package; without them
+they fail, unless ``COLI_NO_BROWSER=1`` says this machine has no browser on purpose.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.responses import PlainTextResponse
+from starlette.testclient import TestClient
+
+from sessionstore.service.auth import BearerAuth
+from sessionstore.service.webpage import ASSETS, CSP, WithPage, read_asset
+from tests.service.serverkit import REPO, ServerProc
+
+WEB_DIR = REPO / "sessionstore" / "service" / "web"
+MODEL = "glm-mini"
+MAX_TOKENS = 48
+
+
+# ---- no browser ---------------------------------------------------------------------------------
+@pytest.fixture
+def page_client() -> TestClient:
+    """The page in front of an API that wants key "k" (it answers "api" once let in)."""
+    async def api(scope: Any, receive: Any, send: Any) -> None:
+        await PlainTextResponse("api")(scope, receive, send)
+
+    return TestClient(WithPage(BearerAuth(api, "k")))
+
+
+def test_page_and_every_linked_asset_served_without_key(page_client: TestClient) -> None:
+    page = page_client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    linked = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert {"/web/app.js", "/web/style.css"} <= set(linked)
+    for path in ["/", *linked]:
+        res = page_client.get(path)
+        assert res.status_code == 200, path
+        assert res.headers["content-security-policy"] == CSP and CSP.startswith("default-src 'self'")
+        assert res.headers["cache-control"] == "no-cache"
+        assert res.headers["content-type"].split(";")[0] == ASSETS[path][1].split(";")[0], path
+        assert res.content == read_asset(ASSETS[path][0])
+    assert page_client.head("/web/app.js").status_code == 200
+
+
+def test_everything_else_still_needs_the_key(page_client: TestClient) -> None:
+    assert page_client.get("/v1/sessions").status_code == 401
+    assert page_client.post("/").status_code == 401  # only GET/HEAD of the page's paths are open
+    assert page_client.get("/web/other.js").status_code == 401
+    assert page_client.get("/v1/sessions", headers={"Authorization": "Bearer k"}).text == "api"
+
+
+def test_page_is_csp_clean_and_ships_as_package_data() -> None:
+    html = (WEB_DIR / "index.html").read_text()
+    assert not re.search(r"<script(?![^>]*\bsrc=)", html), "inline script: CSP default-src 'self' blocks it"
+    assert not re.search(r"\sstyle=|\son[a-z]+=|<style", html), "inline style or handler: CSP blocks it"
+    assert not re.search(r"(?:src|href)=\"(?:https?:)?//", html), "the page loads nothing from elsewhere"
+    js = (WEB_DIR / "app.js").read_text()
+    assert "innerHTML" not in js and "eval(" not in js
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sessionstore"]
+    for name, _ in ASSETS.values():
+        assert any(fnmatch.fnmatch(f"service/web/{name}", g) for g in globs), f"web/{name} is not package data"
+
+
+# ---- in Chromium ----------------------------------------------------------------------------------
+def _chromium() -> str:
+    for candidate in (os.environ.get("COLI_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        found = candidate and shutil.which(candidate)
+        if found:
+            return found
+    raise LookupError("no Chromium found")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+
+        path, missing = _chromium(), ""
+    except (ImportError, LookupError) as exc:
+        missing = str(exc)
+    if missing and os.environ.get("COLI_NO_BROWSER") == "1":
+        pytest.skip(f"COLI_NO_BROWSER=1: no browser test ({missing})")
+    if missing:
+        pytest.fail(f"the web page tests need Chromium and playwright ({missing}): apt-get install chromium, "
+                    "pip install -e .[test], or set COLI_CHROMIUM=/path/to/chrome; COLI_NO_BROWSER=1 skips them",
+                    pytrace=False)
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=path, headless=True)
+        yield chromium
+        chromium.close()
+
+
+class Tab:
+    """One page of the app, with its console errors collected."""
+
+    def __init__(self, browser: Any, url: str) -> None:
+        self.page = browser.new_page(viewport={"width": 1200, "height": 780})
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        self.page.set_default_timeout(60_000)
+        self.page.goto(url + "/")
+
+    def item(self, sid: str) -> Any:
+        return self.page.locator(f'li.session[data-id="{sid}"]')
+
+    def new_session(self, sid: str) -> None:
+        self.page.fill("#new-id", sid)
+        self.page.click("#new-form button")
+
+    def send(self, text: str) -> str:
+        """Send ``text``; the reply as the page shows it once its stream finished."""
+        done = self.page.locator(".msg.assistant .text[data-finish]").count()
+        self.page.fill("#max-tokens", str(MAX_TOKENS))
+        self.page.fill("#input", text)
+        self.page.press("#input", "Enter")
+        self.page.wait_for_function("n => document.querySelectorAll('.msg.assistant .text[data-finish]').length > n",
+                                    arg=done)
+        return str(self.page.locator(".msg.assistant .text").last.text_content())
+
+
+GROWTH_OBSERVER = """() => {
+  window.growth = {pieces: 0, lengths: []};
+  new MutationObserver((records) => {
+    for (const r of records) {
+      if (r.target.matches && r.target.matches('.msg.assistant .text'))
+        window.growth.pieces += [...r.addedNodes].filter((n) => n.nodeType === Node.TEXT_NODE).length;
+    }
+    const last = [...document.querySelectorAll('.msg.assistant .text')].pop();
+    if (last) window.growth.lengths.push(last.textContent.length);
+  }).observe(document.getElementById('log'), {childList: true, subtree: true});
+}"""
+
+
+def _reference_reply(server: ServerProc, sid: str, messages: list[dict[str, str]]) -> str:
+    body = {"model": MODEL, "messages": messages, "session": sid, "max_tokens": MAX_TOKENS}
+    res = server.post("/v1/chat/completions", json=body)
+    assert res.status_code == 200, res.text
+    return str(res.json()["choices"][0]["message"]["content"])
+
+
+def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    with ServerProc(tmp_path / "root", MODEL) as server:
+        tab = Tab(browser, server.url)
+        page = tab.page
+        expect(page.locator("#model")).to_have_text(MODEL)
+        tab.new_session("web-1")
+        expect(tab.item("web-1").locator(".badge")).to_have_text("new")
+        page.evaluate(GROWTH_OBSERVER)
+
+        first = "Tell me a story about a <b>cat</b>."
+        reply = tab.send(first)
+        growth = page.evaluate("window.growth")
+        print(f"reply rendered in {growth['pieces']} pieces over {len(set(growth['lengths']))} lengths")
+        assert reply.strip(), "the page showed no reply"
+        assert growth["pieces"] >= 2, f"the reply was not rendered piece by piece: {growth}"
+        steps = sorted(set(growth["lengths"]))
+        assert len([n for n in steps if 0 < n < len(reply)]) >= 2, f"the reply did not grow in steps: {growth}"
+        assert page.locator(".msg.user .text").first.text_content() == first
+        assert page.locator("#log b").count() == 0, "message text was rendered as HTML"
+
+        # the page's messages are the API's: an identical session answers the same (greedy)
+        messages = [{"role": "user", "content": first}]
+        assert reply == _reference_reply(server, "ref", messages)
+        second = tab.send("And then?")
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+        assert second == _reference_reply(server, "ref", messages)
+
+        info = server.get("/v1/sessions/web-1").json()
+        assert info["tokens"] == server.get("/v1/sessions/ref").json()["tokens"] > 0
+        expect(tab.item("web-1").locator(".tokens")).to_have_text(str(info["tokens"]))
+        expect(tab.item("web-1").locator(".badge")).to_have_text("resident")
+        expect(page.locator("#chat-meta")).to_contain_text(f"{info['tokens']} tokens")
+
+        tab.item("web-1").locator("button", has_text="fork").click()
+        expect(tab.item("web-1.fork1")).to_have_class(re.compile(r"\bselected\b"))
+        expect(page.locator(".msg.assistant .text")).to_have_count(2)  # the fork kept the conversation
+        assert server.get("/v1/sessions/web-1.fork1").json()["tokens"] == info["tokens"]
+
+        tab.item("web-1").locator("button", has_text="suspend").click()
+        expect(tab.item("web-1").locator(".badge")).to_have_text("suspended")
+        assert server.get("/v1/sessions/web-1").json()["state"] == "suspended"
+
+        delete = tab.item("web-1.fork1").locator("button.delete")
+        delete.click()
+        expect(delete).to_have_text("sure?")
+        delete.click()
+        expect(tab.item("web-1.fork1")).to_have_count(0)
+        assert server.get("/v1/sessions/web-1.fork1").status_code == 404
+
+        tab.item("ref").click()  # made through the API: this tab has no messages of it
+        expect(page.locator("#log-note")).to_contain_text("starts its conversation over")
+        expect(page.locator(".msg")).to_have_count(0)
+        tab.item("web-1").click()
+        expect(page.locator(".msg.assistant")).to_have_count(2)
+        shot = tmp_path / "web-page.png"
+        page.screenshot(path=str(shot))
+        print(f"screenshot: {shot}")
+        assert tab.errors == [], f"console errors (CSP violations show here): {tab.errors}"
+
+
+def test_api_key_prompt(browser: Any, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    with ServerProc(tmp_path / "root", MODEL, "--api-key", "sesame") as server:
+        tab = Tab(browser, server.url)
+        page = tab.page
+        dialog = page.locator("#key-dialog")
+        expect(dialog).to_be_visible()
+        expect(page.locator("#key-reason")).to_contain_text("needs an API key")
+        page.fill("#key-input", "wrong")
+        page.click("#key-form button[type=submit]")
+        expect(page.locator("#key-reason")).to_contain_text("refused")  # the 401 asked again
+        expect(dialog).to_be_visible()
+        page.fill("#key-input", "sesame")
+        page.click("#key-form button[type=submit]")
+        expect(dialog).to_be_hidden()
+        expect(page.locator("#model")).to_have_text(MODEL)
+
+        tab.new_session("keyed")
+        assert tab.send("Hello!").strip()
+        assert server.get("/v1/sessions/keyed").json()["tokens"] > 0
+        page.reload()  # the key, the open session and its messages are kept in this tab's sessionStorage
+        expect(tab.item("keyed").locator(".badge")).to_have_text("resident")
+        expect(tab.item("keyed")).to_have_class(re.compile(r"\bselected\b"))
+        expect(page.locator(".msg")).to_have_count(2)
+        expect(dialog).to_be_hidden()
+        page.screenshot(path=str(tmp_path / "web-page-keyed.png"))
+        print(f"screenshot: {tmp_path / 'web-page-keyed.png'}")
