@@ -1,0 +1,140 @@
+"""The HTTP service's speed, against real ``coli-kv serve --http`` processes on loopback.
+
+    python -m bench.serve [--quick] [--json] [--dir DIR] [--tokens N] [--reps N] [--max-tokens N]
+
+Every figure is a ratio to a baseline measured in this run, medians of ``--reps`` repetitions
+(both sides alternated):
+
+1. ``batch16_speedup`` (glm-mini): aggregate decode tokens/s of 16 clients streaming completions
+   on 16 sessions at once / one session's decode tokens/s alone, same server (bench.serve_decode).
+2. ``stream_overhead_ratio`` (glm-mini): per-token latency of a streamed completion over HTTP /
+   ``model.forward`` of one token in this process over a cache of the same length. Goal <= 1.15.
+3. ``resume_on_request_ratio``: a suspended GLM-5.2-shaped v2 session (32,768 tokens; ``--quick``
+   2,048): (time to first token of a request on it - one decode step) / a raw sequential read of
+   its kv file. Goal <= 1.5. The resume verifies as FORMAT.md 5.5 requires (every record's
+   checksum, the last position recomputed as a single-token step): also printed,
+   ``resume_on_request_io_ratio`` = (TTFT - two decode steps) / the read, the resume without
+   that recompute (bench.serve_session).
+4. ``http_migrate_vs_durable_copy``: that session's bundle streamed A -> B (GET piped into PUT)
+   / one durable copy of its files (``cp -r`` + fsync). Goal >= 0.8.
+
+The GLM-5.2-shaped model is a random checkpoint with GLM-5.2's cache dims (78 layers, kv_lora
+512, rope 64, vocab 154,880) and a 64-wide body (bench.session_build's decoder), written here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serve_decode import CLIENTS, PROMPT, bench_batch, bench_stream
+from bench.serve_procs import Server
+from bench.serve_session import bench_migrate, bench_resume, build, decode_step, write_glm_cache_checkpoint
+
+GOALS = {"stream_overhead_ratio": ("<=", 1.15), "resume_on_request_ratio": ("<=", 1.5),
+         "http_migrate_vs_durable_copy": (">=", 0.8)}
+KEYS = ("batch16_speedup", "stream_overhead_ratio", "resume_on_request_ratio", "resume_on_request_io_ratio",
+        "http_migrate_vs_durable_copy", "batch16_tokens_per_s", "single_tokens_per_s", "batch16_window_s",
+        "batch16_window_tokens", "batch_max_tokens", "batch_clients", "stream_per_token_s",
+        "stream_median_gap_s", "in_process_step_s", "stream_max_tokens", "stream_mean_length", "ttft_s",
+        "raw_read_s", "decode_step_s", "server_resume_s", "resume_verified", "kv_bytes", "http_migrate_s",
+        "durable_copy_s",
+        "session_bytes", "bundle_bytes", "http_migrate_gb_s", "durable_copy_gb_s", "tokens", "reps", "quick",
+        "model_note", "elapsed_s")
+
+
+def run_decode(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
+    from kernels.model import load_model, resolve_model
+    from kernels.model.text import load_text
+
+    source = resolve_model("glm-mini")
+    model = load_model(source)
+    prompt = load_text(source).encode(PROMPT, add_special_tokens=True)
+    with Server(root / "mini", "glm-mini", "--max-resident", str(CLIENTS * (reps + 1) + reps + 2)) as server:
+        res = bench_stream(server, model, prompt, max_tokens, reps, "fp8")
+        res.update(bench_batch(server, prompt, max_tokens, reps))
+    return res
+
+
+def run_session(root: Path, n_tokens: int, reps: int) -> dict[str, Any]:
+    model_dir = write_glm_cache_checkpoint(root / "glm-5.2-shaped")
+    s = build(root / "a", model_dir, n_tokens)
+    step = decode_step(s, reps)
+    with Server(root / "a", str(model_dir), log_json=True) as a, Server(root / "b", str(model_dir)) as b:
+        res = bench_resume(a, s.kv_path, step, reps)
+        res["resume_on_request_io_ratio"] = (res["ttft_s"] - 2 * step) / res["raw_read_s"]
+        res.update(bench_migrate(a, b, s.directory, root, reps))
+    return res
+
+
+def verdict(key: str, value: float) -> str:
+    op, goal = GOALS[key]
+    met = value <= goal if op == "<=" else value >= goal
+    return f"{op} {goal} ({'met' if met else 'NOT met'})"
+
+
+def report(res: dict[str, Any]) -> None:
+    ms = 1e3
+    print(f"bench.serve: {'QUICK (smaller session, fewer reps)' if res['quick'] else 'full'}; "
+          f"{res['reps']} reps, medians; {res['elapsed_s']:.0f} s")
+    print(f"  batch16_speedup        {res['batch16_speedup']:8.2f}x   {res['batch16_tokens_per_s']:.1f} tok/s over "
+          f"{res['batch_clients']} sessions at once (window {res['batch16_window_s']:.1f} s, "
+          f"{res['batch16_window_tokens']:.0f} tokens) vs {res['single_tokens_per_s']:.1f} tok/s alone; glm-mini, "
+          f"{res['batch_max_tokens']} tokens each, decode only; goal: report (batched decode)")
+    print(f"  stream_overhead_ratio  {res['stream_overhead_ratio']:8.3f}    "
+          f"{res['stream_per_token_s'] * ms:.2f} ms per streamed token (median gap "
+          f"{res['stream_median_gap_s'] * ms:.2f} ms) vs model.forward "
+          f"{res['in_process_step_s'] * ms:.2f} ms in-process at T={res['stream_mean_length']}; "
+          f"goal {verdict('stream_overhead_ratio', res['stream_overhead_ratio'])}")
+    print(f"  resume_on_request_ratio{res['resume_on_request_ratio']:8.2f}    TTFT {res['ttft_s'] * ms:.0f} ms - one "
+          f"decode step {res['decode_step_s'] * ms:.0f} ms vs raw read {res['raw_read_s'] * ms:.1f} ms of "
+          f"{res['kv_bytes'] / 2**20:.0f} MiB ({res['tokens']} tokens, v2 fp8); goal "
+          f"{verdict('resume_on_request_ratio', res['resume_on_request_ratio'])}")
+    print(f"    the server's resume {res['server_resume_s'] * ms:.0f} ms of it (every record's checksum + the last "
+          f"position recomputed: {', '.join(res['resume_verified'])}; FORMAT.md 5.5); minus that recompute too "
+          f"(resume_on_request_io_ratio): {res['resume_on_request_io_ratio']:.2f}")
+    print(f"  http_migrate_vs_durable_copy {res['http_migrate_vs_durable_copy']:.3f}  A -> B over HTTP "
+          f"{res['http_migrate_s'] * ms:.0f} ms ({res['http_migrate_gb_s']:.2f} GB/s, bundle "
+          f"{res['bundle_bytes'] / 2**20:.0f} MiB) vs cp -r + fsync {res['durable_copy_s'] * ms:.0f} ms "
+          f"({res['durable_copy_gb_s']:.2f} GB/s) of {res['session_bytes'] / 2**20:.0f} MiB; goal "
+          f"{verdict('http_migrate_vs_durable_copy', res['http_migrate_vs_durable_copy'])}")
+    print(f"  model: {res['model_note']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a 2,048-token session and fewer reps (~1-2 minutes)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--dir", default=None, help="where the stores go (a real disk)")
+    ap.add_argument("--tokens", type=int, default=None, help="committed tokens of the GLM-5.2-shaped session")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens each decode request streams")
+    args = ap.parse_args(argv)
+    tokens = args.tokens or (2048 if args.quick else 32768)
+    reps = args.reps or (2 if args.quick else 5)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    if tokens < 2 or reps < 1 or max_tokens < 2:
+        ap.error("--tokens and --max-tokens must be >= 2, --reps >= 1")
+    t0 = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="coli-bench-serve-", dir=args.dir))
+    try:
+        res: dict[str, Any] = run_decode(root, reps, max_tokens)
+        res.update(run_session(root, tokens, reps))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    res.update(tokens=tokens, reps=reps, quick=args.quick, elapsed_s=time.perf_counter() - t0,
+               model_note="glm-mini (shipped) for figures 1-2; for 3-4 a random checkpoint with GLM-5.2's cache "
+               "dims (78 layers, kv_lora 512, rope 64, vocab 154880) and a 64-wide body")
+    report(res)
+    if args.json:
+        print(json.dumps({k: res[k] for k in KEYS}, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

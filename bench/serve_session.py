@@ -1,0 +1,203 @@
+"""bench/serve.py's figures on a GLM-5.2-shaped session, against real server processes:
+
+- ``resume_on_request_ratio``: a suspended v2 (fp8) session of GLM-5.2's cache dims; (time to the
+  first token of a streamed completion on it - one decode step) / a raw sequential read of its
+  kv file (bench.session's ``raw_read``, warm page cache on both sides as bench.session's
+  ``resume_ratio``). The request continues the session (its prompt is the history, fetched
+  before the timing; only the new token is fed). Every timed resume is checked in the server's
+  log: every committed record matched its checksum and the recomputed last position was
+  bit-identical or within the digest's tolerance (FORMAT.md 4.4, 5.5).
+- ``http_migrate_vs_durable_copy``: the session's bundle streamed from server A
+  (``GET /v1/sessions/ID/bundle``) into server B (``PUT``) through one httpx client, over the
+  time of one durable copy of the session's files (``cp -r`` + fsync of each file and the
+  directory): a ratio of throughputs over the same session bytes.
+
+The served model is a checkpoint written here: bench.session_build's decoder (GLM-5.2's file dims:
+78 layers, kv_lora 512, rope 64, vocab 154,880; 64-wide body, random weights).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.serve_procs import Server, stream_completion
+from bench.session import raw_read
+from bench.session_build import SEED, build_session, glm_cache_model
+from kernels.model.config import parse_config
+from kernels.model.tiny import tiny_weights
+from sessionstore.sessions import Session, SessionStore
+
+SESSION = "glm"
+PIPE_CHUNK = 1 << 20
+
+
+def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file of bf16 tensors (each f32 value's upper 16 bits), as real checkpoints ship."""
+    header: dict[str, Any] = {}
+    blobs, offset = [], 0
+    for name, arr in sorted(tensors.items()):
+        bits = (np.ascontiguousarray(arr, dtype="<f4").view("<u4") >> 16).astype("<u2")  # bits: [...] u16
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + bits.nbytes]}
+        blobs.append(bits.tobytes())
+        offset += bits.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+def write_glm_cache_checkpoint(directory: Path) -> Path:
+    """config.json + model.safetensors (bf16) of bench.session_build's GLM-5.2-shaped decoder."""
+    _, cfg = glm_cache_model()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_bf16_safetensors(directory / "model.safetensors", tiny_weights(parse_config(cfg, source="bench"), SEED))
+    return directory
+
+
+def decode_step(s: Session, reps: int) -> float:
+    """Median seconds of ``model.forward`` on one token over the session's whole cache, in this
+    process (the rows mapped as a resume maps them, copied nowhere)."""
+    s.verify = False
+    s.resume()
+    try:
+        live = s.cache
+        assert live is not None
+        scratch = s.model.cache_from_blocks([live.blocks(layer) for layer in range(s.dims.n_layers)],
+                                            live.tokens, kv_dtype="fp8")
+        token = np.asarray([7], dtype=np.int32)  # [1] i32
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            s.model.forward(token, scratch)
+            times.append(time.perf_counter() - t0)
+        del scratch, live
+    finally:
+        s.suspend()
+    return statistics.median(times)
+
+
+def build(root: Path, model_dir: Path, n_tokens: int) -> Session:
+    store = SessionStore(root)
+    model, ref = store.load_model(model_dir)
+    return build_session(store, model, ref, n_tokens)
+
+
+def continue_prompt(server: Server) -> tuple[list[int], int]:
+    """The session's history as the prompt (plus one token when nothing is pending: at least one
+    token is always fed); and its committed count."""
+    info = server.call("GET", f"/v1/sessions/{SESSION}?history=1")
+    history: list[int] = info["history"]
+    return (history if info["tokens"] > info["committed"] else [*history, 7]), int(info["committed"])
+
+
+def checked_resume(server: Server, seen: int, committed: int) -> dict[str, Any]:
+    """The server's resume after ``seen`` earlier ones: every record checked, the recomputed last
+    position passed (bit-identical, or the digest's tolerance)."""
+    events = server.log_events("session.resume")
+    if len(events) <= seen:
+        raise RuntimeError("the request did not resume the session (no session.resume in the server's log)")
+    ev = events[seen]
+    if not str(ev.get("checksums", "")).startswith(f"{committed} record(s) match"):
+        raise RuntimeError(f"the resume did not check all {committed} records: {ev.get('checksums')!r}")
+    if ev.get("verified") not in ("bit-identical", "within tolerance"):  # the two passes of FORMAT.md 5.5
+        raise RuntimeError(f"the resume's logits check said {ev.get('verified')!r}")
+    return ev
+
+
+def bench_resume(server: Server, kv_path: Path, step_s: float, reps: int) -> dict[str, Any]:
+    """TTFT of a request on the suspended session vs a raw read of its kv file, alternated."""
+    ttft, base, server_resume, verified = [], [], [], []
+    seen = len(server.log_events("session.resume"))
+    with httpx.Client(timeout=600) as client:
+        for _ in range(reps):
+            prompt, committed = continue_prompt(server)
+            body = {"model": server.model_id, "prompt": prompt, "max_tokens": 1, "ignore_eos": True,
+                    "temperature": 0, "session": SESSION}
+            resumed_before = server.metric("coli_resume_seconds_sum")
+            base.append(raw_read(str(kv_path), os.path.getsize(kv_path)))
+            s = stream_completion(client, server.url, body)
+            ttft.append(s.first_event - s.sent)  # no tokenizer: the first event carries the token
+            server_resume.append(server.metric("coli_resume_seconds_sum") - resumed_before)
+            verified.append(str(checked_resume(server, seen, committed)["verified"]))
+            seen += 1
+            server.call("POST", f"/v1/sessions/{SESSION}/suspend")
+    t, b = statistics.median(ttft), statistics.median(base)
+    return {"resume_on_request_ratio": (t - step_s) / b, "ttft_s": t, "raw_read_s": b, "decode_step_s": step_s,
+            "server_resume_s": statistics.median(server_resume), "resume_verified": verified,
+            "kv_bytes": os.path.getsize(kv_path)}
+
+
+def durable_copy(src: Path, dst: Path) -> float:
+    """``cp -r`` of a directory, then fsync of every file and of the directory; seconds."""
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    for name in os.listdir(dst):
+        fd = os.open(dst / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    took = time.perf_counter() - t0
+    subprocess.run(["rm", "-rf", str(dst)], check=True)
+    return took
+
+
+def http_migrate(a: Server, b: Server) -> tuple[float, int, dict[str, Any]]:
+    """A's bundle of the session piped into B's PUT; (seconds, bundle bytes, B's answer)."""
+    sent = 0
+    with httpx.Client(timeout=600) as client:
+        t0 = time.perf_counter()
+        with client.stream("GET", f"{a.url}/v1/sessions/{SESSION}/bundle") as got:
+            if got.status_code != 200:
+                raise RuntimeError(f"GET bundle: {got.status_code} {got.read()[:300]!r}")
+
+            def body() -> Iterator[bytes]:
+                nonlocal sent
+                for chunk in got.iter_raw(PIPE_CHUNK):
+                    sent += len(chunk)
+                    yield chunk
+
+            put = client.put(f"{b.url}/v1/sessions/{SESSION}/bundle", content=body())
+        took = time.perf_counter() - t0
+    if put.status_code != 200:
+        raise RuntimeError(f"PUT bundle: {put.status_code} {put.text[:300]}")
+    return took, sent, put.json()
+
+
+def bench_migrate(a: Server, b: Server, session_dir: Path, scratch: Path, reps: int) -> dict[str, Any]:
+    """HTTP migration A -> B vs one durable copy of the session's files, alternated."""
+    want = a.call("GET", f"/v1/sessions/{SESSION}")["committed"]
+    files = sum(os.path.getsize(session_dir / n) for n in os.listdir(session_dir))
+    ours, base, wire = [], [], 0
+    for _ in range(reps):
+        base.append(durable_copy(session_dir, scratch / "copy"))
+        took, wire, answer = http_migrate(a, b)
+        if answer.get("committed") != want:
+            raise RuntimeError(f"B holds {answer.get('committed')} committed tokens after the move, A {want}")
+        ours.append(took)
+    t, c = statistics.median(ours), statistics.median(base)
+    return {"http_migrate_vs_durable_copy": c / t, "http_migrate_s": t, "durable_copy_s": c,
+            "session_bytes": files, "bundle_bytes": wire, "http_migrate_gb_s": files / t / 1e9,
+            "durable_copy_gb_s": files / c / 1e9}
+
+
+__all__ = ["SESSION", "bench_migrate", "bench_resume", "build", "decode_step", "durable_copy",
+           "http_migrate", "write_glm_cache_checkpoint"]
