@@ -20,6 +20,7 @@ from typing import Any
 
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
+from sessionstore.service.batcher import BatchingDecoder, StepBatcher
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import ServiceMetrics
@@ -41,22 +42,26 @@ class Engine:
         self.store = store
         self.home = home  # fleet hook: a fleet.SessionHome (serve --remote), else None
         self.model_source = model_source
-        self.model, self.model_ref = store.load_model(model_source)
-        self.kv_dtype = kv_dtype
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or ServiceMetrics()
+        self.baton = DecoderBaton()
+        decoder, self.model_ref = store.load_model(model_source)
+        self.batcher = StepBatcher(decoder, self.baton, max_batch=self.limits.max_batch,
+                                   on_step=self.metrics.batch_size.observe)
+        self.model = BatchingDecoder(decoder, self.batcher)
+        store.adopt_model(model_source, self.model)  # the store's sessions decode through the engine thread
+        self.kv_dtype = kv_dtype
         self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens)
         self.options = dict(session_options or {})
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
-        self.baton = DecoderBaton()
         self.last_use: dict[str, float] = {}
         self._sessions: dict[str, Session] = {}  # touched only by the baton's holder
         self._busy: set[str] = set()
         self._workers: set[threading.Thread] = set()
         self._lock = threading.Lock()  # the busy set and the workers
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
-                                   lambda: self.baton.handoffs)
+                                   lambda: self.batcher.steps)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
@@ -84,10 +89,13 @@ class Engine:
             with self.baton.held():
                 if not fut.set_running_or_notify_cancel():
                     return
+                self.batcher.turn_started()
                 try:
                     result = fn()
                 except BaseException as exc:  # handed to the waiting handler
                     error = exc
+                finally:
+                    self.batcher.turn_ended()
         finally:
             self.release(session)
             with self._lock:
@@ -98,8 +106,7 @@ class Engine:
             fut.set_result(result)
 
     def at_token(self) -> bool:
-        """A turn's token boundary: hand the decoder to waiting work; True once the server stops."""
-        self.baton.offer()
+        """A turn's token boundary: True once the server stops (the turn then ends and commits)."""
         return self.stopping.is_set()
 
     def claim(self, session_id: str) -> None:
@@ -135,6 +142,7 @@ class Engine:
             self._sessions.clear()
             if self.home is not None:  # fleet hook: push back every session still checked out
                 self.home.close()
+        self.batcher.stop()
 
     # ---- sessions (the baton's holder) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:

@@ -18,6 +18,7 @@ class ServiceLimits:
     max_bundle_bytes: int = 1 << 36  # a bundle uploaded with PUT .../bundle larger than this: 413
     max_queued_turns: int = 256  # turns waiting for the engine; past it new ones get 503
     max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended
+    max_batch: int = 64  # sessions one decode step advances together
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

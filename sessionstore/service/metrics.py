@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -26,15 +27,16 @@ class ServiceMetrics:
                                         buckets=LATENCY_BUCKETS)
         self.resume_seconds = Histogram("coli_resume_seconds", "resume of a suspended session on request",
                                         registry=r, buckets=LATENCY_BUCKETS)
-        self.handoffs = Gauge("coli_decoder_handoffs", "times the decoder passed to other work at a token boundary",
-                              registry=r)
+        self.steps = Gauge("coli_decode_steps", "batched decode steps the engine thread ran", registry=r)
+        self.batch_size = Histogram("coli_decode_batch_size", "sessions advanced together by one decode step",
+                                    registry=r, buckets=BATCH_BUCKETS)
         self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
                                       buckets=LATENCY_BUCKETS)
 
     def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
-                      resident_bytes: Callable[[], int], handoffs: Callable[[], int]) -> None:
+                      resident_bytes: Callable[[], int], steps: Callable[[], int]) -> None:
         """Gauges read at scrape time."""
-        self.handoffs.set_function(handoffs)
+        self.steps.set_function(steps)
         self.resident.set_function(resident)
         self.suspended.set_function(suspended)
         self.resident_bytes.set_function(resident_bytes)
@@ -43,4 +45,4 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["LATENCY_BUCKETS", "ServiceMetrics"]
+__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS", "ServiceMetrics"]

@@ -1,12 +1,10 @@
-"""Who holds the decoder: exactly one piece of work at a time, handed on at token boundaries.
+"""Who touches the sessions: exactly one turn at a time, the holder of the :class:`DecoderBaton`.
 
-Every request's work runs in a thread of its own, but only the holder of the :class:`DecoderBaton`
-touches the decoder or a session. A turn offers the baton at each token boundary
-(:meth:`DecoderBaton.offer`): when other work waits, the longest waiting one takes it and the turn
-queues again behind the others, so concurrent sessions advance one token each in turn (arrival
-order) and a long reply never holds the others back. Sessions are not batched into one forward:
-the decoder's matmuls over a batch are not bitwise equal to the rows computed alone, and a
-session's tokens must not depend on who else is decoding.
+Every request's work runs in a thread of its own, and the baton, a fair (FIFO) lock, decides which
+of them may touch the store and its sessions now. A turn holds it while it samples, streams and
+commits, and lets go of it whenever it waits for the engine thread to run its next forward
+(:class:`~sessionstore.service.batcher.StepBatcher`): the other turns take their tokens meanwhile,
+and their next steps join the same batched forward. Arrival order decides who goes next.
 """
 from __future__ import annotations
 
@@ -17,41 +15,30 @@ from contextlib import contextmanager
 
 
 class DecoderBaton:
-    """A fair (FIFO) lock that its holder can hand on at a token boundary."""
+    """A fair (FIFO) lock, released by its holder while it waits for the engine thread."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._waiting: deque[int] = deque()
         self._holder: int | None = None
-        self.handoffs = 0  # times the decoder passed from one piece of work to another at a token
-
-    def _wait_for_turn(self, me: int) -> None:
-        self._waiting.append(me)
-        self._cond.wait_for(lambda: self._holder is None and self._waiting[0] == me)
-        self._waiting.popleft()
-        self._holder = me
 
     def acquire(self) -> None:
+        me = threading.get_ident()
         with self._cond:
-            self._wait_for_turn(threading.get_ident())
+            self._waiting.append(me)
+            self._cond.wait_for(lambda: self._holder is None and self._waiting[0] == me)
+            self._waiting.popleft()
+            self._holder = me
 
     def release(self) -> None:
         with self._cond:
-            assert self._holder == threading.get_ident(), "released by a thread that does not hold the decoder"
+            assert self._holder == threading.get_ident(), "released by a thread that does not hold the baton"
             self._holder = None
             self._cond.notify_all()
 
-    def offer(self) -> None:
-        """At a token boundary: let the longest waiting work run first, then continue."""
-        me = threading.get_ident()
+    def held_by_me(self) -> bool:
         with self._cond:
-            assert self._holder == me, "offered by a thread that does not hold the decoder"
-            if not self._waiting:
-                return
-            self.handoffs += 1
-            self._holder = None
-            self._cond.notify_all()
-            self._wait_for_turn(me)
+            return self._holder == threading.get_ident()
 
     @contextmanager
     def held(self) -> Iterator[None]:

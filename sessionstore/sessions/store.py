@@ -71,6 +71,14 @@ class SessionStore(StoreDirectory):
                 model = self._models[fingerprint] = load_model(src)
         return model, ref
 
+    def adopt_model(self, source: str | os.PathLike[str], model: Any) -> None:
+        """Sessions of the model at ``source`` use ``model`` from now on (a wrapper of the loaded
+        one, e.g. the service's, whose forwards run on its engine thread)."""
+        from sessionstore.sessions.fingerprint import model_fingerprint
+
+        with self._lock:
+            self._models[model_fingerprint(os.fspath(source))] = model
+
     # ---- sessions --------------------------------------------------------------------------
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
                sampler: SamplerSettings | None = None, **session_options: Any) -> Session:

@@ -1,0 +1,170 @@
+"""The engine thread: the one thread that runs the decoder, batching every session's decode step.
+
+Turns run in threads of their own (one per request, holding the :class:`DecoderBaton` while they
+touch their session), but none of them runs the model: a turn's ``model.forward`` is a
+:class:`BatchingDecoder` that hands the work to the :class:`StepBatcher` and waits, letting go of
+the baton meanwhile. The engine thread gathers what waits and runs it:
+
+- every single-token forward (a decode step, or the last token of a prompt) of every waiting
+  session in ONE ``decode_step`` (continuous batching: sessions join and leave between steps);
+- a prompt's other tokens (a prefill) alone, between steps.
+
+``decode_step`` is batch-invariant (kernels.model.rowwise), so a session's logits, and so its
+tokens, are bitwise what it would get alone, whoever shares the step. A step starts as soon as
+every turn in flight is waiting for it, or ``gather_s`` after the first one asked (a turn busy
+committing does not hold the others back; it joins the next step). A request that would fail
+(a token outside the vocabulary, a full context) fails alone: it is checked before it joins, and
+should the batched step raise, its members are stepped one by one (bitwise the same).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sessionstore.log import get_logger
+from sessionstore.service.scheduler import DecoderBaton
+
+log = get_logger("service")
+
+GATHER_S = 0.004  # the longest a step waits for turns still busy with their previous token
+
+
+@dataclass
+class _Work:
+    tokens: np.ndarray  # [S] i32
+    cache: Any
+    done: Future[np.ndarray] = field(default_factory=Future)
+
+
+class StepBatcher:
+    """The engine thread and its queue of forwards."""
+
+    def __init__(self, model: Any, baton: DecoderBaton, *, max_batch: int = 64, gather_s: float = GATHER_S,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.model, self.baton = model, baton
+        self.max_batch, self.gather_s = max_batch, gather_s
+        self.on_step = on_step  # called with each decode step's batch size
+        self._cond = threading.Condition()
+        self._queue: list[_Work] = []
+        self._in_turn = 0  # turns in flight (each will ask for a forward again soon)
+        self._stopped = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="coli-engine", daemon=True)
+        self.thread.start()
+
+    # ---- the turns' side -------------------------------------------------------------------
+    def turn_started(self) -> None:
+        with self._cond:
+            self._in_turn += 1
+
+    def turn_ended(self) -> None:
+        with self._cond:
+            self._in_turn -= 1
+            self._cond.notify_all()
+
+    def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
+        """``model.forward(tokens, cache)`` run by the engine thread; the caller holds the baton,
+        which it lets go of while it waits."""
+        if threading.current_thread() is self.thread or self._stopped:
+            out: np.ndarray = self.model.forward(tokens, cache)
+            return out
+        work = _Work(np.asarray(tokens), cache)
+        with self._cond:
+            self._queue.append(work)
+            self._cond.notify_all()
+        if not self.baton.held_by_me():  # a caller outside the turns (a test, a tool): just wait
+            return work.done.result()
+        self.baton.release()
+        try:
+            return work.done.result()
+        finally:
+            self.baton.acquire()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self.thread.join()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _take(self) -> list[_Work] | None:
+        """Wait for work; then until every turn in flight waits (or ``gather_s`` passed)."""
+        with self._cond:
+            while not self._queue and not self._stopped:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            deadline = time.monotonic() + self.gather_s
+            while len(self._queue) < min(self._in_turn, self.max_batch):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped:
+                    break
+                self._cond.wait(left)
+            taken, self._queue = self._queue, []
+            return taken
+
+    def _run(self) -> None:
+        while True:
+            taken = self._take()
+            if taken is None:
+                return
+            steps = [w for w in taken if w.tokens.shape[0] == 1]
+            for work in taken:
+                if work.tokens.shape[0] != 1:
+                    self._solo(work)
+            for i in range(0, len(steps), self.max_batch):
+                self._step(steps[i : i + self.max_batch])
+
+    def _solo(self, work: _Work) -> None:
+        try:
+            work.done.set_result(self.model.forward(work.tokens, work.cache))
+        except BaseException as exc:  # the turn that asked re-raises it
+            work.done.set_exception(exc)
+
+    def _step(self, batch: list[_Work]) -> None:
+        ready: list[_Work] = []
+        for work in batch:  # a request that cannot run fails alone, before the step
+            try:
+                self.model.check_tokens(work.tokens)
+                self.model.check_room(work.cache, 1)
+            except BaseException as exc:
+                work.done.set_exception(exc)
+            else:
+                ready.append(work)
+        if not ready:
+            return
+        try:
+            logits = self.model.decode_step([w.cache for w in ready], np.concatenate([w.tokens for w in ready]))
+        except BaseException as exc:
+            log.warning("service.step_failed", batch=len(ready), error=str(exc))
+            for work in ready:
+                self._solo(work)
+            return
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(len(ready))
+        for b, work in enumerate(ready):
+            work.done.set_result(logits[b : b + 1])  # [1, V] f32, as forward returns
+
+
+class BatchingDecoder:
+    """The model as turns see it: every attribute is the decoder's, but ``forward`` goes through
+    the engine thread (:class:`StepBatcher`)."""
+
+    def __init__(self, model: Any, batcher: StepBatcher) -> None:
+        self._model, self._batcher = model, batcher
+
+    def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
+        return self._batcher.forward(tokens, cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+__all__ = ["GATHER_S", "BatchingDecoder", "StepBatcher"]
