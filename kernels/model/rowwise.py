@@ -23,18 +23,21 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
-from numba import float32, njit, void
+from numba import njit, types, void
 
 COLUMN_BLOCK = 256  # output columns per block: 16 rows x 256 f32 = 16 KiB of accumulators in L1
 
 
-_F32_2D = float32[:, ::1]
-_F32_3D = float32[:, :, ::1]
+def _signatures(ndim: int) -> list[Any]:
+    """out is ours (writable); x and the weights may be read-only (a checkpoint's memory map)."""
+    writable, readonly = types.Array(types.float32, ndim, "C"), types.Array(types.float32, ndim, "C", readonly=True)
+    return [void(x, w, writable) for x in (writable, readonly) for w in (writable, readonly)]
 
 
-@njit(void(_F32_2D, _F32_2D, _F32_2D), cache=True, nogil=True, boundscheck=False)
+@njit(_signatures(2), cache=True, nogil=True, boundscheck=False)
 def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [B, N] = x [B, K] @ wt [K, N], k ascending per element."""
     n_rows, depth = x.shape
@@ -51,7 +54,7 @@ def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # prag
                     acc[n] = acc[n] + xv * w_row[n]
 
 
-@njit(void(_F32_3D, _F32_3D, _F32_3D), cache=True, nogil=True, boundscheck=False)
+@njit(_signatures(3), cache=True, nogil=True, boundscheck=False)
 def _heads_times(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [B, H, N] = x [B, H, K] @ w [H, K, N] per head, k ascending per element."""
     n_rows, heads, depth = x.shape

@@ -97,9 +97,11 @@ def test_turns_exact_across_suspend_eviction_and_restart(tmp_path: Path, text_mo
 
 def test_concurrent_clients_on_their_own_sessions_are_exact(tmp_path: Path, text_model_dir: Path,
                                                             text_model: tuple[Any, Any]) -> None:
+    """16 clients, 4 turns each, decoded in shared batched steps (and evicted past 4 resident):
+    every session's tokens equal its own uninterrupted run, whoever shared its steps."""
     model, tok = text_model
-    n_clients, turns = 8, 2
-    with ServerProc(tmp_path / "root", text_model_dir, "--max-resident", "2") as server:
+    n_clients, turns = 16, 4
+    with ServerProc(tmp_path / "root", text_model_dir, "--max-resident", "4") as server:
         name = _model_id(server)
         results: dict[int, list[list[int]]] = {}
         transcripts: dict[int, list[list[dict[str, str]]]] = {}
@@ -127,9 +129,18 @@ def test_concurrent_clients_on_their_own_sessions_are_exact(tmp_path: Path, text
         for th in threads:
             th.join()
         assert not errors, errors
-        for i in range(n_clients):
-            ref = ReferenceChat(model, tok, "fp8", SamplerSettings(temperature=0.7, seed=i))
-            assert results[i] == [ref.respond(m, 12) for m in transcripts[i]], f"client {i}"
+        metrics = server.get("/metrics").text.splitlines()
+        batched = _metric(metrics, "coli_decode_batch_size_count") - _metric(
+            metrics, 'coli_decode_batch_size_bucket{le="1.0"}')
+        assert batched > 0, "no decode step advanced two sessions together"
+    for i in range(n_clients):
+        ref = ReferenceChat(model, tok, "fp8", SamplerSettings(temperature=0.7, seed=i))
+        assert results[i] == [ref.respond(m, 12) for m in transcripts[i]], f"client {i}"
+
+
+def _metric(lines: list[str], name: str) -> float:
+    """The value of the sample line that starts with ``name`` (a name and its labels)."""
+    return float(next(ln for ln in lines if ln.startswith(name + " ")).split()[-1])
 
 
 def test_stateless_requests_store_nothing(tmp_path: Path, text_model_dir: Path,
