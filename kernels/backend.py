@@ -8,6 +8,9 @@ Both backends expose the same entry points:
 - ``sparse_absorbed_attention(q_abs [S,H,kv_lora], q_rope [S,H,rope], blocks, selection [S,k] i64,
   softmax_scale)`` -> ctx [S, H, kv_lora]: DSA, each query over its selected rows only (both
   backends; a backend without it makes a DSA decoder raise BackendUnavailableError).
+- ``batched_sparse_decode(q_abs [B,H,kv_lora], q_rope [B,H,rope], blocks_of, selections, softmax_scale)``
+  (CPU only): one DSA decode step of B sessions, batch-invariant; a DSA decoder uses it when the
+  backend has it and attends session by session otherwise.
 The CUDA backend returns numpy arrays for numpy queries and device arrays for cupy queries.
 Asking for "cuda" without cupy or without a usable device raises BackendUnavailableError with
 the install hint.
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kernels.attention import absorbed_attention, mla_attention, sparse_absorbed_attention
+from kernels.attention.sparse_step import batched_sparse_decode
 from kernels.errors import BackendUnavailableError, FormatError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
@@ -40,6 +44,11 @@ class CpuBackend:
     def sparse_absorbed_attention(self, q_abs: np.ndarray, q_rope: np.ndarray, blocks: Sequence[LatentRows],
                                   selection: np.ndarray, softmax_scale: float) -> np.ndarray:
         return sparse_absorbed_attention(q_abs, q_rope, blocks, selection, softmax_scale)
+
+    def batched_sparse_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
+                              blocks_of: Sequence[Sequence[LatentRows]], selections: Sequence[np.ndarray],
+                              softmax_scale: float) -> np.ndarray:
+        return batched_sparse_decode(q_abs, q_rope, blocks_of, selections, softmax_scale)
 
     def batched_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
                        caches: Sequence[LatentRows | Sequence[LatentRows]], softmax_scale: float) -> np.ndarray:

@@ -113,13 +113,20 @@ class TileGatherer:
     """
 
     def __init__(self, blocks: Sequence[LatentRows], shape: CacheShape, tile_rows: int, *,
-                 tq_rotated: bool = False) -> None:
+                 tq_rotated: bool = False,
+                 scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """``scratch``: (lc, rc, lsc, rsc) of the caller's to fill instead of new aligned arrays
+        (contiguous, f32, shaped as below)."""
         self.tq_rotated = tq_rotated
         self.blocks = list(blocks)
         self.shape = shape
         self.tile_rows = tile_rows
-        starts = np.cumsum([0] + [b.length for b in self.blocks])  # starts: [nblocks + 1] i64
-        self.block_starts = [int(s) for s in starts]
+        self.block_starts = [0]
+        for b in self.blocks:
+            self.block_starts.append(self.block_starts[-1] + b.length)
+        if scratch is not None:
+            self.lc, self.rc, self.lsc, self.rsc = scratch
+            return
         self.lc = aligned_empty((tile_rows, shape.kv_lora), np.float32)  # lc: [tile, kv_lora] f32
         self.rc = aligned_empty((tile_rows, shape.rope), np.float32)  # rc: [tile, rope] f32
         self.lsc = aligned_empty((tile_rows,), np.float32)  # lsc: [tile] f32

@@ -279,6 +279,16 @@ class DecoderCache:
 
         lc [S, kv_lora] f32, rc [S, qk_rope] f32; fp8 and v3 caches keep only the encoded form.
         """
+        self.write_encoded(layer, self.encode_rows(layer, lc, rc))
+
+    def write_encoded(self, layer: int, values: dict[str, np.ndarray]) -> None:
+        """Store rows already in this cache's form (:meth:`encode_rows`) at the pending positions."""
+        self._own[layer].write(self.length - self._base_len, values)
+
+    def encode_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows lc [S, kv_lora], rc [S, qk_rope] f32 in this cache's form (fp8 codes + scales, v3
+        codes + radii, or f32), each row encoded on its own: any rows of caches of the same kv
+        dtype may be encoded in one call and written row by row."""
         codec = self._own[layer].codec
         if codec is not None:
             lc_codes, lc_radius = codec.encode_rows(np.ascontiguousarray(lc, dtype=np.float32))  # [S, rbL] u8, [S]
@@ -292,7 +302,7 @@ class DecoderCache:
             values = {"lc_codes": lc_codes, "lc_scale": lc_scale, "rc_codes": rc_codes, "rc_scale": rc_scale}
         else:
             values = {"lc": lc, "rc": rc}
-        self._own[layer].write(self.length - self._base_len, values)
+        return values
 
     def write_index(self, slot: int, ic: np.ndarray) -> None:
         """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
@@ -345,6 +355,20 @@ class DecoderCache:
         """Bytes of the storage this cache allocated (base blocks not counted)."""
         latent = sum(arr.nbytes for own in self._own for arr in own.arrays.values())
         return latent + sum(own.rows.nbytes for own in self._own_index)
+
+
+def write_step_rows(caches: Sequence[DecoderCache], layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
+    """Row b of lc [B, kv_lora], rc [B, qk_rope] f32 to cache b's pending position: the rows of
+    caches of one kv dtype encoded in one call (encoding is per row, so each row's bytes are
+    what its cache alone would write)."""
+    groups: dict[str, list[int]] = {}
+    for b, cache in enumerate(caches):
+        groups.setdefault(cache.kv_dtype, []).append(b)
+    for members in groups.values():
+        rows = np.asarray(members)  # rows: [n] batch rows of this kv dtype
+        values = caches[members[0]].encode_rows(layer, lc[rows], rc[rows])  # {field: [n, ...]}
+        for i, b in enumerate(members):
+            caches[b].write_encoded(layer, {name: v[i : i + 1] for name, v in values.items()})
 
 
 def _width(b: LatentRows, which: str) -> int:

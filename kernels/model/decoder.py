@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import FormatError, LimitError, ModelMismatchError
-from kernels.model.cache import DecoderCache
+from kernels.model.cache import DecoderCache, write_step_rows
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
@@ -229,8 +229,7 @@ class MLADecoder:
                       caches: Sequence[DecoderCache]) -> Queries:
         """The queries of one new position per cache (row by row); writes each cache's Lc/Rc row."""
         q, lc, rc = self._queries(a, x, cos, sin, rowwise=True)
-        for b, cache in enumerate(caches):
-            cache.write_layer(layer_idx, lc[b : b + 1], rc[b : b + 1])
+        write_step_rows(caches, layer_idx, lc, rc)
         return q
 
     def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:

@@ -91,12 +91,18 @@ class GlmDecoder(MLADecoder):
             step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
         selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
+        batched = [b for b in selections if hasattr(caches[b].backend, "batched_sparse_decode")]
+        if batched:  # one call for every sparse session of a backend that batches them
+            rows = np.asarray(batched)  # rows: [n] batch rows
+            ctx[rows] = caches[batched[0]].backend.batched_sparse_decode(
+                q.q_abs[rows], q.q_rope[rows], [caches[b].blocks(layer) for b in batched],
+                [selections[b][0] for b in batched], self.softmax_scale)
         for b, cache in enumerate(caches):
             qa, qr = q.q_abs[b : b + 1], q.q_rope[b : b + 1]  # [1, H, kv_lora], [1, H, rope]
-            if b in selections:
+            if b in selections and b not in batched:
                 ctx[b : b + 1] = self._sparse_of(cache.backend)(qa, qr, cache.blocks(layer), selections[b],
                                                                 self.softmax_scale)
-            else:
+            elif b not in selections:
                 ctx[b : b + 1] = cache.backend.absorbed_attention(qa, qr, cache.blocks(layer), self.softmax_scale,
                                                                   causal=True)
         return ctx

@@ -39,17 +39,33 @@ def _signatures(ndim: int) -> list[Any]:
 
 @njit(_signatures(2), cache=True, nogil=True, boundscheck=False)
 def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [B, N] = x [B, K] @ wt [K, N], k ascending per element."""
+    """out [B, N] = x [B, K] @ wt [K, N], k ascending per element; four rows share each weight load."""
     n_rows, depth = x.shape
     width = wt.shape[1]
+    quads = n_rows - n_rows % 4
     for n0 in range(0, width, COLUMN_BLOCK):
         n1 = min(n0 + COLUMN_BLOCK, width)
-        for b in range(n_rows):
+        for b in range(0, quads, 4):
+            a0, a1, a2, a3 = out[b, n0:n1], out[b + 1, n0:n1], out[b + 2, n0:n1], out[b + 3, n0:n1]
+            a0[:] = 0
+            a1[:] = 0
+            a2[:] = 0
+            a3[:] = 0
+            for k in range(depth):
+                x0, x1, x2, x3 = x[b, k], x[b + 1, k], x[b + 2, k], x[b + 3, k]
+                w_row = wt[k, n0:n1]  # w_row: [n1 - n0] f32
+                for n in range(n1 - n0):
+                    w = w_row[n]
+                    a0[n] = a0[n] + x0 * w
+                    a1[n] = a1[n] + x1 * w
+                    a2[n] = a2[n] + x2 * w
+                    a3[n] = a3[n] + x3 * w
+        for b in range(quads, n_rows):
             acc = out[b, n0:n1]  # acc: [n1 - n0] f32, in L1
             acc[:] = 0
             for k in range(depth):
                 xv = x[b, k]
-                w_row = wt[k, n0:n1]  # w_row: [n1 - n0] f32
+                w_row = wt[k, n0:n1]
                 for n in range(n1 - n0):
                     acc[n] = acc[n] + xv * w_row[n]
 

@@ -1,0 +1,180 @@
+"""Sparse absorbed attention for one decode step of B sessions at once (DSA, CPU), batch-invariant.
+
+Every session's query (one position, H heads) attends its own ``k`` selected rows; the math is
+that of :mod:`kernels.attention.sparse`, per session b and head h over rows j of ``selection[b]``:
+    score_j = ((q_abs . table[Lc8_j]) * Lsc_j + (q_rope . table[Rc8_j]) * Rsc_j) * softmax_scale
+    p = softmax_j(score) ;  ctx = sum_j (p_j * Lsc_j) * table[Lc8_j] / sum_j p_j
+(f32 and v3 rows are gathered decoded with factors 1.0, which multiply exactly).
+
+Each session's k selected rows (only those: no copy of any cache) are gathered into its slice of
+one batch scratch: fp8 sessions as codes, decoded for the whole batch at once; others through a
+``TileGatherer`` over the caller's scratch. Then ONE compiled kernel attends them all. It fixes
+its arithmetic per (session, head) by construction (dot products over eight fixed lanes then a
+fixed tree, rows in ascending order, strict IEEE f32), so a session's context is bitwise the same
+whoever shares the step and however many do.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit, types, void
+
+from kernels.attention.absorbed import as_query, check_query_pair
+from kernels.attention.tables import decode_codes_into, sanitize_scales_into
+from kernels.attention.tiles import TileGatherer, cache_shape
+from kernels.errors import FormatError, ModelMismatchError
+from kernels.rows import Fp8Rows, LatentRows
+
+_F32 = types.float32
+_A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
+
+
+@njit(_F32(types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")), cache=True, nogil=True, boundscheck=False,
+      inline="always")
+def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - compiled
+    """sum a*b over eight fixed lanes, combined ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
+    n = a.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    full = n - n % 8
+    for i in range(0, full, 8):
+        s0 += a[i] * b[i]
+        s1 += a[i + 1] * b[i + 1]
+        s2 += a[i + 2] * b[i + 2]
+        s3 += a[i + 3] * b[i + 3]
+        s4 += a[i + 4] * b[i + 4]
+        s5 += a[i + 5] * b[i + 5]
+        s6 += a[i + 6] * b[i + 6]
+        s7 += a[i + 7] * b[i + 7]
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for i in range(full, n):
+        total += a[i] * b[i]
+    return total
+
+
+@njit(void(_A3, _A3, _A3, _A3, _A2, _A2, _F32, _A3), cache=True, nogil=True, boundscheck=False)
+def _attend_selected(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray,
+                     rsc: np.ndarray, scale: np.float32, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
+    """ctx [B, H, K] from qa [B, H, K], qr [B, H, R] over rows lc [B, k, K], rc [B, k, R] and their
+    factors lsc, rsc [B, k]."""
+    n_sessions, heads, width = qa.shape
+    k = lc.shape[1]
+    scores = np.empty(k, np.float32)
+    for b in range(n_sessions):
+        for h in range(heads):
+            top = np.float32(-np.inf)
+            for j in range(k):
+                v = (_dot(qa[b, h], lc[b, j]) * lsc[b, j] + _dot(qr[b, h], rc[b, j]) * rsc[b, j]) * scale
+                scores[j] = v
+                if v > top:
+                    top = v
+            acc = ctx[b, h]  # acc: [K] f32
+            acc[:] = 0
+            total = np.float32(0.0)
+            for j in range(k):
+                p = np.float32(np.exp(scores[j] - top))
+                total += p
+                weight = p * lsc[b, j]
+                row = lc[b, j]  # row: [K] f32
+                for n in range(width):
+                    acc[n] = acc[n] + weight * row[n]
+            for n in range(width):
+                acc[n] = acc[n] / total
+
+
+def _checked_selections(selections: Sequence[np.ndarray], lengths: np.ndarray) -> np.ndarray:
+    """The selections as [B, k] i64: session b's positions ascend strictly inside [0, lengths[b])
+    (its query is its newest row), the same k for all."""
+    arrays = [np.asarray(s).reshape(-1) for s in selections]
+    k = arrays[0].shape[0]
+    if k < 1 or any(a.shape[0] != k or (a.size and a.dtype.kind not in "iu") for a in arrays):
+        raise FormatError("batched sparse decode: every session must select the same number k >= 1 of "
+                          "integer positions")
+    sel = np.stack(arrays).astype(np.int64, copy=False)  # sel: [B, k] i64
+    if bool(np.any(sel[:, 0] < 0)) or bool(np.any(sel[:, -1] >= lengths)):
+        raise FormatError("batched sparse decode: selected rows must lie inside each session's cache")
+    if k > 1 and bool(np.any(sel[:, 1:] <= sel[:, :-1])):
+        raise FormatError("batched sparse decode: each session's selected positions must ascend strictly")
+    return sel
+
+
+class _Fp8Codes:
+    """The selected fp8 rows of the batch's all-fp8 sessions, gathered as codes and raw scales
+    (a few takes per session), then decoded and sanitised for all of them in one pass each,
+    exactly as ``TileGatherer`` does row by row."""
+
+    def __init__(self, n: int, k: int, kv_lora: int, rope: int) -> None:
+        self.lc = np.empty((n, k, kv_lora), np.uint8)  # lc: [B, k, kv_lora] u8 codes
+        self.rc = np.empty((n, k, rope), np.uint8)  # rc: [B, k, rope] u8 codes
+        self.lsc = np.empty((n, k), np.float32)  # lsc: [B, k] f32 raw scales
+        self.rsc = np.empty((n, k), np.float32)  # rsc: [B, k] f32 raw scales
+        self.rows: list[int] = []
+
+    def take(self, b: int, blocks: Sequence[LatentRows], positions: np.ndarray) -> None:
+        """Session b's rows at ascending absolute ``positions`` [k] of its fp8 ``blocks``."""
+        start = 0
+        for blk in blocks:
+            assert isinstance(blk, Fp8Rows)  # the caller checked: every block is fp8
+            lo, hi = np.searchsorted(positions, [start, start + blk.length])  # this block's share
+            if hi > lo:
+                src = positions[lo:hi] - start  # src: [m] i64 rows of this block
+                np.take(blk.lc_codes, src, axis=0, out=self.lc[b, lo:hi], mode="clip")
+                np.take(blk.rc_codes, src, axis=0, out=self.rc[b, lo:hi], mode="clip")
+                np.take(blk.lc_scale, src, out=self.lsc[b, lo:hi], mode="clip")
+                np.take(blk.rc_scale, src, out=self.rsc[b, lo:hi], mode="clip")
+            start += blk.length
+        self.rows.append(b)
+
+    def decode_into(self, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray) -> None:
+        """Rows ``self.rows`` of the f32 scratch: table[code] and sanitised scales."""
+        if not self.rows:
+            return
+        n = lc.shape[0]
+        rows = slice(None) if len(self.rows) == n else np.asarray(self.rows)
+        for codes, out in ((self.lc, lc), (self.rc, rc)):
+            if isinstance(rows, slice):
+                decode_codes_into(codes.reshape(-1, codes.shape[2]), out.reshape(-1, out.shape[2]))
+            else:
+                decoded = np.empty((len(self.rows) * codes.shape[1], codes.shape[2]), np.float32)
+                decode_codes_into(codes[rows].reshape(-1, codes.shape[2]), decoded)
+                out[rows] = decoded.reshape(len(self.rows), codes.shape[1], codes.shape[2])
+        for raw, out in ((self.lsc, lsc), (self.rsc, rsc)):
+            clean = np.empty(raw[rows].shape, np.float32)
+            sanitize_scales_into(raw[rows], clean)
+            out[rows] = clean
+
+
+def batched_sparse_decode(q_abs: np.ndarray, q_rope: np.ndarray, blocks_of: Sequence[Sequence[LatentRows]],
+                          selections: Sequence[np.ndarray], softmax_scale: float) -> np.ndarray:
+    """One decode step of B sessions: q_abs [B, H, kv_lora], q_rope [B, H, rope], session b over
+    rows ``selections[b]`` [k] (ascending absolute positions, the same k for all) of its own
+    ``blocks_of[b]`` -> ctx [B, H, kv_lora] f32."""
+    n = len(blocks_of)
+    if n == 0 or len(selections) != n or q_abs.shape[0] != n:
+        raise FormatError(f"batched sparse decode: {q_abs.shape[0]} queries, {n} caches, {len(selections)} selections")
+    shapes = [cache_shape(blocks) for blocks in blocks_of]
+    kv_lora, rope = shapes[0].kv_lora, shapes[0].rope
+    if any((s.kv_lora, s.rope) != (kv_lora, rope) for s in shapes):
+        raise ModelMismatchError("batched sparse decode: the sessions' caches differ in row widths")
+    qa = as_query("q_abs", q_abs, kv_lora)  # qa: [B, H, kv_lora] f32
+    qr = as_query("q_rope", q_rope, rope)  # qr: [B, H, rope] f32
+    check_query_pair("batched sparse decode", qa, qr)
+    sel = _checked_selections(selections, np.array([s.length for s in shapes]))  # sel: [B, k] i64
+    k = sel.shape[1]
+    lc = np.empty((n, k, kv_lora), np.float32)  # lc: [B, k, kv_lora] f32 (codes decoded, unscaled)
+    rc = np.empty((n, k, rope), np.float32)  # rc: [B, k, rope] f32
+    lsc = np.empty((n, k), np.float32)  # lsc: [B, k] f32 row factors (1.0 for f32 and v3 rows)
+    rsc = np.empty((n, k), np.float32)  # rsc: [B, k] f32
+    codes = _Fp8Codes(n, k, kv_lora, rope)
+    for b, (blocks, shape) in enumerate(zip(blocks_of, shapes, strict=True)):
+        if shape.all_fp8:
+            codes.take(b, blocks, sel[b])
+        else:
+            TileGatherer(blocks, shape, k, scratch=(lc[b], rc[b], lsc[b], rsc[b])).gather_at(sel[b])
+    codes.decode_into(lc, rc, lsc, rsc)
+    ctx = np.empty(qa.shape, np.float32)  # ctx: [B, H, kv_lora] f32
+    _attend_selected(qa, qr, lc, rc, lsc, rsc, np.float32(softmax_scale), ctx)
+    return ctx
+
+
+__all__ = ["batched_sparse_decode"]
