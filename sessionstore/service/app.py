@@ -23,6 +23,7 @@ from sessionstore.service.auth import BearerAuth
 from sessionstore.service.bundles import export_stream, import_spooled, spool_path
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, api_error_of
+from sessionstore.service.messages import session_messages
 from sessionstore.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -231,6 +232,8 @@ class Api:
         body = self.describe(sid)
         if request.query_params.get("history") in ("1", "true"):
             body["history"] = self.engine.store.history(sid)
+        if request.query_params.get("messages") in ("1", "true"):  # from the committed files: never waits
+            body.update(await asyncio.to_thread(session_messages, self.engine, sid))
         return JSONResponse(body)
 
     async def delete_session(self, request: Request) -> Response:
