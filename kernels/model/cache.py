@@ -251,12 +251,17 @@ class DecoderCache:
             for name, arr in empty.items():
                 fields[_RECORD_FIELD.get(name, name)] = np.zeros((0, self.n_layers, *arr.shape[1:]), arr.dtype)
             return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
+        owned = start >= self._base_len  # every asked position is in this cache's own rows (a decode step)
+        a, b = start - self._base_len, self.length - self._base_len
         for name in _FIELDS[self.kind]:
-            per_layer = [
-                np.concatenate([getattr(b, name) for b in _window(self.blocks(layer, self.length), start)])
-                for layer in range(self.n_layers)
-            ]  # each: [k, *]
-            fields[_RECORD_FIELD.get(name, name)] = np.ascontiguousarray(np.stack(per_layer, axis=1))  # [k, L, *]
+            if owned:
+                per_layer = [own.arrays[name][a:b] for own in self._own]  # each: [k, *] views
+            else:
+                per_layer = [
+                    np.concatenate([getattr(blk, name) for blk in _window(self.blocks(layer, self.length), start)])
+                    for layer in range(self.n_layers)
+                ]  # each: [k, *]
+            fields[_RECORD_FIELD.get(name, name)] = np.stack(per_layer, axis=1)  # [k, L, *] (a new array)
         return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
 
     def _index_since(self, start: int) -> np.ndarray | None:
