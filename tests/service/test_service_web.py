@@ -1,6 +1,7 @@
 """The web page at ``/``: its headers and assets (no browser), then the page itself in headless
 Chromium against a real server serving ``glm-mini``: a streamed chat whose text matches the API's,
-the sessions list, fork / suspend / delete, and the API-key prompt.
+the sessions list, fork / suspend / delete, a session made through the API shown (its messages from
+``?messages=1``) and continued exactly, and the API-key prompt.
 
 The browser tests need Chromium (Debian's ``chromium``) and the ``playwright`` package; without them
 they fail, unless ``COLI_NO_BROWSER=1`` says this machine has no browser on purpose.
@@ -122,6 +123,9 @@ class Tab:
 
     def send(self, text: str) -> str:
         """Send ``text``; the reply as the page shows it once its stream finished."""
+        from playwright.sync_api import expect
+
+        expect(self.page.locator("#send")).to_be_enabled()  # the selected session's messages are loaded
         done = self.page.locator(".msg.assistant .text[data-finish]").count()
         self.page.fill("#max-tokens", str(MAX_TOKENS))
         self.page.fill("#input", text)
@@ -202,7 +206,39 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         expect(tab.item("web-1.fork1")).to_have_count(0)
         assert server.get("/v1/sessions/web-1.fork1").status_code == 404
 
-        tab.item("ref").click()  # made through the API: this tab has no messages of it
+        # made through the API: its messages come from the server, and the page continues it exactly
+        messages.append({"role": "assistant", "content": second})
+        tab.item("ref").click()
+        expect(page.locator(".msg")).to_have_count(len(messages))
+        shown = page.eval_on_selector_all(".msg", "ns => ns.map((n) => ({role: n.querySelector('.role').textContent,"
+                                          " content: n.querySelector('.text').textContent}))")
+        assert shown == messages
+        assert page.locator("#log b").count() == 0, "message text was rendered as HTML"
+        expect(page.locator("#log-note")).to_be_hidden()
+        for k in range(1, len(messages), 2):  # an identical session, made through the API alone
+            assert _reference_reply(server, "twin", messages[:k]) == messages[k]["content"]
+        third = tab.send("What did the cat do next?")
+        messages.append({"role": "user", "content": "What did the cat do next?"})
+        assert third == _reference_reply(server, "twin", messages)
+        messages.append({"role": "assistant", "content": third})
+        body = server.get("/v1/sessions/ref", params={"messages": "1"}).json()
+        assert body["messages"] == messages == server.get("/v1/sessions/twin", params={"messages": "1"}).json()[
+            "messages"]
+        assert body["tokens"] == server.get("/v1/sessions/twin").json()["tokens"]
+        page.screenshot(path=str(tmp_path / "web-page-continued.png"))
+        print(f"screenshot: {tmp_path / 'web-page-continued.png'}")
+        later = [*messages, {"role": "user", "content": "Thanks!"}]  # a turn by another client: the page follows
+        later.append({"role": "assistant", "content": _reference_reply(server, "ref", later)})
+        expect(page.locator(".msg")).to_have_count(len(later))
+        expect(page.locator(".msg .text").last).to_have_text(later[-1]["content"])
+
+        # a session of the completions API: no messages, and the page says why
+        res = server.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "session": "raw",
+                                                   "max_tokens": 4})
+        assert res.status_code == 200, res.text
+        expect(tab.item("raw")).to_have_count(1)
+        tab.item("raw").click()
+        expect(page.locator("#log-note")).to_contain_text("completions API")
         expect(page.locator("#log-note")).to_contain_text("starts its conversation over")
         expect(page.locator(".msg")).to_have_count(0)
         tab.item("web-1").click()

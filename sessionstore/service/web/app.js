@@ -1,10 +1,10 @@
 // The coli-kv session page: the sessions list (refreshed), a chat pane streaming from
-// POST /v1/chat/completions, and fork / suspend / delete per session. Server text is only ever
-// rendered with textContent / Text nodes.
+// POST /v1/chat/completions, and fork / suspend / delete per session. A session's past messages come
+// from GET /v1/sessions/{id}?messages=1 (the server's conversation file), so any session can be
+// continued, whoever made it. Server text is only ever rendered with textContent / Text nodes.
 "use strict";
 
 const KEY_STORE = "coli.apiKey";
-const MESSAGES_STORE = "coli.messages.";
 const SELECTED_STORE = "coli.selected";
 const REFRESH_MS = 3000;
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9._-]*$/;
@@ -15,6 +15,10 @@ const state = {
   sessions: [],      // the last GET /v1/sessions data
   drafts: new Set(), // ids chosen here that the server does not have yet (created by their first turn)
   selected: null,
+  views: new Map(),  // id -> the server's {messages, messages_state, messages_reason, tokens} of it
+  shown: [],         // the messages the log shows now
+  shownKey: "[[],false]", // those messages and whether the last is a partial reply, as JSON
+  loading: 0,        // a counter: the answer of an older load for the log is not rendered
   abort: null,       // the AbortController of the turn streaming now
   keyWait: null,     // the promise of the open API-key dialog
   armedDelete: null, // the session whose delete button asks "sure?"
@@ -83,12 +87,37 @@ async function api(method, path, body, signal) {
 
 const sessionPath = (sid, action = "") => `/v1/sessions/${encodeURIComponent(sid)}${action}`;
 
-// ---- messages kept by this tab (the sessions API returns token ids, not messages) ---------------
-function loadMessages(sid) {
-  try { return JSON.parse(sessionStorage.getItem(MESSAGES_STORE + sid)) || null; } catch (_) { return null; }
+// ---- a session's messages, as the server has them -------------------------------------------------
+// null messages: the server's conversation file does not describe the session's tokens (say why)
+async function loadView(sid) {
+  const res = await api("GET", `${sessionPath(sid)}?messages=1`);
+  const body = await res.json();
+  const view = { messages: body.messages, state: body.messages_state, reason: body.messages_reason,
+                 tokens: body.tokens };
+  state.views.set(sid, view);
+  return view;
 }
-function saveMessages(sid, messages) { sessionStorage.setItem(MESSAGES_STORE + sid, JSON.stringify(messages)); }
-function dropMessages(sid) { sessionStorage.removeItem(MESSAGES_STORE + sid); }
+
+// load the selected session's messages and show them (unless the log already shows exactly them)
+async function showView(sid) {
+  const ticket = ++state.loading;
+  const view = await loadView(sid);
+  if (ticket !== state.loading || state.selected !== sid || state.abort) return;
+  if (logKey(view) !== state.shownKey) renderLog(view);
+  renderHead();
+}
+
+const logKey = (view) => JSON.stringify([(view && view.messages) || [], Boolean(view && view.state === "turn_partial")]);
+
+function renderLog(view) {
+  $("log").replaceChildren();
+  state.shown = (view && view.messages) || [];
+  state.shownKey = logKey(view);
+  state.shown.forEach((m, i) => {
+    const text = addMessage(m.role, m.content);
+    if (view.state === "turn_partial" && i === state.shown.length - 1) text.parentNode.classList.add("partial");
+  });
+}
 
 // ---- formatting -------------------------------------------------------------------------------
 function bytes(n) {
@@ -114,6 +143,10 @@ async function refresh() {
   for (const s of state.sessions) state.drafts.delete(s.id);
   renderList();
   renderHead();
+  const sid = state.selected;
+  const s = sid && findSession(sid);
+  const view = sid && state.views.get(sid);
+  if (s && !state.abort && (!view || s.tokens !== view.tokens)) await showView(sid);  // changed, or not loaded
 }
 
 function renderList() {
@@ -192,9 +225,7 @@ async function fork(sid) {
   let k = 1;
   while (taken.has(`${sid}.fork${k}`)) k += 1;
   const fresh = `${sid}.fork${k}`;
-  await api("POST", sessionPath(sid, "/fork"), { new: fresh });
-  const messages = loadMessages(sid);
-  if (messages) saveMessages(fresh, messages);  // a whole-session fork copies the conversation
+  await api("POST", sessionPath(sid, "/fork"), { new: fresh });  // a whole-session fork keeps the messages
   say(`forked ${sid} into ${fresh}`);
   await refresh();
   select(fresh);
@@ -208,7 +239,7 @@ async function suspendSession(sid) {
 
 async function remove(sid) {
   await api("DELETE", sessionPath(sid));
-  dropMessages(sid);
+  state.views.delete(sid);
   if (state.selected === sid) select(null);
   say(`deleted ${sid}`);
   await refresh();
@@ -236,11 +267,11 @@ function select(sid) {
   if (sid) sessionStorage.setItem(SELECTED_STORE, sid);
   else sessionStorage.removeItem(SELECTED_STORE);
   renderList();
-  const log = $("log");
-  log.replaceChildren();
-  const messages = sid ? loadMessages(sid) : null;
-  for (const m of messages || []) addMessage(m.role, m.content);
+  state.loading += 1;
+  if (sid) state.views.delete(sid);  // sends wait for the server's messages, never a stale copy
+  renderLog(null);
   renderHead();
+  if (sid && findSession(sid)) run(() => showView(sid));  // a draft has no messages yet
 }
 
 function renderHead() {
@@ -248,14 +279,20 @@ function renderHead() {
   const s = sid ? findSession(sid) : null;
   $("chat-title").textContent = sid || "no session";
   $("chat-meta").textContent = s ? `${s.tokens} tokens · ${bytes(s.bytes)} · ${s.kv_dtype} · ${s.state}` : "";
+  const view = sid ? state.views.get(sid) : null;
   const note = $("log-note");
   note.textContent = !sid ? "Pick a session on the left, or start a new one."
-    : s && s.tokens > 0 && !loadMessages(sid)
-      ? `This session holds ${s.tokens} tokens; the API returns no messages to show. `
-        + "A message sent here starts its conversation over (fork it first to keep it)."
-      : "";
+    : !s ? ""
+      : !view ? "Loading its messages…"
+        : !view.messages
+          ? `This session holds ${s.tokens} tokens but no messages to show: `
+            + `${view.reason ? view.reason.message : "the server gave none"}. `
+            + "A message sent here starts its conversation over (fork it first to keep it)."
+          : view.state === "turn_partial"
+            ? "A turn is open on this session (running elsewhere, or cut): its last reply is what is committed so far."
+            : "";
   note.hidden = !note.textContent;
-  $("send").disabled = !sid || state.abort !== null;
+  $("send").disabled = !sid || state.abort !== null || Boolean(s && !view);
 }
 
 function addMessage(role, content) {
@@ -295,8 +332,10 @@ async function send(event) {
   const sid = state.selected;
   const input = $("input");
   const content = input.value;
-  if (!sid || !content.trim() || state.abort) return;
-  const messages = [...(loadMessages(sid) || []), { role: "user", content }];
+  const known = findSession(sid);
+  const view = state.views.get(sid);
+  if (!sid || !content.trim() || state.abort || (known && !view)) return;
+  const messages = [...(known && view.messages ? view.messages : []), { role: "user", content }];
   input.value = "";
   addMessage("user", content);
   const text = addMessage("assistant", "");
@@ -329,7 +368,12 @@ async function send(event) {
     state.abort = null;
     $("stop").hidden = true;
   }
-  if (reply || text.dataset.finish) saveMessages(sid, [...messages, { role: "assistant", content: reply }]);
+  // shown until the server's record of the turn replaces it: the refresh sees its tokens unknown and loads it
+  const provisional = { messages: [...messages, { role: "assistant", content: reply }], state: "complete",
+                        reason: null, tokens: null };
+  state.shown = provisional.messages;
+  state.shownKey = logKey(provisional);
+  state.views.set(sid, provisional);
   await run(refresh);
 }
 
