@@ -7,10 +7,13 @@ then :func:`check_resume` decides what is true and says so in the resume report:
   between the two commit steps, inside a truncate, or an OS crash that lost an unsynced
   manifest), the logits of position F-1 are recomputed (a single-token step), the pending
   token re-sampled at (seed, F) and the manifest rewritten durably (a ``recovery`` event);
-- verification (before the first token is computed): the recomputed last position's rows must
-  equal the stored record and its logits the manifest's digest; anything else is a failed
-  resume (``CorruptionError`` naming the session, its kv file and, when the sidecar finds them,
-  the damaged records), never silently different text.
+- verification (before the first token is computed from the last position's logits): the
+  recomputed last position's rows must equal the stored record and its logits the manifest's
+  digest; anything else is a failed resume (``CorruptionError`` naming the session, its kv file
+  and, when the sidecar finds them, the damaged records), never silently different text;
+- deferral (``defer``): when a sidecar of ours vouched for every committed record and no
+  recovery is due, that recompute checks nothing the checksums did not, so it waits until a
+  turn samples from those logits (:func:`verify_last`); a turn that feeds tokens never does.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manife
 from sessionstore.sessions.turns import compare_rows, recompute_last
 
 log = get_logger("session")
+
+DEFERRED = ("checksums: every committed record matched; the last position is recomputed and checked "
+            "only when a turn samples from its logits")
 
 
 @dataclass(frozen=True)
@@ -53,17 +59,34 @@ class ResumeCheck:
 
     report: dict[str, Any]
     logits: np.ndarray | None = None  # [vocab] f32
+    deferred: bool = False  # the last position is still to be checked (verify_last) before use
 
 
-def check_resume(target: ResumeTarget, *, verify: bool = True) -> ResumeCheck:
+def check_resume(target: ResumeTarget, *, verify: bool = True, defer: bool = False) -> ResumeCheck:
     """Verify (``verify``) and recover; a manifest that disagrees with the file is recovered
-    even when verification is off."""
+    even when verification is off. ``defer``: when the sidecar vouched for every committed
+    record and the manifest agrees with the file, the last position is not recomputed now
+    (:func:`may_defer`); the caller runs :func:`verify_last` before it uses those logits."""
     consistent = target.cache.length == target.manifest.committed
+    if verify and defer and may_defer(target):
+        vouched = target.vouched
+        assert vouched is not None  # may_defer: every record vouched for
+        return ResumeCheck({"verified": DEFERRED, "recovered": False, "checksums": vouched.describe(),
+                            "not_covered": 0, "last_position": "deferred"}, deferred=True)
     if verify or not consistent:  # recovery: always
         return verify_and_recover(target)
     vouched = target.vouched
     return ResumeCheck({"verified": "skipped", "recovered": False,
                         "checksums": vouched.describe() if vouched else None})
+
+
+def may_defer(target: ResumeTarget) -> bool:
+    """True when the recompute of the last position adds nothing to what the open checked: a
+    sidecar of ours vouched for every committed record (checksums matched) and the manifest's
+    count is the file's (no recovery to do). Records no sidecar covers always take the recompute."""
+    vouched, n = target.vouched, target.cache.length
+    return (n > 0 and n == target.manifest.committed and vouched is not None and vouched.sidecar
+            and vouched.not_covered == 0 and vouched.checked >= n)
 
 
 def verify_and_recover(target: ResumeTarget) -> ResumeCheck:
@@ -81,24 +104,8 @@ def verify_and_recover(target: ResumeTarget) -> ResumeCheck:
             recover_manifest(target, n, m, None)
             report["recovered"] = True
         return ResumeCheck(report)
-    cache = target.cache
-    logits, rows = recompute_last(target.model, cache.blocks, cache.tokens, manifest.kv_dtype, cache.index_rows())
-    try:
-        report["rows_exact"] = compare_rows(rows, target.reader, n - 1)
-    except CorruptionError as exc:
-        raise explain_mismatch(target, n, exc) from None
-    digest = manifest.last_logits
-    if n == m and digest is not None and digest.position == n - 1:
-        try:
-            exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
-        except CorruptionError as exc:
-            raise explain_mismatch(target, n, exc) from None
-        report["verified"] = "bit-identical" if exact else "within tolerance"
-        report["detail"] = detail
-        if not exact:
-            log.warning("session.resume_inexact", id=target.session_id, detail=detail)
-    else:
-        report["verified"] = "recomputed (no digest to compare)"
+    logits, found = verify_last(target, digest_ok=n == m)
+    report.update(found)
     if vouched is not None and vouched.not_covered:  # the tolerance path, said out loud
         report["verified"] += (f"; {vouched.not_covered} record(s) not covered by a sidecar of "
                                "ours: checked only through the recomputed last position")
@@ -106,10 +113,38 @@ def verify_and_recover(target: ResumeTarget) -> ResumeCheck:
     if n != m:
         recover_manifest(target, n, m, logits)
         report["recovered"] = True
-    elif digest is None or digest.position != n - 1:
-        manifest.last_logits = make_digest(logits, n - 1)
-        write_manifest(target.directory / MANIFEST_NAME, manifest, durable=target.manifest_fsync)
     return ResumeCheck(report, logits)
+
+
+def verify_last(target: ResumeTarget, *, digest_ok: bool = True) -> tuple[np.ndarray, dict[str, Any]]:
+    """Recompute the last committed position as a single-token step; its rows must equal the
+    stored record and (``digest_ok`` and a digest of that position) its logits the manifest's
+    digest. Writes the digest when the manifest has none for it. Returns (logits [vocab] f32,
+    the report's fields); raises CorruptionError naming the session and its kv file."""
+    manifest, cache = target.manifest, target.cache
+    n = cache.length
+    found: dict[str, Any] = {"last_position": "recomputed"}
+    logits, rows = recompute_last(target.model, cache.blocks, cache.tokens, manifest.kv_dtype, cache.index_rows())
+    try:
+        found["rows_exact"] = compare_rows(rows, target.reader, n - 1)
+    except CorruptionError as exc:
+        raise explain_mismatch(target, n, exc) from None
+    digest = manifest.last_logits
+    if digest_ok and digest is not None and digest.position == n - 1:
+        try:
+            exact, detail = digest.check(logits)  # raises CorruptionError on a real mismatch
+        except CorruptionError as exc:
+            raise explain_mismatch(target, n, exc) from None
+        found["verified"] = "bit-identical" if exact else "within tolerance"
+        found["detail"] = detail
+        if not exact:
+            log.warning("session.resume_inexact", id=target.session_id, detail=detail)
+    else:
+        found["verified"] = "recomputed (no digest to compare)"
+        if digest_ok:  # n == the manifest's count: its digest is the one to (re)write
+            manifest.last_logits = make_digest(logits, n - 1)
+            write_manifest(target.directory / MANIFEST_NAME, manifest, durable=target.manifest_fsync)
+    return logits, found
 
 
 def explain_mismatch(target: ResumeTarget, n: int, exc: CorruptionError) -> CorruptionError:
@@ -157,5 +192,5 @@ def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | 
                 pending_was=old_pending, pending=pending)
 
 
-__all__ = ["ResumeTarget", "ResumeCheck", "check_resume", "verify_and_recover", "explain_mismatch",
-           "recover_manifest"]
+__all__ = ["DEFERRED", "ResumeTarget", "ResumeCheck", "check_resume", "may_defer", "verify_and_recover",
+           "verify_last", "explain_mismatch", "recover_manifest"]

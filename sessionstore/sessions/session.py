@@ -10,7 +10,9 @@ then ``chunk[-1:]`` (a single-token step), so the logits that pick a token alway
 single-token step. Resume recomputes the last committed position the same way (a single-token
 step over the restored rows, which attention reads bit-identically however they are split into
 blocks), so the recomputed logits match the manifest's digest bit for bit, and the pending
-token can always be re-derived: sampling depends only on (seed, position, logits).
+token can always be re-derived: sampling depends only on (seed, position, logits). With
+``lazy_logits`` that recompute waits for the first turn that samples from those logits (a turn
+that feeds tokens never does) whenever the sidecar vouched for every committed record.
 
 Commit = (1) the kv commit, THE commit point, (2) the manifest's dynamic fields on the commit
 state page (:mod:`sessionstore.sessions.commit`). On open, when the file's count F differs from
@@ -28,11 +30,11 @@ import numpy as np
 
 from kernels.errors import ColiError, FormatError, ModelMismatchError
 from kernels.model.protocols import Decoder, LatentCache
-from sessionstore.kvfile import Dims, KVWriter, open_kv
+from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, SamplerSettings, write_manifest
-from sessionstore.sessions.recovery import ResumeTarget, check_resume
+from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.resident import ResidentFiles
 from sessionstore.sessions.turns import (
@@ -71,7 +73,7 @@ class Session:
     def __init__(self, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
-                 verify: bool = True, write_behind: bool = WRITE_BEHIND) -> None:
+                 verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
@@ -84,6 +86,8 @@ class Session:
         self.manifest_fsync = manifest_fsync
         self.verify = verify
         self.write_behind = write_behind  # the writer's mode from the next resume on
+        self.lazy_logits = lazy_logits  # defer the last position's recompute until its logits are used
+        self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
         self.state = "suspended"
@@ -188,13 +192,12 @@ class Session:
             self._committer.page.open()  # the commit state page, overwritten in place by every commit
             self.state = "resident"
             ready = time.perf_counter()
-            target = ResumeTarget(self.id, self.model, self._files.live_cache, self._files.live_reader, writer.vouched,
-                                  self.manifest, self.directory, self.kv_path, self.manifest_fsync)
-            try:
-                check = check_resume(target, verify=self.verify)  # may recover self.manifest in place
+            try:  # may recover self.manifest in place
+                check = check_resume(self._target(writer.vouched), verify=self.verify, defer=self.lazy_logits)
             finally:
                 self.pending = list(self.manifest.pending)
             self._note_logits(check.logits)
+            self._deferred = check.deferred
         except BaseException:
             self._release()
             raise
@@ -205,6 +208,28 @@ class Session:
         self.residency.enforce_budget(keep=self)
         log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
         return report
+
+    def _target(self, vouched: Vouched | None) -> ResumeTarget:
+        return ResumeTarget(self.id, self.model, self._files.live_cache, self._files.live_reader, vouched,
+                            self.manifest, self.directory, self.kv_path, self.manifest_fsync)
+
+    def _last_logits(self) -> np.ndarray:
+        """The logits of the last committed position, recomputed (a single-token step). After a
+        deferred resume this is the resume's check of that position (FORMAT.md 5.5): a mismatch
+        releases the session and raises CorruptionError, as a failed resume does."""
+        cache = self._files.live_cache
+        if not self._deferred:
+            return recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype,
+                                  cache.index_rows())[0]
+        try:
+            logits, found = verify_last(self._target(self._files.live_writer.vouched))
+        except BaseException:
+            self._release()
+            raise
+        self._deferred = False
+        self.resume_report.update(found)
+        log.info("session.last_verified", id=self.id, verified=found["verified"], rows_exact=found["rows_exact"])
+        return logits
 
     def _open_writer(self, manifest: Manifest) -> KVWriter:
         return self._files.open_writer(manifest, durability=self.durability, write_behind=self.write_behind)
@@ -235,9 +260,7 @@ class Session:
         else:
             feed = list(self.pending) if self.pending else None
             if feed is None and self._committer.logits is None and self._files.live_cache.length:
-                cache = self._files.live_cache
-                self._note_logits(recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype,
-                                                 cache.index_rows())[0])
+                self._note_logits(self._last_logits())
         result.fed = len(feed) if feed else 0
         commits_before = self._committer.commits
 
@@ -279,6 +302,8 @@ class Session:
 
     def _note_logits(self, logits: np.ndarray | None) -> None:
         """The logits of the last appended position, digested now (hot in cache)."""
+        if logits is not None:
+            self._deferred = False  # a later position: the deferred check has nothing left to check
         self._committer.note_logits(logits, 0 if logits is None else self._files.live_cache.length)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
@@ -308,6 +333,7 @@ class Session:
         self.manifest.pending, self.pending = [], []
         self.manifest.last_logits = None
         self._note_logits(None)
+        self._deferred = False  # the position changes: no digest describes the new last one
         write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
         self._files.live_writer.truncate(n)
         self._files.live_cache.truncate(n)
@@ -332,6 +358,7 @@ class Session:
         """Release the writer's descriptors and lock now, the cache and the mapping in the
         background (:meth:`ResidentFiles.release`); the session is suspended after it."""
         self._note_logits(None)
+        self._deferred = False
         if self._guard is not None:  # resume it through RemoteStore.resume again
             self._guard.stop()
             self._guard = None
