@@ -11,7 +11,7 @@ the baton meanwhile. The engine thread gathers what waits and runs it:
 
 ``decode_step`` is batch-invariant (kernels.model.rowwise), so a session's logits, and so its
 tokens, are bitwise what it would get alone, whoever shares the step. A step starts as soon as
-every turn in flight is waiting for it, or ``gather_s`` after the first one asked (a turn busy
+every turn in flight is waiting for it, or once no turn has asked for ``gather_s`` (a turn busy
 committing does not hold the others back; it joins the next step). A request that would fail
 (a token outside the vocabulary, a full context) fails alone: it is checked before it joins, and
 should the batched step raise, its members are stepped one by one (bitwise the same).
@@ -32,7 +32,7 @@ from sessionstore.service.scheduler import DecoderBaton
 
 log = get_logger("service")
 
-GATHER_S = 0.004  # the longest a step waits for turns still busy with their previous token
+GATHER_S = 0.004  # how long a step waits for the next turn to hand in its token, before it runs without it
 
 
 @dataclass
@@ -94,18 +94,24 @@ class StepBatcher:
 
     # ---- the engine thread ------------------------------------------------------------------
     def _take(self) -> list[_Work] | None:
-        """Wait for work; then until every turn in flight waits (or ``gather_s`` passed)."""
+        """Wait for work; then until every turn in flight waits, or no turn has asked for
+        ``gather_s`` (the turns hand in their next tokens one after another; one that is busy,
+        committing say, is not waited for)."""
         with self._cond:
             while not self._queue and not self._stopped:
                 self._cond.wait()
             if not self._queue:
                 return None
+            asked = len(self._queue)
             deadline = time.monotonic() + self.gather_s
             while len(self._queue) < min(self._in_turn, self.max_batch):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stopped:
                     break
                 self._cond.wait(left)
+                if len(self._queue) > asked:  # another turn asked: wait for the rest afresh
+                    asked = len(self._queue)
+                    deadline = time.monotonic() + self.gather_s
             taken, self._queue = self._queue, []
             return taken
 
