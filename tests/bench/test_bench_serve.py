@@ -51,11 +51,12 @@ def test_serve_bench_quick_smallest_path_reports_every_figure(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("batch16_speedup", "stream_overhead_ratio", "resume_on_request_ratio", "http_migrate_vs_durable_copy",
+    for key in ("batch16_speedup", "batch16_step_speedup", "stream_overhead_ratio", "resume_on_request_ratio",
+                "http_migrate_vs_durable_copy",
                 "raw_read_s", "decode_step_s", "in_process_step_s", "durable_copy_s"):
         assert res[key] > 0, key
     assert res["quick"] is True and res["tokens"] == 256
-    assert res["resume_verified"] and set(res["resume_verified"]) <= {"bit-identical", "within tolerance"}
+    assert res["resume_verified"] and set(res["resume_verified"]) <= {"bit-identical", "within tolerance", "deferred"}
     assert res["bundle_bytes"] > 0.8 * 256 * 45_556  # every record went over the wire (v2 records of 45,556 B)
     assert "GLM-5.2's cache dims" in res["model_note"]
     assert "goal <= 1.5" in out.stdout and "goal >= 0.8" in out.stdout
