@@ -10,9 +10,11 @@ is invariant (one GEMV per row) but reads the weights once per row.
 So these kernels fix the arithmetic per output element by construction: ``out[b, n]`` is
 ``((0 + x[b, 0] * w[0, n]) + x[b, 1] * w[1, n]) + ...``, k ascending, a multiply then an add (no
 fused multiply-add, no reassociation: numba's default strict IEEE mode), the same sequence for
-every b and every B. Only the loop order is chosen for speed: a block of output columns of one
-row accumulates in L1 while the weight rows stream past, and the innermost loop runs along n
-(independent elements, so the compiler vectorises it without reordering any sum).
+every b and every B. Only the loop order is chosen for speed: four rows at a time accumulate a
+block of output columns while the weight rows stream past (each weight read once per four
+rows), the block sized by the weights alone (:func:`column_block`: narrow while a block's weights
+stay in L2, wide contiguous runs past that), and the innermost loop runs along n (independent
+elements, so the compiler vectorises it without reordering any sum).
 Single-threaded, no GIL held (numba: a well-kept JIT, so the kernel is plain Python loops here
 rather than C; compiled once and cached next to this module).
 
@@ -28,23 +30,32 @@ from typing import Any
 import numpy as np
 from numba import njit, types, void
 
-COLUMN_BLOCK = 256  # output columns per block: 16 rows x 256 f32 = 16 KiB of accumulators in L1
+COLUMN_BLOCK = 256  # output columns per block while the block's weights fit L2 (16 rows x 256 f32 in L1)
+WIDE_BLOCK = 4096  # past that, long contiguous weight runs (a 1 KiB run per 4 KiB page thrashes the TLB)
+L2_WEIGHTS = 512 << 10  # bytes of one block's weights [K, block] that stay in L2 for every row group
 
 
-def _signatures(ndim: int) -> list[Any]:
+def column_block(depth: int, width: int) -> int:
+    """Output columns per block for weights [depth, width]: a function of the weights alone, so
+    a row's arithmetic (which the block never changes) and its speed are the same for any batch."""
+    block = COLUMN_BLOCK if depth * COLUMN_BLOCK * 4 <= L2_WEIGHTS else WIDE_BLOCK
+    return max(1, min(block, width))
+
+
+def _signatures(ndim: int, *extra: Any) -> list[Any]:
     """out is ours (writable); x and the weights may be read-only (a checkpoint's memory map)."""
     writable, readonly = types.Array(types.float32, ndim, "C"), types.Array(types.float32, ndim, "C", readonly=True)
-    return [void(x, w, writable) for x in (writable, readonly) for w in (writable, readonly)]
+    return [void(x, w, writable, *extra) for x in (writable, readonly) for w in (writable, readonly)]
 
 
-@njit(_signatures(2), cache=True, nogil=True, boundscheck=False)
-def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+@njit(_signatures(2, types.int64), cache=True, nogil=True, boundscheck=False)
+def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int) -> None:  # pragma: no cover
     """out [B, N] = x [B, K] @ wt [K, N], k ascending per element; four rows share each weight load."""
     n_rows, depth = x.shape
     width = wt.shape[1]
     quads = n_rows - n_rows % 4
-    for n0 in range(0, width, COLUMN_BLOCK):
-        n1 = min(n0 + COLUMN_BLOCK, width)
+    for n0 in range(0, width, block):
+        n1 = min(n0 + block, width)
         for b in range(0, quads, 4):
             a0, a1, a2, a3 = out[b, n0:n1], out[b + 1, n0:n1], out[b + 2, n0:n1], out[b + 3, n0:n1]
             a0[:] = 0
@@ -115,7 +126,7 @@ def rowwise_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     xs = np.ascontiguousarray(x, dtype=np.float32)  # xs: [B, in] f32
     wt = transposed(w)  # wt: [in, out] f32
     out = np.empty((xs.shape[0], wt.shape[1]), np.float32)  # out: [B, out] f32
-    _rows_times(xs, wt, out)
+    _rows_times(xs, wt, out, column_block(wt.shape[0], wt.shape[1]))
     return out
 
 
@@ -136,4 +147,4 @@ def head_matmul(x: np.ndarray, w: np.ndarray, rowwise: bool, *, w_transposed: bo
     return out
 
 
-__all__ = ["COLUMN_BLOCK", "head_matmul", "rowwise_linear", "transposed"]
+__all__ = ["COLUMN_BLOCK", "column_block", "head_matmul", "rowwise_linear", "transposed"]
