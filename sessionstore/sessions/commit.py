@@ -50,16 +50,17 @@ class Committer:
         self.kv_path = kv_path
         self.page = StateWriter(manifest_path)  # per-commit fields, in place
         self.logits: np.ndarray | None = None  # [vocab] f32 of the last appended position
-        self.digest: LogitsDigest | None = None  # their digest, taken as they were produced
+        self.digest: LogitsDigest | None = None  # their digest, when already taken (else at the commit)
         self.commits = 0  # commits that changed the manifest's dynamic fields
         self.timing: dict[str, float] = {}  # the last commit: kv commit, state wait, state write
 
     def note_logits(self, logits: np.ndarray | None, length: int) -> None:
-        """Keep the logits of position ``length - 1`` and digest them at once: they are hot in
-        cache now (~85 us for a 155k vocabulary) and a commit then has nothing to compute (at
-        commit time, cold, the same digest costs 3-5x that)."""
+        """Keep the logits of position ``length - 1``; the commit that records them digests them.
+        (Digesting every token's logits while hot, ~85 us for a 155k vocabulary, cost more than
+        digesting only the committed one cold, 3-5x that, once every ``commit_every`` tokens; and
+        per-token work is what a batched decode step cannot share.)"""
         self.logits = logits
-        self.digest = None if logits is None or not length else make_digest(logits, length - 1)
+        self.digest = None
 
     def commit(self, writer: KVWriter, manifest: Manifest, pending: list[int], length: int, *,
                durable: bool = False) -> Manifest:
