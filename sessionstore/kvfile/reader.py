@@ -95,6 +95,8 @@ class KVReader:
                 self.records = np.zeros(0, dtype=dtype)  # [0] records
                 self.records.flags.writeable = False
             self._scales: np.ndarray | None = None  # [2, L, nrec] f32, sanitised (v2, lazily)
+            self._gather: np.ndarray | None = None  # [2, L, nrec] f32 stored scales, [0, _gathered) filled
+            self._gathered = 0
         finally:
             os.close(fd)
         log.info("kv.open", path=self.path, version=self.version, nrec=self.nrec,
@@ -155,26 +157,38 @@ class KVReader:
         each layer's row is contiguous.
 
         Gathered on first use in ONE sequential pass over the records (blocks of
-        SCALE_GATHER_RECORDS records, both scales of every layer while the block is in cache),
-        then cached: per-layer views are free. The scales lie 584 B apart inside a 45 KB GLM
-        record, so a pass per layer would walk the whole mapping once per layer.
+        SCALE_GATHER_RECORDS records, both scales of every layer while the block is in cache;
+        blocks a checksum pass already gathered, :meth:`gather_scales`, are kept), then cached:
+        per-layer views are free. The scales lie 584 B apart inside a 45 KB GLM record, so a
+        pass per layer would walk the whole mapping once per layer.
         """
         if self.version == 1:
             raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
         if self._scales is None:
-            n, L = self.nrec, self.dims.n_layers
-            out = np.empty((2, L, n), dtype=np.float32)  # [2, L, nrec] f32
-            layers = self.records["layers"]  # [nrec, L] structured view
-            step = SCALE_GATHER_RECORDS
-            for b0 in range(0, n, step):
-                src = layers[b0:b0 + step]  # [b, L] layer records of one block
-                np.copyto(out[0, :, b0:b0 + step].T, src["lc_scale"])  # [b, L] f32
-                np.copyto(out[1, :, b0:b0 + step].T, src["rc_scale"])  # [b, L] f32
+            n, step = self.nrec, SCALE_GATHER_RECORDS
+            for b0 in range(self._gathered, n, step):  # what gather_scales did not copy yet
+                self.gather_scales(b0, min(b0 + step, n))
+            out = self._gather if self._gather is not None else np.empty((2, self.dims.n_layers, 0), np.float32)
+            self._gather = None
             usable = usable_radius(out) if self.version == 3 else usable_scales(out)  # [2, L, nrec] bool
             np.copyto(out, np.float32(0), where=~usable)  # inert rows read as 0.0
             out.flags.writeable = False
             self._scales = out
         return self._scales
+
+    def gather_scales(self, start: int, stop: int) -> None:
+        """Copy the stored scales (v3: radii) of records [start, stop) into the buffer that
+        :meth:`sanitized_scales` sanitises, for a caller whose pass over these records has them in
+        cache now (a resume's checksum pass); blocks come in order, the rest is copied there."""
+        if self.version == 1 or self._scales is not None or start != self._gathered or stop <= start:
+            return
+        if self._gather is None:
+            self._gather = np.empty((2, self.dims.n_layers, self.nrec), dtype=np.float32)  # [2, L, nrec] f32
+        stop = min(stop, self.nrec)
+        src = self.records["layers"][start:stop]  # [b, L] layer records of one block
+        np.copyto(self._gather[0, :, start:stop].T, src["lc_scale"])  # [b, L] f32
+        np.copyto(self._gather[1, :, start:stop].T, src["rc_scale"])  # [b, L] f32
+        self._gathered = stop
 
     def raw_scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The stored (unsanitised) Lc/Rc scales (v3: radii) of one layer: [nrec] f32 views."""
@@ -231,7 +245,7 @@ class KVReader:
         teardown, ~1 ms per GB touched; nothing reads it again).
         """
         self.records = np.zeros(0, dtype=self.records.dtype)  # [0] records: drop our view
-        self._scales = None
+        self._scales = self._gather = None
         mapping, self._map = self._map, None
         if mapping is not None:
             mapping.release(defer=defer_unmap and mapping.size >= DEFER_UNMAP_BYTES)
