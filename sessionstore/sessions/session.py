@@ -249,14 +249,14 @@ class Session:
         result = TurnResult()
         feed: list[int] | None
         if prompt_ids is not None:
-            prompt = [int(t) for t in self.model.check_tokens(np.asarray(list(prompt_ids), dtype=np.int64))]
-            if not prompt:
+            prompt = self.model.check_tokens(np.asarray(prompt_ids, dtype=np.int64))  # [m] i32, no Python list
+            if not prompt.size:
                 raise FormatError("the prompt is empty")
             k = common_prefix(self._files.live_cache.tokens, prompt)
             if k < self._files.live_cache.length:
                 self.truncate(k)
             result.reused_prefix = k
-            feed = prompt[k:]
+            feed = [int(t) for t in prompt[k:]]
         else:
             feed = list(self.pending) if self.pending else None
             if feed is None and self._committer.logits is None and self._files.live_cache.length:

@@ -96,7 +96,7 @@ def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]
     """Longest common prefix of ``history`` and ``prompt_ids``, capped at ``len(prompt) - 1``
     (prefix reuse, FORMAT.md 5.6: at least one token is always fed)."""
     hist = np.asarray(history, dtype=np.int64)  # [n]
-    prompt = np.asarray(list(prompt_ids), dtype=np.int64)  # [m]
+    prompt = np.asarray(prompt_ids, dtype=np.int64)  # [m]
     m = min(hist.shape[0], prompt.shape[0])
     differ = np.flatnonzero(hist[:m] != prompt[:m])
     k = int(differ[0]) if differ.size else m
