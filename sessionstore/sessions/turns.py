@@ -92,7 +92,7 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     return out, logits, False
 
 
-def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]) -> int:
+def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int] | np.ndarray) -> int:
     """Longest common prefix of ``history`` and ``prompt_ids``, capped at ``len(prompt) - 1``
     (prefix reuse, FORMAT.md 5.6: at least one token is always fed)."""
     hist = np.asarray(history, dtype=np.int64)  # [n]
