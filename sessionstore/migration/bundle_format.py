@@ -96,6 +96,13 @@ class BundleManifest:
     def n_chunks(self) -> int:
         return sum(f.n_chunks(self.chunk_bytes) for f in self.files)
 
+    def raw_bundle_bytes(self) -> int:
+        """The whole bundle's size when every chunk is stored raw (codec 0): preamble, manifest
+        frame, each file's chunk headers, bytes and file-end frame, trailer."""
+        framing = PREAMBLE.size + MANIFEST_HEAD.size + len(self.to_json()) + TRAILER.size
+        return framing + sum(f.n_chunks(self.chunk_bytes) * CHUNK_HEAD.size + f.size + FILE_END.size
+                             for f in self.files)
+
     def file(self, name: str) -> BundleFile | None:
         return next((f for f in self.files if f.name == name), None)
 

@@ -165,22 +165,36 @@ def kv_info(snap: SessionSnapshot) -> dict[str, Any]:
             "record_bytes": h.record_bytes, "tag": h.tag, "dims": dict(snap.manifest.dims)}
 
 
-def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
-                   compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
-                   progress: bool = False) -> MigrateResult:
-    """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
-    start = time.perf_counter()
-    snap = store.snapshot(session_id)
-    source = ExportSource(snap, chunk_bytes)
-    try:
-        manifest = B.BundleManifest(
-            session_id=session_id, session=snap.manifest.to_json(), kv=kv_info(snap),
-            files=source.files, chunk_bytes=chunk_bytes,
-            created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            producer="coli-sessionstore")
-        bar = progress_bar(manifest.total_bytes, f"export {session_id}", progress)
+class PreparedExport:
+    """One session's last commit, opened for export with its bundle manifest decided (so the
+    bundle's size is known before a byte is written when every chunk is stored raw). ``write``
+    streams it once; ``close`` lets go of the kv mapping. A context manager."""
+
+    def __init__(self, store: SessionStore, session_id: str, chunk_bytes: int = B.DEFAULT_CHUNK_BYTES) -> None:
+        self.session_id = session_id
+        self.snap = store.snapshot(session_id)
+        self.source = ExportSource(self.snap, chunk_bytes)
         try:
-            writer = B.BundleWriter(sink, manifest, B.CompressionPolicy(compression), bar)
+            self.manifest = B.BundleManifest(
+                session_id=session_id, session=self.snap.manifest.to_json(), kv=kv_info(self.snap),
+                files=self.source.files, chunk_bytes=chunk_bytes,
+                created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                producer="coli-sessionstore")
+        except BaseException:
+            self.source.close()
+            raise
+
+    def raw_bundle_bytes(self) -> int:
+        """The bundle's exact size when written with ``compression="none"``."""
+        return self.manifest.raw_bundle_bytes()
+
+    def write(self, sink: BinaryIO, *, compression: str | int = "auto", progress: bool = False) -> MigrateResult:
+        """Write the bundle to ``sink`` in one pass over the committed bytes."""
+        start = time.perf_counter()
+        snap, source, session_id = self.snap, self.source, self.session_id
+        bar = progress_bar(self.manifest.total_bytes, f"export {session_id}", progress)
+        try:
+            writer = B.BundleWriter(sink, self.manifest, B.CompressionPolicy(compression), bar)
             writer.write_file(MANIFEST_NAME, [source.manifest_json])
             try:
                 writer.write_file(KV_NAME, source.kv_chunks())
@@ -198,14 +212,29 @@ def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
         finally:
             if bar is not None:
                 bar.close()
-    finally:
-        source.close()
-    result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
-                           stats.stored_bytes, stats.chunks, stats.zstd_chunks,
-                           time.perf_counter() - start)
-    log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
-             stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
-    return result
+        result = MigrateResult(session_id, snap.committed, snap.manifest.kv_dtype, stats.raw_bytes,
+                               stats.stored_bytes, stats.chunks, stats.zstd_chunks,
+                               time.perf_counter() - start)
+        log.info("bundle.export", id=session_id, tokens=snap.committed, raw_bytes=stats.raw_bytes,
+                 stored_bytes=stats.stored_bytes, zstd_chunks=stats.zstd_chunks)
+        return result
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self) -> PreparedExport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
+                   compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
+                   progress: bool = False) -> MigrateResult:
+    """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
+    with PreparedExport(store, session_id, chunk_bytes) as export:
+        return export.write(sink, compression=compression, progress=progress)
 
 
 def changed_while_exporting(session_id: str) -> None:
@@ -217,5 +246,5 @@ def changed_while_exporting(session_id: str) -> None:
 # --- import ----------------------------------------------------------------------------------
 
 
-__all__ = ["ExportSource", "MigrateResult", "RELEASE_BYTES", "changed_while_exporting", "export_session",
-           "kv_info", "progress_bar"]
+__all__ = ["ExportSource", "MigrateResult", "PreparedExport", "RELEASE_BYTES", "changed_while_exporting",
+           "export_session", "kv_info", "progress_bar"]

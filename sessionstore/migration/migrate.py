@@ -7,7 +7,9 @@ space, streams every file into a fresh directory under ``<root>/tmp/`` (payloads
 reused buffer, written straight to the file with the disk's write-back started as they land),
 verifies every chunk, file digest and the trailer, the kv header and the sidecar, fsyncs, and
 installs the directory with one rename (``SessionStore.adopt_dir``). On ANY failure the temp
-directory is removed: the store is left exactly as it was.
+directory is removed: the store is left exactly as it was. ``receive_bundle`` is everything up to
+the install (a server receives an upload without holding the session), ``ReceivedBundle.install``
+the rename.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -143,10 +146,53 @@ def _fsync_all(fds: Sequence[int]) -> None:
         io.release()
 
 
-def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "<bundle>",
-                  replace: bool = False, model: str | os.PathLike[str] | None = None,
-                  as_id: str | None = None, progress: bool = False) -> MigrateResult:
-    """Verify and install one bundle as a session; the store is unchanged on any failure."""
+@dataclass
+class ReceivedBundle:
+    """A bundle received and verified whole into a temp directory under ``<root>/tmp/``, not yet
+    installed: :meth:`install` renames it into place, :meth:`discard` removes it. The receiving
+    needs no lock on the session; the install is one rename (what a server runs under the
+    session's claim)."""
+
+    store: SessionStore
+    tmp: Path
+    session_id: str
+    source_name: str
+    stats: B.BundleStats
+    start: float
+
+    def install(self, session_id: str | None = None, *, replace: bool = False) -> MigrateResult:
+        """Install as ``session_id`` (default: the bundle's id); the temp dir is gone either way."""
+        sid = self.session_id if session_id is None else session_id
+        try:
+            if self.store.exists(sid) and not replace:
+                raise FormatError(f"session {sid!r} already exists in {self.store.root}; give --replace "
+                                  "to swap it for the bundle's")
+            info = self.store.adopt_dir(self.tmp, sid, replace=replace)
+        except BaseException as exc:
+            self.discard(exc)
+            raise
+        st = self.stats
+        log.info("bundle.import", id=sid, tokens=info.tokens, raw_bytes=st.raw_bytes, replace=replace)
+        return MigrateResult(sid, info.tokens, info.kv_dtype, st.raw_bytes, st.stored_bytes, st.chunks,
+                             st.zstd_chunks, time.perf_counter() - self.start)
+
+    def discard(self, why: BaseException | None = None) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if why is not None:
+            _log_failed(self.session_id, self.source_name, why)
+
+
+def _log_failed(session_id: str, source_name: str, exc: BaseException) -> None:
+    log.info("bundle.import_failed", id=session_id, source=source_name,
+             error=str(exc) if isinstance(exc, ColiError) else repr(exc))
+
+
+def receive_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "<bundle>",
+                   replace: bool = False, model: str | os.PathLike[str] | None = None,
+                   as_id: str | None = None, progress: bool = False) -> ReceivedBundle:
+    """Read one bundle into a fresh temp directory, every chunk verified as it lands, then the
+    file digests, the trailer, the kv header, the sidecar and the conversation; fsynced. Nothing
+    is installed; on ANY failure the temp directory is removed."""
     start = time.perf_counter()
     reader = B.BundleReader(source, source_name)
     bm = reader.manifest
@@ -168,21 +214,23 @@ def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "
         _verify_received(tmp, bm, manifest, dims)
         if model is not None:
             _point_at_local_model(tmp, model)
-        info = store.adopt_dir(tmp, session_id, replace=replace)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.info("bundle.import_failed", id=session_id, source=source_name,
-                    error=str(exc) if isinstance(exc, ColiError) else repr(exc))
+        _log_failed(session_id, source_name, exc)
         raise
     finally:
         if bar is not None:
             bar.close()
-    result = MigrateResult(session_id, info.tokens, info.kv_dtype, stats.raw_bytes,
-                           stats.stored_bytes, stats.chunks, stats.zstd_chunks,
-                           time.perf_counter() - start)
-    log.info("bundle.import", id=session_id, tokens=info.tokens, raw_bytes=stats.raw_bytes,
-             replace=replace)
-    return result
+    return ReceivedBundle(store, tmp, session_id, source_name, stats, start)
+
+
+def import_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = "<bundle>",
+                  replace: bool = False, model: str | os.PathLike[str] | None = None,
+                  as_id: str | None = None, progress: bool = False) -> MigrateResult:
+    """Verify and install one bundle as a session; the store is unchanged on any failure."""
+    received = receive_bundle(store, source, source_name=source_name, replace=replace, model=model,
+                              as_id=as_id, progress=progress)
+    return received.install(replace=replace)
 
 
 def _point_at_local_model(tmp: Path, model: str | os.PathLike[str]) -> None:
@@ -229,5 +277,5 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
             raise CorruptionError(f"{kv_path}: the shipped sidecar does not describe this header")
 
 
-__all__ = ["MigrateResult", "export_session", "import_bundle", "check_model",
-           "kv_info"]
+__all__ = ["MigrateResult", "ReceivedBundle", "export_session", "import_bundle", "check_model",
+           "kv_info", "receive_bundle"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -19,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sessionstore.service import bundle_upload
 from sessionstore.service.auth import BearerAuth
-from sessionstore.service.bundles import export_stream, import_spooled, spool_path
+from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, api_error_of
 from sessionstore.service.messages import session_messages
@@ -252,31 +252,17 @@ class Api:
         sid = self.session_id(request)
         if not self.engine.store.exists(sid):
             raise ApiError(404, f"no session {sid!r}", code="session_not_found")
-        return StreamingResponse(await export_stream(self.engine, sid), media_type="application/octet-stream",
-                                 headers={"content-disposition": f'attachment; filename="{sid}.colibundle"'})
+        compression = export_compression(request.query_params.get("compress"),
+                                         request.client.host if request.client else None)
+        body, headers = await export_stream(self.engine, sid, compression)
+        return StreamingResponse(body, media_type="application/octet-stream", headers=headers)
 
     async def put_bundle(self, request: Request) -> Response:
         sid = self.session_id(request)
-        limit = self.limits.max_bundle_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the bundle of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
         replace = request.query_params.get("replace", "1") not in ("0", "false")  # ?replace=0: refuse a taken id
-        if not replace and self.engine.store.exists(sid):
-            raise ApiError(409, f"session {sid!r} already exists here (replace=0)", code="session_exists")
-        path = spool_path(self.engine)
-        try:
-            size = 0
-            with open(path, "wb") as spool:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ApiError(413, f"the bundle exceeds the limit of {limit} bytes", code="body_too_large")
-                    spool.write(chunk)
-            result = await self.engine_call(lambda: import_spooled(self.engine, sid, path, replace=replace),
-                                            session=sid)
-        finally:
-            shutil.rmtree(path.parent, ignore_errors=True)
+        result = await bundle_upload.put_bundle(self.engine, sid, request.stream(),
+                                                limit=self.limits.max_bundle_bytes,
+                                                declared=request.headers.get("content-length"), replace=replace)
         return JSONResponse({**self.describe(sid), "imported": result})
 
     async def suspend_session(self, request: Request) -> Response:

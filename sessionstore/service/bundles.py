@@ -1,26 +1,30 @@
-"""Bundles over HTTP: ``GET /v1/sessions/{id}/bundle`` streams an export of the session's last
-commit (FORMAT.md 6, written by ``migration.export_session`` in a thread of its own, no decoder
-needed); ``PUT`` receives one into the store's ``tmp/`` (bounded by ``max_bundle_bytes``) and
-imports it with ``migration.import_bundle`` (verified before install; refused while the session is
-resident or busy)."""
+"""Bundles over HTTP, the export side: ``GET /v1/sessions/{id}/bundle`` streams an export of the
+session's last commit (FORMAT.md 6, written by ``migration.PreparedExport`` in a thread of its own,
+no decoder needed). The upload side (``PUT``) is :mod:`sessionstore.service.bundle_upload`.
+
+Compression (``?compress=auto|none|1..22``): without the parameter a client on a loopback address
+gets ``none`` (a zstd pass costs more than the loopback link it would save) and every other client
+``auto`` (the writer's measured per-chunk choice). With ``none`` the response carries the bundle's
+exact ``Content-Length``, so a body cut short by a failing export is an HTTP-level error as well as
+a bundle without its trailer.
+"""
 from __future__ import annotations
 
 import asyncio
 import io
+import ipaddress
 import queue
-import shutil
 import threading
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from kernels.errors import CorruptionError
-from sessionstore.migration import export_session, import_bundle
+from sessionstore.migration.exporting import PreparedExport
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 
-QUEUE_CHUNKS = 8  # chunks buffered between the exporting thread and a slow client
+QUEUE_CHUNKS = 8  # writes buffered between the exporting thread and a slow client
 END = b""
+MAX_ZSTD_LEVEL = 22
 
 
 class _Gone(Exception):
@@ -50,21 +54,56 @@ class QueueSink(io.RawIOBase):
         return len(b)
 
 
-async def export_stream(engine: Engine, session_id: str) -> AsyncIterator[bytes]:
-    """The bundle's bytes as they are written; an export error ends the body early (the
-    bundle's own framing lets the receiver detect a truncated one)."""
-    engine.store.snapshot(session_id)  # 404 before the response starts
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a peer's address) is a loopback address (IPv4-mapped IPv6 included)."""
+    if not host:
+        return False
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def export_compression(asked: str | None, peer: str | None) -> str | int:
+    """The compression of a GET's bundle: ``asked`` (``?compress=``), else ``none`` for a loopback
+    peer and ``auto`` for any other."""
+    if asked is None:
+        return "none" if is_loopback(peer) else "auto"
+    if asked in ("auto", "none"):
+        return asked
+    if asked.isdigit() and 1 <= int(asked) <= MAX_ZSTD_LEVEL:
+        return int(asked)
+    raise ApiError(400, f"compress={asked!r}: expected auto, none or a zstd level 1..{MAX_ZSTD_LEVEL}",
+                   param="compress", code="invalid_value")
+
+
+async def export_stream(engine: Engine, session_id: str, compression: str | int = "auto"
+                        ) -> tuple[AsyncIterator[bytes], dict[str, str]]:
+    """The bundle's bytes as they are written, and the response's headers (the exact
+    ``content-length`` when nothing is compressed). The export is opened before the response
+    starts (a missing or unreadable session is an error status); an export error later ends the
+    body early (the bundle's own framing lets the receiver detect a truncated one)."""
+    export = await asyncio.to_thread(PreparedExport, engine.store, session_id)
+    headers = {"content-disposition": f'attachment; filename="{session_id}.colibundle"',
+               "x-coli-bundle-compression": str(compression)}
+    if compression == "none":
+        headers["content-length"] = str(export.raw_bundle_bytes())
     chunks: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=QUEUE_CHUNKS)
     gone = threading.Event()
 
     def run() -> None:
         try:
-            export_session(engine.store, session_id, cast(BinaryIO, QueueSink(chunks, gone)))
+            export.write(cast(BinaryIO, QueueSink(chunks, gone)), compression=compression)
             chunks.put(END)
         except _Gone:
             return
         except BaseException as exc:  # handed to the response, which ends early
             chunks.put(exc)
+        finally:
+            export.close()
 
     thread = threading.Thread(target=run, name="coli-export", daemon=True)
     thread.start()
@@ -79,32 +118,7 @@ async def export_stream(engine: Engine, session_id: str) -> AsyncIterator[bytes]
         finally:
             gone.set()
 
-    return body()
+    return body(), headers
 
 
-def spool_path(engine: Engine) -> Path:
-    return engine.store.tmp_dir() / "upload.colibundle"
-
-
-def import_spooled(engine: Engine, session_id: str, path: Path, replace: bool = True) -> dict[str, Any]:
-    """Import the uploaded bundle as ``session_id`` (the baton's holder; the session is claimed);
-    without ``replace`` a session of that id is refused (409 session_exists)."""
-    try:
-        if not replace and engine.store.exists(session_id):
-            raise ApiError(409, f"session {session_id!r} already exists here (replace=0)", code="session_exists")
-        if engine.state_of(session_id) == "resident":
-            raise ApiError(409, f"session {session_id!r} is resident here; suspend it before replacing it",
-                           code="session_live")
-        engine.forget(session_id)
-        with open(path, "rb") as source:
-            try:
-                result = import_bundle(engine.store, source, source_name="upload", replace=True,
-                                       model=engine.model_source, as_id=session_id)
-            except CorruptionError as exc:  # the upload's fault, not the store's
-                raise ApiError(400, f"the uploaded bundle failed verification: {exc}", code="bundle_invalid") from None
-        return result.to_json()
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)
-
-
-__all__ = ["QueueSink", "export_stream", "import_spooled", "spool_path"]
+__all__ = ["QueueSink", "export_compression", "export_stream", "is_loopback"]

@@ -1,0 +1,223 @@
+"""Bundles over HTTP, the upload side: ``PUT /v1/sessions/{id}/bundle`` imports the request body
+AS IT STREAMS (no spool file): a thread reads it through :class:`BodyPipe` into the new session's
+temp directory under ``<root>/tmp/`` (``migration.receive_bundle``: every chunk verified before it
+is written, then the file digests, trailer, header, sidecar, fsync), while the event loop feeds the
+pipe and counts the bytes against ``max_bundle_bytes``. Only a bundle that verified whole is
+installed, by one rename under the session's claim (refused while the session is resident).
+
+A body over the limit is refused with 413 as soon as the limit is passed; a cut upload (the
+client vanished) or one the receiver refused leaves no session and no temp directory: the
+receiver removes its directory before the handler answers. After a refusal by the receiver the
+rest of the body is read and discarded (still counted against the limit), so that the client
+gets the answer instead of a reset connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, BinaryIO, TypeVar, cast
+
+from kernels.errors import CorruptionError
+from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
+from sessionstore.service.engine import Engine
+from sessionstore.service.errors import ApiError
+
+PIPE_HIGH_WATER = 8 << 20  # bytes buffered between the event loop and the receiving thread
+T = TypeVar("T")
+
+
+class BodyPipe(io.RawIOBase):
+    """A request body as a readable binary file for ONE reading thread, fed by the event loop.
+
+    ``feed`` (event loop) waits while :data:`PIPE_HIGH_WATER` bytes are buffered (backpressure on
+    the client); ``readinto`` (thread) blocks until bytes, the end or an error arrive. ``end``
+    closes the body (``error``: what ``readinto`` raises instead of returning the end);
+    ``abandon`` (the reader gave up) makes later ``feed`` calls drop their data.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, high_water: int = PIPE_HIGH_WATER) -> None:
+        super().__init__()
+        self._loop, self._high = loop, high_water
+        self._cond = threading.Condition()
+        self._parts: deque[memoryview] = deque()
+        self._buffered = 0
+        self._ended = False
+        self._error: BaseException | None = None
+        self._abandoned = False
+        self._feeder_waits = False
+        self._room = asyncio.Event()
+        self.received = 0  # bytes fed so far
+
+    def readable(self) -> bool:
+        return True
+
+    async def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        while True:
+            with self._cond:
+                if self._abandoned:
+                    return
+                if self._buffered < self._high:
+                    self._parts.append(memoryview(data))
+                    self._buffered += len(data)
+                    self._cond.notify()
+                    return
+                self._feeder_waits = True
+                self._room.clear()
+            await self._room.wait()
+
+    def end(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._ended, self._error = True, error
+            self._cond.notify()
+
+    def abandon(self) -> None:
+        with self._cond:
+            self._abandoned = True
+            self._parts.clear()
+            self._buffered = 0
+            self._wake_feeder()
+
+    def _wake_feeder(self) -> None:  # holding the lock
+        if self._feeder_waits:
+            self._feeder_waits = False
+            self._loop.call_soon_threadsafe(self._room.set)
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        with self._cond:
+            while not self._parts and not self._ended:
+                self._cond.wait()
+            if not self._parts:
+                if self._error is not None:
+                    raise self._error
+                return 0
+            got = 0
+            while self._parts and got < len(out):
+                part = self._parts[0]
+                take = min(len(part), len(out) - got)
+                out[got:got + take] = part[:take]
+                got += take
+                if take == len(part):
+                    self._parts.popleft()
+                else:
+                    self._parts[0] = part[take:]
+            self._buffered -= got
+            if self._buffered < self._high:
+                self._wake_feeder()
+            return got
+
+
+def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Run ``fn`` in a thread of its own (not the shared executor: a slow upload holds it)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if fut.cancelled():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(cast(T, result))
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # delivered to the awaiting handler
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="coli-upload", daemon=True).start()
+    return fut
+
+
+def check_target(engine: Engine, session_id: str, replace: bool) -> None:
+    """Refuse an upload over a taken id without ``replace`` (409 session_exists) or over a
+    resident session (409 session_live): before the body is read, and again at the install."""
+    if not replace and engine.store.exists(session_id):
+        raise ApiError(409, f"session {session_id!r} already exists here (replace=0)", code="session_exists")
+    if engine.state_of(session_id) == "resident":
+        raise ApiError(409, f"session {session_id!r} is resident here; suspend it before replacing it",
+                       code="session_live")
+
+
+def install(engine: Engine, session_id: str, received: ReceivedBundle, replace: bool) -> dict[str, Any]:
+    """Install a verified upload as ``session_id`` (the baton's holder; the session is claimed)."""
+    try:
+        check_target(engine, session_id, replace)
+        engine.forget(session_id)
+    except BaseException:
+        received.discard()
+        raise
+    return received.install(session_id, replace=True).to_json()
+
+
+def too_large(limit: int, declared: str | None = None) -> ApiError:
+    what = f"the bundle of {declared} bytes" if declared else "the bundle"
+    return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="body_too_large")
+
+
+async def receive_upload(engine: Engine, session_id: str, body: AsyncIterator[bytes], *,
+                         limit: int) -> ReceivedBundle:
+    """Stream ``body`` into a verified temp directory (nothing installed); ApiError on refusal."""
+    pipe = BodyPipe(asyncio.get_running_loop())
+
+    def receive() -> ReceivedBundle:
+        try:
+            return receive_bundle(engine.store, cast(BinaryIO, pipe), source_name="upload", replace=True,
+                                  model=engine.model_source, as_id=session_id)
+        finally:
+            pipe.abandon()  # whatever the outcome, the loop stops handing it bytes
+
+    receiver = in_thread(receive)
+    refused: ApiError | None = None
+    try:
+        async for chunk in body:
+            if pipe.received + len(chunk) > limit:
+                refused = too_large(limit)
+                break
+            await pipe.feed(chunk)
+    except BaseException as exc:  # the client went away: a cut upload
+        pipe.end(CorruptionError(f"upload: the request body was cut after {pipe.received} bytes "
+                                 f"({type(exc).__name__})"))
+        await asyncio.gather(receiver, return_exceptions=True)  # its temp directory is gone
+        raise
+    pipe.end(CorruptionError(f"upload: the body of {pipe.received} bytes was refused") if refused else None)
+    try:
+        received = await receiver
+    except CorruptionError as exc:  # the upload's fault, not the store's
+        raise refused or ApiError(400, f"the uploaded bundle failed verification: {exc}",
+                                  code="bundle_invalid") from None
+    except BaseException:
+        if refused is not None:
+            raise refused from None
+        raise
+    if refused is not None:  # pragma: no cover - the receiver cannot finish a body it never got whole
+        received.discard()
+        raise refused
+    return received
+
+
+async def put_bundle(engine: Engine, session_id: str, body: AsyncIterator[bytes], *, limit: int,
+                     declared: str | None, replace: bool) -> dict[str, Any]:
+    """The whole PUT: refusals before the body, the streamed receive, the install; its result."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit, declared)
+    check_target(engine, session_id, replace)
+    received = await receive_upload(engine, session_id, body, limit=limit)
+    try:
+        fut = engine.submit(lambda: install(engine, session_id, received, replace), session=session_id)
+    except BaseException:
+        received.discard()
+        raise
+    result: dict[str, Any] = await asyncio.wrap_future(fut)
+    return result
+
+
+__all__ = ["BodyPipe", "PIPE_HIGH_WATER", "check_target", "in_thread", "install", "put_bundle",
+           "receive_upload"]
