@@ -169,7 +169,8 @@ class TurnRunner:
         tokens: list[int] = []
         remove_record(session.directory)  # before the tokens change: never a stale conversation
         session.ensure_resident()
-        reused = common_prefix(session.history()[:session.length], prompt)
+        assert session.cache is not None  # resident: its records' tokens, one array (no Python list per request)
+        reused = common_prefix(session.cache.tokens, prompt)
         finish = "length"
         try:
             session.generate(prompt, max_new, sampler=sampler, on_token=self._token_callback(
