@@ -122,7 +122,15 @@ def transposed(w: np.ndarray) -> np.ndarray:
 
 
 def rowwise_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [B, in] @ w[out, in]^T -> [B, out] f32, batch-invariant."""
+    """x [B, in] @ w[out, in]^T -> [B, out] f32, batch-invariant.
+
+    Weights that fit L2 per block go through the compiled kernel; larger ones (memory-bound, where
+    a single-threaded kernel halves the speed of a lone row) through a stacked ``[B, 1, in]`` matmul:
+    one BLAS matrix-vector product per row, each the very call a batch of one makes, so it is
+    batch-invariant too. The choice depends on the weights' shape alone."""
+    if w.shape[1] * COLUMN_BLOCK * 4 > L2_WEIGHTS:
+        y: np.ndarray = np.matmul(np.ascontiguousarray(x, dtype=np.float32)[:, None, :], w.T)[:, 0, :]  # [B, out]
+        return y
     xs = np.ascontiguousarray(x, dtype=np.float32)  # xs: [B, in] f32
     wt = transposed(w)  # wt: [in, out] f32
     out = np.empty((xs.shape[0], wt.shape[1]), np.float32)  # out: [B, out] f32

@@ -91,7 +91,8 @@ def test_a_step_that_cannot_run_changes_no_cache(models: dict[str, MLADecoder]) 
     assert (a.length, b.length) == lengths
 
 
-@pytest.mark.parametrize(("k", "n"), [(160, 448), (448, 160), (64, 256), (7, 3), (160, 3072), (33, 513)])
+@pytest.mark.parametrize(("k", "n"), [(160, 448), (448, 160), (64, 256), (7, 3), (160, 3072), (33, 513),
+                                     (1024, 300), (2048, 1031)])  # the last two: the BLAS matrix-vector path
 def test_rowwise_products_are_invariant_and_accurate(k: int, n: int) -> None:
     rng = np.random.default_rng(k * 1000 + n)
     w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in], as a checkpoint stores it
