@@ -5,7 +5,8 @@ Why not BLAS: a GEMM picks its kernels, blockings and thread splits by the probl
 row's result depends on them. Measured with numpy's OpenBLAS: ``x[B, K] @ W`` rows differ from the
 rows computed alone by up to 4e-5, and a GEMM padded to a fixed 16 rows still differs by the row's
 position in the block (11 of 12 decoder shapes, single-threaded). A stacked ``[B, 1, K]`` matmul
-is invariant (one GEMV per row) but reads the weights once per row.
+is invariant (one GEMV per row) but reads the weights once per row: it serves only weights too
+large for the kernel's blocks to stay in L2 (memory-bound, where BLAS's threads win for a lone row).
 
 So these kernels fix the arithmetic per output element by construction: ``out[b, n]`` is
 ``((0 + x[b, 0] * w[0, n]) + x[b, 1] * w[1, n]) + ...``, k ascending, a multiply then an add (no
