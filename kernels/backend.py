@@ -24,6 +24,7 @@ import numpy as np
 
 from kernels.attention import absorbed_attention, mla_attention, sparse_absorbed_attention
 from kernels.attention.sparse_step import batched_sparse_decode
+from kernels.attention.tiles import CacheShape
 from kernels.errors import BackendUnavailableError, FormatError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
@@ -47,8 +48,8 @@ class CpuBackend:
 
     def batched_sparse_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
                               blocks_of: Sequence[Sequence[LatentRows]], selections: Sequence[np.ndarray],
-                              softmax_scale: float) -> np.ndarray:
-        return batched_sparse_decode(q_abs, q_rope, blocks_of, selections, softmax_scale)
+                              softmax_scale: float, shapes: Sequence[CacheShape] | None = None) -> np.ndarray:
+        return batched_sparse_decode(q_abs, q_rope, blocks_of, selections, softmax_scale, shapes)
 
     def batched_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
                        caches: Sequence[LatentRows | Sequence[LatentRows]], softmax_scale: float) -> np.ndarray:

@@ -22,7 +22,7 @@ from numba import njit, types, void
 
 from kernels.attention.absorbed import as_query, check_query_pair
 from kernels.attention.tables import decode_codes_into, sanitize_scales_into
-from kernels.attention.tiles import TileGatherer, cache_shape
+from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import Fp8Rows, LatentRows
 
@@ -82,6 +82,29 @@ def _attend_selected(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndar
                 acc[n] = acc[n] / total
 
 
+def _take_signature(readonly: bool) -> object:
+    """One block's fields, strided and read-only or not (a file's mapping); our outputs, contiguous."""
+    u8 = types.Array(types.uint8, 2, "A", readonly=readonly)
+    f32 = types.Array(_F32, 1, "A", readonly=readonly)
+    out8, out32 = types.Array(types.uint8, 2, "C"), types.Array(_F32, 1, "C")
+    return void(u8, u8, f32, f32, types.Array(types.int64, 1, "C"), out8, out8, out32, out32)
+
+
+def _take_rows(lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray, src: np.ndarray, out_lc: np.ndarray,
+               out_rc: np.ndarray, out_lsc: np.ndarray, out_rsc: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Rows ``src`` [m] (inside the block: checked by the caller) of one fp8 block's codes and
+    scales into the outputs [m, ...]: the four takes of one block in one call."""
+    for j in range(src.shape[0]):
+        r = src[j]
+        out_lc[j, :] = lc[r, :]
+        out_rc[j, :] = rc[r, :]
+        out_lsc[j] = lsc[r]
+        out_rsc[j] = rsc[r]
+
+
+_TAKE = {ro: njit(_take_signature(ro), cache=True, nogil=True, boundscheck=False)(_take_rows) for ro in (False, True)}
+
+
 def _checked_selections(selections: Sequence[np.ndarray], lengths: np.ndarray) -> np.ndarray:
     """The selections as [B, k] i64: session b's positions ascend strictly inside [0, lengths[b])
     (its query is its newest row), the same k for all."""
@@ -115,13 +138,20 @@ class _Fp8Codes:
         start = 0
         for blk in blocks:
             assert isinstance(blk, Fp8Rows)  # the caller checked: every block is fp8
-            lo, hi = np.searchsorted(positions, [start, start + blk.length])  # this block's share
+            if len(blocks) == 1:
+                lo, hi = 0, positions.shape[0]
+            else:  # this block's share of the positions
+                lo, hi = np.searchsorted(positions, [start, start + blk.length])
             if hi > lo:
                 src = positions[lo:hi] - start  # src: [m] i64 rows of this block
-                np.take(blk.lc_codes, src, axis=0, out=self.lc[b, lo:hi], mode="clip")
-                np.take(blk.rc_codes, src, axis=0, out=self.rc[b, lo:hi], mode="clip")
-                np.take(blk.lc_scale, src, out=self.lsc[b, lo:hi], mode="clip")
-                np.take(blk.rc_scale, src, out=self.rsc[b, lo:hi], mode="clip")
+                fields = (blk.lc_codes, blk.rc_codes, blk.lc_scale, blk.rc_scale)
+                writable = {f.flags.writeable for f in fields}
+                if len(writable) == 1:  # one compiled take of all four (the usual case: one block's views)
+                    _TAKE[not writable.pop()](*fields, src, self.lc[b, lo:hi], self.rc[b, lo:hi], self.lsc[b, lo:hi],
+                                              self.rsc[b, lo:hi])
+                else:
+                    for field, out in zip(fields, (self.lc, self.rc, self.lsc, self.rsc), strict=True):
+                        np.take(field, src, axis=0, out=out[b, lo:hi], mode="clip")
             start += blk.length
         self.rows.append(b)
 
@@ -145,14 +175,17 @@ class _Fp8Codes:
 
 
 def batched_sparse_decode(q_abs: np.ndarray, q_rope: np.ndarray, blocks_of: Sequence[Sequence[LatentRows]],
-                          selections: Sequence[np.ndarray], softmax_scale: float) -> np.ndarray:
+                          selections: Sequence[np.ndarray], softmax_scale: float,
+                          shapes: Sequence[CacheShape] | None = None) -> np.ndarray:
     """One decode step of B sessions: q_abs [B, H, kv_lora], q_rope [B, H, rope], session b over
     rows ``selections[b]`` [k] (ascending absolute positions, the same k for all) of its own
-    ``blocks_of[b]`` -> ctx [B, H, kv_lora] f32."""
+    ``blocks_of[b]`` -> ctx [B, H, kv_lora] f32. ``shapes``: ``cache_shape`` of each session's
+    blocks when the caller has them (every layer of a decoder cache has the same)."""
     n = len(blocks_of)
     if n == 0 or len(selections) != n or q_abs.shape[0] != n:
         raise FormatError(f"batched sparse decode: {q_abs.shape[0]} queries, {n} caches, {len(selections)} selections")
-    shapes = [cache_shape(blocks) for blocks in blocks_of]
+    if shapes is None or len(shapes) != n:
+        shapes = [cache_shape(blocks) for blocks in blocks_of]
     kv_lora, rope = shapes[0].kv_lora, shapes[0].rope
     if any((s.kv_lora, s.rope) != (kv_lora, rope) for s in shapes):
         raise ModelMismatchError("batched sparse decode: the sessions' caches differ in row widths")

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kernels.attention.select_step import select_step
 from kernels.attention.selection import select_rows
+from kernels.attention.tiles import cache_shape
 from kernels.errors import BackendUnavailableError, UnsupportedModelError
 from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig
@@ -94,9 +96,13 @@ class GlmDecoder(MLADecoder):
         batched = [b for b in selections if hasattr(caches[b].backend, "batched_sparse_decode")]
         if batched:  # one call for every sparse session of a backend that batches them
             rows = np.asarray(batched)  # rows: [n] batch rows
+            blocks_of = [caches[b].blocks(layer) for b in batched]
+            key = tuple(batched)
+            if step.get("shapes", (None,))[0] != key:  # every layer of a cache holds as many rows: once a step
+                step["shapes"] = (key, [cache_shape(blocks) for blocks in blocks_of])
             ctx[rows] = caches[batched[0]].backend.batched_sparse_decode(
-                q.q_abs[rows], q.q_rope[rows], [caches[b].blocks(layer) for b in batched],
-                [selections[b][0] for b in batched], self.softmax_scale)
+                q.q_abs[rows], q.q_rope[rows], blocks_of, [selections[b][0] for b in batched], self.softmax_scale,
+                shapes=step["shapes"][1])
         for b, cache in enumerate(caches):
             qa, qr = q.q_abs[b : b + 1], q.q_rope[b : b + 1]  # [1, H, kv_lora], [1, H, rope]
             if b in selections and b not in batched:
@@ -120,8 +126,10 @@ class GlmDecoder(MLADecoder):
             return {}
         assert q.q_resid is not None  # a GLM config always has q_lora (glm_config refuses it otherwise)
         qi, w = indexer.queries(x, q.q_resid, self.rotary, cos, sin, rowwise=True)  # [B, nh, hd], [B, nh]
-        return {b: select_rows(qi[b : b + 1], w[b : b + 1], caches[b].index_blocks(slot), caches[b].length,
-                               self.dsa.index_topk) for b in past}
+        rows = np.asarray(past)  # rows: [n] batch rows past index_topk
+        chosen = select_step(qi[rows], w[rows], [caches[b].index_blocks(slot) for b in past],
+                             self.dsa.index_topk)  # chosen: [n, k] i64
+        return {b: chosen[i : i + 1] for i, b in enumerate(past)}
 
     @staticmethod
     def _sparse_of(backend: Any) -> Any:

@@ -8,7 +8,7 @@ import pytest
 
 from kernels.attention.sparse_step import batched_sparse_decode
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import F32Rows
+from kernels.rows import F32Rows, Fp8Rows
 from tests.kernels.attention_cases import F32_RTOL, latent_rows, quantize, queries, reference_absorbed, split_rows
 
 KV_LORA, ROPE, HEADS, K, SCALE = 64, 16, 4, 12, 0.11
@@ -64,6 +64,24 @@ def test_the_split_of_a_cache_into_blocks_changes_nothing() -> None:
     for cuts in ([1], [35, 36, 69], [int(sel[3]), int(sel[3]) + 1]):
         split = split_rows(blocks[0], cuts)
         assert np.array_equal(batched_sparse_decode(qa, qr, [split], [sel], SCALE), whole), cuts
+
+
+def test_read_only_strided_and_mixed_blocks_gather_the_same_rows() -> None:
+    """Rows in a file's record layout (strided, mapped read-only), and a block whose fields differ
+    in writability, give the context of the same rows held in plain arrays."""
+    rng = np.random.default_rng(5)
+    blocks, sel, _, _ = _session(rng, 70, True, [])
+    rows = blocks[0]
+    qa, qr = queries(rng, 1, HEADS, KV_LORA), queries(rng, 1, HEADS, ROPE)
+    whole = batched_sparse_decode(qa, qr, [blocks], [sel], SCALE)
+    records = np.zeros(70, dtype=[("lsc", "<f4"), ("lc", "u1", KV_LORA), ("rsc", "<f4"), ("rc", "u1", ROPE)])
+    for name, field in (("lc", rows.lc_codes), ("rc", rows.rc_codes), ("lsc", rows.lc_scale), ("rsc", rows.rc_scale)):
+        records[name] = field
+    records.flags.writeable = False  # a read-only mapping
+    mapped = Fp8Rows(records["lc"], records["lsc"], records["rc"], records["rsc"])
+    mixed = Fp8Rows(rows.lc_codes, records["lsc"], rows.rc_codes, rows.rc_scale)  # one read-only field
+    for variant in ([mapped], split_rows(mapped, [20, 50]), [mixed]):
+        assert np.array_equal(batched_sparse_decode(qa, qr, [variant], [sel], SCALE), whole)
 
 
 def test_bad_selections_are_refused(batch: tuple) -> None:

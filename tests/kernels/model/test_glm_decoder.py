@@ -219,14 +219,19 @@ def test_a_backend_without_sparse_attention_is_refused_by_name(glm: GlmDecoder) 
 
 def test_select_rows_called_once_per_full_layer(glm: GlmDecoder, monkeypatch) -> None:
     calls: list[int] = []
-    original = glm_decoder.select_rows
+    original, original_step = glm_decoder.select_rows, glm_decoder.select_step
 
     def counting(qi, w, keys, first, k):  # noqa: ANN001, ANN202
         calls.append(first)
         return original(qi, w, keys, first, k)
 
+    def counting_step(qi, w, keys_of, k):  # noqa: ANN001, ANN202
+        calls.extend(sum(int(b.shape[0]) for b in keys) - 1 for keys in keys_of)
+        return original_step(qi, w, keys_of, k)
+
     monkeypatch.setattr(glm_decoder, "select_rows", counting)
+    monkeypatch.setattr(glm_decoder, "select_step", counting_step)
     cache = glm.new_cache("f32")
     glm.forward(TEXT[:20], cache)
     glm.forward(TEXT[20:21], cache)
-    assert calls == [16, 16, 20, 20]  # prefill: queries from position 16 on; decode: position 20
+    assert calls == [16, 16, 20, 20]  # prefill: queries from position 16 on; decode (select_step): position 20

@@ -1,0 +1,113 @@
+"""DSA row selection for one decode step of B sessions: each session's single query (at its newest
+position, which sees every key its cache holds) scored against its own keys and cut to the
+engine's top-k, in compiled code (a few calls per session instead of a few dozen numpy calls).
+
+The math and the tie rule are those of :mod:`kernels.attention.selection`:
+    score_t = sum_h (w_h * hd ** -0.5) * relu(qi_h . Ic_t)
+    threshold = the k-th largest score (NaN counts as -inf); every key above it is taken, then
+    keys equal to it in ascending position order until k are taken; returned ascending.
+Every score's arithmetic is fixed by construction (each dot product over eight lanes combined
+in a fixed tree, the heads summed in order, strict IEEE f32): a session's selection depends on
+its own query and keys only, never on the batch. It is not bitwise the BLAS products of
+:func:`~kernels.attention.selection.index_scores` (a prefill's path), whose sums associate as
+the library chooses.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit, types, void
+
+from kernels.errors import FormatError
+
+_F32 = types.float32
+
+
+def _score_signatures() -> list[object]:
+    """keys may be strided (a file's [T, NI, hd] rows cut at one slot) and read-only (a mapping)."""
+    qi, w, out = types.Array(_F32, 2, "C"), types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")
+    keys = (types.Array(_F32, 2, "C"), types.Array(_F32, 2, "A"), types.Array(_F32, 2, "A", readonly=True))
+    return [void(qi, w, k, out) for k in keys]
+
+
+@njit(_score_signatures(), cache=True, nogil=True, boundscheck=False)
+def _score_keys(qi: np.ndarray, w: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
+    """out [t] = sum_h w[h] * relu(qi[h] . keys[t]) for qi [nh, hd], w [nh] (scaled), keys [t, hd]."""
+    n_keys, depth = keys.shape
+    heads = qi.shape[0]
+    full = depth - depth % 8
+    for t in range(n_keys):
+        total = np.float32(0.0)
+        for h in range(heads):
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+            for i in range(0, full, 8):
+                s0 += qi[h, i] * keys[t, i]
+                s1 += qi[h, i + 1] * keys[t, i + 1]
+                s2 += qi[h, i + 2] * keys[t, i + 2]
+                s3 += qi[h, i + 3] * keys[t, i + 3]
+                s4 += qi[h, i + 4] * keys[t, i + 4]
+                s5 += qi[h, i + 5] * keys[t, i + 5]
+                s6 += qi[h, i + 6] * keys[t, i + 6]
+                s7 += qi[h, i + 7] * keys[t, i + 7]
+            dot = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+            for i in range(full, depth):
+                dot += qi[h, i] * keys[t, i]
+            relu = np.float32(0.0) if dot <= 0 else dot  # NaN stays NaN, as np.maximum keeps it
+            total += w[h] * relu
+        out[t] = total
+
+
+@njit(void(types.Array(_F32, 1, "C"), types.Array(types.int64, 1, "C")), cache=True, nogil=True, boundscheck=False)
+def _engine_topk(scores: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [k] = the engine's top-k positions of scores [T] (T > k), ascending; NaN scores are
+    set to -inf in place first."""
+    n, k = scores.shape[0], out.shape[0]
+    for t in range(n):
+        if np.isnan(scores[t]):
+            scores[t] = -np.inf
+    thr = np.partition(scores, n - k)[n - k]  # the k-th largest
+    above = 0
+    for t in range(n):
+        if scores[t] > thr:
+            above += 1
+    ties = k - above
+    j = 0
+    for t in range(n):
+        v = scores[t]
+        if v > thr:
+            out[j] = t
+            j += 1
+        elif v == thr and ties > 0:
+            out[j] = t
+            j += 1
+            ties -= 1
+
+
+def select_step(qi: np.ndarray, weights: np.ndarray, key_blocks_of: Sequence[Sequence[np.ndarray]],
+                k: int) -> np.ndarray:
+    """Top-k rows of B sessions for their newest positions: qi [B, nh, hd], weights [B, nh],
+    session b's keys ``key_blocks_of[b]`` ([t, hd] f32 blocks in position order, the query's own
+    key last; more than k in all) -> selection [B, k] i64, ascending positions per row."""
+    n, nh, hd = qi.shape
+    if weights.shape != (n, nh) or len(key_blocks_of) != n:
+        raise FormatError(f"select_step: {n} queries, weights {weights.shape}, {len(key_blocks_of)} sessions")
+    q = np.ascontiguousarray(qi, dtype=np.float32)  # q: [B, nh, hd] f32
+    w = np.ascontiguousarray(np.asarray(weights, dtype=np.float32) * np.float32(hd**-0.5))  # w: [B, nh] f32
+    out = np.empty((n, k), np.int64)  # out: [B, k] i64
+    for b, blocks in enumerate(key_blocks_of):
+        length = sum(int(blk.shape[0]) for blk in blocks)
+        if k < 1 or length <= k:
+            raise FormatError(f"select_step: k={k} rows of {length} keys (a query needs more than k)")
+        if any(blk.ndim != 2 or blk.shape[1] != hd or blk.dtype != np.float32 for blk in blocks):
+            raise FormatError(f"select_step: key blocks must be float32 [t, {hd}]")
+        scores = np.empty(length, np.float32)  # scores: [T] f32
+        start = 0
+        for blk in blocks:
+            _score_keys(q[b], w[b], blk, scores[start : start + blk.shape[0]])
+            start += blk.shape[0]
+        _engine_topk(scores, out[b])
+    return out
+
+
+__all__ = ["select_step"]
