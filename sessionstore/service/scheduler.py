@@ -15,30 +15,38 @@ from contextlib import contextmanager
 
 
 class DecoderBaton:
-    """A fair (FIFO) lock, released by its holder while it waits for the engine thread."""
+    """A fair (FIFO) lock, released by its holder while it waits for the engine thread.
+
+    The holder hands it straight to the first waiter (each waiter sleeps on a lock of its own),
+    so a release wakes exactly one thread, not every waiter."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting: deque[int] = deque()
+        self._mutex = threading.Lock()
+        self._waiting: deque[tuple[int, threading.Lock]] = deque()
         self._holder: int | None = None
 
     def acquire(self) -> None:
         me = threading.get_ident()
-        with self._cond:
-            self._waiting.append(me)
-            self._cond.wait_for(lambda: self._holder is None and self._waiting[0] == me)
-            self._waiting.popleft()
-            self._holder = me
+        with self._mutex:
+            if self._holder is None and not self._waiting:
+                self._holder = me
+                return
+            wake = threading.Lock()
+            wake.acquire()
+            self._waiting.append((me, wake))
+        wake.acquire()  # released by the holder that hands the baton to this thread
 
     def release(self) -> None:
-        with self._cond:
+        with self._mutex:
             assert self._holder == threading.get_ident(), "released by a thread that does not hold the baton"
-            self._holder = None
-            self._cond.notify_all()
+            if not self._waiting:
+                self._holder = None
+                return
+            self._holder, wake = self._waiting.popleft()
+        wake.release()
 
     def held_by_me(self) -> bool:
-        with self._cond:
-            return self._holder == threading.get_ident()
+        return self._holder == threading.get_ident()
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -50,7 +58,7 @@ class DecoderBaton:
 
     @property
     def waiting(self) -> int:
-        with self._cond:
+        with self._mutex:
             return len(self._waiting)
 
 
