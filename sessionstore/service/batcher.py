@@ -46,10 +46,10 @@ class StepBatcher:
     """The engine thread and its queue of forwards."""
 
     def __init__(self, model: Any, baton: DecoderBaton, *, max_batch: int = 64, gather_s: float = GATHER_S,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_forward: Callable[[str, int, float], None] | None = None) -> None:
         self.model, self.baton = model, baton
         self.max_batch, self.gather_s = max_batch, gather_s
-        self.on_step = on_step  # called with each decode step's batch size
+        self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
         self._cond = threading.Condition()
         self._queue: list[_Work] = []
         self._in_turn = 0  # turns in flight (each will ask for a forward again soon)
@@ -129,9 +129,16 @@ class StepBatcher:
 
     def _solo(self, work: _Work) -> None:
         try:
-            work.done.set_result(self.model.forward(work.tokens, work.cache))
+            t0 = time.perf_counter()
+            logits = self.model.forward(work.tokens, work.cache)
+            self._observe("prefill" if work.tokens.shape[0] > 1 else "step", 1, time.perf_counter() - t0)
+            work.done.set_result(logits)
         except BaseException as exc:  # the turn that asked re-raises it
             work.done.set_exception(exc)
+
+    def _observe(self, kind: str, sessions: int, seconds: float) -> None:
+        if self.on_forward is not None:
+            self.on_forward(kind, sessions, seconds)
 
     def _step(self, batch: list[_Work]) -> None:
         ready: list[_Work] = []
@@ -146,15 +153,16 @@ class StepBatcher:
         if not ready:
             return
         try:
+            t0 = time.perf_counter()
             logits = self.model.decode_step([w.cache for w in ready], np.concatenate([w.tokens for w in ready]))
+            took = time.perf_counter() - t0
         except BaseException as exc:
             log.warning("service.step_failed", batch=len(ready), error=str(exc))
             for work in ready:
                 self._solo(work)
             return
         self.steps += 1
-        if self.on_step is not None:
-            self.on_step(len(ready))
+        self._observe("step", len(ready), took)
         for b, work in enumerate(ready):
             work.done.set_result(logits[b : b + 1])  # [1, V] f32, as forward returns
 

@@ -47,7 +47,7 @@ class Engine:
         self.baton = DecoderBaton()
         decoder, self.model_ref = store.load_model(model_source)
         self.batcher = StepBatcher(decoder, self.baton, max_batch=self.limits.max_batch,
-                                   on_step=self.metrics.batch_size.observe)
+                                   on_forward=self.metrics.observe_forward)
         self.model = BatchingDecoder(decoder, self.batcher)
         store.adopt_model(model_source, self.model)  # the store's sessions decode through the engine thread
         self.kv_dtype = kv_dtype

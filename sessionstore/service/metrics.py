@@ -30,6 +30,8 @@ class ServiceMetrics:
         self.steps = Gauge("coli_decode_steps", "batched decode steps the engine thread ran", registry=r)
         self.batch_size = Histogram("coli_decode_batch_size", "sessions advanced together by one decode step",
                                     registry=r, buckets=BATCH_BUCKETS)
+        self.forward_seconds = Histogram("coli_forward_seconds", "the engine thread's forwards: batched decode steps "
+                                         "and prefills", ["kind"], registry=r, buckets=LATENCY_BUCKETS)
         self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
                                       buckets=LATENCY_BUCKETS)
 
@@ -40,6 +42,13 @@ class ServiceMetrics:
         self.resident.set_function(resident)
         self.suspended.set_function(suspended)
         self.resident_bytes.set_function(resident_bytes)
+
+    def observe_forward(self, kind: str, sessions: int, seconds: float) -> None:
+        """One forward of the engine thread: ``kind`` "step" (``sessions`` advanced by one token
+        each) or "prefill" (one session's prompt)."""
+        self.forward_seconds.labels(kind=kind).observe(seconds)
+        if kind == "step":
+            self.batch_size.observe(sessions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

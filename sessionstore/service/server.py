@@ -22,6 +22,11 @@ from sessionstore.service.limits import ServiceLimits
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
+# The GIL hand-over interval while serving (CPython's default is 5 ms). The engine thread lets go of
+# the GIL in every compiled kernel of a decode step; a turn or the event loop takes it meanwhile,
+# and the engine then waits up to this long to get it back, once per kernel. Streaming one
+# session over HTTP on glm-mini, measured: 85-87 tokens/s at 5 ms, 102-127 at 0.2 ms.
+SWITCH_INTERVAL_S = 0.0005
 
 log = get_logger("service")
 
@@ -88,6 +93,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     from kernels.model import resolve_model
 
     check_bind(config.host, config.api_key)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     source = resolve_model(config.model)
     store = SessionStore(config.root)
     home = fleet_home(config, store, source)

@@ -139,7 +139,8 @@ def _teacher_forced(model: GlmDecoder, tokens: np.ndarray, kv: str, prefill: int
 
 @pytest.fixture
 def recorded_selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Every selection our decoder makes: (first query position, selection [S, k], scores [S, T])."""
+    """Every selection our decoder makes, a prefill's (select_rows) and a decode step's (select_step):
+    (first query position, selection [S, k], scores [S, T])."""
     calls: list[tuple[int, np.ndarray, np.ndarray]] = []
     original = glm_decoder.select_rows
 
@@ -148,7 +149,16 @@ def recorded_selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.n
         calls.append((first_pos, sel, index_scores(qi, weights, key_blocks, first_pos)))
         return sel
 
+    def recording_step(qi, weights, key_blocks_of, k):  # noqa: ANN001, ANN202 - the decode step's selector
+        sel = original_step(qi, weights, key_blocks_of, k)
+        for b, key_blocks in enumerate(key_blocks_of):
+            first = sum(int(blk.shape[0]) for blk in key_blocks) - 1  # the query's own position
+            calls.append((first, sel[b : b + 1], index_scores(qi[b : b + 1], weights[b : b + 1], key_blocks, first)))
+        return sel
+
+    original_step = glm_decoder.select_step
     monkeypatch.setattr(glm_decoder, "select_rows", recording)
+    monkeypatch.setattr(glm_decoder, "select_step", recording_step)
     return calls
 
 
