@@ -16,14 +16,18 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, BinaryIO, TypeVar, cast
 
 from kernels.errors import CorruptionError
+from sessionstore.log import get_logger
 from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
+
+log = get_logger("service")
 
 PIPE_HIGH_WATER = 8 << 20  # bytes buffered between the event loop and the receiving thread
 T = TypeVar("T")
@@ -176,18 +180,24 @@ async def receive_upload(engine: Engine, session_id: str, body: AsyncIterator[by
 
     receiver = in_thread(receive)
     refused: ApiError | None = None
+    clock = time.perf_counter
+    start, pieces, fed_s, loop_cpu = clock(), 0, 0.0, time.thread_time()
     try:
         async for chunk in body:
             if pipe.received + len(chunk) > limit:
                 refused = too_large(limit)
                 break
+            t = clock()
             await pipe.feed(chunk)
+            fed_s += clock() - t
+            pieces += 1
     except BaseException as exc:  # the client went away: a cut upload
         pipe.end(CorruptionError(f"upload: the request body was cut after {pipe.received} bytes "
                                  f"({type(exc).__name__})"))
         await asyncio.gather(receiver, return_exceptions=True)  # its temp directory is gone
         raise
     pipe.end(CorruptionError(f"upload: the body of {pipe.received} bytes was refused") if refused else None)
+    body_s = clock() - start
     try:
         received = await receiver
     except CorruptionError as exc:  # the upload's fault, not the store's
@@ -200,6 +210,9 @@ async def receive_upload(engine: Engine, session_id: str, body: AsyncIterator[by
     if refused is not None:  # pragma: no cover - the receiver cannot finish a body it never got whole
         received.discard()
         raise refused
+    log.debug("bundle.upload_spans", id=session_id, bytes=pipe.received, pieces=pieces, body_s=round(body_s, 4),
+              feed_wait_s=round(fed_s, 4), receive_s=round(clock() - start, 4),
+              loop_cpu_s=round(time.thread_time() - loop_cpu, 4))
     return received
 
 

@@ -73,3 +73,65 @@ def test_read_exactly_into_fills_across_short_reads_and_stops_at_the_end(has_rea
     src = _Trickle(b"abcdefghijklm", has_readinto)
     assert read_exactly_into(src, buf) == 10 and bytes(buf) == b"abcdefghij"
     assert read_exactly_into(src, buf) == 3 and bytes(buf[:3]) == b"klm"  # the stream ended
+
+
+def test_writeback_file_syncs_ahead_in_the_background_one_at_a_time(tmp_path, monkeypatch):
+    import threading
+
+    calls: list[tuple[int, str]] = []
+    gate = threading.Event()
+
+    def fsync(fd: int) -> None:
+        calls.append((fd, threading.current_thread().name))
+        if len(calls) == 1:
+            gate.wait(5)  # the first background sync is still running while more bytes arrive
+
+    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
+    data = os.urandom(5000)
+    with WritebackFile.create(tmp_path / "f", sync_ahead=1000) as out:
+        for i in range(0, 3000, 500):
+            out.write(data[i:i + 500])
+        assert [name for _, name in calls] == ["coli-sync-ahead"]  # one at a time: no second yet
+        gate.set()
+        out.settle()
+        for i in range(3000, 5000, 500):
+            out.write(data[i:i + 500])
+        out.sync()
+        fd = out.fileno()
+    names = [name for _, name in calls]
+    assert names[0] == names[1] == "coli-sync-ahead" and names[-1] == threading.current_thread().name
+    assert all(f == fd for f, _ in calls)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_writeback_file_raises_a_failed_background_sync(tmp_path, monkeypatch):
+    def fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
+    with WritebackFile.create(tmp_path / "f", sync_ahead=100) as out:
+        out.write(b"x" * 150)  # starts the background sync, which fails
+        with pytest.raises(OSError, match="Input/output"):
+            out.settle()
+        out.settle()  # reported once
+        out.write(b"y" * 150)
+        with pytest.raises(OSError, match="Input/output"):
+            out.sync()
+
+
+def test_receive_fails_when_a_background_sync_failed(tmp_path, monkeypatch):
+    from sessionstore.migration import migrate
+
+    class Reader:
+        manifest = type("M", (), {"files": [type("F", (), {"name": "kv.coli_kv"})()]})()
+
+        def iter_file(self, name: str, copy: bool = True):
+            yield b"z" * 300
+
+    def fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(migrate, "SYNC_AHEAD_BYTES", 100)
+    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
+    with pytest.raises(OSError, match="Input/output"):
+        migrate._receive(Reader(), tmp_path, None)  # type: ignore[arg-type]
