@@ -87,19 +87,22 @@ def _take_signature(readonly: bool) -> object:
     u8 = types.Array(types.uint8, 2, "A", readonly=readonly)
     f32 = types.Array(_F32, 1, "A", readonly=readonly)
     out8, out32 = types.Array(types.uint8, 2, "C"), types.Array(_F32, 1, "C")
-    return void(u8, u8, f32, f32, types.Array(types.int64, 1, "C"), out8, out8, out32, out32)
+    return void(u8, u8, f32, f32, types.Array(types.int64, 1, "C"), types.int64, out8, out8, out32, out32)
 
 
-def _take_rows(lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray, src: np.ndarray, out_lc: np.ndarray,
-               out_rc: np.ndarray, out_lsc: np.ndarray, out_rsc: np.ndarray) -> None:  # pragma: no cover - compiled
-    """Rows ``src`` [m] (inside the block: checked by the caller) of one fp8 block's codes and
-    scales into the outputs [m, ...]: the four takes of one block in one call."""
-    for j in range(src.shape[0]):
-        r = src[j]
-        out_lc[j, :] = lc[r, :]
-        out_rc[j, :] = rc[r, :]
-        out_lsc[j] = lsc[r]
-        out_rsc[j] = rsc[r]
+def _take_rows(lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray, positions: np.ndarray, start: int,
+               out_lc: np.ndarray, out_rc: np.ndarray, out_lsc: np.ndarray,
+               out_rsc: np.ndarray) -> None:  # pragma: no cover - compiled
+    """The rows of absolute ``positions`` [k] that fall in one fp8 block (its first row at
+    ``start``) copied, codes and scales, to the same indices of the outputs [k, ...]."""
+    n = lc.shape[0]
+    for j in range(positions.shape[0]):
+        r = positions[j] - start
+        if 0 <= r < n:
+            out_lc[j, :] = lc[r, :]
+            out_rc[j, :] = rc[r, :]
+            out_lsc[j] = lsc[r]
+            out_rsc[j] = rsc[r]
 
 
 _TAKE = {ro: njit(_take_signature(ro), cache=True, nogil=True, boundscheck=False)(_take_rows) for ro in (False, True)}
@@ -138,20 +141,14 @@ class _Fp8Codes:
         start = 0
         for blk in blocks:
             assert isinstance(blk, Fp8Rows)  # the caller checked: every block is fp8
-            if len(blocks) == 1:
-                lo, hi = 0, positions.shape[0]
-            else:  # this block's share of the positions
-                lo, hi = np.searchsorted(positions, [start, start + blk.length])
-            if hi > lo:
-                src = positions[lo:hi] - start  # src: [m] i64 rows of this block
-                fields = (blk.lc_codes, blk.rc_codes, blk.lc_scale, blk.rc_scale)
-                writable = {f.flags.writeable for f in fields}
-                if len(writable) == 1:  # one compiled take of all four (the usual case: one block's views)
-                    _TAKE[not writable.pop()](*fields, src, self.lc[b, lo:hi], self.rc[b, lo:hi], self.lsc[b, lo:hi],
-                                              self.rsc[b, lo:hi])
-                else:
-                    for field, out in zip(fields, (self.lc, self.rc, self.lsc, self.rsc), strict=True):
-                        np.take(field, src, axis=0, out=out[b, lo:hi], mode="clip")
+            fields = (blk.lc_codes, blk.rc_codes, blk.lc_scale, blk.rc_scale)
+            writable = {f.flags.writeable for f in fields}
+            if len(writable) == 1:  # one compiled call for the four fields (one block's views: the usual case)
+                _TAKE[not writable.pop()](*fields, positions, start, self.lc[b], self.rc[b], self.lsc[b], self.rsc[b])
+            else:
+                lo, hi = np.searchsorted(positions, [start, start + blk.length])  # this block's share
+                for field, out in zip(fields, (self.lc, self.rc, self.lsc, self.rsc), strict=True):
+                    np.take(field, positions[lo:hi] - start, axis=0, out=out[b, lo:hi], mode="clip")
             start += blk.length
         self.rows.append(b)
 

@@ -88,29 +88,33 @@ class GlmDecoder(MLADecoder):
                      caches: Sequence[DecoderCache], step: dict[str, Any]) -> np.ndarray:
         """One new position per cache: a full layer writes each cache's indexer key and selects rows
         for every session past ``index_topk`` (shared layers reuse that selection); those attend
-        their selected rows, the others every row. Per session over its own rows -> [B, H, kv_lora]."""
+        their selected rows, the others every row (all of them are selected). Sessions of a backend
+        that batches the step attend in one call per row count; others session by session. Each
+        session over its own rows -> [B, H, kv_lora]."""
         if self.dsa.is_full(layer):
             step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
         selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
-        batched = [b for b in selections if hasattr(caches[b].backend, "batched_sparse_decode")]
-        if batched:  # one call for every sparse session of a backend that batches them
-            rows = np.asarray(batched)  # rows: [n] batch rows
-            blocks_of = [caches[b].blocks(layer) for b in batched]
-            key = tuple(batched)
-            if step.get("shapes", (None,))[0] != key:  # every layer of a cache holds as many rows: once a step
-                step["shapes"] = (key, [cache_shape(blocks) for blocks in blocks_of])
-            ctx[rows] = caches[batched[0]].backend.batched_sparse_decode(
-                q.q_abs[rows], q.q_rope[rows], blocks_of, [selections[b][0] for b in batched], self.softmax_scale,
-                shapes=step["shapes"][1])
+        groups: dict[int, list[int]] = {}  # rows attended -> the batch rows attending that many
         for b, cache in enumerate(caches):
-            qa, qr = q.q_abs[b : b + 1], q.q_rope[b : b + 1]  # [1, H, kv_lora], [1, H, rope]
-            if b in selections and b not in batched:
-                ctx[b : b + 1] = self._sparse_of(cache.backend)(qa, qr, cache.blocks(layer), selections[b],
-                                                                self.softmax_scale)
-            elif b not in selections:
-                ctx[b : b + 1] = cache.backend.absorbed_attention(qa, qr, cache.blocks(layer), self.softmax_scale,
-                                                                  causal=True)
+            if hasattr(cache.backend, "batched_sparse_decode"):
+                groups.setdefault(selections[b].shape[1] if b in selections else cache.length + 1, []).append(b)
+            elif b in selections:
+                ctx[b : b + 1] = self._sparse_of(cache.backend)(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
+                                                                cache.blocks(layer), selections[b], self.softmax_scale)
+            else:
+                ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
+                                                                  cache.blocks(layer), self.softmax_scale, causal=True)
+        shapes: dict[tuple[int, ...], list[Any]] = step.setdefault("shapes", {})
+        for k, members in groups.items():
+            rows = np.asarray(members)  # rows: [n] batch rows
+            blocks_of = [caches[b].blocks(layer) for b in members]
+            key = tuple(members)
+            if key not in shapes:  # every layer of a cache holds as many rows: described once a step
+                shapes[key] = [cache_shape(blocks) for blocks in blocks_of]
+            picks = [selections[b][0] if b in selections else np.arange(k) for b in members]  # [k] i64 each
+            ctx[rows] = caches[members[0]].backend.batched_sparse_decode(
+                q.q_abs[rows], q.q_rope[rows], blocks_of, picks, self.softmax_scale, shapes=shapes[key])
         return ctx
 
     def _select_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
