@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.model.config import ModelConfig
+from kernels.model.moe_step import StackedExperts
 from kernels.model.rowwise import rowwise_linear
 
 
@@ -86,11 +87,17 @@ class MoE:
         self.bias = bias
         self.experts = experts
         self.shared = shared
+        self._stacked: StackedExperts | None = None  # built on the first batch-invariant call that fits it
 
     def __call__(self, x: np.ndarray, rowwise: bool = False) -> np.ndarray:
         """x [N, hidden] f32 -> [N, hidden] f32; experts accumulate in ascending expert order
         (``rowwise``: each token alone, batch-invariant)."""
         weights, chosen = route(x, self.gate_w, self.bias, self.cfg, rowwise)  # [N, k], [N, k]
+        if rowwise and StackedExperts.fits(self.experts):  # the whole batch's experts in two compiled calls
+            if self._stacked is None:
+                self._stacked = StackedExperts(self.experts)
+            out = self._stacked(x, weights, chosen, silu)  # [N, hidden] f32, bitwise the loop's
+            return out + self.shared(x, rowwise) if self.shared is not None else out
         out = np.zeros_like(x)  # [N, hidden] f32
         for expert in np.unique(chosen):
             tok, slot = np.nonzero(chosen == expert)  # tokens routed to this expert
