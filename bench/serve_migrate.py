@@ -8,6 +8,7 @@ medians of ``--reps`` repetitions, every piece alternated with the baseline in t
 - ``durable_copy_s``: ``cp -r`` of the session's files + fsync of each and of the directory;
 - ``get_s``: A's ``GET /v1/sessions/ID/bundle`` alone, read and dropped (one raw socket);
 - ``put_s``: B's ``PUT`` alone, its body a bundle file sent with ``sendfile``;
+  (before each PUT and pipe B's copy of the session is deleted, untimed, as in bench/serve.py)
 - ``pipe_s``: the move, A's GET spliced into B's PUT (bench.serve_pipe, no user-space copy);
 - ``pipe_copy_s``: the same through one user-space buffer (``recv_into`` + ``sendall``);
 - ``pipe_httpx_s``: the same through one httpx client (1 MiB pieces; the earlier bench's pipe);
@@ -30,6 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, cast
+
+import httpx
 
 from bench.serve_pipe import get_bundle, httpx_pipe, pipe_bundle, put_bundle
 from bench.serve_procs import Server
@@ -68,7 +71,9 @@ def run(root: Path, tokens: int, reps: int, with_httpx: bool) -> dict[str, Any]:
     bundle = root / "glm.colibundle"
     times: dict[str, list[float]] = {}
 
-    def timed(key: str, fn: Callable[[], float]) -> None:
+    def timed(key: str, fn: Callable[[], float], into: Server | None = None) -> None:
+        if into is not None and httpx.get(f"{into.url}/v1/sessions/{SESSION}", timeout=60).status_code == 200:
+            into.call("DELETE", f"/v1/sessions/{SESSION}")  # untimed: B holds no copy beforehand
         times.setdefault(key, []).append(fn())
 
     with Server(root / "a", str(model_dir)) as a, Server(root / "b", str(model_dir)) as b:
@@ -77,11 +82,11 @@ def run(root: Path, tokens: int, reps: int, with_httpx: bool) -> dict[str, Any]:
         for _ in range(reps):
             timed("durable_copy_s", lambda: durable_copy(s.directory, root / "copy"))
             timed("get_s", lambda: get_bundle(a.url, SESSION)[0])
-            timed("put_s", lambda: put_bundle(b.url, SESSION, str(bundle))[0])
-            timed("pipe_s", lambda: pipe_bundle(a.url, b.url, SESSION)[0])
-            timed("pipe_copy_s", lambda: pipe_bundle(a.url, b.url, SESSION, splice=False)[0])
+            timed("put_s", lambda: put_bundle(b.url, SESSION, str(bundle))[0], b)
+            timed("pipe_s", lambda: pipe_bundle(a.url, b.url, SESSION)[0], b)
+            timed("pipe_copy_s", lambda: pipe_bundle(a.url, b.url, SESSION, splice=False)[0], b)
             if with_httpx:
-                timed("pipe_httpx_s", lambda: httpx_pipe(a.url, b.url, SESSION)[0])
+                timed("pipe_httpx_s", lambda: httpx_pipe(a.url, b.url, SESSION)[0], b)
     for _ in range(reps):
         for key, value in in_process(root, bundle).items():
             times.setdefault(key, []).append(value)

@@ -23,6 +23,7 @@ from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 
 QUEUE_CHUNKS = 8  # writes buffered between the exporting thread and a slow client
+JOIN_BYTES = 64 << 10  # writes below this wait to go out with the next one
 END = b""
 MAX_ZSTD_LEVEL = 22
 
@@ -32,26 +33,51 @@ class _Gone(Exception):
 
 
 class QueueSink(io.RawIOBase):
-    """A writable file whose bytes go to a bounded queue (backpressure on the writer)."""
+    """A writable file whose bytes go to a bounded queue (backpressure on the writer).
+
+    Writes smaller than :data:`JOIN_BYTES` (a chunk's 24-byte header, the frames) wait and go
+    out joined with the next large one, so each queue item (one response body message, one
+    socket write) is a chunk's header and payload together; ``flush`` sends what waits. Either
+    way each byte is copied once (the writer's views of the mapping may not outlive the call).
+    """
 
     def __init__(self, out: queue.Queue[bytes | BaseException], gone: threading.Event) -> None:
         super().__init__()
         self.out, self.gone = out, gone
+        self._waiting: list[bytes] = []
+        self._waiting_bytes = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        data = bytes(b)
-        while data:
+        n = len(memoryview(b).cast("B"))
+        if self._waiting_bytes + n < JOIN_BYTES:
+            self._waiting.append(bytes(b))
+            self._waiting_bytes += n
+            return n
+        data = b"".join([*self._waiting, b]) if self._waiting else bytes(b)
+        self._waiting.clear()
+        self._waiting_bytes = 0
+        self._put(data)
+        return n
+
+    def flush(self) -> None:
+        if self._waiting:
+            data = b"".join(self._waiting)
+            self._waiting.clear()
+            self._waiting_bytes = 0
+            self._put(data)
+
+    def _put(self, data: bytes) -> None:
+        while True:
             if self.gone.is_set():
                 raise _Gone()
             try:
                 self.out.put(data, timeout=0.5)  # wakes to notice a vanished client
-                break
+                return
             except queue.Full:
                 continue
-        return len(b)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -111,7 +137,10 @@ async def export_stream(engine: Engine, session_id: str, compression: str | int 
     async def body() -> AsyncIterator[bytes]:
         try:
             while True:
-                item = await asyncio.to_thread(chunks.get)
+                try:
+                    item = chunks.get_nowait()  # the export is usually ahead of the socket
+                except queue.Empty:
+                    item = await asyncio.to_thread(chunks.get)
                 if isinstance(item, BaseException) or item == END:
                     return
                 yield item

@@ -94,3 +94,27 @@ def test_the_download_compression_choice() -> None:
         with pytest.raises(ApiError) as info:
             export_compression(bad, "127.0.0.1")
         assert info.value.status == 400 and info.value.param == "compress"
+
+
+def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
+    import queue
+
+    from sessionstore.service.bundles import JOIN_BYTES, QueueSink, _Gone
+
+    out: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=8)
+    gone = threading.Event()
+    sink = QueueSink(out, gone)
+    big = bytes(range(256)) * (JOIN_BYTES // 256)
+    assert sink.write(b"HEAD" * 6) == 24 and out.empty()  # a chunk header waits
+    assert sink.write(memoryview(big)) == len(big)
+    assert out.get_nowait() == b"HEAD" * 6 + big  # header and payload: one item
+    sink.write(b"FEND")
+    sink.write(b"TRLR")
+    assert out.empty()
+    sink.flush()
+    assert out.get_nowait() == b"FENDTRLR" and out.empty()
+    sink.flush()
+    assert out.empty()  # nothing waits: nothing sent
+    gone.set()
+    with pytest.raises(_Gone):
+        sink.write(big)
