@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,11 +79,45 @@ def _hash_safetensors(h: Hasher, path: Path) -> None:
         _frame(h, f"s{i}", sf.data_bytes_at(offset, offset + FILE_SAMPLE))
 
 
+_known: dict[str, tuple[tuple[Any, ...], str]] = {}  # resolved dir -> (its files' stat key, fingerprint)
+_known_lock = threading.Lock()
+
+
+def _stat_key(root: Path) -> tuple[Any, ...]:
+    """What changes when any file the fingerprint reads changes: (name, inode, size, mtime) of
+    ``config.json`` and of every ``*.safetensors``, in name order."""
+    names = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors") or p.name == "config.json")
+    key = []
+    for name in names:
+        st = os.stat(root / name)
+        key.append((name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(key)
+
+
 def fingerprint_dir(model_dir: str | os.PathLike[str]) -> str:
-    """Fingerprint of a checkpoint directory (``config.json`` + ``*.safetensors``)."""
+    """Fingerprint of a checkpoint directory (``config.json`` + ``*.safetensors``); computed once
+    and reused while none of those files changes (inode, size and mtime: every session opened
+    on a server asks again, and a large checkpoint's samples cost ~20 ms to read)."""
     root = Path(model_dir)
     if not root.is_dir():
         raise NotFoundError(f"{root}: not a model directory")
+    where = str(root.resolve())
+    try:
+        key = _stat_key(root)
+    except OSError:  # changing under us: compute afresh (and report what fails there)
+        key = ()
+    with _known_lock:
+        known = _known.get(where)
+    if key and known is not None and known[0] == key:
+        return known[1]
+    fingerprint = _fingerprint_files(root)
+    if key:
+        with _known_lock:
+            _known[where] = (key, fingerprint)
+    return fingerprint
+
+
+def _fingerprint_files(root: Path) -> str:
     h = hashlib.sha256(FINGERPRINT_TAG)
     _frame(h, "config", _canonical(_read_json(root / "config.json", CONFIG_MAX_BYTES)))
     files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
