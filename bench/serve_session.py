@@ -1,8 +1,9 @@
 """bench/serve.py's figures on a GLM-5.2-shaped session, against real server processes:
 
 - ``resume_on_request_ratio``: a suspended v2 (fp8) session of GLM-5.2's cache dims; (time to the
-  first token of a streamed completion on it - one decode step) / a raw sequential read of its
-  kv file (bench.session's ``raw_read``, warm page cache on both sides as bench.session's
+  first token of a streamed completion on it - that request's decode step, as the server's engine
+  timed it) / a raw sequential read of its kv file, per repetition, median (bench.session's
+  ``raw_read``, warm page cache on both sides as bench.session's
   ``resume_ratio``). The request continues the session (its prompt is the history, fetched
   before the timing; only the pending token is fed). Every timed resume is checked in the server's
   log: every committed record matched its checksum (FORMAT.md 4.4) and either the recomputed last
@@ -10,7 +11,8 @@
   ``lazy_logits``) its recompute was deferred because the sidecar vouched for every record and
   the request fed a token, so nothing was sampled from it (FORMAT.md 5.5).
 - ``http_migrate_vs_durable_copy``: the session's bundle streamed from server A
-  (``GET /v1/sessions/ID/bundle``) into server B (``PUT``) through one httpx client, over the
+  (``GET /v1/sessions/ID/bundle``) into server B (``PUT``) through one raw-socket client
+  (bench.serve_pipe: the body spliced socket to socket, B holding no copy beforehand), over the
   time of one durable copy of the session's files (``cp -r`` + fsync of each file and the
   directory): a ratio of throughputs over the same session bytes.
 
@@ -25,23 +27,21 @@ import statistics
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from bench.serve_pipe import pipe_bundle
 from bench.serve_procs import Server, stream_completion
 from bench.session import raw_read
 from bench.session_build import SEED, build_session, glm_cache_model
 from kernels.model.config import parse_config
 from kernels.model.tiny import tiny_weights
-from sessionstore.kvfile import open_kv
 from sessionstore.sessions import Session, SessionStore
 
 SESSION = "glm"
-PIPE_CHUNK = 1 << 20
 
 
 def write_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -68,30 +68,6 @@ def write_glm_cache_checkpoint(directory: Path) -> Path:
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     write_bf16_safetensors(directory / "model.safetensors", tiny_weights(parse_config(cfg, source="bench"), SEED))
     return directory
-
-
-class StepClock:
-    """``model.forward`` of one token over the session's committed rows, in this process: the rows
-    mapped read-only (no lock: the server holds it), a scratch cache over them, timed one step at a
-    time so that the steps can alternate with the requests (same machine load on both sides)."""
-
-    def __init__(self, s: Session) -> None:
-        self.model = s.model
-        self.reader = open_kv(s.kv_path)
-        n = self.reader.nrec
-        self.scratch = s.model.cache_from_blocks(self.reader.layer_blocks(n), self.reader.tokens[:n], kv_dtype="fp8")
-        self.token = np.asarray([7], dtype=np.int32)  # [1] i32
-        for _ in range(2):  # untimed: the kernels compile on their first calls
-            self.step()
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        self.model.forward(self.token, self.scratch)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        del self.scratch
-        self.reader.close(defer_unmap=True)
 
 
 def build(root: Path, model_dir: Path, n_tokens: int) -> Session:
@@ -135,31 +111,38 @@ def one_token(client: httpx.Client, server: Server) -> tuple[float, int]:
     return s.first_event - s.sent, committed  # no tokenizer: the first event carries the token
 
 
-def bench_resume(server: Server, kv_path: Path, clock: StepClock, reps: int) -> dict[str, Any]:
-    """TTFT of a request on the suspended session vs a raw read of its kv file and one decode step
-    in this process, alternated; and the same request on the session while resident (what the
-    resume adds is the difference). One untimed request first: the server's kernels compile on
-    its first decode step."""
-    ttft, resident, base, steps, server_resume, verified = [], [], [], [], [], []
+STEP_SUM = 'coli_forward_seconds_sum{kind="step"}'
+
+
+def bench_resume(server: Server, kv_path: Path, reps: int) -> dict[str, Any]:
+    """TTFT of a request on the suspended session vs a raw read of its kv file, alternated; the
+    decode step subtracted is that request's own, as the server's engine timed it
+    (``coli_forward_seconds{kind="step"}``: the request feeds one token, so it runs one step and
+    nothing else). Also the same request on the session while resident (what the resume adds is
+    the difference). One untimed request first: the server's kernels compile on their first step."""
+    ttft, resident, base, steps, resident_steps, server_resume, verified = [], [], [], [], [], [], []
     with httpx.Client(timeout=600) as client:
         one_token(client, server)
         server.call("POST", f"/v1/sessions/{SESSION}/suspend")
         seen = len(server.log_events("session.resume"))
         for _ in range(reps):
-            resumed_before = server.metric("coli_resume_seconds_sum")
+            resumed_before, stepped_before = server.metric("coli_resume_seconds_sum"), server.metric(STEP_SUM)
             base.append(raw_read(str(kv_path), os.path.getsize(kv_path)))
-            steps.append(clock.step())
             took, committed = one_token(client, server)
             ttft.append(took)
+            steps.append(server.metric(STEP_SUM) - stepped_before)
             server_resume.append(server.metric("coli_resume_seconds_sum") - resumed_before)
             verified.append(str(checked_resume(server, seen, committed)["verified"]))
             seen += 1
+            stepped_before = server.metric(STEP_SUM)
             resident.append(one_token(client, server)[0])
+            resident_steps.append(server.metric(STEP_SUM) - stepped_before)
             server.call("POST", f"/v1/sessions/{SESSION}/suspend")
+    per_rep = [(t - st) / b for t, st, b in zip(ttft, steps, base, strict=True)]
     t, b, r = statistics.median(ttft), statistics.median(base), statistics.median(resident)
-    step_s = statistics.median(steps)
-    return {"resume_on_request_ratio": (t - step_s) / b, "resume_added_ratio": (t - r) / b, "ttft_s": t,
-            "ttft_resident_s": r, "raw_read_s": b, "decode_step_s": step_s,
+    return {"resume_on_request_ratio": statistics.median(per_rep), "resume_added_ratio": (t - r) / b, "ttft_s": t,
+            "ttft_resident_s": r, "raw_read_s": b, "decode_step_s": statistics.median(steps),
+            "resident_step_s": statistics.median(resident_steps),
             "server_resume_s": statistics.median(server_resume), "resume_verified": verified,
             "kv_bytes": os.path.getsize(kv_path)}
 
@@ -184,35 +167,26 @@ def durable_copy(src: Path, dst: Path) -> float:
     return took
 
 
-def http_migrate(a: Server, b: Server) -> tuple[float, int, dict[str, Any]]:
-    """A's bundle of the session piped into B's PUT; (seconds, bundle bytes, B's answer)."""
-    sent = 0
-    with httpx.Client(timeout=600) as client:
-        t0 = time.perf_counter()
-        with client.stream("GET", f"{a.url}/v1/sessions/{SESSION}/bundle") as got:
-            if got.status_code != 200:
-                raise RuntimeError(f"GET bundle: {got.status_code} {got.read()[:300]!r}")
-
-            def body() -> Iterator[bytes]:
-                nonlocal sent
-                for chunk in got.iter_raw(PIPE_CHUNK):
-                    sent += len(chunk)
-                    yield chunk
-
-            put = client.put(f"{b.url}/v1/sessions/{SESSION}/bundle", content=body())
-        took = time.perf_counter() - t0
-    if put.status_code != 200:
-        raise RuntimeError(f"PUT bundle: {put.status_code} {put.text[:300]}")
-    return took, sent, put.json()
+def http_migrate(a: Server, b: Server, *, splice: bool = True) -> tuple[float, int, dict[str, Any]]:
+    """A's bundle of the session streamed into B's PUT by one raw-socket client
+    (bench.serve_pipe: A's exact Content-Length declared on the PUT, the body moved socket to
+    socket with ``splice``, or through one buffer); (seconds, bundle bytes, B's answer)."""
+    took, sent, answer = pipe_bundle(a.url, b.url, SESSION, splice=splice)
+    result: dict[str, Any] = answer.json()
+    return took, sent, result
 
 
 def bench_migrate(a: Server, b: Server, session_dir: Path, scratch: Path, reps: int) -> dict[str, Any]:
-    """HTTP migration A -> B vs one durable copy of the session's files, alternated."""
+    """HTTP migration A -> B vs one durable copy of the session's files, alternated. Both write
+    into a place that holds no copy yet: B's copy of the session is deleted before each move and
+    the durable copy is removed after each copy, both untimed."""
     want = a.call("GET", f"/v1/sessions/{SESSION}")["committed"]
     files = sum(os.path.getsize(session_dir / n) for n in os.listdir(session_dir))
     ours, base, wire = [], [], 0
     for _ in range(reps):
         base.append(durable_copy(session_dir, scratch / "copy"))
+        if httpx.get(f"{b.url}/v1/sessions/{SESSION}", timeout=60).status_code == 200:
+            b.call("DELETE", f"/v1/sessions/{SESSION}")
         took, wire, answer = http_migrate(a, b)
         if answer.get("committed") != want:
             raise RuntimeError(f"B holds {answer.get('committed')} committed tokens after the move, A {want}")
@@ -220,8 +194,8 @@ def bench_migrate(a: Server, b: Server, session_dir: Path, scratch: Path, reps: 
     t, c = statistics.median(ours), statistics.median(base)
     return {"http_migrate_vs_durable_copy": c / t, "http_migrate_s": t, "durable_copy_s": c,
             "session_bytes": files, "bundle_bytes": wire, "http_migrate_gb_s": files / t / 1e9,
-            "durable_copy_gb_s": files / c / 1e9}
+            "durable_copy_gb_s": files / c / 1e9, "http_migrate_all_s": ours, "durable_copy_all_s": base}
 
 
-__all__ = ["SESSION", "StepClock", "bench_migrate", "bench_resume", "build", "durable_copy",
+__all__ = ["SESSION", "bench_migrate", "bench_resume", "build", "durable_copy",
            "http_migrate", "write_glm_cache_checkpoint"]

@@ -15,6 +15,7 @@ the library chooses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import njit, types, void
@@ -24,7 +25,7 @@ from kernels.errors import FormatError
 _F32 = types.float32
 
 
-def _score_signatures() -> list[object]:
+def _score_signatures() -> list[Any]:
     """keys may be strided (a file's [T, NI, hd] rows cut at one slot) and read-only (a mapping)."""
     qi, w, out = types.Array(_F32, 2, "C"), types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")
     keys = (types.Array(_F32, 2, "C"), types.Array(_F32, 2, "A"), types.Array(_F32, 2, "A", readonly=True))

@@ -16,6 +16,7 @@ whoever shares the step and however many do.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import njit, types, void
@@ -82,7 +83,7 @@ def _attend_selected(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndar
                 acc[n] = acc[n] / total
 
 
-def _take_signature(readonly: bool) -> object:
+def _take_signature(readonly: bool) -> Any:
     """One block's fields, strided and read-only or not (a file's mapping); our outputs, contiguous."""
     u8 = types.Array(types.uint8, 2, "A", readonly=readonly)
     f32 = types.Array(_F32, 1, "A", readonly=readonly)
@@ -147,7 +148,8 @@ class _Fp8Codes:
                 _TAKE[not writable.pop()](*fields, positions, start, self.lc[b], self.rc[b], self.lsc[b], self.rsc[b])
             else:
                 lo, hi = np.searchsorted(positions, [start, start + blk.length])  # this block's share
-                for field, out in zip(fields, (self.lc, self.rc, self.lsc, self.rsc), strict=True):
+                outs: tuple[np.ndarray, ...] = (self.lc, self.rc, self.lsc, self.rsc)
+                for field, out in zip(fields, outs, strict=True):
                     np.take(field, positions[lo:hi] - start, axis=0, out=out[b, lo:hi], mode="clip")
             start += blk.length
         self.rows.append(b)
