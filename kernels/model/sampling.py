@@ -79,6 +79,13 @@ def sample(
     top_p: float = 1.0,
 ) -> int:
     """The token id drawn from ``logits`` [vocab] for absolute ``position`` (see the module doc)."""
+    if temperature == 0:  # greedy: the first maximum, read in place (a widening copy orders values the same)
+        flat = np.asarray(logits).reshape(-1)  # flat: [V] view
+        if flat.size and flat.dtype.kind == "f":
+            best = int(np.argmax(flat))  # argmax stops at the first NaN: that case is left to the full path
+            top = float(flat[best])
+            if top == top and top != -math.inf:
+                return best
     z = np.asarray(logits, dtype=np.float64).reshape(-1)  # z: [V] f64 copy
     if z.size == 0:
         raise FormatError("sampling: empty logits")

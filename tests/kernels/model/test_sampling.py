@@ -95,3 +95,23 @@ def test_bad_logits() -> None:
 def test_round_trip_through_dict() -> None:
     s = Sampler(temperature=0.7, top_k=5, top_p=0.9, seed=123)
     assert Sampler.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize("row", [
+    [1.0, 3.0, 3.0, 2.0],  # ties: the first
+    [np.nan, 1.0, 2.0],  # NaN counts as -inf
+    [2.0, np.nan, 5.0, 5.0],
+    [-np.inf, -1.0, -np.inf],
+    [np.inf, 1.0, np.inf],  # greedy takes the first +inf
+    [-3.0e38, -3.4e38],
+])
+def test_greedy_on_f32_logits_is_the_f64_rule(row: list[float]) -> None:
+    f32 = np.array(row, dtype=np.float32)  # the decoder's logits: read in place
+    z = np.where(np.isnan(np.array(row, dtype=np.float64)), -np.inf, np.array(row, dtype=np.float64))
+    assert sample(f32) == sample(f32.astype(np.float64)) == int(np.argmax(z))
+
+
+def test_greedy_refuses_all_minus_inf_and_nan() -> None:
+    for row in ([-np.inf, -np.inf], [np.nan, np.nan], [np.nan, -np.inf]):
+        with pytest.raises(FormatError, match="-inf or NaN"):
+            sample(np.array(row, dtype=np.float32))
