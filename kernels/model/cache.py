@@ -236,14 +236,20 @@ class DecoderCache:
     @property
     def tokens(self) -> np.ndarray:
         """Input tokens [length] i32 (a copy)."""
-        own = self._own_tokens[: self.length - self._base_len]
-        return np.concatenate([self._base_tokens[: min(self.length, self._base_len)], own]).astype("<i4")
+        return self.tokens_from(0)
+
+    def tokens_from(self, start: int) -> np.ndarray:
+        """Input tokens of positions [start, length) [length - start] i32 (a copy of those only: a
+        resumed cache's are a strided view of its file's records, one page apart)."""
+        own = self._own_tokens[max(start - self._base_len, 0) : self.length - self._base_len]
+        base = self._base_tokens[min(start, self._base_len) : min(self.length, self._base_len)]
+        return np.concatenate([base, own]).astype("<i4")
 
     def records_since(self, start: int) -> RecordRows:
         """Positions [start, length) across all layers, record-major, as the file stores them."""
         if not 0 <= start <= self.length:
             raise FormatError(f"records_since({start}): the cache holds {self.length} positions")
-        tokens = self.tokens[start:]  # [k] i32
+        tokens = self.tokens_from(start)  # [k] i32
         fields: dict[str, Any] = {}  # RecordRows field name -> [k, L, *] array
         codec = self._own[0].codec if self._own else None
         if start == self.length:

@@ -110,7 +110,7 @@ def sampler_for(base: SamplerSettings, given: dict[str, Any]) -> SamplerSettings
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
     """``max_tokens``, or the default clamped to the room the context leaves; checked against it."""
     max_new = spec.max_tokens if spec.max_tokens is not None else max(1, min(default, context - prompt_len + 1))
-    check_room(list(range(prompt_len)), max_new, context)
+    check_room(range(prompt_len), max_new, context)  # a range: the length is all it reads
     return max_new
 
 
@@ -141,7 +141,8 @@ class TurnRunner:
             ids = list(spec.prompt or [])
         if not ids:
             raise FormatError("the prompt tokenizes to nothing")
-        return [int(t) for t in self.model.check_tokens(np.asarray(ids, dtype=np.int64))]
+        checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
+        return checked
 
     def _token_callback(self, tokens: list[int], gate: TextGate, sink: TurnSink, stop_at_eos: bool,
                         stream: StreamDecoder | None, at_token: Callable[[], bool]) -> Any:
