@@ -95,10 +95,11 @@ class GlmDecoder(MLADecoder):
             step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
         selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
-        groups: dict[int, list[int]] = {}  # rows attended -> the batch rows attending that many
+        groups: dict[tuple[int, type], list[int]] = {}  # (rows attended, backend) -> the batch rows
         for b, cache in enumerate(caches):
             if hasattr(cache.backend, "batched_sparse_decode"):
-                groups.setdefault(selections[b].shape[1] if b in selections else cache.length + 1, []).append(b)
+                k = selections[b].shape[1] if b in selections else cache.length + 1
+                groups.setdefault((k, type(cache.backend)), []).append(b)
             elif b in selections:
                 ctx[b : b + 1] = self._sparse_of(cache.backend)(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
                                                                 cache.blocks(layer), selections[b], self.softmax_scale)
@@ -106,7 +107,7 @@ class GlmDecoder(MLADecoder):
                 ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
                                                                   cache.blocks(layer), self.softmax_scale, causal=True)
         shapes: dict[tuple[int, ...], list[Any]] = step.setdefault("shapes", {})
-        for k, members in groups.items():
+        for (k, _), members in groups.items():
             rows = np.asarray(members)  # rows: [n] batch rows
             blocks_of = [caches[b].blocks(layer) for b in members]
             key = tuple(members)
