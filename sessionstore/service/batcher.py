@@ -2,8 +2,10 @@
 
 Turns run in threads of their own (one per request, holding the :class:`DecoderBaton` while they
 touch their session), but none of them runs the model: a turn's ``model.forward`` is a
-:class:`BatchingDecoder` that hands the work to the :class:`StepBatcher` and waits, letting go of
-the baton meanwhile. The engine thread gathers what waits and runs it:
+:class:`BatchingDecoder` that hands the work to the :class:`StepBatcher` and parks on the baton
+meanwhile; the engine thread admits it back once its forward is done, so after a step the turns
+wake one at a time, each holding the baton, in batch order. The engine thread gathers what waits
+and runs it:
 
 - every single-token forward (a decode step, or the last token of a prompt) of every waiting
   session in ONE ``decode_step`` (continuous batching: sessions join and leave between steps);
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sessionstore.log import get_logger
-from sessionstore.service.scheduler import DecoderBaton
+from sessionstore.service.scheduler import DecoderBaton, Ticket
 
 log = get_logger("service")
 
@@ -40,6 +42,7 @@ class _Work:
     tokens: np.ndarray  # [S] i32
     cache: Any
     done: Future[np.ndarray] = field(default_factory=Future)
+    ticket: Ticket | None = None  # a turn parked on the baton: admitted again once ``done`` is set
 
 
 class StepBatcher:
@@ -75,16 +78,14 @@ class StepBatcher:
             out: np.ndarray = self.model.forward(tokens, cache)
             return out
         work = _Work(np.asarray(tokens), cache)
+        if self.baton.held_by_me():  # a turn: let go of the baton; woken holding it, its forward done
+            work.ticket = self.baton.park()
         with self._cond:
             self._queue.append(work)
             self._cond.notify_all()
-        if not self.baton.held_by_me():  # a caller outside the turns (a test, a tool): just wait
-            return work.done.result()
-        self.baton.release()
-        try:
-            return work.done.result()
-        finally:
-            self.baton.acquire()
+        if work.ticket is not None:
+            self.baton.wait(work.ticket)
+        return work.done.result()  # a caller outside the turns (a test, a tool) just waits here
 
     def stop(self) -> None:
         with self._cond:
@@ -135,6 +136,12 @@ class StepBatcher:
             work.done.set_result(logits)
         except BaseException as exc:  # the turn that asked re-raises it
             work.done.set_exception(exc)
+        self._admit(work)
+
+    def _admit(self, work: _Work) -> None:
+        """The forward is done: its turn may have the baton again (in the order forwards finish)."""
+        if work.ticket is not None:
+            self.baton.admit(work.ticket)
 
     def _observe(self, kind: str, sessions: int, seconds: float) -> None:
         if self.on_forward is not None:
@@ -148,6 +155,7 @@ class StepBatcher:
                 self.model.check_room(work.cache, 1)
             except BaseException as exc:
                 work.done.set_exception(exc)
+                self._admit(work)
             else:
                 ready.append(work)
         if not ready:
@@ -165,6 +173,7 @@ class StepBatcher:
         self._observe("step", len(ready), took)
         for b, work in enumerate(ready):
             work.done.set_result(logits[b : b + 1])  # [1, V] f32, as forward returns
+            self._admit(work)
 
 
 class BatchingDecoder:

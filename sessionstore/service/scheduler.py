@@ -12,6 +12,15 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A parked holder of the baton: its thread and the lock it sleeps on."""
+
+    ident: int
+    wake: threading.Lock
 
 
 class DecoderBaton:
@@ -45,6 +54,30 @@ class DecoderBaton:
             self._holder, wake = self._waiting.popleft()
         wake.release()
 
+    def park(self) -> Ticket:
+        """The holder lets go of the baton and takes a ticket to sleep on (:meth:`wait`) until
+        :meth:`admit` queues it again: it wakes holding the baton, once, and not before."""
+        wake = threading.Lock()
+        wake.acquire()
+        ticket = Ticket(threading.get_ident(), wake)
+        self.release()
+        return ticket
+
+    def admit(self, ticket: Ticket) -> None:
+        """Queue a parked thread for the baton (called by the engine thread once its forward is
+        done): handed the baton now if it is free, else after the threads already waiting."""
+        with self._mutex:
+            if self._holder is not None or self._waiting:
+                self._waiting.append((ticket.ident, ticket.wake))
+                return
+            self._holder = ticket.ident
+        ticket.wake.release()
+
+    @staticmethod
+    def wait(ticket: Ticket) -> None:
+        """Sleep until admitted and handed the baton."""
+        ticket.wake.acquire()
+
     def held_by_me(self) -> bool:
         return self._holder == threading.get_ident()
 
@@ -62,4 +95,4 @@ class DecoderBaton:
             return len(self._waiting)
 
 
-__all__ = ["DecoderBaton"]
+__all__ = ["DecoderBaton", "Ticket"]

@@ -113,3 +113,33 @@ def test_baton_serves_in_arrival_order_and_only_its_holder_releases_it() -> None
     for t in threads:
         t.join()
     assert order == [0, 1, 2, 3] and not baton.held_by_me()
+
+
+def test_a_parked_holder_wakes_only_when_admitted_and_then_holds_the_baton() -> None:
+    baton, events = DecoderBaton(), []
+    ready = threading.Event()
+    tickets: list = []
+
+    def turn(n: int) -> None:
+        with baton.held():
+            tickets.append(baton.park())  # lets go of the baton: the next turn may take it
+            if len(tickets) == 3:
+                ready.set()
+            baton.wait(tickets[n])
+            events.append((n, baton.held_by_me()))
+
+    threads = [threading.Thread(target=turn, args=(n,)) for n in range(3)]
+    for n, t in enumerate(threads):
+        t.start()
+        while len(tickets) < n + 1:  # parked one after another
+            pass
+    ready.wait(5)
+    assert events == [] and not baton.held_by_me()  # nobody holds it while all are parked
+    baton.acquire()  # a newcomer takes the free baton; admitted turns queue behind it
+    for n in (2, 0, 1):  # the engine admits them in the order their forwards finish
+        baton.admit(tickets[n])
+    assert events == []
+    baton.release()
+    for t in threads:
+        t.join(5)
+    assert events == [(2, True), (0, True), (1, True)] and baton.waiting == 0
