@@ -1,10 +1,15 @@
 """The bridge between the engine thread and a request's coroutine: the engine pushes text pieces
 and the outcome, the handler awaits them; a handler whose client vanished cancels the turn,
-which ends at its next token boundary and commits."""
+which ends at its next token boundary and commits.
+
+Events of every turn go to the loop through one :class:`LoopOutbox` per loop: a burst of events
+(a batched decode step's tokens for every stream) wakes the loop once, not once per event."""
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,18 +20,61 @@ class Event:
     value: Any
 
 
+class LoopOutbox:
+    """Events for queues on one event loop, put from other threads: the first event of a burst
+    schedules one drain on the loop; the others join it. Each queue's events keep their order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue[Event], event: Event) -> bool:
+        """Queue ``event`` for ``queue``; False once the loop is gone (nobody listens any more)."""
+        if self._loop.is_closed():
+            return False
+        with self._lock:
+            self._items.append((queue, event))
+            if self._scheduled:
+                return True
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # closed meanwhile
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, deque(), False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopOutbox] = weakref.WeakKeyDictionary()
+_outboxes_lock = threading.Lock()
+
+
+def outbox_of(loop: asyncio.AbstractEventLoop) -> LoopOutbox:
+    """The one outbox of ``loop``."""
+    with _outboxes_lock:
+        box = _outboxes.get(loop)
+        if box is None:
+            box = _outboxes[loop] = LoopOutbox(loop)
+        return box
+
+
 class TurnStream:
     """A :class:`TurnSink` feeding an asyncio queue on ``loop`` from another thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._outbox = outbox_of(loop)
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
 
     def _put(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the loop is gone (server stopped): nobody is listening
+        if not self._outbox.put(self._queue, event):  # the loop is gone (server stopped): nobody listens
             self._cancelled.set()
 
     # ---- engine side ---------------------------------------------------------------------------
@@ -50,4 +98,4 @@ class TurnStream:
         self._cancelled.set()
 
 
-__all__ = ["Event", "TurnStream"]
+__all__ = ["Event", "LoopOutbox", "TurnStream", "outbox_of"]

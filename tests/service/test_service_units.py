@@ -2,6 +2,7 @@
 the baton's arrival order, the error mapping."""
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
 from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback, parse_bind
 from sessionstore.service.scheduler import DecoderBaton
+from sessionstore.service.streams import Event, LoopOutbox
 from sessionstore.service.turns import TextGate
 
 
@@ -143,3 +145,43 @@ def test_a_parked_holder_wakes_only_when_admitted_and_then_holds_the_baton() -> 
     for t in threads:
         t.join(5)
     assert events == [(2, True), (0, True), (1, True)] and baton.waiting == 0
+
+
+def test_loop_outbox_keeps_each_queues_order_and_wakes_the_loop_once_per_burst() -> None:
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever)
+    runner.start()
+    try:
+        box = LoopOutbox(loop)
+        queues = asyncio.run_coroutine_threadsafe(_queues(3), loop).result(5)
+        drains: list[int] = []
+        original = box._drain
+        box._drain = lambda: (drains.append(1), original())[1]  # type: ignore[method-assign]
+        go = threading.Barrier(3)
+
+        def producer(q: int) -> None:
+            go.wait()
+            for i in range(200):
+                assert box.put(queues[q], Event("text", i))
+
+        threads = [threading.Thread(target=producer, args=(q,)) for q in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = asyncio.run_coroutine_threadsafe(_drain_all(queues, 200), loop).result(5)
+        assert got == [list(range(200))] * 3  # every event, in order, per queue
+        assert len(drains) < 600  # bursts shared a wake-up of the loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+    assert not box.put(queues[0], Event("text", 0))  # the loop is gone: the turn learns nobody listens
+
+
+async def _queues(n: int) -> list[asyncio.Queue[Event]]:
+    return [asyncio.Queue() for _ in range(n)]
+
+
+async def _drain_all(queues: list[asyncio.Queue[Event]], n: int) -> list[list[int]]:
+    return [[(await q.get()).value for _ in range(n)] for q in queues]
