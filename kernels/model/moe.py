@@ -88,12 +88,13 @@ class MoE:
         self.experts = experts
         self.shared = shared
         self._stacked: StackedExperts | None = None  # built on the first batch-invariant call that fits it
+        self._stackable = StackedExperts.fits(experts)  # the experts' shapes decide it, once
 
     def __call__(self, x: np.ndarray, rowwise: bool = False) -> np.ndarray:
         """x [N, hidden] f32 -> [N, hidden] f32; experts accumulate in ascending expert order
         (``rowwise``: each token alone, batch-invariant)."""
         weights, chosen = route(x, self.gate_w, self.bias, self.cfg, rowwise)  # [N, k], [N, k]
-        if rowwise and StackedExperts.fits(self.experts):  # the whole batch's experts in two compiled calls
+        if rowwise and self._stackable:  # the whole batch's experts in two compiled calls
             if self._stacked is None:
                 self._stacked = StackedExperts(self.experts)
             out = self._stacked(x, weights, chosen, silu)  # [N, hidden] f32, bitwise the loop's
