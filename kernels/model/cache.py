@@ -80,6 +80,16 @@ class _GrowableRows:
             self.arrays[name][start : start + n] = val
         self.length = start + n
 
+    def write_row(self, pos: int, values: dict[str, np.ndarray], i: int) -> None:
+        """Row i of every batch array in ``values`` ({field: [B, *]}) at owned position ``pos``
+        (a decode step's one new row: no per-row dict or slices)."""
+        if pos >= next(iter(self.arrays.values())).shape[0]:
+            self.write(pos, {name: val[i : i + 1] for name, val in values.items()})
+            return
+        for name, arr in self.arrays.items():
+            arr[pos] = values[name][i]
+        self.length = pos + 1
+
     def view(self, start: int, stop: int) -> LatentRows:
         a = self.arrays
         if self.kind == "f32":
@@ -109,6 +119,14 @@ class _GrowableIndex:
             self.rows = grown
         self.rows[start : start + n] = ic
         self.length = start + n
+
+    def write_row(self, pos: int, keys: np.ndarray, i: int) -> None:
+        """Row i of keys [B, hd] f32 at owned position ``pos``."""
+        if pos >= self.rows.shape[0]:
+            self.write(pos, keys[i : i + 1])
+            return
+        self.rows[pos] = keys[i]
+        self.length = pos + 1
 
 
 class DecoderCache:
@@ -315,6 +333,15 @@ class DecoderCache:
             values = {"lc": lc, "rc": rc}
         return values
 
+    def write_step_row(self, layer: int, values: dict[str, np.ndarray], i: int) -> None:
+        """Row i of a batch already in this cache's form ({field: [B, *]}, :meth:`encode_rows` of
+        several caches' rows) at this cache's one pending position of ``layer``."""
+        self._own[layer].write_row(self.length - self._base_len, values, i)
+
+    def write_index_row(self, slot: int, keys: np.ndarray, i: int) -> None:
+        """Row i of keys [B, hd] f32 as the indexer key of this cache's one pending position."""
+        self._own_index[slot].write_row(self.length - self._base_len, keys, i)
+
     def write_index(self, slot: int, ic: np.ndarray) -> None:
         """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
         self._own_index[slot].write(self.length - self._base_len, np.asarray(ic, dtype=np.float32))
@@ -379,7 +406,7 @@ def write_step_rows(caches: Sequence[DecoderCache], layer: int, lc: np.ndarray, 
         rows = np.asarray(members)  # rows: [n] batch rows of this kv dtype
         values = caches[members[0]].encode_rows(layer, lc[rows], rc[rows])  # {field: [n, ...]}
         for i, b in enumerate(members):
-            caches[b].write_encoded(layer, {name: v[i : i + 1] for name, v in values.items()})
+            caches[b].write_step_row(layer, values, i)
 
 
 def _width(b: LatentRows, which: str) -> int:

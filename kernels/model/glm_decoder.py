@@ -125,7 +125,7 @@ class GlmDecoder(MLADecoder):
         indexer, slot = self.indexers[layer], self.index_slots[layer]
         keys = indexer.keys(x, self.rotary, cos, sin, rowwise=True)  # keys: [B, hd] f32
         for b, cache in enumerate(caches):
-            cache.write_index(slot, keys[b : b + 1])
+            cache.write_index_row(slot, keys, b)
         past = [b for b, cache in enumerate(caches) if cache.length >= self.dsa.index_topk]
         if not past:
             return {}
