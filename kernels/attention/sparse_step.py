@@ -7,8 +7,10 @@ that of :mod:`kernels.attention.sparse`, per session b and head h over rows j of
 (f32 and v3 rows are gathered decoded with factors 1.0, which multiply exactly).
 
 Each session's k selected rows (only those: no copy of any cache) are gathered into its slice of
-one batch scratch: fp8 sessions as codes, decoded for the whole batch at once; others through a
-``TileGatherer`` over the caller's scratch. Then ONE compiled kernel attends them all. It fixes
+one batch scratch: fp8 sessions as codes; others through a ``TileGatherer`` over the caller's
+scratch. Then ONE compiled kernel attends them all: a batch of fp8 sessions only (the usual one)
+reads its codes through the decode table as it uses them; a mixed batch has its fp8 codes decoded
+for the whole batch first. It fixes
 its arithmetic per (session, head) by construction (dot products over eight fixed lanes then a
 fixed tree, rows in ascending order, strict IEEE f32), so a session's context is bitwise the same
 whoever shares the step and however many do.
@@ -22,13 +24,15 @@ import numpy as np
 from numba import njit, types, void
 
 from kernels.attention.absorbed import as_query, check_query_pair
-from kernels.attention.tables import decode_codes_into, sanitize_scales_into
+from kernels.attention.tables import DECODE_TABLE, decode_codes_into, sanitize_scales_into
 from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import Fp8Rows, LatentRows
 
 _F32 = types.float32
 _A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
+_U3 = types.Array(types.uint8, 3, "C")
+_TABLE = types.Array(_F32, 1, "C", readonly=True)  # DECODE_TABLE [256] f32
 
 
 @njit(_F32(types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")), cache=True, nogil=True, boundscheck=False,
@@ -53,34 +57,67 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - comp
     return total
 
 
+_A1 = types.Array(_F32, 1, "C")
+
+
+@njit(void(_A2, _A2, _A2, _A2, _A1, _A1, _F32, _A1, _A2), cache=True, nogil=True, boundscheck=False,
+      inline="always")
+def _attend_one(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
+                scale: np.float32, scores: np.ndarray, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One session: ctx [H, K] from qa [H, K], qr [H, R] over its rows lc [k, K], rc [k, R] and
+    their factors lsc, rsc [k]; ``scores`` [k] is scratch."""
+    heads, width = qa.shape
+    k = lc.shape[0]
+    for h in range(heads):
+        top = np.float32(-np.inf)
+        for j in range(k):
+            v = (_dot(qa[h], lc[j]) * lsc[j] + _dot(qr[h], rc[j]) * rsc[j]) * scale
+            scores[j] = v
+            if v > top:
+                top = v
+        acc = ctx[h]  # acc: [K] f32
+        acc[:] = 0
+        total = np.float32(0.0)
+        for j in range(k):
+            p = np.float32(np.exp(scores[j] - top))
+            total += p
+            weight = p * lsc[j]
+            row = lc[j]  # row: [K] f32
+            for n in range(width):
+                acc[n] = acc[n] + weight * row[n]
+        for n in range(width):
+            acc[n] = acc[n] / total
+
+
 @njit(void(_A3, _A3, _A3, _A3, _A2, _A2, _F32, _A3), cache=True, nogil=True, boundscheck=False)
 def _attend_selected(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray,
                      rsc: np.ndarray, scale: np.float32, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
     """ctx [B, H, K] from qa [B, H, K], qr [B, H, R] over rows lc [B, k, K], rc [B, k, R] and their
     factors lsc, rsc [B, k]."""
-    n_sessions, heads, width = qa.shape
-    k = lc.shape[1]
+    scores = np.empty(lc.shape[1], np.float32)
+    for b in range(qa.shape[0]):
+        _attend_one(qa[b], qr[b], lc[b], rc[b], lsc[b], rsc[b], scale, scores, ctx[b])
+
+
+@njit(void(_A3, _A3, _U3, _U3, _TABLE, _A2, _A2, _F32, _A3), cache=True, nogil=True, boundscheck=False)
+def _attend_codes(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, table: np.ndarray,
+                  lsc: np.ndarray, rsc: np.ndarray, scale: np.float32, ctx: np.ndarray) -> None:  # pragma: no cover
+    """``_attend_selected`` over fp8 codes lc [B, k, K], rc [B, k, R] u8: each session's rows are
+    decoded through ``table`` [256] f32 (DECODE_TABLE) into a scratch of one session's size just
+    before it attends them; the same arithmetic on the same values, bitwise, without a decoded
+    copy of the whole batch."""
+    n_sessions, k, width = lc.shape
+    rope = rc.shape[2]
     scores = np.empty(k, np.float32)
+    lc_f = np.empty((k, width), np.float32)  # lc_f: [k, K] f32, one session's decoded rows
+    rc_f = np.empty((k, rope), np.float32)  # rc_f: [k, R] f32
     for b in range(n_sessions):
-        for h in range(heads):
-            top = np.float32(-np.inf)
-            for j in range(k):
-                v = (_dot(qa[b, h], lc[b, j]) * lsc[b, j] + _dot(qr[b, h], rc[b, j]) * rsc[b, j]) * scale
-                scores[j] = v
-                if v > top:
-                    top = v
-            acc = ctx[b, h]  # acc: [K] f32
-            acc[:] = 0
-            total = np.float32(0.0)
-            for j in range(k):
-                p = np.float32(np.exp(scores[j] - top))
-                total += p
-                weight = p * lsc[b, j]
-                row = lc[b, j]  # row: [K] f32
-                for n in range(width):
-                    acc[n] = acc[n] + weight * row[n]
+        for j in range(k):
             for n in range(width):
-                acc[n] = acc[n] / total
+                lc_f[j, n] = table[lc[b, j, n]]
+            for n in range(rope):
+                rc_f[j, n] = table[rc[b, j, n]]
+        _attend_one(qa[b], qr[b], lc_f, rc_f, lsc[b], rsc[b], scale, scores, ctx[b])
 
 
 def _take_signature(readonly: bool) -> Any:
@@ -143,9 +180,10 @@ class _Fp8Codes:
         for blk in blocks:
             assert isinstance(blk, Fp8Rows)  # the caller checked: every block is fp8
             fields = (blk.lc_codes, blk.rc_codes, blk.lc_scale, blk.rc_scale)
-            writable = {f.flags.writeable for f in fields}
-            if len(writable) == 1:  # one compiled call for the four fields (one block's views: the usual case)
-                _TAKE[not writable.pop()](*fields, positions, start, self.lc[b], self.rc[b], self.lsc[b], self.rsc[b])
+            writable = fields[0].flags.writeable
+            if all(f.flags.writeable == writable for f in fields[1:]):  # one compiled call for the four fields
+                # (one block's views: the usual case)
+                _TAKE[not writable](*fields, positions, start, self.lc[b], self.rc[b], self.lsc[b], self.rsc[b])
             else:
                 lo, hi = np.searchsorted(positions, [start, start + blk.length])  # this block's share
                 outs: tuple[np.ndarray, ...] = (self.lc, self.rc, self.lsc, self.rsc)
@@ -153,6 +191,13 @@ class _Fp8Codes:
                     np.take(field, positions[lo:hi] - start, axis=0, out=out[b, lo:hi], mode="clip")
             start += blk.length
         self.rows.append(b)
+
+    def scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sanitised scales of every session (all of them fp8): lsc, rsc [B, k] f32."""
+        lsc, rsc = np.empty(self.lsc.shape, np.float32), np.empty(self.rsc.shape, np.float32)
+        sanitize_scales_into(self.lsc, lsc)
+        sanitize_scales_into(self.rsc, rsc)
+        return lsc, rsc
 
     def decode_into(self, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray) -> None:
         """Rows ``self.rows`` of the f32 scratch: table[code] and sanitised scales."""
@@ -193,18 +238,24 @@ def batched_sparse_decode(q_abs: np.ndarray, q_rope: np.ndarray, blocks_of: Sequ
     check_query_pair("batched sparse decode", qa, qr)
     sel = _checked_selections(selections, np.array([s.length for s in shapes]))  # sel: [B, k] i64
     k = sel.shape[1]
+    ctx = np.empty(qa.shape, np.float32)  # ctx: [B, H, kv_lora] f32
+    codes = _Fp8Codes(n, k, kv_lora, rope)
+    if all(shape.all_fp8 for shape in shapes):  # the usual batch (one kv dtype): attend the codes as gathered
+        for b, blocks in enumerate(blocks_of):
+            codes.take(b, blocks, sel[b])
+        lsc8, rsc8 = codes.scales()  # [B, k] f32 each
+        _attend_codes(qa, qr, codes.lc, codes.rc, DECODE_TABLE, lsc8, rsc8, np.float32(softmax_scale), ctx)
+        return ctx
     lc = np.empty((n, k, kv_lora), np.float32)  # lc: [B, k, kv_lora] f32 (codes decoded, unscaled)
     rc = np.empty((n, k, rope), np.float32)  # rc: [B, k, rope] f32
     lsc = np.empty((n, k), np.float32)  # lsc: [B, k] f32 row factors (1.0 for f32 and v3 rows)
     rsc = np.empty((n, k), np.float32)  # rsc: [B, k] f32
-    codes = _Fp8Codes(n, k, kv_lora, rope)
     for b, (blocks, shape) in enumerate(zip(blocks_of, shapes, strict=True)):
         if shape.all_fp8:
             codes.take(b, blocks, sel[b])
         else:
             TileGatherer(blocks, shape, k, scratch=(lc[b], rc[b], lsc[b], rsc[b])).gather_at(sel[b])
     codes.decode_into(lc, rc, lsc, rsc)
-    ctx = np.empty(qa.shape, np.float32)  # ctx: [B, H, kv_lora] f32
     _attend_selected(qa, qr, lc, rc, lsc, rsc, np.float32(softmax_scale), ctx)
     return ctx
 

@@ -56,6 +56,18 @@ def test_a_sessions_context_does_not_depend_on_who_shares_the_step(batch: tuple)
             assert np.array_equal(got[row], alone[b]), (order, b)
 
 
+def test_an_all_fp8_batch_reading_codes_matches_the_decoded_path(batch: tuple) -> None:
+    """Sessions 0, 1, 3 are fp8: alone they attend their codes through the decode table; beside an
+    f32 session their codes are decoded for the batch first. Both are the same numbers, bitwise."""
+    blocks, selections, qa, qr, _ = batch
+    fp8_only, mixed = [0, 1, 3], [0, 1, 3, 2]
+    codes = batched_sparse_decode(qa[fp8_only], qr[fp8_only], [blocks[b] for b in fp8_only],
+                                  [selections[b] for b in fp8_only], SCALE)
+    decoded = batched_sparse_decode(qa[mixed], qr[mixed], [blocks[b] for b in mixed],
+                                    [selections[b] for b in mixed], SCALE)
+    assert np.array_equal(codes, decoded[:3])
+
+
 def test_the_split_of_a_cache_into_blocks_changes_nothing() -> None:
     rng = np.random.default_rng(4)
     blocks, sel, _, _ = _session(rng, 70, True, [])
