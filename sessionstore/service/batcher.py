@@ -56,6 +56,7 @@ class StepBatcher:
         self._cond = threading.Condition()
         self._queue: list[_Work] = []
         self._in_turn = 0  # turns in flight (each will ask for a forward again soon)
+        self._asked_at = 0.0  # when a turn last asked (time.monotonic)
         self._stopped = False
         self.steps = 0
         self.thread = threading.Thread(target=self._run, name="coli-engine", daemon=True)
@@ -82,7 +83,9 @@ class StepBatcher:
             work.ticket = self.baton.park()
         with self._cond:
             self._queue.append(work)
-            self._cond.notify_all()
+            self._asked_at = time.monotonic()
+            if len(self._queue) == 1 or self._complete():  # else the engine sleeps on: no wake-up per turn
+                self._cond.notify_all()
         if work.ticket is not None:
             self.baton.wait(work.ticket)
         return work.done.result()  # a caller outside the turns (a test, a tool) just waits here
@@ -94,25 +97,25 @@ class StepBatcher:
         self.thread.join()
 
     # ---- the engine thread ------------------------------------------------------------------
+    def _complete(self) -> bool:
+        """Every turn in flight waits for the step (or a full batch does); under ``_cond``."""
+        return len(self._queue) >= min(self._in_turn, self.max_batch)
+
     def _take(self) -> list[_Work] | None:
         """Wait for work; then until every turn in flight waits, or no turn has asked for
         ``gather_s`` (the turns hand in their next tokens one after another; one that is busy,
-        committing say, is not waited for)."""
+        committing say, is not waited for). Woken by the first ask and by the one that completes
+        the batch; the asks between only move the deadline."""
         with self._cond:
             while not self._queue and not self._stopped:
                 self._cond.wait()
             if not self._queue:
                 return None
-            asked = len(self._queue)
-            deadline = time.monotonic() + self.gather_s
-            while len(self._queue) < min(self._in_turn, self.max_batch):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped:
+            while not self._complete() and not self._stopped:
+                left = self._asked_at + self.gather_s - time.monotonic()
+                if left <= 0:
                     break
                 self._cond.wait(left)
-                if len(self._queue) > asked:  # another turn asked: wait for the rest afresh
-                    asked = len(self._queue)
-                    deadline = time.monotonic() + self.gather_s
             taken, self._queue = self._queue, []
             return taken
 
