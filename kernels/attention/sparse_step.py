@@ -143,7 +143,9 @@ def _take_rows(lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
             out_rsc[j] = rsc[r]
 
 
-_TAKE = {ro: njit(_take_signature(ro), cache=True, nogil=True, boundscheck=False)(_take_rows) for ro in (False, True)}
+# Holds the GIL: a call copies k rows (a few microseconds), less than handing the GIL to another
+# thread and waiting to get it back (up to one switch interval) could ever repay.
+_TAKE = {ro: njit(_take_signature(ro), cache=True, boundscheck=False)(_take_rows) for ro in (False, True)}
 
 
 def _checked_selections(selections: Sequence[np.ndarray], lengths: np.ndarray) -> np.ndarray:

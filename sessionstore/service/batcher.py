@@ -23,8 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,10 +38,25 @@ GATHER_S = 0.004  # how long a step waits for the next turn to hand in its token
 
 @dataclass
 class _Work:
+    """One forward asked for, and its outcome: the logits or the error, set by the engine thread
+    before it wakes the asker (a turn parked on the baton: admitted again; any other caller: its
+    ``finished`` event). No Future: a turn's wake-up already orders the hand-over."""
+
     tokens: np.ndarray  # [S] i32
     cache: Any
-    done: Future[np.ndarray] = field(default_factory=Future)
-    ticket: Ticket | None = None  # a turn parked on the baton: admitted again once ``done`` is set
+    ticket: Ticket | None = None  # a turn parked on the baton
+    finished: threading.Event | None = None  # a caller outside the turns (a test, a tool) waits on it
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+    def settle(self, logits: np.ndarray | None, error: BaseException | None = None) -> None:
+        self.logits, self.error = logits, error
+
+    def outcome(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        assert self.logits is not None  # settled before the asker was woken
+        return self.logits
 
 
 class StepBatcher:
@@ -81,6 +95,8 @@ class StepBatcher:
         work = _Work(np.asarray(tokens), cache)
         if self.baton.held_by_me():  # a turn: let go of the baton; woken holding it, its forward done
             work.ticket = self.baton.park()
+        else:
+            work.finished = threading.Event()
         with self._cond:
             self._queue.append(work)
             self._asked_at = time.monotonic()
@@ -88,7 +104,10 @@ class StepBatcher:
                 self._cond.notify_all()
         if work.ticket is not None:
             self.baton.wait(work.ticket)
-        return work.done.result()  # a caller outside the turns (a test, a tool) just waits here
+        else:
+            assert work.finished is not None
+            work.finished.wait()
+        return work.outcome()
 
     def stop(self) -> None:
         with self._cond:
@@ -136,15 +155,18 @@ class StepBatcher:
             t0 = time.perf_counter()
             logits = self.model.forward(work.tokens, work.cache)
             self._observe("prefill" if work.tokens.shape[0] > 1 else "step", 1, time.perf_counter() - t0)
-            work.done.set_result(logits)
+            work.settle(logits)
         except BaseException as exc:  # the turn that asked re-raises it
-            work.done.set_exception(exc)
+            work.settle(None, exc)
         self._admit(work)
 
     def _admit(self, work: _Work) -> None:
-        """The forward is done: its turn may have the baton again (in the order forwards finish)."""
+        """The forward is done (settled): its turn may have the baton again (in the order forwards
+        finish); another caller is woken."""
         if work.ticket is not None:
             self.baton.admit(work.ticket)
+        elif work.finished is not None:
+            work.finished.set()
 
     def _observe(self, kind: str, sessions: int, seconds: float) -> None:
         if self.on_forward is not None:
@@ -157,7 +179,7 @@ class StepBatcher:
                 self.model.check_tokens(work.tokens)
                 self.model.check_room(work.cache, 1)
             except BaseException as exc:
-                work.done.set_exception(exc)
+                work.settle(None, exc)
                 self._admit(work)
             else:
                 ready.append(work)
@@ -175,7 +197,7 @@ class StepBatcher:
         self.steps += 1
         self._observe("step", len(ready), took)
         for b, work in enumerate(ready):
-            work.done.set_result(logits[b : b + 1])  # [1, V] f32, as forward returns
+            work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
             self._admit(work)
 
 
