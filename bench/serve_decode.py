@@ -4,7 +4,11 @@
   own session at once, over one session's decode tokens/s alone (same server, same request).
   Prefill is excluded: a stream's decode time runs from its first text event to its last; the
   aggregate counts the text events of all streams inside the window where all 16 are decoding
-  (from the last stream's first event to the first stream's last event).
+  (from the last stream's first event to the first stream's last event). Both rates are read by
+  the lean client (bench.serve_sse: one thread, raw sockets, events parsed after the streams
+  end), so the client takes little of the two cores the server decodes on; beside them, in the
+  same loop, ``batch16_speedup_httpx`` is the same figure read by 16 httpx clients in 16 threads
+  (about 0.45 of a core of client CPU while the 16 stream), with each client's CPU seconds.
 - ``stream_overhead_ratio``: a streamed completion's per-token latency (first to last text event,
   per token in between) over ``model.forward`` of one token in this process, on a cache of the
   same model and kv dtype at the stream's mean length.
@@ -15,6 +19,8 @@ count text events as tokens).
 """
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import threading
 import time
@@ -24,6 +30,7 @@ import httpx
 import numpy as np
 
 from bench.serve_procs import Server, Streamed, stream_completion
+from bench.serve_sse import stream_all
 
 PROMPT = "The os module provides a portable way of using operating system dependent functionality."
 CLIENTS = 16
@@ -89,21 +96,46 @@ def aggregate_rate(streams: list[Streamed]) -> tuple[float, float, int]:
     return n / span, span, n
 
 
+def _client_cpu(fn: Any) -> tuple[Any, float]:
+    """``fn()`` and the CPU seconds this process spent meanwhile (the client's share of the cores)."""
+    before = sum(os.times()[:2])
+    out = fn()
+    return out, sum(os.times()[:2]) - before
+
+
 def bench_batch(server: Server, prompt: list[int], max_tokens: int, reps: int) -> dict[str, Any]:
-    """Single-session decode rate and the 16-client aggregate, alternated, medians of ``reps``."""
-    single, multi, windows = [], [], []
+    """Single-session decode rate and the 16-client aggregate, alternated, medians of ``reps``:
+    read by the lean client, and by httpx clients in the same loop."""
+    rates: dict[str, list[float]] = {}
+    windows: list[tuple[float, int]] = []
+    client_cpu: dict[str, list[float]] = {"lean": [], "httpx": []}
     for rep in range(reps):
-        n, secs = decode_span(one_session(server, request(prompt, max_tokens, f"one-{rep}", server.model_id)))
-        single.append(n / secs)
-        bodies = [request(prompt, max_tokens, f"b{rep}-{i}", server.model_id) for i in range(CLIENTS)]
-        rate, window, counted = aggregate_rate(concurrent(server, bodies))
-        multi.append(rate)
-        windows.append((window, counted))
-    one, many = statistics.median(single), statistics.median(multi)
+        for client in ("lean", "httpx"):
+            tag = f"{client[0]}{rep}"
+            one_body = request(prompt, max_tokens, f"one-{tag}", server.model_id)
+            alone = stream_all(server.url, [one_body])[0] if client == "lean" else one_session(server, one_body)
+            n, secs = decode_span(alone)
+            rates.setdefault(f"single_{client}", []).append(n / secs)
+            bodies = [request(prompt, max_tokens, f"b{tag}-{i}", server.model_id) for i in range(CLIENTS)]
+            read = stream_all if client == "lean" else lambda url, b: concurrent(server, b)
+            streams, cpu = _client_cpu(functools.partial(read, server.url, bodies))
+            rate, window, counted = aggregate_rate(streams)
+            rates.setdefault(f"many_{client}", []).append(rate)
+            client_cpu[client].append(cpu)
+            if client == "lean":
+                windows.append((window, counted))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    one, many = med["single_lean"], med["many_lean"]
     return {"batch16_speedup": many / one, "batch16_tokens_per_s": many, "single_tokens_per_s": one,
             "batch16_window_s": statistics.median(w for w, _ in windows),
             "batch16_window_tokens": statistics.median(c for _, c in windows),
-            "batch_max_tokens": max_tokens, "batch_clients": CLIENTS}
+            "batch_max_tokens": max_tokens, "batch_clients": CLIENTS,
+            "batch16_speedup_httpx": med["many_httpx"] / med["single_httpx"],
+            "batch16_tokens_per_s_httpx": med["many_httpx"], "single_tokens_per_s_httpx": med["single_httpx"],
+            "batch16_client_cpu_s": statistics.median(client_cpu["lean"]),
+            "batch16_client_cpu_s_httpx": statistics.median(client_cpu["httpx"]),
+            "batch16_all": [round(x, 1) for x in rates["many_lean"]],
+            "single_all": [round(x, 1) for x in rates["single_lean"]]}
 
 
 def in_process_step(model: Any, prompt: list[int], length: int, kv_dtype: str, reps: int) -> float:

@@ -1,5 +1,6 @@
-"""bench/serve.py: its stream accounting on hand-made timelines, and its quick mode end to end on
-the smallest sizes (real server processes), printing every key."""
+"""bench/serve.py: its stream accounting on hand-made timelines, the lean client's parsing of a
+chunked event stream cut anywhere, and its quick mode end to end on the smallest sizes (real
+server processes), printing every key."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 
 from bench.serve_decode import aggregate_rate, decode_span
 from bench.serve_procs import Streamed
+from bench.serve_sse import _Stream
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +39,29 @@ def test_aggregate_counts_only_the_window_where_every_stream_decodes():
     assert rate == pytest.approx(5 / 2.5)
 
 
+def _chunked(events: list[bytes]) -> bytes:
+    body = b"".join(b"data: " + e + b"\n\n" for e in events)
+    framed = b"".join(b"%x\r\n" % len(body[i:i + 7]) + body[i:i + 7] + b"\r\n" for i in range(0, len(body), 7))
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + framed + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("piece", [1, 5, 64, 10_000])
+def test_the_lean_client_times_each_event_when_its_last_byte_arrives(piece: int) -> None:
+    text = [json.dumps({"choices": [{"text": t, "finish_reason": None}]}).encode() for t in ("a", "b", "c")]
+    final = json.dumps({"choices": [{"text": "", "finish_reason": "length", "token_ids": [1, 2, 3]}]}).encode()
+    raw = _chunked([*text, final, b"[DONE]"])
+    s = _Stream(sock=None)  # type: ignore[arg-type]  # feed() never touches the socket
+    for i in range(0, len(raw), piece):
+        s.feed(raw[i:i + piece], now=float(i))
+    got = s.streamed()
+    assert s.ended and got.tokens == [1, 2, 3] and len(got.text_times) == 3
+    if piece > len(raw):  # one piece: every event arrived with it
+        assert got.text_times == [0.0, 0.0, 0.0]
+    else:  # each event timed by the piece that completed it: later events, later pieces
+        assert got.text_times == sorted(got.text_times) and got.text_times[-1] < got.done
+        assert piece > 5 or len(set(got.text_times)) == 3
+
+
 def test_aggregate_of_streams_that_never_overlap_uses_the_whole_span():
     rate, window, n = aggregate_rate([stream([0.0, 1.0, 2.0]), stream([3.0, 4.0])])
     assert (window, n) == (4.0, 2 + 1)
@@ -52,7 +77,7 @@ def test_serve_bench_quick_smallest_path_reports_every_figure(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("batch16_speedup", "batch16_step_speedup", "stream_overhead_ratio",
+    for key in ("batch16_speedup", "batch16_speedup_httpx", "batch16_step_speedup", "stream_overhead_ratio",
                 "http_migrate_vs_durable_copy", "ttft_s", "ttft_resident_s",
                 "raw_read_s", "decode_step_s", "in_process_step_s", "durable_copy_s"):
         assert res[key] > 0, key
