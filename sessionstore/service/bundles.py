@@ -11,18 +11,21 @@ a bundle without its trailer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import ipaddress
-import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, cast
 
 from sessionstore.migration.exporting import PreparedExport
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
+from sessionstore.service.streams import outbox_of
 
 QUEUE_CHUNKS = 8  # writes buffered between the exporting thread and a slow client
+GONE_POLL_S = 0.5  # how soon an export waiting for room notices that its client left
 JOIN_BYTES = 64 << 10  # writes below this wait to go out with the next one
 END = b""
 MAX_ZSTD_LEVEL = 22
@@ -32,18 +35,51 @@ class _Gone(Exception):
     """The client stopped reading: the export is abandoned."""
 
 
+class ChunkHandoff:
+    """The exporting thread's writes to the response's coroutine on ``loop``: at most ``capacity``
+    in flight (backpressure on the export), delivered through the loop's outbox, so no executor
+    thread ever waits on a queue for an export that a vanished client abandoned. Once closed (the
+    client gone, or the loop stopped), a ``put`` raises :class:`_Gone` within
+    :data:`GONE_POLL_S`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int = QUEUE_CHUNKS) -> None:
+        self._loop, self._outbox = loop, outbox_of(loop)
+        self._items: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self._room = threading.Semaphore(capacity)
+        self._gone = threading.Event()
+
+    def put(self, item: bytes | BaseException) -> None:
+        """(the exporting thread) Hand ``item`` over, waiting while ``capacity`` items are unread."""
+        while not self._room.acquire(timeout=GONE_POLL_S):
+            if self._gone.is_set() or self._loop.is_closed():
+                raise _Gone()
+        if self._gone.is_set() or not self._outbox.put(self._items, item):
+            raise _Gone()
+
+    async def get(self) -> bytes | BaseException:
+        """(the loop) The next item, in order."""
+        item = await self._items.get()
+        self._room.release()
+        return item
+
+    def close(self) -> None:
+        """Nobody reads any more: a waiting ``put`` gives up now, later ones at once."""
+        self._gone.set()
+        self._room.release()
+
+
 class QueueSink(io.RawIOBase):
-    """A writable file whose bytes go to a bounded queue (backpressure on the writer).
+    """A writable file whose bytes go to a :class:`ChunkHandoff` (backpressure on the writer).
 
     Writes smaller than :data:`JOIN_BYTES` (a chunk's 24-byte header, the frames) wait and go
-    out joined with the next large one, so each queue item (one response body message, one
+    out joined with the next large one, so each item handed over (one response body message, one
     socket write) is a chunk's header and payload together; ``flush`` sends what waits. Either
     way each byte is copied once (the writer's views of the mapping may not outlive the call).
     """
 
-    def __init__(self, out: queue.Queue[bytes | BaseException], gone: threading.Event) -> None:
+    def __init__(self, out: ChunkHandoff) -> None:
         super().__init__()
-        self.out, self.gone = out, gone
+        self.out = out
         self._waiting: list[bytes] = []
         self._waiting_bytes = 0
 
@@ -59,7 +95,7 @@ class QueueSink(io.RawIOBase):
         data = b"".join([*self._waiting, b]) if self._waiting else bytes(b)
         self._waiting.clear()
         self._waiting_bytes = 0
-        self._put(data)
+        self.out.put(data)
         return n
 
     def flush(self) -> None:
@@ -67,17 +103,7 @@ class QueueSink(io.RawIOBase):
             data = b"".join(self._waiting)
             self._waiting.clear()
             self._waiting_bytes = 0
-            self._put(data)
-
-    def _put(self, data: bytes) -> None:
-        while True:
-            if self.gone.is_set():
-                raise _Gone()
-            try:
-                self.out.put(data, timeout=0.5)  # wakes to notice a vanished client
-                return
-            except queue.Full:
-                continue
+            self.out.put(data)
 
 
 def is_loopback(host: str | None) -> bool:
@@ -117,37 +143,40 @@ async def export_stream(engine: Engine, session_id: str, compression: str | int 
                "x-coli-bundle-compression": str(compression)}
     if compression == "none":
         headers["content-length"] = str(export.raw_bundle_bytes())
-    chunks: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=QUEUE_CHUNKS)
-    gone = threading.Event()
+    handoff = ChunkHandoff(asyncio.get_running_loop())
+    started = threading.Event()
 
     def run() -> None:
         try:
-            export.write(cast(BinaryIO, QueueSink(chunks, gone)), compression=compression)
-            chunks.put(END)
+            export.write(cast(BinaryIO, QueueSink(handoff)), compression=compression)
+            handoff.put(END)
         except _Gone:
             return
         except BaseException as exc:  # handed to the response, which ends early
-            chunks.put(exc)
+            with contextlib.suppress(_Gone):
+                handoff.put(exc)
         finally:
             export.close()
 
-    thread = threading.Thread(target=run, name="coli-export", daemon=True)
-    thread.start()
-
     async def body() -> AsyncIterator[bytes]:
+        started.set()  # the export thread runs only for a response that reads its body
+        threading.Thread(target=run, name="coli-export", daemon=True).start()
         try:
             while True:
-                try:
-                    item = chunks.get_nowait()  # the export is usually ahead of the socket
-                except queue.Empty:
-                    item = await asyncio.to_thread(chunks.get)
+                item = await handoff.get()
                 if isinstance(item, BaseException) or item == END:
                     return
                 yield item
         finally:
-            gone.set()
+            handoff.close()
 
-    return body(), headers
+    def never_started() -> None:
+        if not started.is_set():  # a response that failed before its body (the client left) still closes it
+            export.close()
+
+    stream = body()
+    weakref.finalize(stream, never_started)
+    return stream, headers
 
 
-__all__ = ["QueueSink", "export_compression", "export_stream", "is_loopback"]
+__all__ = ["ChunkHandoff", "QueueSink", "export_compression", "export_stream", "is_loopback"]

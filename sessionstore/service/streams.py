@@ -11,7 +11,9 @@ import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,12 @@ class LoopOutbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: deque[tuple[asyncio.Queue[Event], Event]] = deque()
+        self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
         self._scheduled = False
 
-    def put(self, queue: asyncio.Queue[Event], event: Event) -> bool:
-        """Queue ``event`` for ``queue``; False once the loop is gone (nobody listens any more)."""
+    def put(self, queue: asyncio.Queue[T], event: T) -> bool:
+        """Queue ``event`` (a turn's :class:`Event`, an export's chunk) for ``queue``; False once
+        the loop is gone (nobody listens any more)."""
         if self._loop.is_closed():
             return False
         with self._lock:

@@ -97,24 +97,101 @@ def test_the_download_compression_choice() -> None:
 
 
 def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
-    import queue
+    from sessionstore.service.bundles import JOIN_BYTES, ChunkHandoff, QueueSink, _Gone
 
-    from sessionstore.service.bundles import JOIN_BYTES, QueueSink, _Gone
+    async def main() -> None:
+        out = ChunkHandoff(asyncio.get_running_loop(), capacity=8)
+        sink = QueueSink(out)
+        big = bytes(range(256)) * (JOIN_BYTES // 256)
 
-    out: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=8)
-    gone = threading.Event()
-    sink = QueueSink(out, gone)
-    big = bytes(range(256)) * (JOIN_BYTES // 256)
-    assert sink.write(b"HEAD" * 6) == 24 and out.empty()  # a chunk header waits
-    assert sink.write(memoryview(big)) == len(big)
-    assert out.get_nowait() == b"HEAD" * 6 + big  # header and payload: one item
-    sink.write(b"FEND")
-    sink.write(b"TRLR")
-    assert out.empty()
-    sink.flush()
-    assert out.get_nowait() == b"FENDTRLR" and out.empty()
-    sink.flush()
-    assert out.empty()  # nothing waits: nothing sent
-    gone.set()
-    with pytest.raises(_Gone):
+        async def next_item() -> bytes | BaseException:
+            return await asyncio.wait_for(out.get(), 5)
+
+        assert sink.write(b"HEAD" * 6) == 24  # a chunk header waits...
+        assert sink.write(memoryview(big)) == len(big)
+        assert await next_item() == b"HEAD" * 6 + big  # ...to go out with its payload: one item
+        sink.write(b"FEND")
+        sink.write(b"TRLR")
+        sink.flush()
+        assert await next_item() == b"FENDTRLR"
+        sink.flush()  # nothing waits: nothing sent
         sink.write(big)
+        assert await next_item() == big
+        out.close()
+        with pytest.raises(_Gone):
+            sink.write(big)
+
+    asyncio.run(main())
+
+
+def test_an_export_whose_reader_left_gives_up_and_strands_no_thread() -> None:
+    """The exporting thread waits for room while its reader is slow, and gives up once the
+    reader closes the handoff; a reader waiting for the next chunk holds no executor thread."""
+    from sessionstore.service.bundles import GONE_POLL_S, ChunkHandoff, _Gone
+
+    async def main() -> None:
+        out = ChunkHandoff(asyncio.get_running_loop(), capacity=2)
+        outcome: list[str] = []
+
+        def export() -> None:
+            try:
+                for _ in range(100):
+                    out.put(b"x" * 1000)
+                outcome.append("finished")
+            except _Gone:
+                outcome.append("gave up")
+
+        before = threading.active_count()
+        writer = threading.Thread(target=export)
+        writer.start()
+        assert await asyncio.wait_for(out.get(), 5) == b"x" * 1000
+        await asyncio.sleep(0.1)  # the writer waits for room (2 in flight)
+        assert writer.is_alive() and threading.active_count() == before + 1
+        out.close()  # the client left
+        await asyncio.to_thread(writer.join, 10 * GONE_POLL_S)
+        assert outcome == ["gave up"]
+
+    asyncio.run(main())
+
+
+def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(tmp_path, monkeypatch) -> None:
+    import gc
+    from types import SimpleNamespace
+
+    from sessionstore.migration.exporting import PreparedExport
+    from sessionstore.service import bundles
+    from sessionstore.sessions import SessionStore
+    from sessionstore.sessions.fingerprint import model_fingerprint
+    from tests.support.migrate import make_session
+
+    store = SessionStore(tmp_path / "a")
+    make_session(store, "mv", 4000, kv_dtype="f32", fingerprint=model_fingerprint("tiny"), model_name="tiny")
+    closed: list[int] = []
+
+    class Counted(PreparedExport):
+        def close(self) -> None:
+            closed.append(1)
+            super().close()
+
+    monkeypatch.setattr(bundles, "PreparedExport", Counted)
+
+    def exporting() -> int:
+        return sum(t.name == "coli-export" for t in threading.enumerate())
+
+    async def main() -> None:
+        engine = SimpleNamespace(store=store)
+        never, _ = await bundles.export_stream(engine, "mv", "none")  # type: ignore[arg-type]
+        del never  # the response failed before its body: no thread started, the export closed
+        gc.collect()
+        assert closed == [1] and exporting() == 0
+        left, headers = await bundles.export_stream(engine, "mv", "none")  # type: ignore[arg-type]
+        first = await left.__anext__()
+        assert 0 < len(first) < int(headers["content-length"]) and exporting() == 1
+        await left.aclose()  # the client left after one chunk
+        for _ in range(100):
+            if exporting() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert exporting() == 0 and closed == [1, 1]
+
+    asyncio.run(main())
