@@ -2,7 +2,8 @@
 appears while the body is still coming), a cut one leaves no session and no temp directory, one
 over the limit is refused before its body ended, a corrupted chunk is refused with nothing
 installed; a download over loopback carries the bundle uncompressed with its exact length, and a
-failing export cuts the body short of it."""
+failing export cuts the body short of it; downloads their clients left strand nothing (the server
+still serves and stops)."""
 from __future__ import annotations
 
 import io
@@ -171,3 +172,22 @@ def test_a_failing_export_cuts_the_download_short_of_its_length(tmp_path: Path) 
             assert response.num_bytes_downloaded < declared
         assert a.get("/healthz").status_code == 200
         assert a.stop() == 0
+
+
+def test_downloads_their_clients_left_keep_the_server_serving_and_stoppable(tmp_path: Path) -> None:
+    """Clients that read the first bytes of a compressed download (the export slower than the
+    socket) and leave: the server still serves a whole download and stops on SIGTERM at once."""
+    store = SessionStore(tmp_path / "a")
+    make_session(store, "big", RECORDS, kv_dtype="f32", fingerprint=model_fingerprint("tiny"), model_name="tiny")
+    with ServerProc(store.root, "tiny") as a:
+        host, port = a.url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(8):
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(f"GET /v1/sessions/big/bundle?compress=19 HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                time.sleep(0.2)
+        whole = a.get("/v1/sessions/big/bundle")
+        assert whole.status_code == 200 and len(whole.content) == int(whole.headers["content-length"])
+        t0 = time.monotonic()
+        assert a.stop() == 0
+        assert time.monotonic() - t0 < 30
