@@ -107,10 +107,12 @@ class SessionSnapshot:
         with open_kv(dst_dir / KV_NAME, expect=header.dims) as reader:
             sidecar = load_sidecar(reader.path)
             report = check_records(reader, sidecar) if sidecar is not None else None
-            copied = reader.nrec
+            copied, copy_path = reader.nrec, str(reader.path)
             history = [int(t) for t in reader.tokens[:n]] + pending
         if report is None or report.status != "ok" or report.vouched != n or copied != n:
-            detail = "no sidecar" if report is None else "; ".join(report.messages) or report.status
+            # the copy's records sit at the source's offsets: name the source's file, not the temp copy
+            messages = [m.replace(copy_path, str(snap.kv_path)) for m in report.messages] if report else []
+            detail = "no sidecar" if report is None else "; ".join(messages) or report.status
             raise CorruptionError(f"copy of session {snap.id!r} at {n} records failed its check: {detail}")
         manifest = Manifest(
             id=new_id or src.id, model=src.model, kv_dtype=src.kv_dtype, dims=dict(src.dims),

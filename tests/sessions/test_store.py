@@ -139,8 +139,9 @@ def test_fork_detects_a_damaged_source(store) -> None:
     raw = bytearray(kv.read_bytes())
     raw[60] ^= 1
     kv.write_bytes(bytes(raw))
-    with pytest.raises(CorruptionError, match="failed its check"):
+    with pytest.raises(CorruptionError, match="failed its check") as info:
         store.fork("src", "copy")
+    assert str(kv) in str(info.value) and str(store.root / "tmp") not in str(info.value)  # the damaged file
     assert [i.id for i in store.list()] == ["src"]  # nothing half-made is left behind
     assert not any((store.root / "tmp").iterdir())
 
