@@ -23,6 +23,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
 from kernels.errors import ColiError
+from sessionstore.kvfile.fsio import open_regular
 from sessionstore.log import get_logger
 from sessionstore.migration import migrate
 from sessionstore.migration.bundle_io import WritebackFile
@@ -113,7 +114,14 @@ class Inbox:
             return self._finish(path, False, reason=f"{path.name}: not a regular file")
         log.info("inbox.import_start", name=path.name, bytes=st.st_size)
         try:
-            with open(path, "rb", buffering=1 << 20) as source:
+            # the file lstat saw, or a refusal: a swap for a symlink, FIFO or device since is never read
+            fd = open_regular(path, os.O_RDONLY, what="inbox bundle", same_as=st)
+        except FileNotFoundError:
+            return None
+        except (ColiError, OSError) as exc:
+            return self._finish(path, False, reason=f"{type(exc).__name__}: {exc}")
+        try:
+            with os.fdopen(fd, "rb", buffering=1 << 20) as source:
                 result = migrate.import_bundle(self.store, source, source_name=str(path),
                                                replace=self.replace, model=self.model)
         except ColiError as exc:

@@ -89,3 +89,22 @@ def test_done_and_failed_must_be_real_directories(tmp_path: Path) -> None:
     (box / "failed").symlink_to(elsewhere)
     with pytest.raises(FormatError, match="symlink"):
         Inbox(SessionStore(tmp_path / "store"), box)
+
+
+def test_a_bundle_swapped_for_a_symlink_after_its_check_is_never_read(
+        setup: tuple[Inbox, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inbox checks a landed name with lstat, then opens it: a symlink put in its place in
+    between (lstat reported the regular file that was there) is refused, not followed."""
+    inbox, box, victim = setup
+    (box / NAME).write_bytes(b"bundle bytes")
+    regular = inbox_mod.os.lstat(box / NAME)
+    (box / NAME).unlink()
+    (box / NAME).symlink_to(victim)
+    real_lstat = inbox_mod.os.lstat
+    monkeypatch.setattr(inbox_mod.os, "lstat", lambda p, *a, **k: regular if Path(p) == box / NAME
+                        else real_lstat(p, *a, **k))
+    read: list[object] = []
+    monkeypatch.setattr(migrate, "import_bundle", lambda store, source, **_: read.append(source.read()))
+    outcome = inbox.process(box / NAME)  # as the watcher hands over a name it saw land
+    assert outcome is not None and not outcome.ok and "symlink" in (outcome.reason or "") and read == []
+    assert victim.read_text() == "precious\n"
