@@ -23,7 +23,7 @@ from kernels.errors import FormatError
 from kernels.rows import KV_DTYPES
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
-from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, ServiceLimits, check_bind, parse_bind
+from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, PULL_KEY_ENV, ServiceLimits, check_bind, parse_bind
 from tools._common import fresh_store
 
 
@@ -52,6 +52,13 @@ def register(subparsers: Any) -> None:
                    "and pushed back; endpoint and credentials from the AWS environment, e.g. AWS_ENDPOINT_URL)")
     p.add_argument("--host-id", default=None, help="--remote: who holds leases (default: $COLI_HOST_ID or hostname)")
     p.add_argument("--lease-ttl", type=float, default=None, help="--remote: lease lifetime in seconds (default 900)")
+    p.add_argument("--pull-from", action="append", default=[], metavar="ORIGIN",
+                   help="--http: a server (scheme://host:port) that POST /v1/sessions/ID/pull may fetch sessions "
+                   "from; repeat for more (default: none, pulls refused)")
+    p.add_argument("--pull-key", default=None, help=f"--pull-from: the bearer key sent to those servers (or set "
+                   f"{PULL_KEY_ENV})")
+    p.add_argument("--pull-timeout", type=float, default=60.0,
+                   help="--pull-from: seconds a pull waits for a silent peer before it gives up (default 60)")
     p.add_argument("--once", action="store_true", help="import what is there now, then exit (1 if any failed)")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     p.set_defaults(func=run)
@@ -81,13 +88,23 @@ def run_http(args: argparse.Namespace) -> int:
     host, port = parse_bind(args.http)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(host, api_key)
-    from sessionstore.service.server import ServeConfig, serve_http  # the service extra: imported here only
+    from sessionstore.service.bundle_pull import PullPolicy  # the service extra: imported here only
+    from sessionstore.service.server import ServeConfig, serve_http
+
+    try:
+        if args.pull_timeout <= 0:
+            raise ValueError("--pull-timeout must be > 0")
+        pull = PullPolicy.of(args.pull_from, args.pull_key or os.environ.get(PULL_KEY_ENV) or None,
+                             args.pull_timeout)
+    except ValueError as exc:
+        raise FormatError(str(exc) if str(exc).startswith("--") else f"--pull-from {exc}") from None
 
     config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
                          limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes),
                          max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every},
-                         remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl)
+                         remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
+                         pull=pull if pull.origins else None)
     if args.inbox is None:
         return serve_http(config)
     stop = threading.Event()

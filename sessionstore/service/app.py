@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sessionstore.service import bundle_upload
+from sessionstore.service import bundle_pull, bundle_upload
 from sessionstore.service.auth import BearerAuth
+from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, api_error_of
@@ -28,6 +29,7 @@ from sessionstore.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ForkRequest,
+    PullRequest,
     TurnFields,
     chat_chunk,
     completion_chunk,
@@ -51,8 +53,9 @@ def error_response(err: ApiError) -> JSONResponse:
 class Api:
     """The routes over one engine."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, pull: PullPolicy | None = None) -> None:
         self.engine = engine
+        self.pull = pull  # the peers POST .../pull may fetch from (None: pulls refused)
         self.limits = engine.limits
         self.model_id = engine.model_ref.name
 
@@ -257,6 +260,13 @@ class Api:
         body, headers = await export_stream(self.engine, sid, compression)
         return StreamingResponse(body, media_type="application/octet-stream", headers=headers)
 
+    async def pull_bundle(self, request: Request) -> Response:
+        sid = self.session_id(request)
+        req: PullRequest = parse_body(await self.body(request), PullRequest)
+        result = await bundle_pull.pull_bundle(self.engine, sid, req.source, self.pull,
+                                               limit=self.limits.max_bundle_bytes, replace=req.replace)
+        return JSONResponse({**self.describe(sid), "imported": result})
+
     async def put_bundle(self, request: Request) -> Response:
         sid = self.session_id(request)
         replace = request.query_params.get("replace", "1") not in ("0", "false")  # ?replace=0: refuse a taken id
@@ -277,10 +287,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(ApiError(status, f"{request.method} {request.url.path}: {message}"))
 
 
-def build_app(engine: Engine, api_key: str | None = None) -> Any:
+def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | None = None) -> Any:
     """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set; the web
-    page at ``/`` is served without it)."""
-    api = Api(engine)
+    page at ``/`` is served without it; ``pull``: the peers ``POST .../pull`` may fetch from)."""
+    api = Api(engine, pull)
     r = api.route
     routes = [
         Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
@@ -294,6 +304,7 @@ def build_app(engine: Engine, api_key: str | None = None) -> Any:
         Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_get", api.get_bundle), methods=["GET"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_put", api.put_bundle), methods=["PUT"]),
+        Route("/v1/sessions/{sid}/pull", r("bundle_pull", api.pull_bundle), methods=["POST"]),
         Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

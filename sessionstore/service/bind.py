@@ -8,6 +8,7 @@ from kernels.errors import FormatError
 
 DEFAULT_HOST = "127.0.0.1"
 API_KEY_ENV = "COLI_API_KEY"
+PULL_KEY_ENV = "COLI_PULL_KEY"  # the bearer key a server sends the peers it pulls sessions from
 
 
 def parse_bind(text: str) -> tuple[str, int]:
@@ -35,4 +36,4 @@ def check_bind(host: str, api_key: str | None) -> None:
                           f"or set {API_KEY_ENV}")
 
 
-__all__ = ["API_KEY_ENV", "DEFAULT_HOST", "check_bind", "is_loopback", "parse_bind"]
+__all__ = ["API_KEY_ENV", "DEFAULT_HOST", "PULL_KEY_ENV", "check_bind", "is_loopback", "parse_bind"]

@@ -100,6 +100,14 @@ class ForkRequest(BaseModel):
     at: int | None = Field(default=None, ge=0)
 
 
+class PullRequest(BaseModel):
+    """``POST /v1/sessions/{id}/pull``: the origin of the server to pull the session from."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    source: str = Field(alias="from")
+    replace: bool = True
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field."""
     try:

@@ -17,6 +17,7 @@ from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.app import build_app
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
+from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.engine import Engine
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.sessions import SessionStore
@@ -45,6 +46,7 @@ class ServeConfig:
     remote: str | None = None  # s3://bucket/prefix: one host of a fleet (sessionstore.service.fleet)
     host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
+    pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -107,7 +109,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
             engine.stopping.set()  # new turns refused; the running one ends at its next token
             super().handle_exit(sig, frame)
 
-    uv_config = uvicorn.Config(build_app(engine, config.api_key), log_level="warning", lifespan="off",
+    uv_config = uvicorn.Config(build_app(engine, config.api_key, config.pull), log_level="warning", lifespan="off",
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = Server(uv_config)
     host, port = sock.getsockname()[:2]
