@@ -97,24 +97,28 @@ def run(root: Path, tokens: int, reps: int, with_httpx: bool) -> dict[str, Any]:
 
 
 FIGURE_KEYS = ("http_migrate_vs_durable_copy", "http_migrate_s", "durable_copy_s", "session_bytes", "bundle_bytes",
-               "http_migrate_gb_s", "durable_copy_gb_s", "http_migrate_all_s", "durable_copy_all_s")
+               "http_migrate_gb_s", "durable_copy_gb_s", "http_migrate_all_s", "durable_copy_all_s",
+               "http_migrate_pipe_vs_durable_copy", "http_migrate_pipe_s", "http_migrate_pipe_all_s")
 
 
 def run_figure(root: Path, tokens: int, reps: int) -> dict[str, Any]:
     """bench/serve.py's figure 4 alone (``--only migrate``): its session, its two servers."""
     model_dir = write_glm_cache_checkpoint(root / "glm-5.2-shaped")
     directory = build(root / "a", model_dir, tokens).directory
-    with Server(root / "a", str(model_dir)) as a, Server(root / "b", str(model_dir)) as b:
+    with Server(root / "a", str(model_dir)) as a, Server(root / "b", str(model_dir), "--pull-from", a.url) as b:
         return bench_migrate(a, b, directory, root, reps)
 
 
 def report_figure(res: dict[str, Any]) -> None:
     ms = 1e3
-    print(f"  http_migrate_vs_durable_copy {res['http_migrate_vs_durable_copy']:.3f}  A -> B over HTTP "
+    print(f"  http_migrate_vs_durable_copy {res['http_migrate_vs_durable_copy']:.3f}  B pulls from A over HTTP "
           f"{res['http_migrate_s'] * ms:.0f} ms ({res['http_migrate_gb_s']:.2f} GB/s, bundle "
           f"{res['bundle_bytes'] / 2**20:.0f} MiB) vs cp -r + fsync {res['durable_copy_s'] * ms:.0f} ms "
           f"({res['durable_copy_gb_s']:.2f} GB/s) of {res['session_bytes'] / 2**20:.0f} MiB; each rep: "
           f"{[round(x, 3) for x in res['http_migrate_all_s']]} vs {[round(x, 3) for x in res['durable_copy_all_s']]}")
+    print(f"    a client piping A's GET into B's PUT instead: {res['http_migrate_pipe_vs_durable_copy']:.3f} "
+          f"({res['http_migrate_pipe_s'] * ms:.0f} ms; each rep "
+          f"{[round(x, 3) for x in res['http_migrate_pipe_all_s']]})")
 
 
 def report(res: dict[str, Any]) -> None:

@@ -176,26 +176,52 @@ def http_migrate(a: Server, b: Server, *, splice: bool = True) -> tuple[float, i
     return took, sent, result
 
 
+def http_pull(a: Server, b: Server) -> tuple[float, dict[str, Any]]:
+    """B pulls the session from A (``POST /v1/sessions/ID/pull``: B reads A's GET off the socket in
+    its receiving thread); (seconds until B answered, B's answer)."""
+    t0 = time.perf_counter()
+    answer = httpx.post(f"{b.url}/v1/sessions/{SESSION}/pull", json={"from": a.url}, timeout=600)
+    took = time.perf_counter() - t0
+    if answer.status_code != 200:
+        raise RuntimeError(f"B's pull: {answer.status_code} {answer.text[:500]}")
+    result: dict[str, Any] = answer.json()
+    return took, result
+
+
 def bench_migrate(a: Server, b: Server, session_dir: Path, scratch: Path, reps: int) -> dict[str, Any]:
-    """HTTP migration A -> B vs one durable copy of the session's files, alternated. Both write
-    into a place that holds no copy yet: B's copy of the session is deleted before each move and
-    the durable copy is removed after each copy, both untimed."""
+    """HTTP migration A -> B vs one durable copy of the session's files, alternated: B pulling
+    from A (B started with ``--pull-from`` A), and a client piping A's GET into B's PUT. Each
+    writes into a place that holds no copy yet: B's copy of the session is deleted before each
+    move and the durable copy is removed after each copy, all untimed."""
     want = a.call("GET", f"/v1/sessions/{SESSION}")["committed"]
     files = sum(os.path.getsize(session_dir / n) for n in os.listdir(session_dir))
-    ours, base, wire = [], [], 0
-    for _ in range(reps):
-        base.append(durable_copy(session_dir, scratch / "copy"))
+    ours, piped, base, wire = [], [], [], 0
+
+    def fresh_b() -> None:
         if httpx.get(f"{b.url}/v1/sessions/{SESSION}", timeout=60).status_code == 200:
             b.call("DELETE", f"/v1/sessions/{SESSION}")
-        took, wire, answer = http_migrate(a, b)
+
+    def check(answer: dict[str, Any], how: str) -> None:
         if answer.get("committed") != want:
-            raise RuntimeError(f"B holds {answer.get('committed')} committed tokens after the move, A {want}")
+            raise RuntimeError(f"B holds {answer.get('committed')} committed tokens after the {how}, A {want}")
+
+    for _ in range(reps):
+        base.append(durable_copy(session_dir, scratch / "copy"))
+        fresh_b()
+        took, answer = http_pull(a, b)
+        check(answer, "pull")
         ours.append(took)
-    t, c = statistics.median(ours), statistics.median(base)
+        fresh_b()
+        took, wire, answer = http_migrate(a, b)
+        check(answer, "pipe")
+        piped.append(took)
+    t, p, c = statistics.median(ours), statistics.median(piped), statistics.median(base)
     return {"http_migrate_vs_durable_copy": c / t, "http_migrate_s": t, "durable_copy_s": c,
+            "http_migrate_pipe_vs_durable_copy": c / p, "http_migrate_pipe_s": p,
             "session_bytes": files, "bundle_bytes": wire, "http_migrate_gb_s": files / t / 1e9,
-            "durable_copy_gb_s": files / c / 1e9, "http_migrate_all_s": ours, "durable_copy_all_s": base}
+            "durable_copy_gb_s": files / c / 1e9, "http_migrate_all_s": ours, "http_migrate_pipe_all_s": piped,
+            "durable_copy_all_s": base}
 
 
 __all__ = ["SESSION", "bench_migrate", "bench_resume", "build", "durable_copy",
-           "http_migrate", "write_glm_cache_checkpoint"]
+           "http_migrate", "http_pull", "write_glm_cache_checkpoint"]
