@@ -167,7 +167,6 @@ def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(
     from tests.support.migrate import make_session
 
     store = SessionStore(tmp_path / "a")
-    # ~19 MB: more 1 MiB chunks than the hand-off holds, so an export whose reader stops is still running
     make_session(store, "mv", 40_000, kv_dtype="f32", fingerprint=model_fingerprint("tiny"), model_name="tiny")
     closed: list[int] = []
 
@@ -177,6 +176,12 @@ def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(
             super().close()
 
     monkeypatch.setattr(bundles, "PreparedExport", Counted)
+
+    class OneInFlight(bundles.ChunkHandoff):  # ~19 MB is five 4 MiB chunks: more than one waits, always
+        def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int = 1) -> None:
+            super().__init__(loop, 1)
+
+    monkeypatch.setattr(bundles, "ChunkHandoff", OneInFlight)
 
     def exporting() -> int:
         return sum(t.name == "coli-export" for t in threading.enumerate())
