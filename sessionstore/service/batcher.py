@@ -124,14 +124,16 @@ class StepBatcher:
         """Wait for work; then until every turn in flight waits, or no turn has asked for
         ``gather_s`` (the turns hand in their next tokens one after another; one that is busy,
         committing say, is not waited for). Woken by the first ask and by the one that completes
-        the batch; the asks between only move the deadline."""
+        the batch; the asks between only move the deadline (``gather_s`` after the later of the
+        last ask and this thread's wake-up)."""
         with self._cond:
             while not self._queue and not self._stopped:
                 self._cond.wait()
             if not self._queue:
                 return None
+            woke = time.monotonic()  # a late wake-up (a loaded machine) still gives the others gather_s
             while not self._complete() and not self._stopped:
-                left = self._asked_at + self.gather_s - time.monotonic()
+                left = max(self._asked_at, woke) + self.gather_s - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
