@@ -131,6 +131,26 @@ class Streamed:
         ids: list[int] = self.final["choices"][0]["token_ids"]
         return ids
 
+    def event(self, data: str | bytes, now: float) -> bool:
+        """One ``data:`` payload that arrived at ``now``; True at ``[DONE]``."""
+        self.first_event = self.first_event or now
+        if data in ("[DONE]", b"[DONE]"):
+            return True
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"completion failed mid-stream: {chunk['error']}")
+        choice = chunk["choices"][0]
+        if choice.get("finish_reason") is not None:
+            self.final, self.done = chunk, now
+        elif choice.get("text"):
+            self.text_times.append(now)
+        return False
+
+    def ended(self) -> Streamed:
+        if not self.final:
+            raise RuntimeError("the stream ended without a final chunk")
+        return self
+
 
 def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> Streamed:
     """POST a streamed ``/v1/completions`` and time its events (perf_counter seconds)."""
@@ -139,24 +159,9 @@ def stream_completion(client: httpx.Client, url: str, body: dict[str, Any]) -> S
         if r.status_code != 200:
             raise RuntimeError(f"completion: {r.status_code} {r.read()[:500]!r}")
         for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            now = time.perf_counter()
-            out.first_event = out.first_event or now
-            data = line[len("data: "):]
-            if data == "[DONE]":
+            if line.startswith("data: ") and out.event(line[len("data: "):], time.perf_counter()):
                 break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"completion failed mid-stream: {chunk['error']}")
-            choice = chunk["choices"][0]
-            if choice.get("finish_reason") is not None:
-                out.final, out.done = chunk, now
-            elif choice.get("text"):
-                out.text_times.append(now)
-    if not out.final:
-        raise RuntimeError("the stream ended without a final chunk")
-    return out
+    return out.ended()
 
 
 __all__ = ["REPO", "Server", "Streamed", "stream_completion"]

@@ -74,23 +74,9 @@ class _Stream:
             raise RuntimeError(f"completion: {self.status} {bytes(self.sse or self.raw)[:500]!r}")
         out = Streamed(self.sent)
         for now, event in self.events:
-            if not event.startswith(b"data: "):
-                continue
-            out.first_event = out.first_event or now
-            data = event[len(b"data: "):]
-            if data == b"[DONE]":
+            if event.startswith(b"data: ") and out.event(event[len(b"data: "):], now):
                 break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"completion failed mid-stream: {chunk['error']}")
-            choice = chunk["choices"][0]
-            if choice.get("finish_reason") is not None:
-                out.final, out.done = chunk, now
-            elif choice.get("text"):
-                out.text_times.append(now)
-        if not out.final:
-            raise RuntimeError("the stream ended without a final chunk")
-        return out
+        return out.ended()
 
 
 def _request(url: str, body: dict[str, Any]) -> bytes:

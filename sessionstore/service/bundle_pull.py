@@ -13,7 +13,6 @@ silent for ``read_timeout_s``.
 """
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import socket
@@ -24,7 +23,7 @@ from urllib.parse import quote, urlsplit
 
 from kernels.errors import CorruptionError
 from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.bundle_upload import check_target, in_thread, install, too_large
+from sessionstore.service.bundle_upload import check_target, in_thread, install_claimed, too_large
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 
@@ -202,13 +201,7 @@ async def pull_bundle(engine: Engine, session_id: str, asked: object, policy: Pu
     origin = policy.allowed(asked)
     check_target(engine, session_id, replace)
     received = await in_thread(lambda: fetch_bundle(engine, session_id, origin, policy, limit))
-    try:
-        fut = engine.submit(lambda: install(engine, session_id, received, replace), session=session_id)
-    except BaseException:
-        received.discard()
-        raise
-    result: dict[str, Any] = await asyncio.wrap_future(fut)
-    return result
+    return await install_claimed(engine, session_id, received, replace)
 
 
 __all__ = ["PeerBody", "PullPolicy", "fetch_bundle", "origin_of", "pull_bundle"]

@@ -223,6 +223,13 @@ async def put_bundle(engine: Engine, session_id: str, body: AsyncIterator[bytes]
         raise too_large(limit, declared)
     check_target(engine, session_id, replace)
     received = await receive_upload(engine, session_id, body, limit=limit)
+    return await install_claimed(engine, session_id, received, replace)
+
+
+async def install_claimed(engine: Engine, session_id: str, received: ReceivedBundle,
+                          replace: bool) -> dict[str, Any]:
+    """:func:`install` of a verified bundle under the session's claim (an upload's, a pull's);
+    discarded if the claim is refused."""
     try:
         fut = engine.submit(lambda: install(engine, session_id, received, replace), session=session_id)
     except BaseException:
@@ -232,5 +239,5 @@ async def put_bundle(engine: Engine, session_id: str, body: AsyncIterator[bytes]
     return result
 
 
-__all__ = ["BodyPipe", "PIPE_HIGH_WATER", "check_target", "in_thread", "install", "put_bundle",
+__all__ = ["BodyPipe", "PIPE_HIGH_WATER", "check_target", "in_thread", "install", "install_claimed", "put_bundle",
            "receive_upload"]
