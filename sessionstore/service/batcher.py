@@ -3,9 +3,13 @@
 Turns run in threads of their own (one per request, holding the :class:`DecoderBaton` while they
 touch their session), but none of them runs the model: a turn's ``model.forward`` is a
 :class:`BatchingDecoder` that hands the work to the :class:`StepBatcher` and parks on the baton
-meanwhile; the engine thread admits it back once its forward is done, so after a step the turns
-wake one at a time, each holding the baton, in batch order. The engine thread gathers what waits
-and runs it:
+meanwhile; the engine thread admits it back once its forward is done. A turn's sampling loop
+(:func:`sessionstore.sessions.turns.decode_loop`) goes to the engine thread whole
+(``drive_decode``): after each step that thread, holding the baton for the turns, sends every
+loop its logits and steps the token it yields (sampling, streaming and the turn's commits run
+there; the commits that loops ask for in one pass run together at its end, :mod:`.group_commit`),
+and wakes the turn's thread only once its loop has ended, so a decode token costs no thread
+switch. The engine thread gathers what waits and runs it:
 
 - every single-token forward (a decode step, or the last token of a prompt) of every waiting
   session in ONE ``decode_step`` (continuous batching: sessions join and leave between steps);
@@ -29,34 +33,39 @@ from typing import Any
 import numpy as np
 
 from sessionstore.log import get_logger
+from sessionstore.service.group_commit import GroupCommit
 from sessionstore.service.scheduler import DecoderBaton, Ticket
+from sessionstore.sessions.turns import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
 
 GATHER_S = 0.004  # how long a step waits for the next turn to hand in its token, before it runs without it
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (the queue holds each once)
 class _Work:
-    """One forward asked for, and its outcome: the logits or the error, set by the engine thread
-    before it wakes the asker (a turn parked on the baton: admitted again; any other caller: its
-    ``finished`` event). No Future: a turn's wake-up already orders the hand-over."""
+    """One forward asked for (or a decode loop's next token), and its outcome: the logits, the
+    loop's end or the error, set by the engine thread before it wakes the asker (a turn parked on
+    the baton: admitted again; any other caller: its ``finished`` event). No Future: a turn's
+    wake-up already orders the hand-over."""
 
     tokens: np.ndarray  # [S] i32
     cache: Any
     ticket: Ticket | None = None  # a turn parked on the baton
     finished: threading.Event | None = None  # a caller outside the turns (a test, a tool) waits on it
-    logits: np.ndarray | None = None
+    loop: DecodeLoop | None = None  # a turn's sampling loop, run on by the engine thread after each step
+    result: Any = None  # the logits [S, V] f32, or the loop's TurnEnd
     error: BaseException | None = None
+    settled: bool = False
 
-    def settle(self, logits: np.ndarray | None, error: BaseException | None = None) -> None:
-        self.logits, self.error = logits, error
+    def settle(self, result: Any, error: BaseException | None = None) -> None:
+        self.result, self.error, self.settled = result, error, True
 
-    def outcome(self) -> np.ndarray:
+    def outcome(self) -> Any:
         if self.error is not None:
             raise self.error
-        assert self.logits is not None  # settled before the asker was woken
-        return self.logits
+        assert self.settled  # settled before the asker was woken
+        return self.result
 
 
 class StepBatcher:
@@ -73,6 +82,7 @@ class StepBatcher:
         self._asked_at = 0.0  # when a turn last asked (time.monotonic)
         self._stopped = False
         self.steps = 0
+        self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass
         self.thread = threading.Thread(target=self._run, name="coli-engine", daemon=True)
         self.thread.start()
 
@@ -92,7 +102,26 @@ class StepBatcher:
         if threading.current_thread() is self.thread or self._stopped:
             out: np.ndarray = self.model.forward(tokens, cache)
             return out
-        work = _Work(np.asarray(tokens), cache)
+        logits: np.ndarray = self._ask(_Work(np.asarray(tokens), cache))
+        return logits
+
+    def drive_decode(self, loop: DecodeLoop, cache: Any) -> TurnEnd:
+        """Run a turn's decode loop: its first token is taken here, then the engine thread runs
+        the loop on between steps (each step's logits sent in, the token it yields stepped next);
+        the caller, a turn holding the baton, wakes once the loop has ended (or raised). Any other
+        caller, or a stopped batcher: the loop runs here, one ``forward`` per token."""
+        if threading.current_thread() is self.thread or self._stopped or not self.baton.held_by_me():
+            return drive_inline(self, cache, loop)
+        try:
+            token = next(loop)
+        except StopIteration as done:
+            end: TurnEnd = done.value
+            return end
+        end = self._ask(_Work(np.asarray([token], dtype="<i4"), cache, loop=loop))
+        return end
+
+    def _ask(self, work: _Work) -> Any:
+        """Queue ``work`` for the engine thread and wait for its outcome."""
         if self.baton.held_by_me():  # a turn: let go of the baton; woken holding it, its forward done
             work.ticket = self.baton.park()
         else:
@@ -114,6 +143,7 @@ class StepBatcher:
             self._stopped = True
             self._cond.notify_all()
         self.thread.join()
+        self.commits.close()
 
     # ---- the engine thread ------------------------------------------------------------------
     def _complete(self) -> bool:
@@ -157,10 +187,70 @@ class StepBatcher:
             t0 = time.perf_counter()
             logits = self.model.forward(work.tokens, work.cache)
             self._observe("prefill" if work.tokens.shape[0] > 1 else "step", 1, time.perf_counter() - t0)
-            work.settle(logits)
         except BaseException as exc:  # the turn that asked re-raises it
             work.settle(None, exc)
-        self._admit(work)
+            self._admit(work)
+            return
+        if work.loop is None:  # a prefill's logits [S, V] are all its own
+            work.settle(logits)
+            self._admit(work)
+        else:
+            self._deliver([work], logits)  # [1, V]
+
+    def _deliver(self, done: list[_Work], logits: np.ndarray) -> None:
+        """Row b of ``logits`` [B, V] is ``done[b]``'s: a plain forward is settled and its asker
+        woken; a decode loop is run on to its next token (queued for the next step) or its end.
+        The loops touch their sessions, so this thread holds the baton while it runs them, as
+        their turns would."""
+        if any(work.loop is not None for work in done):
+            with self.baton.held():
+                self._settle_all(done, logits)
+        else:
+            self._settle_all(done, logits)
+
+    def _settle_all(self, done: list[_Work], logits: np.ndarray) -> None:
+        woken: list[_Work] = []
+        for b, work in enumerate(done):
+            if work.loop is None:
+                work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
+            else:
+                with self.commits.collecting(work):
+                    if self._run_on(work, logits[b]):
+                        continue
+            woken.append(work)
+        for work, exc in self.commits.run_all():  # before any of these sessions steps again
+            with self._cond:
+                if work in self._queue:  # its loop yielded a token: it is not stepped
+                    self._queue.remove(work)
+                    woken.append(work)
+            work.settle(None, exc)
+        for work in woken:  # in batch order (a failed commit's turn after)
+            self._admit(work)
+
+    def run_commit(self, commit: Callable[[], object]) -> None:
+        """A turn's mid-turn commit (a session's ``commit_runner``): put off to the end of this
+        pass when the engine thread is running the turn's loop on (:mod:`.group_commit`), else
+        run now."""
+        if not self.commits.put_off(commit):
+            commit()
+
+    def _run_on(self, work: _Work, logits: np.ndarray) -> bool:
+        """Send a loop its logits [V]: True once it yielded its next token (queued for the next
+        step), False once it ended or raised (settled)."""
+        assert work.loop is not None
+        try:
+            token = work.loop.send(logits)
+        except StopIteration as done:
+            work.settle(done.value)
+            return False
+        except BaseException as exc:  # a stop, a commit's failure: its turn re-raises it
+            work.settle(None, exc)
+            return False
+        work.tokens = np.asarray([token], dtype="<i4")  # [1] i32
+        with self._cond:
+            self._queue.append(work)
+            self._asked_at = time.monotonic()
+        return True
 
     def _admit(self, work: _Work) -> None:
         """The forward is done (settled): its turn may have the baton again (in the order forwards
@@ -198,9 +288,7 @@ class StepBatcher:
             return
         self.steps += 1
         self._observe("step", len(ready), took)
-        for b, work in enumerate(ready):
-            work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
-            self._admit(work)
+        self._deliver(ready, logits)
 
 
 class BatchingDecoder:
@@ -212,6 +300,9 @@ class BatchingDecoder:
 
     def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
         return self._batcher.forward(tokens, cache)
+
+    def drive_decode(self, loop: DecodeLoop, cache: Any) -> TurnEnd:
+        return self._batcher.drive_decode(loop, cache)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

@@ -54,7 +54,7 @@ class Engine:
         self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens)
         # lazy_logits: a request that feeds tokens resumes without recomputing the last position
         # when the sidecar vouched for every record (FORMAT.md 5.5); one that continues checks it then
-        self.options = {"lazy_logits": True, **(session_options or {})}
+        self.options = {"lazy_logits": True, "commit_runner": self.batcher.run_commit, **(session_options or {})}
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}

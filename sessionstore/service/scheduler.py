@@ -1,10 +1,12 @@
-"""Who touches the sessions: exactly one turn at a time, the holder of the :class:`DecoderBaton`.
+"""Who touches the sessions: exactly one piece of work at a time, the holder of the :class:`DecoderBaton`.
 
 Every request's work runs in a thread of its own, and the baton, a fair (FIFO) lock, decides which
-of them may touch the store and its sessions now. A turn holds it while it samples, streams and
-commits, and lets go of it whenever it waits for the engine thread to run its next forward
-(:class:`~sessionstore.service.batcher.StepBatcher`): the other turns take their tokens meanwhile,
-and their next steps join the same batched forward. Arrival order decides who goes next.
+of them may touch the store and its sessions now. A turn holds it while it prepares (opens or
+resumes its session, renders its prompt) and finishes (the last commit), and lets go of it
+whenever it waits for the engine thread (:class:`~sessionstore.service.batcher.StepBatcher`): for
+a forward, or for its whole decode loop, which that thread runs on between batched steps, holding
+the baton itself while it samples, streams and commits for the turns. Arrival order decides who
+goes next.
 """
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ class Session:
     def __init__(self, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
-                 verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False) -> None:
+                 verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
+                 commit_runner: Callable[[Callable[[], object]], None] | None = None) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
@@ -89,6 +90,9 @@ class Session:
         self.verify = verify
         self.write_behind = write_behind  # the writer's mode from the next resume on
         self.lazy_logits = lazy_logits  # defer the last position's recompute until its logits are used
+        # runs generate's commits every commit_every tokens, now or before the next token is fed (a
+        # server commits sessions that are due in the same step together: service.group_commit)
+        self.commit_runner = commit_runner
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
@@ -273,7 +277,10 @@ class Session:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
             if every and self._files.live_cache.length - writer.nrec >= every:
-                self.commit()
+                if self.commit_runner is None:
+                    self.commit()
+                else:
+                    self.commit_runner(self.commit)
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        self.manifest.sampler, stop_at_eos=stop_at_eos,

@@ -7,7 +7,7 @@ with exactly that operation over the restored rows.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,12 +63,12 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
     position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
-    stopped_at_eos).
+    stopped_at_eos). The sampling loop (:func:`decode_loop`) is run by the model's own
+    ``drive_decode(loop, cache)`` when it has one (a server's engine thread runs it between its
+    batched steps), else here by :func:`drive_inline`: the same forwards either way.
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
-    draw = sampler.to_sampler()
-    eos = set(model.config.eos_token_ids)
     end = cache.length + (len(feed) if feed is not None else 0) + max(max_new - 1, 0)
     if end > model.config.max_position_embeddings:
         raise LimitError(f"{end} positions exceed the model's context of "
@@ -79,6 +79,22 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
         logits = last_logits
     else:
         raise FormatError("nothing to continue from: the session is empty; give prompt ids")
+    eos = frozenset(model.config.eos_token_ids) if stop_at_eos else frozenset()
+    loop = decode_loop(cache, logits, max_new, sampler.to_sampler(), eos, on_rows, on_step)
+    drive = getattr(model, "drive_decode", None)
+    return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
+
+
+TurnEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
+DecodeLoop = Generator[int, np.ndarray, TurnEnd]  # yields each token to feed, is sent its logits [vocab]
+
+
+def decode_loop(cache: LatentCache, logits: np.ndarray, max_new: int, draw: Callable[[np.ndarray, int], int],
+                eos: frozenset[int], on_rows: Callable[[], None] | None,
+                on_step: Callable[[int, int, np.ndarray], None] | None) -> DecodeLoop:
+    """A turn's sampling loop from ``logits`` [vocab]: sample, ``on_step``, yield the token to
+    feed and receive the logits its single-token step gives (``on_rows`` after it); ends after
+    ``max_new`` tokens or at a token in ``eos``, that last token not fed."""
     out: list[int] = []
     while len(out) < max_new:
         position = cache.length
@@ -86,10 +102,26 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
         out.append(token)
         if on_step is not None:
             on_step(token, position, logits)
-        if len(out) == max_new or (stop_at_eos and token in eos):
-            return out, logits, stop_at_eos and token in eos
-        logits = feed_chunk(model, cache, [token], on_rows)
+        if token in eos:
+            return out, logits, True
+        if len(out) == max_new:
+            break
+        logits = yield token
+        if on_rows is not None:
+            on_rows()
     return out, logits, False
+
+
+def drive_inline(model: Any, cache: LatentCache, loop: DecodeLoop) -> TurnEnd:
+    """Run ``loop`` here: one ``model.forward`` of each token it yields, as ``feed_chunk`` feeds one."""
+    try:
+        token = next(loop)
+        while True:
+            logits = model.forward(np.asarray([token], dtype="<i4"), cache)[-1]  # [vocab] f32
+            token = loop.send(logits)
+    except StopIteration as done:
+        end: TurnEnd = done.value
+        return end
 
 
 def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int] | np.ndarray) -> int:
@@ -195,5 +227,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["TurnResult", "feed_chunk", "run_turn", "common_prefix", "reference_turns", "recompute_last",
-           "blocks_from_reader", "compare_rows", "ROW_RTOL"]
+__all__ = ["DecodeLoop", "ROW_RTOL", "TurnEnd", "TurnResult", "blocks_from_reader", "common_prefix", "compare_rows",
+           "decode_loop", "drive_inline", "feed_chunk", "recompute_last", "reference_turns", "run_turn"]

@@ -1,0 +1,173 @@
+"""The engine thread runs each turn's decode loop between its batched steps: the tokens are the
+ones the loop gives run inline, the turn's thread is woken once per loop, not once per token, and
+the mid-turn commits that loops ask for in one pass run together (their waits overlap), a failed
+one ending only its own turn."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from sessionstore.service.batcher import StepBatcher
+from sessionstore.service.group_commit import GroupCommit
+from sessionstore.service.scheduler import DecoderBaton
+from sessionstore.sessions.turns import decode_loop, drive_inline
+
+VOCAB = 11
+
+
+class _ChainModel:
+    """A stand-in decoder whose next-token logits depend on the token fed and on the cache: the
+    argmax after feeding t to cache c is (3 t + c.id + c.length) % VOCAB. Records each step's size."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(tokens, np.int32)
+
+    def check_room(self, cache: object, n: int) -> None:
+        return None
+
+    def _row(self, token: int, cache: SimpleNamespace) -> np.ndarray:
+        cache.length += 1
+        row = np.zeros(VOCAB, np.float32)  # [V] f32
+        row[(3 * token + cache.id + cache.length) % VOCAB] = 1.0
+        return row
+
+    def forward(self, tokens: np.ndarray, cache: SimpleNamespace) -> np.ndarray:
+        return np.stack([self._row(int(t), cache) for t in tokens])  # [S, V] f32
+
+    def decode_step(self, caches: list[SimpleNamespace], tokens: np.ndarray) -> np.ndarray:
+        self.batches.append(len(caches))
+        return np.stack([self._row(int(t), c) for t, c in zip(tokens, caches, strict=True)])  # [B, V] f32
+
+
+class _CountingBaton(DecoderBaton):
+    def __init__(self) -> None:
+        super().__init__()
+        self.admits = 0
+
+    def admit(self, ticket: Any) -> None:
+        self.admits += 1
+        super().admit(ticket)
+
+
+def _greedy(logits: np.ndarray, position: int) -> int:
+    return int(np.argmax(logits))
+
+
+def _start(i: int) -> np.ndarray:
+    row = np.zeros(VOCAB, np.float32)  # [V] f32: the logits a prompt left
+    row[i % VOCAB] = 1.0
+    return row
+
+
+OnStep = Callable[[StepBatcher, int, int, int, np.ndarray], None]  # (batcher, turn, token, position, logits)
+
+
+def _run_turns(n: int, max_new: int,
+               on_step: OnStep | None = None) -> tuple[dict[int, Any], _ChainModel, _CountingBaton]:
+    """``n`` turns in threads, each driving a decode loop through one batcher; their outcomes
+    (the loop's end, or the error it raised)."""
+    model, baton = _ChainModel(), _CountingBaton()
+    batcher = StepBatcher(model, baton, gather_s=5.0)  # each step waits for every turn in flight
+    outcomes: dict[int, Any] = {}
+    for _ in range(n):
+        batcher.turn_started()
+
+    def turn(i: int) -> None:
+        cache = SimpleNamespace(id=i, length=0)
+        step = None if on_step is None else (lambda tok, pos, lg: on_step(batcher, i, tok, pos, lg))
+        loop = decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, step)
+        with baton.held():
+            try:
+                outcomes[i] = batcher.drive_decode(loop, cache)
+            except Exception as exc:  # the test reads it
+                outcomes[i] = exc
+            assert baton.held_by_me()  # woken holding the baton
+        batcher.turn_ended()
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    batcher.stop()
+    return outcomes, model, baton
+
+
+def _inline(i: int, max_new: int) -> list[int]:
+    cache = SimpleNamespace(id=i, length=0)
+    tokens, _, _ = drive_inline(_ChainModel(), cache, decode_loop(cache, _start(i), max_new, _greedy,
+                                                                     frozenset(), None, None))
+    return tokens
+
+
+def test_loops_run_on_the_engine_thread_give_the_inline_tokens_and_wake_each_turn_once() -> None:
+    threads_seen: dict[int, set[str]] = {}
+
+    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if position > 0:  # the first sample is the turn's own, before its loop goes to the engine
+            threads_seen.setdefault(i, set()).add(threading.current_thread().name)
+
+    outcomes, model, baton = _run_turns(3, 8, on_step)
+    for i in range(3):
+        tokens, _, eos = outcomes[i]
+        assert tokens == _inline(i, 8) and not eos
+    assert threads_seen == {i: {"coli-engine"} for i in range(3)}
+    assert model.batches == [3] * 7  # 8 tokens: 7 fed, every step shared by the three
+    assert baton.admits == 3  # one wake-up per turn, at its loop's end
+
+
+def test_a_loop_that_raises_ends_only_its_own_turn() -> None:
+    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 1 and position == 3:
+            raise RuntimeError("client went away")
+
+    outcomes, _, _ = _run_turns(2, 6, on_step)
+    assert isinstance(outcomes[1], RuntimeError) and "went away" in str(outcomes[1])
+    assert outcomes[0][0] == _inline(0, 6)
+
+
+def test_commits_put_off_in_one_pass_run_together_and_a_failure_ends_only_its_turn() -> None:
+    ran: list[tuple[int, int]] = []
+
+    def slow_commit(i: int, position: int) -> Callable[[], None]:
+        def commit() -> None:
+            time.sleep(0.3)
+            if i == 2:
+                raise OSError("disk full")
+            ran.append((i, position))
+        return commit
+
+    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if position == 2:
+            batcher.run_commit(slow_commit(i, position))
+
+    t0 = time.perf_counter()
+    outcomes, _, _ = _run_turns(3, 5, on_step)
+    took = time.perf_counter() - t0
+    assert isinstance(outcomes[2], OSError) and "disk full" in str(outcomes[2])
+    assert outcomes[0][0] == _inline(0, 5) and outcomes[1][0] == _inline(1, 5)
+    assert sorted(ran) == [(0, 2), (1, 2)]
+    assert took < 0.75, f"three 0.3 s commits of one pass took {took:.2f} s: they did not overlap"
+
+
+def test_group_commit_outside_a_pass_does_not_put_off() -> None:
+    group = GroupCommit(4)
+    assert not group.put_off(lambda: None)  # no loop being run on: the caller commits now
+    seen: list[str] = []
+    with group.collecting("a"):
+        assert group.put_off(lambda: seen.append("a"))
+        other: list[bool] = []
+        t = threading.Thread(target=lambda: other.append(group.put_off(lambda: None)))
+        t.start()
+        t.join()
+        assert other == [False]  # another thread's commit is not this pass's
+    assert seen == [] and group.run_all() == [] and seen == ["a"]
+    group.close()
