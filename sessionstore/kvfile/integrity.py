@@ -9,18 +9,22 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   vouch for at least ``required`` records (a session's manifest count), else it was rewound or
   cut short and the file is refused;
 - every record it vouches for is hashed and compared; the first mismatch is a CorruptionError
-  naming the file, the record and its byte offset.
+  naming the file, the record and its byte offset. In a process that runs a checksum helper
+  (a server: :mod:`.hash_helper`), a large range's last half is hashed there meanwhile and
+  compared the same way; whatever the helper cannot hash is hashed here.
 
 Nothing here writes: a refused file is left exactly as found.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kernels.errors import CorruptionError
+from sessionstore.kvfile.hash_helper import HELPER_SHARE, MIN_SHARED_BYTES, active_hash_helper
 from sessionstore.kvfile.layout import HEADER_SIZE
 from sessionstore.kvfile.reader import KVReader
 from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
@@ -74,14 +78,37 @@ def require_vouched(reader: KVReader, required: int = 0, *,
             f"{reader.path}: its sidecar vouches for {vouched} record(s), {need} are committed "
             f"(count {sidecar.count}, {sidecar.available} entries on disk: rewound or cut short); "
             "refusing to use rows it cannot vouch for")
-    for start in range(0, vouched, CHECK_CHUNK_RECORDS):
-        stop = min(start + CHECK_CHUNK_RECORDS, vouched)
+    mine, helper_share = _split(reader, vouched)  # records [mine, vouched) hashed by the helper meanwhile
+    for start in range(0, mine, CHECK_CHUNK_RECORDS):
+        stop = min(start + CHECK_CHUNK_RECORDS, mine)
         found = _hash_gathering(reader, start, stop) if gather_scales else hash_records(reader, start, stop)
-        wrong = np.flatnonzero(found != sidecar.entries[start:stop])  # [m] offsets in the chunk
-        if wrong.size:
-            _raise_mismatch(reader, sidecar.entries, start + int(wrong[0]), int(found[wrong[0]]),
-                            vouched)
+        _compare(reader, sidecar.entries, start, found, vouched)
+    if helper_share is not None:
+        found_or_none = helper_share()
+        if found_or_none is None or found_or_none.shape[0] != vouched - mine:  # the helper failed: hash here
+            found_or_none = hash_records(reader, mine, vouched)
+        _compare(reader, sidecar.entries, mine, found_or_none, vouched)
+        if gather_scales:
+            reader.gather_scales(mine, vouched)
     return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
+
+
+def _split(reader: KVReader, vouched: int) -> tuple[int, Callable[[], np.ndarray | None] | None]:
+    """Where this process stops hashing, and the helper's share started (or None): a large range
+    gives its last HELPER_SHARE to the helper process when one runs (:mod:`.hash_helper`)."""
+    helper = active_hash_helper()
+    if helper is None or vouched * reader.record_bytes < MIN_SHARED_BYTES:
+        return vouched, None
+    mine = int(vouched * (1.0 - HELPER_SHARE))
+    return mine, helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, mine, vouched)
+
+
+def _compare(reader: KVReader, entries: np.ndarray, start: int, found: np.ndarray, vouched: int) -> None:
+    """Checksums ``found`` [k] of records [start, start + k) against the sidecar's; the first
+    mismatch raises."""
+    wrong = np.flatnonzero(found != entries[start:start + found.shape[0]])  # [m] offsets in the range
+    if wrong.size:
+        _raise_mismatch(reader, entries, start + int(wrong[0]), int(found[wrong[0]]), vouched)
 
 
 def _hash_gathering(reader: KVReader, start: int, stop: int) -> np.ndarray:

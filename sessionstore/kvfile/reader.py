@@ -60,6 +60,7 @@ class KVReader:
         fd, st = open_regular_file(self.path)
         self._map: FileMapping | None = None
         try:
+            self.identity = (int(st.st_dev), int(st.st_ino))  # the file mapped (a helper checks it is the same)
             self.file_bytes = int(st.st_size)
             if self.file_bytes == 0:
                 raise FormatError(f"{self.path}: empty file (0 bytes): no .coli_kv header")

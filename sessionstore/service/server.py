@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any
 
 from kernels.errors import ColiError
+from sessionstore.kvfile.hash_helper import start_hash_helper, stop_hash_helper
 from sessionstore.log import get_logger
 from sessionstore.service.app import build_app
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
@@ -103,6 +104,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
                     limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes,
                     home=home)
     sock = bind_socket(config.host, config.port)
+    start_hash_helper()  # resumes share their checksum pass with a second process (stopped below)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -128,6 +130,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
         server.run(sockets=[sock])
     finally:
         engine.stop()
+        stop_hash_helper()
         sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
