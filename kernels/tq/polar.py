@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from kernels.errors import FormatError
-from kernels.tq.libm import cos_sin_f32
+from kernels.tq.libm import atan2_hypot_f32, cos_sin_f32
 from kernels.tq.packing import FieldLayout, pack_fields, unpack_fields_t
 from kernels.tq.rotation import check_width, rotate
 
@@ -130,8 +130,8 @@ def encode_rotated(x: np.ndarray, layout: PolarLayout) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         for lv in layout.levels:
             even, odd = r[:, 0::2], r[:, 1::2]  # [R, count] f32 views
-            codes[:, lv.start : lv.start + lv.count] = lv.quantize(np.arctan2(odd, even))
-            r = np.hypot(even, odd)  # r: [R, count] f32
+            angle, r = atan2_hypot_f32(odd, even)  # libm's atan2f, hypotf: [R, count] f32 each
+            codes[:, lv.start : lv.start + lv.count] = lv.quantize(angle)
     return pack_fields(codes, layout.fields)
 
 

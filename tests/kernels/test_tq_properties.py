@@ -13,6 +13,7 @@ from hypothesis.extra import numpy as hnp
 
 from kernels.errors import ColiError
 from kernels.tq import SIGNS, TqCodec, fwht, rotate, unrotate
+from kernels.tq.libm import atan2_hypot_f32
 
 CODECS = [TqCodec("int4", 4), *(TqCodec("polar", b) for b in range(2, 7))]
 
@@ -86,8 +87,10 @@ def test_engine_quality_bounds(n: int) -> None:
     assert 0.05 < e_int4 < 0.15  # the engine's "about 0.10"
 
 
-def test_numpy_atan2_hypot_are_libm() -> None:
-    """Byte-exact PolarQuant encode needs numpy's f32 arctan2/hypot to be the C library's."""
+def test_the_encode_atan2_hypot_are_libm() -> None:
+    """Byte-exact PolarQuant encode needs the C library's atan2f/hypotf: the encode's kernel gives
+    exactly ctypes' libm on inputs over a wide range of magnitudes, signs, zeros and non-finite
+    values (numpy's own f32 arctan2 does not on AVX-512 machines, so it is not used)."""
     name = ctypes.util.find_library("m")
     if name is None:
         pytest.skip("no C math library to compare with")
@@ -95,10 +98,20 @@ def test_numpy_atan2_hypot_are_libm() -> None:
     for fn in (lib.atan2f, lib.hypotf):
         fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
     rng = np.random.default_rng(9)
-    a, b = (rng.standard_normal((2, 3000)) * np.exp(rng.uniform(-5, 5, (2, 3000)))).astype(np.float32)
+    a, b = (rng.standard_normal((2, 3010)) * np.exp(rng.uniform(-5, 5, (2, 3010)))).astype(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3e38], np.float32)
+    a = np.concatenate([a, np.repeat(special, special.size)])  # every pair of specials
+    b = np.concatenate([b, np.tile(special, special.size)])
     at = np.array([lib.atan2f(float(y), float(x)) for x, y in zip(a, b, strict=True)], np.float32)
     hy = np.array([lib.hypotf(float(x), float(y)) for x, y in zip(a, b, strict=True)], np.float32)
-    assert np.array_equal(np.arctan2(b, a), at) and np.array_equal(np.hypot(a, b), hy)
+    ys, xs = b.reshape(7, -1), a.reshape(7, -1)  # [R, count] blocks, as the encode pairs them
+    angle, radius = atan2_hypot_f32(ys, xs)
+    assert angle.view(np.uint32).tolist() == at.view(np.uint32).reshape(7, -1).tolist()
+    assert radius.view(np.uint32).tolist() == hy.view(np.uint32).reshape(7, -1).tolist()
+    strided = np.stack([a, b], axis=1).reshape(7, -1)  # interleaved pairs, read through strided views
+    angle2, radius2 = atan2_hypot_f32(strided[:, 1::2], strided[:, 0::2])
+    assert np.array_equal(angle2.view(np.uint32), at.view(np.uint32).reshape(7, -1))
+    assert np.array_equal(radius2.view(np.uint32), hy.view(np.uint32).reshape(7, -1))
 
 
 widths = st.sampled_from([2, 4, 8, 16, 32, 64, 128, 512])
