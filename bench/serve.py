@@ -115,6 +115,13 @@ def report(res: dict[str, Any]) -> None:
           f"{res['stream_median_gap_s'] * ms:.2f} ms) vs model.forward "
           f"{res['in_process_step_s'] * ms:.2f} ms in-process at T={res['stream_mean_length']}; "
           f"goal {verdict('stream_overhead_ratio', res['stream_overhead_ratio'])}")
+    if "ttft_s" in res:
+        report_session(res)
+    print(f"  model: {res['model_note']}")
+
+
+def report_session(res: dict[str, Any]) -> None:
+    ms = 1e3
     print(f"  resume_on_request_ratio{res['resume_on_request_ratio']:8.2f}    TTFT {res['ttft_s'] * ms:.0f} ms - one "
           f"decode step {res['decode_step_s'] * ms:.0f} ms (that request's, timed by the server) vs raw read "
           f"{res['raw_read_s'] * ms:.1f} ms of "
@@ -131,7 +138,6 @@ def report(res: dict[str, Any]) -> None:
           f"{verdict('http_migrate_vs_durable_copy', res['http_migrate_vs_durable_copy'])}")
     print(f"    a client piping A's GET into B's PUT instead: {res['http_migrate_pipe_vs_durable_copy']:.3f} "
           f"({res['http_migrate_pipe_s'] * ms:.0f} ms)")
-    print(f"  model: {res['model_note']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="committed tokens of the GLM-5.2-shaped session")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens each decode request streams")
-    ap.add_argument("--only", choices=("migrate",), default=None, help="one figure alone (migrate: figure 4)")
+    ap.add_argument("--only", choices=("migrate", "decode"), default=None,
+                    help="a part alone (migrate: figure 4; decode: figures 1-2)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (2048 if args.quick else 32768)
     reps = args.reps or (2 if args.quick else 5)
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, Any] = run_figure(root, tokens, reps)
         else:
             res = run_decode(root, reps, max_tokens)
-            res.update(run_session(root, tokens, reps))
+            if args.only != "decode":
+                res.update(run_session(root, tokens, reps))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.only == "migrate":
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                "dims (78 layers, kv_lora 512, rope 64, vocab 154880) and a 64-wide body")
     report(res)
     if args.json:
-        print(json.dumps({k: res[k] for k in KEYS}, sort_keys=True))
+        print(json.dumps({k: res[k] for k in KEYS if k in res}, sort_keys=True))
     return 0
 
 

@@ -7,7 +7,8 @@ meanwhile; the engine thread admits it back once its forward is done. A turn's s
 (:func:`sessionstore.sessions.turns.decode_loop`) goes to the engine thread whole
 (``drive_decode``): after each step that thread, holding the baton for the turns, sends every
 loop its logits and steps the token it yields (sampling, streaming and the turn's commits run
-there; the commits that loops ask for in one pass run together at its end, :mod:`.group_commit`),
+there; the commits that loops ask for in one pass start together at its end and run while the next
+step computes, :mod:`.group_commit`),
 and wakes the turn's thread only once its loop has ended, so a decode token costs no thread
 switch. The engine thread gathers what waits and runs it:
 
@@ -218,26 +219,40 @@ class StepBatcher:
                     if self._run_on(work, logits[b]):
                         continue
             woken.append(work)
-        for work, exc in self.commits.run_all():  # before any of these sessions steps again
-            with self._cond:
-                if work in self._queue:  # its loop yielded a token: it is not stepped
-                    self._queue.remove(work)
-                    woken.append(work)
-            work.settle(None, exc)
-        for work in woken:  # in batch order (a failed commit's turn after)
+        self.commits.start_all()  # they run while the next step computes; each loop waits for its own
+        for work in woken:  # in batch order
             self._admit(work)
 
     def run_commit(self, commit: Callable[[], object]) -> None:
-        """A turn's mid-turn commit (a session's ``commit_runner``): put off to the end of this
-        pass when the engine thread is running the turn's loop on (:mod:`.group_commit`), else
-        run now."""
-        if not self.commits.put_off(commit):
+        """A turn's mid-turn commit (the part a session's ``commit_runner`` is handed, which
+        touches neither the cache nor the pending token): started at the end of this pass when
+        the engine thread is running the turn's loop on (:mod:`.group_commit`), else run now.
+        A turn that commits on its own thread (its loop has ended) lets go of the baton while it
+        does, and is not waited for by the steps meanwhile: its fsyncs hold no other session back.
+        Nothing else touches its session then (the session is claimed by the turn; the engine
+        thread runs only other sessions' loops)."""
+        if self.commits.put_off(commit):
+            return
+        if threading.current_thread() is self.thread or not self.baton.held_by_me():
             commit()
+            return
+        self.baton.release()
+        self.turn_ended()
+        try:
+            commit()
+        finally:
+            self.baton.acquire()
+            self.turn_started()
 
     def _run_on(self, work: _Work, logits: np.ndarray) -> bool:
         """Send a loop its logits [V]: True once it yielded its next token (queued for the next
         step), False once it ended or raised (settled)."""
         assert work.loop is not None
+        failed = self.commits.wait(work)  # the commit its last pass asked for, run beside this step
+        if failed is not None:  # its turn ends as it would have before the step: the step is undone
+            work.cache.truncate(work.cache.length - 1)
+            work.settle(None, failed)
+            return False
         try:
             token = work.loop.send(logits)
         except StopIteration as done:
@@ -254,7 +269,11 @@ class StepBatcher:
 
     def _admit(self, work: _Work) -> None:
         """The forward is done (settled): its turn may have the baton again (in the order forwards
-        finish); another caller is woken."""
+        finish); another caller is woken. A commit its loop asked for last is waited for first
+        (its failure is the turn's error): a turn never finds its commit unfinished."""
+        failed = self.commits.wait(work)
+        if failed is not None:
+            work.settle(None, failed)
         if work.ticket is not None:
             self.baton.admit(work.ticket)
         elif work.finished is not None:

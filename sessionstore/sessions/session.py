@@ -277,10 +277,7 @@ class Session:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
             if every and self._files.live_cache.length - writer.nrec >= every:
-                if self.commit_runner is None:
-                    self.commit()
-                else:
-                    self.commit_runner(self.commit)
+                self._commit_through_runner()
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        self.manifest.sampler, stop_at_eos=stop_at_eos,
@@ -288,7 +285,7 @@ class Session:
         if not tokens:
             self.pending = []
         self._note_logits(logits)
-        self.commit()
+        self._commit_through_runner()
         result.tokens, result.stopped_at_eos = tokens, eos
         result.committed = self._files.live_writer.nrec
         result.commits = self._committer.commits - commits_before
@@ -299,16 +296,41 @@ class Session:
     def commit(self) -> int:
         """kv commit (the commit point), then the manifest's dynamic fields; returns the count
         (:class:`sessionstore.sessions.commit.Committer`)."""
+        return self.begin_commit()()
+
+    def begin_commit(self) -> Callable[[], int]:
+        """The commit's first part, now: the rows not handed to the writer yet are handed over
+        and what the commit covers is fixed (the records appended so far, the pending token).
+        The returned callable is the rest (the kv commit, then the manifest's dynamic fields;
+        returns the count): it reads neither the cache nor ``pending``, so it may run while the
+        cache grows (a server runs it beside its next batched step). Nothing may append to the
+        writer or commit this session again until it has returned."""
         if self.state != "resident":
-            return self.manifest.committed
+            committed = self.manifest.committed
+            return lambda: committed
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
         self._files.append_rows()  # the rows not handed to the writer yet (decode appends in runs)
         writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
-        self.manifest = self._committer.commit(writer, self.manifest, self.pending, self._files.live_cache.length,
-                                               durable=self.manifest_fsync)
-        return n
+        length, pending = self._files.live_cache.length, list(self.pending)
+
+        def finish() -> int:
+            self.manifest = self._committer.commit(writer, self.manifest, pending, length,
+                                                   durable=self.manifest_fsync)
+            return n
+
+        return finish
+
+    def _commit_through_runner(self) -> None:
+        """A turn's commit: its first part here, the rest by ``commit_runner`` when there is one
+        (a server's engine runs it beside its next batched step, or lets the turn run it without
+        holding the other sessions back), else here."""
+        finish = self.begin_commit()
+        if self.commit_runner is None:
+            finish()
+        else:
+            self.commit_runner(finish)
 
     def _append_in_runs(self) -> None:
         """After a forward: hand the new rows to the writer once APPEND_RUN of them wait (a prefill
