@@ -444,3 +444,19 @@ def test_dequantize_rows_into_strided_views():
     out = np.zeros((6, 4, 60), F32)
     fp8.dequantize_rows_into(codes, scales, out[..., 5:55])
     assert np.array_equal(out[..., 5:55], want)
+
+
+def test_quantize_rows_of_read_only_and_many_block_inputs_match_the_scalar_rule():
+    """The compiled quantizer takes read-only rows (a file's mapping) and inputs of several
+    blocks, with the same bytes as the scalar rule."""
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((3000, 40)) * np.exp(rng.uniform(-25, 25, (3000, 1)))).astype(F32)  # > one block
+    x[::97, 3] = np.nan
+    frozen = x.copy()
+    frozen.setflags(write=False)
+    codes, scales = fp8.quantize_rows(x)
+    codes_ro, scales_ro = fp8.quantize_rows(frozen)
+    assert np.array_equal(codes, codes_ro) and np.array_equal(scales.view(np.uint32), scales_ro.view(np.uint32))
+    for i in range(0, 3000, 149):
+        want_codes, want_scale = quantize_row_reference(x[i])
+        assert codes[i].tolist() == want_codes and scales[i] == F32(want_scale), i
