@@ -277,3 +277,71 @@ def test_api_key_prompt(browser: Any, tmp_path: Path) -> None:
         expect(dialog).to_be_hidden()
         page.screenshot(path=str(tmp_path / "web-page-keyed.png"))
         print(f"screenshot: {tmp_path / 'web-page-keyed.png'}")
+
+
+class _Cut(Exception):
+    """Ends a reply mid-way, as a crash would."""
+
+
+def _session_cut_mid_reply(root: Path) -> list[dict[str, str]]:
+    """A glm-mini session under ``root`` whose second reply was cut after some committed tokens
+    (its turn left open, as a crashed server leaves it); the messages sent for that turn."""
+    from kernels.model import resolve_model
+    from kernels.model.text import load_text
+    from sessionstore.sessions import SessionStore
+    from sessionstore.sessions.conversation_chat import Conversation
+
+    source = resolve_model(MODEL)
+    store = SessionStore(root)
+    session = store.create("cut", source, kv_dtype="fp8", commit_every=2)
+    conv = Conversation.open(session, load_text(source))
+    conv.say("Tell me a story about a cat.", 12)
+    sent = [*conv.messages, {"role": "user", "content": "And then?"}]
+    calls = {"n": 0}
+
+    def cut() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise _Cut()
+        return False
+
+    with pytest.raises(_Cut):
+        conv.respond(sent, 40, should_stop=cut)
+    session.abandon()
+    return sent
+
+
+def test_a_turn_left_open_shows_its_committed_reply_as_partial_then_continues(browser: Any, tmp_path: Path) -> None:
+    """The page's ``turn_partial`` view: a session whose reply was cut shows the sent messages and
+    the committed part of the reply marked partial, with a note; a message sent from the page
+    closes that turn (as recovery does) and the partial mark goes."""
+    from playwright.sync_api import expect
+
+    sent = _session_cut_mid_reply(tmp_path / "root")
+    with ServerProc(tmp_path / "root", MODEL) as server:
+        view = server.get("/v1/sessions/cut", params={"messages": "1"}).json()
+        assert view["messages_state"] == "turn_partial", view
+        assert view["messages"][:-1] == sent and view["messages"][-1]["role"] == "assistant"
+        partial_reply = view["messages"][-1]["content"]
+        assert partial_reply, "the cut reply committed nothing: the test needs a partial reply"
+        tab = Tab(browser, server.url)
+        page = tab.page
+        tab.item("cut").click()
+        expect(page.locator(".msg")).to_have_count(len(sent) + 1)
+        expect(page.locator(".msg.partial")).to_have_count(1)
+        last = page.locator(".msg").last
+        expect(last).to_have_class(re.compile(r"\bassistant\b.*\bpartial\b|\bpartial\b.*\bassistant\b"))
+        expect(last.locator(".text")).to_have_text(partial_reply)
+        expect(page.locator("#log-note")).to_contain_text("A turn is open on this session")
+        page.screenshot(path=str(tmp_path / "web-page-partial.png"))
+        print(f"screenshot: {tmp_path / 'web-page-partial.png'}")
+
+        reply = tab.send("What happened next?")
+        assert reply.strip()
+        expect(page.locator(".msg.partial")).to_have_count(0)
+        expect(page.locator("#log-note")).to_be_hidden()
+        after = server.get("/v1/sessions/cut", params={"messages": "1"}).json()
+        assert after["messages_state"] == "complete"
+        assert after["messages"][: len(sent) + 1] == view["messages"]  # the cut reply was closed as committed
+        assert after["messages"][-1] == {"role": "assistant", "content": reply}
+        assert tab.errors == [], f"console errors: {tab.errors}"

@@ -337,6 +337,9 @@ async function send(event) {
   if (!sid || !content.trim() || state.abort || (known && !view)) return;
   const messages = [...(known && view.messages ? view.messages : []), { role: "user", content }];
   input.value = "";
+  // the open turn's committed reply is sent back as an ordinary message: the server closes that turn
+  // with it (as recovery does), so it is partial no longer
+  for (const box of $("log").querySelectorAll(".msg.partial")) box.classList.remove("partial");
   addMessage("user", content);
   const text = addMessage("assistant", "");
   text.classList.add("streaming");
