@@ -11,9 +11,12 @@ Every figure is a ratio to a baseline measured in this run, medians of ``--reps`
    ``batch16_speedup_httpx``, the same figure read by 16 httpx clients in 16 threads, whose own
    CPU shares the server's two cores; and ``batch16_step_speedup``: the same ratio for
    ``decode_step`` alone in this process (16 caches vs one), the part of the figure that is the
-   engine's.
+   engine's. From them, ``batch16_outside_step_s``: a round of 16 in the server minus the
+   in-process step of 16, per session (the server's work per token outside the step), beside
+   ``batch16_outside_step_allowed_s``, what 6x would allow at this run's one-session rate.
 2. ``stream_overhead_ratio`` (glm-mini): per-token latency of a streamed completion over HTTP /
    ``model.forward`` of one token in this process over a cache of the same length. Goal <= 1.15.
+   ``stream_overhead_s``: the difference, in seconds.
 3. ``resume_on_request_ratio``: a suspended GLM-5.2-shaped v2 session (32,768 tokens; ``--quick``
    2,048): (time to first token of a request on it - that request's one decode step, timed by the
    server's engine) / a raw sequential read of its kv file. Goal <= 1.5. The resume verifies as
@@ -49,6 +52,8 @@ from bench.serve_session import bench_migrate, bench_resume, build, write_glm_ca
 GOALS = {"batch16_speedup": (">=", 6.0), "stream_overhead_ratio": ("<=", 1.15), "resume_on_request_ratio": ("<=", 1.5),
          "http_migrate_vs_durable_copy": (">=", 0.8)}
 KEYS = ("batch16_speedup", "batch16_step_speedup", "step_solo_s", "step_batch16_s", "step_length",
+        "batch16_share_of_step_speedup", "batch16_outside_step_s", "batch16_outside_step_allowed_s",
+        "stream_overhead_s",
         "stream_overhead_ratio", "resume_on_request_ratio", "resume_added_ratio",
         "http_migrate_vs_durable_copy", "batch16_tokens_per_s", "single_tokens_per_s", "batch16_window_s",
         "batch16_window_tokens", "batch_max_tokens", "batch_clients", "batch16_speedup_httpx",
@@ -74,7 +79,22 @@ def run_decode(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
         res = bench_stream(server, model, prompt, max_tokens, reps, "fp8")
         res.update(bench_batch(server, prompt, max_tokens, reps))
     res.update(step_speedup(model, prompt, len(prompt) + max_tokens // 2, "fp8", 5 * reps))
+    res.update(outside_the_step(res))
     return res
+
+
+def outside_the_step(res: dict[str, Any]) -> dict[str, float]:
+    """What the server spends per token outside the engine's step, from this run's figures: one
+    session's streamed token minus the in-process step; a round of 16 (16 / aggregate rate) minus
+    the in-process step of 16, per session; and that per-session share a 6x ``batch16_speedup``
+    would allow at this run's one-session rate and step of 16."""
+    round_s = CLIENTS / res["batch16_tokens_per_s"]
+    single_s = 1.0 / res["single_tokens_per_s"]
+    allowed = (CLIENTS * single_s / GOALS["batch16_speedup"][1] - res["step_batch16_s"]) / CLIENTS
+    return {"stream_overhead_s": res["stream_per_token_s"] - res["in_process_step_s"],
+            "batch16_outside_step_s": (round_s - res["step_batch16_s"]) / CLIENTS,
+            "batch16_outside_step_allowed_s": allowed,
+            "batch16_share_of_step_speedup": res["batch16_speedup"] / res["batch16_step_speedup"]}
 
 
 def run_session(root: Path, n_tokens: int, reps: int) -> dict[str, Any]:
@@ -109,12 +129,18 @@ def report(res: dict[str, Any]) -> None:
           f"{res['single_tokens_per_s_httpx']:.1f} tok/s, client CPU {res['batch16_client_cpu_s_httpx']:.2f} s)")
     print(f"    of it, the engine's decode_step alone (in process, no HTTP/sessions/files): "
           f"{res['batch16_step_speedup']:.2f}x ({res['step_batch16_s'] * ms:.1f} ms for 16 vs "
-          f"{res['step_solo_s'] * ms:.2f} ms for one, T={res['step_length']})")
+          f"{res['step_solo_s'] * ms:.2f} ms for one, T={res['step_length']}); served / step ratio "
+          f"{res['batch16_share_of_step_speedup']:.2f}")
+    print(f"    outside the step, per session per token in a round of 16: "
+          f"{res['batch16_outside_step_s'] * ms:.3f} ms (6x at this one-session rate allows "
+          f"{res['batch16_outside_step_allowed_s'] * ms:.3f} ms)")
     print(f"  stream_overhead_ratio  {res['stream_overhead_ratio']:8.3f}    "
           f"{res['stream_per_token_s'] * ms:.2f} ms per streamed token (median gap "
           f"{res['stream_median_gap_s'] * ms:.2f} ms) vs model.forward "
           f"{res['in_process_step_s'] * ms:.2f} ms in-process at T={res['stream_mean_length']}; "
           f"goal {verdict('stream_overhead_ratio', res['stream_overhead_ratio'])}")
+    print(f"    outside the step, per streamed token: {res['stream_overhead_s'] * ms:.3f} ms (1.15 allows "
+          f"{0.15 * res['in_process_step_s'] * ms:.3f} ms)")
     if "ttft_s" in res:
         report_session(res)
     print(f"  model: {res['model_note']}")

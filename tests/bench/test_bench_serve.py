@@ -81,6 +81,8 @@ def test_serve_bench_quick_smallest_path_reports_every_figure(tmp_path):
                 "http_migrate_vs_durable_copy", "ttft_s", "ttft_resident_s",
                 "raw_read_s", "decode_step_s", "in_process_step_s", "durable_copy_s"):
         assert res[key] > 0, key
+    assert res["batch16_share_of_step_speedup"] > 0 and "batch16_outside_step_s" in res
+    assert "stream_overhead_s" in res and "outside the step" in out.stdout
     # TTFT - one step: a few ms at 256 tokens, inside the step's noise on a loaded machine (either sign)
     assert math.isfinite(res["resume_on_request_ratio"]) and math.isfinite(res["resume_added_ratio"])
     assert res["quick"] is True and res["tokens"] == 256
