@@ -15,22 +15,12 @@ from sessionstore.service.engine import Engine
 from sessionstore.service.turns import TurnSpec
 from sessionstore.sessions import SamplerSettings, SessionStore
 from sessionstore.sessions.turns import reference_turns
+from tests.service.test_service_units import Sink
 
 MODEL = "tiny"
 PROMPT = [72, 105, 33, 32, 87]
 MAX_NEW = 24
 COMMIT_EVERY = 4
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-
-    def text(self, piece: str) -> None:
-        self.pieces.append(piece)
-
-    def cancelled(self) -> bool:
-        return False
 
 
 def _failing_second_commit_of(monkeypatch: pytest.MonkeyPatch, session_id: str) -> list[int]:
@@ -60,7 +50,7 @@ def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_contin
 
     specs = {sid: TurnSpec("completion", sid, prompt=list(PROMPT), max_tokens=MAX_NEW, ignore_eos=True)
              for sid in ("a", "b")}
-    futures = {sid: engine.submit(lambda s=spec: engine.run_turn(s, _Sink()), session=sid, turn=True)
+    futures = {sid: engine.submit(lambda s=spec: engine.run_turn(s, Sink()), session=sid, turn=True)
                for sid, spec in specs.items()}
     with pytest.raises(OSError, match="injected"):
         futures["a"].result(timeout=120)

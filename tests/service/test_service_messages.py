@@ -19,10 +19,7 @@ from sessionstore.sessions import SessionStore
 from sessionstore.sessions.conversation import ConversationRecord, OpenTurn, tokens_digest, write_record
 from sessionstore.sessions.conversation_chat import Conversation
 from tests.service.serverkit import ServerProc, sse_events
-
-
-class Crash(Exception):
-    """A simulated process death inside a turn."""
+from tests.support.conversation_cut import Crash, respond_until_crash
 
 
 def _name(server: ServerProc) -> str:
@@ -169,17 +166,7 @@ def test_after_a_crash_the_read_is_what_recovery_writes(tmp_path: Path, text_mod
         s.append_tokens = _raiser  # type: ignore[method-assign]
         if where == "before_truncate":
             s.truncate = _raiser  # type: ignore[method-assign]
-    calls = {"n": 0}
-
-    def stop() -> bool:
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise Crash()
-        return False
-
-    with pytest.raises(Crash):
-        conv.respond(second, 40, should_stop=stop)
-    s.abandon()
+    respond_until_crash(conv, second, 40)
     view = _reader(SessionStore(tmp_path), "c", tok)
     assert view.state == state
     if state is None:

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 from sessionstore.service.auth import BearerAuth
 from sessionstore.service.webpage import ASSETS, CSP, WithPage, read_asset
 from tests.service.serverkit import REPO, ServerProc
+from tests.support.conversation_cut import respond_until_crash
 
 WEB_DIR = REPO / "sessionstore" / "service" / "web"
 MODEL = "glm-mini"
@@ -279,10 +280,6 @@ def test_api_key_prompt(browser: Any, tmp_path: Path) -> None:
         print(f"screenshot: {tmp_path / 'web-page-keyed.png'}")
 
 
-class _Cut(Exception):
-    """Ends a reply mid-way, as a crash would."""
-
-
 def _session_cut_mid_reply(root: Path) -> list[dict[str, str]]:
     """A glm-mini session under ``root`` whose second reply was cut after some committed tokens
     (its turn left open, as a crashed server leaves it); the messages sent for that turn."""
@@ -297,17 +294,7 @@ def _session_cut_mid_reply(root: Path) -> list[dict[str, str]]:
     conv = Conversation.open(session, load_text(source))
     conv.say("Tell me a story about a cat.", 12)
     sent = [*conv.messages, {"role": "user", "content": "And then?"}]
-    calls = {"n": 0}
-
-    def cut() -> bool:
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise _Cut()
-        return False
-
-    with pytest.raises(_Cut):
-        conv.respond(sent, 40, should_stop=cut)
-    session.abandon()
+    respond_until_crash(conv, sent, 40, checks=9)
     return sent
 
 

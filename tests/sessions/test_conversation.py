@@ -21,10 +21,7 @@ from sessionstore.sessions.conversation_chat import (  # noqa: E402
     ReferenceChat,
 )
 from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
-
-
-class Crash(Exception):
-    """A simulated process death at a chosen point (the session is then abandoned, uncommitted)."""
+from tests.support.conversation_cut import Crash, respond_until_crash  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +104,7 @@ def _crash_run(root: Path, model_dir: Path, where: str) -> tuple[list[dict[str, 
         s.append_tokens = _raiser()  # type: ignore[method-assign]
         second = [_user("Different start")]
         prompt = conv.tokenizer.chat_ids(second)
-    calls = {"n": 0}
-
-    def stop() -> bool:
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise Crash()
-        return False
-
-    with pytest.raises(Crash):
-        conv.respond(second, 40, should_stop=stop)
-    s.abandon()
+    respond_until_crash(conv, second, 40)
     return before, prompt
 
 
