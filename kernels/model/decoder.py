@@ -4,6 +4,10 @@ Per layer and position it produces exactly what a ``.coli_kv`` record stores: Lc
 RMSNorm of the compressed latent, Rc = k_rot after RoPE in the de-interleaved layout. Attention
 is absorbed: the decoder multiplies q_nope by W_UK, calls the backend's ``absorbed_attention``
 over the cache blocks (which it never copies), then applies W_UV and o_proj.
+
+Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
+decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
+piece, in chunks or token by token, and a session the same tokens whoever shares its steps.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import FormatError, LimitError, ModelMismatchError
-from kernels.model.cache import DecoderCache, write_step_rows
+from kernels.model.cache import DecoderCache, StepRow, step_rows_of, write_step_rows
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
@@ -37,9 +41,9 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return y
 
 
-def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, rowwise: bool = False) -> np.ndarray:
-    """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32; ``rowwise``: each row alone (batch-invariant)."""
-    y = rowwise_linear(x, w) if rowwise else x @ w.T  # y: [N, out] f32
+def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x [N, in] @ w[out, in]^T (+ bias) -> [N, out] f32, each row alone (batch-invariant)."""
+    y = rowwise_linear(x, w)  # y: [N, out] f32
     return y if bias is None else y + bias
 
 
@@ -153,8 +157,11 @@ class MLADecoder:
     def forward(self, tokens: np.ndarray, cache: DecoderCache) -> np.ndarray:
         """Run ``tokens`` [S] at positions [cache.length, +S); returns logits [S, vocab] f32.
 
-        One token is a decode step, run as a batch of one (:meth:`decode_step`): a session's
-        decode is bitwise the same alone or batched with others."""
+        Every position is computed as a decode step of that token alone computes it (:meth:`step`),
+        so a prompt's rows, and so a session's tokens, are bitwise the same whether the prompt is
+        fed in one piece, in chunks of any size or token by token, alone or beside other sessions.
+        The last position's logits are the step's too (bitwise); the earlier positions' come from
+        one product over their rows (close, not bitwise: nothing is sampled from them)."""
         toks = self.check_tokens(tokens)  # [S] i32
         n = toks.shape[0]
         if n == 0:
@@ -162,63 +169,78 @@ class MLADecoder:
         if n == 1:
             return self.decode_step([cache], toks)
         self.check_room(cache, n)
-        start = cache.length
-        positions = np.arange(start, start + n)  # [S]
-        cos, sin = self.rotary.cos_sin(positions)  # [S, rope/2] f32 each
-        try:
-            h = self._run_layers(self.embed[toks].astype(np.float32), cos, sin, cache)  # h: [S, hidden] f32
-            cache.commit_positions(toks)
-        except BaseException:
-            cache.discard_pending()
-            raise
-        h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
-        logits: np.ndarray = h @ self.lm_head.T  # logits: [S, V] f32
+        h = self._run_rows([cache], toks, [n])  # h: [S, hidden] f32, final-normed
+        logits = np.empty((n, self.config.vocab_size), np.float32)  # logits: [S, V] f32
+        np.matmul(h[:-1], self.lm_head.T, out=logits[:-1])
+        logits[-1:] = rowwise_linear(h[-1:], self.lm_head)  # [1, V]: the step's arithmetic
         return logits
 
     def decode_step(self, caches: Sequence[DecoderCache], tokens: np.ndarray) -> np.ndarray:
         """One decode step of B sessions at once: token b at position caches[b].length of cache b;
-        returns logits [B, vocab] f32.
+        returns logits [B, vocab] f32 (:meth:`step` with one token per cache)."""
+        n = np.asarray(tokens).reshape(-1).shape[0]
+        if n != len(caches) or not caches:
+            raise FormatError(f"decode_step: {n} tokens for {len(caches)} caches")
+        return self.step(caches, tokens, [1] * len(caches))
 
-        Batch-invariant: row b is bitwise what cache b's step alone gives, whoever shares the batch
-        and however large it is. Every projection, the MoE and lm_head run row by row in one call
-        (:mod:`kernels.model.rowwise`); attention, the indexer's selection and the cache writes run
-        per session over its own rows."""
-        toks = self.check_tokens(tokens)  # [B] i32
-        if toks.shape[0] != len(caches) or not caches:
-            raise FormatError(f"decode_step: {toks.shape[0]} tokens for {len(caches)} caches")
+    def step(self, caches: Sequence[DecoderCache], tokens: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """One batched step in which cache b takes ``counts[b]`` new tokens (its run of ``tokens``
+        [N] in order: 1 for a decode token, more for a prefill chunk); returns the logits [B, vocab]
+        f32 of each cache's last new position.
+
+        Batch-invariant: each row is bitwise what a decode step of that token alone gives, whoever
+        shares the step and however large it is. Every projection, the MoE and lm_head run row by
+        row in one call over all N rows (:mod:`kernels.model.rowwise`); the cache writes, the
+        indexer's selection and attention run per row over the rows before it
+        (:class:`~kernels.model.cache.StepPosition`)."""
+        toks = self.check_tokens(tokens)  # [N] i32
+        counts = [int(c) for c in counts]
+        if len(counts) != len(caches) or not caches:
+            raise FormatError(f"step: {len(counts)} token counts for {len(caches)} caches")
+        if min(counts) < 1 or sum(counts) != toks.shape[0]:
+            raise FormatError(f"step: {toks.shape[0]} tokens for token counts {counts}")
         if len({id(c) for c in caches}) != len(caches):
-            raise FormatError("decode_step: a cache appears twice in one batch")
-        for cache in caches:
-            self.check_room(cache, 1)
-        positions = np.array([c.length for c in caches])  # [B]
-        cos, sin = self.rotary.cos_sin(positions)  # [B, rope/2] f32 each
+            raise FormatError("step: a cache appears twice in one batch")
+        for cache, count in zip(caches, counts, strict=True):
+            self.check_room(cache, count)
+        h = self._run_rows(caches, toks, counts)  # h: [N, hidden] f32, final-normed
+        last = np.cumsum(counts) - 1  # [B] each cache's last row
+        return rowwise_linear(h[last], self.lm_head)  # [B, V] f32
+
+    def _run_rows(self, caches: Sequence[DecoderCache], toks: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """Every layer over the step's rows (cache b's ``counts[b]`` tokens in order); commits them
+        to the caches, or discards every pending row if anything raises. h [N, hidden] f32, final-normed."""
+        rows = step_rows_of(caches, counts)
+        positions = np.array([row.length for row in rows])  # [N]
+        cos, sin = self.rotary.cos_sin(positions)  # [N, rope/2] f32 each
         try:
-            h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, caches)  # h: [B, hidden] f32
-            for b, cache in enumerate(caches):
-                cache.commit_positions(toks[b : b + 1])
+            h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows)  # h: [N, hidden] f32
+            start = 0
+            for cache, count in zip(caches, counts, strict=True):
+                cache.commit_positions(toks[start : start + count])
+                start += count
         except BaseException:
             for cache in caches:
                 cache.discard_pending()
             raise
-        h = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
-        return rowwise_linear(h, self.lm_head)  # [B, V] f32
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
 
     def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[DecoderCache]) -> np.ndarray:
-        """Every layer over one new position per cache: h [B, hidden] f32."""
+                     caches: Sequence[StepRow]) -> np.ndarray:
+        """Every layer over the step's rows (one new position each): h [B, hidden] f32."""
         step: dict[str, Any] = {}  # what one layer leaves for the next (a DSA model's selections)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
             q = self._project_step(i, layer.attn, x, cos, sin, caches)
             ctx = self._attend_step(i, x, q, cos, sin, caches, step)  # ctx: [B, H, kv_lora] f32
-            h = h + self._attention_output(layer.attn, ctx, rowwise=True)
+            h = h + self._attention_output(layer.attn, ctx)
             x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
             h = h + layer.mlp(x, rowwise=True)
         return h
 
     def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[DecoderCache], step: dict[str, Any]) -> np.ndarray:
-        """Dense absorbed attention of each session's query over its own rows -> [B, H, kv_lora]."""
+                     caches: Sequence[StepRow], step: dict[str, Any]) -> np.ndarray:
+        """Dense absorbed attention of each row's query over the rows up to its position -> [B, H, kv_lora]."""
         ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
         for b, cache in enumerate(caches):
             ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
@@ -226,59 +248,39 @@ class MLADecoder:
         return ctx
 
     def _project_step(self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                      caches: Sequence[DecoderCache]) -> Queries:
-        """The queries of one new position per cache (row by row); writes each cache's Lc/Rc row."""
-        q, lc, rc = self._queries(a, x, cos, sin, rowwise=True)
+                      caches: Sequence[StepRow]) -> Queries:
+        """The queries of the step's rows (row by row); writes each row's Lc/Rc row to its cache."""
+        q, lc, rc = self._queries(a, x, cos, sin)
         write_step_rows(caches, layer_idx, lc, rc)
         return q
 
-    def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
-        """Every decoder layer over h [S, hidden] f32 (pending positions written into ``cache``)."""
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            q = self._project(i, layer.attn, x, cos, sin, cache)
-            ctx = cache.backend.absorbed_attention(q.q_abs, q.q_rope, cache.blocks(i), self.softmax_scale,
-                                                   causal=True)  # ctx: [S, H, kv_lora] f32
-            h = h + self._attention_output(layer.attn, ctx)
-            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-            h = h + layer.mlp(x)
-        return h
-
-    def _project(
-        self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache
-    ) -> Queries:
-        """x [S, hidden] -> the absorbed queries; writes this layer's Lc/Rc rows into the cache first."""
-        q, lc, rc = self._queries(a, x, cos, sin, rowwise=False)
-        cache.write_layer(layer_idx, lc, rc)  # fp8: quantized here, before anything attends
-        return q
-
-    def _queries(self, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 rowwise: bool) -> tuple[Queries, np.ndarray, np.ndarray]:
+    def _queries(self, a: MLAttention, x: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray) -> tuple[Queries, np.ndarray, np.ndarray]:
         """x [S, hidden] -> (the absorbed queries, lc [S, kv_lora], rc [S, rope]) f32."""
         c = self.config
         n, heads = x.shape[0], c.num_attention_heads
         q_lat = None
         if a.q_proj is not None:
-            q = _linear(x, a.q_proj, rowwise=rowwise)  # q: [S, H*qk_head]
+            q = _linear(x, a.q_proj)  # q: [S, H*qk_head]
         else:
             assert a.q_a is not None and a.q_a_norm is not None and a.q_b is not None  # q_lora layers have all three
-            q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias, rowwise), a.q_a_norm, 1e-6)  # [S, q_lora]
-            q = _linear(q_lat, a.q_b, rowwise=rowwise)  # q: [S, H*qk_head]
+            q_lat = rms_norm(_linear(x, a.q_a, a.q_a_bias), a.q_a_norm, 1e-6)  # [S, q_lora]
+            q = _linear(q_lat, a.q_b)  # q: [S, H*qk_head]
         q = q.reshape(n, heads, c.qk_head_dim)
         q_nope, q_rot = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]  # [S,H,nope], [S,H,rope]
-        compressed = _linear(x, a.kv_a, a.kv_a_bias, rowwise)  # [S, kv_lora + rope]
+        compressed = _linear(x, a.kv_a, a.kv_a_bias)  # [S, kv_lora + rope]
         lc = rms_norm(compressed[:, : c.kv_lora_rank], a.kv_a_norm, 1e-6)  # lc: [S, kv_lora] f32
         rc = self.rotary.apply(compressed[:, c.kv_lora_rank :], cos, sin)  # rc: [S, rope] f32
         q_rope = self.rotary.apply(q_rot, cos, sin)  # [S, H, rope] f32
-        q_abs = head_matmul(q_nope, a.w_uk, rowwise)  # [S, H, kv_lora]
+        q_abs = head_matmul(q_nope, a.w_uk, True)  # [S, H, kv_lora]
         return Queries(np.ascontiguousarray(q_abs), q_rope, q_lat), lc, rc
 
-    def _attention_output(self, a: MLAttention, ctx: np.ndarray, rowwise: bool = False) -> np.ndarray:
+    def _attention_output(self, a: MLAttention, ctx: np.ndarray) -> np.ndarray:
         """ctx [S, H, kv_lora] -> W_UV per head, then o_proj: [S, hidden]."""
         n, heads = ctx.shape[0], self.config.num_attention_heads
-        out = head_matmul(ctx, a.w_uv, rowwise, w_transposed=True)  # [S, H, v_head]
+        out = head_matmul(ctx, a.w_uv, True, w_transposed=True)  # [S, H, v_head]
         out = out.reshape(n, heads * self.config.v_head_dim)  # [S, H*v_head]
-        return _linear(out, a.o_proj, a.o_bias, rowwise)  # [S, hidden]
+        return _linear(out, a.o_proj, a.o_bias)  # [S, hidden]
 
 
 def _load_layer(cfg: ModelConfig, w: Weights, i: int) -> DecoderLayer:

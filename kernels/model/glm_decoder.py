@@ -1,12 +1,12 @@
 """The reference GLM-5.x (``glm_moe_dsa``) decoder: MLA + MoE as DeepSeek-V3, plus DSA sparse attention.
 
-Per forward, in every full layer the indexer's key of each new position is written to the cache
-(the file's Ic row, every position, prefill and decode alike); then each query whose context
-(position + 1) exceeds ``index_topk`` selects its ``index_topk`` rows (kernels.attention.selection,
-the engine's tie rule) and attends only those (``sparse_absorbed_attention``). Queries with a
-shorter context attend every row (dense absorbed attention), as transformers' ``min(topk, T)``
-does. Shared layers compute no indexer: they reuse the selection of the most recent full layer
-of the same forward pass.
+Per step (prefill and decode alike: every forward is a batched step, :meth:`MLADecoder.step`), in
+every full layer the indexer's key of each new position is written to the cache (the file's Ic
+row); then each query whose context (position + 1) exceeds ``index_topk`` selects its
+``index_topk`` rows (kernels.attention.select_step, the engine's tie rule) and attends only those
+(``sparse_absorbed_attention``). Queries with a shorter context attend every row (dense absorbed
+attention), as transformers' ``min(topk, T)`` does. Shared layers compute no indexer: they reuse
+the selection of the most recent full layer of the same step.
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 
 from kernels.attention.select_step import select_step
-from kernels.attention.selection import select_rows
 from kernels.attention.tiles import cache_shape
 from kernels.errors import BackendUnavailableError, UnsupportedModelError
-from kernels.model.cache import DecoderCache
+from kernels.model.cache import StepRow
 from kernels.model.config import ModelConfig
-from kernels.model.decoder import MLADecoder, Queries, Weights, rms_norm
+from kernels.model.decoder import MLADecoder, Queries, Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
 
@@ -38,54 +37,8 @@ class GlmDecoder(MLADecoder):
         self.indexers = {i: _load_indexer(config, self.dsa, weights, i) for i in self.dsa.full_layers}
         self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
 
-    def _run_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: DecoderCache) -> np.ndarray:
-        start, n = cache.length, h.shape[0]
-        dense = min(max(self.dsa.index_topk - start, 0), n)  # leading queries that see <= index_topk rows
-        selection: np.ndarray | None = None  # [n - dense, index_topk] i64, from the latest full layer
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            q = self._project(i, layer.attn, x, cos, sin, cache)
-            if self.dsa.is_full(i):
-                selection = self._index(i, x, q, cos, sin, cache, dense)
-            ctx = self._attend(i, q, cache, dense, selection)  # ctx: [S, H, kv_lora] f32
-            h = h + self._attention_output(layer.attn, ctx)
-            x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
-            h = h + layer.mlp(x)
-        return h
-
-    def _index(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-               cache: DecoderCache, dense: int) -> np.ndarray | None:
-        """Write this full layer's indexer keys; select rows for the queries past the first ``dense``."""
-        indexer, slot = self.indexers[layer], self.index_slots[layer]
-        cache.write_index(slot, indexer.keys(x, self.rotary, cos, sin))
-        if dense == x.shape[0]:
-            return None
-        assert q.q_resid is not None  # a GLM config always has q_lora (glm_config refuses it otherwise)
-        qi, w = indexer.queries(x[dense:], q.q_resid[dense:], self.rotary, cos[dense:], sin[dense:])
-        first = cache.length + dense
-        return select_rows(qi, w, cache.index_blocks(slot), first, self.dsa.index_topk)  # [S - dense, k] i64
-
-    def _attend(self, layer: int, q: Queries, cache: DecoderCache, dense: int,
-                selection: np.ndarray | None) -> np.ndarray:
-        """Dense absorbed attention for the first ``dense`` queries, sparse over ``selection`` for the rest."""
-        backend, n = cache.backend, q.q_abs.shape[0]
-        if dense == n:
-            out: np.ndarray = backend.absorbed_attention(q.q_abs, q.q_rope, cache.blocks(layer), self.softmax_scale,
-                                                         causal=True)
-            return out
-        sparse = self._sparse_of(backend)
-        assert selection is not None  # a full layer precedes every shared one (glm_config checks layer 0)
-        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [S, H, kv_lora] f32
-        if dense:
-            ctx[:dense] = backend.absorbed_attention(q.q_abs[:dense], q.q_rope[:dense],
-                                                     cache.blocks(layer, cache.length + dense), self.softmax_scale,
-                                                     causal=True)
-        ctx[dense:] = sparse(q.q_abs[dense:], q.q_rope[dense:], cache.blocks(layer), selection, self.softmax_scale)
-        return ctx
-
-
     def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[DecoderCache], step: dict[str, Any]) -> np.ndarray:
+                     caches: Sequence[StepRow], step: dict[str, Any]) -> np.ndarray:
         """One new position per cache: a full layer writes each cache's indexer key and selects rows
         for every session past ``index_topk`` (shared layers reuse that selection); those attend
         their selected rows, the others every row (all of them are selected). Sessions of a backend
@@ -119,7 +72,7 @@ class GlmDecoder(MLADecoder):
         return ctx
 
     def _select_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[DecoderCache]) -> dict[int, np.ndarray]:
+                     caches: Sequence[StepRow]) -> dict[int, np.ndarray]:
         """Write this full layer's key of each cache's new position; {b: selection [1, k] i64} for
         the caches whose new position sees more than ``index_topk`` rows."""
         indexer, slot = self.indexers[layer], self.index_slots[layer]

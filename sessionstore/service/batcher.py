@@ -1,4 +1,4 @@
-"""The engine thread: the one thread that runs the decoder, batching every session's decode step.
+"""The engine thread: the one thread that runs the decoder, batching every session's work into steps.
 
 Turns run in threads of their own (one per request, holding the :class:`DecoderBaton` while they
 touch their session), but none of them runs the model: a turn's ``model.forward`` is a
@@ -10,18 +10,21 @@ loop its logits and steps the token it yields (sampling, streaming and the turn'
 there; the commits that loops ask for in one pass start together at its end and run while the next
 step computes, :mod:`.group_commit`),
 and wakes the turn's thread only once its loop has ended, so a decode token costs no thread
-switch. The engine thread gathers what waits and runs it:
+switch. The engine thread gathers what waits and runs ONE batched step (``model.step``) at a time:
 
 - every single-token forward (a decode step, or the last token of a prompt) of every waiting
-  session in ONE ``decode_step`` (continuous batching: sessions join and leave between steps);
-- a prompt's other tokens (a prefill) alone, between steps.
+  session (continuous batching: sessions join and leave between steps);
+- beside them, chunks of the prompts waiting to be prefilled, at most ``max_prefill_tokens`` tokens
+  a step in arrival order (chunked prefill: a long prompt is admitted over several steps while the
+  running streams keep decoding; its asker is woken once its last chunk has run).
 
-``decode_step`` is batch-invariant (kernels.model.rowwise), so a session's logits, and so its
-tokens, are bitwise what it would get alone, whoever shares the step. A step starts as soon as
-every turn in flight is waiting for it, or once no turn has asked for ``gather_s`` (a turn busy
-committing does not hold the others back; it joins the next step). A request that would fail
-(a token outside the vocabulary, a full context) fails alone: it is checked before it joins, and
-should the batched step raise, its members are stepped one by one (bitwise the same).
+``model.step`` computes every row as a decode step of that token alone would (kernels.model.decoder),
+so a session's logits, and so its tokens, are bitwise what it would get alone, whoever shares the
+step and however its prompt was cut into chunks. A step starts as soon as every turn in flight is
+waiting for it, or once no turn has asked for ``gather_s`` (a turn busy committing does not hold the
+others back; it joins the next step). A request that would fail (a token outside the vocabulary, a
+full context) fails alone: it is checked before it joins, and should the batched step raise, its
+members are stepped one by one (bitwise the same).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from sessionstore.sessions.turns import DecodeLoop, TurnEnd, drive_inline
 log = get_logger("service")
 
 GATHER_S = 0.004  # how long a step waits for the next turn to hand in its token, before it runs without it
+MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
 
 
 @dataclass(eq=False)  # compared by identity (the queue holds each once)
@@ -52,6 +56,7 @@ class _Work:
 
     tokens: np.ndarray  # [S] i32
     cache: Any
+    fed: int = 0  # tokens of ``tokens`` already stepped (a prompt admitted chunk by chunk)
     ticket: Ticket | None = None  # a turn parked on the baton
     finished: threading.Event | None = None  # a caller outside the turns (a test, a tool) waits on it
     loop: DecodeLoop | None = None  # a turn's sampling loop, run on by the engine thread after each step
@@ -73,9 +78,11 @@ class StepBatcher:
     """The engine thread and its queue of forwards."""
 
     def __init__(self, model: Any, baton: DecoderBaton, *, max_batch: int = 64, gather_s: float = GATHER_S,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS,
                  on_forward: Callable[[str, int, float], None] | None = None) -> None:
         self.model, self.baton = model, baton
         self.max_batch, self.gather_s = max_batch, gather_s
+        self.max_prefill_tokens = max_prefill_tokens
         self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
         self._cond = threading.Condition()
         self._queue: list[_Work] = []
@@ -98,10 +105,11 @@ class StepBatcher:
             self._cond.notify_all()
 
     def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
-        """``model.forward(tokens, cache)`` run by the engine thread; the caller holds the baton,
-        which it lets go of while it waits."""
+        """``model.forward(tokens, cache)`` run by the engine thread (a prompt of several tokens in
+        chunks, beside other sessions' steps): the logits of its LAST position, [1, V] f32. The
+        caller holds the baton, which it lets go of while it waits."""
         if threading.current_thread() is self.thread or self._stopped:
-            out: np.ndarray = self.model.forward(tokens, cache)
+            out: np.ndarray = self.model.forward(tokens, cache)[-1:]  # [1, V] f32
             return out
         logits: np.ndarray = self._ask(_Work(np.asarray(tokens), cache))
         return logits
@@ -176,27 +184,41 @@ class StepBatcher:
             taken = self._take()
             if taken is None:
                 return
-            steps = [w for w in taken if w.tokens.shape[0] == 1]
-            for work in taken:
-                if work.tokens.shape[0] != 1:
-                    self._solo(work)
-            for i in range(0, len(steps), self.max_batch):
-                self._step(steps[i : i + self.max_batch])
+            batch, later = self._plan(taken)
+            if later:
+                with self._cond:
+                    self._queue[:0] = later  # first in line for the next step
+            self._step(batch)
 
-    def _solo(self, work: _Work) -> None:
+    def _plan(self, taken: list[_Work]) -> tuple[list[tuple[_Work, int]], list[_Work]]:
+        """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and
+        what waits for a later step: at most ``max_batch`` members, at most ``max_prefill_tokens``
+        prompt tokens, prompts in arrival order."""
+        batch: list[tuple[_Work, int]] = []
+        later: list[_Work] = []
+        budget = self.max_prefill_tokens
+        for work in taken:
+            want = work.tokens.shape[0] - work.fed
+            take = 1 if want == 1 else min(want, budget)
+            if take < 1 or len(batch) >= self.max_batch:
+                later.append(work)
+                continue
+            if want > 1:
+                budget -= take
+            batch.append((work, take))
+        return batch, later
+
+    def _solo(self, work: _Work, count: int) -> None:
+        """Step ``work``'s next ``count`` tokens alone (a batched step that raised)."""
         try:
             t0 = time.perf_counter()
-            logits = self.model.forward(work.tokens, work.cache)
-            self._observe("prefill" if work.tokens.shape[0] > 1 else "step", 1, time.perf_counter() - t0)
+            logits = self.model.step([work.cache], work.tokens[work.fed : work.fed + count], [count])
+            self._observe("step" if count == 1 else "prefill", 1, time.perf_counter() - t0)
         except BaseException as exc:  # the turn that asked re-raises it
             work.settle(None, exc)
             self._admit(work)
             return
-        if work.loop is None:  # a prefill's logits [S, V] are all its own
-            work.settle(logits)
-            self._admit(work)
-        else:
-            self._deliver([work], logits)  # [1, V]
+        self._stepped([(work, count)], logits)
 
     def _deliver(self, done: list[_Work], logits: np.ndarray) -> None:
         """Row b of ``logits`` [B, V] is ``done[b]``'s: a plain forward is settled and its asker
@@ -261,7 +283,7 @@ class StepBatcher:
         except BaseException as exc:  # a stop, a commit's failure: its turn re-raises it
             work.settle(None, exc)
             return False
-        work.tokens = np.asarray([token], dtype="<i4")  # [1] i32
+        work.tokens, work.fed = np.asarray([token], dtype="<i4"), 0  # [1] i32
         with self._cond:
             self._queue.append(work)
             self._asked_at = time.monotonic()
@@ -283,31 +305,53 @@ class StepBatcher:
         if self.on_forward is not None:
             self.on_forward(kind, sessions, seconds)
 
-    def _step(self, batch: list[_Work]) -> None:
-        ready: list[_Work] = []
-        for work in batch:  # a request that cannot run fails alone, before the step
+    def _step(self, batch: list[tuple[_Work, int]]) -> None:
+        ready: list[tuple[_Work, int]] = []
+        for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
-                self.model.check_tokens(work.tokens)
-                self.model.check_room(work.cache, 1)
+                if work.fed == 0:
+                    self.model.check_tokens(work.tokens)
+                    self.model.check_room(work.cache, work.tokens.shape[0])
             except BaseException as exc:
                 work.settle(None, exc)
                 self._admit(work)
             else:
-                ready.append(work)
+                ready.append((work, count))
         if not ready:
             return
+        counts = [count for _, count in ready]
+        tokens = np.concatenate([w.tokens[w.fed : w.fed + c] for w, c in ready])  # [N] i32
         try:
             t0 = time.perf_counter()
-            logits = self.model.decode_step([w.cache for w in ready], np.concatenate([w.tokens for w in ready]))
+            logits = self.model.step([w.cache for w, _ in ready], tokens, counts)  # [B, V] f32
             took = time.perf_counter() - t0
         except BaseException as exc:
             log.warning("service.step_failed", batch=len(ready), error=str(exc))
-            for work in ready:
-                self._solo(work)
+            for work, count in ready:
+                self._solo(work, count)
             return
         self.steps += 1
-        self._observe("step", len(ready), took)
-        self._deliver(ready, logits)
+        self._observe("step" if min(counts) == 1 else "prefill", len(ready), took)
+        self._stepped(ready, logits)
+
+    def _stepped(self, ready: list[tuple[_Work, int]], logits: np.ndarray) -> None:
+        """After a step: a prompt with chunks left waits for the next step (first in line); every
+        other member gets its row of ``logits`` [B, V] (:meth:`_deliver`)."""
+        done: list[_Work] = []
+        rows: list[int] = []
+        unfinished: list[_Work] = []
+        for b, (work, count) in enumerate(ready):
+            work.fed += count
+            if work.fed < work.tokens.shape[0]:
+                unfinished.append(work)
+            else:
+                done.append(work)
+                rows.append(b)
+        if unfinished:
+            with self._cond:
+                self._queue[:0] = unfinished
+        if done:
+            self._deliver(done, logits[np.asarray(rows)])
 
 
 class BatchingDecoder:
@@ -318,6 +362,7 @@ class BatchingDecoder:
         self._model, self._batcher = model, batcher
 
     def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
+        """The logits of the last of ``tokens``' positions, [1, V] f32 (:meth:`StepBatcher.forward`)."""
         return self._batcher.forward(tokens, cache)
 
     def drive_decode(self, loop: DecodeLoop, cache: Any) -> TurnEnd:
@@ -327,4 +372,4 @@ class BatchingDecoder:
         return getattr(self._model, name)
 
 
-__all__ = ["GATHER_S", "BatchingDecoder", "StepBatcher"]
+__all__ = ["GATHER_S", "MAX_PREFILL_TOKENS", "BatchingDecoder", "StepBatcher"]

@@ -2,8 +2,8 @@
 holder of the :class:`DecoderBaton`); handlers queue work here and stream what comes back.
 
 Each request's work runs in a thread of its own that waits for the baton; a turn hands it on at
-every token boundary, so concurrent sessions advance token by token in turn. Sessions are not
-batched into one forward (see :mod:`sessionstore.service.scheduler`). Two requests on one
+every token boundary; the engine thread batches every waiting session's forward into one step
+and admits long prompts in chunks beside them (:mod:`sessionstore.service.batcher`). Two requests on one
 session never interleave: while a session has work queued or running, another request on it is
 refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions (or
 ``max_kv_bytes``) the least recently used idle one is suspended (commit, release memory and
@@ -47,6 +47,7 @@ class Engine:
         self.baton = DecoderBaton()
         decoder, self.model_ref = store.load_model(model_source)
         self.batcher = StepBatcher(decoder, self.baton, max_batch=self.limits.max_batch,
+                                   max_prefill_tokens=self.limits.max_prefill_tokens,
                                    on_forward=self.metrics.observe_forward)
         self.model = BatchingDecoder(decoder, self.batcher)
         store.adopt_model(model_source, self.model)  # the store's sessions decode through the engine thread

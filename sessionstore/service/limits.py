@@ -1,4 +1,5 @@
-"""The service's named limits, with their documented defaults (every one refuses with a 4xx)."""
+"""The service's named limits, with their documented defaults: what a request may ask (past them it
+is refused with a 4xx or a 503) and how much work one engine step takes on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServiceLimits:
-    """Bounds on what one request may ask of the server."""
+    """Bounds on what requests may ask of the server, and on one engine step."""
 
     max_body_bytes: int = 4 << 20  # a request body larger than this: 413
     max_messages: int = 1024  # messages in one chat request: 400
@@ -19,6 +20,7 @@ class ServiceLimits:
     max_queued_turns: int = 256  # turns waiting for the engine; past it new ones get 503
     max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended
     max_batch: int = 64  # sessions one decode step advances together
+    max_prefill_tokens: int = 32  # prompt tokens one step carries beside the decode tokens (chunked prefill)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

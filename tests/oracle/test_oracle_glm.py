@@ -139,25 +139,18 @@ def _teacher_forced(model: GlmDecoder, tokens: np.ndarray, kv: str, prefill: int
 
 @pytest.fixture
 def recorded_selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Every selection our decoder makes, a prefill's (select_rows) and a decode step's (select_step):
-    (first query position, selection [S, k], scores [S, T])."""
+    """Every selection our decoder makes (a forward's rows past index_topk, prefill and decode alike,
+    in one select_step call per full layer): (first query position, selection [S, k], scores [S, T])."""
     calls: list[tuple[int, np.ndarray, np.ndarray]] = []
-    original = glm_decoder.select_rows
 
-    def recording(qi, weights, key_blocks, first_pos, k):  # noqa: ANN001, ANN202
-        sel = original(qi, weights, key_blocks, first_pos, k)
-        calls.append((first_pos, sel, index_scores(qi, weights, key_blocks, first_pos)))
-        return sel
-
-    def recording_step(qi, weights, key_blocks_of, k):  # noqa: ANN001, ANN202 - the decode step's selector
+    def recording_step(qi, weights, key_blocks_of, k):  # noqa: ANN001, ANN202 - the step's selector
         sel = original_step(qi, weights, key_blocks_of, k)
-        for b, key_blocks in enumerate(key_blocks_of):
-            first = sum(int(blk.shape[0]) for blk in key_blocks) - 1  # the query's own position
-            calls.append((first, sel[b : b + 1], index_scores(qi[b : b + 1], weights[b : b + 1], key_blocks, first)))
+        first = sum(int(blk.shape[0]) for blk in key_blocks_of[0]) - 1  # the first query's own position
+        last_keys = key_blocks_of[-1]  # a forward's rows are consecutive positions of one cache
+        calls.append((first, sel, index_scores(qi, weights, last_keys, first)))
         return sel
 
     original_step = glm_decoder.select_step
-    monkeypatch.setattr(glm_decoder, "select_rows", recording)
     monkeypatch.setattr(glm_decoder, "select_step", recording_step)
     return calls
 

@@ -52,9 +52,14 @@ class _ChainModel:
     def forward(self, tokens: np.ndarray, cache: _Cache) -> np.ndarray:
         return np.stack([self._row(int(t), cache) for t in tokens])  # [S, V] f32
 
-    def decode_step(self, caches: list[_Cache], tokens: np.ndarray) -> np.ndarray:
+    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+        """Each cache's run of ``tokens`` fed in order; the logits of each one's last: [B, V] f32."""
         self.batches.append(len(caches))
-        return np.stack([self._row(int(t), c) for t, c in zip(tokens, caches, strict=True)])  # [B, V] f32
+        rows, start = [], 0
+        for cache, count in zip(caches, counts, strict=True):
+            rows.append([self._row(int(t), cache) for t in tokens[start : start + count]][-1])
+            start += count
+        return np.stack(rows)  # [B, V] f32
 
 
 class _CountingBaton(DecoderBaton):
@@ -153,10 +158,10 @@ class _StepWatchingModel(_ChainModel):
         self.batcher: StepBatcher | None = None
         self.beside: list[int] = []
 
-    def decode_step(self, caches: list[_Cache], tokens: np.ndarray) -> np.ndarray:
+    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
         assert self.batcher is not None
         self.beside.append(self.batcher.commits.in_flight())
-        return super().decode_step(caches, tokens)
+        return super().step(caches, tokens, counts)
 
 
 def test_commits_of_one_pass_run_together_beside_the_next_step_and_a_failure_ends_only_its_turn() -> None:

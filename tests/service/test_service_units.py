@@ -208,7 +208,7 @@ class _CountingModel:
     def forward(self, tokens: np.ndarray, cache: SimpleNamespace) -> np.ndarray:
         return np.full((len(tokens), 4), float(cache.id), np.float32)
 
-    def decode_step(self, caches: list[SimpleNamespace], tokens: np.ndarray) -> np.ndarray:
+    def step(self, caches: list[SimpleNamespace], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
         self.batches.append(len(caches))
         return np.array([[float(c.id)] * 4 for c in caches], np.float32)
 
@@ -241,7 +241,8 @@ def test_a_caller_outside_the_turns_gets_its_logits_or_its_own_error() -> None:
     batcher = StepBatcher(model, DecoderBaton())
     try:
         assert batcher.forward(np.array([5], np.int32), SimpleNamespace(id=7))[0, 0] == 7.0
-        assert batcher.forward(np.array([1, 2], np.int32), SimpleNamespace(id=3)).shape == (2, 4)  # a prefill
+        assert batcher.forward(np.array([1, 2], np.int32), SimpleNamespace(id=3)).shape == (1, 4)  # a prefill: its
+        # last position's logits
         with pytest.raises(FormatError, match="outside the vocabulary"):
             batcher.forward(np.array([-1], np.int32), SimpleNamespace(id=1))
         assert batcher.forward(np.array([5], np.int32), SimpleNamespace(id=2))[0, 0] == 2.0  # still serving

@@ -148,14 +148,18 @@ def test_fp8_prefill_attends_to_quantized_rows_only(model) -> None:
     spy = SpyBackend()
     cache = model.new_cache("fp8", backend=spy)
     prefill = model.forward(PROMPT, cache)
-    assert len(spy.calls) == model.config.n_layers
-    for blocks in spy.calls:  # the prompt's own rows, already quantized, are what attention reads
-        assert all(isinstance(b, Fp8Rows) for b in blocks) and sum(b.length for b in blocks) == PROMPT.size
-    # numerically: the last prompt position equals step-by-step decoding over quantized rows ...
+    assert len(spy.calls) == model.config.n_layers * PROMPT.size  # one query per call, layer by layer
+    for n, blocks in enumerate(spy.calls):  # the rows up to the query's own, already quantized
+        assert all(isinstance(b, Fp8Rows) for b in blocks)
+        assert sum(b.length for b in blocks) == n % PROMPT.size + 1
+    # the prompt's rows are bitwise step-by-step decoding's over quantized rows; its logits close
     stepwise = model.new_cache("fp8")
     for tok in PROMPT:
         last = model.forward(np.array([tok]), stepwise)
     assert np.allclose(prefill[-1], last[-1], atol=2e-4)
+    a, b = cache.records_since(0), stepwise.records_since(0)
+    assert np.array_equal(a.lc_codes, b.lc_codes) and np.array_equal(a.lc_scale, b.lc_scale)
+    assert np.array_equal(a.rc_codes, b.rc_codes) and np.array_equal(a.rc_scale, b.rc_scale)
     # ... and an f32 cache whose rows are quantized+dequantized before every attention read
     # gives the fp8 prefill's logits, while plain f32 rows do not
     emulated = model.forward(PROMPT, model.new_cache("f32", backend=QuantizeDequantizeBackend()))
@@ -173,7 +177,8 @@ class QuantizeDequantizeBackend:
 
 
 def test_failed_forward_leaves_the_cache_unchanged(model) -> None:
-    spy = SpyBackend(fail_at=5)  # prompt: 3 calls; next forward fails at its 2nd layer
+    spy = SpyBackend(fail_at=3 * PROMPT.size + 3)  # prompt: 3 layers x its rows; the next forward (2 rows)
+    # fails at its 2nd layer
     cache = model.new_cache("f32", backend=spy)
     model.forward(PROMPT, cache)
     with pytest.raises(RuntimeError, match="injected"):

@@ -109,26 +109,29 @@ def test_selection_runs_past_index_topk_and_shared_layers_reuse_it(glm: GlmDecod
     spy = SpyBackend()
     cache = glm.new_cache("f32", backend=spy)
     glm.forward(TEXT[:16], cache)  # 16 positions: every query sees <= index_topk rows
-    assert [kind for kind, _ in spy.calls] == ["dense"] * 4
+    assert [kind for kind, _ in spy.calls] == ["dense"] * 4 * 16  # 4 layers, one query a call
     spy.calls.clear()
     glm.forward(TEXT[16:40], cache)  # every query now sees more than 16 rows
     kinds = [kind for kind, _ in spy.calls]
-    assert kinds == ["sparse"] * 4
-    sels = [sel for _, sel in spy.calls]
-    assert sels[1] is sels[0] and sels[3] is sels[2]  # shared layers reuse the latest full layer's selection
-    assert not np.array_equal(sels[0], sels[2])  # each full layer selects for itself
-    assert all(s.shape == (24, 16) for s in sels)
-    assert np.all(sels[0][:, -1] <= 16 + np.arange(24))  # query s at position 16 + s sees no later row
+    assert kinds == ["sparse"] * 4 * 24
+    sels = [[sel for _, sel in spy.calls[layer * 24 : (layer + 1) * 24]] for layer in range(4)]  # [layer][row]
+    for j in range(24):
+        assert sels[1][j] is sels[0][j] and sels[3][j] is sels[2][j]  # shared layers reuse the full layer's
+        assert sels[0][j].shape == (1, 16)
+        assert np.all(sels[0][j] <= 16 + j)  # the query at position 16 + j sees no later row
+    assert any(not np.array_equal(sels[0][j], sels[2][j]) for j in range(24))  # each full layer selects
 
 
 def test_a_prefill_crossing_index_topk_is_dense_then_sparse(glm: GlmDecoder) -> None:
     spy = SpyBackend()
     cache = glm.new_cache("f32", backend=spy)
     mixed = glm.forward(TEXT[:30], cache)
-    assert [kind for kind, _ in spy.calls] == ["dense", "sparse"] * 4
-    steps = glm.new_cache("f32")
+    assert [kind for kind, _ in spy.calls] == (["dense"] * 16 + ["sparse"] * 14) * 4
+    steps = glm.new_cache("f32", backend=SpyBackend())  # the same attention code (the cpu backend batches it)
     logits = [glm.forward(np.array([t]), steps)[0] for t in TEXT[:30]]
     assert np.max(np.abs(mixed - np.array(logits))) < 1e-4
+    a, b = cache.records_since(0), steps.records_since(0)  # the rows: bitwise the decode steps'
+    assert np.array_equal(a.lc, b.lc) and np.array_equal(a.rc, b.rc) and np.array_equal(a.index, b.index)
 
 
 def test_selection_changes_the_result(glm: GlmDecoder, tmp_path: Path) -> None:
@@ -177,7 +180,8 @@ def test_truncate_drops_the_ic_rows_too(glm: GlmDecoder) -> None:
 
 
 def test_failed_forward_leaves_latent_and_ic_rows_unchanged(glm: GlmDecoder) -> None:
-    spy = SpyBackend(fail_at=10)  # the prompt: dense + sparse in 4 layers; the next forward fails in layer 1
+    spy = SpyBackend(fail_at=4 * 20 + 3)  # the prompt: 4 layers x 20 rows; the next forward (2 rows) fails in
+    # layer 1
     cache = glm.new_cache("f32", backend=spy)
     glm.forward(TEXT[:20], cache)
     before = cache.records_since(0)
@@ -185,7 +189,7 @@ def test_failed_forward_leaves_latent_and_ic_rows_unchanged(glm: GlmDecoder) -> 
         glm.forward(TEXT[20:22], cache)
     assert cache.length == 20 and np.array_equal(cache.records_since(0).index, before.index)
     spy.fail_at = None
-    ref = glm.new_cache("f32")
+    ref = glm.new_cache("f32", backend=SpyBackend())
     glm.forward(TEXT[:20], ref)
     assert np.array_equal(glm.forward(TEXT[20:22], cache), glm.forward(TEXT[20:22], ref))
 
@@ -217,21 +221,17 @@ def test_a_backend_without_sparse_attention_is_refused_by_name(glm: GlmDecoder) 
     assert cache.length == 16
 
 
-def test_select_rows_called_once_per_full_layer(glm: GlmDecoder, monkeypatch) -> None:
-    calls: list[int] = []
-    original, original_step = glm_decoder.select_rows, glm_decoder.select_step
-
-    def counting(qi, w, keys, first, k):  # noqa: ANN001, ANN202
-        calls.append(first)
-        return original(qi, w, keys, first, k)
+def test_select_step_called_once_per_full_layer_per_forward(glm: GlmDecoder, monkeypatch) -> None:
+    calls: list[list[int]] = []
+    original_step = glm_decoder.select_step
 
     def counting_step(qi, w, keys_of, k):  # noqa: ANN001, ANN202
-        calls.extend(sum(int(b.shape[0]) for b in keys) - 1 for keys in keys_of)
+        calls.append([sum(int(b.shape[0]) for b in keys) - 1 for keys in keys_of])  # each query's position
         return original_step(qi, w, keys_of, k)
 
-    monkeypatch.setattr(glm_decoder, "select_rows", counting)
     monkeypatch.setattr(glm_decoder, "select_step", counting_step)
     cache = glm.new_cache("f32")
     glm.forward(TEXT[:20], cache)
     glm.forward(TEXT[20:21], cache)
-    assert calls == [16, 16, 20, 20]  # prefill: queries from position 16 on; decode (select_step): position 20
+    # the prefill: one call per full layer for its queries past index_topk; the decode step: its one
+    assert calls == [[16, 17, 18, 19], [16, 17, 18, 19], [20], [20]]
