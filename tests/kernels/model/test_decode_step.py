@@ -92,7 +92,7 @@ def test_a_step_that_cannot_run_changes_no_cache(models: dict[str, MLADecoder]) 
 
 
 @pytest.mark.parametrize(("k", "n"), [(160, 448), (448, 160), (64, 256), (7, 3), (160, 3072), (33, 513),
-                                     (1024, 300), (2048, 1031)])  # the last two: the BLAS matrix-vector path
+                                     (1024, 300), (2048, 1031)])  # the last two: the panel kernel (big weights)
 def test_rowwise_products_are_invariant_and_accurate(k: int, n: int) -> None:
     rng = np.random.default_rng(k * 1000 + n)
     w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in], as a checkpoint stores it
@@ -104,6 +104,23 @@ def test_rowwise_products_are_invariant_and_accurate(k: int, n: int) -> None:
     exact = x.astype(np.float64) @ w.T.astype(np.float64)  # [17, n] f64
     scale = np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64)
     assert np.all(np.abs(alone - exact) <= 4 * k * np.finfo(np.float32).eps * scale)
+
+
+@pytest.mark.parametrize(("k", "n"), [(1024, 300), (2048, 1031), (600, 16), (513, 1), (160, 448)])
+def test_rowwise_products_follow_the_stated_arithmetic(k: int, n: int) -> None:
+    """Both kernels (the threaded panel one for big weights, the single-threaded one for small)
+    compute out[b, n] = ((0 + x[b,0] w[0,n]) + x[b,1] w[1,n]) + ..., a rounded multiply then a
+    rounded add, k ascending: numpy's separate f32 ufuncs in that order give the same bits."""
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    want = np.zeros((11, n), np.float32)  # want: [11, n] f32
+    wt = np.ascontiguousarray(w.T)  # [in, out]
+    for i in range(k):
+        want = want + x[:, i : i + 1] * wt[i]  # [11, n] f32: one rounding each
+    assert np.array_equal(rowwise_linear(x, w), want)
+    x.flags.writeable = False  # a read-only input is served too
+    assert np.array_equal(rowwise_linear(x[3:4], w)[0], want[3])
 
 
 def test_per_head_products_are_invariant_and_accurate() -> None:
