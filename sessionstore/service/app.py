@@ -23,7 +23,7 @@ from sessionstore.service.auth import BearerAuth
 from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
-from sessionstore.service.errors import ApiError, api_error_of
+from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
 from sessionstore.service.messages import session_messages
 from sessionstore.service.protocol import (
     ChatCompletionRequest,
@@ -46,8 +46,9 @@ from sessionstore.sessions import validate_session_id
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+def error_response(err: ApiError, places: Places = ()) -> JSONResponse:
+    """``err`` as its status and OpenAI-shaped body (no server path in its message)."""
+    return JSONResponse(err.body(places), status_code=err.status)
 
 
 class Api:
@@ -58,6 +59,9 @@ class Api:
         self.pull = pull  # the peers POST .../pull may fetch from (None: pulls refused)
         self.limits = engine.limits
         self.model_id = engine.model_ref.name
+        tok = engine.runner.tok
+        self.places = server_places({"<model dir>": engine.model_source, "<store root>": str(engine.store.root),
+                                     "<tokenizer dir>": None if tok is None else tok.source})
 
     # ---- plumbing ------------------------------------------------------------------------------
     def route(self, name: str, fn: Handler) -> Handler:
@@ -66,7 +70,7 @@ class Api:
             try:
                 response = await fn(request)
             except Exception as exc:
-                response = error_response(api_error_of(exc))
+                response = error_response(api_error_of(exc), self.places)
             self.engine.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return wrapped
@@ -186,7 +190,7 @@ class Api:
                     yield piece("", out.finish, out.tokens, **self.extra(spec, out))
                     break
                 else:
-                    yield sse(api_error_of(event.value).body())
+                    yield sse(api_error_of(event.value).body(self.places))
                     break
                 event = await stream.next()
             yield sse("[DONE]")

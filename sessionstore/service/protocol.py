@@ -18,10 +18,51 @@ from sessionstore.service.limits import ServiceLimits
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
+TEXT_PART_SEPARATOR = "\n"  # between the text parts of one message's content (vLLM's choice)
+
+
 class ChatMessage(BaseModel):
+    """One chat message. ``content`` is a string or a list of text parts (``{"type": "text",
+    "text": ...}``); it may be null only on an assistant message with ``tool_calls``. Other
+    fields (``tool_calls``, ``tool_call_id``, ``name``) are kept for the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: Role
-    content: str
+    content: str | list[Any] | None = None
+
+    def to_dict(self, where: str) -> dict[str, Any]:
+        """The message as the template renders it: ``developer`` as ``system``, text parts
+        joined into one string, null extra fields dropped; anything else is a 400 naming ``where``."""
+        role = "system" if self.role == "developer" else self.role
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        tool_calls = extra.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise ApiError(400, f"{where}.tool_calls: only an assistant message may carry tool_calls, as a list",
+                           param=f"{where}.tool_calls")
+        content = self.content
+        if content is None:
+            if tool_calls is None:
+                raise ApiError(400, f"{where}.content: a message needs content (null only on an assistant "
+                               "message with tool_calls)", param=f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            content = TEXT_PART_SEPARATOR.join(text_part(part, f"{where}.content.{j}")
+                                               for j, part in enumerate(content))
+        return {"role": role, "content": content, **extra}
+
+
+def text_part(part: Any, where: str) -> str:
+    """The text of one content part; a part of any other type is a 400 naming it."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        shown = repr(kind)[:40] if isinstance(kind, str) else "no type"
+        raise ApiError(400, f"{where}: content parts of type {shown} are not supported; this model takes "
+                       'text only ({"type": "text", "text": ...})', param=f"{where}.type",
+                       code="unsupported_content")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(400, f"{where}.text: a text part needs a string 'text'", param=f"{where}.text")
+    return text
 
 
 class TurnFields(BaseModel):
@@ -75,7 +116,8 @@ class ChatCompletionRequest(TurnFields):
                            param="messages", code="limit_exceeded")
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump() for m in self.messages]
+        """The messages as the chat template renders them (:meth:`ChatMessage.to_dict`)."""
+        return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
 
 class CompletionRequest(TurnFields):
@@ -158,5 +200,5 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest", "TurnFields",
-           "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "usage"]
+__all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
+           "TurnFields", "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "text_part", "usage"]

@@ -101,6 +101,15 @@ class TextGate:
             self.sink.text(text)
 
 
+def template_reason(message: str, tok: ChatTokenizer) -> str:
+    """A template error's message without the checkpoint's location that begins it."""
+    template = tok.template
+    for where in ([template.where] if template is not None else []) + [tok.source]:
+        if message.startswith(where + ": "):
+            return message[len(where) + 2:]
+    return message
+
+
 def sampler_for(base: SamplerSettings, given: dict[str, Any]) -> SamplerSettings:
     """``base`` with the fields a request gave replaced (checked by the sampler's rules)."""
     merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
@@ -128,13 +137,29 @@ class TurnRunner:
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
         if self.tok is None:
-            raise ApiError(400, f"{what} needs text, and the model {self.model.source!r} has no tokenizer files; "
+            raise ApiError(400, f"{what} needs text, and this server's model has no tokenizer files; "
                            "send token ids to /v1/completions", code="no_tokenizer")
         return self.tok
 
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``messages`` rendered with the generation prompt and tokenised; a template that cannot
+        render them (a role it refuses, tool calls it never mentions) is a 400 without paths."""
+        tok = self._text_tokenizer("chat")
+        template = tok.template
+        if template is not None and "tool_calls" not in template.source:
+            for i, m in enumerate(messages):
+                if "tool_calls" in m:
+                    raise ApiError(400, f"messages.{i}.tool_calls: this model's chat template does not render "
+                                   "tool calls", param=f"messages.{i}.tool_calls", code="unsupported_messages")
+        try:
+            return tok.chat_ids(messages, add_generation_prompt=True)
+        except FormatError as exc:
+            raise ApiError(400, "this model's chat template cannot render these messages: "
+                           f"{template_reason(str(exc), tok)}", param="messages", code="unsupported_messages") from None
+
     def prompt_ids(self, spec: TurnSpec) -> list[int]:
         if spec.kind == "chat":
-            ids = self._text_tokenizer("chat").chat_ids(spec.messages or [], add_generation_prompt=True)
+            ids = self.chat_prompt_ids(spec.messages or [])
         elif isinstance(spec.prompt, str):
             ids = self._text_tokenizer("a text prompt").encode(spec.prompt, add_special_tokens=True)
         else:
@@ -229,4 +254,5 @@ class TurnRunner:
         return TurnOutcome(tokens, gate.emitted, finish, len(prompt))
 
 
-__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for"]
+__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
+           "template_reason"]
