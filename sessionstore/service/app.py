@@ -9,6 +9,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,6 +38,7 @@ from sessionstore.service.protocol import (
     parse_body,
     sse,
     usage,
+    usage_chunk,
 )
 from sessionstore.service.streams import Event, TurnStream
 from sessionstore.service.turns import TurnOutcome, TurnSpec
@@ -44,6 +46,20 @@ from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class StreamHead:
+    """What every chunk of one streamed turn shares."""
+
+    kind: str  # "chat" | "completion"
+    rid: str
+    created: int
+    include_usage: bool
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
 def error_response(err: ApiError, places: Places = ()) -> JSONResponse:
@@ -111,10 +127,11 @@ class Api:
                                       ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
         spec = TurnSpec("chat" if kind == "chat" else "completion", req.session, max_tokens=req.max_tokens,
                         sampling=sampling, stops=req.stops())
+        spec.ignore_eos = req.ignore_eos
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
-            spec.prompt, spec.ignore_eos = req.prompt, req.ignore_eos
+            spec.prompt = req.prompt
         return spec
 
     async def start_turn(self, spec: TurnSpec) -> tuple[TurnStream, Event]:
@@ -135,12 +152,15 @@ class Api:
             raise first.value
         return stream, first
 
-    def extra(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
-        fields: dict[str, Any] = {"usage": usage(out.prompt_tokens, len(out.tokens))}
-        if spec.session is not None:
-            fields["session"] = {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
-                                 "committed": out.committed}
-        return fields
+    def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
+        return usage(out.prompt_tokens, len(out.tokens))
+
+    def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
+        """The ``session`` extension of a response (nothing for a stateless turn)."""
+        if spec.session is None:
+            return {}
+        return {"session": {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
+                            "committed": out.committed}}
 
     async def turn(self, request: Request, kind: str) -> Response:
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -166,28 +186,36 @@ class Api:
                           "token_ids": out.tokens}
                 obj = "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": [choice], **self.extra(spec, out)})
-        return StreamingResponse(self.events(kind, spec, stream, first, rid, created), media_type="text/event-stream",
+                                 "choices": [choice], "usage": self.usage_of(out), **self.session_fields(spec, out)})
+        head = StreamHead(kind, rid, created, req.include_usage())
+        return StreamingResponse(self.events(head, spec, stream, first), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def events(self, kind: str, spec: TurnSpec, stream: TurnStream, first: Event, rid: str,
-                     created: int) -> AsyncIterator[bytes]:
+    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event) -> AsyncIterator[bytes]:
+        """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
+        ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
+        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's)."""
+        kind, rid, created = head.kind, head.rid, head.created
+        no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
+
         def piece(text: str, finish: str | None = None, tokens: list[int] | None = None, **extra: Any) -> bytes:
             if kind == "chat":
                 return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, **extra))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra))
+                                      finish, tokens, **extra, **no_usage))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra, **no_usage))
 
         try:
             if kind == "chat":
-                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}))
+                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}, **no_usage))
             event = first
             while True:
                 if event.kind == "text":
                     yield piece(event.value)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    yield piece("", out.finish, out.tokens, **self.extra(spec, out))
+                    yield piece("", out.finish, out.tokens, **self.session_fields(spec, out))
+                    if head.include_usage:
+                        yield sse(usage_chunk(rid, head.object, self.model_id, created, self.usage_of(out)))
                     break
                 else:
                     yield sse(api_error_of(event.value).body(self.places))

@@ -65,12 +65,20 @@ def text_part(part: Any, where: str) -> str:
     return text
 
 
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds one final chunk with ``choices: []`` and ``usage``."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class TurnFields(BaseModel):
     """What chat and text completions share."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -79,8 +87,13 @@ class TurnFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
+    ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
     logprobs: Any = None
     tools: Any = None
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (OpenAI: only when asked for)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -123,7 +136,6 @@ class ChatCompletionRequest(TurnFields):
 class CompletionRequest(TurnFields):
     prompt: str | list[int]
     echo: bool = False
-    ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
 
     def check(self, limits: ServiceLimits, what: str = "completion") -> None:
         super().check(limits, what)
@@ -190,6 +202,11 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
             "choices": [choice], **extra}
 
 
+def usage_chunk(rid: str, obj: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
+    """A stream's last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
 def now() -> int:
     return int(time.time())
 
@@ -201,4 +218,5 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 __all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
-           "TurnFields", "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "text_part", "usage"]
+           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "text_part",
+           "usage", "usage_chunk"]

@@ -223,7 +223,8 @@ class TurnRunner:
                 cut["abort"] = True
             return gate.hit or cut["abort"]
 
-        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop)
+        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop,
+                             stop_at_eos=not spec.ignore_eos)
         gate.flush()
         finish = {"eos": "stop", "limit": "length"}.get(reply.stopped, "stop" if gate.hit else "abort")
         return TurnOutcome(reply.tokens, gate.emitted, finish, reply.prompt_tokens, reply.reused_prefix,
@@ -239,8 +240,7 @@ class TurnRunner:
         gate = TextGate(spec.stops, sink)
         stream = StreamDecoder(self.tok) if self.tok is not None else None
         tokens: list[int] = []
-        stop_at_eos = spec.kind == "chat" or not spec.ignore_eos
-        on_token = self._token_callback(tokens, gate, sink, stop_at_eos, stream, at_token)
+        on_token = self._token_callback(tokens, gate, sink, not spec.ignore_eos, stream, at_token)
         finish = "length"
         try:
             logits = feed_chunk(self.model, cache, prompt)

@@ -161,8 +161,9 @@ class Conversation:
 
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
-                should_stop: Callable[[], bool] | None = None) -> Reply:
-        """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused."""
+                should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True) -> Reply:
+        """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
+        ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption)."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
@@ -180,8 +181,8 @@ class Conversation:
         reply = Reply(prompt_tokens=len(prompt), reused_prefix=k)
         stream = StreamDecoder(self.tokenizer)
         try:
-            session.generate(None, max_new, on_token=_token_stopper(self.eos, stream, reply.tokens, on_text,
-                                                                    should_stop))
+            eos = self.eos if stop_at_eos else frozenset()
+            session.generate(None, max_new, on_token=_token_stopper(eos, stream, reply.tokens, on_text, should_stop))
         except _StopTurn as stop:
             session.commit()
             reply.stopped = stop.reason
