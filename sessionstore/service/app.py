@@ -123,10 +123,8 @@ class Api:
         self.check_model(req.model)
         if req.session is not None:
             validate_session_id(req.session)
-        sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
-                                      ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
         spec = TurnSpec("chat" if kind == "chat" else "completion", req.session, max_tokens=req.max_tokens,
-                        sampling=sampling, stops=req.stops())
+                        sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()

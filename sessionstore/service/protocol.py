@@ -7,6 +7,7 @@ honour (``n`` > 1, ``logprobs``, ``echo``, ``tools``) are refused by name.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from typing import Any, Literal
 
@@ -90,6 +91,13 @@ class TurnFields(BaseModel):
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
     logprobs: Any = None
     tools: Any = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields this request gave, and its seed: a fresh random one when it gave
+        none (so two requests at a temperature above 0 differ, as OpenAI's do)."""
+        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                   ("top_k", self.top_k)) if v is not None}
+        return {**given, "seed": fresh_seed() if self.seed is None else self.seed}
 
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk (OpenAI: only when asked for)."""
@@ -202,6 +210,11 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
             "choices": [choice], **extra}
 
 
+def fresh_seed() -> int:
+    """A random sampling seed below 2^53 (exact as a JSON number in every client)."""
+    return secrets.randbits(53)
+
+
 def usage_chunk(rid: str, obj: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
     """A stream's last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
@@ -218,5 +231,5 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 __all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
-           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "text_part",
-           "usage", "usage_chunk"]
+           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "fresh_seed", "now", "parse_body", "sse",
+           "text_part", "usage", "usage_chunk"]

@@ -1,6 +1,8 @@
 """Request options with OpenAI's (and vLLM's) meaning, over a real server and the ``openai`` client:
-``ignore_eos`` on chat completions as on completions, and ``stream_options.include_usage`` (one
-final chunk with ``choices: []`` and the usage; no usage in a stream otherwise)."""
+``ignore_eos`` on chat completions as on completions, ``stream_options.include_usage`` (one final
+chunk with ``choices: []`` and the usage; no usage in a stream otherwise), and sampling settings
+that belong to one request: no seed is a fresh random seed, recorded with a session's turn so the
+reply can be drawn again; a later request never inherits an earlier one's settings."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from sessionstore.sessions import read_manifest
+from sessionstore.sessions.conversation import read_record
 from tests.service.serverkit import ServerProc, sse_events
 
 MAX = 24
@@ -25,10 +29,12 @@ def _name(server: ServerProc) -> str:
     return Path(server.model).name
 
 
-def _chat(server: ServerProc, seed: int, **extra: Any) -> Any:
+def _chat(server: ServerProc, seed: int | None, **extra: Any) -> Any:
+    """The choice of a stateless chat at temperature 1 (``seed`` None: the request gives none)."""
+    given = {} if seed is None else {"seed": seed}
     return server.openai().chat.completions.create(
-        model=_name(server), messages=[{"role": "user", "content": f"Hello there {seed}"}], max_tokens=MAX,
-        temperature=1.0, seed=seed, **extra).choices[0]
+        model=_name(server), messages=[{"role": "user", "content": f"Hello there {seed or 0}"}], max_tokens=MAX,
+        temperature=1.0, **given, **extra).choices[0]
 
 
 def _stopping_seed(server: ServerProc) -> tuple[int, list[int]]:
@@ -81,3 +87,50 @@ def test_stream_usage_through_the_openai_client(server: ServerProc) -> None:
     with_usage = [c for c in chunks if c.usage is not None]
     assert with_usage == [chunks[-1]] and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def _session_dir(server: ServerProc, sid: str) -> Path:
+    return Path(server.root) / "sessions" / sid
+
+
+def test_no_seed_is_a_fresh_seed_per_request(server: ServerProc) -> None:
+    replies = {tuple(_chat(server, None).token_ids) for _ in range(3)}
+    assert len(replies) > 1  # at temperature 1, three requests without a seed did not all draw alike
+    same = {tuple(_chat(server, 7).token_ids) for _ in range(2)}
+    assert len(same) == 1  # a given seed still draws the same reply
+
+
+def test_a_sessions_turn_records_its_sampler_and_is_reproduced_by_it(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "Tell me about the fox."}]
+    reply = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.0,
+                                           top_p=0.95, extra_body={"session": "rec"})
+    record = read_record(_session_dir(server, "rec"))
+    assert record is not None and record.sampler is not None and record.turn is None
+    drawn = record.sampler
+    assert (drawn.temperature, drawn.top_p, drawn.top_k) == (1.0, 0.95, 0) and drawn.seed != 0
+    again = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.0,
+                                           top_p=0.95, seed=drawn.seed)
+    assert again.choices[0].token_ids == reply.choices[0].token_ids
+
+
+def test_a_request_never_inherits_an_earlier_requests_sampling(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.5, seed=5,
+                                           extra_body={"session": "inherit", "top_k": 40})
+    msgs = [*msgs, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And of Japan?"}]
+    second = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX,
+                                            extra_body={"session": "inherit"})  # no sampling fields: greedy
+    greedy = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=0)
+    assert second.choices[0].token_ids == greedy.choices[0].token_ids
+    record = read_record(_session_dir(server, "inherit"))
+    assert record is not None and record.sampler is not None and record.sampler.temperature == 0.0
+    # the manifest keeps what the CLI continues with: untouched by API requests
+    manifest = read_manifest(_session_dir(server, "inherit") / "manifest.json")
+    assert manifest.sampler.temperature == 0.0 and manifest.sampler.seed == 0 and manifest.sampler.top_k == 0
+    done = server.post("/v1/completions", json={"model": name, "prompt": [5, 6, 7], "max_tokens": 4,
+                                                "temperature": 1.2, "seed": 3, "session": "inherit"})
+    assert done.status_code == 200, done.text
+    assert read_manifest(_session_dir(server, "inherit") / "manifest.json").sampler == manifest.sampler
