@@ -151,7 +151,7 @@ class Api:
         return stream, first
 
     def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
-        return usage(out.prompt_tokens, len(out.tokens))
+        return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
 
     def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
         """The ``session`` extension of a response (nothing for a stateless turn)."""

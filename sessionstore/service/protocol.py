@@ -187,9 +187,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 # ---- responses ------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session (its
+    prefix already in the committed history), not computed again."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,

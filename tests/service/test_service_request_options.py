@@ -134,3 +134,29 @@ def test_a_request_never_inherits_an_earlier_requests_sampling(server: ServerPro
                                                 "temperature": 1.2, "seed": 3, "session": "inherit"})
     assert done.status_code == 200, done.text
     assert read_manifest(_session_dir(server, "inherit") / "manifest.json").sampler == manifest.sampler
+
+
+def test_cached_tokens_are_the_prompt_tokens_reused_from_the_session(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "Sessions keep their cache."}]
+    first = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, extra_body={"session": "cache"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 == first.session["reused_prefix"]
+    msgs = [*msgs, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then?"}]
+    stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"session": "cache"})
+    chunks = list(stream)
+    reused = chunks[-2].session["reused_prefix"]
+    assert reused > 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == reused
+    stateless = client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+    assert stateless.usage.prompt_tokens_details.cached_tokens == 0
+    # completions: the prompt ids are the whole history; all of it but the pending token is reused
+    done = client.completions.create(model=name, prompt=[5, 6, 7, 8], max_tokens=4, extra_body={"session": "ids"})
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
+    history = server.get("/v1/sessions/ids?history=1").json()["history"]
+    more = client.completions.create(model=name, prompt=[*history, 9], max_tokens=4, extra_body={"session": "ids"})
+    assert more.usage.prompt_tokens_details.cached_tokens == len(history) - 1 == more.session["reused_prefix"]
+    body = {"model": name, "prompt": [*history, 9, 10], "max_tokens": 2, "session": "ids", "stream": True,
+            "stream_options": {"include_usage": True}}
+    last = _raw_stream(server, "/v1/completions", body)[-1]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) + 1  # up to where it differs
