@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sessionstore.service.errors import ApiError
+from sessionstore.service.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -83,7 +84,7 @@ class TurnFields(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM's name)
+    top_k: int | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's name); 0: off
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     stop: str | list[str] | None = None
     n: int = 1
@@ -141,8 +142,11 @@ class ChatCompletionRequest(TurnFields):
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
 
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # an id of any vocabulary (the model checks its own size)
+
+
 class CompletionRequest(TurnFields):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
     echo: bool = False
 
     def check(self, limits: ServiceLimits, what: str = "completion") -> None:
@@ -172,10 +176,7 @@ class PullRequest(BaseModel):
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field."""
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    obj = read_json_body(raw)
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
