@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
 from sessionstore.service.messages import session_messages
+from sessionstore.service.metrics import TurnClock
 from sessionstore.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -132,10 +134,26 @@ class Api:
             spec.prompt = req.prompt
         return spec
 
-    async def start_turn(self, spec: TurnSpec) -> tuple[TurnStream, Event]:
-        """Queue the turn; its stream and first event (an error before any text is raised)."""
+    async def start_turn(self, spec: TurnSpec, clock: TurnClock) -> tuple[TurnStream, Event]:
+        """Queue the turn (counted waiting, then running); its stream and first event (an error
+        before any text is raised)."""
         stream = TurnStream(asyncio.get_running_loop())
-        fut = self.engine.submit(lambda: self.engine.run_turn(spec, stream), session=spec.session, turn=True)
+        metrics = self.engine.metrics
+
+        def run() -> TurnOutcome:
+            metrics.waiting.dec()
+            metrics.running.inc()
+            try:
+                return self.engine.run_turn(spec, stream)
+            finally:
+                metrics.running.dec()
+
+        metrics.waiting.inc()
+        try:
+            fut = self.engine.submit(run, session=spec.session, turn=True)
+        except BaseException:
+            metrics.waiting.dec()
+            raise
 
         def deliver(done: Future[TurnOutcome]) -> None:
             error = done.exception()
@@ -145,10 +163,21 @@ class Api:
                 stream.finish(done.result())
 
         fut.add_done_callback(deliver)
-        first = await stream.next()
+        first = await self.receive(stream, clock)
         if first.kind == "error":
             raise first.value
         return stream, first
+
+    @staticmethod
+    async def receive(stream: TurnStream, clock: TurnClock) -> Event:
+        """The turn's next event, timed by ``clock``."""
+        event = await stream.next()
+        if event.kind == "text":
+            clock.text()
+        elif event.kind == "done":
+            out: TurnOutcome = event.value
+            clock.done(len(out.tokens), out.prompt_tokens, out.reused_prefix)
+        return event
 
     def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
         return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
@@ -161,17 +190,18 @@ class Api:
                             "committed": out.committed}}
 
     async def turn(self, request: Request, kind: str) -> Response:
+        clock = TurnClock(self.engine.metrics, time.perf_counter())
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
         spec = self.spec_of(req, kind)
-        stream, first = await self.start_turn(spec)
+        stream, first = await self.start_turn(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
         if not req.stream:
             event = first
             while event.kind == "text":
-                event = await stream.next()
+                event = await self.receive(stream, clock)
             if event.kind == "error":
                 raise event.value
             out: TurnOutcome = event.value
@@ -186,10 +216,11 @@ class Api:
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
                                  "choices": [choice], "usage": self.usage_of(out), **self.session_fields(spec, out)})
         head = StreamHead(kind, rid, created, req.include_usage())
-        return StreamingResponse(self.events(head, spec, stream, first), media_type="text/event-stream",
+        return StreamingResponse(self.events(head, spec, stream, first, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event) -> AsyncIterator[bytes]:
+    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event,
+                     clock: TurnClock) -> AsyncIterator[bytes]:
         """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
         ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
         ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's)."""
@@ -218,7 +249,7 @@ class Api:
                 else:
                     yield sse(api_error_of(event.value).body(self.places))
                     break
-                event = await stream.next()
+                event = await self.receive(stream, clock)
             yield sse("[DONE]")
         finally:
             stream.cancel()  # a vanished client ends its turn at the next token (it commits)
