@@ -60,7 +60,7 @@ class StreamHead:
     include_usage: bool
 
     @property
-    def object(self) -> str:
+    def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
@@ -244,7 +244,7 @@ class Api:
                     out: TurnOutcome = event.value
                     yield piece("", out.finish, out.tokens, **self.session_fields(spec, out))
                     if head.include_usage:
-                        yield sse(usage_chunk(rid, head.object, self.model_id, created, self.usage_of(out)))
+                        yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
                     break
                 else:
                     yield sse(api_error_of(event.value).body(self.places))
