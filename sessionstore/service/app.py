@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,8 +25,9 @@ from sessionstore.service.auth import BearerAuth
 from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
-from sessionstore.service.errors import ApiError, api_error_of
+from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
 from sessionstore.service.messages import session_messages
+from sessionstore.service.metrics import TurnClock
 from sessionstore.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +40,7 @@ from sessionstore.service.protocol import (
     parse_body,
     sse,
     usage,
+    usage_chunk,
 )
 from sessionstore.service.streams import Event, TurnStream
 from sessionstore.service.turns import TurnOutcome, TurnSpec
@@ -46,8 +50,23 @@ from sessionstore.sessions import validate_session_id
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+@dataclass(frozen=True)
+class StreamHead:
+    """What every chunk of one streamed turn shares."""
+
+    kind: str  # "chat" | "completion"
+    rid: str
+    created: int
+    include_usage: bool
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+
+def error_response(err: ApiError, places: Places = ()) -> JSONResponse:
+    """``err`` as its status and OpenAI-shaped body (no server path in its message)."""
+    return JSONResponse(err.body(places), status_code=err.status)
 
 
 class Api:
@@ -58,6 +77,9 @@ class Api:
         self.pull = pull  # the peers POST .../pull may fetch from (None: pulls refused)
         self.limits = engine.limits
         self.model_id = engine.model_ref.name
+        tok = engine.runner.tok
+        self.places = server_places({"<model dir>": engine.model_source, "<store root>": str(engine.store.root),
+                                     "<tokenizer dir>": None if tok is None else tok.source})
 
     # ---- plumbing ------------------------------------------------------------------------------
     def route(self, name: str, fn: Handler) -> Handler:
@@ -66,7 +88,7 @@ class Api:
             try:
                 response = await fn(request)
             except Exception as exc:
-                response = error_response(api_error_of(exc))
+                response = error_response(api_error_of(exc), self.places)
             self.engine.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return wrapped
@@ -103,20 +125,35 @@ class Api:
         self.check_model(req.model)
         if req.session is not None:
             validate_session_id(req.session)
-        sampling = {k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
-                                      ("top_k", req.top_k), ("seed", req.seed)) if v is not None}
         spec = TurnSpec("chat" if kind == "chat" else "completion", req.session, max_tokens=req.max_tokens,
-                        sampling=sampling, stops=req.stops())
+                        sampling=req.sampling(), stops=req.stops())
+        spec.ignore_eos = req.ignore_eos
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
-            spec.prompt, spec.ignore_eos = req.prompt, req.ignore_eos
+            spec.prompt = req.prompt
         return spec
 
-    async def start_turn(self, spec: TurnSpec) -> tuple[TurnStream, Event]:
-        """Queue the turn; its stream and first event (an error before any text is raised)."""
+    async def start_turn(self, spec: TurnSpec, clock: TurnClock) -> tuple[TurnStream, Event]:
+        """Queue the turn (counted waiting, then running); its stream and first event (an error
+        before any text is raised)."""
         stream = TurnStream(asyncio.get_running_loop())
-        fut = self.engine.submit(lambda: self.engine.run_turn(spec, stream), session=spec.session, turn=True)
+        metrics = self.engine.metrics
+
+        def run() -> TurnOutcome:
+            metrics.waiting.dec()
+            metrics.running.inc()
+            try:
+                return self.engine.run_turn(spec, stream)
+            finally:
+                metrics.running.dec()
+
+        metrics.waiting.inc()
+        try:
+            fut = self.engine.submit(run, session=spec.session, turn=True)
+        except BaseException:
+            metrics.waiting.dec()
+            raise
 
         def deliver(done: Future[TurnOutcome]) -> None:
             error = done.exception()
@@ -126,30 +163,45 @@ class Api:
                 stream.finish(done.result())
 
         fut.add_done_callback(deliver)
-        first = await stream.next()
+        first = await self.receive(stream, clock)
         if first.kind == "error":
             raise first.value
         return stream, first
 
-    def extra(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
-        fields: dict[str, Any] = {"usage": usage(out.prompt_tokens, len(out.tokens))}
-        if spec.session is not None:
-            fields["session"] = {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
-                                 "committed": out.committed}
-        return fields
+    @staticmethod
+    async def receive(stream: TurnStream, clock: TurnClock) -> Event:
+        """The turn's next event, timed by ``clock``."""
+        event = await stream.next()
+        if event.kind == "text":
+            clock.text()
+        elif event.kind == "done":
+            out: TurnOutcome = event.value
+            clock.done(len(out.tokens), out.prompt_tokens, out.reused_prefix)
+        return event
+
+    def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
+        return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
+
+    def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
+        """The ``session`` extension of a response (nothing for a stateless turn)."""
+        if spec.session is None:
+            return {}
+        return {"session": {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
+                            "committed": out.committed}}
 
     async def turn(self, request: Request, kind: str) -> Response:
+        clock = TurnClock(self.engine.metrics, time.perf_counter())
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
         spec = self.spec_of(req, kind)
-        stream, first = await self.start_turn(spec)
+        stream, first = await self.start_turn(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
         if not req.stream:
             event = first
             while event.kind == "text":
-                event = await stream.next()
+                event = await self.receive(stream, clock)
             if event.kind == "error":
                 raise event.value
             out: TurnOutcome = event.value
@@ -162,33 +214,42 @@ class Api:
                           "token_ids": out.tokens}
                 obj = "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": [choice], **self.extra(spec, out)})
-        return StreamingResponse(self.events(kind, spec, stream, first, rid, created), media_type="text/event-stream",
+                                 "choices": [choice], "usage": self.usage_of(out), **self.session_fields(spec, out)})
+        head = StreamHead(kind, rid, created, req.include_usage())
+        return StreamingResponse(self.events(head, spec, stream, first, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def events(self, kind: str, spec: TurnSpec, stream: TurnStream, first: Event, rid: str,
-                     created: int) -> AsyncIterator[bytes]:
+    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event,
+                     clock: TurnClock) -> AsyncIterator[bytes]:
+        """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
+        ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
+        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's)."""
+        kind, rid, created = head.kind, head.rid, head.created
+        no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
+
         def piece(text: str, finish: str | None = None, tokens: list[int] | None = None, **extra: Any) -> bytes:
             if kind == "chat":
                 return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, **extra))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra))
+                                      finish, tokens, **extra, **no_usage))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra, **no_usage))
 
         try:
             if kind == "chat":
-                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}))
+                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}, **no_usage))
             event = first
             while True:
                 if event.kind == "text":
                     yield piece(event.value)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    yield piece("", out.finish, out.tokens, **self.extra(spec, out))
+                    yield piece("", out.finish, out.tokens, **self.session_fields(spec, out))
+                    if head.include_usage:
+                        yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
                     break
                 else:
-                    yield sse(api_error_of(event.value).body())
+                    yield sse(api_error_of(event.value).body(self.places))
                     break
-                event = await stream.next()
+                event = await self.receive(stream, clock)
             yield sse("[DONE]")
         finally:
             stream.cancel()  # a vanished client ends its turn at the next token (it commits)

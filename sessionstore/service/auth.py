@@ -1,5 +1,5 @@
 """Bearer-key authentication as ASGI middleware: every path but ``/healthz`` needs
-``Authorization: Bearer KEY`` when the server has a key."""
+``Authorization: Bearer KEY`` when the server has a key (the scheme in any case, RFC 9110 11.1)."""
 from __future__ import annotations
 
 import hmac
@@ -11,17 +11,25 @@ from sessionstore.service.errors import ApiError
 OPEN_PATHS = frozenset({"/healthz"})
 
 
+def bearer_token(header: bytes) -> bytes | None:
+    """The credentials of an ``Authorization`` value whose scheme is ``Bearer`` (any case), else None."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip(b" \t")
+
+
 class BearerAuth:
     def __init__(self, app: Any, api_key: str | None) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        given = bearer_token(dict(scope.get("headers") or []).get(b"authorization", b""))
+        if given is not None and hmac.compare_digest(given, self.expected):
             await self.app(scope, receive, send)
             return
         error = ApiError(401, "missing or wrong API key: send Authorization: Bearer KEY", code="invalid_api_key")
@@ -32,4 +40,4 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["BearerAuth", "OPEN_PATHS"]
+__all__ = ["BearerAuth", "OPEN_PATHS", "bearer_token"]

@@ -1,10 +1,15 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
 
 :func:`api_error_of` maps the store's own errors (kernels.errors) onto statuses, so a handler
-never lets a traceback reach a client.
+never lets a traceback reach a client. No message a client reads names a server path
+(:func:`scrub_paths`): the server's own places are named by what they are, any other absolute
+path is ``<path>``.
 """
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from kernels.errors import (
@@ -23,6 +28,34 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                503: "service_unavailable"}
 
 
+# an absolute path of two or more components, not an API route (/v1/...) and not inside a URL
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~>])/(?!v1/)[\w.@+~-]+(?:/[\w.@+~-]*)+")
+
+Places = Sequence[tuple[str, str]]  # (a server path, what to call it in a message)
+
+
+def server_places(named: dict[str, str | None]) -> list[tuple[str, str]]:
+    """``(path, label)`` pairs for :func:`scrub_paths`, from ``{label: path}`` (None skipped; a
+    bare name without a separator, like the embedded model "tiny", is no path and is skipped),
+    each path as given and resolved, longest first."""
+    places: dict[str, str] = {}
+    for label, path in named.items():
+        if not path or os.sep not in path:
+            continue
+        for form in {path.rstrip(os.sep), os.path.realpath(path), os.path.abspath(path)}:
+            if len(form) > 1:
+                places.setdefault(form, label)
+    return sorted(places.items(), key=lambda item: -len(item[0]))
+
+
+def scrub_paths(message: str, places: Places = ()) -> str:
+    """``message`` with each of ``places`` replaced by its label and any other absolute path by
+    ``<path>``: an error never tells a client where the server keeps its files."""
+    for path, label in places:
+        message = message.replace(path, label)
+    return _ABSOLUTE_PATH.sub("<path>", message)
+
+
 class ApiError(Exception):
     """One refusal: an HTTP status and the message a client reads."""
 
@@ -33,9 +66,11 @@ class ApiError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+    def body(self, places: Places = ()) -> dict[str, Any]:
+        """The JSON a client reads (its message through :func:`scrub_paths`)."""
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": scrub_paths(self.message, places), "type": kind, "param": self.param,
+                          "code": self.code}}
 
 
 def api_error_of(exc: BaseException) -> ApiError:
@@ -59,4 +94,4 @@ def api_error_of(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-__all__ = ["ApiError", "ERROR_TYPES", "api_error_of"]
+__all__ = ["ApiError", "ERROR_TYPES", "Places", "api_error_of", "scrub_paths", "server_places"]

@@ -1,16 +1,40 @@
-"""The service's Prometheus metrics (``GET /metrics``), in a registry of their own."""
+"""The service's Prometheus metrics (``GET /metrics``), in a registry of their own.
+
+The engine records its forwards, commits, resumes and sessions; the HTTP layer records what a
+client sees of each turn (:class:`TurnClock`: time to first token, the gaps between tokens, prompt
+and cached tokens) and how many turns wait for the engine or run in it."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# a first token can wait behind a long prefill or a queue; a turn can run for many minutes
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TURN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+class FunctionCounter(Collector):
+    """A counter whose value a function reads at scrape time (``name`` exposed as ``name_total``)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
+        self.read: Callable[[], float] = lambda: 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.read())
 
 
 class ServiceMetrics:
-    """Tokens, requests by outcome, sessions and their resident bytes, commit / resume latency."""
+    """Tokens (prompt, cached, generated), requests by outcome, turns waiting and running, time to
+    first token and between tokens, sessions and their resident bytes, commit / resume / turn
+    latency, decode steps and their batch sizes."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -27,18 +51,30 @@ class ServiceMetrics:
                                         buckets=LATENCY_BUCKETS)
         self.resume_seconds = Histogram("coli_resume_seconds", "resume of a suspended session on request",
                                         registry=r, buckets=LATENCY_BUCKETS)
-        self.steps = Gauge("coli_decode_steps", "batched decode steps the engine thread ran", registry=r)
+        self.steps = FunctionCounter("coli_decode_steps", "batched decode steps the engine thread ran")
+        r.register(self.steps)
         self.batch_size = Histogram("coli_decode_batch_size", "sessions advanced together by one decode step",
                                     registry=r, buckets=BATCH_BUCKETS)
         self.forward_seconds = Histogram("coli_forward_seconds", "the engine thread's forwards: batched decode steps "
                                          "and prefills", ["kind"], registry=r, buckets=LATENCY_BUCKETS)
         self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
-                                      buckets=LATENCY_BUCKETS)
+                                      buckets=TURN_BUCKETS)
+        self.first_token_seconds = Histogram(
+            "coli_time_to_first_token_seconds", "from a turn's request to its first streamed text (or to its "
+            "end when it gave tokens but no text)", registry=r, buckets=FIRST_TOKEN_BUCKETS)
+        self.inter_token_seconds = Histogram(
+            "coli_inter_token_latency_seconds", "between consecutive streamed pieces of a turn's text (a token "
+            "each, unless the detokenizer or a stop string held text back)", registry=r, buckets=INTER_TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("coli_prompt_tokens", "prompt tokens of finished turns", registry=r)
+        self.cached_tokens = Counter("coli_cached_prompt_tokens", "prompt tokens reused from a session's history "
+                                     "(not computed again)", registry=r)
+        self.waiting = Gauge("coli_requests_waiting", "turns accepted and waiting for the engine", registry=r)
+        self.running = Gauge("coli_requests_running", "turns the engine is running", registry=r)
 
     def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
                       resident_bytes: Callable[[], int], steps: Callable[[], int]) -> None:
-        """Gauges read at scrape time."""
-        self.steps.set_function(steps)
+        """Gauges (and the steps counter) read at scrape time."""
+        self.steps.read = steps
         self.resident.set_function(resident)
         self.suspended.set_function(suspended)
         self.resident_bytes.set_function(resident_bytes)
@@ -54,4 +90,29 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS", "ServiceMetrics"]
+class TurnClock:
+    """What one request's client sees of its turn, observed as the handler receives its events:
+    the first text (time to first token, from ``start``), each later text (the gap since the one
+    before), and the end (prompt and cached tokens)."""
+
+    def __init__(self, metrics: ServiceMetrics, start: float) -> None:
+        self.metrics, self.start = metrics, start
+        self.last: float | None = None  # when the last text came
+
+    def text(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.first_token_seconds.observe(now - self.start)
+        else:
+            self.metrics.inter_token_seconds.observe(now - self.last)
+        self.last = now
+
+    def done(self, generated: int, prompt_tokens: int, cached_tokens: int) -> None:
+        if self.last is None and generated:  # tokens but no text (token ids only, or held back)
+            self.metrics.first_token_seconds.observe(time.perf_counter() - self.start)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(cached_tokens)
+
+
+__all__ = ["BATCH_BUCKETS", "FIRST_TOKEN_BUCKETS", "INTER_TOKEN_BUCKETS", "LATENCY_BUCKETS", "TURN_BUCKETS",
+           "FunctionCounter", "ServiceMetrics", "TurnClock"]

@@ -7,21 +7,71 @@ honour (``n`` > 1, ``logprobs``, ``echo``, ``tools``) are refused by name.
 from __future__ import annotations
 
 import json
+import secrets
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sessionstore.service.errors import ApiError
+from sessionstore.service.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
+TEXT_PART_SEPARATOR = "\n"  # between the text parts of one message's content (vLLM's choice)
+
+
 class ChatMessage(BaseModel):
+    """One chat message. ``content`` is a string or a list of text parts (``{"type": "text",
+    "text": ...}``); it may be null only on an assistant message with ``tool_calls``. Other
+    fields (``tool_calls``, ``tool_call_id``, ``name``) are kept for the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: Role
-    content: str
+    content: str | list[Any] | None = None
+
+    def to_dict(self, where: str) -> dict[str, Any]:
+        """The message as the template renders it: ``developer`` as ``system``, text parts
+        joined into one string, null extra fields dropped; anything else is a 400 naming ``where``."""
+        role = "system" if self.role == "developer" else self.role
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        tool_calls = extra.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise ApiError(400, f"{where}.tool_calls: only an assistant message may carry tool_calls, as a list",
+                           param=f"{where}.tool_calls")
+        content = self.content
+        if content is None:
+            if tool_calls is None:
+                raise ApiError(400, f"{where}.content: a message needs content (null only on an assistant "
+                               "message with tool_calls)", param=f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            content = TEXT_PART_SEPARATOR.join(text_part(part, f"{where}.content.{j}")
+                                               for j, part in enumerate(content))
+        return {"role": role, "content": content, **extra}
+
+
+def text_part(part: Any, where: str) -> str:
+    """The text of one content part; a part of any other type is a 400 naming it."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        shown = repr(kind)[:40] if isinstance(kind, str) else "no type"
+        raise ApiError(400, f"{where}: content parts of type {shown} are not supported; this model takes "
+                       'text only ({"type": "text", "text": ...})', param=f"{where}.type",
+                       code="unsupported_content")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(400, f"{where}.text: a text part needs a string 'text'", param=f"{where}.text")
+    return text
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds one final chunk with ``choices: []`` and ``usage``."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
 
 
 class TurnFields(BaseModel):
@@ -30,16 +80,29 @@ class TurnFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM's name)
+    top_k: int | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's name); 0: off
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     stop: str | list[str] | None = None
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
+    ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
     logprobs: Any = None
     tools: Any = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields this request gave, and its seed: a fresh random one when it gave
+        none (so two requests at a temperature above 0 differ, as OpenAI's do)."""
+        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                   ("top_k", self.top_k)) if v is not None}
+        return {**given, "seed": fresh_seed() if self.seed is None else self.seed}
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (OpenAI: only when asked for)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
@@ -75,13 +138,16 @@ class ChatCompletionRequest(TurnFields):
                            param="messages", code="limit_exceeded")
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump() for m in self.messages]
+        """The messages as the chat template renders them (:meth:`ChatMessage.to_dict`)."""
+        return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # an id of any vocabulary (the model checks its own size)
 
 
 class CompletionRequest(TurnFields):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
     echo: bool = False
-    ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
 
     def check(self, limits: ServiceLimits, what: str = "completion") -> None:
         super().check(limits, what)
@@ -110,10 +176,7 @@ class PullRequest(BaseModel):
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field."""
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    obj = read_json_body(raw)
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
@@ -125,9 +188,12 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 # ---- responses ------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session (its
+    prefix already in the committed history), not computed again."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
@@ -148,6 +214,16 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
             "choices": [choice], **extra}
 
 
+def fresh_seed() -> int:
+    """A random sampling seed below 2^53 (exact as a JSON number in every client)."""
+    return secrets.randbits(53)
+
+
+def usage_chunk(rid: str, obj: str, model: str, created: int, usage: dict[str, Any]) -> dict[str, Any]:
+    """A stream's last chunk when ``stream_options.include_usage`` is set: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
 def now() -> int:
     return int(time.time())
 
@@ -158,5 +234,6 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest", "TurnFields",
-           "chat_chunk", "completion_chunk", "now", "parse_body", "sse", "usage"]
+__all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
+           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "fresh_seed", "now", "parse_body", "sse",
+           "text_part", "usage", "usage_chunk"]

@@ -18,7 +18,7 @@ import numpy as np
 from kernels.errors import FormatError
 from kernels.model.text import ChatTokenizer, StreamDecoder
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import MANIFEST_NAME, SamplerSettings, Session, write_manifest
+from sessionstore.sessions import SamplerSettings, Session
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
@@ -40,7 +40,7 @@ class TurnSpec:
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     max_tokens: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # the fields the request gave
+    sampling: dict[str, Any] = field(default_factory=dict)  # the fields the request gave (the seed always)
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -101,8 +101,19 @@ class TextGate:
             self.sink.text(text)
 
 
-def sampler_for(base: SamplerSettings, given: dict[str, Any]) -> SamplerSettings:
-    """``base`` with the fields a request gave replaced (checked by the sampler's rules)."""
+def template_reason(message: str, tok: ChatTokenizer) -> str:
+    """A template error's message without the checkpoint's location that begins it."""
+    template = tok.template
+    for where in ([template.where] if template is not None else []) + [tok.source]:
+        if message.startswith(where + ": "):
+            return message[len(where) + 2:]
+    return message
+
+
+def sampler_for(given: dict[str, Any]) -> SamplerSettings:
+    """One request's settings: the defaults (greedy) with the fields it gave (checked by the
+    sampler's rules); never what a session's manifest holds from an earlier request or the CLI."""
+    base = SamplerSettings()
     merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
     return SamplerSettings.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
 
@@ -128,13 +139,29 @@ class TurnRunner:
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
         if self.tok is None:
-            raise ApiError(400, f"{what} needs text, and the model {self.model.source!r} has no tokenizer files; "
+            raise ApiError(400, f"{what} needs text, and this server's model has no tokenizer files; "
                            "send token ids to /v1/completions", code="no_tokenizer")
         return self.tok
 
+    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``messages`` rendered with the generation prompt and tokenised; a template that cannot
+        render them (a role it refuses, tool calls it never mentions) is a 400 without paths."""
+        tok = self._text_tokenizer("chat")
+        template = tok.template
+        if template is not None and "tool_calls" not in template.source:
+            for i, m in enumerate(messages):
+                if "tool_calls" in m:
+                    raise ApiError(400, f"messages.{i}.tool_calls: this model's chat template does not render "
+                                   "tool calls", param=f"messages.{i}.tool_calls", code="unsupported_messages")
+        try:
+            return tok.chat_ids(messages, add_generation_prompt=True)
+        except FormatError as exc:
+            raise ApiError(400, "this model's chat template cannot render these messages: "
+                           f"{template_reason(str(exc), tok)}", param="messages", code="unsupported_messages") from None
+
     def prompt_ids(self, spec: TurnSpec) -> list[int]:
         if spec.kind == "chat":
-            ids = self._text_tokenizer("chat").chat_ids(spec.messages or [], add_generation_prompt=True)
+            ids = self.chat_prompt_ids(spec.messages or [])
         elif isinstance(spec.prompt, str):
             ids = self._text_tokenizer("a text prompt").encode(spec.prompt, add_special_tokens=True)
         else:
@@ -162,7 +189,7 @@ class TurnRunner:
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
-        sampler = sampler_for(session.manifest.sampler, spec.sampling)
+        sampler = sampler_for(spec.sampling)
         gate = TextGate(spec.stops, sink)
         if spec.kind == "chat":
             return self._chat_on_session(session, spec, prompt, max_new, sampler, gate, sink, at_token)
@@ -174,7 +201,7 @@ class TurnRunner:
         reused = common_prefix(session.cache.tokens, prompt)
         finish = "length"
         try:
-            session.generate(prompt, max_new, sampler=sampler, on_token=self._token_callback(
+            session.generate(prompt, max_new, sampler=sampler, keep_sampler=False, on_token=self._token_callback(
                 tokens, gate, sink, not spec.ignore_eos, stream, at_token))
         except _Stop as stop:
             session.commit()
@@ -188,9 +215,6 @@ class TurnRunner:
                          sampler: SamplerSettings, gate: TextGate, sink: TurnSink,
                          at_token: Callable[[], bool]) -> TurnOutcome:
         conv = Conversation.open(session, self._text_tokenizer("chat"))
-        if sampler != session.manifest.sampler:
-            session.manifest.sampler = sampler
-            write_manifest(session.directory / MANIFEST_NAME, session.manifest)
         cut = {"abort": False}
 
         def should_stop() -> bool:
@@ -198,7 +222,8 @@ class TurnRunner:
                 cut["abort"] = True
             return gate.hit or cut["abort"]
 
-        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop)
+        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop,
+                             stop_at_eos=not spec.ignore_eos, sampler=sampler)
         gate.flush()
         finish = {"eos": "stop", "limit": "length"}.get(reply.stopped, "stop" if gate.hit else "abort")
         return TurnOutcome(reply.tokens, gate.emitted, finish, reply.prompt_tokens, reply.reused_prefix,
@@ -209,13 +234,12 @@ class TurnRunner:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
-        sampler = sampler_for(SamplerSettings(), spec.sampling)
+        sampler = sampler_for(spec.sampling)
         cache = self.model.new_cache(self.kv_dtype)
         gate = TextGate(spec.stops, sink)
         stream = StreamDecoder(self.tok) if self.tok is not None else None
         tokens: list[int] = []
-        stop_at_eos = spec.kind == "chat" or not spec.ignore_eos
-        on_token = self._token_callback(tokens, gate, sink, stop_at_eos, stream, at_token)
+        on_token = self._token_callback(tokens, gate, sink, not spec.ignore_eos, stream, at_token)
         finish = "length"
         try:
             logits = feed_chunk(self.model, cache, prompt)
@@ -229,4 +253,5 @@ class TurnRunner:
         return TurnOutcome(tokens, gate.emitted, finish, len(prompt))
 
 
-__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for"]
+__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
+           "template_reason"]

@@ -23,6 +23,7 @@ import numpy as np
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, fsync_directory
+from sessionstore.sessions.manifest import SamplerSettings
 
 CONVERSATION_NAME = "conversation.json"
 SCHEMA = "coli-session-conversation"
@@ -56,6 +57,25 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def sampler_json(sampler: SamplerSettings | None) -> dict[str, Any] | None:
+    return None if sampler is None else {"temperature": sampler.temperature, "top_k": sampler.top_k,
+                                         "top_p": sampler.top_p, "seed": sampler.seed}
+
+
+def parse_sampler(obj: dict[str, Any], where: str) -> SamplerSettings | None:
+    """The optional ``sampler`` field of a record or turn (absent in files written before it)."""
+    value = obj.get("sampler")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: sampler must be an object or null")
+    try:
+        return SamplerSettings.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
+                                       value.get("seed"))
+    except FormatError as exc:
+        raise FormatError(f"{where}: sampler: {exc}") from None
+
+
 @dataclass
 class OpenTurn:
     """A turn whose prompt may be (partly) in the kv file and whose answer is not yet a message."""
@@ -63,9 +83,11 @@ class OpenTurn:
     messages: list[dict[str, Any]]  # the conversation being answered (ends with the new prompt)
     prompt_tokens: int
     prompt_digest: str
+    sampler: SamplerSettings | None = None  # what the reply is drawn with (None: not recorded)
 
     def to_json(self) -> dict[str, Any]:
-        return {"messages": self.messages, "prompt_tokens": self.prompt_tokens, "prompt_digest": self.prompt_digest}
+        return {"messages": self.messages, "prompt_tokens": self.prompt_tokens, "prompt_digest": self.prompt_digest,
+                "sampler": sampler_json(self.sampler)}
 
 
 @dataclass
@@ -76,13 +98,15 @@ class ConversationRecord:
     tokens: int = 0
     digest: str = field(default_factory=lambda: tokens_digest([]))
     turn: OpenTurn | None = None
+    sampler: SamplerSettings | None = None  # what the last assistant message was drawn with (None: not recorded)
 
     def agrees_with(self, history: Sequence[int]) -> bool:
         return len(history) == self.tokens and tokens_digest(history) == self.digest
 
     def encode(self) -> bytes:
         obj = {"schema": SCHEMA, "version": SCHEMA_VERSION, "messages": self.messages, "tokens": self.tokens,
-               "digest": self.digest, "turn": None if self.turn is None else self.turn.to_json()}
+               "digest": self.digest, "turn": None if self.turn is None else self.turn.to_json(),
+               "sampler": sampler_json(self.sampler)}
         return (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
 
 
@@ -111,9 +135,9 @@ def parse_record(obj: Any, where: str) -> ConversationRecord:
         if not isinstance(turn, dict):
             raise FormatError(f"{where}: turn must be an object or null")
         open_turn = OpenTurn(check_messages(turn.get("messages"), where), _count(turn, "prompt_tokens", where),
-                             _digest_field(turn, "prompt_digest", where))
+                             _digest_field(turn, "prompt_digest", where), parse_sampler(turn, where))
     return ConversationRecord(check_messages(obj.get("messages"), where), _count(obj, "tokens", where),
-                              _digest_field(obj, "digest", where), open_turn)
+                              _digest_field(obj, "digest", where), open_turn, parse_sampler(obj, where))
 
 
 def read_record(directory: str | os.PathLike[str]) -> ConversationRecord | None:
@@ -170,4 +194,5 @@ def remove_record(directory: str | os.PathLike[str]) -> bool:
 
 __all__ = ["CONVERSATION_NAME", "ConversationRecord", "MAX_CONVERSATION_BYTES", "OpenTurn", "check_messages",
            "copy_record",
-           "parse_record", "read_record", "remove_record", "tokens_digest", "write_record"]
+           "parse_record", "parse_sampler", "read_record", "remove_record", "sampler_json", "tokens_digest",
+           "write_record"]

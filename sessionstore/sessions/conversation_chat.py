@@ -131,7 +131,7 @@ class Conversation:
                 "(another tokenizer or template?)")
         n = len(prompt)
         if len(history) >= n and tokens_digest(history[:n]) == turn.prompt_digest:
-            self._close_turn(turn.messages, history[n:])
+            self._close_turn(turn.messages, history[n:], turn.sampler)
             self.recovered = {"action": "closed", "reply_tokens": history[n:]}
         elif self.record.agrees_with(history):
             self.record.turn = None  # the prompt never reached the kv file
@@ -139,18 +139,19 @@ class Conversation:
             self.recovered = {"action": "dropped", "reply_tokens": []}
         elif len(history) < n and history == prompt[:len(history)]:
             self.session.append_tokens(prompt[len(history):], commit=True)
-            self._close_turn(turn.messages, [])
+            self._close_turn(turn.messages, [], turn.sampler)
             self.recovered = {"action": "completed", "reply_tokens": []}
         else:
             raise ConversationMismatchError(
                 f"session {self.session.id!r}: its committed tokens are neither the conversation's nor its "
                 "interrupted turn's")
 
-    def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int]) -> str:
+    def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int],
+                    sampler: SamplerSettings | None) -> str:
         text = self.tokenizer.decode(list(answer))
         history = self.session.history()
         self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
-                                         tokens_digest(history), None)
+                                         tokens_digest(history), None, sampler)
         write_record(self.session.directory, self.record)
         return text
 
@@ -161,8 +162,12 @@ class Conversation:
 
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
-                should_stop: Callable[[], bool] | None = None) -> Reply:
-        """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused."""
+                should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
+                sampler: SamplerSettings | None = None) -> Reply:
+        """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
+        ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
+        ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
+        conversation file records the ones the reply is drawn with (FORMAT.md 5.8)."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
@@ -171,7 +176,8 @@ class Conversation:
         model.check_tokens(np.asarray(prompt, dtype=np.int64))
         check_room(prompt, max_new, model.config.max_position_embeddings)
         session.ensure_resident()
-        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt))
+        drawn_with = session.manifest.sampler if sampler is None else sampler
+        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with)
         write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
@@ -180,8 +186,9 @@ class Conversation:
         reply = Reply(prompt_tokens=len(prompt), reused_prefix=k)
         stream = StreamDecoder(self.tokenizer)
         try:
-            session.generate(None, max_new, on_token=_token_stopper(self.eos, stream, reply.tokens, on_text,
-                                                                    should_stop))
+            eos = self.eos if stop_at_eos else frozenset()
+            session.generate(None, max_new, sampler=drawn_with, keep_sampler=False,
+                             on_token=_token_stopper(eos, stream, reply.tokens, on_text, should_stop))
         except _StopTurn as stop:
             session.commit()
             reply.stopped = stop.reason
@@ -189,7 +196,7 @@ class Conversation:
         if rest and on_text is not None:
             on_text(rest)
         assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
-        reply.text = self._close_turn(checked, reply.tokens)
+        reply.text = self._close_turn(checked, reply.tokens, drawn_with)
         assert reply.text == stream.text
         return reply
 

@@ -242,16 +242,19 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
-                 stop_at_eos: bool = False, sampler: SamplerSettings | None = None,
+                 stop_at_eos: bool = False, sampler: SamplerSettings | None = None, keep_sampler: bool = True,
                  on_token: Callable[[int, int], None] | None = None) -> TurnResult:
         """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
-        rest truncated) and the remainder fed; without, generation continues where it stopped."""
+        rest truncated) and the remainder fed; without, generation continues where it stopped.
+        ``sampler``: this turn's settings (None: the manifest's); with ``keep_sampler`` they are
+        stored in the manifest for the turns after it, without they serve this turn only."""
         t0 = time.perf_counter()
         self.ensure_resident()
         self.residency.touch(self)
-        if sampler is not None and sampler != self.manifest.sampler:
+        if sampler is not None and keep_sampler and sampler != self.manifest.sampler:
             self.manifest.sampler = sampler
             write_manifest(self.directory / MANIFEST_NAME, self.manifest)  # durable: rare
+        turn_sampler = self.manifest.sampler if sampler is None else sampler
         result = TurnResult()
         feed: list[int] | None
         if prompt_ids is not None:
@@ -280,7 +283,7 @@ class Session:
                 self._commit_through_runner()
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
-                                       self.manifest.sampler, stop_at_eos=stop_at_eos,
+                                       turn_sampler, stop_at_eos=stop_at_eos,
                                        on_rows=self._append_in_runs, on_step=on_step)
         if not tokens:
             self.pending = []

@@ -21,16 +21,21 @@ def _model_id(server: ServerProc) -> str:
 
 def _stream_chat(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int,
                  session: str | None, **sampling: Any) -> tuple[str, list[int], str, Any]:
-    """(streamed text, token ids, finish reason, final chunk) of one streamed chat completion."""
+    """(streamed text, token ids, finish reason, final chunk with choices) of one streamed chat
+    completion; its usage (asked for with ``stream_options``) is set on that final chunk."""
     extra = {"session": session} if session is not None else {}
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=True,
-                                            extra_body=extra, **sampling)
-    text, last = "", None
+                                            extra_body=extra, stream_options={"include_usage": True}, **sampling)
+    text, last, usage = "", None, None
     for chunk in stream:
+        if not chunk.choices:  # the usage chunk, after the final one
+            usage = chunk.usage
+            continue
         last = chunk
-        if chunk.choices and chunk.choices[0].delta.content:
+        if chunk.choices[0].delta.content:
             text += chunk.choices[0].delta.content
-    assert last is not None and last.choices[0].finish_reason in ("stop", "length")
+    assert last is not None and last.choices[0].finish_reason in ("stop", "length") and usage is not None
+    last.usage = usage
     return text, list(last.choices[0].token_ids), last.choices[0].finish_reason, last
 
 

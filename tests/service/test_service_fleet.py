@@ -21,7 +21,7 @@ from tests.support.s3_relay import Relay
 
 pytestmark = pytest.mark.timeout(240)
 
-SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 11}  # stored by turn 1; it must travel with the session
+SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 11}  # every turn's own (the API never inherits a sampler)
 
 
 @pytest.fixture
@@ -44,9 +44,8 @@ class Conversation:
 
     def body(self, new: list[int], max_tokens: int) -> dict[str, Any]:
         prompt = self.history + new
-        extra = SAMPLING if not self.turns else {}
         return {"model": self.model_id, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "session": self.sid, **extra}
+                "session": self.sid, **SAMPLING}
 
     def turn(self, server: ServerProc, new: list[int], max_tokens: int) -> list[int]:
         body = self.body(new, max_tokens)

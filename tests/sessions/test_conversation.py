@@ -229,3 +229,44 @@ def test_store_fork_carries_the_conversation_only_when_it_describes_the_copy(tmp
     copied = read_record(store.session_dir("whole"))
     assert copied is not None and copied.messages == messages and copied.agrees_with(store.history("whole"))
     assert read_record(store.session_dir(cut.id)) is None
+
+
+def test_a_turns_own_sampler_is_recorded_and_survives_a_crash(tmp_path: Path, model_dir: Path) -> None:
+    """``respond(sampler=...)`` draws this turn with it, leaves the manifest's as it was, and the
+    file records it (open turn and closed); recovery of a cut turn keeps it; the reply (cut or
+    whole) is the uninterrupted run's under it."""
+    drawn = SamplerSettings(temperature=0.9, top_p=0.95, seed=123456789)
+    tok = load_text(model_dir)
+    s, conv = _open(tmp_path, "t", model_dir)
+    whole = conv.respond([_user("Hello there")], 8, sampler=drawn).tokens
+    assert read_record(s.directory).sampler == drawn and s.manifest.sampler == SamplerSettings()
+    assert ReferenceChat(s.model, tok, "fp8", drawn).respond([_user("Hello there")], 8) == whole
+    msgs = [_user("Hello there"), {"role": "assistant", "content": tok.decode(whole)}, _user("More?")]
+    calls = {"n": 0}
+
+    def crash_at_fifth() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            assert read_record(s.directory).turn.sampler == drawn  # recorded before the prompt is fed
+            raise Crash()
+        return False
+
+    with pytest.raises(Crash):
+        conv.respond(msgs, 8, sampler=drawn, should_stop=crash_at_fifth)
+    s.abandon()
+    s, conv = _open(tmp_path, "t", model_dir)
+    record = read_record(s.directory)
+    assert conv.recovered["action"] == "closed" and record.sampler == drawn
+    assert s.manifest.sampler == SamplerSettings()
+    cut = conv.recovered["reply_tokens"]
+    ref = ReferenceChat(s.model, tok, "fp8", drawn)
+    ref.respond(msgs[:1], 8)
+    assert ref.respond(msgs, 8)[:len(cut)] == cut
+    s.close()
+    path = SessionStore(tmp_path).session_dir("t") / CONVERSATION_NAME
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in obj.items() if k != "sampler"}))  # a file written before it
+    assert read_record(path.parent).sampler is None
+    path.write_text(json.dumps({**obj, "sampler": {"temperature": -1, "top_k": 0, "top_p": 1.0, "seed": 0}}))
+    with pytest.raises(FormatError, match="sampler"):
+        read_record(path.parent)

@@ -1,0 +1,162 @@
+"""Request options with OpenAI's (and vLLM's) meaning, over a real server and the ``openai`` client:
+``ignore_eos`` on chat completions as on completions, ``stream_options.include_usage`` (one final
+chunk with ``choices: []`` and the usage; no usage in a stream otherwise), and sampling settings
+that belong to one request: no seed is a fresh random seed, recorded with a session's turn so the
+reply can be drawn again; a later request never inherits an earlier one's settings."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sessionstore.sessions import read_manifest
+from sessionstore.sessions.conversation import read_record
+from tests.service.serverkit import ServerProc, sse_events
+
+MAX = 24
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, text_model_dir: Path) -> Any:
+    with ServerProc(tmp_path_factory.mktemp("options") / "root", text_model_dir) as proc:
+        yield proc
+
+
+def _name(server: ServerProc) -> str:
+    return Path(server.model).name
+
+
+def _chat(server: ServerProc, seed: int | None, **extra: Any) -> Any:
+    """The choice of a stateless chat at temperature 1 (``seed`` None: the request gives none)."""
+    given = {} if seed is None else {"seed": seed}
+    return server.openai().chat.completions.create(
+        model=_name(server), messages=[{"role": "user", "content": f"Hello there {seed or 0}"}], max_tokens=MAX,
+        temperature=1.0, **given, **extra).choices[0]
+
+
+def _stopping_seed(server: ServerProc) -> tuple[int, list[int]]:
+    """A seed whose stateless reply ends at an eos id before ``MAX`` tokens, and that reply."""
+    for seed in range(64):
+        choice = _chat(server, seed)
+        if choice.finish_reason == "stop" and len(choice.token_ids) < MAX:
+            return seed, list(choice.token_ids)
+    raise AssertionError("no seed of 64 gave a reply that ends at eos")
+
+
+@pytest.mark.parametrize("session", [None, "ie"])
+def test_ignore_eos_samples_past_eos_on_chat(server: ServerProc, session: str | None) -> None:
+    seed, stopped = _stopping_seed(server)
+    body = {"ignore_eos": True, **({"session": session} if session else {})}
+    choice = _chat(server, seed, extra_body=body)
+    assert choice.finish_reason == "length" and len(choice.token_ids) == MAX
+    assert choice.token_ids[:len(stopped)] == stopped  # the same draws, on past the eos id
+    if session:
+        assert len(server.get(f"/v1/sessions/{session}?history=1").json()["history"]) > MAX
+
+
+def _raw_stream(server: ServerProc, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        return list(sse_events(response))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_usage_only_when_asked_for(server: ServerProc, path: str) -> None:
+    body: dict[str, Any] = {"model": _name(server), "max_tokens": 5, "stream": True, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    for options in (None, {}, {"include_usage": False}):
+        chunks = _raw_stream(server, path, body if options is None else {**body, "stream_options": options})
+        assert all("usage" not in c for c in chunks), json.dumps(chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    chunks = _raw_stream(server, path, {**body, "stream_options": {"include_usage": True}})
+    *content, last = chunks
+    assert last["choices"] == [] and last["object"] == content[0]["object"] and last["id"] == content[0]["id"]
+    assert last["usage"]["completion_tokens"] == 5 == len(content[-1]["choices"][0]["token_ids"])
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 5
+    assert all(c["usage"] is None and c["choices"] for c in content)  # OpenAI's: null on every other chunk
+
+
+def test_stream_usage_through_the_openai_client(server: ServerProc) -> None:
+    stream = server.openai().chat.completions.create(
+        model=_name(server), messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert with_usage == [chunks[-1]] and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def _session_dir(server: ServerProc, sid: str) -> Path:
+    return Path(server.root) / "sessions" / sid
+
+
+def test_no_seed_is_a_fresh_seed_per_request(server: ServerProc) -> None:
+    replies = {tuple(_chat(server, None).token_ids) for _ in range(3)}
+    assert len(replies) > 1  # at temperature 1, three requests without a seed did not all draw alike
+    same = {tuple(_chat(server, 7).token_ids) for _ in range(2)}
+    assert len(same) == 1  # a given seed still draws the same reply
+
+
+def test_a_sessions_turn_records_its_sampler_and_is_reproduced_by_it(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "Tell me about the fox."}]
+    reply = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.0,
+                                           top_p=0.95, extra_body={"session": "rec"})
+    record = read_record(_session_dir(server, "rec"))
+    assert record is not None and record.sampler is not None and record.turn is None
+    drawn = record.sampler
+    assert (drawn.temperature, drawn.top_p, drawn.top_k) == (1.0, 0.95, 0) and drawn.seed != 0
+    again = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.0,
+                                           top_p=0.95, seed=drawn.seed)
+    assert again.choices[0].token_ids == reply.choices[0].token_ids
+
+
+def test_a_request_never_inherits_an_earlier_requests_sampling(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=1.5, seed=5,
+                                           extra_body={"session": "inherit", "top_k": 40})
+    msgs = [*msgs, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And of Japan?"}]
+    second = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX,
+                                            extra_body={"session": "inherit"})  # no sampling fields: greedy
+    greedy = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX, temperature=0)
+    assert second.choices[0].token_ids == greedy.choices[0].token_ids
+    record = read_record(_session_dir(server, "inherit"))
+    assert record is not None and record.sampler is not None and record.sampler.temperature == 0.0
+    # the manifest keeps what the CLI continues with: untouched by API requests
+    manifest = read_manifest(_session_dir(server, "inherit") / "manifest.json")
+    assert manifest.sampler.temperature == 0.0 and manifest.sampler.seed == 0 and manifest.sampler.top_k == 0
+    done = server.post("/v1/completions", json={"model": name, "prompt": [5, 6, 7], "max_tokens": 4,
+                                                "temperature": 1.2, "seed": 3, "session": "inherit"})
+    assert done.status_code == 200, done.text
+    assert read_manifest(_session_dir(server, "inherit") / "manifest.json").sampler == manifest.sampler
+
+
+def test_cached_tokens_are_the_prompt_tokens_reused_from_the_session(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    msgs = [{"role": "user", "content": "Sessions keep their cache."}]
+    first = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, extra_body={"session": "cache"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 == first.session["reused_prefix"]
+    msgs = [*msgs, {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then?"}]
+    stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"session": "cache"})
+    chunks = list(stream)
+    reused = chunks[-2].session["reused_prefix"]
+    assert reused > 0 and chunks[-1].usage.prompt_tokens_details.cached_tokens == reused
+    stateless = client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+    assert stateless.usage.prompt_tokens_details.cached_tokens == 0
+    # completions: the prompt ids are the whole history; all of it but the pending token is reused
+    done = client.completions.create(model=name, prompt=[5, 6, 7, 8], max_tokens=4, extra_body={"session": "ids"})
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
+    history = server.get("/v1/sessions/ids?history=1").json()["history"]
+    more = client.completions.create(model=name, prompt=[*history, 9], max_tokens=4, extra_body={"session": "ids"})
+    assert more.usage.prompt_tokens_details.cached_tokens == len(history) - 1 == more.session["reused_prefix"]
+    body = {"model": name, "prompt": [*history, 9, 10], "max_tokens": 2, "session": "ids", "stream": True,
+            "stream_options": {"include_usage": True}}
+    last = _raw_stream(server, "/v1/completions", body)[-1]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) + 1  # up to where it differs
