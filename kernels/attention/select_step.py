@@ -8,9 +8,9 @@ The math and the tie rule are those of :mod:`kernels.attention.selection`:
     keys equal to it in ascending position order until k are taken; returned ascending.
 Every score's arithmetic is fixed by construction (each dot product over eight lanes combined
 in a fixed tree, the heads summed in order, strict IEEE f32): a session's selection depends on
-its own query and keys only, never on the batch. It is not bitwise the BLAS products of
-:func:`~kernels.attention.selection.index_scores` (a prefill's path), whose sums associate as
-the library chooses.
+its own query and keys only, never on the batch. Every forward selects through it (a prompt's
+positions too, each as its decode step); it is not bitwise the BLAS products of
+:func:`~kernels.attention.selection.index_scores`, whose sums associate as the library chooses.
 """
 from __future__ import annotations
 

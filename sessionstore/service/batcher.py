@@ -16,7 +16,9 @@ switch. The engine thread gathers what waits and runs ONE batched step (``model.
   session (continuous batching: sessions join and leave between steps);
 - beside them, chunks of the prompts waiting to be prefilled, at most ``max_prefill_tokens`` tokens
   a step in arrival order (chunked prefill: a long prompt is admitted over several steps while the
-  running streams keep decoding; its asker is woken once its last chunk has run).
+  running streams keep decoding; its asker is woken once its last chunk has run); a step in which
+  no session decodes takes up to ``IDLE_PREFILL_TOKENS`` (new sessions arriving together start
+  together).
 
 ``model.step`` computes every row as a decode step of that token alone would (kernels.model.decoder),
 so a session's logits, and so its tokens, are bitwise what it would get alone, whoever shares the
@@ -45,6 +47,7 @@ log = get_logger("service")
 
 GATHER_S = 0.004  # how long a step waits for the next turn to hand in its token, before it runs without it
 MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
+IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
 
 
 @dataclass(eq=False)  # compared by identity (the queue holds each once)
@@ -192,11 +195,13 @@ class StepBatcher:
 
     def _plan(self, taken: list[_Work]) -> tuple[list[tuple[_Work, int]], list[_Work]]:
         """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and
-        what waits for a later step: at most ``max_batch`` members, at most ``max_prefill_tokens``
-        prompt tokens, prompts in arrival order."""
+        what waits for a later step: at most ``max_batch`` members, prompts in arrival order, and
+        at most ``max_prefill_tokens`` prompt tokens while any member decodes (the budget keeps the
+        running streams flowing); a step with no one decoding takes up to ``IDLE_PREFILL_TOKENS``."""
         batch: list[tuple[_Work, int]] = []
         later: list[_Work] = []
-        budget = self.max_prefill_tokens
+        decoding = any(work.tokens.shape[0] - work.fed == 1 for work in taken)
+        budget = self.max_prefill_tokens if decoding else max(self.max_prefill_tokens, IDLE_PREFILL_TOKENS)
         for work in taken:
             want = work.tokens.shape[0] - work.fed
             take = 1 if want == 1 else min(want, budget)

@@ -223,7 +223,7 @@ class TurnRunner:
             return gate.hit or cut["abort"]
 
         reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop,
-                             stop_at_eos=not spec.ignore_eos, sampler=sampler)
+                             stop_at_eos=not spec.ignore_eos, sampler=sampler, prompt=prompt)
         gate.flush()
         finish = {"eos": "stop", "limit": "length"}.get(reply.stopped, "stop" if gate.hit else "abort")
         return TurnOutcome(reply.tokens, gate.emitted, finish, reply.prompt_tokens, reply.reused_prefix,

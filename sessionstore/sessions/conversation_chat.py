@@ -163,17 +163,21 @@ class Conversation:
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
-                sampler: SamplerSettings | None = None) -> Reply:
+                sampler: SamplerSettings | None = None, prompt: Sequence[int] | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
         ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
-        conversation file records the ones the reply is drawn with (FORMAT.md 5.8)."""
+        conversation file records the ones the reply is drawn with (FORMAT.md 5.8). ``prompt``: the
+        ids ``messages`` render to with the generation prompt, already checked against the model,
+        when the caller rendered them (a request's prompt is rendered and tokenised once)."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
         session, model = self.session, self.session.model
-        prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)
-        model.check_tokens(np.asarray(prompt, dtype=np.int64))
+        if prompt is None:
+            prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)
+            model.check_tokens(np.asarray(prompt, dtype=np.int64))
+        prompt = list(prompt)
         check_room(prompt, max_new, model.config.max_position_embeddings)
         session.ensure_resident()
         drawn_with = session.manifest.sampler if sampler is None else sampler

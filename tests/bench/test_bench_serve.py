@@ -78,6 +78,8 @@ def test_serve_bench_quick_smallest_path_reports_every_figure(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("batch16_speedup", "batch16_speedup_httpx", "batch16_step_speedup", "stream_overhead_ratio",
+                "served_over_step16", "ttft16_over_ttft1", "itl_max_during_long_prefill_over_median",
+                "long_prefill_ttft_s", "ttft1_s", "ttft16_s",
                 "http_migrate_vs_durable_copy", "ttft_s", "ttft_resident_s",
                 "raw_read_s", "decode_step_s", "in_process_step_s", "durable_copy_s"):
         assert res[key] > 0, key

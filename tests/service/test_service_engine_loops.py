@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from sessionstore.service.batcher import StepBatcher
+from sessionstore.service.batcher import MAX_PREFILL_TOKENS, StepBatcher
 from sessionstore.service.group_commit import GroupCommit
 from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.sessions.turns import decode_loop, drive_inline
@@ -270,3 +270,51 @@ def test_a_turn_commits_its_end_without_the_baton_and_the_others_step_on() -> No
     assert outcomes[0][0] == _inline(0, 3) and outcomes[1][0] == _inline(1, 12)
     assert ended["turn 1"] < ended["commit"], "turn 1 waited for turn 0's commit"
     assert time.perf_counter() - t0 < 4.0
+
+
+class _CountsModel(_ChainModel):
+    """Records every step's members: (cache id, tokens it stepped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.members: list[list[tuple[int, int]]] = []
+
+    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+        self.members.append([(c.id, n) for c, n in zip(caches, counts, strict=True)])
+        return super().step(caches, tokens, counts)
+
+
+def _prompt_alone(cache_id: int, n: int) -> np.ndarray:
+    cache = _Cache(cache_id)
+    return _ChainModel().forward(np.arange(n, dtype=np.int32), cache)[-1:]  # [1, V]: the last position's logits
+
+
+def test_a_prompt_is_admitted_in_chunks_beside_running_loops_and_alone_in_one_step() -> None:
+    prompt_len = 100
+    got: dict[str, np.ndarray] = {}
+    asked: list[threading.Thread] = []
+
+    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 0 and position == 2:  # both loops are running: a prompt arrives
+            def ask() -> None:
+                got["prompt"] = batcher.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))
+            asked.append(threading.Thread(target=ask))
+            asked[0].start()
+
+    model = _CountsModel()
+    outcomes, _, _, _ = _run_turns(2, 40, on_step, model)
+    asked[0].join(10)
+    for i in range(2):
+        assert outcomes[i][0] == _inline(i, 40)  # the loops' tokens are unchanged by the prompt beside them
+    assert np.array_equal(got["prompt"], _prompt_alone(9, prompt_len))
+    chunks = [dict(step)[9] for step in model.members if 9 in dict(step)]  # the prompt's, step by step
+    assert sum(chunks) == prompt_len and len(chunks) >= -(-prompt_len // MAX_PREFILL_TOKENS)
+    assert all(dict(step).get(9, 0) <= MAX_PREFILL_TOKENS for step in model.members if {0, 1} & set(dict(step)))
+    alone = _CountsModel()
+    batcher = StepBatcher(alone, DecoderBaton())
+    try:
+        assert np.array_equal(batcher.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9)),
+                              _prompt_alone(9, prompt_len))
+    finally:
+        batcher.stop()
+    assert alone.members == [[(9, prompt_len)]]  # no one decoding: the whole prompt in one step
