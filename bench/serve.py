@@ -7,16 +7,17 @@ Every figure is a ratio to a baseline measured in this run, medians of ``--reps`
 
 1. ``batch16_speedup`` (glm-mini): aggregate decode tokens/s of 16 clients streaming completions
    on 16 sessions at once / one session's decode tokens/s alone, same server (bench.serve_decode).
-   Goal >= 6. Read by a lean one-thread client (bench.serve_sse); beside it, in the same loop,
-   ``batch16_speedup_httpx``, the same figure read by 16 httpx clients in 16 threads, whose own
-   CPU shares the server's two cores; and ``batch16_step_speedup``: the same ratio for
-   ``decode_step`` alone in this process (16 caches vs one), the part of the figure that is the
-   engine's. From them, ``batch16_outside_step_s``: a round of 16 in the server minus the
-   in-process step of 16, per session (the server's work per token outside the step), beside
-   ``batch16_outside_step_allowed_s``, what 6x would allow at this run's one-session rate.
+   No goal of its own (it is ``batch16_step_speedup`` x ``served_over_step16``). Read by a lean
+   one-thread client (bench.serve_sse); beside it, in the same loop, ``batch16_speedup_httpx``, the
+   same figure read by 16 httpx clients in 16 threads. ``batch16_step_speedup``: the same ratio for
+   the engine's step alone in this process (16 caches vs one). Goal >= 8. ``served_over_step16``:
+   the served aggregate at 16 sessions / the in-process step of 16's tokens/s. Goal >= 0.95.
+   ``batch16_outside_step_s``: a round of 16 in the server minus the in-process step of 16, per
+   session (the server's work per token outside the step).
 2. ``stream_overhead_ratio`` (glm-mini): per-token latency of a streamed completion over HTTP /
-   ``model.forward`` of one token in this process over a cache of the same length. Goal <= 1.15.
-   ``stream_overhead_s``: the difference, in seconds.
+   ``model.forward`` of one token in this process over a cache of the same length. Goal <= 1.10.
+   ``stream_overhead_s``: the difference, in seconds. ``ttft16_over_ttft1`` (goal <= 3) and
+   ``itl_max_during_long_prefill_over_median`` (goal <= 4): bench.serve_core.
 3. ``resume_on_request_ratio``: a suspended GLM-5.2-shaped v2 session (32,768 tokens; ``--quick``
    2,048): (time to first token of a request on it - that request's one decode step, timed by the
    server's engine) / a raw sequential read of its kv file. Goal <= 1.5. The resume verifies as
@@ -29,6 +30,9 @@ Every figure is a ratio to a baseline measured in this run, medians of ``--reps`
    (``POST /v1/sessions/ID/pull``, B started with ``--pull-from`` A: B reads A's GET off the
    socket in its receiving thread) / one durable copy of its files (``cp -r`` + fsync). Goal >=
    0.8. Beside it ``http_migrate_pipe_vs_durable_copy``: a client piping A's GET into B's PUT.
+
+5. ``batch16_speedup_glm52_layers`` (full runs, or ``--only glm52``): the step of 16 vs of one on
+   GLM-5.2's real layer dims (bench.serve_core). Goal >= 12.
 
 The GLM-5.2-shaped model is a random checkpoint with GLM-5.2's cache dims (78 layers, kv_lora
 512, rope 64, vocab 154,880) and a 64-wide body (bench.session_build's decoder), written here.
@@ -60,7 +64,7 @@ KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1
         "long_prefill_ttft_s", "long_prompt_tokens", "itl_ratio_all", "max_prefill_tokens",
         "batch16_speedup_glm52_layers", "glm52_step1_s", "glm52_step16_s", "glm52_experts", "glm52_weight_bytes",
         "batch16_speedup", "batch16_step_speedup", "step_solo_s", "step_batch16_s", "step_length",
-        "batch16_share_of_step_speedup", "batch16_outside_step_s", "batch16_outside_step_allowed_s",
+        "batch16_share_of_step_speedup", "batch16_outside_step_s",
         "stream_overhead_s",
         "stream_overhead_ratio", "resume_on_request_ratio", "resume_added_ratio",
         "http_migrate_vs_durable_copy", "batch16_tokens_per_s", "single_tokens_per_s", "batch16_window_s",
@@ -76,7 +80,8 @@ KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1
         "model_note", "elapsed_s")
 
 
-def run_decode(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
+def run_decode(root: Path, reps: int, max_tokens: int,
+               max_prefill_tokens: int = ServiceLimits.max_prefill_tokens) -> dict[str, Any]:
     from kernels.model import load_model, resolve_model
     from kernels.model.text import load_text
 
@@ -84,7 +89,8 @@ def run_decode(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
     model = load_model(source)
     prompt = load_text(source).encode(PROMPT, add_special_tokens=True)
     resident = str(CLIENTS * (3 * reps + 1) + 6 * reps + 2)  # every session of the figures stays resident
-    with Server(root / "mini", "glm-mini", "--max-resident", resident) as server:
+    with Server(root / "mini", "glm-mini", "--max-resident", resident,
+                "--max-prefill-tokens", str(max_prefill_tokens)) as server:
         res = bench_stream(server, model, prompt, max_tokens, reps, "fp8")
         res.update(bench_batch(server, prompt, max_tokens, reps))
         res.update(bench_ttft(server, prompt, reps))
@@ -92,21 +98,17 @@ def run_decode(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
     res.update(step_speedup(model, prompt, len(prompt) + max_tokens // 2, "fp8", 5 * reps))
     res.update(outside_the_step(res))
     res["served_over_step16"] = res["batch16_tokens_per_s"] * res["step_batch16_s"] / CLIENTS
-    res["max_prefill_tokens"] = ServiceLimits.max_prefill_tokens
+    res["max_prefill_tokens"] = max_prefill_tokens
     return res
 
 
 def outside_the_step(res: dict[str, Any]) -> dict[str, float]:
     """What the server spends per token outside the engine's step, from this run's figures: one
     session's streamed token minus the in-process step; a round of 16 (16 / aggregate rate) minus
-    the in-process step of 16, per session; and that per-session share a 6x ``batch16_speedup``
-    would allow at this run's one-session rate and step of 16."""
+    the in-process step of 16, per session."""
     round_s = CLIENTS / res["batch16_tokens_per_s"]
-    single_s = 1.0 / res["single_tokens_per_s"]
-    allowed = (CLIENTS * single_s / GOALS["batch16_speedup"][1] - res["step_batch16_s"]) / CLIENTS
     return {"stream_overhead_s": res["stream_per_token_s"] - res["in_process_step_s"],
             "batch16_outside_step_s": (round_s - res["step_batch16_s"]) / CLIENTS,
-            "batch16_outside_step_allowed_s": allowed,
             "batch16_share_of_step_speedup": res["batch16_speedup"] / res["batch16_step_speedup"]}
 
 
@@ -147,8 +149,7 @@ def report(res: dict[str, Any]) -> None:
           f"{CLIENTS / res['step_batch16_s']:.1f} tok/s; goal "
           f"{verdict('served_over_step16', res['served_over_step16'])}")
     print(f"    outside the step, per session per token in a round of 16: "
-          f"{res['batch16_outside_step_s'] * ms:.3f} ms (6x at this one-session rate allows "
-          f"{res['batch16_outside_step_allowed_s'] * ms:.3f} ms)")
+          f"{res['batch16_outside_step_s'] * ms:.3f} ms")
     print(f"  stream_overhead_ratio  {res['stream_overhead_ratio']:8.3f}    "
           f"{res['stream_per_token_s'] * ms:.2f} ms per streamed token (median gap "
           f"{res['stream_median_gap_s'] * ms:.2f} ms) vs model.forward "
@@ -208,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("migrate", "decode", "glm52"), default=None,
                     help="a part alone (migrate: figure 4; decode: the glm-mini figures; "
                          "glm52: the GLM-5.2-layer step)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=ServiceLimits.max_prefill_tokens,
+                    help="the glm-mini server's prompt tokens per step beside running streams "
+                         f"(default {ServiceLimits.max_prefill_tokens}, the server's)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (2048 if args.quick else 32768)
     reps = args.reps or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
-    if tokens < 2 or reps < 1 or max_tokens < 2:
-        ap.error("--tokens and --max-tokens must be >= 2, --reps >= 1")
+    if tokens < 2 or reps < 1 or max_tokens < 2 or args.max_prefill_tokens < 1:
+        ap.error("--tokens and --max-tokens must be >= 2, --reps and --max-prefill-tokens >= 1")
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="coli-bench-serve-", dir=args.dir))
     try:
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.only == "glm52":
             res = glm52_layers_speedup(max(3, reps))
         else:
-            res = run_decode(root, reps, max_tokens)
+            res = run_decode(root, reps, max_tokens, args.max_prefill_tokens)
             if args.only != "decode":
                 res.update(run_session(root, tokens, reps))
                 if not args.quick:  # ~1-2 minutes and 5 GiB: full runs only (or --only glm52)

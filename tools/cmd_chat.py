@@ -133,12 +133,12 @@ class ChatLoop:
 
     def sampler(self, base: Any) -> Any:
         """The session's sampler (``base``; greedy for a new one) with the flags given applied, checked."""
-        from sessionstore.sessions import SamplerSettings
+        from kernels.model.sampling import Sampler
 
         given = {k: getattr(self.args, k) for k in ("temperature", "top_k", "top_p", "seed")
                  if getattr(self.args, k) is not None}
-        merged = {**dataclasses.asdict(base if base is not None else SamplerSettings()), **given}
-        return SamplerSettings.checked(**merged)
+        merged = {**dataclasses.asdict(base if base is not None else Sampler()), **given}
+        return Sampler.checked(**merged)
 
     def close(self) -> None:
         if self.session is not None:

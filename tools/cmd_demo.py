@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
+from kernels.model.sampling import Sampler
+from sessionstore.sessions import SessionStore, reference_turns
 
 USER_TURNS = ("Explain the for statement.", "What is a scope?", "Tell me about exceptions.")
 TEXT_KV = ("fp8", "int4")  # the text demo's sessions: fp8 rows and the 4-bit tier
@@ -65,7 +66,7 @@ def _fresh(store: SessionStore, sid: str) -> None:
 
 
 # -- the text chat (a model with a tokenizer and a chat template) --------------------------------
-def _text_conversation(root: str, model_dir: str, kv: str, sampler: SamplerSettings, max_new: int) -> dict[str, Any]:
+def _text_conversation(root: str, model_dir: str, kv: str, sampler: Sampler, max_new: int) -> dict[str, Any]:
     """Turn 1 here, suspend; every later turn a `coli-kv chat` process resuming from disk."""
     from kernels.model.text import load_text
     from sessionstore.sessions.conversation_chat import Conversation
@@ -89,7 +90,7 @@ def _text_conversation(root: str, model_dir: str, kv: str, sampler: SamplerSetti
             "kv_path": info.kv_path}
 
 
-def _text_reference(model: Any, model_dir: str, kv: str, sampler: SamplerSettings, max_new: int) -> list[list[int]]:
+def _text_reference(model: Any, model_dir: str, kv: str, sampler: Sampler, max_new: int) -> list[list[int]]:
     """The same conversation in one process, one in-memory cache, no store."""
     from kernels.model.text import load_text
     from sessionstore.sessions.conversation_chat import ReferenceChat
@@ -107,7 +108,7 @@ def _text_reference(model: Any, model_dir: str, kv: str, sampler: SamplerSetting
 
 
 # -- the byte-level chat of the random tiny model --------------------------------------------------
-def _ids_conversation(root: str, kv: str, sampler: SamplerSettings, max_new: int) -> dict[str, Any]:
+def _ids_conversation(root: str, kv: str, sampler: Sampler, max_new: int) -> dict[str, Any]:
     store = SessionStore(root)
     sid = f"demo-{kv}"
     _fresh(store, sid)
@@ -136,7 +137,7 @@ def _ids_conversation(root: str, kv: str, sampler: SamplerSettings, max_new: int
 def run(args: argparse.Namespace) -> int:
     from kernels.model import load_model, resolve_model
 
-    sampler = SamplerSettings(temperature=args.temperature, top_k=0, top_p=1.0, seed=args.seed)
+    sampler = Sampler(temperature=args.temperature, top_k=0, top_p=1.0, seed=args.seed)
     text_mode = args.model != "tiny"
     model_dir = str(resolve_model(args.model)) if text_mode else "tiny"
     model = load_model(model_dir)

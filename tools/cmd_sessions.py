@@ -11,7 +11,8 @@ from typing import Any
 
 from kernels.errors import ColiError, FormatError
 from kernels.model import resolve_model
-from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SamplerSettings, SessionStore
+from kernels.model.sampling import Sampler
+from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SessionStore
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._text import session_text_turn, text_input, tokenizer_for
 
@@ -90,7 +91,7 @@ def _prompt_ids(args: argparse.Namespace) -> list[int] | None:
     return [int(t) for t in raw]
 
 
-def _sampler(args: argparse.Namespace, base: SamplerSettings) -> SamplerSettings:
+def _sampler(args: argparse.Namespace, base: Sampler) -> Sampler:
     """The session's sampler with the flags given on this command line applied over it, checked
     (one clear error) before anything is written: an invalid value stored in the manifest would
     make the session unreadable.
@@ -100,7 +101,7 @@ def _sampler(args: argparse.Namespace, base: SamplerSettings) -> SamplerSettings
     namespace built by other callers also keeps the session's setting for the neutral values
     (temperature 0, top-k 0, top-p 1, seed 0).
     """
-    neutral = SamplerSettings()
+    neutral = Sampler()
     explicit = bool(_opt(args, "explicit_sampler_flags"))
     fields = {}
     for name in ("temperature", "top_k", "top_p", "seed"):
@@ -108,7 +109,7 @@ def _sampler(args: argparse.Namespace, base: SamplerSettings) -> SamplerSettings
         if value is not None and (explicit or value != getattr(neutral, name)):
             fields[name] = value
     merged = {**asdict(base), **fields}
-    return SamplerSettings.checked(**merged)  # raises FormatError naming the bad setting
+    return Sampler.checked(**merged)  # raises FormatError naming the bad setting
 
 
 def _discard_if_empty(store: SessionStore, session_id: str) -> None:
@@ -170,7 +171,7 @@ def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[
     if prompt is None:
         raise FormatError(f"session {args.session!r} is new: --prompt-ids is needed")
     session = store.create(args.session, model, kv_dtype=_opt(args, "kv") or "fp8",
-                           sampler=_sampler(args, SamplerSettings()), **options)
+                           sampler=_sampler(args, Sampler()), **options)
     return session, True
 
 
@@ -268,7 +269,7 @@ def session_generate_text(args: argparse.Namespace, kind: str, value: Any) -> in
                 raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
             tok = tokenizer_for(args.model)
             session = store.create(args.session, resolve_model(args.model), kv_dtype=_opt(args, "kv") or "fp8",
-                                   sampler=_sampler(args, SamplerSettings()), **options)
+                                   sampler=_sampler(args, Sampler()), **options)
             created = True
         try:
             summary = session_text_turn(session, args, kind, value, tok, max_new,

@@ -35,7 +35,9 @@ def uniform(seed: int, position: int) -> float:
 
 @dataclass(frozen=True)
 class Sampler:
-    """Sampling settings; ``temperature`` 0 means greedy. ``top_k`` 0 and ``top_p`` 1 disable the cuts."""
+    """Sampling settings, and the draw they make (``sampler(logits, position)``): the one sampling
+    type, which a session's manifest stores, a turn records, the API and the CLI fill. ``temperature``
+    0 means greedy; ``top_k`` 0 and ``top_p`` 1 disable the cuts."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -52,6 +54,14 @@ class Sampler:
             raise FormatError(f"sampling: top_p must be in (0, 1], found {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MASK64:
             raise FormatError(f"sampling: seed must be an integer in [0, 2^64), found {self.seed!r}")
+
+    @classmethod
+    def checked(cls, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
+        """Settings from values as given (a flag, a request body, a file): checked by the rules
+        above as given (FormatError names the bad one), then stored as float temperature / top_p
+        and int top_k / seed."""
+        cls(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks the values as given
+        return cls(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
 
     @property
     def greedy(self) -> bool:

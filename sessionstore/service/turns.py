@@ -16,9 +16,10 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from kernels.errors import FormatError
+from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer, StreamDecoder
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import SamplerSettings, Session
+from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
@@ -110,12 +111,12 @@ def template_reason(message: str, tok: ChatTokenizer) -> str:
     return message
 
 
-def sampler_for(given: dict[str, Any]) -> SamplerSettings:
+def sampler_for(given: dict[str, Any]) -> Sampler:
     """One request's settings: the defaults (greedy) with the fields it gave (checked by the
     sampler's rules); never what a session's manifest holds from an earlier request or the CLI."""
-    base = SamplerSettings()
+    base = Sampler()
     merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
-    return SamplerSettings.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
+    return Sampler.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
 
 
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
@@ -212,7 +213,7 @@ class TurnRunner:
         return TurnOutcome(tokens, gate.emitted, finish, len(prompt), reused, session.committed)
 
     def _chat_on_session(self, session: Session, spec: TurnSpec, prompt: list[int], max_new: int,
-                         sampler: SamplerSettings, gate: TextGate, sink: TurnSink,
+                         sampler: Sampler, gate: TextGate, sink: TurnSink,
                          at_token: Callable[[], bool]) -> TurnOutcome:
         conv = Conversation.open(session, self._text_tokenizer("chat"))
         cut = {"abort": False}

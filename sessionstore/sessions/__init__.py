@@ -10,7 +10,6 @@ from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     Manifest,
     ModelRef,
-    SamplerSettings,
     manifest_from_json,
     read_manifest,
     write_manifest,
@@ -26,7 +25,7 @@ from sessionstore.sessions.turns import common_prefix
 
 __all__ = [
     "DEFAULT_COMMIT_EVERY", "KV_NAME", "KV_VERSION_OF_DTYPE", "MANIFEST_NAME", "Manifest",
-    "ModelRef", "SIDECAR_NAME", "SamplerSettings", "Session", "SessionInfo", "SessionSnapshot",
+    "ModelRef", "SIDECAR_NAME", "Session", "SessionInfo", "SessionSnapshot",
     "SessionStore", "TINY_NAME", "TurnResult", "check_component", "export_slot",
     "fingerprint_tiny", "import_slot", "make_digest", "manifest_from_json", "model_fingerprint",
     "read_manifest", "reference_turns", "validate_session_id", "write_manifest",

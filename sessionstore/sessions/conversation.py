@@ -22,8 +22,8 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import atomic_replace, fsync_directory
-from sessionstore.sessions.manifest import SamplerSettings
 
 CONVERSATION_NAME = "conversation.json"
 SCHEMA = "coli-session-conversation"
@@ -57,12 +57,12 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def sampler_json(sampler: SamplerSettings | None) -> dict[str, Any] | None:
+def sampler_json(sampler: Sampler | None) -> dict[str, Any] | None:
     return None if sampler is None else {"temperature": sampler.temperature, "top_k": sampler.top_k,
                                          "top_p": sampler.top_p, "seed": sampler.seed}
 
 
-def parse_sampler(obj: dict[str, Any], where: str) -> SamplerSettings | None:
+def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
     """The optional ``sampler`` field of a record or turn (absent in files written before it)."""
     value = obj.get("sampler")
     if value is None:
@@ -70,7 +70,7 @@ def parse_sampler(obj: dict[str, Any], where: str) -> SamplerSettings | None:
     if not isinstance(value, dict):
         raise FormatError(f"{where}: sampler must be an object or null")
     try:
-        return SamplerSettings.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
+        return Sampler.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
                                        value.get("seed"))
     except FormatError as exc:
         raise FormatError(f"{where}: sampler: {exc}") from None
@@ -83,7 +83,7 @@ class OpenTurn:
     messages: list[dict[str, Any]]  # the conversation being answered (ends with the new prompt)
     prompt_tokens: int
     prompt_digest: str
-    sampler: SamplerSettings | None = None  # what the reply is drawn with (None: not recorded)
+    sampler: Sampler | None = None  # what the reply is drawn with (None: not recorded)
 
     def to_json(self) -> dict[str, Any]:
         return {"messages": self.messages, "prompt_tokens": self.prompt_tokens, "prompt_digest": self.prompt_digest,
@@ -98,7 +98,7 @@ class ConversationRecord:
     tokens: int = 0
     digest: str = field(default_factory=lambda: tokens_digest([]))
     turn: OpenTurn | None = None
-    sampler: SamplerSettings | None = None  # what the last assistant message was drawn with (None: not recorded)
+    sampler: Sampler | None = None  # what the last assistant message was drawn with (None: not recorded)
 
     def agrees_with(self, history: Sequence[int]) -> bool:
         return len(history) == self.tokens and tokens_digest(history) == self.digest

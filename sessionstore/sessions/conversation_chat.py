@@ -31,6 +31,7 @@ import numpy as np
 
 from kernels.errors import ColiError, FormatError, LimitError
 from kernels.model.protocols import Decoder
+from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer, StreamDecoder
 from sessionstore.sessions.conversation import (
     ConversationRecord,
@@ -40,7 +41,6 @@ from sessionstore.sessions.conversation import (
     tokens_digest,
     write_record,
 )
-from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 
@@ -147,7 +147,7 @@ class Conversation:
                 "interrupted turn's")
 
     def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int],
-                    sampler: SamplerSettings | None) -> str:
+                    sampler: Sampler | None) -> str:
         text = self.tokenizer.decode(list(answer))
         history = self.session.history()
         self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
@@ -163,7 +163,7 @@ class Conversation:
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
-                sampler: SamplerSettings | None = None, prompt: Sequence[int] | None = None) -> Reply:
+                sampler: Sampler | None = None, prompt: Sequence[int] | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
         ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
@@ -240,10 +240,10 @@ class ReferenceChat:
     rendering, prefix reuse, feeding and stopping as :class:`Conversation`."""
 
     def __init__(self, model: Decoder[Any], tokenizer: ChatTokenizer, kv_dtype: str,
-                 sampler: SamplerSettings | None = None) -> None:
+                 sampler: Sampler | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache = model.new_cache(kv_dtype)
-        self.sampler = sampler or SamplerSettings()
+        self.sampler = sampler or Sampler()
         self.eos = frozenset(tokenizer.eos_ids)
 
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int) -> list[int]:

@@ -20,10 +20,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kernels.errors import FormatError, LimitError, NotFoundError
 from kernels.jsonfile import parse_json_bytes
+from kernels.model.sampling import Sampler
 from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
@@ -38,9 +39,6 @@ from sessionstore.sessions.digest import (
     make_digest,
 )
 from sessionstore.sessions.fields import MAX_PENDING, need, need_float, need_int, pending_from_json
-
-if TYPE_CHECKING:
-    from kernels.model.sampling import Sampler
 
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
@@ -65,36 +63,6 @@ class ModelRef:
     fingerprint: str
 
 
-@dataclass(frozen=True)
-class SamplerSettings:
-    """Counter-based sampler settings; temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        """Refuse values the sampler would refuse (one rule: kernels' Sampler validates), so
-        a bad setting raises FormatError before anything is written to a manifest."""
-        checked_sampler(self.temperature, self.top_k, self.top_p, self.seed)
-
-    @classmethod
-    def checked(cls, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplerSettings:
-        """Settings from values as given (a flag, a request): checked by the decoder's rules,
-        stored as float / int (:func:`checked_sampler`)."""
-        s = checked_sampler(temperature, top_k, top_p, seed)
-        return cls(s.temperature, s.top_k, s.top_p, s.seed)
-
-    def to_sampler(self) -> Sampler:
-        """The decoder's :class:`kernels.model.sampling.Sampler` for these settings."""
-        return checked_sampler(self.temperature, self.top_k, self.top_p, self.seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
 @dataclass
 class Manifest:
     """Everything about a session that is not in its ``.coli_kv`` bytes."""
@@ -106,7 +74,7 @@ class Manifest:
     committed: int = 0
     epoch: int = 0  # bumped by every truncate: the committed prefix is immutable within an epoch
     pending: list[int] = field(default_factory=list)
-    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    sampler: Sampler = field(default_factory=Sampler)
     last_logits: LogitsDigest | None = None
     origin: str = "created"
     created_at: str = field(default_factory=utc_now)
@@ -162,7 +130,7 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
     pending = pending_from_json(data, dims["vocab"], where)
     s = need(data, "sampler", dict, where)
     try:
-        sampler = SamplerSettings(need_float(s, "temperature", where), need_int(s, "top_k", where),
+        sampler = Sampler(need_float(s, "temperature", where), need_int(s, "top_k", where),
                                   need_float(s, "top_p", where), need_int(s, "seed", where, 0, (1 << 64) - 1))
     except FormatError as exc:
         msg = str(exc)
@@ -242,20 +210,10 @@ def _manifest_temp(path: str) -> tuple[int, str]:
     return fd, tmp
 
 
-def checked_sampler(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
-    """The one conversion between sampler settings and the decoder's Sampler: the values are
-    checked as given (Sampler's rules; FormatError names the bad setting), then handed over as
-    float temperature / top_p and int top_k / seed."""
-    from kernels.model.sampling import Sampler
-
-    Sampler(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)  # checks the values as given
-    return Sampler(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=int(seed))
-
-
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "MAX_PENDING", "ModelRef",
-    "SamplerSettings", "Manifest", "manifest_from_json", "apply_state", "read_manifest",
-    "write_manifest", "checked_sampler", "utc_now", "KV_VERSION_OF_DTYPE",
+    "Manifest", "manifest_from_json", "apply_state", "read_manifest",
+    "write_manifest", "utc_now", "KV_VERSION_OF_DTYPE",
     # the digest, re-exported for callers of the manifest (defined in sessionstore.sessions.digest)
     "LogitsDigest", "make_digest", "logits_hash", "digest_from_json", "digest_to_json",
     "DIGEST_TOP_K", "DIGEST_RTOL", "DIGEST_ATOL",

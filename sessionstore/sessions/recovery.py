@@ -181,7 +181,7 @@ def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | 
     old_pending = list(manifest.pending)
     pending: list[int] = []
     if logits is not None:
-        pending = [manifest.sampler.to_sampler()(logits, n)]
+        pending = [manifest.sampler(logits, n)]
         manifest.last_logits = make_digest(logits, n - 1)
     else:
         manifest.last_logits = None

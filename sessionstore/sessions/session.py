@@ -30,10 +30,11 @@ import numpy as np
 
 from kernels.errors import ColiError, FormatError, ModelMismatchError
 from kernels.model.protocols import Decoder, LatentCache
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
-from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, SamplerSettings, write_manifest
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.resident import ResidentFiles
@@ -65,7 +66,7 @@ class SessionHome(Protocol):
     def session_dir(self, session_id: str) -> Path: ...
     def read_manifest(self, session_id: str) -> Manifest: ...
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
-                      sampler: SamplerSettings | None = None) -> Manifest: ...
+                      sampler: Sampler | None = None) -> Manifest: ...
     def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> Any: ...
 
 
@@ -107,11 +108,11 @@ class Session:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def create(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef, *,
-               kv_dtype: str = "fp8", sampler: SamplerSettings | None = None, **options: Any) -> Session:
+               kv_dtype: str = "fp8", sampler: Sampler | None = None, **options: Any) -> Session:
         """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
         dims = Dims(*model.dims_for_file())
         manifest = store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
-                                       sampler=sampler or SamplerSettings())
+                                       sampler=sampler or Sampler())
         log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
         session = cls(store, session_id, model, model_ref, manifest, **options)
         session.resume()
@@ -242,7 +243,7 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
-                 stop_at_eos: bool = False, sampler: SamplerSettings | None = None, keep_sampler: bool = True,
+                 stop_at_eos: bool = False, sampler: Sampler | None = None, keep_sampler: bool = True,
                  on_token: Callable[[int, int], None] | None = None) -> TurnResult:
         """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
         rest truncated) and the remainder fed; without, generation continues where it stopped.

@@ -24,7 +24,7 @@ from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
     Manifest,
     ModelRef,
-    SamplerSettings,
+    Sampler,
     read_manifest,
     write_manifest,
 )
@@ -81,14 +81,14 @@ class SessionStore(StoreDirectory):
 
     # ---- sessions --------------------------------------------------------------------------
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
-               sampler: SamplerSettings | None = None, **session_options: Any) -> Session:
+               sampler: Sampler | None = None, **session_options: Any) -> Session:
         """A new, empty session for the model at ``model_source``; returned open (lock held)."""
         validate_session_id(session_id)
         if self.exists(session_id):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
         model, ref = self.load_model(model_source)
         return Session.create(self, session_id, model, ref, kv_dtype=kv_dtype,
-                              sampler=sampler or SamplerSettings(), **session_options)
+                              sampler=sampler or Sampler(), **session_options)
 
     def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
              **session_options: Any) -> Session:
@@ -134,7 +134,7 @@ class SessionStore(StoreDirectory):
         raise LockedError(f"session {source_id!r} kept being truncated while forking; try again")
 
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
-                      sampler: SamplerSettings | None = None) -> Manifest:
+                      sampler: Sampler | None = None) -> Manifest:
         """Install a new, empty session (kv file + manifest, prepared under ``tmp/``, FORMAT.md
         5.1) as ``session_id``; returns its manifest. :meth:`Session.create` opens it."""
         tmp = self.tmp_dir()
@@ -142,7 +142,7 @@ class SessionStore(StoreDirectory):
             KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
             manifest = Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
                                 dims={k: int(v) for k, v in asdict(dims).items()},
-                                sampler=sampler or SamplerSettings())
+                                sampler=sampler or Sampler())
             write_manifest(tmp / MANIFEST_NAME, manifest)
             self.install_dir(tmp, session_id)
         finally:

@@ -15,9 +15,9 @@ import numpy as np
 
 from kernels.errors import CorruptionError, FormatError, LimitError
 from kernels.model.protocols import Decoder, LatentCache
+from kernels.model.sampling import Sampler
 from kernels.rows import LatentRows, RecordRows
 from sessionstore.kvfile import KVReader, sanitize_scales
-from sessionstore.sessions.manifest import SamplerSettings
 
 ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
 # step near the top of the range is up to 32/448 of it): catches a foreign cache, not noise
@@ -56,7 +56,7 @@ def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | 
 
 
 def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
-             max_new: int, sampler: SamplerSettings, *, stop_at_eos: bool = False,
+             max_new: int, sampler: Sampler, *, stop_at_eos: bool = False,
              on_rows: Callable[[], None] | None = None,
              on_step: Callable[[int, int, np.ndarray], None] | None = None) -> tuple[list[int], np.ndarray, bool]:
     """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens.
@@ -80,7 +80,7 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     else:
         raise FormatError("nothing to continue from: the session is empty; give prompt ids")
     eos = frozenset(model.config.eos_token_ids) if stop_at_eos else frozenset()
-    loop = decode_loop(cache, logits, max_new, sampler.to_sampler(), eos, on_rows, on_step)
+    loop = decode_loop(cache, logits, max_new, sampler, eos, on_rows, on_step)
     drive = getattr(model, "drive_decode", None)
     return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
 
@@ -136,7 +136,7 @@ def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int]
 
 
 def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Sequence[int] | None, int]],
-                    sampler: SamplerSettings, *, stop_at_eos: bool = False) -> list[list[int]]:
+                    sampler: Sampler, *, stop_at_eos: bool = False) -> list[list[int]]:
     """The uninterrupted run: every turn in one process, one in-memory cache, no store.
 
     ``turns``: (prompt_ids or None to continue, max_new). Prompt ids are prefix-matched against

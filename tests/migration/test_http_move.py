@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from kernels.errors import FormatError
+from kernels.model.sampling import Sampler
 from sessionstore.migration.http_transport import BundleUrl, with_session
-from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
+from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
 from tests.support.migrate import make_session, tree_state
 from tools.coli_kv import main
@@ -158,7 +159,7 @@ def test_a_session_moves_between_servers_and_continues_token_exact(tmp_path: Pat
         history = b.get("/v1/sessions/mv?history=1").json()["history"]
         assert history == [9, 8, 7, 6, *first]
         more = b.post("/v1/completions", json={**body, "prompt": history, "max_tokens": 6}).json()
-        want = reference_turns(load_model("glm-mini"), "fp8", [([9, 8, 7, 6], 12), (None, 6)], SamplerSettings())
+        want = reference_turns(load_model("glm-mini"), "fp8", [([9, 8, 7, 6], 12), (None, 6)], Sampler())
         assert first == want[0] and more["choices"][0]["token_ids"] == want[1]
 
         assert main(["export", "--root", str(a.root), "mv", b.url]) == 2  # taken: no --replace

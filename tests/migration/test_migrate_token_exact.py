@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from kernels.model.sampling import Sampler
 from sessionstore.migration import migrate
-from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401
 
 PROMPT = [3, 17, 101, 5, 42, 7, 250, 9]
 FIRST, SECOND = 9, 7
-GREEDY = SamplerSettings()
-SAMPLED = SamplerSettings(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+GREEDY = Sampler()
+SAMPLED = Sampler(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -111,12 +111,12 @@ def _last_json(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.decode().strip().splitlines()[-1])
 
 
-def _sampler_args(sampler: SamplerSettings) -> list[str]:
+def _sampler_args(sampler: Sampler) -> list[str]:
     return ["--temperature", str(sampler.temperature), "--top-k", str(sampler.top_k),
             "--top-p", str(sampler.top_p), "--seed", str(sampler.seed)]
 
 
-def _host_a(root: Path, kv: str, sampler: SamplerSettings, env=None) -> list[int]:
+def _host_a(root: Path, kv: str, sampler: Sampler, env=None) -> list[int]:
     out = _last_json(_cli("generate", "--model", "tiny", "--root", str(root), "--session", "m",
                           "--kv", kv, "--prompt-ids", ",".join(map(str, PROMPT)),
                           "--max-new", str(FIRST), "--commit-every", "4", *_sampler_args(sampler),
@@ -124,7 +124,7 @@ def _host_a(root: Path, kv: str, sampler: SamplerSettings, env=None) -> list[int
     return out["tokens"]
 
 
-def _host_b(root: Path, history: list[int], sampler: SamplerSettings, env=None) -> list[int]:
+def _host_b(root: Path, history: list[int], sampler: Sampler, env=None) -> list[int]:
     """Continue on host B: the full history as the prompt (its prefix is reused; the pending
     token is fed), exactly what the uninterrupted run's continuation feeds. The sampler flags
     are repeated: `generate`'s flags carry defaults, which would override the session's."""

@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 
-from sessionstore.sessions import SamplerSettings, reference_turns
+from kernels.model.sampling import Sampler
+from sessionstore.sessions import reference_turns
 from tests.service.serverkit import ServerProc
 
 
@@ -33,7 +34,7 @@ def test_bundle_moves_a_session_between_servers(tmp_path: Path, text_model_dir: 
         assert put.json()["tokens"] == 4 + len(first)
         history = b.get("/v1/sessions/mv?history=1").json()["history"]
         more = b.post("/v1/completions", json={**body, "prompt": history, "max_tokens": 6}).json()
-        want = reference_turns(model, "fp8", [([9, 8, 7, 6], 12), (None, 6)], SamplerSettings())
+        want = reference_turns(model, "fp8", [([9, 8, 7, 6], 12), (None, 6)], Sampler())
         assert first == want[0] and more["choices"][0]["token_ids"] == want[1]
         live = httpx.put(b.url + "/v1/sessions/mv/bundle", content=bundle, timeout=60)  # mv is resident on b now
         assert live.status_code == 409 and live.json()["error"]["code"] == "session_live"

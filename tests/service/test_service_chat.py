@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sessionstore.sessions import SamplerSettings
+from kernels.model.sampling import Sampler
 from sessionstore.sessions.conversation_chat import ReferenceChat
 from tests.service.serverkit import ServerProc
 
@@ -44,7 +44,7 @@ def test_streamed_chat_matches_uninterrupted_run(tmp_path: Path, text_model_dir:
     model, tok = text_model
     with ServerProc(tmp_path / "root", text_model_dir) as server:
         client, name = server.openai(), _model_id(server)
-        ref = ReferenceChat(model, tok, "fp8", SamplerSettings(**SAMPLED))
+        ref = ReferenceChat(model, tok, "fp8", Sampler(**SAMPLED))
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
         for turn in range(3):
             text, ids, finish, last = _stream_chat(client, name, msgs, 24, "s1", **SAMPLED)
@@ -68,8 +68,8 @@ def test_turns_exact_across_suspend_eviction_and_restart(tmp_path: Path, text_mo
     server = ServerProc(tmp_path / "root", text_model_dir, "--max-resident", "1", "--kv", "f32").start()
     try:
         name = _model_id(server)
-        refs = {"a": ReferenceChat(model, tok, "f32", SamplerSettings(**SAMPLED)),
-                "b": ReferenceChat(model, tok, "f32", SamplerSettings())}
+        refs = {"a": ReferenceChat(model, tok, "f32", Sampler(**SAMPLED)),
+                "b": ReferenceChat(model, tok, "f32", Sampler())}
         sampling = {"a": SAMPLED, "b": {"temperature": 0.0}}
         msgs: dict[str, list[dict[str, str]]] = {sid: [{"role": "user", "content": f"hi from {sid}"}] for sid in refs}
 
@@ -139,7 +139,7 @@ def test_concurrent_clients_on_their_own_sessions_are_exact(tmp_path: Path, text
             metrics, 'coli_decode_batch_size_bucket{le="1.0"}')
         assert batched > 0, "no decode step advanced two sessions together"
     for i in range(n_clients):
-        ref = ReferenceChat(model, tok, "fp8", SamplerSettings(temperature=0.7, seed=i))
+        ref = ReferenceChat(model, tok, "fp8", Sampler(temperature=0.7, seed=i))
         assert results[i] == [ref.respond(m, 12) for m in transcripts[i]], f"client {i}"
 
 
@@ -155,7 +155,7 @@ def test_stateless_requests_store_nothing(tmp_path: Path, text_model_dir: Path,
         client, name = server.openai(), _model_id(server)
         msgs = [{"role": "user", "content": "no session"}]
         reply = client.chat.completions.create(model=name, messages=msgs, max_tokens=10, seed=3, temperature=0.5)
-        want = ReferenceChat(model, tok, "fp8", SamplerSettings(temperature=0.5, seed=3)).respond(msgs, 10)
+        want = ReferenceChat(model, tok, "fp8", Sampler(temperature=0.5, seed=3)).respond(msgs, 10)
         assert reply.choices[0].token_ids == want
         assert reply.choices[0].message.content == tok.decode(want)
         assert reply.usage.completion_tokens == len(want)

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
 from sessionstore.service.engine import Engine
 from sessionstore.service.turns import TurnSpec
-from sessionstore.sessions import SamplerSettings, SessionStore
+from sessionstore.sessions import SessionStore
 from sessionstore.sessions.turns import reference_turns
 from tests.service.test_service_units import Sink
 
@@ -44,7 +45,7 @@ def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_contin
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SessionStore(tmp_path)
     engine = Engine(store, MODEL, session_options={"commit_every": COMMIT_EVERY})
-    sampler = SamplerSettings()
+    sampler = Sampler()
     want = reference_turns(engine.batcher.model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
     seen = _failing_second_commit_of(monkeypatch, "a")
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 
-from sessionstore.sessions import SamplerSettings, reference_turns
+from kernels.model.sampling import Sampler
+from sessionstore.sessions import reference_turns
 from sessionstore.sessions.conversation_chat import ReferenceChat
 from tests.service.serverkit import ServerProc, sse_events
 
@@ -64,7 +65,7 @@ def _check_exact(model: Any, sid: str, history: list[int], more: list[int]) -> i
     prompt = _prompt(int(sid[-1]))
     done = len(history) - len(prompt)
     want = reference_turns(model, "fp8", [(prompt, done + len(more))],
-                           SamplerSettings(**SAMPLING, seed=int(sid[-1])))[0]
+                           Sampler(**SAMPLING, seed=int(sid[-1])))[0]
     assert history == prompt + want[:done], sid
     assert more == want[done:], sid
     return done

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from kernels.model.sampling import Sampler
 from sessionstore.migration import RemoteStore
-from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
+from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - the moto fixture
 from tests.support.s3_relay import Relay
@@ -66,7 +67,7 @@ class Conversation:
         return str(err["message"])
 
     def reference(self, model: Any) -> list[list[int]]:
-        sampler = SamplerSettings.checked(SAMPLING["temperature"], SAMPLING["top_k"], 1.0, SAMPLING["seed"])
+        sampler = Sampler.checked(SAMPLING["temperature"], SAMPLING["top_k"], 1.0, SAMPLING["seed"])
         return reference_turns(model, "fp8", self.turns, sampler)
 
 

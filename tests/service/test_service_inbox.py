@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kernels.model.sampling import Sampler
 from sessionstore.migration import migrate
-from sessionstore.sessions import SamplerSettings, SessionStore, reference_turns
+from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
 
 
@@ -32,7 +33,7 @@ def test_bundle_in_the_inbox_is_served(tmp_path: Path, text_model_dir: Path, tex
         history = server.get("/v1/sessions/imp?history=1").json()["history"]
         reply = server.post("/v1/completions", json={"model": name, "prompt": history, "max_tokens": 6,
                                                      "ignore_eos": True, "session": "imp"}).json()
-        want = reference_turns(model, "fp8", [([5, 6, 7], 10), (None, 6)], SamplerSettings())
+        want = reference_turns(model, "fp8", [([5, 6, 7], 10), (None, 6)], Sampler())
         assert history == [5, 6, 7, *want[0]]
         assert reply["choices"][0]["token_ids"] == want[1]
         assert server.stop() == 0

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from kernels.model.sampling import Sampler
 from sessionstore.service.bundle_pull import PullPolicy, origin_of
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import SamplerSettings, reference_turns
+from sessionstore.sessions import reference_turns
 from tests.service.serverkit import ServerProc
 
 
@@ -70,7 +71,7 @@ def test_a_pulled_session_continues_exactly_and_refusals_leave_nothing(tmp_path:
             assert pulled.json()["tokens"] == 4 + len(first)
             history = b.get("/v1/sessions/mv?history=1").json()["history"]
             more = b.post("/v1/completions", json={**body, "prompt": history, "max_tokens": 6}).json()
-            want = reference_turns(model, "fp8", [([9, 8, 7, 6], 12), (None, 6)], SamplerSettings())
+            want = reference_turns(model, "fp8", [([9, 8, 7, 6], 12), (None, 6)], Sampler())
             assert first == want[0] and more["choices"][0]["token_ids"] == want[1]
             assert _error(b.post("/v1/sessions/mv/pull", json={"from": a.url})) == (409, "session_live")
             assert b.post("/v1/sessions/mv/suspend").status_code == 200

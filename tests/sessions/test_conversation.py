@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
 from kernels.errors import FormatError, LimitError  # noqa: E402
+from kernels.model.sampling import Sampler
 from kernels.model.text import load_text  # noqa: E402
-from sessionstore.sessions import SamplerSettings, SessionStore  # noqa: E402
+from sessionstore.sessions import SessionStore  # noqa: E402
 from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record, tokens_digest  # noqa: E402
 from sessionstore.sessions.conversation_chat import (  # noqa: E402
     Conversation,
@@ -52,7 +53,7 @@ def test_turns_exact_across_suspend_regenerate_edit_fork(tmp_path: Path, kv: str
                                                          sampled: bool) -> None:
     model_dir = write_text_model(tmp_path / "model", style)
     tok = load_text(model_dir)
-    sampler = SamplerSettings(temperature=0.8, top_k=40, top_p=0.95, seed=99) if sampled else SamplerSettings()
+    sampler = Sampler(temperature=0.8, top_k=40, top_p=0.95, seed=99) if sampled else Sampler()
     s = SessionStore(tmp_path).create("a", str(model_dir), kv_dtype=kv, sampler=sampler, commit_every=3)
     conv = Conversation.open(s, tok)
     ref = ReferenceChat(s.model, tok, kv, sampler)
@@ -235,11 +236,11 @@ def test_a_turns_own_sampler_is_recorded_and_survives_a_crash(tmp_path: Path, mo
     """``respond(sampler=...)`` draws this turn with it, leaves the manifest's as it was, and the
     file records it (open turn and closed); recovery of a cut turn keeps it; the reply (cut or
     whole) is the uninterrupted run's under it."""
-    drawn = SamplerSettings(temperature=0.9, top_p=0.95, seed=123456789)
+    drawn = Sampler(temperature=0.9, top_p=0.95, seed=123456789)
     tok = load_text(model_dir)
     s, conv = _open(tmp_path, "t", model_dir)
     whole = conv.respond([_user("Hello there")], 8, sampler=drawn).tokens
-    assert read_record(s.directory).sampler == drawn and s.manifest.sampler == SamplerSettings()
+    assert read_record(s.directory).sampler == drawn and s.manifest.sampler == Sampler()
     assert ReferenceChat(s.model, tok, "fp8", drawn).respond([_user("Hello there")], 8) == whole
     msgs = [_user("Hello there"), {"role": "assistant", "content": tok.decode(whole)}, _user("More?")]
     calls = {"n": 0}
@@ -257,7 +258,7 @@ def test_a_turns_own_sampler_is_recorded_and_survives_a_crash(tmp_path: Path, mo
     s, conv = _open(tmp_path, "t", model_dir)
     record = read_record(s.directory)
     assert conv.recovered["action"] == "closed" and record.sampler == drawn
-    assert s.manifest.sampler == SamplerSettings()
+    assert s.manifest.sampler == Sampler()
     cut = conv.recovered["reply_tokens"]
     ref = ReferenceChat(s.model, tok, "fp8", drawn)
     ref.respond(msgs[:1], 8)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from kernels.model import load_model
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import convert_file, open_kv
 from sessionstore.migration import migrate
-from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.store import SessionStore
@@ -40,7 +40,7 @@ def test_glm_turns_across_processes_are_token_exact(tmp_path: Path, glm, tiny_gl
                                                     mode: str) -> None:
     """Each turn in a new process (create, continue, an edited earlier prompt): the same tokens
     as one uninterrupted in-memory run."""
-    sampler = SamplerSettings(*SAMPLERS[mode])
+    sampler = Sampler(*SAMPLERS[mode])
     root = str(tmp_path / "root")
     jobs = [{"id": "g", "create": {"kv": kv, "model": str(tiny_glm_dir), "sampler": list(SAMPLERS[mode])},
              "prompt": PROMPT, "max_new": 10, "commit_every": 3},
@@ -61,7 +61,7 @@ def test_glm_turns_across_processes_are_token_exact(tmp_path: Path, glm, tiny_gl
 def test_glm_sigkill_mid_decode_resumes_exactly(tmp_path: Path, glm, tiny_glm_dir: Path, kv: str,
                                                 mode: str) -> None:
     rng = random.Random(f"glm-{kv}-{mode}")
-    sampler = SamplerSettings(*SAMPLERS[mode])
+    sampler = Sampler(*SAMPLERS[mode])
     total, commit_every, root = 60, rng.choice([1, 2]), str(tmp_path)
     for kill in range(2):
         job = {"id": "s", "max_new": total, "commit_every": commit_every}
@@ -98,7 +98,7 @@ def _index_rows(store: SessionStore, sid: str) -> np.ndarray:
 
 @pytest.mark.parametrize("kv", ["fp8", "int4"])
 def test_every_mover_carries_the_indexer_rows(tmp_path: Path, glm, tiny_glm_dir: Path, kv: str) -> None:
-    sampler = SamplerSettings(*SAMPLERS["sampled"])
+    sampler = Sampler(*SAMPLERS["sampled"])
     store = SessionStore(tmp_path / "a")
     src = store.create("src", tiny_glm_dir, kv_dtype=kv, sampler=sampler, commit_every=4)
     full = src.generate(PROMPT, 12).tokens

@@ -17,13 +17,14 @@ import pytest
 import sessionstore.sessions.recovery as recovery
 import sessionstore.sessions.session as session_mod
 from kernels.errors import CorruptionError
-from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings, read_manifest, write_manifest
+from kernels.model.sampling import Sampler
+from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.recovery import DEFERRED
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
 
 PROMPT = list(b"Lazy logits resume")
-SAMPLED = SamplerSettings(0.9, 40, 0.95, 77)
+SAMPLED = Sampler(0.9, 40, 0.95, 77)
 
 
 @pytest.fixture

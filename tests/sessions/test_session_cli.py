@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kernels.model import load_model
-from sessionstore.sessions.manifest import SamplerSettings
+from kernels.model.sampling import Sampler
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
 from tests.support.session_util import REPO
@@ -30,7 +30,7 @@ def _ids(ids: list[int]) -> str:
 
 def test_generate_creates_then_resumes(tmp_path, capsys) -> None:
     root = str(tmp_path)
-    sampler = SamplerSettings(0.8, 10, 1.0, 3)
+    sampler = Sampler(0.8, 10, 1.0, 3)
     base = ["generate", "--root", root, "--session", "chat", "--json"]
     assert main(base + ["--model", "tiny", "--prompt-ids", _ids(PROMPT), "--max-new", "5", "--kv", "fp8",
                         "--temperature", "0.8", "--top-k", "10", "--seed", "3", "--commit-every", "2"]) == 0
@@ -111,7 +111,7 @@ def test_real_processes(tmp_path) -> None:
     second = cli("generate", "--root", root, "--session", "p", "--prompt-ids", _ids(history + [10]),
                  "--max-new", "4", "--json")
     assert [first["tokens"], second["tokens"]] == reference_turns(
-        load_model("tiny"), "fp8", [(PROMPT, 4), (history + [10], 4)], SamplerSettings())
+        load_model("tiny"), "fp8", [(PROMPT, 4), (history + [10], 4)], Sampler())
     listing = cli("ls", "--root", root, "--json")["sessions"]
     assert listing[0]["tokens"] == len(history) + 1 + 3
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from kernels.errors import LockedError
-from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings
+from kernels.model.sampling import Sampler
+from sessionstore.sessions.manifest import MANIFEST_NAME
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import STATE_NAME, SessionStore, verify_session_dir
 from tests.support.session_util import run_child, spawn_child
@@ -26,7 +27,7 @@ SAMPLERS = {"greedy": (0.0, 0, 1.0, 0), "sampled": (0.9, 50, 0.95, 4242)}
 
 
 
-def _check_prefix_and_continue(root, sid: str, tiny, kv: str, sampler: SamplerSettings,
+def _check_prefix_and_continue(root, sid: str, tiny, kv: str, sampler: Sampler,
                                total: int) -> dict:
     """The recovered history is a prefix of the uninterrupted run; continuing completes it exactly."""
     stream = PROMPT + reference_turns(tiny, kv, [(PROMPT, total)], sampler)[0]
@@ -45,7 +46,7 @@ def _check_prefix_and_continue(root, sid: str, tiny, kv: str, sampler: SamplerSe
                                       ("f32", "sampled"), ("int4", "sampled"), ("polar4", "greedy")])
 def test_sigkill_at_random_moments(tmp_path, tiny, kv, mode) -> None:
     rng = random.Random(f"{kv}-{mode}")
-    sampler = SamplerSettings(*SAMPLERS[mode])
+    sampler = Sampler(*SAMPLERS[mode])
     total, commit_every = 250, rng.choice([1, 3])
     root = str(tmp_path)
     for kill in range(3):  # kill, recover, kill again (later runs resume a recovered session)
@@ -77,7 +78,7 @@ def test_sigkill_at_random_moments(tmp_path, tiny, kv, mode) -> None:
 @pytest.mark.parametrize("kill_at", [3, 6])
 def test_sigkill_between_kv_commit_and_manifest(tmp_path, tiny, kill_at) -> None:
     """The kv commit landed, the manifest did not: open recovers to the file's count, exact."""
-    sampler = SamplerSettings(*SAMPLERS["sampled"])
+    sampler = Sampler(*SAMPLERS["sampled"])
     spec = {"root": str(tmp_path), "kill_at_manifest_write": kill_at,
             "jobs": [{"id": "s", "create": {"kv": "fp8", "sampler": list(SAMPLERS["sampled"])},
                       "prompt": PROMPT, "max_new": 30, "commit_every": 2}]}
@@ -95,7 +96,7 @@ def test_sigkill_between_kv_commit_and_manifest(tmp_path, tiny, kill_at) -> None
 
 def test_sigkill_inside_truncate(tmp_path, tiny) -> None:
     """Killed after the manifest's epoch bump, before the kv cut: the pre-truncate state returns."""
-    sampler = SamplerSettings(*SAMPLERS["sampled"])
+    sampler = Sampler(*SAMPLERS["sampled"])
     run_child({"root": str(tmp_path), "jobs": [
         {"id": "s", "create": {"kv": "f32", "sampler": list(SAMPLERS["sampled"])},
          "prompt": PROMPT, "max_new": 8}]})
@@ -117,7 +118,7 @@ def test_sigkill_inside_truncate(tmp_path, tiny) -> None:
 
 def test_lost_unsynced_manifest(tmp_path, tiny) -> None:
     """An OS crash may lose manifest updates (they are not fsynced): an older one still resumes exactly."""
-    sampler = SamplerSettings(*SAMPLERS["greedy"])
+    sampler = Sampler(*SAMPLERS["greedy"])
     store = SessionStore(tmp_path)
     s = store.create("s", "tiny", kv_dtype="fp8", sampler=sampler, commit_every=64)
     s.generate(PROMPT, 5)

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from kernels.errors import CorruptionError, FormatError
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings, read_manifest
+from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.store import SessionStore
 from tools.coli_kv import main
 
@@ -17,17 +18,17 @@ PROMPT = list(b"The quick brown fox")
 
 def test_bad_sampler_is_refused_before_the_manifest_changes(tmp_path) -> None:
     store = SessionStore(tmp_path)
-    s = store.create("s", "tiny", kv_dtype="fp8", sampler=SamplerSettings(0.8, 10, 0.9, 3))
+    s = store.create("s", "tiny", kv_dtype="fp8", sampler=Sampler(0.8, 10, 0.9, 3))
     s.generate(PROMPT, 3)
     before = (store.session_dir("s") / MANIFEST_NAME).read_bytes()
     for bad in ({"seed": -1}, {"temperature": float("nan")}, {"top_p": 2.0}, {"top_k": -3},
                 {"seed": 1 << 64}):
         with pytest.raises(FormatError, match="sampling"):
-            s.generate(None, 2, sampler=SamplerSettings(**{"temperature": 0.5, **bad}))
+            s.generate(None, 2, sampler=Sampler(**{"temperature": 0.5, **bad}))
     assert (store.session_dir("s") / MANIFEST_NAME).read_bytes() == before
     assert len(s.generate(None, 2).tokens) == 2  # the session still works
     s.close()
-    assert read_manifest(store.session_dir("s") / MANIFEST_NAME).sampler == SamplerSettings(0.8, 10, 0.9, 3)
+    assert read_manifest(store.session_dir("s") / MANIFEST_NAME).sampler == Sampler(0.8, 10, 0.9, 3)
 
 
 def test_an_already_bad_manifest_gives_one_clear_error(tmp_path, capsys) -> None:

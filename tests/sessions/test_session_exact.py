@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import CorruptionError, ModelMismatchError
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.sessions.manifest import MANIFEST_NAME, SamplerSettings, read_manifest, write_manifest
+from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
 from tests.support.session_util import run_child, write_tiny_checkpoint
@@ -41,7 +42,7 @@ def test_multi_process_chain_is_token_exact(tmp_path, tiny) -> None:
     """4 processes, 4 configs each: create+turn, continue, prompt continuation, divergence."""
     expected, turns = {}, {}
     for name, (kv, samp) in CONFIGS.items():
-        sampler = SamplerSettings(*samp)
+        sampler = Sampler(*samp)
         first = reference_turns(tiny, kv, [(PROMPT, 5), (None, 9)], sampler)
         t3, t4 = _turn_prompts(*first)
         turns[name] = [(PROMPT, 5), (None, 9), (t3, 6), (t4, 7)]
@@ -80,7 +81,7 @@ def test_multi_process_chain_is_token_exact(tmp_path, tiny) -> None:
        commit_every=st.sampled_from([1, 2, 5, 64]))
 def test_any_split_is_token_exact(tmp_path_factory, tiny, kv, sampled, seed, prompt, plan, commit_every) -> None:
     """Random turns, each on a freshly opened Session (everything reloaded from disk)."""
-    sampler = SamplerSettings(0.8, 30, 0.9, seed) if sampled else SamplerSettings()
+    sampler = Sampler(0.8, 30, 0.9, seed) if sampled else Sampler()
     turns: list[tuple[list[int] | None, int]] = [(prompt, 3)]
     root = tmp_path_factory.mktemp("store")
     store = SessionStore(root)
@@ -108,7 +109,7 @@ def test_any_split_is_token_exact(tmp_path_factory, tiny, kv, sampled, seed, pro
 @pytest.mark.parametrize("kv", ["f32", "fp8", "int4", "polar4"])
 def test_fork_continues_exactly(tmp_path, tiny, kv) -> None:
     """A fork at n inside the generated text re-generates the source's tokens after n."""
-    sampler = SamplerSettings(0.7, 0, 1.0, 99)
+    sampler = Sampler(0.7, 0, 1.0, 99)
     store = SessionStore(tmp_path)
     src = store.create("src", "tiny", kv_dtype=kv, sampler=sampler, commit_every=4)
     full = src.generate(PROMPT, 20).tokens

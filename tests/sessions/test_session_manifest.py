@@ -13,7 +13,7 @@ from sessionstore.sessions.fingerprint import fingerprint_dir, fingerprint_tiny
 from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
-    SamplerSettings,
+    Sampler,
     make_digest,
     read_manifest,
     write_manifest,
@@ -26,7 +26,7 @@ DIMS = {"n_layers": 2, "kv_lora": 8, "qk_rope": 4, "index_head_dim": 0, "n_index
 def _manifest(**kw) -> Manifest:
     base = dict(id="s1", model=ModelRef("tiny", "tiny", "fp1:" + "0" * 64), kv_dtype="fp8",
                 dims=dict(DIMS), committed=5, pending=[7],
-                sampler=SamplerSettings(0.7, 5, 0.9, 42))
+                sampler=Sampler(0.7, 5, 0.9, 42))
     base.update(kw)
     return Manifest(**base)
 
@@ -85,12 +85,12 @@ def test_bad_manifests_are_refused(tmp_path, mutate, err) -> None:
 def test_sampler_settings_refuse_bad_values(kw, field) -> None:
     """Bad settings are refused at construction (the sampler's own rule), before any write."""
     with pytest.raises(FormatError, match=field):
-        SamplerSettings(**kw)
+        Sampler(**kw)
 
 
 def test_good_sampler_settings_are_accepted() -> None:
-    s = SamplerSettings(temperature=1, top_k=0, top_p=1.0, seed=(1 << 64) - 1)
-    assert not s.greedy and SamplerSettings().greedy
+    s = Sampler(temperature=1, top_k=0, top_p=1.0, seed=(1 << 64) - 1)
+    assert not s.greedy and Sampler().greedy
 
 
 def test_garbage_symlink_and_missing(tmp_path) -> None:

@@ -28,7 +28,7 @@ from sessionstore.sessions.manifest import (
     LogitsDigest,
     Manifest,
     ModelRef,
-    SamplerSettings,
+    Sampler,
     logits_hash,
     make_digest,
     read_manifest,
@@ -38,7 +38,7 @@ from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import STATE_NAME, SessionStore
 
 PROMPT = list(b"State pages")
-SAMPLED = SamplerSettings(0.9, 50, 0.95, 77)
+SAMPLED = Sampler(0.9, 50, 0.95, 77)
 
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.model import load_model
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile.layout import Dims, Header, pack_header
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
-from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.session import feed_chunk, reference_turns
 from sessionstore.sessions.slots import export_slot, import_slot, slot_path
 from sessionstore.sessions.store import SessionStore
@@ -56,7 +56,7 @@ def test_import_continues_like_an_uninterrupted_run(tmp_path, model_dir, kv, slo
     assert s.resume_report["rows_exact"] is True
     out = s.generate(None, 8).tokens
     s.close()
-    assert out == reference_turns(load_model(model_dir), kv, [(PROMPT, 8)], SamplerSettings())[0]
+    assert out == reference_turns(load_model(model_dir), kv, [(PROMPT, 8)], Sampler())[0]
     with pytest.raises(FormatError, match="already exists"):
         import_slot(store, model_dir, slot=slot, session_id="imp")
     import_slot(store, model_dir, slot=slot, session_id="imp", replace=True)

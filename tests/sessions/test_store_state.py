@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kernels.model import load_model
-from sessionstore.sessions.manifest import SamplerSettings
+from kernels.model.sampling import Sampler
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.store import SessionStore, common_prefix
 
@@ -66,7 +66,7 @@ class StoreMachine(RuleBasedStateMachine):
     def create(self, sid: str, kv: str, sampled: bool, prompt: list[int], max_new: int) -> None:
         if sid in self.model:
             return
-        sampler = SamplerSettings(0.9, 20, 0.9, 5) if sampled else SamplerSettings()
+        sampler = Sampler(0.9, 20, 0.9, 5) if sampled else Sampler()
         s = self.store.create(sid, "tiny", kv_dtype=kv, sampler=sampler, commit_every=3)
         entry = self.model[sid] = Entry(session=s)
         out = s.generate(prompt, max_new).tokens

@@ -17,7 +17,7 @@ from sessionstore.kvfile.writer import KVWriter
 from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
-    SamplerSettings,
+    Sampler,
     make_digest,
     write_manifest,
 )
@@ -54,7 +54,7 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
                             ("n_layers", "kv_lora", "qk_rope", "index_head_dim",
                              "n_index_layers", "vocab"), dims.as_tuple(), strict=True)),
                         committed=n, pending=[int(np.argmax(logits))] if n else [],
-                        sampler=SamplerSettings(temperature=0.7, top_k=20, top_p=0.9, seed=seed),
+                        sampler=Sampler(temperature=0.7, top_k=20, top_p=0.9, seed=seed),
                         last_logits=make_digest(logits, n - 1) if n else None)
     write_manifest(tmp / "manifest.json", manifest)
     store.adopt_dir(tmp, session_id)

@@ -48,10 +48,10 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    from kernels.model.sampling import Sampler
     from sessionstore.sessions import recovery as recovery_mod
     from sessionstore.sessions import session as session_mod
     from sessionstore.sessions import store as store_mod
-    from sessionstore.sessions.manifest import SamplerSettings
     from sessionstore.sessions.store import SessionStore
 
     store = SessionStore(spec["root"])
@@ -89,7 +89,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         if job.get("create"):
             c = job["create"]
             s = store.create(job["id"], c.get("model", "tiny"), kv_dtype=c["kv"],
-                             sampler=SamplerSettings(*c.get("sampler", (0.0, 0, 1.0, 0))), **options)
+                             sampler=Sampler(*c.get("sampler", (0.0, 0, 1.0, 0))), **options)
         else:
             s = store.open(job["id"], job.get("model"), **options)
         if spec.get("announce"):
