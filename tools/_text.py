@@ -17,15 +17,12 @@ import numpy as np
 from kernels.errors import ColiError, FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model import Sampler, load_model, resolve_model
+from sessionstore.sessions.output import OutputProcessor, TurnStop
 
 if TYPE_CHECKING:  # the text extra (tokenizers, jinja2) is imported only by commands that use text
-    from kernels.model.text import ChatTokenizer, StreamDecoder
+    from kernels.model.text import ChatTokenizer
 
 MAX_MESSAGES_FILE_BYTES = 32 << 20
-
-
-class _Stop(Exception):
-    """Raised from a token callback to end a turn at an eos id."""
 
 
 def text_input(args: argparse.Namespace) -> tuple[str, Any] | None:
@@ -77,20 +74,6 @@ def prompt_ids(tok: ChatTokenizer, kind: str, value: Any) -> list[int]:
     return ids
 
 
-def eos_stopper(eos: frozenset[int], tokens: list[int], stream: StreamDecoder | None = None,
-                on_text: Any = None) -> Any:
-    def on_token(token: int, position: int) -> None:
-        tokens.append(int(token))
-        if stream is not None:
-            piece = stream.push(token)
-            if piece and on_text is not None:
-                on_text(piece)
-        if token in eos:
-            raise _Stop()
-
-    return on_token
-
-
 def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Sampler, max_new: int) -> int:
     """``generate --prompt/--messages`` without a session: an in-memory cache."""
     from kernels.model import generate
@@ -105,14 +88,13 @@ def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Samp
     model.check_tokens(np.asarray(ids, dtype="int64"))
     kv = args.kv or "f32"
     cache = model.new_cache(kv, backend=args.backend)
-    tokens: list[int] = []
-    eos = frozenset(tok.eos_ids) if args.stop_at_eos else frozenset()
+    output = OutputProcessor(eos=frozenset(tok.eos_ids) if args.stop_at_eos else frozenset())
     t0 = time.perf_counter()
-    stopped = False
     try:
-        generate(model, cache, ids, max_new, sampler, on_token=eos_stopper(eos, tokens))
-    except _Stop:
-        stopped = True
+        generate(model, cache, ids, max_new, sampler, on_token=output.on_token)
+    except TurnStop:
+        pass
+    tokens, stopped = output.tokens, output.reason == "eos"
     text = tok.decode(tokens)
     print(text)
     summary = {"tokens": tokens, "text": text, "model": model.source, "kv": kv, "backend": args.backend,
@@ -146,15 +128,14 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
     check_room(ids, max_new, session.model.config.max_position_embeddings)
     reused = common_prefix(session.cache.tokens, ids)
     remove_record(session.directory)  # before the tokens change: never a stale conversation
-    tokens: list[int] = []
-    stopped = False
-    eos = frozenset(tok.eos_ids) if getattr(args, "stop_at_eos", False) else frozenset()
+    output = OutputProcessor(eos=frozenset(tok.eos_ids) if getattr(args, "stop_at_eos", False) else frozenset())
     try:
-        session.generate(ids, max_new, sampler=sampler, on_token=eos_stopper(eos, tokens))
-    except _Stop:
+        session.generate(ids, max_new, sampler=sampler, on_token=output.on_token)
+    except TurnStop:
         session.commit()
-        stopped = True
-    return {"tokens": tokens, "text": tok.decode(tokens), "stopped_at_eos": stopped, "prompt_tokens": len(ids),
+    tokens = output.tokens
+    return {"tokens": tokens, "text": tok.decode(tokens), "stopped_at_eos": output.reason == "eos",
+            "prompt_tokens": len(ids),
             "reused_prefix": reused, "committed": session.committed, "pending": list(session.pending)}
 
 
@@ -166,5 +147,5 @@ def set_sampler(session: Any, sampler: Any) -> None:
     write_manifest(session.directory / MANIFEST_NAME, session.manifest)
 
 
-__all__ = ["MAX_MESSAGES_FILE_BYTES", "eos_stopper", "set_sampler", "generate_text", "prompt_ids", "read_messages_file",
+__all__ = ["MAX_MESSAGES_FILE_BYTES", "set_sampler", "generate_text", "prompt_ids", "read_messages_file",
            "session_text_turn", "text_input", "tokenizer_for"]

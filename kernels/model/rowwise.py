@@ -16,7 +16,7 @@ block of output columns while the weight rows stream past (each weight read once
 rows), the block sized by the weights alone (:func:`column_block`: narrow while a block's weights
 stay in L2, wide contiguous runs past that), and the innermost loop runs along n (independent
 elements, so the compiler vectorises it without reordering any sum).
-Weights too large for that (a block's [K, block] beyond L2: GLM-5.2's projections) are kept as
+Weights larger than ``THREADED_BYTES`` (GLM-5.2's projections) are kept as
 panels [P, K, 16] (:func:`paneled`, 16 output columns each, contiguous, one L2-resident panel at a
 time) and multiplied with the panels split across threads: every weight is read from memory once
 for the whole batch, and each element is still one thread's k-ascending sum (measured here on a
@@ -104,6 +104,8 @@ def _heads_times(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # prag
 
 
 PANEL = 16  # output columns of one panel: one 64-byte run of a weight row; a [K, 16] panel stays in L2
+THREADED_BYTES = 8 << 20  # weights larger than this repay the panel kernel's threads (smaller: thread wake-ups
+# dominate, and on a busy machine a parallel region waits for a core; measured on glm-mini's shapes)
 
 
 @njit([void(x, p, types.Array(types.float32, 2, "C")) for x in (types.Array(types.float32, 2, "C"),
@@ -159,10 +161,11 @@ def transposed(w: np.ndarray) -> np.ndarray:
             return held[1]
     wt = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=np.float32)  # wt: [..., in, out] f32
 
-    def forget(_ref: weakref.ref[np.ndarray], key: int = key) -> None:
-        with _lock:
-            if _transposes.get(key, (None,))[0] is _ref:
-                del _transposes[key]
+    def forget(_ref: weakref.ref[np.ndarray], key: int = key, lock: threading.Lock = _lock,
+               kept: dict[int, Any] = _transposes) -> None:  # bound now: also at interpreter exit
+        with lock:
+            if kept.get(key, (None,))[0] is _ref:
+                del kept[key]
 
     with _lock:
         _transposes[key] = (weakref.ref(w, forget), wt)
@@ -197,13 +200,13 @@ def paneled(w: np.ndarray) -> np.ndarray:
 def rowwise_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x [B, in] @ w[out, in]^T -> [B, out] f32, batch-invariant.
 
-    Weights that fit L2 per block go through the single-threaded kernel; larger ones through the
+    Weights of up to ``THREADED_BYTES`` go through the single-threaded kernel; larger ones through the
     panel kernel (:func:`paneled` weights, the panels split across threads, each panel read from
     memory once for all the rows): the same arithmetic per element, so a batch of 16 costs about
     what a lone row does until the step turns compute-bound. The choice depends on the weights'
     shape alone."""
     xs = np.ascontiguousarray(x, dtype=np.float32)  # xs: [B, in] f32
-    if w.shape[1] * COLUMN_BLOCK * 4 > L2_WEIGHTS:
+    if w.size * 4 > THREADED_BYTES:
         big = np.empty((xs.shape[0], w.shape[0]), np.float32)  # big: [B, out] f32
         _panels_times(xs, paneled(w), big)
         return big
@@ -230,4 +233,5 @@ def head_matmul(x: np.ndarray, w: np.ndarray, rowwise: bool, *, w_transposed: bo
     return out
 
 
-__all__ = ["COLUMN_BLOCK", "PANEL", "column_block", "head_matmul", "paneled", "rowwise_linear", "transposed"]
+__all__ = ["COLUMN_BLOCK", "PANEL", "THREADED_BYTES", "column_block", "head_matmul", "paneled", "rowwise_linear",
+           "transposed"]

@@ -9,7 +9,7 @@ conversation file, which no longer describes the tokens, is removed first). Ever
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -17,11 +17,12 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.model.sampling import Sampler
-from kernels.model.text import ChatTokenizer, StreamDecoder
+from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
+from sessionstore.sessions.output import OutputProcessor, TurnStop
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 
@@ -55,51 +56,6 @@ class TurnOutcome:
     reused_prefix: int = 0
     committed: int | None = None
     created: bool = False
-
-
-class _Stop(Exception):
-    def __init__(self, finish: str) -> None:
-        super().__init__(finish)
-        self.finish = finish
-
-
-class TextGate:
-    """Streamed text through the stop strings: what cannot begin a stop string goes out at once,
-    a possible beginning is held back; a completed stop string ends the text before it."""
-
-    def __init__(self, stops: Sequence[str], sink: TurnSink) -> None:
-        self.stops, self.sink = list(stops), sink
-        self.emitted = ""
-        self.held = ""
-        self.hit = False
-
-    def push(self, piece: str) -> None:
-        if self.hit or not piece:
-            return
-        buf = self.held + piece
-        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self._emit(buf[:min(found)])
-            self.held, self.hit = "", True
-            return
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:k]):
-                    keep = k
-                    break
-        self._emit(buf[:len(buf) - keep])
-        self.held = buf[len(buf) - keep:]
-
-    def flush(self) -> None:
-        if not self.hit:
-            self._emit(self.held)
-        self.held = ""
-
-    def _emit(self, text: str) -> None:
-        if text:
-            self.emitted += text
-            self.sink.text(text)
 
 
 def template_reason(message: str, tok: ChatTokenizer) -> str:
@@ -172,63 +128,35 @@ class TurnRunner:
         checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
         return checked
 
-    def _token_callback(self, tokens: list[int], gate: TextGate, sink: TurnSink, stop_at_eos: bool,
-                        stream: StreamDecoder | None, at_token: Callable[[], bool]) -> Any:
-        def on_token(token: int, position: int) -> None:
-            tokens.append(int(token))
-            if stream is not None:
-                gate.push(stream.push(token))
-            if stop_at_eos and token in self.eos:
-                raise _Stop("stop")
-            if gate.hit:
-                raise _Stop("stop")
-            if at_token() or sink.cancelled():
-                raise _Stop("abort")
-        return on_token
+    # ---- on a session --------------------------------------------------------------------------
+    def _output(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> OutputProcessor:
+        """The turn's output processor: eos ends it unless ``ignore_eos``, the request's stop
+        strings, text to the sink, a stopping server or a vanished client aborts it."""
+        return OutputProcessor(eos=frozenset() if spec.ignore_eos else self.eos, tokenizer=self.tok,
+                               stops=spec.stops, on_text=sink.text,
+                               should_abort=lambda: at_token() or sink.cancelled())
 
     # ---- on a session --------------------------------------------------------------------------
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
         sampler = sampler_for(spec.sampling)
-        gate = TextGate(spec.stops, sink)
+        output = self._output(spec, sink, at_token)
         if spec.kind == "chat":
-            return self._chat_on_session(session, spec, prompt, max_new, sampler, gate, sink, at_token)
-        stream = StreamDecoder(self.tok) if self.tok is not None else None
-        tokens: list[int] = []
+            conv = Conversation.open(session, self._text_tokenizer("chat"))
+            reply = conv.respond(spec.messages or [], max_new, sampler=sampler, prompt=prompt, output=output)
+            return TurnOutcome(reply.tokens, output.text, output.finish_reason, reply.prompt_tokens,
+                               reply.reused_prefix, session.committed)
         remove_record(session.directory)  # before the tokens change: never a stale conversation
         session.ensure_resident()
         assert session.cache is not None  # resident: its records' tokens, one array (no Python list per request)
         reused = common_prefix(session.cache.tokens, prompt)
-        finish = "length"
         try:
-            session.generate(prompt, max_new, sampler=sampler, keep_sampler=False, on_token=self._token_callback(
-                tokens, gate, sink, not spec.ignore_eos, stream, at_token))
-        except _Stop as stop:
+            session.generate(prompt, max_new, sampler=sampler, keep_sampler=False, on_token=output.on_token)
+        except TurnStop:
             session.commit()
-            finish = stop.finish
-        if stream is not None:
-            gate.push(stream.finish())
-        gate.flush()
-        return TurnOutcome(tokens, gate.emitted, finish, len(prompt), reused, session.committed)
-
-    def _chat_on_session(self, session: Session, spec: TurnSpec, prompt: list[int], max_new: int,
-                         sampler: Sampler, gate: TextGate, sink: TurnSink,
-                         at_token: Callable[[], bool]) -> TurnOutcome:
-        conv = Conversation.open(session, self._text_tokenizer("chat"))
-        cut = {"abort": False}
-
-        def should_stop() -> bool:
-            if at_token() or sink.cancelled():
-                cut["abort"] = True
-            return gate.hit or cut["abort"]
-
-        reply = conv.respond(spec.messages or [], max_new, on_text=gate.push, should_stop=should_stop,
-                             stop_at_eos=not spec.ignore_eos, sampler=sampler, prompt=prompt)
-        gate.flush()
-        finish = {"eos": "stop", "limit": "length"}.get(reply.stopped, "stop" if gate.hit else "abort")
-        return TurnOutcome(reply.tokens, gate.emitted, finish, reply.prompt_tokens, reply.reused_prefix,
-                           session.committed)
+        output.finish()
+        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed)
 
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
@@ -237,22 +165,16 @@ class TurnRunner:
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
         sampler = sampler_for(spec.sampling)
         cache = self.model.new_cache(self.kv_dtype)
-        gate = TextGate(spec.stops, sink)
-        stream = StreamDecoder(self.tok) if self.tok is not None else None
-        tokens: list[int] = []
-        on_token = self._token_callback(tokens, gate, sink, not spec.ignore_eos, stream, at_token)
-        finish = "length"
+        output = self._output(spec, sink, at_token)
         try:
             logits = feed_chunk(self.model, cache, prompt)
             run_turn(self.model, cache, None, logits, max_new, sampler,
-                     on_step=lambda token, position, _logits: on_token(token, position))
-        except _Stop as stop:
-            finish = stop.finish
-        if stream is not None:
-            gate.push(stream.finish())
-        gate.flush()
-        return TurnOutcome(tokens, gate.emitted, finish, len(prompt))
+                     on_step=lambda token, position, _logits: output.on_token(token, position))
+        except TurnStop:
+            pass
+        output.finish()
+        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt))
 
 
-__all__ = ["TextGate", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
+__all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
            "template_reason"]

@@ -32,7 +32,7 @@ import numpy as np
 from kernels.errors import ColiError, FormatError, LimitError
 from kernels.model.protocols import Decoder
 from kernels.model.sampling import Sampler
-from kernels.model.text import ChatTokenizer, StreamDecoder
+from kernels.model.text import ChatTokenizer
 from sessionstore.sessions.conversation import (
     ConversationRecord,
     OpenTurn,
@@ -41,17 +41,12 @@ from sessionstore.sessions.conversation import (
     tokens_digest,
     write_record,
 )
+from sessionstore.sessions.output import OutputProcessor, TurnStop
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 
 class ConversationMismatchError(ColiError):
     """A session's conversation file does not describe its committed tokens."""
-
-
-class _StopTurn(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass
@@ -67,24 +62,6 @@ class Reply:
     def to_json(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
                 "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
-
-
-def _token_stopper(eos: frozenset[int], stream: StreamDecoder, tokens: list[int],
-                   on_text: Callable[[str], None] | None,
-                   should_stop: Callable[[], bool] | None) -> Callable[[int, int], None]:
-    """The per-token callback: stream the text, end the turn at eos or when asked (token boundary)."""
-
-    def on_token(token: int, position: int) -> None:
-        tokens.append(int(token))
-        piece = stream.push(token)
-        if piece and on_text is not None:
-            on_text(piece)
-        if token in eos:
-            raise _StopTurn("eos")
-        if should_stop is not None and should_stop():
-            raise _StopTurn("interrupted")
-
-    return on_token
 
 
 def check_room(prompt: Sequence[int], max_new: int, context: int) -> None:
@@ -163,13 +140,16 @@ class Conversation:
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
-                sampler: Sampler | None = None, prompt: Sequence[int] | None = None) -> Reply:
+                sampler: Sampler | None = None, prompt: Sequence[int] | None = None,
+                output: OutputProcessor | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
         ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
         conversation file records the ones the reply is drawn with (FORMAT.md 5.8). ``prompt``: the
         ids ``messages`` render to with the generation prompt, already checked against the model,
-        when the caller rendered them (a request's prompt is rendered and tokenised once)."""
+        when the caller rendered them (a request's prompt is rendered and tokenised once).
+        ``output``: the turn's output processor, when the caller builds its own (stop strings, a
+        client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
@@ -188,20 +168,19 @@ class Conversation:
             session.truncate(k)
         session.append_tokens(prompt[k:], commit=True)
         reply = Reply(prompt_tokens=len(prompt), reused_prefix=k)
-        stream = StreamDecoder(self.tokenizer)
+        if output is None:
+            output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
+                                     on_text=on_text, should_abort=should_stop)
         try:
-            eos = self.eos if stop_at_eos else frozenset()
-            session.generate(None, max_new, sampler=drawn_with, keep_sampler=False,
-                             on_token=_token_stopper(eos, stream, reply.tokens, on_text, should_stop))
-        except _StopTurn as stop:
+            session.generate(None, max_new, sampler=drawn_with, keep_sampler=False, on_token=output.on_token)
+        except TurnStop:
             session.commit()
-            reply.stopped = stop.reason
-        rest = stream.finish()
-        if rest and on_text is not None:
-            on_text(rest)
+        output.finish()
+        reply.tokens = output.tokens
+        reply.stopped = {"eos": "eos", "length": "limit"}.get(output.reason, "interrupted")
         assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
         reply.text = self._close_turn(checked, reply.tokens, drawn_with)
-        assert reply.text == stream.text
+        assert reply.text == output.decoded
         return reply
 
     def say_all(self, messages: Sequence[dict[str, Any]], max_new: int, **kw: Any) -> Reply:
@@ -252,18 +231,13 @@ class ReferenceChat:
         if k < self.cache.length:
             self.cache.truncate(k)
         logits = feed_chunk(self.model, self.cache, prompt[k:])
-        tokens: list[int] = []
-
-        def on_step(token: int, position: int, _logits: np.ndarray) -> None:
-            tokens.append(int(token))
-            if token in self.eos:
-                raise _StopTurn("eos")
-
+        output = OutputProcessor(eos=self.eos)
         try:
-            run_turn(self.model, self.cache, None, logits, max_new, self.sampler, on_step=on_step)
-        except _StopTurn:
+            run_turn(self.model, self.cache, None, logits, max_new, self.sampler,
+                     on_step=lambda token, position, _logits: output.on_token(token, position))
+        except TurnStop:
             pass
-        return tokens
+        return output.tokens
 
 
 __all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "Reply", "check_room"]

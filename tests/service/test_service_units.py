@@ -16,7 +16,7 @@ from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loo
 from sessionstore.service.batcher import StepBatcher
 from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.streams import Event, LoopOutbox
-from sessionstore.service.turns import TextGate
+from sessionstore.sessions.output import OutputProcessor, StopStrings, TurnStop
 
 
 class Sink:
@@ -30,9 +30,9 @@ class Sink:
         return False
 
 
-def _gate(stops: list[str], pieces: list[str]) -> tuple[TextGate, Sink]:
+def _gate(stops: list[str], pieces: list[str]) -> tuple[StopStrings, Sink]:
     sink = Sink()
-    gate = TextGate(stops, sink)
+    gate = StopStrings(stops, sink.text)
     for p in pieces:
         gate.push(p)
         if gate.hit:
@@ -55,6 +55,24 @@ def test_gate_output_is_the_text_up_to_the_first_stop(pieces: list[str], stop: s
     want = full[:full.index(stop)] if stop in full else full
     assert "".join(sink.pieces) == gate.emitted == want
     assert gate.hit == (stop in full)
+
+
+def test_the_output_processor_ends_a_turn_at_eos_a_stop_string_or_an_abort() -> None:
+    """One processor's reasons and OpenAI finish reasons: eos (the token kept), abort, length."""
+    out = OutputProcessor(eos=frozenset({7}))
+    out.on_token(3, 0)
+    with pytest.raises(TurnStop) as stop:
+        out.on_token(7, 1)
+    assert (stop.value.reason, out.reason, out.finish_reason, out.tokens) == ("eos", "eos", "stop", [3, 7])
+    asked = iter([False, True])
+    out = OutputProcessor(should_abort=lambda: next(asked))
+    out.on_token(7, 0)  # no eos ids: sampled on past them
+    with pytest.raises(TurnStop):
+        out.on_token(8, 1)
+    assert (out.reason, out.finish_reason, out.tokens) == ("abort", "abort", [7, 8])
+    out = OutputProcessor()
+    out.on_token(1, 0)
+    assert (out.reason, out.finish_reason, out.finish()) == ("length", "length", "")
 
 
 def test_bind_rule() -> None:

@@ -92,7 +92,7 @@ def test_a_step_that_cannot_run_changes_no_cache(models: dict[str, MLADecoder]) 
 
 
 @pytest.mark.parametrize(("k", "n"), [(160, 448), (448, 160), (64, 256), (7, 3), (160, 3072), (33, 513),
-                                     (1024, 300), (2048, 1031)])  # the last two: the panel kernel (big weights)
+                                     (1024, 300), (2048, 1031)])  # the last: the threaded panel kernel (over 8 MiB)
 def test_rowwise_products_are_invariant_and_accurate(k: int, n: int) -> None:
     rng = np.random.default_rng(k * 1000 + n)
     w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in], as a checkpoint stores it
@@ -106,6 +106,7 @@ def test_rowwise_products_are_invariant_and_accurate(k: int, n: int) -> None:
     assert np.all(np.abs(alone - exact) <= 4 * k * np.finfo(np.float32).eps * scale)
 
 
+# the second: 8.4 MB of weights, the threaded panel kernel; the others the single-threaded one
 @pytest.mark.parametrize(("k", "n"), [(1024, 300), (2048, 1031), (600, 16), (513, 1), (160, 448)])
 def test_rowwise_products_follow_the_stated_arithmetic(k: int, n: int) -> None:
     """Both kernels (the threaded panel one for big weights, the single-threaded one for small)

@@ -1,0 +1,131 @@
+"""A turn's output as it is sampled, one processor for every front end (``coli-kv generate`` and
+``chat``, a session's conversation, the HTTP service): the tokens, the text decoded incrementally,
+the stop strings (text that could begin one is held back, a completed one ends the text before it),
+every eos id, a caller's request to stop, and why the turn ended.
+
+A turn ends at a token boundary: :meth:`OutputProcessor.on_token` raises :class:`TurnStop` after
+the token that ends it has been recorded, and the caller catches it (and commits what the session
+holds). A turn that runs to its ``max_new`` tokens ends without it (``reason`` stays ``"length"``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the text extra (tokenizers) is imported only where there is text
+    from kernels.model.text import ChatTokenizer, StreamDecoder
+
+REASONS = ("eos", "stop", "abort", "length")  # an eos id, a stop string, the caller, max_new
+
+
+class TurnStop(Exception):
+    """Raised from the per-token callback to end a turn; ``reason``: "eos", "stop" or "abort"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StopStrings:
+    """Streamed text through the stop strings: what cannot begin one goes out at once, a possible
+    beginning is held back, a completed one ends the text before it (``hit``)."""
+
+    def __init__(self, stops: Sequence[str], emit: Callable[[str], None] | None) -> None:
+        self.stops, self.emit = list(stops), emit
+        self.emitted = ""
+        self.held = ""
+        self.hit = False
+
+    def push(self, piece: str) -> None:
+        if self.hit or not piece:
+            return
+        buf = self.held + piece
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self._emit(buf[:min(found)])
+            self.held, self.hit = "", True
+            return
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self._emit(buf[:len(buf) - keep])
+        self.held = buf[len(buf) - keep:]
+
+    def flush(self) -> None:
+        """The end of the text: what was held back goes out (unless a stop string was hit)."""
+        if not self.hit:
+            self._emit(self.held)
+        self.held = ""
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.emitted += text
+            if self.emit is not None:
+                self.emit(text)
+
+
+class OutputProcessor:
+    """One turn's output: ``on_token`` is the session's per-token callback; ``finish`` ends the text.
+
+    ``eos``: the ids that end the turn (empty: sample on past them); ``tokenizer``: decode the text
+    as it comes (None: tokens only); ``stops``: stop strings; ``on_text``: where each piece of text
+    that passed the stop strings goes; ``should_abort``: asked after every token, True ends the turn
+    ("abort": a vanished client, a stopping server, Ctrl-C)."""
+
+    def __init__(self, *, eos: frozenset[int] = frozenset(), tokenizer: ChatTokenizer | None = None,
+                 stops: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> None:
+        self.eos = eos
+        self.tokens: list[int] = []
+        self.reason = "length"
+        self.stream: StreamDecoder | None = None
+        if tokenizer is not None:
+            from kernels.model.text import StreamDecoder  # only with a tokenizer: the text extra is there
+
+            self.stream = StreamDecoder(tokenizer)
+        self.gate = StopStrings(stops, on_text)
+        self.should_abort = should_abort
+
+    def on_token(self, token: int, position: int) -> None:
+        """Record ``token`` (sampled for ``position``); raise :class:`TurnStop` if it ends the turn."""
+        self.tokens.append(int(token))
+        if self.stream is not None:
+            self.gate.push(self.stream.push(token))
+        if token in self.eos:
+            self._stop("eos")
+        if self.gate.hit:
+            self._stop("stop")
+        if self.should_abort is not None and self.should_abort():
+            self._stop("abort")
+
+    def finish(self) -> str:
+        """The rest of the decoded text through the stop strings; the text the turn emitted."""
+        if self.stream is not None:
+            self.gate.push(self.stream.finish())
+        self.gate.flush()
+        return self.gate.emitted
+
+    @property
+    def text(self) -> str:
+        """The text emitted so far (stop strings applied)."""
+        return self.gate.emitted
+
+    @property
+    def decoded(self) -> str:
+        """Every token's text so far, stop strings not applied (empty without a tokenizer)."""
+        return self.stream.text if self.stream is not None else ""
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: "stop" (an eos id or a stop string), "length", or "abort"."""
+        return {"eos": "stop", "stop": "stop"}.get(self.reason, self.reason)
+
+    def _stop(self, reason: str) -> None:
+        self.reason = reason
+        raise TurnStop(reason)
+
+
+__all__ = ["REASONS", "OutputProcessor", "StopStrings", "TurnStop"]
