@@ -56,6 +56,9 @@ def register(subparsers: Any) -> None:
                    "and pushed back; endpoint and credentials from the AWS environment, e.g. AWS_ENDPOINT_URL)")
     p.add_argument("--host-id", default=None, help="--remote: who holds leases (default: $COLI_HOST_ID or hostname)")
     p.add_argument("--lease-ttl", type=float, default=None, help="--remote: lease lifetime in seconds (default 900)")
+    p.add_argument("--advertise-url", default=None, metavar="http://HOST:PORT",
+                   help="--remote: where the other hosts reach this server; written into the leases it holds, "
+                   "so a request for one of its sessions that reaches another host is redirected here (307)")
     p.add_argument("--pull-from", action="append", default=[], metavar="ORIGIN",
                    help="--http: a server (scheme://host:port) that POST /v1/sessions/ID/pull may fetch sessions "
                    "from; repeat for more (default: none, pulls refused)")
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError("give --http [HOST:]PORT, --inbox DIR or both")
     if args.http is None and (args.remote or args.host_id or args.lease_ttl is not None):
         raise FormatError("--remote, --host-id and --lease-ttl are for --http")
+    if args.advertise_url is not None and not args.remote:
+        raise FormatError("--advertise-url is for --remote (a fleet's hosts redirect to each other)")
     if args.http is not None:
         return run_http(args)
     return run_inbox(args)
@@ -109,6 +114,7 @@ def run_http(args: argparse.Namespace) -> int:
                          max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
+                         advertise_url=args.advertise_url,
                          pull=pull if pull.origins else None)
     if args.inbox is None:
         return serve_http(config)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kernels.errors import FormatError
+from kernels.errors import FormatError, LockedError
 from sessionstore.migration.bundle import check_session_id, parse_json
 
 LEASE_TTL_S = 900.0
@@ -47,12 +48,13 @@ class Lease:
     bundle_tokens: int
     updated_utc: str
     etag: str = ""
+    url: str | None = None  # where the holder serves (its ``serve --advertise-url``), for a 307 to it
 
     def live(self, now: float | None = None) -> bool:
         return not self.released and (time.time() if now is None else now) < self.expires_at
 
     def body(self) -> bytes:
-        doc = {k: v for k, v in asdict(self).items() if k != "etag"}
+        doc = {k: v for k, v in asdict(self).items() if k != "etag" and (k != "url" or v is not None)}
         return json.dumps({"format": LEASE_FORMAT, "version": LEASE_VERSION, **doc},
                           sort_keys=True).encode()
 
@@ -79,12 +81,30 @@ def parse_lease(raw: bytes, etag: str, where: str) -> Lease:
                       expires_at=float(doc["expires_at"]), ttl_s=float(doc["ttl_s"]),
                       released=bool(doc["released"]), bundle=doc["bundle"],
                       bundle_tokens=int(doc["bundle_tokens"]), updated_utc=str(doc["updated_utc"]),
-                      etag=etag)
+                      etag=etag, url=check_advertise_url(doc.get("url"), where))
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{where}: lease field missing or of the wrong type ({exc})") from None
     if lease.bundle is not None and not isinstance(lease.bundle, str):
         raise FormatError(f"{where}: 'bundle' must be a key or null")
     return lease
+
+
+def check_advertise_url(url: Any, where: str) -> str | None:
+    """A holder's advertised URL as a lease may carry it: None, or ``http(s)://host[:port]`` (no
+    path, no query, at most 256 characters); FormatError naming ``where`` otherwise."""
+    if url is None:
+        return None
+    if (not isinstance(url, str) or len(url) > 256 or not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", url)):
+        raise FormatError(f"{where}: an advertised URL must be http(s)://host[:port], found {str(url)[:80]!r}")
+    return url
+
+
+class HeldElsewhereError(LockedError):
+    """Another host holds the session's lease live; ``holder_url``: where it serves, if it said."""
+
+    def __init__(self, lease: Lease, now: float | None = None) -> None:
+        super().__init__(held_message(lease, now))
+        self.holder_url = lease.url
 
 
 def held_message(lease: Lease, now: float | None = None) -> str:
@@ -100,7 +120,9 @@ __all__ = [
     "LEASE_TTL_S",
     "LEASE_VERSION",
     "MAX_LEASE_BYTES",
+    "HeldElsewhereError",
     "Lease",
+    "check_advertise_url",
     "default_host_id",
     "held_message",
     "parse_lease",

@@ -17,7 +17,14 @@ import time
 from kernels.errors import ColiError, LimitError, LockedError
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle import check_session_id
-from sessionstore.migration.lease import MAX_LEASE_BYTES, Lease, held_message, parse_lease, utc_stamp
+from sessionstore.migration.lease import (
+    MAX_LEASE_BYTES,
+    HeldElsewhereError,
+    Lease,
+    held_message,
+    parse_lease,
+    utc_stamp,
+)
 from sessionstore.migration.object_store import ObjectPrefix, is_conflict, no_bucket, one_line
 from sessionstore.migration.transport import store_errors
 
@@ -27,10 +34,11 @@ log = get_logger("remote")
 class LeaseTable:
     """The ``leases/`` objects under one prefix, as seen and changed by host ``host_id``."""
 
-    def __init__(self, objects: ObjectPrefix, host_id: str, lease_ttl: float) -> None:
+    def __init__(self, objects: ObjectPrefix, host_id: str, lease_ttl: float, advertise_url: str | None = None) -> None:
         self.objects = objects
         self.host_id = host_id
         self.lease_ttl = lease_ttl
+        self.advertise_url = advertise_url  # written into the leases this host takes (a 307's target)
 
     def key(self, session_id: str) -> str:
         return self.objects.key("leases", f"{check_session_id(session_id, 'lease')}.json")
@@ -117,7 +125,7 @@ class LeaseTable:
 
     def _refusal(self, session_id: str, cur: Lease | None) -> LockedError:
         if cur is not None and cur.live() and cur.owner != self.host_id:
-            return LockedError(held_message(cur))
+            return HeldElsewhereError(cur)
         return LockedError(f"session {session_id!r}: another host changed its lease at the same "
                            "moment; try again")
 
@@ -127,11 +135,11 @@ class LeaseTable:
         cur = self.lease(session_id)
         now = time.time()
         if cur is not None and cur.live(now) and cur.owner != self.host_id:
-            raise LockedError(held_message(cur, now))
+            raise HeldElsewhereError(cur, now)
         lease = Lease(session_id, self.host_id, secrets.token_hex(16),
                       (cur.generation + 1) if cur else 1, now + self.lease_ttl, self.lease_ttl,
                       False, cur.bundle if cur else None, cur.bundle_tokens if cur else 0,
-                      utc_stamp())
+                      utc_stamp(), url=self.advertise_url)
         held = self.write(lease, expect=cur, what="taking the lease")
         log.info("lease.acquire", id=session_id, host=self.host_id, generation=held.generation,
                  took_over=bool(cur and not cur.released and cur.owner != self.host_id))
@@ -141,7 +149,7 @@ class LeaseTable:
         """The lease as stored, which this host must hold (LockedError naming who does)."""
         cur = self.lease(session_id)
         if cur is not None and cur.live() and cur.owner != self.host_id:
-            raise LockedError(held_message(cur))
+            raise HeldElsewhereError(cur)
         if cur is None or cur.owner != self.host_id or cur.released:
             who = "nobody" if cur is None else (f"released by {cur.owner}" if cur.released
                                                 else f"expired, {cur.owner}")

@@ -27,11 +27,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kernels.errors import ColiError, FormatError, LimitError, LockedError, NotFoundError
+from kernels.errors import ColiError, FormatError, LimitError, NotFoundError
 from sessionstore.kvfile import WriterLock
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_shelf import BundleShelf
-from sessionstore.migration.lease import LEASE_TTL_S, Lease, default_host_id, held_message
+from sessionstore.migration.lease import (
+    LEASE_TTL_S,
+    HeldElsewhereError,
+    Lease,
+    check_advertise_url,
+    default_host_id,
+)
 from sessionstore.migration.lease_keeper import LeaseKeeper
 from sessionstore.migration.lease_table import LeaseTable
 from sessionstore.migration.migrate import MigrateResult, export_session, import_bundle
@@ -47,7 +53,8 @@ class RemoteStore:
 
     def __init__(self, store: SessionStore, url: str, *, host_id: str | None = None,
                  lease_ttl: float = LEASE_TTL_S, storage_options: dict[str, Any] | None = None,
-                 compression: str | int = "auto", renew_interval: float | None = None) -> None:
+                 compression: str | int = "auto", renew_interval: float | None = None,
+                 advertise_url: str | None = None) -> None:
         if not url.startswith("s3://"):
             raise FormatError(f"{url}: the remote tier needs an S3 API URL (s3://bucket/prefix)")
         self.store = store
@@ -59,7 +66,8 @@ class RemoteStore:
             raise LimitError(f"lease renewal interval {renew_interval} s must be > 0")
         self.compression = compression
         self.objects = ObjectPrefix(url, storage_options)
-        self.leases = LeaseTable(self.objects, host_id or default_host_id(), ttl)
+        self.leases = LeaseTable(self.objects, host_id or default_host_id(), ttl,
+                                 check_advertise_url(advertise_url, "--advertise-url"))
         self.bundles = BundleShelf(self.objects, self.leases)
 
     # --- where, and who ----------------------------------------------------------------------
@@ -157,7 +165,7 @@ class RemoteStore:
         """Take the lease and import the bundle it points at; the lease stays ours."""
         cur = self.lease(session_id)
         if cur is not None and cur.live() and cur.owner != self.host_id:
-            raise LockedError(held_message(cur))
+            raise HeldElsewhereError(cur)
         if cur is None or cur.bundle is None:
             raise NotFoundError(f"{self.url}: no bundle for session {session_id!r} (nothing of it "
                                 "was pushed)")
@@ -193,7 +201,7 @@ class RemoteStore:
         ``renew_interval`` s and fences its commits (LockedError once the lease is lost)."""
         cur = self.lease(session_id)
         if cur is not None and cur.live() and cur.owner != self.host_id:
-            raise LockedError(held_message(cur))
+            raise HeldElsewhereError(cur)
         local = self.store.exists(session_id)
         if cur is not None and cur.owner == self.host_id and not cur.released and local:
             held = self.renew(session_id)

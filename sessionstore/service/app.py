@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service import bundle_pull, bundle_upload
 from sessionstore.service.auth import BearerAuth
 from sessionstore.service.bundle_pull import PullPolicy
@@ -48,6 +49,32 @@ from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+SESSION_HEADER = "x-session-id"  # names a turn's session beside the body's "session" (FORMAT.md 7.2)
+
+
+def session_of(body: str | None, header: str | None) -> str | None:
+    """The session a turn names: the body's ``session`` or the ``X-Session-Id`` header, checked;
+    both given and different is a 400."""
+    if header is not None and body is not None and header != body:
+        raise ApiError(400, "the X-Session-Id header and the body's session field name different sessions",
+                       param="session", code="session_mismatch")
+    session = body if body is not None else header
+    if session is not None:
+        validate_session_id(session)
+    return session
+
+
+def holder_redirect(exc: HeldElsewhereError, request: Request, places: Places) -> Response:
+    """Another live host holds the session: a 307 to the same path and query on that host when its
+    lease says where it serves (a client or proxy repeats the request there, body and all), else
+    the 409 naming it."""
+    if exc.holder_url is None:
+        return error_response(ApiError(409, str(exc), code="session_held"), places)
+    query = f"?{request.url.query}" if request.url.query else ""
+    body = ApiError(307, f"{exc}; redirected to the holder", code="session_elsewhere").body(places)
+    return JSONResponse(body, status_code=307, headers={"location": exc.holder_url + request.url.path + query})
 
 
 @dataclass(frozen=True)
@@ -87,6 +114,8 @@ class Api:
         async def wrapped(request: Request) -> Response:
             try:
                 response = await fn(request)
+            except HeldElsewhereError as exc:
+                response = holder_redirect(exc, request, self.places)
             except Exception as exc:
                 response = error_response(api_error_of(exc), self.places)
             self.engine.metrics.requests.labels(name, str(response.status_code)).inc()
@@ -121,11 +150,12 @@ class Api:
         return await asyncio.wrap_future(self.engine.submit(fn, session=session))
 
     # ---- turns ---------------------------------------------------------------------------------
-    def spec_of(self, req: TurnFields, kind: str) -> TurnSpec:
+    def spec_of(self, req: TurnFields, kind: str, header_session: str | None = None) -> TurnSpec:
+        """The turn a request asks for; its session is the body's ``session`` or the
+        ``X-Session-Id`` header (the one a load balancer routes on; both given and different: 400)."""
         self.check_model(req.model)
-        if req.session is not None:
-            validate_session_id(req.session)
-        spec = TurnSpec("chat" if kind == "chat" else "completion", req.session, max_tokens=req.max_tokens,
+        session = session_of(req.session, header_session)
+        spec = TurnSpec("chat" if kind == "chat" else "completion", session, max_tokens=req.max_tokens,
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
         if isinstance(req, ChatCompletionRequest):
@@ -194,7 +224,7 @@ class Api:
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
-        spec = self.spec_of(req, kind)
+        spec = self.spec_of(req, kind, request.headers.get(SESSION_HEADER))
         stream, first = await self.start_turn(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()

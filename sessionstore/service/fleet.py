@@ -29,7 +29,8 @@ from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
-from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError, held_message
+from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError
+from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
 
@@ -83,7 +84,7 @@ class SessionHome:
         remote = self.remote
         cur = remote.lease(session_id)
         if cur is not None and cur.live() and cur.owner != self.host_id:
-            raise LockedError(held_message(cur))
+            raise HeldElsewhereError(cur)
         local = remote.store.exists(session_id)
         if cur is not None and cur.owner == self.host_id and not cur.released and local:
             self._held[session_id] = remote.renew(session_id)  # still ours: the local copy is newest
@@ -154,7 +155,7 @@ class SessionHome:
             if cur is None:
                 return False
             if cur.live() and cur.owner != self.host_id:
-                raise LockedError(held_message(cur))
+                raise HeldElsewhereError(cur)
             if cur.bundle is None:
                 self.remote.release(session_id)  # a bundle-less lease is deleted
                 return True
@@ -201,9 +202,14 @@ class SessionHome:
 
     @contextmanager
     def _refusals(self, session_id: str | None) -> Iterator[None]:
-        """The fleet's refusals as API errors: held elsewhere 409, the store failing 503."""
+        """The fleet's refusals as API errors: held elsewhere 409 (or, when the holder said where it
+        serves, the error itself, which the route answers with a 307 there), the store failing 503."""
         try:
             yield
+        except HeldElsewhereError as exc:
+            if exc.holder_url is not None:
+                raise
+            raise ApiError(409, str(exc), code="session_held") from None
         except LockedError as exc:
             raise ApiError(409, str(exc), code="session_held") from None
         except RemoteStoreError as exc:

@@ -47,6 +47,7 @@ class ServeConfig:
     remote: str | None = None  # s3://bucket/prefix: one host of a fleet (sessionstore.service.fleet)
     host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
+    advertise_url: str | None = None  # where the fleet reaches this server: written into its leases (307s)
     pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
 
 
@@ -84,7 +85,9 @@ def fleet_home(config: ServeConfig, store: SessionStore, model_source: str) -> A
     from sessionstore.service.fleet import SessionHome
 
     ttl = LEASE_TTL_S if config.lease_ttl is None else config.lease_ttl
-    home = SessionHome(RemoteStore(store, config.remote, host_id=config.host_id, lease_ttl=ttl), model=model_source)
+    remote = RemoteStore(store, config.remote, host_id=config.host_id, lease_ttl=ttl,
+                         advertise_url=config.advertise_url)
+    home = SessionHome(remote, model=model_source)
     home.probe()
     return home
 

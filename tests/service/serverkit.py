@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ class ServerProc:
     """One server process; ``url`` once started."""
 
     def __init__(self, root: Path, model: Path | str, *args: str, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, port: int = 0) -> None:
         self.root, self.model, self.args = root, str(model), list(args)
+        self.port = port  # 0: one the OS picks
         self.log_dir = log_dir or root.parent
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
@@ -34,7 +36,7 @@ class ServerProc:
     def start(self) -> ServerProc:
         self._n += 1
         self.stderr_path = self.log_dir / f"server-{os.getpid()}-{id(self)}-{self._n}.stderr"
-        cmd = [sys.executable, "-m", "tools", "serve", "--http", "127.0.0.1:0", "--root", str(self.root),
+        cmd = [sys.executable, "-m", "tools", "serve", "--http", f"127.0.0.1:{self.port}", "--root", str(self.root),
                "--model", self.model, *self.args]
         env = {**os.environ, "COLI_LOG": "off", "PYTHONPATH": str(REPO), **(self.env or {})}
         with open(self.stderr_path, "wb") as err:
@@ -108,6 +110,13 @@ class ServerProc:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A loopback port free now (for a server that must know its own URL before it starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def sse_events(response: httpx.Response) -> Any:
