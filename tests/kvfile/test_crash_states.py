@@ -1,0 +1,277 @@
+"""Every crash state a POSIX file system may leave during the kv file's protocols, checked
+(FORMAT.md 3.9; issue 26 part 1).
+
+Each test records one protocol's file-system operations (:class:`tests.support.crash_trace.Recorder`),
+then builds the states a crash after each op may leave (un-synced writes dropped, kept, torn at
+512 B and 4 KiB, reordered; names not durable before their directory's fsync:
+:mod:`tests.support.crash_states`), samples them deterministically (seed 26, the same budget
+of distinct states per crash point) and checks each with the library's own open and recovery:
+the file reads as a committed prefix of exactly the appended records, holds at least every
+record committed before the crash, its sidecar never vouches for a wrong record, and a writer
+opens it (recovery), after which the sidecar vouches for every committed record. A sample goes
+through ``coli-kv verify`` and ``inspect`` in process. Run them with ``pytest -k crash_state``.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+from kernels.errors import ColiError
+from sessionstore.kvfile.convert import convert_file
+from sessionstore.kvfile.layout import NREC_OFFSET, Dims, pack_nrec
+from sessionstore.kvfile.reader import open_kv
+from sessionstore.kvfile.sidecar import load_sidecar
+from sessionstore.kvfile.sidecar_check import check_records
+from sessionstore.kvfile.writer import KVWriter
+from tests.support.crash_explore import Exploration, explore
+from tests.support.crash_states import CrashPoint, Tree, final_tree
+from tests.support.crash_trace import Recorder
+from tests.support.writer import expected_records, gen_f32, gen_fp8
+
+DIMS = Dims(n_layers=4, kv_lora=64, qk_rope=16, index_head_dim=0, n_index_layers=0, vocab=1000)
+KV = "kv.coli_kv"
+BUDGET = 4000  # distinct states per crash point and sector size
+
+
+def _report(result: Exploration) -> None:
+    print(result.summary())
+    assert not result.failures, result.summary() + "\n" + "\n".join(result.failures)
+
+
+def _record(tmp_path, setup, protocol) -> Recorder:  # noqa: ANN001
+    root = tmp_path / "root"
+    root.mkdir()
+    setup(str(root))
+    rec = Recorder(root)
+    with rec.active():
+        protocol(str(root), rec)
+    rec.check_replay(final_tree)
+    return rec
+
+
+class KVCheck:
+    """The checks of one state of a kv file whose records are ``gen(position)`` packed as the
+    file's version (``gen_f32`` rows for a v1 file, and for a v2 file upgraded from one)."""
+
+    def __init__(self, *, kv_dtype: str, gen, appended: int, cli_every: int = 0) -> None:  # noqa: ANN001
+        self.kv_dtype = kv_dtype
+        self.gen = gen
+        self.appended = appended
+        self.cli_every = cli_every
+        self.checked = 0
+        self._expected = {v: expected_records(v, DIMS, appended, gen=gen) for v in (1, 2)}
+
+    def _prefix(self, path: str, committed: int) -> int:
+        with open_kv(path, expect=DIMS) as reader:
+            n = reader.nrec
+            assert committed <= n <= self.appended, f"{n} records read, committed {committed}, appended {self.appended}"
+            rec = reader.record_bytes
+            body = bytes(reader.records_bytes_view(0, n)) if n else b""
+            assert body == self._expected[reader.version][:n * rec], "records differ from the appended ones"
+            side = load_sidecar(path)
+            if side is not None:
+                report = check_records(reader, side)
+                assert report.sound and not report.mismatched, f"sidecar vouches wrongly: {report}"
+            return n
+
+    def __call__(self, directory: str, committed: int) -> None:
+        path = os.path.join(directory, KV)
+        n = self._prefix(path, committed)
+        self.checked += 1
+        if self.cli_every and self.checked % self.cli_every == 1:
+            _cli_accepts(path)
+        with KVWriter.open(path, DIMS, kv_dtype=self.kv_dtype, create=False) as w:
+            assert w.nrec == n, f"the writer recovered {w.nrec} records, the reader saw {n}"
+            w.upgrade()  # a v1 file opened with fp8 stays untouched until then (FORMAT.md 3.2)
+            w.close(commit=False)
+        assert self._prefix(path, committed) == n
+        with open_kv(path) as reader:
+            side = load_sidecar(path)
+            assert side is not None, "no sidecar after a writer's recovery"
+            report = check_records(reader, side)
+            assert report.status == "ok" and report.vouched == n, f"after recovery: {report}"
+
+
+def _cli_accepts(path: str) -> None:
+    """``coli-kv verify`` and ``inspect --json`` (in process) accept the state."""
+    from tools.coli_kv import main
+
+    for argv in (["verify", path], ["inspect", "--json", path]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(argv)
+        assert code == 0, f"coli-kv {' '.join(argv[:-1])} exited {code}: {out.getvalue()[-400:]}"
+
+
+# -- append + commit, decode-loop commits --------------------------------------------------------
+
+def _setup_fp8(root: str) -> None:
+    with KVWriter.open(os.path.join(root, KV), DIMS) as w:
+        w.append(gen_fp8(DIMS, 0, 3))
+
+
+APPENDS = ((3, 5), (8, 9), (17, 40), (57, 3))  # (first position, records) of each commit
+
+
+def _append_commit(root: str, rec: Recorder) -> None:
+    """Open; append 5, 9, 40 and 3 records, each followed by a commit (a staging buffer of 16
+    records: full chunks are written early, without a barrier, and their write-back started); close."""
+    with KVWriter.open(os.path.join(root, KV), DIMS, staging_bytes=16 * 356) as w:
+        for start, k in APPENDS:
+            w.append(gen_fp8(DIMS, start, k))
+            rec.mark("ack", w.commit())
+
+
+def _decode_loop(root: str, rec: Recorder) -> None:
+    """A session's decode loop: write-behind (every record and its sidecar entry written as it
+    is appended), zero-filled headroom (default size), one record appended at a time, a commit
+    every 2 records, 10 commits."""
+    with KVWriter.open(os.path.join(root, KV), DIMS, write_behind=True, preallocate=None) as w:
+        for p in range(3, 23):
+            w.append(gen_fp8(DIMS, p, 1))
+            if p % 2 == 0:
+                rec.mark("ack", w.commit())
+
+
+def _bound(directory: str) -> int:
+    """Records the fsynced commit word of the all-dropped state commits (0 if none opens)."""
+    try:
+        with open_kv(os.path.join(directory, KV)) as reader:
+            return reader.nrec
+    except (ColiError, OSError):
+        return 0
+
+
+def test_crash_state_append_commit(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_fp8, _append_commit)
+    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=60, cli_every=500)
+    _report(explore("append + commit", rec, check, budget=BUDGET, bound=_bound))
+
+
+def test_crash_state_decode_loop(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_fp8, _decode_loop)
+    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=23, cli_every=500)
+    _report(explore("decode-loop commits", rec, check, budget=BUDGET, bound=_bound))
+
+
+# -- v1 -> v2 upgrade ----------------------------------------------------------------------------
+
+def _setup_v1(root: str) -> None:
+    with KVWriter.open(os.path.join(root, KV), DIMS, kv_dtype="f32") as w:
+        w.append(gen_f32(DIMS, 0, 6))
+
+
+def _upgrade(root: str, rec: Recorder) -> None:
+    """A v1 file opened with fp8 on: the first append rewrites it as v2 (FORMAT.md 3.7), then
+    append 3 + commit, 2 + commit."""
+    with KVWriter.open(os.path.join(root, KV), DIMS, kv_dtype="fp8") as w:
+        w.append(gen_f32(DIMS, 6, 3))
+        rec.mark("ack", w.commit())
+        w.append(gen_f32(DIMS, 9, 2))
+        rec.mark("ack", w.commit())
+
+
+def test_crash_state_upgrade(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_v1, _upgrade)
+    check = KVCheck(kv_dtype="fp8", gen=gen_f32, appended=11, cli_every=500)
+    _report(explore("v1 -> v2 upgrade", rec, check, budget=BUDGET, bound=_bound))
+
+
+# -- convert -------------------------------------------------------------------------------------
+
+SRC, DST = "src.coli_kv", "dst.coli_kv"
+
+
+def _setup_convert(root: str) -> None:
+    with KVWriter.open(os.path.join(root, SRC), DIMS) as w:
+        w.append(gen_fp8(DIMS, 0, 7))
+    _setup_v1_dst(root)
+
+
+def _setup_v1_dst(root: str) -> None:
+    """An older DST (3 records of other rows) with its sidecar: ``--force`` replaces it."""
+    with KVWriter.open(os.path.join(root, DST), DIMS, kv_dtype="f32") as w:
+        w.append(gen_f32(DIMS, 0, 3, epoch=1))
+
+
+def _convert(root: str, rec: Recorder) -> None:
+    """``convert SRC DST --to v1 --force`` over an existing DST, then ``--to v2`` to a new DST2."""
+    convert_file(os.path.join(root, SRC), os.path.join(root, DST), 1, force=True)
+    rec.mark("converted", 1)
+    convert_file(os.path.join(root, SRC), os.path.join(root, DST + "2"), 2)
+    rec.mark("converted", 2)
+
+
+class ConvertCheck:
+    """SRC untouched; DST the old file or exactly the converted one; DST2 absent or exactly
+    SRC's bytes; sidecars never vouch wrongly; the convert runs again and gives the same bytes."""
+
+    def __init__(self, root: str, before: Tree) -> None:
+        self.src = _read(os.path.join(root, SRC))
+        old = before[DST]
+        assert old is not None
+        self.old_dst = old
+        self.new_dst = _read(os.path.join(root, DST))
+        self.dst2 = _read(os.path.join(root, DST + "2"))
+
+    def __call__(self, directory: str, done: int) -> None:
+        src, dst, dst2 = (os.path.join(directory, n) for n in (SRC, DST, DST + "2"))
+        assert _read(src) == self.src, "SRC changed"
+        found = _read(dst)
+        assert found in (self.old_dst, self.new_dst), "DST is neither the old file nor the converted one"
+        assert done < 1 or found == self.new_dst, "DST lost the acknowledged conversion"
+        found2 = _read(dst2) if os.path.lexists(dst2) else None
+        assert found2 in (None, self.dst2), "DST2 is a partial conversion"
+        assert done < 2 or found2 == self.dst2, "DST2 lost the acknowledged conversion"
+        for path in (dst, dst2):
+            if os.path.lexists(path):
+                with open_kv(path) as reader:
+                    side = load_sidecar(path)
+                    if side is not None:
+                        report = check_records(reader, side)
+                        assert report.sound and not report.mismatched, f"{path}: {report}"
+        convert_file(src, dst, 1, force=True)
+        assert _read(dst) == self.new_dst
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _done(ops, k: int) -> int:  # noqa: ANN001
+    marks = [op.value for op in ops[:k] if op.kind == "mark" and op.label == "converted"]
+    return marks[-1] if marks else 0
+
+
+def test_crash_state_convert(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_convert, _convert)
+    start = CrashPoint(rec.snapshot, rec.ops, 0, 4096)
+    check = ConvertCheck(str(tmp_path / "root"), start.tree(start.extreme(keep=False)))
+    _report(explore("convert", rec, check, budget=BUDGET, acked=_done))
+
+
+# -- the checker is not vacuous ------------------------------------------------------------------
+
+class _WordFirstWriter(KVWriter):
+    """A broken commit: the commit word is written BEFORE the data barrier (3.4 steps 4 before 3)."""
+
+    def _write_and_sync_records(self, beside) -> None:  # noqa: ANN001
+        self._io.pwrite(self._fd, pack_nrec(self.length), NREC_OFFSET)
+        super()._write_and_sync_records(beside)
+
+
+def _broken_append_commit(root: str, rec: Recorder) -> None:
+    with _WordFirstWriter.open(os.path.join(root, KV), DIMS) as w:
+        w.append(gen_fp8(DIMS, 3, 5))
+        rec.mark("ack", w.commit())
+
+
+def test_crash_state_checker_catches_word_before_barrier(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_fp8, _broken_append_commit)
+    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=8)
+    result = explore("broken commit", rec, check, budget=BUDGET, bound=_bound, keep_failures=1)
+    print(result.summary())
+    assert result.failures, f"the checker missed a commit word written before its data barrier: {result.summary()}"
+    assert "records differ" in result.failures[0] or "sidecar" in result.failures[0], result.failures[0]
