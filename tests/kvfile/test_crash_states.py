@@ -31,7 +31,7 @@ from tests.support.writer import expected_records, gen_f32, gen_fp8
 
 DIMS = Dims(n_layers=4, kv_lora=64, qk_rope=16, index_head_dim=0, n_index_layers=0, vocab=1000)
 KV = "kv.coli_kv"
-BUDGET = 4000  # distinct states per crash point and sector size
+BUDGET = 6000  # distinct states per crash point and sector size
 
 
 def _report(result: Exploration) -> None:
@@ -62,7 +62,9 @@ class KVCheck:
         self.checked = 0
         self._expected = {v: expected_records(v, DIMS, appended, gen=gen) for v in (1, 2)}
 
-    def _prefix(self, path: str, committed: int) -> int:
+    def _prefix(self, path: str, committed: int, *, recovered: bool = False) -> int:
+        """The records read (checked); ``recovered``: after a writer's recovery, the sidecar must
+        vouch for every one of them."""
         with open_kv(path, expect=DIMS) as reader:
             n = reader.nrec
             assert committed <= n <= self.appended, f"{n} records read, committed {committed}, appended {self.appended}"
@@ -70,9 +72,11 @@ class KVCheck:
             body = bytes(reader.records_bytes_view(0, n)) if n else b""
             assert body == self._expected[reader.version][:n * rec], "records differ from the appended ones"
             side = load_sidecar(path)
+            assert side is not None or not recovered, "no sidecar after a writer's recovery"
             if side is not None:
                 report = check_records(reader, side)
                 assert report.sound and not report.mismatched, f"sidecar vouches wrongly: {report}"
+                assert not recovered or (report.status == "ok" and report.vouched == n), f"after recovery: {report}"
             return n
 
     def __call__(self, directory: str, committed: int) -> None:
@@ -85,12 +89,7 @@ class KVCheck:
             assert w.nrec == n, f"the writer recovered {w.nrec} records, the reader saw {n}"
             w.upgrade()  # a v1 file opened with fp8 stays untouched until then (FORMAT.md 3.2)
             w.close(commit=False)
-        assert self._prefix(path, committed) == n
-        with open_kv(path) as reader:
-            side = load_sidecar(path)
-            assert side is not None, "no sidecar after a writer's recovery"
-            report = check_records(reader, side)
-            assert report.status == "ok" and report.vouched == n, f"after recovery: {report}"
+        assert self._prefix(path, committed, recovered=True) == n
 
 
 def _cli_accepts(path: str) -> None:
@@ -111,11 +110,11 @@ def _setup_fp8(root: str) -> None:
         w.append(gen_fp8(DIMS, 0, 3))
 
 
-APPENDS = ((3, 5), (8, 9), (17, 40), (57, 3))  # (first position, records) of each commit
+APPENDS = ((3, 5), (8, 9), (17, 40), (57, 3), (60, 24), (84, 64))  # (first position, records) per commit
 
 
 def _append_commit(root: str, rec: Recorder) -> None:
-    """Open; append 5, 9, 40 and 3 records, each followed by a commit (a staging buffer of 16
+    """Open; append 5, 9, 40, 3, 24 and 64 records, each followed by a commit (a staging buffer of 16
     records: full chunks are written early, without a barrier, and their write-back started); close."""
     with KVWriter.open(os.path.join(root, KV), DIMS, staging_bytes=16 * 356) as w:
         for start, k in APPENDS:
@@ -145,7 +144,7 @@ def _bound(directory: str) -> int:
 
 def test_crash_state_append_commit(tmp_path) -> None:  # noqa: ANN001
     rec = _record(tmp_path, _setup_fp8, _append_commit)
-    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=60, cli_every=500)
+    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=148, cli_every=500)
     _report(explore("append + commit", rec, check, budget=BUDGET, bound=_bound))
 
 
@@ -163,18 +162,17 @@ def _setup_v1(root: str) -> None:
 
 
 def _upgrade(root: str, rec: Recorder) -> None:
-    """A v1 file opened with fp8 on: the first append rewrites it as v2 (FORMAT.md 3.7), then
-    append 3 + commit, 2 + commit."""
+    """A v1 file of 6 records opened with fp8 on: the first append rewrites it as v2
+    (FORMAT.md 3.7); then appends of 3, 2, 24 and 40 records, each committed."""
     with KVWriter.open(os.path.join(root, KV), DIMS, kv_dtype="fp8") as w:
-        w.append(gen_f32(DIMS, 6, 3))
-        rec.mark("ack", w.commit())
-        w.append(gen_f32(DIMS, 9, 2))
-        rec.mark("ack", w.commit())
+        for start, k in ((6, 3), (9, 2), (11, 24), (35, 40)):
+            w.append(gen_f32(DIMS, start, k))
+            rec.mark("ack", w.commit())
 
 
 def test_crash_state_upgrade(tmp_path) -> None:  # noqa: ANN001
     rec = _record(tmp_path, _setup_v1, _upgrade)
-    check = KVCheck(kv_dtype="fp8", gen=gen_f32, appended=11, cli_every=500)
+    check = KVCheck(kv_dtype="fp8", gen=gen_f32, appended=75, cli_every=500)
     _report(explore("v1 -> v2 upgrade", rec, check, budget=BUDGET, bound=_bound))
 
 

@@ -11,10 +11,12 @@ The model, at a crash after the first ``k`` recorded ops:
   cache writing pages back in any order, at any time, leaves it: writes dropped, kept, torn at
   the block boundary, and reordered among themselves. The size is that after any prefix of the
   pending ops; a block past the durable size that holds no write reads as zeros.
-- Names: a create, mkdir, link, unlink, rmdir or rename is durable once every directory it
-  changes was fsynced after it (the fsync started after it was recorded); before that each is
-  independently kept or dropped (replayed in order; an op whose source a dropped op never made
-  is skipped). A file's own fsync never makes its name durable.
+- Names: a create, mkdir, link or rename is durable once the directory it names the file in
+  was fsynced after it (the fsync started after it was recorded; a rename is atomic, so its
+  source name goes with it), an unlink or rmdir once the directory it removes from was; before
+  that each is independently kept or dropped, replayed in order on inodes: a kept rename puts
+  its inode at the new name even when the create that named it first was dropped (the inode
+  exists; only a name was lost). A file's own fsync never makes its name durable.
 - What was on disk when recording started is durable.
 
 A state is one :class:`Choice` per crash point; :func:`states` enumerates the extreme ones
@@ -227,6 +229,9 @@ class CrashPoint:
     # -- the tree a choice leaves ----------------------------------------------------------------
     def tree(self, choice: Choice) -> Tree:
         dirs = {d: dict(e) for d, e in self.snapshot.dirs.items()}
+        for op, _ in self.name_ops:  # a directory exists once made, whatever names it has
+            if op.kind == "mkdir":
+                dirs.setdefault(op.ino, {})
         kept = iter(choice.names)
         for op, durable in self.name_ops:
             if not durable and not next(kept):
@@ -257,21 +262,19 @@ def _apply_name(dirs: dict[int, dict[str, int]], op: Op) -> None:
         assert op.dst is not None
         if op.dst[0] not in dirs:
             return
-        if op.kind == "mkdir":
-            dirs.setdefault(op.ino, {})
         dirs[op.dst[0]][op.dst[1]] = op.ino
     elif op.kind in ("unlink", "rmdir"):
         assert op.src is not None
         entries = dirs.get(op.src[0], {})
         if entries.get(op.src[1]) == op.ino and not (op.kind == "rmdir" and dirs.get(op.ino)):
             del entries[op.src[1]]
-    elif op.kind == "rename":
+    elif op.kind == "rename":  # the inode lands at dst even when the name it left never persisted
         assert op.src is not None and op.dst is not None
         entries = dirs.get(op.src[0], {})
-        if entries.get(op.src[1]) != op.ino or op.dst[0] not in dirs:
-            return
-        del entries[op.src[1]]
-        dirs[op.dst[0]][op.dst[1]] = op.ino
+        if entries.get(op.src[1]) == op.ino:
+            del entries[op.src[1]]
+        if op.dst[0] in dirs:
+            dirs[op.dst[0]][op.dst[1]] = op.ino
 
 
 def final_tree(snapshot: Snapshot, ops: list[Op]) -> Tree:

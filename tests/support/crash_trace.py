@@ -58,8 +58,15 @@ class Op:
     value: int = 0
 
     def dirs(self) -> tuple[int, ...]:
-        """The directories a name operation changes (empty for data operations)."""
-        return tuple(e[0] for e in (self.src, self.dst) if e is not None) if self.kind in NAME_KINDS else ()
+        """The directory whose fsync makes this name operation durable (empty for data
+        operations): the one a name is made in (create, mkdir, link, and a rename's
+        destination: a rename is atomic, and durable once the directory it names the file in
+        is fsynced), or the one it is removed from (unlink, rmdir)."""
+        if self.kind not in NAME_KINDS:
+            return ()
+        entry = self.dst if self.dst is not None else self.src
+        assert entry is not None
+        return (entry[0],)
 
 
 NAME_KINDS = frozenset({"create", "mkdir", "link", "unlink", "rmdir", "rename"})
