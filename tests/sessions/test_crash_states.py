@@ -24,7 +24,7 @@ from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.store import SessionStore
-from tests.support.crash_explore import Exploration, explore
+from tests.support.crash_explore import Exploration, explore, last_ack
 from tests.support.crash_states import CrashPoint
 from tests.support.crash_trace import Recorder
 
@@ -70,7 +70,12 @@ class SessionCheck:
         return n
 
     def __call__(self, root: str, committed: int) -> None:
-        n = self.kv_prefix(root, committed) if committed or _exists(root, self.sid) else 0
+        """``committed`` < 0: the session may not exist yet (its creation was not acknowledged);
+        else it must, with at least that many records."""
+        exists = _exists(root, self.sid)
+        assert exists or committed < 0, f"session {self.sid} is gone, its creation was acknowledged"
+        committed = max(committed, 0)
+        n = self.kv_prefix(root, committed) if exists else 0
         self.checked += 1
         if self.checked % OPEN_EVERY != 1:
             return
@@ -79,8 +84,7 @@ class SessionCheck:
         store.adopt_model("tiny", self.tiny)
         for sid in self.others:
             store.open(sid, "tiny").close()
-        if not _exists(root, self.sid):
-            assert committed == 0, f"session {self.sid} is gone, {committed} records were committed"
+        if not exists:
             return
         s = store.open(self.sid, "tiny")
         try:
@@ -97,12 +101,14 @@ def _exists(root: str, sid: str) -> bool:
 
 
 def _bound(sid: str):  # noqa: ANN202
+    """The records the all-dropped state's fsynced commit word holds; -1 when the session is
+    not there (it may then be absent in every state)."""
     def bound(directory: str) -> int:
         try:
             with open_kv(os.path.join(directory, "sessions", sid, "kv.coli_kv")) as reader:
                 return reader.nrec
         except (ColiError, OSError):
-            return 0
+            return -1
     return bound
 
 
@@ -165,6 +171,31 @@ def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:  # noqa
     assert check.opened > 0
 
 
+# -- create + first turn --------------------------------------------------------------------------
+
+def _create_and_turn(tiny):  # noqa: ANN001, ANN202
+    def protocol(root: str, rec: Recorder) -> None:
+        store = SessionStore(root)
+        store.adopt_model("tiny", tiny)
+        s = store.create("n", "tiny", kv_dtype="fp8", sampler=SAMPLER, commit_every=3)
+        rec.mark("ack", 0)
+        s.generate(PROMPT, 8)
+        rec.mark("ack", s.committed)
+        s.close()
+    return protocol
+
+
+def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:  # noqa: ANN001
+    root = tmp_path / "root"
+    rec = _record(root, lambda where: SessionStore(where).sweep(), _create_and_turn(tiny))
+    records, rec_bytes = _records_of(root, "n")
+    check = SessionCheck(tiny, "n", records, rec_bytes, stream)
+    result = explore("session create + first turn", rec, check, budget=BUDGET, bound=_bound("n"),
+                     acked=lambda ops, k: last_ack(ops, k, before=-1))
+    print(f"  opened with the model: {check.opened}")
+    _report(result)
+
+
 # -- fork ----------------------------------------------------------------------------------------
 
 def _fork(root: str, rec: Recorder) -> None:
@@ -185,7 +216,7 @@ def test_crash_state_fork(tmp_path, tiny, stream) -> None:  # noqa: ANN001
     n = len(records) // rec_bytes
 
     def acked(ops, k: int) -> int:  # noqa: ANN001
-        return n if _forked(ops, k) else 0
+        return n if _forked(ops, k) else -1
 
     result = explore("fork", rec, check, budget=BUDGET, acked=acked)
     print(f"  opened with the model: {check.opened}")
@@ -219,7 +250,7 @@ def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN
     n = len(records) // rec_bytes
 
     def acked(ops, k: int) -> int:  # noqa: ANN001
-        return n if any(op.kind == "mark" and op.label == "imported" for op in ops[:k]) else 0
+        return n if any(op.kind == "mark" and op.label == "imported" for op in ops[:k]) else -1
 
     result = explore("bundle import", rec, check, budget=BUDGET, acked=acked)
     print(f"  opened with the model: {check.opened}")

@@ -42,10 +42,10 @@ class Exploration:
                 f"{self.seconds:.1f} s, {len(self.failures)} failing")
 
 
-def last_ack(ops: list[Op], k: int) -> int:
-    """The last ``mark("ack", n)`` among the first ``k`` ops (0 if none)."""
+def last_ack(ops: list[Op], k: int, before: int = 0) -> int:
+    """The last ``mark("ack", n)`` among the first ``k`` ops (``before`` if none)."""
     acks = [op.value for op in ops[:k] if op.kind == "mark" and op.label == "ack"]
-    return acks[-1] if acks else 0
+    return acks[-1] if acks else before
 
 
 def explore(protocol: str, rec: Recorder, check: Check, *, budget: int, seed: int = 26,
@@ -69,7 +69,7 @@ def explore(protocol: str, rec: Recorder, check: Check, *, budget: int, seed: in
                     materialize(low, where)
                     committed = max(committed, bound(where))
                 rng = random.Random(f"{seed}:{sector}:{k}")
-                for tree in states(point, rng, budget, seen, salt=committed.to_bytes(4, "little")):
+                for tree in states(point, rng, budget, seen, salt=committed.to_bytes(4, "little", signed=True)):
                     result.states += 1
                     failure = _check_one(check, tree, where, committed)
                     if failure is not None:
