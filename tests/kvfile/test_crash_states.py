@@ -8,8 +8,9 @@ then builds the states a crash after each op may leave (un-synced writes dropped
 of distinct states per crash point) and checks each with the library's own open and recovery:
 the file reads as a committed prefix of exactly the appended records, holds at least every
 record committed before the crash, its sidecar never vouches for a wrong record, and a writer
-opens it (recovery), after which the sidecar vouches for every committed record. A sample goes
-through ``coli-kv verify`` and ``inspect`` in process. Run them with ``pytest -k crash_state``.
+opens it (recovery), after which the sidecar vouches for every committed record. One state in
+500 also goes through ``coli-kv verify`` and ``inspect --json`` (their ``main``, in process).
+Run them with ``pytest -k crash_state``.
 """
 from __future__ import annotations
 

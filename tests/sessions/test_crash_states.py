@@ -1,15 +1,16 @@
 """Every crash state a POSIX file system may leave during a session's protocols, checked
-(FORMAT.md 3.9; issue 26 part 1): the decode loop's commits and a suspend, a fork, a bundle import.
+(FORMAT.md 3.9; issue 26 part 1): the decode loop's commits and a suspend, a creation and its
+first turn, a fork, a bundle import.
 
 Built as in ``tests/kvfile/test_crash_states.py`` (record, build the states, sample with seed 26).
 Every state is checked without the model: the session's kv file reads as a prefix of the
 uninterrupted run's records, holding every record committed before the crash (the larger of the
 acknowledged commits and the fsynced commit word), and its sidecar never vouches for a wrong
-record. One state in ``OPEN_EVERY`` (and every state of a crash point with few) is also opened
-the way a user opens it, :meth:`SessionStore.open` with the tiny model (store sweep, kv recovery,
-manifest recovery with the last position recomputed, verification): its history must be a
-prefix of the uninterrupted run's and at least the committed records. Run with
-``pytest -k crash_state``.
+record; a session whose creation (fork, import) was acknowledged exists. One state in
+``OPEN_EVERY`` is also opened the way a user opens it, :meth:`SessionStore.open` with the tiny
+model (store sweep, kv recovery, manifest recovery with the last position recomputed,
+verification): its history must be a prefix of the uninterrupted run's, with every committed
+record. Run with ``pytest -k crash_state``.
 """
 from __future__ import annotations
 
