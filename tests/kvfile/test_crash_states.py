@@ -337,3 +337,44 @@ def test_crash_state_checker_catches_rename_without_dir_fsync(tmp_path, dir_fsyn
     result = explore("replace", rec, check, budget=BUDGET, keep_failures=1)
     print(result.summary())
     assert bool(result.failures) != dir_fsync, result.summary() + "\n" + "\n".join(result.failures)
+
+
+# -- the real command line on a sample -------------------------------------------------------------
+
+def test_crash_state_cli_sample(tmp_path) -> None:  # noqa: ANN001
+    """``coli-kv verify`` and ``inspect --json`` as processes (``python -m tools``, this tree) on
+    3 states of append + commit's crash point with the most choices, at 512 B sectors: everything
+    pending dropped, everything kept, and the first with one choice flipped."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    from tests.support.crash_states import materialize, states
+
+    rec = _record(tmp_path, _setup_fp8, _append_commit)
+    k = max(range(len(rec.ops) + 1), key=lambda i: CrashPoint(rec.snapshot, rec.ops, i, 512).units())
+    point = CrashPoint(rec.snapshot, rec.ops, k, 512)
+    committed = max(last_ack(rec.ops, k), _bound_of(point.tree(point.extreme(keep=False)), tmp_path))
+    trees = list(states(point, random.Random(26), 3, set()))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for i, tree in enumerate(trees):
+        where = str(tmp_path / f"state{i}")
+        materialize(tree, where)
+        path = os.path.join(where, KV)
+        for argv in (["verify", path], ["inspect", "--json", path]):
+            proc = subprocess.run([sys.executable, "-m", "tools", *argv], cwd=repo, capture_output=True,
+                                  text=True, timeout=120, env={**os.environ, "COLI_LOG": "off"})
+            assert proc.returncode == 0, f"coli-kv {argv[0]} exited {proc.returncode}: {proc.stderr[-400:]}"
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert found["nrec"] >= committed, (found["nrec"], committed)
+    print(f"cli sample: {len(trees)} states of crash point {k} through coli-kv verify and inspect")
+    assert len(trees) == 3
+
+
+def _bound_of(tree: Tree, tmp_path) -> int:  # noqa: ANN001
+    from tests.support.crash_states import materialize
+
+    where = str(tmp_path / "low")
+    materialize(tree, where)
+    return _bound(where)

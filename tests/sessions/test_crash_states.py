@@ -78,7 +78,7 @@ class SessionCheck:
         committed = max(committed, 0)
         n = self.kv_prefix(root, committed) if exists else 0
         self.checked += 1
-        if self.checked % OPEN_EVERY != 1:
+        if (self.checked - 1) % OPEN_EVERY:
             return
         self.opened += 1
         store = SessionStore(root)
