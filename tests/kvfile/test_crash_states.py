@@ -187,6 +187,41 @@ def test_crash_state_truncate(tmp_path) -> None:  # noqa: ANN001
     _report(explore("truncate + appends", rec, check, budget=BUDGET, acked=last_ack))
 
 
+# -- recovery on open (3.3), itself crashed --------------------------------------------------------
+
+def _setup_needs_recovery(root: str) -> None:
+    """What a crash (or the engine) can leave: nrec 20 in a file cut inside record 15 (15
+    complete), a sidecar whose count (18) ran ahead, stale create and upgrade temps."""
+    path = os.path.join(root, KV)
+    with KVWriter.open(path, DIMS) as w:
+        w.append(gen_fp8(DIMS, 0, 18))
+    with open(path, "r+b") as f:
+        f.seek(NREC_OFFSET)
+        f.write(pack_nrec(20))
+        f.truncate(40 + 15 * 356 + 100)
+    for temp in (".create.tmp", ".upgrade.tmp", ".upgrade.tmp.colisum"):
+        with open(path + temp, "wb") as f:
+            f.write(b"stale temp")
+
+
+def _recover_then_commit(root: str, rec: Recorder) -> None:
+    """A writer's open recovers (temps removed, nrec cut back to 15, the sidecar's count cut
+    back); then 3 records of other rows (epoch 1: the sidecar still has the old ones' entries
+    past its count) appended and committed."""
+    with KVWriter.open(os.path.join(root, KV), DIMS) as w:
+        rec.mark("ack", w.nrec)
+        w.append(gen_fp8(DIMS, 15, 3, epoch=1))
+        rec.mark("ack", w.commit())
+
+
+def test_crash_state_recovery(tmp_path) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_needs_recovery, _recover_then_commit)
+    old = expected_records(2, DIMS, 15)
+    new = old + pack_records(2, DIMS, gen_fp8(DIMS, 15, 3, epoch=1)).tobytes()
+    check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=18, cli_every=500, histories=[new])
+    _report(explore("recovery on open + commit", rec, check, budget=BUDGET, bound=_bound))
+
+
 # -- v1 -> v2 upgrade ----------------------------------------------------------------------------
 
 def _setup_v1(root: str) -> None:
