@@ -35,7 +35,7 @@ from tests.support.writer import expected_records, gen_f32, gen_fp8
 
 DIMS = Dims(n_layers=4, kv_lora=64, qk_rope=16, index_head_dim=0, n_index_layers=0, vocab=1000)
 KV = "kv.coli_kv"
-BUDGET = 5000  # distinct states per crash point and sector size
+BUDGET = 4000  # distinct states per crash point and sector size
 
 
 def _report(result: Exploration) -> None:
