@@ -166,7 +166,8 @@ def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:  # noqa
     rec = _record(tmp_path / "root", _setup_session(tiny, 3), _decode_and_suspend(tiny, 3))
     records, rec_bytes = _records_of(tmp_path / "root", "s")
     check = SessionCheck(tiny, "s", records, rec_bytes, stream)
-    result = explore("session decode loop + suspend", rec, check, budget=BUDGET, bound=_bound("s"))
+    result = explore("session decode loop + suspend", rec, check, budget=BUDGET, bound=_bound("s"),
+                     strict_rename=True)
     print(f"  opened with the model: {check.opened}")
     _report(result)
     assert check.opened > 0
@@ -192,7 +193,7 @@ def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:  # n
     records, rec_bytes = _records_of(root, "n")
     check = SessionCheck(tiny, "n", records, rec_bytes, stream)
     result = explore("session create + first turn", rec, check, budget=BUDGET, bound=_bound("n"),
-                     acked=lambda ops, k: last_ack(ops, k, before=-1))
+                     acked=lambda ops, k: last_ack(ops, k, before=-1), strict_rename=True)
     print(f"  opened with the model: {check.opened}")
     _report(result)
 
@@ -219,7 +220,7 @@ def test_crash_state_fork(tmp_path, tiny, stream) -> None:  # noqa: ANN001
     def acked(ops, k: int) -> int:  # noqa: ANN001
         return n if _forked(ops, k) else -1
 
-    result = explore("fork", rec, check, budget=BUDGET, acked=acked)
+    result = explore("fork", rec, check, budget=BUDGET, acked=acked, strict_rename=True)
     print(f"  opened with the model: {check.opened}")
     _report(result)
     start = CrashPoint(rec.snapshot, rec.ops, len(rec.ops), 4096)
@@ -253,6 +254,33 @@ def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN
     def acked(ops, k: int) -> int:  # noqa: ANN001
         return n if any(op.kind == "mark" and op.label == "imported" for op in ops[:k]) else -1
 
-    result = explore("bundle import", rec, check, budget=BUDGET, acked=acked)
+    result = explore("bundle import", rec, check, budget=BUDGET, acked=acked, strict_rename=True)
     print(f"  opened with the model: {check.opened}")
     _report(result)
+
+
+def test_crash_state_install_needs_the_tmp_fsync(tmp_path, tiny, stream, monkeypatch) -> None:  # noqa: ANN001
+    """Without the fsync of ``tmp/`` after a session is renamed out of it (FORMAT.md 5.1), a fork
+    acknowledged before a crash can be gone after it when a rename across directories needs both
+    fsyncs: the explorer finds it (it did, before ``install_dir`` fsynced ``tmp/``)."""
+    from sessionstore.sessions import directory
+
+    real = directory.fsync_directory
+
+    def skip_tmp(path) -> None:  # noqa: ANN001
+        if os.path.basename(os.fspath(path)) != "tmp":
+            real(path)
+
+    root = tmp_path / "root"
+    _record(root, _setup_session(tiny, 3), lambda where, rec: None)  # the session, unrecorded
+    monkeypatch.setattr(directory, "fsync_directory", skip_tmp)
+    rec = Recorder(root)
+    with rec.active():
+        _fork(str(root), rec)
+    records, rec_bytes = _records_of(root, "f")
+    check = SessionCheck(tiny, "f", records, rec_bytes, stream, whole=True)
+    n = len(records) // rec_bytes
+    result = explore("fork without the tmp fsync", rec, check, budget=50, keep_failures=1,
+                     acked=lambda ops, k: n if _forked(ops, k) else -1, strict_rename=True)
+    print(result.summary())
+    assert result.failures and "gone" in result.failures[0], result.summary()

@@ -50,10 +50,11 @@ def last_ack(ops: list[Op], k: int, before: int = 0) -> int:
 
 def explore(protocol: str, rec: Recorder, check: Check, *, budget: int, seed: int = 26,
             bound: Bound | None = None, acked: Callable[[list[Op], int], int] = last_ack,
-            keep_failures: int = 5) -> Exploration:
+            keep_failures: int = 5, strict_rename: bool = False) -> Exploration:
     """Check up to ``budget`` distinct states at every crash point (0 .. len(ops)) and sector
     size. The check's bound is ``acked(ops, k)`` (by default the last acknowledged commit),
-    raised to ``bound`` of the all-dropped state when given."""
+    raised to ``bound`` of the all-dropped state when given. ``strict_rename``: a rename across
+    directories is durable only once both directories were fsynced (:class:`CrashPoint`)."""
     result = Exploration(protocol, ops=len(rec.ops))
     t0 = time.perf_counter()
     seen: set[bytes] = set()
@@ -61,7 +62,7 @@ def explore(protocol: str, rec: Recorder, check: Check, *, budget: int, seed: in
         where = os.path.join(scratch, "state")
         for sector in SECTORS:
             for k in range(len(rec.ops) + 1):
-                point = CrashPoint(rec.snapshot, rec.ops, k, sector)
+                point = CrashPoint(rec.snapshot, rec.ops, k, sector, strict_rename=strict_rename)
                 result.points += 1
                 low = point.tree(point.extreme(keep=False))
                 committed = acked(rec.ops, k)

@@ -133,7 +133,9 @@ class Choice:
 class CrashPoint:
     """What may be on disk after a crash following the first ``k`` ops of a recording."""
 
-    def __init__(self, snapshot: Snapshot, ops: list[Op], k: int, sector: int) -> None:
+    def __init__(self, snapshot: Snapshot, ops: list[Op], k: int, sector: int, *,
+                 strict_rename: bool = False) -> None:
+        """``strict_rename``: a rename across directories is durable only once both were fsynced."""
         self.snapshot = snapshot
         self.ops = ops[:k]
         self.sector = sector
@@ -147,7 +149,7 @@ class CrashPoint:
         self.name_ops: list[tuple[Op, bool]] = []  # (op, durable)
         for i, op in enumerate(self.ops):
             if op.kind in NAME_KINDS:
-                synced = all(any(c > i for c in dsyncs.get(d, [])) for d in op.dirs())
+                synced = all(any(c > i for c in dsyncs.get(d, [])) for d in op.dirs(both=strict_rename))
                 self.name_ops.append((op, synced))
         self.pending_names = [i for i, (_, synced) in enumerate(self.name_ops) if not synced]
         self.files: dict[int, FileAt] = {}

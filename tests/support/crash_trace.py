@@ -57,13 +57,16 @@ class Op:
     label: str = ""
     value: int = 0
 
-    def dirs(self) -> tuple[int, ...]:
-        """The directory whose fsync makes this name operation durable (empty for data
+    def dirs(self, *, both: bool = False) -> tuple[int, ...]:
+        """The directories whose fsyncs make this name operation durable (empty for data
         operations): the one a name is made in (create, mkdir, link, and a rename's
         destination: a rename is atomic, and durable once the directory it names the file in
-        is fsynced), or the one it is removed from (unlink, rmdir)."""
+        is fsynced), or the one it is removed from (unlink, rmdir). ``both``: a rename across
+        directories needs its source directory's fsync too (the stricter reading of POSIX)."""
         if self.kind not in NAME_KINDS:
             return ()
+        if both and self.src is not None and self.dst is not None:
+            return tuple(sorted({self.src[0], self.dst[0]}))
         entry = self.dst if self.dst is not None else self.src
         assert entry is not None
         return (entry[0],)
@@ -316,8 +319,9 @@ class Recorder:
     def _order_concurrent_barriers(self) -> None:
         """Barriers that ran at the same time (each started before the other was recorded:
         the kv file's and the sidecar's fdatasync of one commit) are put in one fixed order
-        (the newer inode first), so the record does not depend on which finished first. No state is lost: a crash between
-        them leaves a subset of the states a crash before both leaves."""
+        (the newer inode first), so the record does not depend on which finished first. No
+        state is lost: a crash between them leaves a subset of the states a crash before both
+        leaves."""
         ops = self.ops
         changed = True
         while changed:
