@@ -413,3 +413,24 @@ def _bound_of(tree: Tree, tmp_path) -> int:  # noqa: ANN001
     where = str(tmp_path / "low")
     materialize(tree, where)
     return _bound(where)
+
+
+def test_crash_state_recorder_misses_nothing_silently(tmp_path) -> None:  # noqa: ANN001
+    """A write that goes around the recorded calls (a builtin ``open().write``) fails the replay
+    check, and so does a name made that way; recorded ones replay exactly."""
+    rec = Recorder(tmp_path)
+    with rec.active():
+        fd = os.open(tmp_path / "seen", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(fd, b"recorded", 0)
+        os.close(fd)
+    rec.check_replay(final_tree)
+    with rec.active():
+        with open(tmp_path / "seen", "r+b") as f:
+            f.write(b"RECORDED")
+    with pytest.raises(AssertionError, match="did not see written"):
+        rec.check_replay(final_tree)
+    with rec.active():
+        with open(tmp_path / "unseen", "wb") as f:
+            f.write(b"x")
+    with pytest.raises(AssertionError, match="names the recorder did not see"):
+        rec.check_replay(final_tree)

@@ -229,8 +229,13 @@ class Recorder:
                         rec._add(Op("dsync" if is_dir else "sync", ino=ino, covers=start))
             return w_sync
 
+        def no_dir_fd(kw: dict[str, Any]) -> None:
+            assert all(v is None for k, v in kw.items() if k.endswith("dir_fd")), \
+                "a name relative to a dir_fd is not recorded"
+
         def w_rename(name: str) -> Callable[..., None]:
             def rename(src: Any, dst: Any, **kw: Any) -> None:
+                no_dir_fd(kw)
                 with rec._lock:
                     s, d = rec._entry(src), rec._entry(dst)
                     real[name](src, dst, **kw)
@@ -244,6 +249,7 @@ class Recorder:
 
         def w_unlink(name: str) -> Callable[..., None]:
             def unlink(path: Any, **kw: Any) -> None:
+                no_dir_fd(kw)
                 with rec._lock:
                     e = rec._entry(path)
                     real[name](path, **kw)
@@ -253,6 +259,7 @@ class Recorder:
             return unlink
 
         def w_link(src: Any, dst: Any, **kw: Any) -> None:
+            no_dir_fd(kw)
             with rec._lock:
                 s, d = rec._entry(src), rec._entry(dst)
                 real["link"](src, dst, **kw)
@@ -263,6 +270,7 @@ class Recorder:
                     rec._add(Op("link", ino=ino, dst=d))
 
         def w_mkdir(path: Any, mode: int = 0o777, **kw: Any) -> None:
+            no_dir_fd(kw)
             with rec._lock:
                 e = rec._entry(path)
                 real["mkdir"](path, mode, **kw)
@@ -277,12 +285,15 @@ class Recorder:
                 with rec._lock:
                     if name == "sendfile":  # sendfile(out, in, offset, count)
                         out_fd, in_fd, in_off, n = src_fd, dst_fd, count, args[0]
+                        if in_off is None:  # from (and advancing) in's position
+                            in_off = os.lseek(in_fd, 0, os.SEEK_CUR)
                         out_off = os.lseek(out_fd, 0, os.SEEK_CUR)
                         done = real[name](src_fd, dst_fd, count, *args)
                     else:  # copy_file_range(src, dst, count, offset_src, offset_dst)
                         in_fd, out_fd, n = src_fd, dst_fd, count
-                        in_off = args[0] if args else os.lseek(in_fd, 0, os.SEEK_CUR)
-                        out_off = args[1] if len(args) > 1 else os.lseek(out_fd, 0, os.SEEK_CUR)
+                        given = list(args) + [None] * (2 - len(args))
+                        in_off = given[0] if given[0] is not None else os.lseek(in_fd, 0, os.SEEK_CUR)
+                        out_off = given[1] if given[1] is not None else os.lseek(out_fd, 0, os.SEEK_CUR)
                         done = real[name](src_fd, dst_fd, count, *args)
                     ino = rec._fd_ino(out_fd)
                     if ino is not None and done > 0:
