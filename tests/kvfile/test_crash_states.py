@@ -21,6 +21,7 @@ import os
 import pytest
 
 from kernels.errors import ColiError
+from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile.convert import convert_file
 from sessionstore.kvfile.fsio import fsync_parent
 from sessionstore.kvfile.layout import NREC_OFFSET, Dims, pack_nrec, pack_records
@@ -66,6 +67,9 @@ class KVCheck:
         self.cli_every = cli_every
         self.checked = 0
         self._expected = {v: [expected_records(v, DIMS, appended, gen=gen)] for v in (1, 2)}
+        version, tag = KV_FORMAT_OF_DTYPE[kv_dtype]
+        if version == 3:  # the 4-bit tier's rows, through its codec
+            self._expected[3] = [pack_records(3, DIMS, gen(DIMS, 0, appended), tag).tobytes()]
         if histories is not None:  # v2 records of each history the file may hold (a truncate)
             self._expected[2] = histories
 
@@ -229,19 +233,21 @@ def _setup_v1(root: str) -> None:
         w.append(gen_f32(DIMS, 0, 6))
 
 
-def _upgrade(root: str, rec: Recorder) -> None:
-    """A v1 file of 6 records opened with fp8 on: the first append rewrites it as v2
-    (FORMAT.md 3.7); then appends of 3, 2, 24 and 40 records, each committed."""
-    with KVWriter.open(os.path.join(root, KV), DIMS, kv_dtype="fp8") as w:
+def _upgrade(root: str, rec: Recorder, kv_dtype: str = "fp8") -> None:
+    """A v1 file of 6 records opened with fp8 (or the 4-bit tier) on: the first append rewrites
+    it as v2 (v3) (FORMAT.md 3.7); then appends of 3, 2, 24 and 40 records, each committed."""
+    with KVWriter.open(os.path.join(root, KV), DIMS, kv_dtype=kv_dtype) as w:
         for start, k in ((6, 3), (9, 2), (11, 24), (35, 40)):
             w.append(gen_f32(DIMS, start, k))
             rec.mark("ack", w.commit())
 
 
-def test_crash_state_upgrade(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_v1, _upgrade)
-    check = KVCheck(kv_dtype="fp8", gen=gen_f32, appended=75, cli_every=500)
-    _report(explore("v1 -> v2 upgrade", rec, check, budget=BUDGET, bound=_bound))
+@pytest.mark.parametrize("kv_dtype, budget", [("fp8", BUDGET), ("int4", BUDGET // 4)])
+def test_crash_state_upgrade(tmp_path, kv_dtype: str, budget: int) -> None:  # noqa: ANN001
+    rec = _record(tmp_path, _setup_v1, lambda root, r: _upgrade(root, r, kv_dtype))
+    check = KVCheck(kv_dtype=kv_dtype, gen=gen_f32, appended=75, cli_every=500)
+    target = "v2" if kv_dtype == "fp8" else f"v3 {kv_dtype}"
+    _report(explore(f"v1 -> {target} upgrade", rec, check, budget=budget, bound=_bound))
 
 
 # -- convert -------------------------------------------------------------------------------------
