@@ -4,8 +4,9 @@ one after the other into one scratch directory and handed to a protocol's check.
 
 The check gets the directory and the crash point's committed bound: the records committed
 before the crash, the larger of the last acknowledged commit (``mark("ack", n)``) and what the
-state with every pending op dropped holds (its fsynced commit word, read by ``bound``). Sampling
-is deterministic: ``random.Random(f"{seed}:{sector}:{k}")`` per crash point, and every crash
+state with every pending op dropped holds (its fsynced commit word, read by ``bound``); a
+protocol may pass its own ``acked`` (a negative bound: "may not exist yet"). Sampling is
+deterministic: ``random.Random(f"{seed}:{sector}:{k}")`` per crash point, and every crash
 point gets the same budget of distinct states (fewer when it has fewer).
 """
 from __future__ import annotations

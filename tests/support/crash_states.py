@@ -16,13 +16,16 @@ The model, at a crash after the first ``k`` recorded ops:
   source name goes with it), an unlink or rmdir once the directory it removes from was; before
   that each is independently kept or dropped, replayed in order on inodes: a kept rename puts
   its inode at the new name even when the create that named it first was dropped (the inode
-  exists; only a name was lost). A file's own fsync never makes its name durable.
+  exists; only a name was lost). A file's own fsync never makes its name durable. With
+  ``strict_rename`` a rename across two directories is durable only once both were fsynced.
 - What was on disk when recording started is durable.
 
-A state is one :class:`Choice` per crash point; :func:`states` enumerates the extreme ones
-(everything pending dropped, everything kept, one unit flipped from each), then draws the rest at
-random from a ``random.Random`` seeded by the caller, deterministically, skipping states whose
-materialized bytes were already produced (the count reported is of distinct states).
+A state is one :class:`Choice` at a crash point (a value per independent "unit": a pending name,
+a file's size, a touched block). :func:`states` enumerates every choice when there are at most
+the budget, else the extreme ones (everything pending dropped, everything kept, one unit flipped
+from each) and then random choices from a ``random.Random`` seeded by the caller,
+deterministically, skipping states whose materialized bytes were already produced (the count
+reported is of distinct states).
 """
 from __future__ import annotations
 
