@@ -207,7 +207,10 @@ class StoreDirectory:
 
     # ---- installation and removal ---------------------------------------------------------
     def install_dir(self, tmp: Path, session_id: str) -> None:
-        """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session)."""
+        """Rename a complete temp dir to ``sessions/<id>`` (refuses an existing session); then
+        fsync ``sessions/`` and the temp dir's parent: a rename across two directories is
+        durable only once both are (FORMAT.md 5.1; else a crash may keep the old name, or lose
+        the new one, and the sweep would remove the session's files under ``tmp/``)."""
         fsync_directory(tmp)
         dst = self.session_dir(session_id)
         if check_component(dst, want="dir"):
@@ -217,6 +220,7 @@ class StoreDirectory:
         except OSError as exc:
             raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
         fsync_directory(self.sessions_root)
+        fsync_directory(tmp.parent)
 
     def delete(self, session_id: str) -> None:
         """Remove a session (refused with LockedError while a writer holds it)."""
