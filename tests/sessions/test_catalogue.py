@@ -270,3 +270,23 @@ def test_a_store_that_cannot_hold_the_file_lists_from_memory(tmp_path: Path) -> 
     os.mkdir(tmp_path / "root" / CATALOGUE_NAME)  # the name taken by a directory: no database there
     cat = Catalogue(store.root, store.sessions_root)
     assert cat.opened == "rebuilt" and cat.entries() == before
+
+
+def test_a_fresh_open_and_a_page_read_no_more_than_the_page(tmp_path: Path, monkeypatch) -> None:
+    """The cost rule, counted: opening a store whose catalogue is fresh lists no directory and
+    reads no manifest; a page reads its own sessions' manifests only."""
+    store = _store_with(tmp_path / "root", 30)
+    _age_stamp(store)
+    import sessionstore.sessions.catalogue as catalogue_module
+
+    reads: list[str] = []
+    listdirs: list[str] = []
+    real_read, real_listdir = catalogue_module.read_manifest, os.listdir
+    monkeypatch.setattr(catalogue_module, "read_manifest", lambda p: reads.append(str(p)) or real_read(p))
+    monkeypatch.setattr(os, "listdir", lambda p=".": listdirs.append(str(p)) or real_listdir(p))
+    again = SessionStore(tmp_path / "root", sweep=False)
+    assert again.catalogue.opened == "fresh" and reads == [] and str(again.sessions_root) not in listdirs
+    page = again.page(4, after="f010", order="desc")
+    assert [e.id for e in page.entries] == ["f009", "f008", "f007", "f006"]
+    assert sorted(Path(p).parent.name for p in reads) == ["f006", "f007", "f008", "f009"]
+    assert str(again.sessions_root) not in listdirs
