@@ -134,11 +134,13 @@ class Catalogue:
         """Open ``<root>/catalogue.sqlite3`` for the sessions under ``sessions_root`` and bring it
         up to date (:meth:`refresh`); a store that cannot hold the file (read-only) gets an
         in-memory catalogue built from the manifests. ``self.opened`` says how it was brought
-        up to date: ``fresh``, ``replayed`` (intents), ``reconciled`` (names), ``rebuilt``."""
+        up to date: ``fresh``, ``replayed`` (intents), ``reconciled`` (names; after a replay too),
+        ``rebuilt``; ``self.replayed`` names the sessions whose intents were replayed."""
         self.path = root / CATALOGUE_NAME
         self.sessions_root = sessions_root
         self._lock = threading.RLock()
         self.opened = "fresh"
+        self.replayed: list[str] = []  # the sessions whose intents the last refresh replayed
         try:
             self._db = self._connect(str(self.path))
         except sqlite3.OperationalError as exc:  # cannot be opened or written here
@@ -193,6 +195,7 @@ class Catalogue:
         return self.opened
 
     def _refresh(self) -> str:
+        self.replayed = []
         stamp = self._meta("sessions_mtime_ns")
         if stamp is None:
             self.rebuild()
@@ -203,6 +206,7 @@ class Catalogue:
             if owner is not None and owner.state() == "alive" and owner != current_owner():
                 continue  # in flight in another process: it applies its own row
             self._apply(sid, intent_done=(sid, token))  # that process died between intent and row
+            self.replayed.append(sid)
             how = "replayed"
         mtime, stamped_at = self._dir_mtime_ns(), float(self._meta("stamped_at") or 0)
         if str(mtime) != stamp or stamped_at - mtime / 1e9 < RACY_S:

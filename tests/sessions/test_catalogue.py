@@ -131,7 +131,7 @@ def test_an_intent_left_by_a_dead_process_is_replayed(tmp_path: Path) -> None:
     db.close()
     _age_stamp(store)
     again = SessionStore(tmp_path / "root")
-    assert again.catalogue.opened == "replayed"
+    assert again.catalogue.opened == "replayed" and again.catalogue.replayed == ["late"]
     assert again.catalogue.get("late") == entry_from_files(again.sessions_root, "late")
     assert not sqlite3.connect(again.root / CATALOGUE_NAME).execute("SELECT * FROM intents").fetchall()
 
@@ -290,3 +290,59 @@ def test_a_fresh_open_and_a_page_read_no_more_than_the_page(tmp_path: Path, monk
     assert [e.id for e in page.entries] == ["f009", "f008", "f007", "f006"]
     assert sorted(Path(p).parent.name for p in reads) == ["f006", "f007", "f008", "f009"]
     assert str(again.sessions_root) not in listdirs
+
+
+_STALLED = r"""
+import os, sys, time
+from sessionstore.sessions.catalogue import Catalogue
+from sessionstore.sessions.store import SessionStore
+
+root, where = sys.argv[1], sys.argv[2]
+store = SessionStore(root)
+real_stamp = Catalogue._stamp
+
+
+def stall(self, *args):  # inside the change's (or the rebuild's) transaction, before its COMMIT
+    real_stamp(self, *args)
+    print("in transaction", flush=True)
+    time.sleep(120)
+
+
+Catalogue._stamp = stall
+if where == "fork":
+    store.fork("base", "forked")
+elif where == "delete":
+    store.delete("f000")
+else:
+    store.catalogue.rebuild()
+"""
+
+
+@pytest.mark.parametrize("where", ["fork", "delete", "rebuild"])
+def test_kill_9_inside_a_catalogue_transaction(tmp_path: Path, where: str) -> None:
+    """A writer SIGKILLed inside its catalogue transaction (the row written, the COMMIT not): the
+    transaction is gone, the catalogue opens, and the change's intent makes the next open re-read
+    that session, so the listing matches the files."""
+    root = tmp_path / "root"
+    before = _store_with(root, 2).catalogue.entries()
+    env = {**os.environ, "COLI_LOG": "off", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _STALLED, str(root), where], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()
+    assert line == b"in transaction\n", proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc.stdout.close()
+    proc.stderr.close()
+    db = sqlite3.connect(root / CATALOGUE_NAME)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    rows = [r[0] for r in db.execute("SELECT id FROM sessions ORDER BY id")]
+    assert rows == [e.id for e in before]  # the killed transaction left nothing behind
+    db.close()
+    store = SessionStore(root)
+    assert store.catalogue.replayed == {"fork": ["forked"], "delete": ["f000"], "rebuild": []}[where]
+    assert store.catalogue.entries() == _files_truth(store)
+    expected = {"fork": ["base", "f000", "f001", "forked"], "delete": ["base", "f001"],
+                "rebuild": ["base", "f000", "f001"]}[where]
+    assert [e.id for e in store.page(10).entries] == expected
