@@ -24,11 +24,11 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
-from kernels.errors import ColiError, NotFoundError
+from kernels.errors import ColiError, FormatError, NotFoundError
 from sessionstore.kvfile.sweep import current_owner, owner_of
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
-from sessionstore.sessions.paths import KV_NAME, is_valid_session_id
+from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id
 
 CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
 CATALOGUE_FORMAT = 1  # PRAGMA user_version; another value: rebuilt
@@ -106,6 +106,8 @@ def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | N
     its manifest fails FORMAT.md 5.3."""
     d = sessions_root / session_id
     try:
+        if not check_component(d, want="dir"):  # a symlink is refused (FormatError), never followed
+            return None
         manifest = read_manifest(d / MANIFEST_NAME)
         if manifest.id != session_id:
             raise ColiError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
@@ -142,8 +144,9 @@ class Catalogue:
         self.opened = "fresh"
         self.replayed: list[str] = []  # the sessions whose intents the last refresh replayed
         try:
+            self._check_paths()
             self._db = self._connect(str(self.path))
-        except sqlite3.OperationalError as exc:  # cannot be opened or written here
+        except (sqlite3.OperationalError, FormatError) as exc:  # cannot be opened or written here
             log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
             self._db = self._connect(":memory:")
             self.opened = "rebuilt"
@@ -155,6 +158,12 @@ class Catalogue:
             self.opened = "rebuilt"
             return
         self.refresh()
+
+    def _check_paths(self) -> None:
+        """Refuse (FormatError) a catalogue, WAL or shared-memory file that is a symlink or not a
+        regular file: SQLite would follow it out of the store (FORMAT.md 5.1)."""
+        for suffix in ("", "-wal", "-shm"):
+            check_component(Path(str(self.path) + suffix), want="file")
 
     @staticmethod
     def _connect(where: str) -> sqlite3.Connection:

@@ -263,13 +263,32 @@ def test_kill_9_mid_catalogue_write_leaves_a_catalogue_that_opens_and_matches(tm
         assert [e.id for e in store.page(1000).entries] == [e.id for e in listed]
 
 
-def test_a_store_that_cannot_hold_the_file_lists_from_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken_by", ["directory", "symlink", "wal symlink"])
+def test_a_store_that_cannot_hold_the_file_lists_from_memory(tmp_path: Path, taken_by: str) -> None:
+    """The catalogue's name taken by a directory, or the file or its WAL a symlink out of the
+    store: never followed; the catalogue is built in memory from the files."""
     store = _store_with(tmp_path / "root", 2)
     before = store.catalogue.entries()
+    store.catalogue.close()
     _drop_catalogue(tmp_path / "root")
-    os.mkdir(tmp_path / "root" / CATALOGUE_NAME)  # the name taken by a directory: no database there
+    outside = tmp_path / "outside.db"
+    if taken_by == "directory":
+        os.mkdir(tmp_path / "root" / CATALOGUE_NAME)
+    else:
+        os.symlink(outside, tmp_path / "root" / (CATALOGUE_NAME + ("" if taken_by == "symlink" else "-wal")))
     cat = Catalogue(store.root, store.sessions_root)
     assert cat.opened == "rebuilt" and cat.entries() == before
+    assert not outside.exists()
+
+
+def test_a_symlinked_session_directory_is_listed_unreadable_never_followed(tmp_path: Path) -> None:
+    store = _store_with(tmp_path / "root", 1)
+    outside = tmp_path / "outside"
+    shutil.copytree(store.session_dir("f000"), outside)
+    os.symlink(outside, store.sessions_root / "f000-link")
+    again = SessionStore(tmp_path / "root")
+    entry = again.catalogue.get("f000-link")
+    assert entry is not None and entry.state == "unreadable" and "symlink" in (entry.error or "")
 
 
 def test_a_fresh_open_and_a_page_read_no_more_than_the_page(tmp_path: Path, monkeypatch) -> None:
