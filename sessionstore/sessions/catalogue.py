@@ -372,12 +372,15 @@ class Catalogue:
         """Up to ``limit`` sessions after the cursor ``after`` (any id: it need not be listed, so
         a deleted cursor still pages on) in id order ``asc`` or ``desc``, each re-read from its
         files (a row that changed is written back; one whose directory is gone is ``missing``).
-        Costs one index range scan and ``limit`` manifest reads, whatever the store's size."""
+        Costs one ``stat``, one index range scan and ``limit`` manifest reads, whatever the store's
+        size; a ``sessions/`` whose mtime is not the stamp is first reconciled (:meth:`reconcile`)."""
         if order not in ("asc", "desc"):
             raise ValueError(f"order {order!r}")
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         where, args = (f"WHERE id {op} ?", [after]) if after is not None else ("", [])
         with self._lock:
+            if self._meta("sessions_mtime_ns") != str(self._dir_mtime_ns()):
+                self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
         listed = [CatalogueEntry(*row) for row in rows[:limit]]

@@ -150,6 +150,20 @@ def test_a_change_behind_the_catalogues_back_is_seen_on_open(tmp_path: Path) -> 
     assert again.catalogue.get("f001-copy").state == "unreadable"  # its manifest names f001
 
 
+def test_a_session_added_behind_a_running_stores_back_is_listed_at_the_next_page(tmp_path: Path) -> None:
+    store = _store_with(tmp_path / "root", 1)
+    assert [e.id for e in store.page(10).entries] == ["base", "f000"]
+    time.sleep(0.05)  # past the timestamp tick of the store's own last change
+    other = SessionStore(tmp_path / "elsewhere")
+    s = other.create("moved-in", "tiny")
+    s.generate(PROMPT, 2)
+    s.close()
+    shutil.copytree(other.session_dir("moved-in"), store.sessions_root / "moved-in")  # not through the store
+    page = store.page(10)
+    assert [e.id for e in page.entries] == ["base", "f000", "moved-in"]
+    assert page.entries[-1] == entry_from_files(store.sessions_root, "moved-in")
+
+
 def test_a_session_whose_files_are_gone_is_reported_never_served(tmp_path: Path, capsys) -> None:
     store = _store_with(tmp_path / "root", 2)
     shutil.rmtree(store.session_dir("f000"))
