@@ -96,7 +96,7 @@ def remove_empty_store(root: str, *, keep: frozenset[str] = frozenset()) -> None
         return
     from sessionstore.sessions.catalogue import CATALOGUE_NAME
 
-    if "." not in keep:  # the catalogue of a store this command made lists nothing (FORMAT.md 5.9)
+    if "sessions" not in keep:  # the catalogue of a store this command made lists nothing (FORMAT.md 5.9)
         for suffix in ("", "-wal", "-shm"):
             try:
                 os.unlink(os.path.join(root, CATALOGUE_NAME + suffix))
