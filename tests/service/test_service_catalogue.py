@@ -87,3 +87,24 @@ def test_a_session_whose_files_are_gone_is_listed_missing_and_never_served(serve
     assert "files are gone" in turn.json()["error"]["message"]
     assert not server.store.session_dir("s10").exists()  # not made anew under the lost id
     assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_fleet_windows_of_consecutive_pages_cover_every_id_once() -> None:
+    """A fleet server's page keeps the fleet's sessions in its id window: consecutive windows
+    (cursor, last id] partition the ids, in both orders, so no fleet session is listed twice or
+    skipped, whatever the local pages hold."""
+    from sessionstore.service.listing import PageQuery, in_window
+
+    fleet_ids = [f"r{i:02d}" for i in range(9)] + ["a", "m", "zz"]
+    local = ["b", "d", "n", "r04", "y"]
+    for order in ("asc", "desc"):
+        local_sorted = sorted(local, reverse=order == "desc")
+        seen: list[str] = []
+        after = None
+        for start in range(0, len(local_sorted), 2):
+            chunk = local_sorted[start:start + 2]
+            has_more = start + 2 < len(local_sorted)
+            query = PageQuery(2, after, order)
+            seen += [i for i in sorted(set(fleet_ids + local)) if in_window(i, query, chunk[-1], has_more)]
+            after = chunk[-1]
+        assert sorted(seen) == sorted(set(fleet_ids + local)) and len(seen) == len(set(seen))
