@@ -287,9 +287,9 @@ class Catalogue:
         new = [e for e in (entry_from_files(self.sessions_root, sid) for sid in sorted(names - listed.keys()))
                if e is not None]
         gone = [sid for sid, state in listed.items() if sid not in names and state != "missing"]
-        with self._transaction() as db:
-            db.executemany(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
-                           map(astuple, new))
+        with self._transaction() as db:  # a change in flight meanwhile writes its own row after this
+            db.executemany(f"INSERT OR IGNORE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                           [astuple(e) for e in new if os.path.lexists(self.sessions_root / e.id)])
             db.executemany("UPDATE sessions SET state = 'missing', holder = NULL, error = ? WHERE id = ?",
                            [(_gone(self.sessions_root, sid), sid) for sid in gone])
             self._stamp(mtime, at)
@@ -379,12 +379,15 @@ class Catalogue:
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         where, args = (f"WHERE id {op} ?", [after]) if after is not None else ("", [])
         with self._lock:
-            if self._meta("sessions_mtime_ns") != str(self._dir_mtime_ns()):
-                self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
+            moved = self._meta("sessions_mtime_ns") != str(self._dir_mtime_ns())
+        if moved:
+            self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
+        with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
         listed = [CatalogueEntry(*row) for row in rows[:limit]]
-        out, changed = [], []
+        out: list[CatalogueEntry] = []
+        changed: list[tuple[CatalogueEntry, CatalogueEntry]] = []
         for old in listed:
             new = entry_from_files(self.sessions_root, old.id)
             if new is None:
@@ -392,11 +395,25 @@ class Catalogue:
             else:  # what only the catalogue knows stays (state while live, retention, location)
                 new = _keep_runtime(old, new)
             if not new.same_files(old):
-                changed.append(new)
+                changed.append((old, new))
             out.append(_alive(new))
-        for entry in changed:
-            self.note(entry)
+        if changed:
+            self._write_back(changed)
         return CataloguePage(out, len(rows) > limit)
+
+    def _write_back(self, changed: list[tuple[CatalogueEntry, CatalogueEntry]]) -> None:
+        """Each ``(old, new)``: the row replaced by ``new`` only while it still is ``old`` (a
+        change or a commit that wrote the row meanwhile wins; a row deleted meanwhile stays
+        deleted). Failures are logged only: the page already shows the files."""
+        try:
+            with self._transaction() as db:
+                for old, new in changed:
+                    row = db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (old.id,)).fetchone()
+                    if row is not None and tuple(row) == astuple(old):
+                        db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                                   astuple(new))
+        except sqlite3.Error as exc:
+            log.warning("catalogue.write_failed", error=str(exc), step="page")
 
 
 def _gone(sessions_root: Path, session_id: str) -> str:

@@ -379,3 +379,25 @@ def test_kill_9_inside_a_catalogue_transaction(tmp_path: Path, where: str) -> No
     expected = {"fork": ["base", "f000", "f001", "forked"], "delete": ["base", "f001"],
                 "rebuild": ["base", "f000", "f001"]}[where]
     assert [e.id for e in store.page(10).entries] == expected
+
+
+def test_a_page_never_resurrects_a_session_deleted_while_it_was_read(tmp_path: Path, monkeypatch) -> None:
+    """A delete that completes while a page re-reads that session from its files (a server lists
+    on one thread and deletes on another): the page reports it gone, and its write-back does not
+    put a "missing" row back, which would refuse the id for good."""
+    store = _store_with(tmp_path / "root", 2)
+    import sessionstore.sessions.catalogue as catalogue_module
+
+    real = catalogue_module.entry_from_files
+
+    def racing(sessions_root: Path, session_id: str):  # noqa: ANN202 - CatalogueEntry | None
+        if session_id == "f001":
+            store.delete("f001")  # rename and catalogue row, between the page's query and its read
+        return real(sessions_root, session_id)
+
+    monkeypatch.setattr(catalogue_module, "entry_from_files", racing)
+    page = store.page(10)
+    assert {e.id: e.state for e in page.entries} == {"base": "suspended", "f000": "suspended", "f001": "missing"}
+    monkeypatch.setattr(catalogue_module, "entry_from_files", real)
+    assert store.catalogue.get("f001") is None and [e.id for e in store.page(10).entries] == ["base", "f000"]
+    store.create("f001", "tiny").close()  # the id is free
