@@ -33,6 +33,7 @@ from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_sessi
 CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
 CATALOGUE_FORMAT = 1  # PRAGMA user_version; another value: rebuilt
 RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
+WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
 BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
 STATES = ("resident", "suspended", "offloaded", "missing", "unreadable")
 LOCAL = "local"  # the location of a session whose files are in this store's sessions/
@@ -176,6 +177,7 @@ class Catalogue:
                 if str(mode).lower() != "wal":
                     raise sqlite3.OperationalError(f"journal_mode {mode}, WAL refused")
             db.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL shrinks back after a rebuild
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, CATALOGUE_FORMAT):
                 raise sqlite3.DatabaseError(f"catalogue format {version}, this reads {CATALOGUE_FORMAT}")
