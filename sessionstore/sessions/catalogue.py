@@ -10,8 +10,9 @@ says whether anything else changed it. On open the catalogue is used as it is wh
 matches and no intent is left; intents left by dead processes are replayed (their sessions
 re-read); a stamp that does not match (or is too recent to tell, :data:`RACY_S`) costs a
 comparison of the directory's names with the catalogue's; a missing, damaged or other-format
-file is rebuilt from the manifests. Writes are SQLite transactions in WAL mode
-(``synchronous=NORMAL``): a process killed mid-write leaves the last committed transaction.
+file is rebuilt from the manifests. A page checks the stamp too, and re-reads each of its sessions
+from the files. Writes are SQLite transactions in WAL mode (``synchronous=NORMAL``): a process
+killed mid-write leaves the last committed transaction.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def problem_entry(session_id: str, state: str, error: str) -> CatalogueEntry:
 def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | None:
     """The entry ``sessions/<id>`` describes now (manifest with its state page, kv size); None when
     the directory is absent; state ``missing`` when its manifest or kv file is, ``unreadable`` when
-    its manifest fails FORMAT.md 5.3."""
+    its manifest fails FORMAT.md 5.3 or the directory is a symlink (not followed)."""
     d = sessions_root / session_id
     try:
         if not check_component(d, want="dir"):  # a symlink is refused (FormatError), never followed
@@ -199,6 +200,13 @@ class Catalogue:
         try:
             with self._lock:
                 self.opened = self._refresh()
+        except sqlite3.OperationalError as exc:  # busy past the timeout, or cannot be written now
+            log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
+            with self._lock:
+                self._db.close()
+                self._db = self._connect(":memory:")
+                self.rebuild()
+            self.opened = "rebuilt"
         except sqlite3.DatabaseError as exc:  # damaged: it is a cache, made again from the files
             log.warning("catalogue.damaged", path=str(self.path), error=str(exc), action="rebuilt")
             self._replace_damaged()
@@ -237,7 +245,10 @@ class Catalogue:
                     os.unlink(str(self.path) + suffix)
                 except FileNotFoundError:
                     pass
-            os.replace(self.path, str(self.path) + ".damaged")
+            try:
+                os.replace(self.path, str(self.path) + ".damaged")
+            except FileNotFoundError:
+                pass
             self._db = self._connect(str(self.path))
             self.rebuild()
 

@@ -401,3 +401,22 @@ def test_a_page_never_resurrects_a_session_deleted_while_it_was_read(tmp_path: P
     monkeypatch.setattr(catalogue_module, "entry_from_files", real)
     assert store.catalogue.get("f001") is None and [e.id for e in store.page(10).entries] == ["base", "f000"]
     store.create("f001", "tiny").close()  # the id is free
+
+
+def test_a_catalogue_busy_past_the_timeout_is_not_taken_for_damaged(tmp_path: Path, monkeypatch) -> None:
+    """Another process holding the write lock past the busy timeout: the store opens with an
+    in-memory catalogue built from the files; the file is not moved aside."""
+    import sessionstore.sessions.catalogue as catalogue_module
+
+    store = _store_with(tmp_path / "root", 2)
+    before = store.catalogue.entries()
+    monkeypatch.setattr(catalogue_module, "BUSY_TIMEOUT_MS", 200)
+    holder = sqlite3.connect(store.root / CATALOGUE_NAME, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # the write lock, held
+    try:
+        again = SessionStore(tmp_path / "root")  # its stamp is recent: the open must write (reconcile)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert again.catalogue.opened == "rebuilt" and again.catalogue.entries() == before
+    assert not (tmp_path / "root" / (CATALOGUE_NAME + ".damaged")).exists()
