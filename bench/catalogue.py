@@ -12,9 +12,10 @@ manifests (``rebuild_s``, reported: the one-off cost after a catalogue is lost);
 ``RACY_S`` first so that the stamp it records is trusted and every later open takes the fast
 path (asserted: ``opened == "fresh"``).
 
-Timings are medians of ``--reps`` runs, each on a fresh ``SessionStore`` object (its model
-loaded before the clock starts for the open). ``--quick``: 100 / 1,000 sessions. ``--json``:
-one JSON object as the last line.
+Timings are medians of ``--reps`` rounds; each round samples every size in turn (store open on a
+fresh ``SessionStore`` object, the two pages on one kept open, the first open on a fresh object
+whose model is loaded before the clock starts, three catalogue row writes). ``--quick``: 100 /
+1,000 sessions. ``--json``: one JSON object as the last line.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sessionstore.sessions.catalogue import RACY_S
+from sessionstore.sessions.catalogue import CATALOGUE_NAME, RACY_S
 from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME
@@ -40,6 +41,7 @@ QUICK_SIZES = (100, 1_000)
 PAGE = 20  # sessions per page (OpenAI's default list page; a middle page is full from 100 sessions)
 TEMPLATE_PROMPT = list(b"catalogue bench!")  # 16 ids: the template's 16 committed records
 LINKED = (KV_NAME, SIDECAR_NAME, STATE_NAME)
+KEYS = ("store_open_s", "list_first_page_s", "list_middle_page_s", "first_open_s", "catalogue_note_s")
 LINKS_PER_SOURCE = 30_000  # ext4 allows 65,000 links to one inode: a new source file every 30,000
 
 
@@ -80,67 +82,57 @@ def build_store(root: Path, template: Path, n: int, copies: set[int]) -> float:
     return time.perf_counter() - t0
 
 
-def median_of(fn: Callable[[int], float], reps: int) -> float:
-    """The median of ``reps`` timed runs of ``fn(rep)``."""
-    return statistics.median(fn(r) for r in range(reps))
-
-
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
 
 
-def bench_size(directory: Path, template: Path, n: int, reps: int) -> dict[str, Any]:
-    root = directory / f"store-{n}"
-    probes = [n // 3 + r for r in range(reps)]  # suspended sessions opened once each
-    build_s = build_store(root, template, n, set(probes))
-    time.sleep(RACY_S + 0.1)  # the rebuild's stamp is then trusted (FORMAT.md 5.9)
-    rebuild_s, built = timed(lambda: SessionStore(root))
-    assert built.catalogue.opened == "rebuilt" and built.catalogue.count() == n, built.catalogue.opened
+class SizedStore:
+    """One built store of ``n`` sessions and its timed operations (one call = one sample)."""
 
-    def open_store(_: int) -> float:
-        took, s = timed(lambda: SessionStore(root))
+    def __init__(self, directory: Path, template: Path, n: int, reps: int) -> None:
+        self.n = n
+        self.root = directory / f"store-{n}"
+        self.probes = [n // 3 + r for r in range(reps)]  # suspended sessions opened once each
+        self.build_s = build_store(self.root, template, n, set(self.probes))
+        self.rebuild_s = 0.0
+        self.samples: dict[str, list[float]] = {k: [] for k in KEYS}
+
+    def rebuild(self) -> None:
+        """The first open: the catalogue made from the manifests (the directories came behind its back)."""
+        self.rebuild_s, built = timed(lambda: SessionStore(self.root))
+        assert built.catalogue.opened == "rebuilt" and built.catalogue.count() == self.n, built.catalogue.opened
+        self.store = SessionStore(self.root)
+        entry = self.store.catalogue.get(sid_of(0))
+        assert entry is not None
+        self.entry = entry
+
+    def sample(self, r: int) -> None:
+        """One sample of every figure; ``r`` picks the session whose first open is timed."""
+        took, s = timed(lambda: SessionStore(self.root))
         assert s.catalogue.opened == "fresh", s.catalogue.opened
-        return float(took)
-
-    store = SessionStore(root)
-    middle_after = sid_of(n // 2)
-
-    def page_first(_: int) -> float:
-        took, page = timed(lambda: store.page(PAGE))
+        self.samples["store_open_s"].append(took)
+        took, page = timed(lambda: self.store.page(PAGE))
         assert page.entries[0].id == sid_of(0)
-        return float(took)
-
-    def page_middle(_: int) -> float:
-        took, page = timed(lambda: store.page(PAGE, middle_after))
-        assert page.entries[0].id == sid_of(n // 2 + 1) or n // 2 + 1 >= n
-        return float(took)
-
-    def first_open(r: int) -> float:
-        fresh = SessionStore(root)
+        self.samples["list_first_page_s"].append(took)
+        took, page = timed(lambda: self.store.page(PAGE, sid_of(self.n // 2)))
+        assert page.entries[0].id == sid_of(self.n // 2 + 1)
+        self.samples["list_middle_page_s"].append(took)
+        fresh = SessionStore(self.root)
         fresh.load_model("tiny")  # the model is not what this measures
-        took, session = timed(lambda: fresh.open(sid_of(probes[r])))
+        took, session = timed(lambda: fresh.open(sid_of(self.probes[r])))
         session.close()
-        return float(took)
+        self.samples["first_open_s"].append(took)
+        for _ in range(3):  # what each commit of a resident session adds: one row written
+            took, _none = timed(lambda: self.store.catalogue.note(self.entry))
+            self.samples["catalogue_note_s"].append(took)
 
-    entry = store.catalogue.get(sid_of(0))
-    assert entry is not None
-
-    def note(_: int) -> float:  # what each commit of a resident session adds: one row written
-        took, _none = timed(lambda: store.catalogue.note(entry))
-        return float(took)
-
-    out = {"sessions": n, "build_s": build_s, "rebuild_s": rebuild_s,
-           "store_open_s": median_of(open_store, reps), "list_first_page_s": median_of(page_first, reps),
-           "list_middle_page_s": median_of(page_middle, reps), "first_open_s": median_of(first_open, reps),
-           "catalogue_note_s": median_of(note, max(reps, 20)),
-           "catalogue_bytes": sum(p.stat().st_size for p in root.glob("catalogue.sqlite3*"))}
-    shutil.rmtree(root)
-    return out
-
-
-KEYS = ("store_open_s", "list_first_page_s", "list_middle_page_s", "first_open_s", "catalogue_note_s")
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sessions": self.n, "build_s": self.build_s, "rebuild_s": self.rebuild_s}
+        out.update({k: statistics.median(v) for k, v in self.samples.items()})
+        out["catalogue_bytes"] = sum(p.stat().st_size for p in self.root.glob(CATALOGUE_NAME + "*"))
+        return out
 
 
 def warm_up(template: Path) -> None:
@@ -151,9 +143,18 @@ def warm_up(template: Path) -> None:
 
 
 def run(sizes: tuple[int, ...], reps: int, directory: Path) -> dict[str, Any]:
+    """Build every store, rebuild each catalogue, then sample the sizes in turn, ``reps`` rounds
+    (a load that comes and goes on the machine falls on every size alike)."""
     template = make_template(directory)
     warm_up(template)
-    results = [bench_size(directory, template, n, reps) for n in sizes]
+    stores = [SizedStore(directory, template, n, reps) for n in sizes]
+    time.sleep(RACY_S + 0.1)  # the rebuilds' stamps are then trusted (FORMAT.md 5.9)
+    for st in stores:
+        st.rebuild()
+    for r in range(reps):
+        for st in stores:
+            st.sample(r)
+    results = [st.result() for st in stores]
     small, large = results[0], results[-1]
     ratios = {f"{k[:-2]}_ratio": large[k] / small[k] for k in KEYS}
     return {"sizes": list(sizes), "ratio_of": f"{sizes[-1]}/{sizes[0]}", "reps": reps, "page": PAGE,
