@@ -19,6 +19,7 @@ a lock, so it never waits on a writer. A page of the listing comes from the cata
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -96,7 +97,12 @@ class StoreDirectory:
         self.swept: list[Swept] = []
         if create if sweep is None else sweep:
             self.sweep()
-        self.catalogue = Catalogue(self.root, self.sessions_root)  # brought up to date (FORMAT.md 5.9)
+
+    @functools.cached_property
+    def catalogue(self) -> Catalogue:
+        """The store's session catalogue (FORMAT.md 5.9), opened and brought up to date on first
+        use: a command that reads one session by id never opens it."""
+        return Catalogue(self.root, self.sessions_root)
 
     def _open_skeleton(self, create: bool) -> None:
         """Check (or make) ``sessions/`` and ``tmp/``; never removes or replaces either."""

@@ -332,6 +332,7 @@ from sessionstore.sessions.store import SessionStore
 
 root, where = sys.argv[1], sys.argv[2]
 store = SessionStore(root)
+assert store.catalogue.opened  # opened (and brought up to date) before the seam is set
 real_stamp = Catalogue._stamp
 
 
@@ -414,7 +415,8 @@ def test_a_catalogue_busy_past_the_timeout_is_not_taken_for_damaged(tmp_path: Pa
     holder = sqlite3.connect(store.root / CATALOGUE_NAME, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # the write lock, held
     try:
-        again = SessionStore(tmp_path / "root")  # its stamp is recent: the open must write (reconcile)
+        again = SessionStore(tmp_path / "root")
+        assert again.catalogue.opened == "rebuilt"  # its stamp is recent: the open must write (reconcile)
     finally:
         holder.execute("ROLLBACK")
         holder.close()
