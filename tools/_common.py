@@ -94,6 +94,16 @@ def remove_empty_store(root: str, *, keep: frozenset[str] = frozenset()) -> None
             return
     except OSError:
         return
+    from sessionstore.sessions.catalogue import CATALOGUE_NAME
+
+    if "sessions" not in keep:  # the catalogue of a store this command made lists nothing (FORMAT.md 5.9)
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.unlink(os.path.join(root, CATALOGUE_NAME + suffix))
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return
     for name, path in (*parts, (".", root)):
         if name in keep:
             continue

@@ -13,6 +13,8 @@ from kernels.errors import ColiError, FormatError
 from kernels.model import resolve_model
 from kernels.model.sampling import Sampler
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SessionStore
+from sessionstore.sessions.catalogue import SessionFilesMissingError
+from sessionstore.sessions.directory import MAX_PAGE, ORDERS
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._text import session_text_turn, text_input, tokenizer_for
 
@@ -20,6 +22,11 @@ from tools._text import session_text_turn, text_input, tokenizer_for
 def register(subparsers: Any) -> None:
     ls = subparsers.add_parser("ls", help="list the sessions of a store")
     ls.add_argument("--root", required=True, help="the session store directory")
+    ls.add_argument("--limit", type=int, default=None,
+                    help=f"one page of at most N sessions, 1..{MAX_PAGE} (default: every session)")
+    ls.add_argument("--after", metavar="ID", default=None,
+                    help="start after this id (the previous page's last id; need not exist now)")
+    ls.add_argument("--order", choices=ORDERS, default="asc", help="id order (default: asc)")
     ls.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ls.set_defaults(func=run_ls)
 
@@ -44,21 +51,45 @@ def _emit(args: argparse.Namespace, text: str, obj: dict[str, Any]) -> None:
         print(json.dumps(obj, sort_keys=True))
 
 
+def _listed(store: SessionStore, args: argparse.Namespace) -> tuple[list[str], bool]:
+    """The ids of one page (``--limit``), or of every session paged through the catalogue, in
+    ``--order`` after ``--after``; and whether more follow."""
+    if args.limit is not None:
+        page = store.page(args.limit, args.after, args.order)
+        return [e.id for e in page.entries], page.has_more
+    ids: list[str] = []
+    after, has_more = args.after, True
+    while has_more:
+        page = store.page(MAX_PAGE, after, args.order)
+        ids += [e.id for e in page.entries]
+        has_more = page.has_more
+        after = page.entries[-1].id if page.entries else after
+    return ids, False
+
+
 def run_ls(args: argparse.Namespace) -> int:
-    """The table of sessions; one whose manifest cannot be read is listed as UNREADABLE with the
-    reason (never silently left out: it still holds data, and ``rm`` can remove it)."""
+    """The table of sessions (from the store's catalogue, each re-read from its files); one whose
+    manifest cannot be read is listed as UNREADABLE, one the catalogue lists whose files are gone
+    as MISSING, each with the reason (never silently left out; ``rm`` removes either)."""
     store = SessionStore(args.root, create=False)
+    ids, has_more = _listed(store, args)
     infos, unreadable = [], []
-    for sid in store.ids():
+    for sid in ids:
         try:
             infos.append(store.info(sid))
+        except SessionFilesMissingError as exc:
+            unreadable.append({"id": sid, "state": "missing", "error": str(exc)})
         except (ColiError, OSError) as exc:
-            unreadable.append({"id": sid, "error": str(exc)})
+            unreadable.append({"id": sid, "state": "unreadable", "error": str(exc)})
     lines = [f"{'ID':<24} {'TOKENS':>8} {'KV':<4} {'BYTES':>12}  MODEL"]
     lines += [f"{i.id:<24} {i.tokens:>8} {i.kv_dtype:<4} {i.bytes:>12}  {i.model}" for i in infos]
-    lines += [f"{u['id']:<24} UNREADABLE: {u['error']}" for u in unreadable]
+    lines += [f"{u['id']:<24} {u['state'].upper()}: {u['error']}" for u in unreadable]
+    if has_more:
+        lines.append(f"(more after {ids[-1]}: --after {ids[-1]})")
     _emit(args, "\n".join(lines), {"root": str(store.root), "sessions": [i.to_json() for i in infos],
-                                   "unreadable": unreadable})
+                                   "unreadable": unreadable, "order": args.order,
+                                   "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None,
+                                   "has_more": has_more})
     return 0
 
 

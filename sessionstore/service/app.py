@@ -27,6 +27,7 @@ from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
+from sessionstore.service.listing import in_window, list_object, page_query, problem_description
 from sessionstore.service.messages import session_messages
 from sessionstore.service.metrics import TurnClock
 from sessionstore.service.protocol import (
@@ -47,6 +48,7 @@ from sessionstore.service.streams import Event, TurnStream
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
+from sessionstore.sessions.catalogue import CatalogueEntry
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -313,11 +315,27 @@ class Api:
                 "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
 
     async def list_sessions(self, request: Request) -> Response:
-        data = [self.describe(sid) for sid in self.engine.store.ids()]
+        """One page from the store's catalogue (``?limit=N&after=ID&order=asc|desc``, FORMAT.md 7)."""
+        query = page_query(request.query_params)
+        page = await asyncio.to_thread(self.engine.store.page, query.limit, query.after, query.order)
+        data = [self.describe_listed(entry) for entry in page.entries]
         home = self.engine.home
         if home is not None:  # a fleet server: the fleet's sessions too (state "remote" where not current here)
-            data = await asyncio.to_thread(home.listing, data)
-        return JSONResponse({"object": "list", "data": data})
+            last_id = data[-1]["id"] if data else None
+            fleet = await asyncio.to_thread(home.listing, data)
+            data = [d for d in fleet if in_window(str(d["id"]), query, last_id, page.has_more)]
+            data.sort(key=lambda d: str(d["id"]), reverse=query.order == "desc")
+        return JSONResponse(list_object(data, page.has_more))
+
+    def describe_listed(self, entry: CatalogueEntry) -> dict[str, Any]:
+        """A page's entry as ``describe`` gives it; one whose files are gone (or unreadable) as such."""
+        if entry.state in ("missing", "unreadable"):
+            return problem_description(entry)
+        last = self.engine.last_use.get(entry.id)
+        return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
+                "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
+                "state": self.engine.state_of(entry.id),
+                "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
 
     async def get_session(self, request: Request) -> Response:
         sid = self.session_id(request)

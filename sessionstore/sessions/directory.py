@@ -10,13 +10,16 @@ Layout::
     <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file
     <root>/tmp/                               temp dirs (new sessions, forks, adoptions, trash),
                                               each named after its owning process (sweep.py)
+    <root>/catalogue.sqlite3                  the session catalogue, a cache of the files (catalogue.py)
 
 A session directory appears only by an atomic rename of a complete temp dir, so every directory
 under ``sessions/`` holds a manifest. Listing reads manifests and ``stat``s files: it never touches
-a lock, so it never waits on a writer.
+a lock, so it never waits on a writer. A page of the listing comes from the catalogue
+(:mod:`sessionstore.sessions.catalogue`), which every install and delete keeps up to date.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
+from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, NotFoundError
 from sessionstore.kvfile import (
     REPLACED_PREFIX,
     TMP_DIR_PREFIX,
@@ -37,6 +40,7 @@ from sessionstore.kvfile import (
     sweep_store_tmp,
 )
 from sessionstore.log import get_logger
+from sessionstore.sessions.catalogue import Catalogue, CataloguePage, SessionFilesMissingError
 from sessionstore.sessions.commit_state import STATE_SUFFIX
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import (
@@ -51,6 +55,8 @@ from sessionstore.sessions.paths import (
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
 STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
+MAX_PAGE = 1000  # the most sessions one page of the listing may hold
+ORDERS = ("asc", "desc")
 
 log = get_logger("store")
 
@@ -92,6 +98,12 @@ class StoreDirectory:
         if create if sweep is None else sweep:
             self.sweep()
 
+    @functools.cached_property
+    def catalogue(self) -> Catalogue:
+        """The store's session catalogue (FORMAT.md 5.9), opened and brought up to date on first
+        use: a command that reads one session by id never opens it."""
+        return Catalogue(self.root, self.sessions_root)
+
     def _open_skeleton(self, create: bool) -> None:
         """Check (or make) ``sessions/`` and ``tmp/``; never removes or replaces either."""
         if not check_component(self.sessions_root, want="dir"):
@@ -130,11 +142,23 @@ class StoreDirectory:
         return check_component(self.session_dir(session_id), want="dir")
 
     def existing_dir(self, session_id: str) -> Path:
-        """``sessions/<id>``, which must exist (else NotFoundError)."""
+        """``sessions/<id>``, which must exist (else NotFoundError; SessionFilesMissingError when
+        the catalogue lists it: its files are gone)."""
         d = self.session_dir(session_id)
         if not check_component(d, want="dir"):
+            self.refuse_listed(session_id)
             raise NotFoundError(f"no session {session_id!r} in {self.sessions_root}")
         return d
+
+    def refuse_listed(self, session_id: str) -> None:
+        """Raise SessionFilesMissingError when the catalogue lists ``session_id`` (whose directory
+        is absent): such a session is reported, never served, and its id is not reused until it
+        is deleted (``coli-kv rm``)."""
+        if self.catalogue.get(session_id) is not None:
+            raise SessionFilesMissingError(
+                f"session {session_id!r} is in the store's catalogue but its files are gone "
+                f"({self.sessions_root / session_id} is missing): it cannot be served; delete it "
+                "(coli-kv rm) to drop it from the catalogue")
 
     def files_of(self, session_id: str) -> list[Path]:
         """The session's files to copy it whole: manifest, kv, then the sidecar and the commit
@@ -195,6 +219,18 @@ class StoreDirectory:
                            str(kv), size, manifest.model.name, manifest.model.fingerprint,
                            manifest.updated_at)
 
+    def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
+        """One page of the listing from the catalogue, in id order (``asc`` or ``desc``), after
+        the cursor ``after`` (a valid id; it need not be a session now), each entry re-read from
+        its files. Bad arguments raise LimitError / FormatError naming the parameter."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+            raise LimitError(f"limit must be an integer from 1 to {MAX_PAGE}, found {limit!r}")
+        if order not in ORDERS:
+            raise FormatError(f"order must be one of {', '.join(ORDERS)}, found {order!r}")
+        if after is not None:
+            validate_session_id(after)
+        return self.catalogue.page(limit, after, order)
+
     def list(self) -> list[SessionInfo]:
         """Every session (sorted by id); a damaged one is logged and skipped, never waited on."""
         out = []
@@ -215,17 +251,23 @@ class StoreDirectory:
         dst = self.session_dir(session_id)
         if check_component(dst, want="dir"):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
-        try:
-            os.rename(tmp, dst)
-        except OSError as exc:
-            raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
-        fsync_directory(self.sessions_root)
-        fsync_directory(tmp.parent)
+        with self.catalogue.changing(session_id):
+            try:
+                os.rename(tmp, dst)
+            except OSError as exc:
+                raise FormatError(f"session {session_id!r}: cannot install it ({exc.strerror})") from None
+            fsync_directory(self.sessions_root)
+            fsync_directory(tmp.parent)
 
     def delete(self, session_id: str) -> None:
-        """Remove a session (refused with LockedError while a writer holds it)."""
+        """Remove a session (refused with LockedError while a writer holds it); a session the
+        catalogue lists whose files are gone is dropped from the catalogue."""
+        d = self.session_dir(session_id)
+        if not check_component(d, want="dir") and self.catalogue.forget(session_id):
+            log.warning("session.delete_missing", id=session_id, reason="its files were already gone")
+            return
         d = self.existing_dir(session_id)
-        with WriterLock(d / KV_NAME):
+        with WriterLock(d / KV_NAME), self.catalogue.changing(session_id):
             trash = self.trash_dir(session_id)
             os.rename(d, trash)
             fsync_directory(self.sessions_root)
@@ -233,4 +275,4 @@ class StoreDirectory:
         log.info("session.delete", id=session_id)
 
 
-__all__ = ["SESSIONS_DIR", "STATE_NAME", "TMP_DIR", "SessionInfo", "StoreDirectory"]
+__all__ = ["MAX_PAGE", "ORDERS", "SESSIONS_DIR", "STATE_NAME", "TMP_DIR", "SessionInfo", "StoreDirectory"]

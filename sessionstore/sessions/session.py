@@ -68,6 +68,7 @@ class SessionHome(Protocol):
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
                       sampler: Sampler | None = None) -> Manifest: ...
     def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> Any: ...
+    def note_session(self, manifest: Manifest, *, resident: bool) -> None: ...
 
 
 class Session:
@@ -211,6 +212,7 @@ class Session:
         report = check.report
         report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._files.live_cache.length)
         self.resume_report = report
+        self.store.note_session(self.manifest, resident=True)  # the catalogue (FORMAT.md 5.9)
         self.residency.register(self)
         self.residency.enforce_budget(keep=self)
         log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
@@ -320,8 +322,11 @@ class Session:
         length, pending = self._files.live_cache.length, list(self.pending)
 
         def finish() -> int:
+            before = self.manifest
             self.manifest = self._committer.commit(writer, self.manifest, pending, length,
                                                    durable=self.manifest_fsync)
+            if self.manifest is not before:  # the catalogue's row follows the commit (FORMAT.md 5.9)
+                self.store.note_session(self.manifest, resident=True)
             return n
 
         return finish
@@ -380,6 +385,7 @@ class Session:
         write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
         self._files.live_writer.truncate(n)
         self._files.live_cache.truncate(n)
+        self.store.note_session(self.manifest, resident=True)
         log.info("session.truncate", id=self.id, committed=n, epoch=self.manifest.epoch)
         return n
 
@@ -409,6 +415,7 @@ class Session:
         self._files.release()
         if self.state == "resident":
             self.state = "suspended"
+            self.store.note_session(self.manifest, resident=False)
         self.residency.unregister(self)
 
     def guard_with(self, keeper: Any) -> None:

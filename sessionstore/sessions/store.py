@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kernels.errors import FormatError, LockedError, NotFoundError
-from sessionstore.kvfile import Dims, KVWriter, WriterLock, open_kv, sidecar_path
+from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv, sidecar_path
 from sessionstore.log import get_logger
+from sessionstore.sessions.catalogue import entry_of_manifest
 from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME, TMP_DIR, SessionInfo, StoreDirectory
 from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
@@ -86,6 +87,7 @@ class SessionStore(StoreDirectory):
         validate_session_id(session_id)
         if self.exists(session_id):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        self.refuse_listed(session_id)  # its files are gone: reported, never silently made anew
         model, ref = self.load_model(model_source)
         return Session.create(self, session_id, model, ref, kv_dtype=kv_dtype,
                               sampler=sampler or Sampler(), **session_options)
@@ -173,13 +175,23 @@ class SessionStore(StoreDirectory):
         elif not replace:
             raise FormatError(f"session {session_id!r} already exists (pass replace=True)")
         else:
-            with WriterLock(dst / KV_NAME):
+            with WriterLock(dst / KV_NAME), self.catalogue.changing(session_id):
                 trash = self.trash_dir(session_id, replaced=True)
                 os.rename(dst, trash)
                 self.install_dir(tmp, session_id)
             shutil.rmtree(trash, ignore_errors=True)
         log.info("session.adopt", id=session_id, replace=replace, tokens=manifest.committed)
         return self.info(session_id)
+
+    def note_session(self, manifest: Manifest, *, resident: bool) -> None:
+        """Record a live session's last commit in the catalogue (a resume, a commit, a release):
+        its manifest's fields and the kv file's size; ``resident``: held by this process."""
+        try:
+            size = os.lstat(self.kv_path(manifest.id)).st_size
+        except OSError:
+            return  # its files went away: the catalogue reports it when listed
+        self.catalogue.note(entry_of_manifest(manifest, size, state="resident" if resident else "suspended",
+                                              holder=current_owner().token if resident else None))
 
     # ---- prefix reuse ---------------------------------------------------------------------
     def prefix_match(self, session_id: str, prompt_ids: Sequence[int]) -> int:

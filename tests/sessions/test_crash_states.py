@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import ColiError
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
-from sessionstore.sessions.manifest import SamplerSettings
 from sessionstore.sessions.store import SessionStore
 from tests.support.crash_explore import Exploration, explore, last_ack
 from tests.support.crash_states import CrashPoint
 from tests.support.crash_trace import Recorder
 
 PROMPT = list(b"Once upon a time")
-SAMPLER = SamplerSettings(0.9, 50, 0.95, 4242)
+SAMPLER = Sampler(0.9, 50, 0.95, 4242)
 BUDGET = 3000  # distinct states per crash point and sector size
 OPEN_EVERY = 10  # one state in this many is also opened with the model
 

@@ -1,6 +1,7 @@
 """SessionStore: layout, confinement, listing without locks, fork copies, adopt, snapshot, budget."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -266,6 +267,8 @@ def test_context_limit_is_refused_before_any_work(store) -> None:
 
 def test_suspended_sessions_cost_disk_only(store) -> None:
     """Suspended sessions hold no descriptor, mapping or cache: only their files."""
+    gc.collect()  # earlier tests' stores (each with its catalogue's descriptors) go now, not mid-count
+    assert store.catalogue.opened  # the store's own descriptors (FORMAT.md 5.9), open before the count
     fds_before = len(os.listdir("/proc/self/fd"))
     sessions = [store.create(f"s{i}", "tiny", kv_dtype="fp8") for i in range(12)]
     for s in sessions:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sqlite3
 import struct
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kernels.rows import RecordRows
 from sessionstore.kvfile.layout import Dims
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
+from sessionstore.sessions.catalogue import CATALOGUE_NAME
 from sessionstore.sessions.manifest import (
     Manifest,
     ModelRef,
@@ -79,7 +81,9 @@ def session_files(store: SessionStore, session_id: str) -> dict[str, bytes]:
 
 
 def tree_state(root: Path) -> dict[str, bytes | str]:
-    """Every name under ``root`` with its bytes (files) or kind: equal trees, equal dicts."""
+    """Every name under ``root`` with its bytes (files) or kind: equal trees, equal dicts. A
+    store's session catalogue (FORMAT.md 5.9) stands as its rows: its file, WAL and shared-memory
+    bytes change when it is only read."""
     out: dict[str, bytes | str] = {}
     for dirpath, _dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
@@ -87,8 +91,22 @@ def tree_state(root: Path) -> dict[str, bytes | str]:
         for name in filenames:
             path = os.path.join(dirpath, name)
             key = os.path.normpath(os.path.join(rel, name))
+            if rel == "." and name in (CATALOGUE_NAME + "-wal", CATALOGUE_NAME + "-shm"):
+                continue
+            if rel == "." and name == CATALOGUE_NAME and not os.path.islink(path):
+                out[key] = catalogue_rows(Path(path))
+                continue
             out[key] = "symlink" if os.path.islink(path) else Path(path).read_bytes()
     return out
+
+
+def catalogue_rows(path: Path) -> str:
+    """The rows of a session catalogue's ``sessions`` table, in id order, as text."""
+    db = sqlite3.connect(path)
+    try:
+        return repr(db.execute("SELECT * FROM sessions ORDER BY id").fetchall())
+    finally:
+        db.close()
 
 
 def free_port() -> int:

@@ -1,0 +1,454 @@
+"""The store's session catalogue (FORMAT.md 5.9): one SQLite file beside ``sessions/`` that lists
+every session with its model, kv dtype, tokens, bytes, state, last use, retention and location,
+so that start-up, a page of the listing and the lookup of one session cost the same in a store of
+ten sessions and of 100,000.
+
+The files stay the truth: the catalogue is a cache of them. Every change of ``sessions/`` by
+the store is bracketed by an *intent* row (written before the change, removed in the same
+transaction that applies the change's row), and a stamp (the ``sessions/`` directory's mtime)
+says whether anything else changed it. On open the catalogue is used as it is when the stamp
+matches and no intent is left; intents left by dead processes are replayed (their sessions
+re-read); a stamp that does not match (or is too recent to tell, :data:`RACY_S`) costs a
+comparison of the directory's names with the catalogue's; a missing, damaged or other-format
+file is rebuilt from the manifests. A page checks the stamp too, and re-reads each of its sessions
+from the files. Writes are SQLite transactions in WAL mode (``synchronous=NORMAL``): a process
+killed mid-write leaves the last committed transaction.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, fields, replace
+from pathlib import Path
+
+from kernels.errors import ColiError, FormatError, NotFoundError
+from sessionstore.kvfile.sweep import current_owner, owner_of
+from sessionstore.log import get_logger
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
+from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id
+
+CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
+CATALOGUE_FORMAT = 1  # PRAGMA user_version; another value: rebuilt
+RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
+WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
+BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
+STATES = ("resident", "suspended", "offloaded", "missing", "unreadable")
+LOCAL = "local"  # the location of a session whose files are in this store's sessions/
+
+log = get_logger("catalogue")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, model TEXT NOT NULL, fingerprint TEXT NOT NULL, kv_dtype TEXT NOT NULL,
+    committed INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    state TEXT NOT NULL, holder TEXT, last_use TEXT NOT NULL, retention_s INTEGER,
+    location TEXT NOT NULL, error TEXT) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS intents (id TEXT NOT NULL, owner TEXT NOT NULL,
+    PRIMARY KEY (id, owner)) WITHOUT ROWID;
+"""
+
+
+class SessionFilesMissingError(NotFoundError):
+    """The catalogue lists the session but its files are gone: it is reported, never served."""
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One session as the catalogue lists it (one row of ``sessions``)."""
+
+    id: str
+    model: str  # display name ("" when the manifest cannot be read)
+    fingerprint: str
+    kv_dtype: str
+    committed: int  # committed records
+    tokens: int  # committed records + pending tokens
+    bytes: int  # the kv file's size on disk
+    state: str  # one of STATES
+    holder: str | None  # owner token of the process holding it resident (state "resident")
+    last_use: str  # ISO-8601 UTC: the manifest's updated_at (the last commit or whole write)
+    retention_s: int | None  # seconds kept after last use (None: kept until deleted)
+    location: str  # LOCAL, or where an offloaded session's bundle lies
+    error: str | None  # why the state is "missing" or "unreadable"
+
+    def same_files(self, other: CatalogueEntry) -> bool:
+        """Whether both describe the same files (the fields a rebuild reads from them)."""
+        return _file_fields(self) == _file_fields(other)
+
+
+def _file_fields(e: CatalogueEntry) -> tuple[object, ...]:
+    return (e.id, e.model, e.fingerprint, e.kv_dtype, e.committed, e.tokens, e.bytes, e.last_use, e.error,
+            e.state in ("missing", "unreadable"))
+
+
+_COLUMNS = ", ".join(f.name for f in fields(CatalogueEntry))
+_PLACEHOLDERS = ", ".join("?" for _ in fields(CatalogueEntry))
+
+
+def entry_of_manifest(manifest: Manifest, kv_bytes: int, *, state: str = "suspended",
+                      holder: str | None = None) -> CatalogueEntry:
+    """The entry of a session whose manifest is ``manifest`` and kv file ``kv_bytes`` long."""
+    return CatalogueEntry(manifest.id, manifest.model.name, manifest.model.fingerprint, manifest.kv_dtype,
+                          manifest.committed, manifest.committed + len(manifest.pending), kv_bytes, state,
+                          holder, manifest.updated_at, None, LOCAL, None)
+
+
+def problem_entry(session_id: str, state: str, error: str) -> CatalogueEntry:
+    """The entry of a session whose files are gone (``missing``) or cannot be read (``unreadable``)."""
+    return CatalogueEntry(session_id, "", "", "", 0, 0, 0, state, None, "", None, LOCAL, error)
+
+
+def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | None:
+    """The entry ``sessions/<id>`` describes now (manifest with its state page, kv size); None when
+    the directory is absent; state ``missing`` when its manifest or kv file is, ``unreadable`` when
+    its manifest fails FORMAT.md 5.3 or the directory is a symlink (not followed)."""
+    d = sessions_root / session_id
+    try:
+        if not check_component(d, want="dir"):  # a symlink is refused (FormatError), never followed
+            return None
+        manifest = read_manifest(d / MANIFEST_NAME)
+        if manifest.id != session_id:
+            raise ColiError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
+        size = os.lstat(d / KV_NAME).st_size
+    except (NotFoundError, FileNotFoundError) as exc:
+        if not os.path.lexists(d):
+            return None
+        return problem_entry(session_id, "missing", str(exc))
+    except (ColiError, OSError) as exc:
+        return problem_entry(session_id, "unreadable", str(exc))
+    return entry_of_manifest(manifest, size)
+
+
+@dataclass(frozen=True)
+class CataloguePage:
+    """One page of the listing: ``entries`` in the page's order; ``has_more`` when more follow."""
+
+    entries: list[CatalogueEntry]
+    has_more: bool
+
+
+class Catalogue:
+    """The SQLite catalogue of one store (thread-safe: one connection behind a lock)."""
+
+    def __init__(self, root: Path, sessions_root: Path) -> None:
+        """Open ``<root>/catalogue.sqlite3`` for the sessions under ``sessions_root`` and bring it
+        up to date (:meth:`refresh`); a store that cannot hold the file (read-only) gets an
+        in-memory catalogue built from the manifests. ``self.opened`` says how it was brought
+        up to date: ``fresh``, ``replayed`` (intents), ``reconciled`` (names; after a replay too),
+        ``rebuilt``; ``self.replayed`` names the sessions whose intents were replayed."""
+        self.path = root / CATALOGUE_NAME
+        self.sessions_root = sessions_root
+        self._lock = threading.RLock()
+        self.opened = "fresh"
+        self.replayed: list[str] = []  # the sessions whose intents the last refresh replayed
+        try:
+            self._check_paths()
+            self._db = self._connect(str(self.path))
+        except (sqlite3.OperationalError, FormatError) as exc:  # cannot be opened or written here
+            log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
+            self._db = self._connect(":memory:")
+            self.opened = "rebuilt"
+            self.rebuild()
+            return
+        except sqlite3.DatabaseError as exc:  # not a database, or of another format
+            log.warning("catalogue.damaged", path=str(self.path), error=str(exc), action="rebuilt")
+            self._replace_damaged()
+            self.opened = "rebuilt"
+            return
+        self.refresh()
+
+    def _check_paths(self) -> None:
+        """Refuse (FormatError) a catalogue, WAL or shared-memory file that is a symlink or not a
+        regular file: SQLite would follow it out of the store (FORMAT.md 5.1)."""
+        for suffix in ("", "-wal", "-shm"):
+            check_component(Path(str(self.path) + suffix), want="file")
+
+    @staticmethod
+    def _connect(where: str) -> sqlite3.Connection:
+        db = sqlite3.connect(where, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                             check_same_thread=False)
+        try:
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if where != ":memory:":
+                mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise sqlite3.OperationalError(f"journal_mode {mode}, WAL refused")
+            db.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL shrinks back after a rebuild
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, CATALOGUE_FORMAT):
+                raise sqlite3.DatabaseError(f"catalogue format {version}, this reads {CATALOGUE_FORMAT}")
+            db.executescript(_SCHEMA)
+            db.execute(f"PRAGMA user_version = {CATALOGUE_FORMAT}")
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---- freshness (FORMAT.md 5.9) -----------------------------------------------------------
+    def refresh(self) -> str:
+        """Bring the catalogue up to date with the files at the cost the rule allows; returns how
+        (``fresh``, ``replayed``, ``reconciled``, ``rebuilt``), also kept in ``self.opened``."""
+        try:
+            with self._lock:
+                self.opened = self._refresh()
+        except sqlite3.OperationalError as exc:  # busy past the timeout, or cannot be written now
+            log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
+            with self._lock:
+                self._db.close()
+                self._db = self._connect(":memory:")
+                self.rebuild()
+            self.opened = "rebuilt"
+        except sqlite3.DatabaseError as exc:  # damaged: it is a cache, made again from the files
+            log.warning("catalogue.damaged", path=str(self.path), error=str(exc), action="rebuilt")
+            self._replace_damaged()
+            self.opened = "rebuilt"
+        return self.opened
+
+    def _refresh(self) -> str:
+        self.replayed = []
+        stamp = self._meta("sessions_mtime_ns")
+        if stamp is None:
+            self.rebuild()
+            return "rebuilt"
+        how = "fresh"
+        for sid, token in self._db.execute("SELECT id, owner FROM intents").fetchall():
+            owner = owner_of(token)
+            if owner is not None and owner.state() == "alive" and owner != current_owner():
+                continue  # in flight in another process: it applies its own row
+            self._apply(sid, intent_done=(sid, token))  # that process died between intent and row
+            self.replayed.append(sid)
+            how = "replayed"
+        mtime, stamped_at = self._dir_mtime_ns(), float(self._meta("stamped_at") or 0)
+        if str(mtime) != stamp or stamped_at - mtime / 1e9 < RACY_S:
+            self.reconcile()
+            how = "reconciled"
+        return how
+
+    def _replace_damaged(self) -> None:
+        """Move a damaged catalogue aside (kept as ``catalogue.sqlite3.damaged``), then rebuild."""
+        with self._lock:
+            try:
+                self._db.close()
+            except (sqlite3.Error, AttributeError):  # AttributeError: never connected
+                pass
+            for suffix in ("-wal", "-shm"):
+                try:
+                    os.unlink(str(self.path) + suffix)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.replace(self.path, str(self.path) + ".damaged")
+            except FileNotFoundError:
+                pass
+            self._db = self._connect(str(self.path))
+            self.rebuild()
+
+    def _dir_mtime_ns(self) -> int:
+        return os.lstat(self.sessions_root).st_mtime_ns
+
+    def _meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _stamp(self, mtime_ns: int, at: float) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             [("sessions_mtime_ns", str(mtime_ns)), ("stamped_at", repr(at))])
+
+    def _names(self) -> list[str]:
+        return [n for n in os.listdir(self.sessions_root) if is_valid_session_id(n)]
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def rebuild(self) -> int:
+        """Every row again from the manifests (one transaction); returns the sessions listed."""
+        at, mtime = time.time(), self._dir_mtime_ns()  # read BEFORE the scan: a change during it shows
+        entries = [e for e in (entry_from_files(self.sessions_root, sid) for sid in self._names()) if e is not None]
+        with self._transaction() as db:
+            db.execute("DELETE FROM sessions")
+            db.execute("DELETE FROM intents")
+            db.executemany(f"INSERT INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})", map(astuple, entries))
+            self._stamp(mtime, at)
+        log.info("catalogue.rebuilt", path=str(self.path), sessions=len(entries))
+        return len(entries)
+
+    def reconcile(self) -> tuple[int, int]:
+        """Compare the names under ``sessions/`` with the rows: a new name's row is read from its
+        files; a row whose directory is gone is kept as ``missing`` (reported until deleted).
+        Returns (added, missing)."""
+        at, mtime = time.time(), self._dir_mtime_ns()
+        names = set(self._names())
+        with self._lock:
+            listed = {sid: state for sid, state in self._db.execute("SELECT id, state FROM sessions")}
+        new = [e for e in (entry_from_files(self.sessions_root, sid) for sid in sorted(names - listed.keys()))
+               if e is not None]
+        gone = [sid for sid, state in listed.items() if sid not in names and state != "missing"]
+        with self._transaction() as db:  # a change in flight meanwhile writes its own row after this
+            db.executemany(f"INSERT OR IGNORE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                           [astuple(e) for e in new if os.path.lexists(self.sessions_root / e.id)])
+            db.executemany("UPDATE sessions SET state = 'missing', holder = NULL, error = ? WHERE id = ?",
+                           [(_gone(self.sessions_root, sid), sid) for sid in gone])
+            self._stamp(mtime, at)
+        if new or gone:
+            log.warning("catalogue.reconciled", path=str(self.path), added=len(new), missing=len(gone))
+        return len(new), len(gone)
+
+    # ---- the store's changes of sessions/ ---------------------------------------------------------
+    @contextmanager
+    def changing(self, session_id: str) -> Iterator[None]:
+        """Bracket a change of ``sessions/<id>`` (install, delete, replace): an intent before it,
+        then the session's row read from its files (or removed when its directory is gone) and the
+        intent dropped in one transaction. A catalogue write that fails is logged, never raised:
+        the files are the truth and the next open replays what is left."""
+        token = current_owner().token
+        before: int | None = None
+        try:
+            with self._transaction() as db:
+                db.execute("INSERT OR REPLACE INTO intents (id, owner) VALUES (?, ?)", (session_id, token))
+                mtime = self._dir_mtime_ns()
+                before = mtime if self._meta("sessions_mtime_ns") == str(mtime) else None
+        except sqlite3.Error as exc:
+            log.warning("catalogue.write_failed", id=session_id, error=str(exc), step="intent")
+        try:
+            yield
+        finally:
+            try:
+                self._apply(session_id, intent_done=(session_id, token), stamp_if=before)
+            except sqlite3.Error as exc:
+                log.warning("catalogue.write_failed", id=session_id, error=str(exc), step="apply")
+
+    def _apply(self, session_id: str, *, intent_done: tuple[str, str], stamp_if: int | None = None) -> None:
+        """The row of ``session_id`` from its files (deleted when its directory is gone), the intent
+        dropped; the stamp advanced when it matched the directory just before the change
+        (``stamp_if``): nothing the catalogue does not know about happened in between."""
+        entry = entry_from_files(self.sessions_root, session_id)
+        at = time.time()
+        with self._transaction() as db:
+            if entry is None:
+                db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            else:
+                db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                           astuple(entry))
+            db.execute("DELETE FROM intents WHERE id = ? AND owner = ?", intent_done)
+            if stamp_if is not None and self._meta("sessions_mtime_ns") == str(stamp_if):
+                self._stamp(self._dir_mtime_ns(), at)
+
+    # ---- a session's life (commits, resume, release) -------------------------------------------------
+    def note(self, entry: CatalogueEntry) -> None:
+        """Record a live session's row (a commit, a resume, a release); failures are logged only."""
+        try:
+            with self._transaction() as db:
+                db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                           astuple(entry))
+        except sqlite3.Error as exc:
+            log.warning("catalogue.write_failed", id=entry.id, error=str(exc), step="note")
+
+    def forget(self, session_id: str) -> bool:
+        """Drop the row of a session whose files are gone; True when there was one."""
+        with self._transaction() as db:
+            return db.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount > 0
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def get(self, session_id: str) -> CatalogueEntry | None:
+        """The row of ``session_id`` as recorded (None when not listed)."""
+        with self._lock:
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return None if row is None else CatalogueEntry(*row)
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+
+    def entries(self) -> list[CatalogueEntry]:
+        """Every row, by id (a full scan: for tests and tools, not for serving)."""
+        with self._lock:
+            return [CatalogueEntry(*row) for row in self._db.execute(f"SELECT {_COLUMNS} FROM sessions ORDER BY id")]
+
+    def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
+        """Up to ``limit`` sessions after the cursor ``after`` (any id: it need not be listed, so
+        a deleted cursor still pages on) in id order ``asc`` or ``desc``, each re-read from its
+        files (a row that changed is written back; one whose directory is gone is ``missing``).
+        Costs one ``stat``, one index range scan and ``limit`` manifest reads, whatever the store's
+        size; a ``sessions/`` whose mtime is not the stamp is first reconciled (:meth:`reconcile`)."""
+        if order not in ("asc", "desc"):
+            raise ValueError(f"order {order!r}")
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where, args = (f"WHERE id {op} ?", [after]) if after is not None else ("", [])
+        with self._lock:
+            moved = self._meta("sessions_mtime_ns") != str(self._dir_mtime_ns())
+        if moved:
+            self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
+                                    (*args, limit + 1)).fetchall()
+        listed = [CatalogueEntry(*row) for row in rows[:limit]]
+        out: list[CatalogueEntry] = []
+        changed: list[tuple[CatalogueEntry, CatalogueEntry]] = []
+        for old in listed:
+            new = entry_from_files(self.sessions_root, old.id)
+            if new is None:
+                new = problem_entry(old.id, "missing", _gone(self.sessions_root, old.id))
+            else:  # what only the catalogue knows stays (state while live, retention, location)
+                new = _keep_runtime(old, new)
+            if not new.same_files(old):
+                changed.append((old, new))
+            out.append(_alive(new))
+        if changed:
+            self._write_back(changed)
+        return CataloguePage(out, len(rows) > limit)
+
+    def _write_back(self, changed: list[tuple[CatalogueEntry, CatalogueEntry]]) -> None:
+        """Each ``(old, new)``: the row replaced by ``new`` only while it still is ``old`` (a
+        change or a commit that wrote the row meanwhile wins; a row deleted meanwhile stays
+        deleted). Failures are logged only: the page already shows the files."""
+        try:
+            with self._transaction() as db:
+                for old, new in changed:
+                    row = db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (old.id,)).fetchone()
+                    if row is not None and tuple(row) == astuple(old):
+                        db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                                   astuple(new))
+        except sqlite3.Error as exc:
+            log.warning("catalogue.write_failed", error=str(exc), step="page")
+
+
+def _gone(sessions_root: Path, session_id: str) -> str:
+    return f"{sessions_root / session_id}: the session's directory is gone"
+
+
+def _keep_runtime(old: CatalogueEntry, new: CatalogueEntry) -> CatalogueEntry:
+    if new.state in ("missing", "unreadable"):
+        return new
+    return replace(new, state=old.state if old.state in ("resident", "offloaded") else new.state,
+                   holder=old.holder, retention_s=old.retention_s, location=old.location)
+
+
+def _alive(entry: CatalogueEntry) -> CatalogueEntry:
+    """``entry`` with a resident state whose holder has died reported as suspended."""
+    if entry.state != "resident":
+        return entry
+    owner = owner_of(entry.holder or "")
+    if owner is None or owner.state() != "alive":  # dead, or of another boot
+        return replace(entry, state="suspended", holder=None)
+    return entry
+
+
+__all__ = ["CATALOGUE_FORMAT", "CATALOGUE_NAME", "LOCAL", "RACY_S", "STATES", "Catalogue", "CatalogueEntry",
+           "CataloguePage", "SessionFilesMissingError", "entry_from_files", "entry_of_manifest", "problem_entry"]
