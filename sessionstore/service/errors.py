@@ -7,6 +7,7 @@ path is ``<path>``.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Sequence
@@ -25,7 +26,8 @@ from kernels.errors import (
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "conflict_error", 413: "invalid_request_error", 500: "server_error",
-               503: "service_unavailable"}
+               503: "service_unavailable", 507: "server_error"}
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the store's disk (or quota) had no room for: 507
 
 
 # an absolute path of two or more components, not an API route (/v1/...) and not inside a URL
@@ -91,6 +93,9 @@ def api_error_of(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), code="corruption")
     if isinstance(exc, ColiError):
         return ApiError(400, str(exc))
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+        return ApiError(507, "the store's disk is full (no space left for the session's records); what the turn "
+                        "had committed is kept, and turns work again once space is freed", code="insufficient_storage")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
