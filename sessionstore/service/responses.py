@@ -152,9 +152,11 @@ def responses_usage(out: TurnOutcome) -> dict[str, Any]:
 
 
 def message_item(record: ResponseRecord, text: str, status: str) -> dict[str, Any]:
-    """The response's one output item: an assistant message holding its text."""
+    """The response's one output item: an assistant message holding its text (and, as the chat
+    API's choices do, the sampled ``token_ids``: an extension)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": [], "token_ids": record.output_tokens}
     return {"id": "msg_" + record.id.removeprefix("resp_"), "type": "message", "role": "assistant",
-            "status": status, "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "status": status, "content": [part]}
 
 
 def response_object(record: ResponseRecord, store: bool, *, status: str | None = None) -> dict[str, Any]:

@@ -17,11 +17,12 @@ SEED = 7
 INSTRUCTIONS = "Be brief."
 
 
-def _stateless(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int]:
-    """(text, completion tokens) of a stateless chat completion with the chain's sampling."""
+def _stateless(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, list[int]]:
+    """(text, token ids) of a stateless chat completion with the chain's sampling."""
     done = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, seed=SEED,
                                           **SAMPLED)
-    return done.choices[0].message.content, done.usage.completion_tokens
+    assert done.usage.completion_tokens == len(done.choices[0].token_ids)
+    return done.choices[0].message.content, list(done.choices[0].token_ids)
 
 
 def _respond(client: Any, model: str, text: str, prev: str | None, max_tokens: int = 12, **kw: Any) -> Any:
@@ -37,9 +38,10 @@ def _messages(*turns: tuple[str, str]) -> list[dict[str, str]]:
 
 
 def _check(client: Any, model: str, resp: Any, messages: list[dict[str, str]], what: str) -> None:
-    text, n = _stateless(client, model, messages, 12)
+    text, ids = _stateless(client, model, messages, 12)
+    assert resp.output[0].content[0].token_ids == ids, what
     assert resp.output_text == text, what
-    assert resp.usage.output_tokens == n, what
+    assert resp.usage.output_tokens == len(ids), what
 
 
 def test_chains_and_branches_match_stateless_chat_across_restart(tmp_path: Path, text_model_dir: Path) -> None:
@@ -97,11 +99,20 @@ def test_store_false_and_bad_input(tmp_path: Path, text_model_dir: Path) -> None
         assert loose.store is False and loose.output_text
         _check(client, model, loose, [*_messages(), {"role": "user", "content": "hello there"}], "store false")
         assert server.get("/v1/sessions").json()["data"] == []  # nothing kept
+        assert not list((tmp_path / "root" / "responses").iterdir())
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(loose.id)
         with pytest.raises(openai.NotFoundError) as missing:
             _respond(client, model, "x", loose.id)
         assert missing.value.body["code"] == "response_not_found"
+        kept = _respond(client, model, "hello there", None)
+        side = _respond(client, model, "an aside", kept.id, store=False)  # continues, keeps nothing
+        _check(client, model, side, [*_messages(("hello there", kept.output_text)),
+                                     {"role": "user", "content": "an aside"}], "store false continued")
+        assert side.usage.input_tokens_details.cached_tokens == 0
+        on = _respond(client, model, "and then?", kept.id)  # the chain's session was not touched: in place
+        assert on.usage.input_tokens_details.cached_tokens > 0
+        assert len(server.get("/v1/sessions").json()["data"]) == 1
         for bad in ("resp_" + "0" * 48, "../../etc/passwd", "x" * 300):
             r = server.post("/v1/responses", json={"model": model, "input": "hi", "previous_response_id": bad})
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", bad
