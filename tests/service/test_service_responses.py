@@ -151,3 +151,27 @@ def test_streamed_response_events(tmp_path: Path, text_model_dir: Path) -> None:
         assert client.responses.retrieve(final.id).output_text == deltas
         follow = _respond(client, model, "and then?", final.id)  # a streamed response continues
         assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_interleaved_chains_exact_across_evictions(tmp_path: Path, text_model_dir: Path) -> None:
+    """Two chains taking turns on a server that keeps one session resident: each turn resumes its
+    chain's suspended session in place, token-exact."""
+    with ServerProc(tmp_path / "root", text_model_dir, "--max-resident", "1") as server:
+        client = server.openai()
+        model = client.models.list().data[0].id
+        turns: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
+        last: dict[str, str | None] = {"a": None, "b": None}
+        for n in range(3):
+            for chain in ("a", "b"):
+                said = f"{chain} says {n}"
+                resp = _respond(client, model, said, last[chain])
+                _check(client, model, resp, [*_messages(*turns[chain]), {"role": "user", "content": said}],
+                       f"chain {chain} turn {n}")
+                if n:
+                    assert resp.usage.input_tokens_details.cached_tokens > 0, (chain, n)
+                turns[chain].append((said, resp.output_text))
+                last[chain] = resp.id
+        assert len(server.get("/v1/sessions").json()["data"]) == 2
+        evicted = [line for line in server.get("/metrics").text.splitlines()
+                   if line.startswith("coli_sessions_evicted_total ")]
+        assert evicted and float(evicted[0].split()[1]) >= 4  # every turn but the first two resumed its session
