@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -113,6 +114,20 @@ def test_store_false_and_bad_input(tmp_path: Path, text_model_dir: Path) -> None
         on = _respond(client, model, "and then?", kept.id)  # the chain's session was not touched: in place
         assert on.usage.input_tokens_details.cached_tokens > 0
         assert len(server.get("/v1/sessions").json()["data"]) == 1
+        client.responses.delete(kept.id)  # records stand alone: what continued it still continues
+        after = _respond(client, model, "more", on.id)
+        assert after.usage.input_tokens_details.cached_tokens > 0
+        chain = [("hello there", kept.output_text), ("and then?", on.output_text), ("more", after.output_text)]
+        sid = server.get("/v1/sessions").json()["data"][0]["id"]
+        assert httpx.delete(server.url + f"/v1/sessions/{sid}", timeout=60).status_code == 200
+        lost = _respond(client, model, "still there?", after.id)  # the session is gone: rebuilt from messages
+        _check(client, model, lost, [*_messages(*chain), {"role": "user", "content": "still there?"}], "rebuilt")
+        assert lost.usage.input_tokens_details.cached_tokens == 0
+        record = tmp_path / "root" / "responses" / f"{lost.id}.json"
+        record.write_text(record.read_text().replace(f'"model": "{model}"', '"model": "another"'))
+        with pytest.raises(openai.ConflictError) as other:
+            _respond(client, model, "x", lost.id)
+        assert other.value.body["code"] == "model_mismatch"
         for bad in ("resp_" + "0" * 48, "../../etc/passwd", "x" * 300):
             r = server.post("/v1/responses", json={"model": model, "input": "hi", "previous_response_id": bad})
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", bad
