@@ -4,6 +4,7 @@ stateless chat completion over the same messages, before and after a server rest
 responses are retrieved, listed and deleted; bad references and bodies are OpenAI-shaped 4xx."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,32 @@ def test_interleaved_chains_exact_across_evictions(tmp_path: Path, text_model_di
         evicted = [line for line in server.get("/metrics").text.splitlines()
                    if line.startswith("coli_sessions_evicted_total ")]
         assert evicted and float(evicted[0].split()[1]) >= 4  # every turn but the first two resumed its session
+
+
+def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path: Path, text_model_dir: Path) -> None:
+    with ServerProc(tmp_path / "root", text_model_dir) as server:
+        client = server.openai()
+        model = client.models.list().data[0].id
+        stream = client.responses.create(model=model, input="hello there", max_output_tokens=2048, stream=True,
+                                         temperature=0)
+        rid = ""
+        for event in stream:
+            if event.type == "response.created":
+                rid = event.response.id
+            if event.type == "response.output_text.delta":
+                break
+        stream.close()  # the client goes: the turn ends at its next token and is stored as it stands
+        deadline = time.monotonic() + 60
+        while (got := server.get(f"/v1/responses/{rid}")).status_code == 404 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cut = got.json()
+        assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "interrupted"}
+        assert 0 < cut["usage"]["output_tokens"] < 2048
+        text = cut["output"][0]["content"][0]["text"]
+        follow = client.responses.create(model=model, input="go on", previous_response_id=rid, max_output_tokens=8,
+                                         temperature=0)
+        assert follow.usage.input_tokens_details.cached_tokens > 0
+        done = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": "hello there"}, {"role": "assistant", "content": text},
+            {"role": "user", "content": "go on"}])
+        assert follow.output[0].content[0].token_ids == done.choices[0].token_ids
