@@ -44,6 +44,7 @@ from sessionstore.service.protocol import (
     usage,
     usage_chunk,
 )
+from sessionstore.service.responses import ResponsesRoutes, TurnJob
 from sessionstore.service.streams import Event, TurnStream
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
@@ -166,9 +167,11 @@ class Api:
             spec.prompt = req.prompt
         return spec
 
-    async def start_turn(self, spec: TurnSpec, clock: TurnClock) -> tuple[TurnStream, Event]:
-        """Queue the turn (counted waiting, then running); its stream and first event (an error
-        before any text is raised)."""
+    async def start_turn(self, spec: TurnSpec, clock: TurnClock,
+                         job: TurnJob | None = None) -> tuple[TurnStream, Event]:
+        """Queue the turn (counted waiting, then running) holding ``spec.session``; its stream and
+        first event (an error before any text is raised). ``job``: what the engine runs with the
+        stream (default: :meth:`Engine.run_turn` of ``spec``)."""
         stream = TurnStream(asyncio.get_running_loop())
         metrics = self.engine.metrics
 
@@ -176,7 +179,7 @@ class Api:
             metrics.waiting.dec()
             metrics.running.inc()
             try:
-                return self.engine.run_turn(spec, stream)
+                return job(stream) if job is not None else self.engine.run_turn(spec, stream)
             finally:
                 metrics.running.dec()
 
@@ -400,6 +403,7 @@ def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | Non
     """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set; the web
     page at ``/`` is served without it; ``pull``: the peers ``POST .../pull`` may fetch from)."""
     api = Api(engine, pull)
+    responses = ResponsesRoutes(api)
     r = api.route
     routes = [
         Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
@@ -407,6 +411,11 @@ def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | Non
         Route("/v1/models", r("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", r("chat", api.chat_completions), methods=["POST"]),
         Route("/v1/completions", r("completions", api.completions), methods=["POST"]),
+        Route("/v1/responses", r("responses", responses.create), methods=["POST"]),
+        Route("/v1/responses/{rid}", r("response", responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{rid}", r("response_delete", responses.delete), methods=["DELETE"]),
+        Route("/v1/responses/{rid}/input_items", r("response_input_items", responses.input_items),
+              methods=["GET"]),
         Route("/v1/sessions", r("sessions", api.list_sessions), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),

@@ -36,6 +36,11 @@ def _hostile(server: ServerProc) -> dict[str, tuple[str, bytes]]:
     def with_chat(field: str, raw: str) -> bytes:
         return (chat[:-1] + f', "{field}": {raw}}}').encode()
 
+    def with_response(field: str, raw: str) -> bytes:
+        body = {"model": Path(server.model).name, "input": "hi", "max_output_tokens": 2}
+        body.pop(field, None)
+        return (json.dumps(body)[:-1] + f', "{field}": {raw}}}').encode()
+
     return {
         "deep array": ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000),
         "deep in a field": ("/v1/chat/completions", with_chat("metadata", "[" * 5000 + "]" * 5000)),
@@ -59,6 +64,17 @@ def _hostile(server: ServerProc) -> dict[str, tuple[str, bytes]]:
         "message not an object": ("/v1/chat/completions", with_chat("messages", "[1]")),
         "empty body": ("/v1/chat/completions", b""),
         "fork: deep": ("/v1/sessions/x/fork", b"{" * 10_000),
+        "responses: deep input": ("/v1/responses", with_response("input", "[" * 5000 + "]" * 5000)),
+        "responses: 5000-digit seed": ("/v1/responses", with_response("seed", "9" * 5000)),
+        "responses: seed past u64": ("/v1/responses", with_response("seed", str(1 << 70))),
+        "responses: lone surrogate": ("/v1/responses", with_response("input", '"a\\ud800b"')),
+        "responses: null input": ("/v1/responses", with_response("input", "null")),
+        "responses: item not an object": ("/v1/responses", with_response("input", "[1]")),
+        "responses: previous id a list": ("/v1/responses", with_response("previous_response_id", '["x"]')),
+        "responses: previous id unknown": ("/v1/responses", with_response("previous_response_id", '"resp_1"')),
+        "responses: metadata nested": ("/v1/responses", with_response("metadata", '{"a": {"b": 1}}')),
+        "responses: tools": ("/v1/responses", with_response("tools", '[{"type": "function"}]')),
+        "responses: NaN temperature": ("/v1/responses", with_response("temperature", "NaN")),
     }
 
 

@@ -1,0 +1,155 @@
+"""Stored responses of ``POST /v1/responses`` (FORMAT.md 7.6): one JSON file per response in
+``<store root>/responses/``, each a checkpoint of a session at a token count.
+
+A record names the session its chain lives in, the length of that session's token history at
+the response's end and the SHA-256 of those tokens (:func:`tokens_digest`, as the conversation
+file's), so a later request can tell whether the session still holds the checkpoint (the
+newest response of a chain: continue in place), holds it as a prefix (an older response:
+fork there) or no longer holds it (start a new session from the record's messages). The
+record carries the whole conversation it ends (``messages``, without ``instructions``, which
+OpenAI does not carry over a chain), so no record depends on another: deleting one never
+breaks the responses that continued it.
+
+Files are written whole and durably (temp, fsync, rename, fsync directory:
+:func:`sessionstore.kvfile.atomic_replace`) before the response is returned; a response id
+is checked against :data:`RESPONSE_ID` before it names a path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernels.errors import CorruptionError, FormatError
+from kernels.jsonfile import read_json_bounded
+from sessionstore.kvfile import atomic_replace, fsync_directory
+from sessionstore.sessions.paths import confined
+
+RESPONSES_DIR = "responses"
+SCHEMA = "coli-response"
+SCHEMA_VERSION = 1
+MAX_RECORD_BYTES = 32 << 20
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}\Z")
+
+
+def new_response_id() -> str:
+    """A fresh response id: ``resp_`` and 48 hex digits."""
+    return "resp_" + secrets.token_hex(24)
+
+
+def is_response_id(value: str) -> bool:
+    return RESPONSE_ID.match(value) is not None
+
+
+@dataclass
+class ResponseRecord:
+    """One stored response: what it answered, what it said and where its chain's tokens live."""
+
+    id: str
+    model: str
+    created_at: int
+    session: str  # the session holding the chain's tokens
+    tokens: int  # the session's history length at this response's end
+    digest: str  # tokens_digest of those tokens
+    messages: list[dict[str, Any]]  # the conversation this response ends (its reply last), no instructions
+    input: list[dict[str, Any]]  # the input items this response added (OpenAI's input item shape)
+    output_text: str
+    output_tokens: list[int]
+    status: str  # "completed" | "incomplete"
+    incomplete_reason: str | None
+    usage: dict[str, Any]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, max_output_tokens
+
+    def encode(self) -> bytes:
+        obj = {"schema": SCHEMA, "version": SCHEMA_VERSION, **asdict(self)}
+        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+_FIELDS = {"id": str, "model": str, "created_at": int, "session": str, "tokens": int, "digest": str,
+           "messages": list, "input": list, "output_text": str, "output_tokens": list, "status": str,
+           "usage": dict, "metadata": dict, "params": dict}
+
+
+def parse_record(obj: Any, where: str) -> ResponseRecord:
+    """A record from its JSON object; a wrong schema, version or field type is a FormatError."""
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA:
+        raise FormatError(f"{where}: not a response record (schema {SCHEMA!r} expected)")
+    if obj.get("version") != SCHEMA_VERSION:
+        raise FormatError(f"{where}: response record version {obj.get('version')!r} is not supported")
+    for name, kind in _FIELDS.items():
+        value = obj.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise FormatError(f"{where}: {name} must be a JSON {kind.__name__}")
+    for name in ("instructions", "previous_response_id", "incomplete_reason"):
+        if obj.get(name) is not None and not isinstance(obj.get(name), str):
+            raise FormatError(f"{where}: {name} must be a string or null")
+    fields: dict[str, Any] = {k: obj.get(k) for k in ResponseRecord.__dataclass_fields__}
+    return ResponseRecord(**fields)
+
+
+def _temp(path: str) -> tuple[int, str]:
+    fd, tmp = tempfile.mkstemp(prefix=".response-", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        os.fchmod(fd, 0o644)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, tmp
+
+
+class ResponseRecords:
+    """The responses directory of one store root."""
+
+    def __init__(self, root: Path) -> None:
+        self.directory = confined(root, RESPONSES_DIR)
+        self.directory.mkdir(exist_ok=True)
+
+    def _path(self, response_id: str) -> Path | None:
+        return self.directory / f"{response_id}.json" if is_response_id(response_id) else None
+
+    def write(self, record: ResponseRecord) -> None:
+        """Store ``record`` whole and durably (replacing one of the same id)."""
+        path = self._path(record.id)
+        assert path is not None, "records are written under ids new_response_id made"
+        data = record.encode()
+        if len(data) > MAX_RECORD_BYTES:
+            raise FormatError(f"the response is larger than {MAX_RECORD_BYTES} bytes stored")
+        atomic_replace(path, data, make_temp=_temp, durable=True)
+
+    def read(self, response_id: str) -> ResponseRecord | None:
+        """The record ``response_id``, or None when there is none (or the id is not one of ours);
+        a damaged file is a CorruptionError naming the response."""
+        path = self._path(response_id)
+        if path is None:
+            return None
+        try:
+            return parse_record(read_json_bounded(path, MAX_RECORD_BYTES, "response"), f"response {response_id}")
+        except FileNotFoundError:
+            return None
+        except FormatError as exc:  # our own file, damaged: not the client's error
+            raise CorruptionError(f"stored response {response_id}: {exc}") from None
+
+    def delete(self, response_id: str) -> bool:
+        """Remove the record durably; True if it was there."""
+        path = self._path(response_id)
+        if path is None:
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        fsync_directory(path.parent)
+        return True
+
+
+__all__ = ["MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
+           "is_response_id", "new_response_id", "parse_record"]

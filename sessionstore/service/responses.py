@@ -1,0 +1,400 @@
+"""OpenAI's Responses API over sessions (FORMAT.md 7.6): ``POST /v1/responses``, ``GET`` and
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+
+A response is a chat turn (:class:`TurnSpec` kind ``"chat"``) over the conversation its chain
+holds, the new input items and ``instructions`` (a system message first; never carried over a
+chain, as OpenAI's). With ``store`` (the default) the turn runs on the chain's session and its
+:class:`ResponseRecord` is written before the response is returned: the first response of a
+chain creates a session; a response continuing the newest one of its chain appends to that
+session in place; one continuing an older response forks the session at that response's
+token count; one whose checkpoint is gone (the session deleted or changed) starts a new
+session from the record's messages. Every way gives the tokens a stateless chat completion
+over the same messages gives. ``store: false`` runs stateless and keeps nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from sessionstore.service.engine import Engine
+from sessionstore.service.errors import ApiError, Places, api_error_of
+from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.metrics import TurnClock
+from sessionstore.service.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
+from sessionstore.service.response_records import ResponseRecord, ResponseRecords, new_response_id
+from sessionstore.service.streams import Event, TurnStream
+from sessionstore.service.turns import TurnOutcome, TurnSpec
+from sessionstore.sessions.conversation import tokens_digest
+from sessionstore.sessions.turns import common_prefix
+
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
+
+TurnJob = Callable[[TurnStream], TurnOutcome]
+
+
+class TurnHost(Protocol):
+    """What the routes use of the API they are part of (:class:`sessionstore.service.app.Api`)."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def limits(self) -> ServiceLimits: ...
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def places(self) -> Places: ...
+
+    async def body(self, request: Request) -> bytes: ...
+    def check_model(self, name: str) -> None: ...
+    async def start_turn(self, spec: TurnSpec, clock: TurnClock,
+                         job: TurnJob | None = None) -> tuple[TurnStream, Event]: ...
+    async def receive(self, stream: TurnStream, clock: TurnClock) -> Event: ...
+
+
+# ---- the request ------------------------------------------------------------------------------
+class InputMessage(BaseModel):
+    """One input item: a message whose content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Any]
+
+    def text(self, where: str) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PART_TYPES:
+                shown = repr(kind)[:40] if isinstance(kind, str) else "no type"
+                raise ApiError(400, f"{where}.content.{j}: content parts of type {shown} are not supported; "
+                               'this model takes text only ({"type": "input_text", "text": ...})',
+                               param=f"{where}.content.{j}.type", code="unsupported_content")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ApiError(400, f"{where}.content.{j}.text: a text part needs a string 'text'",
+                               param=f"{where}.content.{j}.text")
+            texts.append(text)
+        return TEXT_PART_SEPARATOR.join(texts)
+
+
+class ResponseRequest(BaseModel):
+    """``POST /v1/responses``. Unknown fields are ignored; tools are refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    metadata: dict[str, str] | None = None
+    tools: list[Any] | None = None
+
+    def check(self, limits: ServiceLimits) -> None:
+        if self.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        n = self.max_output_tokens
+        if n is not None and not 1 <= n <= limits.max_tokens:
+            raise ApiError(400, f"max_output_tokens must be in [1, {limits.max_tokens}], found {n}",
+                           param="max_output_tokens", code="limit_exceeded")
+        if isinstance(self.input, list):
+            if not self.input:
+                raise ApiError(400, "input is empty: give text or at least one message", param="input")
+            if len(self.input) > limits.max_messages:
+                raise ApiError(400, f"{len(self.input)} input items exceed the limit of {limits.max_messages}",
+                               param="input", code="limit_exceeded")
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                                 for k, v in meta.items()):
+            raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} "
+                           f"and values of at most {MAX_METADATA_VALUE} characters", param="metadata")
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields given, and the seed (a fresh random one when none is given)."""
+        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+        return {**given, "seed": fresh_seed() if self.seed is None else self.seed}
+
+    def items(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(the input items as OpenAI lists them, the messages they add for the chat template)."""
+        given = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        items, messages = [], []
+        for i, m in enumerate(given):
+            text = m.text(f"input.{i}")
+            part = "output_text" if m.role == "assistant" else "input_text"
+            items.append({"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": m.role,
+                          "status": "completed", "content": [{"type": part, "text": text}]})
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        return items, messages
+
+
+# ---- the response object ---------------------------------------------------------------------
+def responses_usage(out: TurnOutcome) -> dict[str, Any]:
+    """The Responses API's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session."""
+    return {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.reused_prefix},
+            "output_tokens": len(out.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": out.prompt_tokens + len(out.tokens)}
+
+
+def message_item(record: ResponseRecord, text: str, status: str) -> dict[str, Any]:
+    """The response's one output item: an assistant message holding its text (and, as the chat
+    API's choices do, the sampled ``token_ids``: an extension)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": [], "token_ids": record.output_tokens}
+    return {"id": "msg_" + record.id.removeprefix("resp_"), "type": "message", "role": "assistant",
+            "status": status, "content": [part]}
+
+
+def response_object(record: ResponseRecord, store: bool, *, status: str | None = None) -> dict[str, Any]:
+    """OpenAI's response object for ``record`` (``status`` "in_progress": no output, no usage yet)."""
+    status = status or record.status
+    done = status != "in_progress"
+    reason = record.incomplete_reason
+    params = record.params
+    return {
+        "id": record.id, "object": "response", "created_at": record.created_at, "status": status,
+        "background": False, "error": None,
+        "incomplete_details": {"reason": reason} if done and status == "incomplete" and reason else None,
+        "instructions": record.instructions, "max_output_tokens": params.get("max_output_tokens"),
+        "model": record.model,
+        "output": [message_item(record, record.output_text, "completed" if status == "completed" else "incomplete")]
+        if done else [],
+        "parallel_tool_calls": False, "previous_response_id": record.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": store,
+        "temperature": params.get("temperature"), "top_p": params.get("top_p"),
+        "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
+        "usage": record.usage if done else None, "user": None, "metadata": record.metadata,
+        "seed": params.get("seed"),  # extension: the seed the reply was drawn with
+    }
+
+
+def response_not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no response {response_id[:80]!r} (unknown, deleted, or created with store: false)",
+                    param=param, code="response_not_found")
+
+
+def chain_session_id() -> str:
+    """A fresh id for a session holding a chain (or a branch of one)."""
+    return f"chain-{secrets.token_hex(16)}"
+
+
+# ---- the routes -------------------------------------------------------------------------------
+class ResponsesRoutes:
+    """The Responses API's handlers over one :class:`TurnHost` and the store's responses directory."""
+
+    def __init__(self, host: TurnHost) -> None:
+        self.host = host
+        self.engine = host.engine
+        self.records = ResponseRecords(host.engine.store.root)
+
+    async def create(self, request: Request) -> Response:
+        host = self.host
+        clock = TurnClock(self.engine.metrics, time.perf_counter())
+        req: ResponseRequest = parse_body(await host.body(request), ResponseRequest)
+        req.check(host.limits)
+        host.check_model(req.model)
+        prev = None
+        if req.previous_response_id is not None:
+            prev = await asyncio.to_thread(self.records.read, req.previous_response_id)
+            if prev is None:
+                raise response_not_found(req.previous_response_id, "previous_response_id")
+            if prev.model != req.model:
+                raise ApiError(409, f"response {prev.id!r} was made by model {prev.model!r}, not {req.model!r}",
+                               param="previous_response_id", code="model_mismatch")
+        items, added = req.items()
+        chain = [*(prev.messages if prev else []), *added]
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        spec = TurnSpec("chat", None, messages=[*system, *chain], max_tokens=req.max_output_tokens,
+                        sampling=req.sampling())
+        sampler = spec.sampling
+        record = ResponseRecord(
+            id=new_response_id(), model=host.model_id, created_at=now(), session="", tokens=0,
+            digest="", messages=[], input=items, output_text="", output_tokens=[], status="in_progress",
+            incomplete_reason=None, usage={}, instructions=req.instructions,
+            previous_response_id=req.previous_response_id, metadata=dict(req.metadata or {}),
+            params={"temperature": sampler.get("temperature", 0.0), "top_p": sampler.get("top_p", 1.0),
+                    "seed": sampler["seed"], "max_output_tokens": req.max_output_tokens})
+        job = None
+        if req.store:
+            spec.session = prev.session if prev is not None else chain_session_id()
+            job = self.stored_job(spec, record, chain, prev)
+        stream, first = await host.start_turn(spec, clock, job)
+        if req.stream:
+            return StreamingResponse(self.events(record, req.store, stream, first, clock),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        event = first
+        while event.kind == "text":
+            event = await host.receive(stream, clock)
+        if event.kind == "error":
+            raise event.value
+        finish(record, event.value)
+        return JSONResponse(response_object(record, req.store))
+
+    def stored_job(self, spec: TurnSpec, record: ResponseRecord, chain: list[dict[str, Any]],
+                   prev: ResponseRecord | None) -> TurnJob:
+        """The engine job of a stored response: place the turn on the chain's session (in place,
+        a fork of it, or a new session: :meth:`place`), run it, write the record; a refused turn
+        leaves no new session behind."""
+        engine = self.engine
+
+        def job(stream: TurnStream) -> TurnOutcome:
+            extra = self.place(spec, prev) if prev is not None else None
+            try:
+                out = engine.run_turn(spec, stream)
+                assert spec.session is not None
+                session, _ = engine.open_session(spec.session, create=False)
+                history = session.history()
+                finish(record, out)
+                record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
+                record.messages = [*chain, {"role": "assistant", "content": out.text}]
+                self.records.write(record)
+                return out
+            except BaseException:
+                if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session
+                    engine.delete(extra)
+                raise
+            finally:
+                engine.release(extra)
+
+        return job
+
+    def place(self, spec: TurnSpec, prev: ResponseRecord) -> str | None:
+        """Point ``spec`` at the session to continue ``prev`` on (the baton's holder, ``prev``'s
+        session claimed): unchanged when that session ends at ``prev``'s checkpoint (its newest
+        response: in place); else a fork of it at the longest prefix its tokens share with this
+        turn's prompt (an older response: a branch that leaves the session as it is), or a new
+        session when they share none or the session is gone. The new session's id is claimed and
+        returned (None when in place)."""
+        engine, store = self.engine, self.engine.store
+        new = chain_session_id()
+        if store.exists(prev.session):
+            session, _ = engine.open_session(prev.session, create=False)
+            history = session.history()
+            if len(history) == prev.tokens and tokens_digest(history) == prev.digest:
+                return None
+            shared = common_prefix(history, engine.runner.prompt_ids(spec))
+            if shared > 0:
+                engine.claim(new)
+                try:
+                    engine.fork(prev.session, new, min(shared, session.committed))
+                except BaseException:
+                    engine.release(new)
+                    raise
+                spec.session = new
+                return new
+        engine.claim(new)
+        spec.session = new
+        return new
+
+    # ---- streaming -------------------------------------------------------------------------------
+    async def events(self, record: ResponseRecord, store: bool, stream: TurnStream, first: Event,
+                     clock: TurnClock) -> AsyncIterator[bytes]:
+        """The response's SSE events as OpenAI sends them, each with ``type`` and ``sequence_number``."""
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> bytes:
+            nonlocal seq
+            data = sse({"type": kind, "sequence_number": seq, **fields})
+            seq += 1
+            return data
+
+        item_id = "msg_" + record.id.removeprefix("resp_")
+        at = {"item_id": item_id, "output_index": 0}
+        try:
+            yield event("response.created", response=response_object(record, store, status="in_progress"))
+            yield event("response.in_progress", response=response_object(record, store, status="in_progress"))
+            item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            yield event("response.output_item.added", output_index=0, item=item)
+            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event("response.content_part.added", **at, content_index=0, part=empty)
+            text = ""
+            ev = first
+            while ev.kind == "text":
+                text += ev.value
+                yield event("response.output_text.delta", **at, content_index=0, delta=ev.value, logprobs=[])
+                ev = await self.host.receive(stream, clock)
+            if ev.kind == "error":
+                error = api_error_of(ev.value).body(self.host.places)["error"]
+                yield event("error", code=error["code"], message=error["message"], param=error["param"])
+                return
+            finish(record, ev.value)
+            obj = response_object(record, store)
+            done_item = obj["output"][0]
+            yield event("response.output_text.done", **at, content_index=0, text=record.output_text, logprobs=[])
+            yield event("response.content_part.done", **at, content_index=0, part=done_item["content"][0])
+            yield event("response.output_item.done", output_index=0, item=done_item)
+            kind = "response.completed" if record.status == "completed" else "response.incomplete"
+            yield event(kind, response=obj)
+        finally:
+            stream.cancel()  # a vanished client ends its turn at the next token (it commits)
+
+    # ---- stored responses ------------------------------------------------------------------------
+    async def stored(self, request: Request) -> ResponseRecord:
+        rid: str = request.path_params["rid"]
+        record = await asyncio.to_thread(self.records.read, rid)
+        if record is None:
+            raise response_not_found(rid)
+        return record
+
+    async def retrieve(self, request: Request) -> Response:
+        if request.query_params.get("stream") in ("1", "true"):
+            raise ApiError(400, "streaming a stored response again is not supported", param="stream")
+        return JSONResponse(response_object(await self.stored(request), True))
+
+    async def delete(self, request: Request) -> Response:
+        rid: str = request.path_params["rid"]
+        if not await asyncio.to_thread(self.records.delete, rid):
+            raise response_not_found(rid)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        """The input items the response added, as OpenAI's list (``order`` desc by default,
+        ``limit`` 1-100 (20), ``after`` an item id)."""
+        record = await self.stored(request)
+        q = request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
+        raw = q.get("limit", "20")
+        if not (raw.isdigit() and 1 <= int(raw) <= 100):
+            raise ApiError(400, "limit must be an integer in [1, 100]", param="limit")
+        items = record.input if order == "asc" else record.input[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise ApiError(404, f"no input item {after[:80]!r} in this response", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:int(raw)]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+    def handlers(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+        return {"create": self.create, "retrieve": self.retrieve, "delete": self.delete,
+                "input_items": self.input_items}
+
+
+def finish(record: ResponseRecord, out: TurnOutcome) -> None:
+    """Fill ``record`` with the finished turn ``out``: its text, tokens, status and usage."""
+    record.output_text, record.output_tokens = out.text, list(out.tokens)
+    record.status = "completed" if out.finish == "stop" else "incomplete"
+    record.incomplete_reason = {"length": "max_output_tokens", "abort": "interrupted"}.get(out.finish)
+    record.usage = responses_usage(out)
+
+
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "chain_session_id", "finish",
+           "message_item", "response_object", "responses_usage"]
