@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.serve_decode import steps_of_one_and_all
 from bench.serve_procs import Server, Streamed, stream_completion
 from bench.serve_sse import stream_all
 
@@ -125,19 +126,7 @@ def glm52_layers_speedup(reps: int) -> dict[str, Any]:
     blocks = [first.blocks(layer) for layer in range(config.n_layers)]
     caches = [first] + [model.cache_from_blocks(blocks, first.tokens, kv_dtype="fp8", index_rows=first.index_rows())
                         for _ in range(15)]  # the same rows, not copied: each appends its own
-    tokens = np.full(16, 5, dtype=np.int32)  # [16] i32
-    one, many = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        model.decode_step(caches[:1], tokens[:1])
-        one.append(time.perf_counter() - t)
-        caches[0].truncate(GLM52_CONTEXT)
-        t = time.perf_counter()
-        model.decode_step(caches, tokens)
-        many.append(time.perf_counter() - t)
-        for cache in caches:
-            cache.truncate(GLM52_CONTEXT)
-    solo, batch = statistics.median(one), statistics.median(many)
+    solo, batch = steps_of_one_and_all(model, caches, GLM52_CONTEXT, reps)
     weights = sum(a.nbytes for a in _arrays(model))
     return {"batch16_speedup_glm52_layers": 16 * solo / batch, "glm52_step1_s": solo, "glm52_step16_s": batch,
             "glm52_experts": GLM52_EXPERTS, "glm52_weight_bytes": weights, "glm52_build_s": built}

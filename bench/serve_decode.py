@@ -155,16 +155,10 @@ def in_process_step(model: Any, prompt: list[int], length: int, kv_dtype: str, r
     return statistics.median(times)
 
 
-def step_speedup(model: Any, prompt: list[int], length: int, kv_dtype: str, reps: int) -> dict[str, Any]:
-    """The engine's own share of ``batch16_speedup``, in this process: ``decode_step`` of 16 caches
-    at ``length`` against 16 steps of one, alternated, medians (no HTTP, no sessions, no files)."""
-    caches = []
-    for i in range(CLIENTS):
-        cache = model.new_cache(kv_dtype)
-        ids = [int(t) for t in prompt] + [(i * 7 + j) % 200 + 3 for j in range(max(0, length - len(prompt)))]
-        model.forward(np.asarray(ids[:length], dtype=np.int32), cache)
-        caches.append(cache)
-    tokens = np.full(CLIENTS, 5, dtype=np.int32)  # [16] i32
+def steps_of_one_and_all(model: Any, caches: list[Any], length: int, reps: int) -> tuple[float, float]:
+    """Median seconds of ``decode_step`` of the first cache alone and of all of them, alternated,
+    every cache cut back to ``length`` after each (the same positions every time)."""
+    tokens = np.full(len(caches), 5, dtype=np.int32)  # [B] i32
     one, many = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -176,7 +170,19 @@ def step_speedup(model: Any, prompt: list[int], length: int, kv_dtype: str, reps
         many.append(time.perf_counter() - t0)
         for cache in caches:
             cache.truncate(length)
-    solo, batch = statistics.median(one), statistics.median(many)
+    return statistics.median(one), statistics.median(many)
+
+
+def step_speedup(model: Any, prompt: list[int], length: int, kv_dtype: str, reps: int) -> dict[str, Any]:
+    """The engine's own share of ``batch16_speedup``, in this process: ``decode_step`` of 16 caches
+    at ``length`` against 16 steps of one, alternated, medians (no HTTP, no sessions, no files)."""
+    caches = []
+    for i in range(CLIENTS):
+        cache = model.new_cache(kv_dtype)
+        ids = [int(t) for t in prompt] + [(i * 7 + j) % 200 + 3 for j in range(max(0, length - len(prompt)))]
+        model.forward(np.asarray(ids[:length], dtype=np.int32), cache)
+        caches.append(cache)
+    solo, batch = steps_of_one_and_all(model, caches, length, reps)
     return {"batch16_step_speedup": CLIENTS * solo / batch, "step_solo_s": solo, "step_batch16_s": batch,
             "step_length": length}
 

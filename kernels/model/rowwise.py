@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -147,54 +148,47 @@ def _panels_times(x: np.ndarray, panels: np.ndarray, out: np.ndarray) -> None:  
 
 
 _lock = threading.Lock()
-_transposes: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
-_panels: dict[tuple[str, int], tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
+_layouts: dict[tuple[str, int], tuple[weakref.ref[np.ndarray], np.ndarray]] = {}  # (layout, id(w)) -> (w, copy)
+
+
+def _kept_layout(w: np.ndarray, layout: str, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``make(w)``, made once per weight array and layout and kept while ``w`` lives."""
+    key = (layout, id(w))
+    with _lock:
+        held = _layouts.get(key)
+        if held is not None and held[0]() is w:
+            return held[1]
+    made = make(w)
+
+    def forget(_ref: weakref.ref[np.ndarray], key: tuple[str, int] = key, lock: threading.Lock = _lock,
+               kept: dict[tuple[str, int], Any] = _layouts) -> None:  # bound now: also at interpreter exit
+        with lock:
+            if kept.get(key, (None,))[0] is _ref:
+                del kept[key]
+
+    with _lock:
+        _layouts[key] = (weakref.ref(w, forget), made)
+    return made
 
 
 def transposed(w: np.ndarray) -> np.ndarray:
     """w [..., out, in] as a contiguous f32 [..., in, out] (the last two axes swapped), made once and
     kept while ``w`` lives."""
-    key = id(w)
-    with _lock:
-        held = _transposes.get(key)
-        if held is not None and held[0]() is w:
-            return held[1]
-    wt = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=np.float32)  # wt: [..., in, out] f32
-
-    def forget(_ref: weakref.ref[np.ndarray], key: int = key, lock: threading.Lock = _lock,
-               kept: dict[int, Any] = _transposes) -> None:  # bound now: also at interpreter exit
-        with lock:
-            if kept.get(key, (None,))[0] is _ref:
-                del kept[key]
-
-    with _lock:
-        _transposes[key] = (weakref.ref(w, forget), wt)
-    return wt
+    return _kept_layout(w, "transposed", lambda v: np.ascontiguousarray(np.swapaxes(v, -1, -2), dtype=np.float32))
 
 
 def paneled(w: np.ndarray) -> np.ndarray:
     """w [out, in] as contiguous f32 panels [ceil(out / PANEL), in, PANEL] (panel p holds columns
     p*PANEL.. of w^T, the last zero-padded), made once and kept while ``w`` lives."""
-    key = ("panels", id(w))
-    with _lock:
-        held = _panels.get(key)
-        if held is not None and held[0]() is w:
-            return held[1]
+    return _kept_layout(w, "panels", _panels_of)
+
+
+def _panels_of(w: np.ndarray) -> np.ndarray:
     out_dim, in_dim = w.shape
     n_panels = -(-out_dim // PANEL)
     padded = np.zeros((n_panels * PANEL, in_dim), np.float32)  # padded: [P*PANEL, in] f32
     padded[:out_dim] = w
-    panels = np.ascontiguousarray(padded.reshape(n_panels, PANEL, in_dim).transpose(0, 2, 1))  # [P, in, PANEL]
-
-    def forget(_ref: weakref.ref[np.ndarray], key: tuple[str, int] = key, lock: threading.Lock = _lock,
-               kept: dict[tuple[str, int], Any] = _panels) -> None:  # bound now: also at interpreter exit
-        with lock:
-            if kept.get(key, (None,))[0] is _ref:
-                del kept[key]
-
-    with _lock:
-        _panels[key] = (weakref.ref(w, forget), panels)
-    return panels
+    return np.ascontiguousarray(padded.reshape(n_panels, PANEL, in_dim).transpose(0, 2, 1))  # [P, in, PANEL]
 
 
 def rowwise_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ from sessionstore.kvfile.fsio import (
     open_regular,
     pwrite_all,
     read_json_bounded,
+    readable_temp,
+    unlink_durably,
     write_all,
 )
 from sessionstore.kvfile.integrity import Vouched, require_sound, require_vouched
@@ -57,7 +59,8 @@ from sessionstore.kvfile.writer import KVWriter
 __all__ = [
     "ConvertResult", "Dims", "Durability", "ENTRY_SIZE", "HEADER_SIZE", "Header", "KVReader",
     "KVWriter", "REPLACED_PREFIX", "RecordScan", "SIDECAR_HEADER_SIZE", "SidecarReport", "Swept", "TMP_DIR_PREFIX",
-    "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "atomic_replace", "check_records",
+    "TRASH_PREFIX", "VerifyReport", "Vouched", "WriterLock", "atomic_replace", "check_records", "readable_temp",
+    "unlink_durably",
     "convert_file", "copy_committed", "copy_sidecar_prefix", "current_owner", "fsync_directory",
     "fsync_parent", "load_sidecar", "open_kv", "open_regular", "pack_header", "pack_records",
     "parse_header", "pwrite_all", "read_json_bounded", "record_bytes", "record_checksum",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 
 from kernels.errors import FormatError
@@ -136,7 +137,37 @@ def atomic_replace(path: str | os.PathLike[str], data: Buffer, *,
         fsync_parent(where)
 
 
+def unlink_durably(path: str | os.PathLike[str]) -> bool:
+    """Remove ``path`` and fsync its directory (the removal survives a crash); True if it was there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_parent(path)
+    return True
+
+
+def readable_temp(prefix: str) -> Callable[[str], tuple[int, str]]:
+    """A ``make_temp`` for :func:`atomic_replace`: a new ``<prefix>*.tmp`` beside the path, mode
+    0644 (mkstemp makes 0600; a session's metadata is as readable as its kv file)."""
+
+    def make(path: str) -> tuple[int, str]:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=os.path.dirname(path))
+        try:
+            os.fchmod(fd, 0o644)
+        except BaseException as exc:
+            os.close(fd)
+            os.unlink(tmp)
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = path
+            raise
+        return fd, tmp
+
+    return make
+
+
 __all__ = [
     "Buffer", "Opener", "atomic_replace", "describe_mode", "fsync_directory", "fsync_parent",
-    "open_regular", "parse_json_bytes", "pwrite_all", "read_json_bounded", "write_all",
+    "open_regular", "parse_json_bytes", "pwrite_all", "read_json_bounded", "readable_temp", "unlink_durably",
+    "write_all",
 ]

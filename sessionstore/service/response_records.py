@@ -17,17 +17,15 @@ is checked against :data:`RESPONSE_ID` before it names a path.
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kernels.errors import CorruptionError, FormatError
 from kernels.jsonfile import read_json_bounded
-from sessionstore.kvfile import atomic_replace, fsync_directory
+from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 from sessionstore.sessions.paths import confined
 
 RESPONSES_DIR = "responses"
@@ -95,17 +93,6 @@ def parse_record(obj: Any, where: str) -> ResponseRecord:
     return ResponseRecord(**fields)
 
 
-def _temp(path: str) -> tuple[int, str]:
-    fd, tmp = tempfile.mkstemp(prefix=".response-", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        os.fchmod(fd, 0o644)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    return fd, tmp
-
-
 class ResponseRecords:
     """The responses directory of one store root."""
 
@@ -123,7 +110,7 @@ class ResponseRecords:
         data = record.encode()
         if len(data) > MAX_RECORD_BYTES:
             raise FormatError(f"the response is larger than {MAX_RECORD_BYTES} bytes stored")
-        atomic_replace(path, data, make_temp=_temp, durable=True)
+        atomic_replace(path, data, make_temp=readable_temp(".response-"), durable=True)
 
     def read(self, response_id: str) -> ResponseRecord | None:
         """The record ``response_id``, or None when there is none (or the id is not one of ours);
@@ -141,14 +128,7 @@ class ResponseRecords:
     def delete(self, response_id: str) -> bool:
         """Remove the record durably; True if it was there."""
         path = self._path(response_id)
-        if path is None:
-            return False
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        fsync_directory(path.parent)
-        return True
+        return path is not None and unlink_durably(path)
 
 
 __all__ = ["MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model.sampling import Sampler
-from sessionstore.kvfile import atomic_replace, fsync_directory
+from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 
 CONVERSATION_NAME = "conversation.json"
 SCHEMA = "coli-session-conversation"
@@ -150,23 +149,12 @@ def read_record(directory: str | os.PathLike[str]) -> ConversationRecord | None:
     return parse_record(obj, str(path))
 
 
-def _temp(path: str) -> tuple[int, str]:
-    fd, tmp = tempfile.mkstemp(prefix=".conversation-", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        os.fchmod(fd, 0o644)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    return fd, tmp
-
-
 def write_record(directory: str | os.PathLike[str], record: ConversationRecord) -> None:
     """Replace the conversation file whole and durably (temp, fsync, rename, fsync directory)."""
     data = record.encode()
     if len(data) > MAX_CONVERSATION_BYTES:
         raise FormatError(f"the conversation is larger than {MAX_CONVERSATION_BYTES} bytes")
-    atomic_replace(Path(directory) / CONVERSATION_NAME, data, make_temp=_temp, durable=True)
+    atomic_replace(Path(directory) / CONVERSATION_NAME, data, make_temp=readable_temp(".conversation-"), durable=True)
 
 
 def copy_record(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str],
@@ -183,13 +171,7 @@ def copy_record(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str]
 
 def remove_record(directory: str | os.PathLike[str]) -> bool:
     """Remove the conversation file durably (tokens changed by a token-level command); True if one was there."""
-    path = Path(directory) / CONVERSATION_NAME
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    fsync_directory(path.parent)
-    return True
+    return unlink_durably(Path(directory) / CONVERSATION_NAME)
 
 
 __all__ = ["CONVERSATION_NAME", "ConversationRecord", "MAX_CONVERSATION_BYTES", "OpenTurn", "check_messages",

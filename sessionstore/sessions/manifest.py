@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from kernels.errors import FormatError, LimitError, NotFoundError
 from kernels.jsonfile import parse_json_bytes
 from kernels.model.sampling import Sampler
 from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
-from sessionstore.kvfile import atomic_replace, open_regular
+from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
     DIGEST_ATOL,
@@ -192,22 +191,7 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
     manifest.updated_at = utc_now()
     data = manifest.encode()
     update_existing_state(path, manifest)  # a state page must never override it with older values
-    atomic_replace(path, data, make_temp=_manifest_temp, durable=durable)
-
-
-def _manifest_temp(path: str) -> tuple[int, str]:
-    """A new ``.manifest-*.tmp`` beside ``path``, mode 0644 (mkstemp makes 0600; a manifest is as
-    readable as its kv file)."""
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        os.fchmod(fd, 0o644)
-    except BaseException as exc:
-        os.close(fd)
-        os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:
-            exc.filename = path
-        raise
-    return fd, tmp
+    atomic_replace(path, data, make_temp=readable_temp(".manifest-"), durable=durable)
 
 
 __all__ = [

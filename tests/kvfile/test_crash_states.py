@@ -29,7 +29,7 @@ from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.kvfile.writer import KVWriter
-from tests.support.crash_explore import Exploration, explore, last_ack
+from tests.support.crash_explore import Exploration, explore, last_ack, record
 from tests.support.crash_states import CrashPoint, Tree, final_tree
 from tests.support.crash_trace import Recorder
 from tests.support.writer import expected_records, gen_f32, gen_fp8
@@ -42,17 +42,6 @@ BUDGET = 4000  # distinct states per crash point and sector size
 def _report(result: Exploration) -> None:
     print(result.summary())
     assert not result.failures, result.summary() + "\n" + "\n".join(result.failures)
-
-
-def _record(tmp_path, setup, protocol) -> Recorder:  # noqa: ANN001
-    root = tmp_path / "root"
-    root.mkdir()
-    setup(str(root))
-    rec = Recorder(root)
-    with rec.active():
-        protocol(str(root), rec)
-    rec.check_replay(final_tree)
-    return rec
 
 
 class KVCheck:
@@ -155,13 +144,13 @@ def _bound(directory: str) -> int:
 
 
 def test_crash_state_append_commit(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_fp8, _append_commit)
+    rec = record(str(tmp_path / "root"), _setup_fp8, _append_commit)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=148, cli_every=500)
     _report(explore("append + commit", rec, check, budget=BUDGET, bound=_bound))
 
 
 def test_crash_state_decode_loop(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_fp8, _decode_loop)
+    rec = record(str(tmp_path / "root"), _setup_fp8, _decode_loop)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=23, cli_every=500)
     _report(explore("decode-loop commits", rec, check, budget=BUDGET, bound=_bound))
 
@@ -184,7 +173,7 @@ def _truncate(root: str, rec: Recorder) -> None:
 
 
 def test_crash_state_truncate(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_fp8, _truncate)
+    rec = record(str(tmp_path / "root"), _setup_fp8, _truncate)
     old = expected_records(2, DIMS, 15)
     new = old[:10 * 356] + pack_records(2, DIMS, gen_fp8(DIMS, 10, 26, epoch=1)).tobytes()
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=36, cli_every=500, histories=[old, new])
@@ -219,7 +208,7 @@ def _recover_then_commit(root: str, rec: Recorder) -> None:
 
 
 def test_crash_state_recovery(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_needs_recovery, _recover_then_commit)
+    rec = record(str(tmp_path / "root"), _setup_needs_recovery, _recover_then_commit)
     old = expected_records(2, DIMS, 15)
     new = old + pack_records(2, DIMS, gen_fp8(DIMS, 15, 3, epoch=1)).tobytes()
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=18, cli_every=500, histories=[new])
@@ -244,7 +233,7 @@ def _upgrade(root: str, rec: Recorder, kv_dtype: str = "fp8") -> None:
 
 @pytest.mark.parametrize("kv_dtype, budget", [("fp8", BUDGET), ("int4", BUDGET // 4)])
 def test_crash_state_upgrade(tmp_path, kv_dtype: str, budget: int) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_v1, lambda root, r: _upgrade(root, r, kv_dtype))
+    rec = record(str(tmp_path / "root"), _setup_v1, lambda root, r: _upgrade(root, r, kv_dtype))
     check = KVCheck(kv_dtype=kv_dtype, gen=gen_f32, appended=75, cli_every=500)
     target = "v2" if kv_dtype == "fp8" else f"v3 {kv_dtype}"
     _report(explore(f"v1 -> {target} upgrade", rec, check, budget=budget, bound=_bound))
@@ -318,7 +307,7 @@ def _done(ops, k: int) -> int:  # noqa: ANN001
 
 
 def test_crash_state_convert(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_convert, _convert)
+    rec = record(str(tmp_path / "root"), _setup_convert, _convert)
     start = CrashPoint(rec.snapshot, rec.ops, 0, 4096)
     check = ConvertCheck(str(tmp_path / "root"), start.tree(start.extreme(keep=False)))
     _report(explore("convert", rec, check, budget=BUDGET, acked=_done))
@@ -341,7 +330,7 @@ def _broken_append_commit(root: str, rec: Recorder) -> None:
 
 
 def test_crash_state_checker_catches_word_before_barrier(tmp_path) -> None:  # noqa: ANN001
-    rec = _record(tmp_path, _setup_fp8, _broken_append_commit)
+    rec = record(str(tmp_path / "root"), _setup_fp8, _broken_append_commit)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=8)
     result = explore("broken commit", rec, check, budget=BUDGET, bound=_bound, keep_failures=1)
     print(result.summary())
@@ -374,7 +363,7 @@ def test_crash_state_checker_catches_rename_without_dir_fsync(tmp_path, dir_fsyn
         found = _read(os.path.join(directory, KV))
         assert found == b"new bytes" if acked else found in (b"old bytes", b"new bytes"), found
 
-    rec = _record(tmp_path, setup, lambda root, r: _replace(root, r, dir_fsync=dir_fsync))
+    rec = record(str(tmp_path / "root"), setup, lambda root, r: _replace(root, r, dir_fsync=dir_fsync))
     result = explore("replace", rec, check, budget=BUDGET, keep_failures=1)
     print(result.summary())
     assert bool(result.failures) != dir_fsync, result.summary() + "\n" + "\n".join(result.failures)
@@ -393,7 +382,7 @@ def test_crash_state_cli_sample(tmp_path) -> None:  # noqa: ANN001
 
     from tests.support.crash_states import materialize, states
 
-    rec = _record(tmp_path, _setup_fp8, _append_commit)
+    rec = record(str(tmp_path / "root"), _setup_fp8, _append_commit)
     k = max(range(len(rec.ops) + 1), key=lambda i: CrashPoint(rec.snapshot, rec.ops, i, 512).units())
     point = CrashPoint(rec.snapshot, rec.ops, k, 512)
     committed = max(last_ack(rec.ops, k), _bound_of(point.tree(point.extreme(keep=False)), tmp_path))

@@ -25,7 +25,7 @@ from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
 from sessionstore.sessions.store import SessionStore
-from tests.support.crash_explore import Exploration, explore, last_ack
+from tests.support.crash_explore import Exploration, explore, last_ack, record
 from tests.support.crash_states import CrashPoint
 from tests.support.crash_trace import Recorder
 
@@ -113,18 +113,6 @@ def _bound(sid: str):  # noqa: ANN202
     return bound
 
 
-def _record(root: Path, setup, protocol) -> Recorder:  # noqa: ANN001
-    root.mkdir()
-    setup(str(root))
-    rec = Recorder(root)
-    with rec.active():
-        protocol(str(root), rec)
-    from tests.support.crash_states import final_tree
-
-    rec.check_replay(final_tree)
-    return rec
-
-
 def _records_of(root: Path, sid: str) -> tuple[bytes, int]:
     with open_kv(root / "sessions" / sid / "kv.coli_kv") as reader:
         return bytes(reader.records_bytes_view(0, reader.nrec)), reader.record_bytes
@@ -163,7 +151,7 @@ def _decode_and_suspend(tiny, commit_every: int):  # noqa: ANN001, ANN202
 
 
 def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:  # noqa: ANN001
-    rec = _record(tmp_path / "root", _setup_session(tiny, 3), _decode_and_suspend(tiny, 3))
+    rec = record(str(tmp_path / "root"), _setup_session(tiny, 3), _decode_and_suspend(tiny, 3))
     records, rec_bytes = _records_of(tmp_path / "root", "s")
     check = SessionCheck(tiny, "s", records, rec_bytes, stream)
     result = explore("session decode loop + suspend", rec, check, budget=BUDGET, bound=_bound("s"),
@@ -189,7 +177,7 @@ def _create_and_turn(tiny):  # noqa: ANN001, ANN202
 
 def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:  # noqa: ANN001
     root = tmp_path / "root"
-    rec = _record(root, lambda where: SessionStore(where).sweep(), _create_and_turn(tiny))
+    rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_and_turn(tiny))
     records, rec_bytes = _records_of(root, "n")
     check = SessionCheck(tiny, "n", records, rec_bytes, stream)
     result = explore("session create + first turn", rec, check, budget=BUDGET, bound=_bound("n"),
@@ -212,7 +200,7 @@ def _forked(ops, k: int) -> int:  # noqa: ANN001
 
 def test_crash_state_fork(tmp_path, tiny, stream) -> None:  # noqa: ANN001
     root = tmp_path / "root"
-    rec = _record(root, _setup_session(tiny, 3), _fork)
+    rec = record(str(root), _setup_session(tiny, 3), _fork)
     records, rec_bytes = _records_of(root, "f")
     check = SessionCheck(tiny, "f", records, rec_bytes, stream, others=("s",), whole=True)
     n = len(records) // rec_bytes
@@ -246,7 +234,7 @@ def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN
         import_bundle(SessionStore(where), io.BytesIO(bundle.getvalue()), as_id="b")
         rec.mark("imported", 1)
 
-    rec = _record(root, setup, protocol)
+    rec = record(str(root), setup, protocol)
     records, rec_bytes = _records_of(root, "b")
     check = SessionCheck(tiny, "b", records, rec_bytes, stream, others=("s",), whole=True)
     n = len(records) // rec_bytes
@@ -272,7 +260,7 @@ def test_crash_state_install_needs_the_tmp_fsync(tmp_path, tiny, stream, monkeyp
             real(path)
 
     root = tmp_path / "root"
-    _record(root, _setup_session(tiny, 3), lambda where, rec: None)  # the session, unrecorded
+    record(str(root), _setup_session(tiny, 3), lambda where, rec: None)  # the session, unrecorded
     monkeypatch.setattr(directory, "fsync_directory", skip_tmp)
     rec = Recorder(root)
     with rec.active():

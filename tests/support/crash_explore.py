@@ -17,8 +17,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from tests.support.crash_states import CrashPoint, Tree, materialize, states
+from tests.support.crash_states import CrashPoint, Tree, final_tree, materialize, states
 from tests.support.crash_trace import Op, Recorder
 
 SECTORS = (512, 4096)
@@ -41,6 +42,18 @@ class Exploration:
         return (f"{self.protocol}: {self.states} crash states over {self.points} crash points "
                 f"({self.ops} recorded ops, sectors {'/'.join(map(str, SECTORS))} B) in "
                 f"{self.seconds:.1f} s, {len(self.failures)} failing")
+
+
+def record(root: str, setup: Callable[[str], object], protocol: Callable[[str, Recorder], object]) -> Recorder:
+    """``setup(root)`` (not recorded), then ``protocol(root, recorder)`` recorded; the record is
+    checked to rebuild the directory the protocol left, byte for byte."""
+    os.makedirs(root)
+    setup(root)
+    rec = Recorder(Path(root))
+    with rec.active():
+        protocol(root, rec)
+    rec.check_replay(final_tree)
+    return rec
 
 
 def last_ack(ops: list[Op], k: int, before: int = 0) -> int:
@@ -101,4 +114,4 @@ def _scratch_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-__all__ = ["Exploration", "SECTORS", "explore", "last_ack"]
+__all__ = ["Exploration", "SECTORS", "explore", "last_ack", "record"]
