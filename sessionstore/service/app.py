@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kernels.model.logits import TokenLogprob
 from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service import bundle_pull, bundle_upload
 from sessionstore.service.auth import BearerAuth
@@ -37,7 +38,9 @@ from sessionstore.service.protocol import (
     PullRequest,
     TurnFields,
     chat_chunk,
+    chat_logprobs,
     completion_chunk,
+    completion_logprobs,
     now,
     parse_body,
     sse,
@@ -160,6 +163,7 @@ class Api:
         spec = TurnSpec("chat" if kind == "chat" else "completion", session, max_tokens=req.max_tokens,
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
+        spec.top_logprobs = req.top_logprobs_asked()
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
@@ -211,6 +215,14 @@ class Api:
             clock.done(len(out.tokens), out.prompt_tokens, out.reused_prefix)
         return event
 
+    def logprobs_of(self, kind: str, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
+        ``offset``: the completion text's length before these tokens (the legacy ``text_offset``)."""
+        if entries is None:
+            return None
+        tok = self.engine.runner.tok
+        return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
+
     def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
         return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
 
@@ -237,12 +249,13 @@ class Api:
             if event.kind == "error":
                 raise event.value
             out: TurnOutcome = event.value
+            logprobs = self.logprobs_of(kind, out.logprobs)
             if kind == "chat":
                 choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                          "finish_reason": out.finish, "logprobs": None, "token_ids": out.tokens}
+                                          "finish_reason": out.finish, "logprobs": logprobs, "token_ids": out.tokens}
                 obj = "chat.completion"
             else:
-                choice = {"index": 0, "text": out.text, "finish_reason": out.finish, "logprobs": None,
+                choice = {"index": 0, "text": out.text, "finish_reason": out.finish, "logprobs": logprobs,
                           "token_ids": out.tokens}
                 obj = "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
@@ -255,15 +268,25 @@ class Api:
                      clock: TurnClock) -> AsyncIterator[bytes]:
         """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
         ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
-        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's)."""
+        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's).
+        With log-probabilities each chunk carries those of the tokens drawn since the chunk before
+        (the final one those of the tokens whose text never went out: eos, a stop string's)."""
         kind, rid, created = head.kind, head.rid, head.created
         no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
+        sent, offset = 0, 0  # log-probabilities sent so far, and the length of their tokens' texts
 
-        def piece(text: str, finish: str | None = None, tokens: list[int] | None = None, **extra: Any) -> bytes:
+        def piece(text: str, finish: str | None = None, tokens: list[int] | None = None,
+                  entries: list[TokenLogprob] | None = None, **extra: Any) -> bytes:
+            nonlocal sent, offset
+            logprobs = self.logprobs_of(kind, entries, offset)
+            if entries is not None and logprobs is not None:
+                sent += len(entries)
+                offset += sum(len(t) for t in logprobs["tokens"]) if kind != "chat" else 0
             if kind == "chat":
                 return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, **extra, **no_usage))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra, **no_usage))
+                                      finish, tokens, logprobs, **extra, **no_usage))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, logprobs, **extra,
+                                        **no_usage))
 
         try:
             if kind == "chat":
@@ -271,10 +294,11 @@ class Api:
             event = first
             while True:
                 if event.kind == "text":
-                    yield piece(event.value)
+                    yield piece(event.value, entries=event.logprobs)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    yield piece("", out.finish, out.tokens, **self.session_fields(spec, out))
+                    rest = None if out.logprobs is None else out.logprobs[sent:]
+                    yield piece("", out.finish, out.tokens, rest, **self.session_fields(spec, out))
                     if head.include_usage:
                         yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
                     break

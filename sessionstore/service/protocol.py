@@ -2,7 +2,7 @@
 OpenAI-shaped response objects built from a finished or streaming turn.
 
 Unknown request fields are ignored, as OpenAI-compatible servers do; fields the service cannot
-honour (``n`` > 1, ``logprobs``, ``echo``, ``tools``) are refused by name.
+honour (``n`` > 1, ``echo``, ``tools``) are refused by name.
 """
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
+from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.service.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
@@ -90,7 +92,6 @@ class TurnFields(BaseModel):
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
-    logprobs: Any = None
     tools: Any = None
 
     def sampling(self) -> dict[str, Any]:
@@ -110,8 +111,6 @@ class TurnFields(BaseModel):
     def check(self, limits: ServiceLimits, what: str) -> None:
         if self.n != 1:
             raise ApiError(400, "n must be 1 (one choice per request)", param="n")
-        if self.logprobs not in (None, False):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
         if self.tools is not None:
             raise ApiError(400, "tools are not supported", param="tools")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
@@ -123,19 +122,40 @@ class TurnFields(BaseModel):
                            f"{limits.max_stop_chars} characters", param="stop")
 
 
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return None
+
+
+def check_top_logprobs(value: int, param: str) -> int:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], found {value}", param=param,
+                       code="invalid_value")
+    return value
+
+
 class ChatCompletionRequest(TurnFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
 
     def check(self, limits: ServiceLimits, what: str = "chat") -> None:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         super().check(limits, what)
+        if self.top_logprobs is not None:
+            check_top_logprobs(self.top_logprobs, "top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if not self.messages:
             raise ApiError(400, "messages is empty: give at least one message", param="messages")
         if len(self.messages) > limits.max_messages:
             raise ApiError(400, f"{len(self.messages)} messages exceed the limit of {limits.max_messages}",
                            param="messages", code="limit_exceeded")
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template renders them (:meth:`ChatMessage.to_dict`)."""
@@ -148,9 +168,12 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # an id of any vocabulary (th
 class CompletionRequest(TurnFields):
     prompt: str | list[TokenId]
     echo: bool = False
+    logprobs: StrictInt | None = None  # the legacy API's: how many alternatives per token (0: the token's own only)
 
     def check(self, limits: ServiceLimits, what: str = "completion") -> None:
         super().check(limits, what)
+        if self.logprobs is not None:
+            check_top_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         if isinstance(self.prompt, list) and len(self.prompt) > limits.max_prompt_ids:
@@ -158,6 +181,9 @@ class CompletionRequest(TurnFields):
                            f"{limits.max_prompt_ids}", param="prompt", code="limit_exceeded")
         if not self.prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ForkRequest(BaseModel):
@@ -197,8 +223,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-               token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+               token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -206,12 +233,60 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                     token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None,
+                     **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], **extra}
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability (a banned token) is written as: JSON has no -inf
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: list[TokenLogprob], tok: ChatTokenizer | None) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal": null}``
+    (without a tokenizer a token is written ``"token_id:N"``, its bytes those of that text)."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = token_text(token, tok)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], tok: ChatTokenizer | None, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token
+    a dict text -> logprob of the alternatives and the drawn token, the likelier of two with one text)
+    and ``text_offset`` (each token's offset in the completion's text: ``offset`` for the first, then
+    the lengths of the tokens' texts)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        text = token_text(e.token, tok)[0]
+        top: dict[str, float] = {}
+        for t, lp in e.top:  # most likely first: of tokens with the same text the likelier one stays
+            top.setdefault(token_text(t, tok)[0], _finite(lp))
+        top.setdefault(text, _finite(e.logprob))
+        tokens.append(text)
+        lps.append(_finite(e.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def token_text(token: int, tok: ChatTokenizer | None) -> tuple[str, bytes]:
+    """A token's text and bytes (:meth:`ChatTokenizer.token_text`), ``token_id:N`` without a tokenizer."""
+    if tok is None:
+        text = f"token_id:{token}"
+        return text, text.encode()
+    return tok.token_text(token)
 
 
 def fresh_seed() -> int:
@@ -234,6 +309,7 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
-           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "fresh_seed", "now", "parse_body", "sse",
-           "text_part", "usage", "usage_chunk"]
+__all__ = ["LOGPROB_FLOOR", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs", "check_top_logprobs",
+           "completion_chunk", "completion_logprobs", "fresh_seed", "now", "parse_body", "sse", "text_part",
+           "token_text", "usage", "usage_chunk"]

@@ -20,6 +20,7 @@ T = TypeVar("T")
 class Event:
     kind: str  # "text" | "done" | "error"
     value: Any
+    logprobs: Any = None  # "text": the log-probabilities of the tokens drawn since the last piece (or None)
 
 
 class LoopOutbox:
@@ -81,8 +82,8 @@ class TurnStream:
             self._cancelled.set()
 
     # ---- engine side ---------------------------------------------------------------------------
-    def text(self, piece: str) -> None:
-        self._put(Event("text", piece))
+    def text(self, piece: str, logprobs: Any = None) -> None:
+        self._put(Event("text", piece, logprobs))
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError, FormatError, LimitError
+from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
@@ -140,12 +141,13 @@ class Conversation:
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
-                sampler: Sampler | None = None, prompt: Sequence[int] | None = None,
+                sampler: Sampler | TurnDraw | None = None, prompt: Sequence[int] | None = None,
                 output: OutputProcessor | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
-        ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
-        conversation file records the ones the reply is drawn with (FORMAT.md 5.8). ``prompt``: the
+        ``sampler``: this turn's settings (or a :class:`TurnDraw` over them), not stored in the
+        manifest (None: the manifest's); the conversation file records the settings the reply is
+        drawn with (FORMAT.md 5.8). ``prompt``: the
         ids ``messages`` render to with the generation prompt, already checked against the model,
         when the caller rendered them (a request's prompt is rendered and tokenised once).
         ``output``: the turn's output processor, when the caller builds its own (stop strings, a
@@ -160,7 +162,8 @@ class Conversation:
         prompt = list(prompt)
         check_room(prompt, max_new, model.config.max_position_embeddings)
         session.ensure_resident()
-        drawn_with = session.manifest.sampler if sampler is None else sampler
+        draw = session.manifest.sampler if sampler is None else sampler
+        drawn_with = settings_of(draw)
         self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with)
         write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
@@ -172,7 +175,7 @@ class Conversation:
             output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
                                      on_text=on_text, should_abort=should_stop)
         try:
-            session.generate(None, max_new, sampler=drawn_with, keep_sampler=False, on_token=output.on_token)
+            session.generate(None, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
         except TurnStop:
             session.commit()
         output.finish()
