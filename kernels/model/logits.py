@@ -1,9 +1,16 @@
 """One turn's draw: the logits of each position processed by the turn's settings, then drawn by the
 :class:`Sampler`, with the log-probabilities of what was drawn when the turn asks for them.
 
-The processing (FORMAT.md 7, "Sampling") depends only on the turn's settings, the tokens before the
-turn and the tokens drawn in it, never on the batch or the process, so a turn with the same settings
-and seed draws the same tokens after a resume and beside other sessions as alone.
+The processing (FORMAT.md 7) depends only on the turn's settings, the tokens before the turn and the
+tokens drawn in it, never on the batch or the process, so a turn with the same settings and seed
+draws the same tokens after a resume and beside other sessions as alone. In f64, in this order:
+
+1. ``repetition_penalty`` r (vLLM's): every id among the tokens before the draw (the turn's context
+   and the tokens drawn so far): a logit > 0 is divided by r, any other multiplied by r;
+2. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): each id drawn c > 0 times in this
+   turn loses c * f + p;
+3. ``logit_bias``: each listed id gains its bias;
+4. ``min_tokens`` m: while fewer than m tokens were drawn, the turn's stop ids (its eos ids) are -inf.
 
 Log-probabilities are those of the distribution the token was drawn from BEFORE temperature, top-k
 and top-p: ``log_softmax`` of the processed logits (in f64), the model's own ``log_softmax`` when the
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels.errors import FormatError
 from kernels.model.sampling import Sampler, sample
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -53,34 +61,81 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
 
 
 class TurnDraw:
-    """One turn's draw (``draw(logits, position) -> token``, what the decode loop calls): the
-    ``sampler``'s draw over each position's logits; with ``top_logprobs`` (0..20; None: off) each
-    drawn token's :class:`TokenLogprob` is appended to ``logprobs``."""
+    """One turn's draw (``draw(logits, position) -> token``, what the decode loop calls): each
+    position's logits processed by the ``sampler``'s settings (module doc), then the sampler's draw;
+    ``stop_ids``: the ids ``min_tokens`` bans (the turn's eos ids); with ``top_logprobs`` (0..20;
+    None: off) each drawn token's :class:`TokenLogprob` (of the processed logits) is appended to
+    ``logprobs``. Call :meth:`begin` with the turn's context before the first draw."""
 
-    def __init__(self, sampler: Sampler, *, top_logprobs: int | None = None) -> None:
+    def __init__(self, sampler: Sampler, *, stop_ids: frozenset[int] = frozenset(),
+                 top_logprobs: int | None = None) -> None:
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], found {top_logprobs}")
         self.sampler = sampler
+        self.stop_ids = stop_ids
         self.top_logprobs = top_logprobs
         self.logprobs: list[TokenLogprob] = []
         self.drawn = 0  # tokens drawn in this turn
+        self._processing = bool(sampler.processing)
+        self._context = np.zeros(0, dtype=np.int64)  # [n] the ids before the turn (repetition_penalty)
+        self._counts: np.ndarray | None = None  # [V] i64: times each id was drawn in this turn
+        self._seen: np.ndarray | None = None  # [V] bool: ids in the context or drawn (repetition_penalty)
 
     def begin(self, context: np.ndarray) -> None:
         """The turn starts after ``context`` [n] (every token before its first draw)."""
+        if self.sampler.repetition_penalty != 1:
+            self._context = np.unique(np.asarray(context, dtype=np.int64))  # [u] i64
+
+    def process(self, logits: np.ndarray) -> np.ndarray:
+        """The position's logits [V] after the turn's processing ([V] f64; as given without any)."""
+        if not self._processing:
+            return logits
+        s = self.sampler
+        z = np.array(logits, dtype=np.float64).reshape(-1)  # z: [V] f64 copy
+        counts, seen = self._state(z.size)
+        if s.repetition_penalty != 1:
+            r = s.repetition_penalty
+            z = np.where(seen, np.where(z > 0, z / r, z * r), z)  # [V] f64
+        if s.frequency_penalty or s.presence_penalty:
+            z -= counts * s.frequency_penalty + (counts > 0) * s.presence_penalty  # [V] f64
+        if s.logit_bias:
+            ids = np.asarray([i for i, _ in s.logit_bias], dtype=np.int64)  # [b] i64
+            if int(ids[-1]) >= z.size:
+                raise FormatError(f"logit_bias: token id {int(ids[-1])} is outside the vocabulary ({z.size})")
+            z[ids] += np.asarray([b for _, b in s.logit_bias], dtype=np.float64)  # [b] f64
+        if self.drawn < s.min_tokens and self.stop_ids:
+            banned = np.asarray(sorted(i for i in self.stop_ids if 0 <= i < z.size), dtype=np.int64)  # [e] i64
+            z[banned] = -np.inf
+        return z
+
+    def _state(self, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """The per-id counts of this turn's tokens [V] i64 and the ids seen [V] bool, made at the
+        first draw (the vocabulary's size is the logits')."""
+        if self._counts is None or self._seen is None:
+            self._counts = np.zeros(vocab, dtype=np.int64)  # [V] i64
+            self._seen = np.zeros(vocab, dtype=bool)  # [V] bool
+            self._seen[self._context[self._context < vocab]] = True
+        return self._counts, self._seen
 
     def __call__(self, logits: np.ndarray, position: int) -> int:
         s = self.sampler
-        token = sample(logits, seed=s.seed, position=position, temperature=s.temperature, top_k=s.top_k,
+        z = self.process(logits)  # [V]
+        token = sample(z, seed=s.seed, position=position, temperature=s.temperature, top_k=s.top_k,
                        top_p=s.top_p)
         if self.top_logprobs is not None:
-            self.logprobs.append(token_logprob(logits, token, self.top_logprobs))
+            self.logprobs.append(token_logprob(z, token, self.top_logprobs))
         self.drawn += 1
+        if self._processing:
+            counts, seen = self._state(np.asarray(logits).size)
+            counts[token] += 1
+            seen[token] = True
         return token
 
 
-def turn_draw(sampler: Sampler | TurnDraw) -> TurnDraw:
-    """``sampler`` as a turn's draw (a :class:`TurnDraw` as it is; settings wrapped in a new one)."""
-    return sampler if isinstance(sampler, TurnDraw) else TurnDraw(sampler)
+def turn_draw(sampler: Sampler | TurnDraw, stop_ids: frozenset[int] = frozenset()) -> TurnDraw:
+    """``sampler`` as a turn's draw (a :class:`TurnDraw` as it is; settings wrapped in a new one
+    whose ``min_tokens`` bans ``stop_ids``)."""
+    return sampler if isinstance(sampler, TurnDraw) else TurnDraw(sampler, stop_ids=stop_ids)
 
 
 def settings_of(sampler: Sampler | TurnDraw) -> Sampler:

@@ -164,6 +164,11 @@ class Api:
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
         spec.top_logprobs = req.top_logprobs_asked()
+        vocab = int(self.engine.model.config.vocab_size)
+        outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
+        if outside:
+            raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary ({vocab} ids)",
+                           param="logit_bias", code="invalid_value")
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):

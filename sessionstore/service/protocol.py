@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
+from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PROCESSING
 from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.service.jsonbody import read_json_body
@@ -88,6 +89,11 @@ class TurnFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's name); 0: off
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    presence_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # extension (vLLM's): prompt + output
+    logit_bias: dict[str, float] | None = None  # token id (decimal) -> bias in [-100, 100]
+    min_tokens: StrictInt | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's)
     stop: str | list[str] | None = None
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
@@ -97,8 +103,8 @@ class TurnFields(BaseModel):
     def sampling(self) -> dict[str, Any]:
         """The sampling fields this request gave, and its seed: a fresh random one when it gave
         none (so two requests at a temperature above 0 differ, as OpenAI's do)."""
-        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                   ("top_k", self.top_k)) if v is not None}
+        fields = ("temperature", "top_p", "top_k", *PROCESSING)
+        given = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         return {**given, "seed": fresh_seed() if self.seed is None else self.seed}
 
     def include_usage(self) -> bool:
@@ -116,6 +122,11 @@ class TurnFields(BaseModel):
         if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
             raise ApiError(400, f"max_tokens must be in [1, {limits.max_tokens}], found {self.max_tokens}",
                            param="max_tokens", code="limit_exceeded")
+        if self.logit_bias is not None:
+            check_logit_bias(self.logit_bias)
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                           param="min_tokens", code="invalid_value")
         stops = self.stops()
         if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stops):
             raise ApiError(400, f"stop: at most {limits.max_stop} non-empty strings of at most "
@@ -125,6 +136,21 @@ class TurnFields(BaseModel):
     def top_logprobs_asked(self) -> int | None:
         """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
         return None
+
+
+def check_logit_bias(bias: dict[str, float]) -> None:
+    """At most 300 entries, each a decimal token id -> a bias in [-100, 100] (ids are checked
+    against the model's vocabulary by the caller, which knows it); else a 400 naming the entry."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias",
+                       code="limit_exceeded")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdecimal() and len(key) <= 10):
+            raise ApiError(400, f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias",
+                           code="invalid_value")
+        if not -BIAS_RANGE <= value <= BIAS_RANGE:
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100], found {value}",
+                           param="logit_bias", code="invalid_value")
 
 
 def check_top_logprobs(value: int, param: str) -> int:
@@ -310,6 +336,6 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 __all__ = ["LOGPROB_FLOOR", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs", "check_top_logprobs",
-           "completion_chunk", "completion_logprobs", "fresh_seed", "now", "parse_body", "sse", "text_part",
-           "token_text", "usage", "usage_chunk"]
+           "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs", "check_logit_bias",
+           "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed", "now", "parse_body",
+           "sse", "text_part", "token_text", "usage", "usage_chunk"]

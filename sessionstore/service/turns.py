@@ -72,11 +72,10 @@ def template_reason(message: str, tok: ChatTokenizer) -> str:
 
 
 def sampler_for(given: dict[str, Any]) -> Sampler:
-    """One request's settings: the defaults (greedy) with the fields it gave (checked by the
-    sampler's rules); never what a session's manifest holds from an earlier request or the CLI."""
-    base = Sampler()
-    merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
-    return Sampler.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
+    """One request's settings: the defaults (greedy, no logits processing) with the fields it gave
+    (checked by the sampler's rules); never what a session's manifest holds from an earlier request
+    or the CLI."""
+    return Sampler.checked(**given)
 
 
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
@@ -150,10 +149,11 @@ class TurnRunner:
                                stops=spec.stops, on_text=on_text,
                                should_abort=lambda: at_token() or sink.cancelled())
 
-    @staticmethod
-    def _draw(spec: TurnSpec) -> TurnDraw:
-        """The turn's draw: the request's settings (:func:`sampler_for`), log-probabilities if asked."""
-        return TurnDraw(sampler_for(spec.sampling), top_logprobs=spec.top_logprobs)
+    def _draw(self, spec: TurnSpec) -> TurnDraw:
+        """The turn's draw: the request's settings (:func:`sampler_for`; ``min_tokens`` bans the eos
+        ids that would end it), log-probabilities if asked."""
+        return TurnDraw(sampler_for(spec.sampling), stop_ids=frozenset() if spec.ignore_eos else self.eos,
+                        top_logprobs=spec.top_logprobs)
 
     @staticmethod
     def _logprobs(spec: TurnSpec, draw: TurnDraw) -> list[TokenLogprob] | None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
-from kernels.model.sampling import Sampler
+from kernels.model.sampling import PROCESSING, Sampler
 from sessionstore.kvfile import atomic_replace, fsync_directory
 
 CONVERSATION_NAME = "conversation.json"
@@ -58,8 +58,9 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
 
 
 def sampler_json(sampler: Sampler | None) -> dict[str, Any] | None:
-    return None if sampler is None else {"temperature": sampler.temperature, "top_k": sampler.top_k,
-                                         "top_p": sampler.top_p, "seed": sampler.seed}
+    """The settings as recorded (FORMAT.md 5.8): the four draw settings, and the logits-processing
+    settings that are not the defaults (files written before them, and turns without, lack them)."""
+    return None if sampler is None else sampler.to_dict()
 
 
 def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
@@ -70,8 +71,9 @@ def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
     if not isinstance(value, dict):
         raise FormatError(f"{where}: sampler must be an object or null")
     try:
+        processing = {k: value[k] for k in PROCESSING if k in value}
         return Sampler.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
-                                       value.get("seed"))
+                               value.get("seed"), **processing)
     except FormatError as exc:
         raise FormatError(f"{where}: sampler: {exc}") from None
 

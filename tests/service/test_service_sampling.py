@@ -1,8 +1,10 @@
 """Sampling options of chat and text completions over a real server and the ``openai`` client:
 log-probabilities (OpenAI's chat shape and the legacy completions shape, streamed and not), checked
-against the in-process model's own log-softmax."""
+against the in-process model's own log-softmax; the logits processing (penalties, ``logit_bias``,
+``min_tokens``) against the in-process turn, across a resume and beside other sessions."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +12,10 @@ import httpx
 import numpy as np
 import pytest
 
-from kernels.model.logits import log_softmax
-from sessionstore.sessions.turns import feed_chunk
+from kernels.model.logits import TurnDraw, log_softmax
+from kernels.model.sampling import Sampler
+from sessionstore.sessions.conversation import read_record
+from sessionstore.sessions.turns import feed_chunk, run_turn
 from tests.service.serverkit import ServerProc, sse_events
 
 MAX = 12
@@ -142,3 +146,95 @@ def test_bad_logprobs_are_400(server: ServerProc, path: str, fields: dict[str, A
     response = server.post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# ---- logits processing: penalties, logit_bias, min_tokens ----------------------------------------
+PENALIZED = {"presence_penalty": 1.5, "frequency_penalty": 0.8, "repetition_penalty": 0.7}
+# (the test model's greedy replies are sharply peaked and never repeat: penalties that push repeats
+# down leave them alone, so the cases below also reward repeats, or sample)
+
+
+def _reference(model: Any, tok: Any, prompt: list[int], sampler: Sampler, max_new: int) -> list[int]:
+    """The in-process turn: the prompt fed to a fresh cache, ``max_new`` tokens drawn (no eos stop)."""
+    cache = model.new_cache("fp8")
+    logits = feed_chunk(model, cache, prompt)
+    draw = TurnDraw(sampler, stop_ids=frozenset(tok.eos_ids))
+    tokens, _, _ = run_turn(model, cache, None, logits, max_new, draw)
+    return tokens
+
+
+def _chat_ids(server: ServerProc, msgs: list[dict[str, Any]], **fields: Any) -> list[int]:
+    body = {"model": _name(server), "messages": msgs, "max_tokens": MAX, "ignore_eos": True, **fields}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return list(response.json()["choices"][0]["token_ids"])
+
+
+@pytest.mark.parametrize("fields", [PENALIZED, {"repetition_penalty": 0.5},
+                                    {"presence_penalty": -1.5, "frequency_penalty": -0.5, "temperature": 0.9,
+                                     "seed": 4},
+                                    {**PENALIZED, "repetition_penalty": 1.3, "temperature": 1.0, "seed": 3}])
+def test_penalties_equal_the_in_process_turn(server: ServerProc, text_model: tuple[Any, Any],
+                                             fields: dict[str, Any]) -> None:
+    model, tok = text_model
+    got = _chat_ids(server, MSGS, **fields)
+    assert got == _reference(model, tok, tok.chat_ids(MSGS), Sampler.checked(**fields), MAX)
+    plain = {k: v for k, v in fields.items() if k in ("temperature", "seed")}
+    assert got != _chat_ids(server, MSGS, **plain)  # the penalties changed the reply
+
+
+def test_logit_bias_forces_and_min_tokens_holds_off_eos(server: ServerProc, text_model: tuple[Any, Any]) -> None:
+    _, tok = text_model
+    forced = 100 if 100 not in tok.eos_ids else 101
+    assert set(_chat_ids(server, MSGS, logit_bias={str(forced): 100})) == {forced}
+    eos = tok.eos_ids[0]
+    client, name = server.openai(), _name(server)
+    early = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, logit_bias={str(eos): 100})
+    assert early.choices[0].token_ids == [eos] and early.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, logit_bias={str(eos): 100},
+                                          extra_body={"min_tokens": 5})
+    ids = held.choices[0].token_ids
+    assert len(ids) == 6 and ids[-1] == eos and eos not in ids[:5] and held.choices[0].finish_reason == "stop"
+
+
+def test_a_session_turn_records_its_processing_and_is_exact_across_resume(server: ServerProc) -> None:
+    fields = {**PENALIZED, "temperature": 0.8, "seed": 21, "logit_bias": {"50": 2.5}, "min_tokens": 3}
+    first = _chat_ids(server, MSGS, session="pen", **fields)
+    record = read_record(Path(server.root) / "sessions" / "pen")
+    assert record is not None and record.sampler == Sampler.checked(**fields)
+    assert server.post("/v1/sessions/pen/suspend").status_code == 200
+    msgs = [*MSGS, {"role": "assistant", "content": server.get("/v1/sessions/pen?messages=1").json()
+                    ["messages"][-1]["content"]}, {"role": "user", "content": "And then?"}]
+    second = _chat_ids(server, msgs, session="pen", **fields)  # resumed from disk
+    assert second == _chat_ids(server, msgs, **fields)  # = the stateless (uninterrupted) run
+    recorded = Sampler.from_dict(record.sampler.to_dict()).to_dict()  # regenerate from the record
+    assert _chat_ids(server, MSGS, **recorded) == first
+
+
+def test_concurrent_sessions_equal_their_solo_runs(server: ServerProc) -> None:
+    settings = [PENALIZED, {"repetition_penalty": 0.7, "temperature": 1.0, "seed": 3},
+                {"frequency_penalty": 1.2, "logit_bias": {"60": 3.0}}, {"min_tokens": 4, "presence_penalty": -0.5}]
+    solo = [_chat_ids(server, MSGS, **s) for s in settings]
+    with ThreadPoolExecutor(len(settings)) as pool:
+        together = list(pool.map(lambda i: _chat_ids(server, MSGS, session=f"conc{i}", **settings[i]),
+                                 range(len(settings))))
+    assert together == solo
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"), ({"min_tokens": 10**40}, None),
+])
+def test_bad_processing_values_are_400(server: ServerProc, fields: dict[str, Any], param: str | None) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body: dict[str, Any] = {"model": _name(server), "max_tokens": 2, **fields}
+        body.update({"messages": MSGS} if "chat" in path else {"prompt": [5, 6]})
+        response = server.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
