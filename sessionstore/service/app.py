@@ -164,6 +164,7 @@ class Api:
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
         spec.top_logprobs = req.top_logprobs_asked()
+        spec.n = req.n
         vocab = int(self.engine.model.config.vocab_size)
         outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
         if outside:
@@ -229,7 +230,17 @@ class Api:
         return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
 
     def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
-        return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
+        """The turn's usage: the prompt once, the tokens of every choice."""
+        return usage(out.prompt_tokens, len(out.tokens) + sum(len(c.tokens) for c in out.choices), out.reused_prefix)
+
+    def choice_of(self, kind: str, index: int, out: TurnOutcome) -> dict[str, Any]:
+        """One choice of an unstreamed response."""
+        logprobs = self.logprobs_of(kind, out.logprobs)
+        if kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": out.finish, "logprobs": logprobs, "token_ids": out.tokens}
+        return {"index": index, "text": out.text, "finish_reason": out.finish, "logprobs": logprobs,
+                "token_ids": out.tokens}
 
     def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
         """The ``session`` extension of a response (nothing for a stateless turn)."""
@@ -254,56 +265,55 @@ class Api:
             if event.kind == "error":
                 raise event.value
             out: TurnOutcome = event.value
-            logprobs = self.logprobs_of(kind, out.logprobs)
-            if kind == "chat":
-                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                          "finish_reason": out.finish, "logprobs": logprobs, "token_ids": out.tokens}
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": out.text, "finish_reason": out.finish, "logprobs": logprobs,
-                          "token_ids": out.tokens}
-                obj = "text_completion"
+            choices = [self.choice_of(kind, i, c) for i, c in enumerate([out, *out.choices])]
+            obj = "chat.completion" if kind == "chat" else "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": [choice], "usage": self.usage_of(out), **self.session_fields(spec, out)})
+                                 "choices": choices, "usage": self.usage_of(out), **self.session_fields(spec, out)})
         head = StreamHead(kind, rid, created, req.include_usage())
         return StreamingResponse(self.events(head, spec, stream, first, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
     async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event,
                      clock: TurnClock) -> AsyncIterator[bytes]:
-        """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
-        ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
-        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's).
-        With log-probabilities each chunk carries those of the tokens drawn since the chunk before
-        (the final one those of the tokens whose text never went out: eos, a stop string's)."""
+        """The turn's SSE: (chat: a role chunk per choice,) a chunk per piece of text (``index``: its
+        choice), then each choice's final chunk with ``finish_reason`` and ``token_ids`` (the last of
+        them with the session); with ``include_usage`` one more chunk with ``choices: []`` and
+        ``usage`` (every other chunk then has ``usage: null``, as OpenAI's). With log-probabilities
+        each chunk carries those of its choice's tokens drawn since its chunk before (the final one
+        those of the tokens whose text never went out: eos, a stop string's)."""
         kind, rid, created = head.kind, head.rid, head.created
         no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
-        sent, offset = 0, 0  # log-probabilities sent so far, and the length of their tokens' texts
+        sent = [0] * spec.n  # per choice: log-probabilities sent so far
+        offset = [0] * spec.n  # per choice: the length of their tokens' texts (the legacy text_offset)
 
-        def piece(text: str, finish: str | None = None, tokens: list[int] | None = None,
+        def piece(index: int, text: str, finish: str | None = None, tokens: list[int] | None = None,
                   entries: list[TokenLogprob] | None = None, **extra: Any) -> bytes:
-            nonlocal sent, offset
-            logprobs = self.logprobs_of(kind, entries, offset)
+            logprobs = self.logprobs_of(kind, entries, offset[index])
             if entries is not None and logprobs is not None:
-                sent += len(entries)
-                offset += sum(len(t) for t in logprobs["tokens"]) if kind != "chat" else 0
+                sent[index] += len(entries)
+                offset[index] += sum(len(t) for t in logprobs["tokens"]) if kind != "chat" else 0
             if kind == "chat":
                 return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, logprobs, **extra, **no_usage))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, logprobs, **extra,
+                                      finish, tokens, logprobs, index, **extra, **no_usage))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, logprobs, index, **extra,
                                         **no_usage))
 
         try:
             if kind == "chat":
-                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}, **no_usage))
+                for index in range(spec.n):
+                    yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""},
+                                         index=index, **no_usage))
             event = first
             while True:
                 if event.kind == "text":
-                    yield piece(event.value, entries=event.logprobs)
+                    yield piece(event.index, event.value, entries=event.logprobs)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    rest = None if out.logprobs is None else out.logprobs[sent:]
-                    yield piece("", out.finish, out.tokens, rest, **self.session_fields(spec, out))
+                    outcomes = [out, *out.choices]
+                    for index, done in enumerate(outcomes):
+                        rest = None if done.logprobs is None else done.logprobs[sent[index]:]
+                        last = self.session_fields(spec, out) if index == len(outcomes) - 1 else {}
+                        yield piece(index, "", done.finish, done.tokens, rest, **last)
                     if head.include_usage:
                         yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
                     break

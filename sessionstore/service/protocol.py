@@ -2,7 +2,7 @@
 OpenAI-shaped response objects built from a finished or streaming turn.
 
 Unknown request fields are ignored, as OpenAI-compatible servers do; fields the service cannot
-honour (``n`` > 1, ``echo``, ``tools``) are refused by name.
+honour (``echo``, ``tools``) are refused by name.
 """
 from __future__ import annotations
 
@@ -115,8 +115,9 @@ class TurnFields(BaseModel):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check(self, limits: ServiceLimits, what: str) -> None:
-        if self.n != 1:
-            raise ApiError(400, "n must be 1 (one choice per request)", param="n")
+        if not 1 <= self.n <= limits.max_choices:
+            raise ApiError(400, f"n must be in [1, {limits.max_choices}], found {self.n}", param="n",
+                           code="invalid_value")
         if self.tools is not None:
             raise ApiError(400, "tools are not supported", param="tools")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
@@ -249,9 +250,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-               token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None,
+               token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
                **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -259,9 +260,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None,
+                     token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
                      **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model,

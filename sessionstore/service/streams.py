@@ -21,6 +21,7 @@ class Event:
     kind: str  # "text" | "done" | "error"
     value: Any
     logprobs: Any = None  # "text": the log-probabilities of the tokens drawn since the last piece (or None)
+    index: int = 0  # "text": the choice it belongs to
 
 
 class LoopOutbox:
@@ -82,8 +83,8 @@ class TurnStream:
             self._cancelled.set()
 
     # ---- engine side ---------------------------------------------------------------------------
-    def text(self, piece: str, logprobs: Any = None) -> None:
-        self._put(Event("text", piece, logprobs))
+    def text(self, piece: str, logprobs: Any = None, index: int = 0) -> None:
+        self._put(Event("text", piece, logprobs, index))
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()

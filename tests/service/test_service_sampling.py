@@ -238,3 +238,63 @@ def test_bad_processing_values_are_400(server: ServerProc, fields: dict[str, Any
         response = server.post(path, json=body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
+
+
+# ---- n: several choices ---------------------------------------------------------------------------
+def test_n_choices_are_samples_with_seed_plus_index(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    many = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, temperature=1.0, seed=5, n=3,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):
+        alone = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, temperature=1.0,
+                                               seed=5 + i, extra_body={"ignore_eos": True}).choices[0]
+        assert choice.token_ids == alone.token_ids and choice.message.content == alone.message.content
+    assert len({tuple(c.token_ids) for c in many.choices}) == 3
+    assert many.usage.completion_tokens == 3 * MAX
+    done = client.completions.create(model=name, prompt=[5, 6, 7], max_tokens=MAX, temperature=1.0, seed=9, n=2,
+                                     extra_body={"ignore_eos": True})
+    again = client.completions.create(model=name, prompt=[5, 6, 7], max_tokens=MAX, temperature=1.0, seed=10,
+                                      extra_body={"ignore_eos": True})
+    assert done.choices[1].token_ids == again.choices[0].token_ids and done.choices[1].index == 1
+
+
+def test_n_on_a_session_commits_choice_zero_only(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    many = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, temperature=1.0, seed=8, n=3,
+                                          extra_body={"session": "nses", "ignore_eos": True})
+    info = server.get("/v1/sessions/nses?history=1&messages=1").json()
+    first = many.choices[0]
+    assert info["history"][-len(first.token_ids):] == first.token_ids
+    assert info["messages"][-1] == {"role": "assistant", "content": first.message.content}
+    stateless = client.chat.completions.create(model=name, messages=MSGS, max_tokens=MAX, temperature=1.0, seed=8,
+                                               n=3, extra_body={"ignore_eos": True})
+    assert [c.token_ids for c in many.choices] == [c.token_ids for c in stateless.choices]
+
+
+def test_n_streamed_choices_carry_their_index(server: ServerProc) -> None:
+    body = {"model": _name(server), "messages": MSGS, "max_tokens": MAX, "temperature": 1.0, "seed": 2, "n": 2,
+            "logprobs": True, "ignore_eos": True, "session": "nstream"}
+    chunks = _raw_stream(server, "/v1/chat/completions", {**body, "stream": True})
+    text = {0: "", 1: ""}
+    items: dict[int, list[Any]] = {0: [], 1: []}
+    finals = {}
+    for c in chunks:
+        choice = c["choices"][0]
+        text[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["logprobs"] is not None:
+            items[choice["index"]] += choice["logprobs"]["content"]
+        if choice["finish_reason"] is not None:
+            finals[choice["index"]] = c
+    assert "session" in chunks[-1] and set(finals) == {0, 1}
+    server.post("/v1/sessions/nstream/suspend")
+    whole = server.post("/v1/chat/completions", json={**body, "session": None}).json()["choices"]
+    for i in (0, 1):
+        assert text[i] == whole[i]["message"]["content"] and items[i] == whole[i]["logprobs"]["content"]
+        assert finals[i]["choices"][0]["token_ids"] == whole[i]["token_ids"]
+
+
+@pytest.mark.parametrize("n", [0, 9, -1, "many"])
+def test_bad_n_is_400(server: ServerProc, n: Any) -> None:
+    response = server.post("/v1/chat/completions", json={"model": _name(server), "messages": MSGS, "n": n})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
