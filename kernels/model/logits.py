@@ -10,7 +10,8 @@ draws the same tokens after a resume and beside other sessions as alone. In f64,
 2. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI's): each id drawn c > 0 times in this
    turn loses c * f + p;
 3. ``logit_bias``: each listed id gains its bias;
-4. ``min_tokens`` m: while fewer than m tokens were drawn, the turn's stop ids (its eos ids) are -inf.
+4. ``min_tokens`` m: while fewer than m tokens were drawn, the turn's stop ids (its eos ids) are -inf;
+5. a ``constraint`` (a grammar, ``response_format``): every id it does not allow next is -inf.
 
 Log-probabilities are those of the distribution the token was drawn from BEFORE temperature, top-k
 and top-p: ``log_softmax`` of the processed logits (in f64), the model's own ``log_softmax`` when the
@@ -19,6 +20,7 @@ turn has no processing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -60,15 +62,23 @@ def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(lp[token]), best)
 
 
+class TokenConstraint(Protocol):
+    """What limits the next token (a grammar): the ids allowed next, and each drawn token consumed."""
+
+    def allowed(self) -> np.ndarray: ...  # [V] bool
+    def consume(self, token: int) -> None: ...
+
+
 class TurnDraw:
     """One turn's draw (``draw(logits, position) -> token``, what the decode loop calls): each
     position's logits processed by the ``sampler``'s settings (module doc), then the sampler's draw;
     ``stop_ids``: the ids ``min_tokens`` bans (the turn's eos ids); with ``top_logprobs`` (0..20;
     None: off) each drawn token's :class:`TokenLogprob` (of the processed logits) is appended to
-    ``logprobs``. Call :meth:`begin` with the turn's context before the first draw."""
+    ``logprobs``; ``constraint``: what else limits each token (a grammar). Call :meth:`begin` with
+    the turn's context before the first draw."""
 
     def __init__(self, sampler: Sampler, *, stop_ids: frozenset[int] = frozenset(),
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, constraint: TokenConstraint | None = None) -> None:
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], found {top_logprobs}")
         self.sampler = sampler
@@ -76,7 +86,8 @@ class TurnDraw:
         self.top_logprobs = top_logprobs
         self.logprobs: list[TokenLogprob] = []
         self.drawn = 0  # tokens drawn in this turn
-        self._processing = bool(sampler.processing)
+        self.constraint = constraint
+        self._processing = bool(sampler.processing) or constraint is not None
         self._context = np.zeros(0, dtype=np.int64)  # [n] the ids before the turn (repetition_penalty)
         self._counts: np.ndarray | None = None  # [V] i64: times each id was drawn in this turn
         self._seen: np.ndarray | None = None  # [V] bool: ids in the context or drawn (repetition_penalty)
@@ -106,6 +117,11 @@ class TurnDraw:
         if self.drawn < s.min_tokens and self.stop_ids:
             banned = np.asarray(sorted(i for i in self.stop_ids if 0 <= i < z.size), dtype=np.int64)  # [e] i64
             z[banned] = -np.inf
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()  # [V] bool
+            if allowed.shape != z.shape:
+                raise FormatError(f"the constraint's mask covers {allowed.size} ids, the logits {z.size}")
+            z[~allowed] = -np.inf
         return z
 
     def _state(self, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,6 +141,8 @@ class TurnDraw:
         if self.top_logprobs is not None:
             self.logprobs.append(token_logprob(z, token, self.top_logprobs))
         self.drawn += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self._processing:
             counts, seen = self._state(np.asarray(logits).size)
             counts[token] += 1
@@ -143,5 +161,5 @@ def settings_of(sampler: Sampler | TurnDraw) -> Sampler:
     return sampler.sampler if isinstance(sampler, TurnDraw) else sampler
 
 
-__all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "TurnDraw", "log_softmax", "settings_of", "token_logprob",
-           "turn_draw"]
+__all__ = ["MAX_TOP_LOGPROBS", "TokenConstraint", "TokenLogprob", "TurnDraw", "log_softmax", "settings_of",
+           "token_logprob", "turn_draw"]

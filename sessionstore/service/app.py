@@ -165,6 +165,7 @@ class Api:
         spec.ignore_eos = req.ignore_eos
         spec.top_logprobs = req.top_logprobs_asked()
         spec.n = req.n
+        spec.response_format = req.response_format
         vocab = int(self.engine.model.config.vocab_size)
         outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
         if outside:

@@ -99,6 +99,7 @@ class TurnFields(BaseModel):
     session: str | None = None  # the conversation this turn continues (created if absent)
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
     tools: Any = None
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields this request gave, and its seed: a fresh random one when it gave
@@ -125,6 +126,11 @@ class TurnFields(BaseModel):
                            param="max_tokens", code="limit_exceeded")
         if self.logit_bias is not None:
             check_logit_bias(self.logit_bias)
+        if self.structured():
+            clash = "ignore_eos" if self.ignore_eos else "min_tokens" if self.min_tokens else None
+            if clash is not None:  # both would hold off the eos id that ends the JSON value
+                raise ApiError(400, f"response_format {self.structured()} cannot be combined with {clash}",
+                               param=clash, code="invalid_value")
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                            param="min_tokens", code="invalid_value")
@@ -133,6 +139,16 @@ class TurnFields(BaseModel):
             raise ApiError(400, f"stop: at most {limits.max_stop} non-empty strings of at most "
                            f"{limits.max_stop_chars} characters", param="stop")
 
+
+    def structured(self) -> str | None:
+        """The ``response_format`` type when it constrains the output (json_object, json_schema), else None."""
+        kind = (self.response_format or {}).get("type")
+        if kind in (None, "text"):
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise ApiError(400, "response_format.type must be text, json_object or json_schema",
+                           param="response_format.type", code="invalid_value")
+        return str(kind)
 
     def top_logprobs_asked(self) -> int | None:
         """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""

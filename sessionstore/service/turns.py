@@ -19,6 +19,7 @@ from kernels.errors import FormatError
 from kernels.model.logits import TokenLogprob, TurnDraw
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
+from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
@@ -64,6 +65,7 @@ class TurnSpec:
     ignore_eos: bool = False
     top_logprobs: int | None = None  # log-probabilities of each drawn token and this many alternatives
     n: int = 1  # choices: 0 as the turn, 1..n-1 stateless from the same prompt with seed + i
+    response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
 
     def choice(self, index: int) -> TurnSpec:
         """Choice ``index`` >= 1: the same prompt and settings, stateless, its seed ``seed + index``."""
@@ -118,6 +120,7 @@ class TurnRunner:
         self.default_max_tokens = default_max_tokens
         self.context = int(model.config.max_position_embeddings)
         self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
         if self.tok is None:
@@ -173,9 +176,22 @@ class TurnRunner:
 
     def _draw(self, spec: TurnSpec) -> TurnDraw:
         """The turn's draw: the request's settings (:func:`sampler_for`; ``min_tokens`` bans the eos
-        ids that would end it), log-probabilities if asked."""
+        ids that would end it), log-probabilities if asked, its ``response_format``'s grammar."""
         return TurnDraw(sampler_for(spec.sampling), stop_ids=frozenset() if spec.ignore_eos else self.eos,
-                        top_logprobs=spec.top_logprobs)
+                        top_logprobs=spec.top_logprobs, constraint=self._grammar(spec))
+
+    def _grammar(self, spec: TurnSpec) -> TokenGrammar | None:
+        """A fresh grammar for ``spec.response_format`` (None: free text); a schema that cannot be
+        enforced is a 400 naming what (``unsupported_schema``)."""
+        if spec.response_format is None or spec.response_format.get("type") in (None, "text"):
+            return None
+        tok = self._text_tokenizer("response_format")
+        try:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(tok, int(self.model.config.vocab_size))
+            return self._grammars.compile(spec.response_format)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param="response_format", code="unsupported_schema") from None
 
     @staticmethod
     def _logprobs(spec: TurnSpec, draw: TurnDraw) -> list[TokenLogprob] | None:

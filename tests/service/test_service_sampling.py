@@ -1,9 +1,12 @@
 """Sampling options of chat and text completions over a real server and the ``openai`` client:
 log-probabilities (OpenAI's chat shape and the legacy completions shape, streamed and not), checked
 against the in-process model's own log-softmax; the logits processing (penalties, ``logit_bias``,
-``min_tokens``) against the in-process turn, across a resume and beside other sessions."""
+``min_tokens``) against the in-process turn, across a resume and beside other sessions; ``n``
+choices; ``response_format`` JSON that always parses and matches its schema."""
 from __future__ import annotations
 
+import importlib.util
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -298,3 +301,80 @@ def test_n_streamed_choices_carry_their_index(server: ServerProc) -> None:
 def test_bad_n_is_400(server: ServerProc, n: Any) -> None:
     response = server.post("/v1/chat/completions", json={"model": _name(server), "messages": MSGS, "n": n})
     assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
+
+
+# ---- response_format: grammar-constrained JSON ----------------------------------------------------
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+
+
+def _matches(value: Any) -> bool:
+    """``value`` against SCHEMA, rule by rule."""
+    return (isinstance(value, dict) and set(value) == {"name", "age", "tags", "ok"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 12
+            and isinstance(value["age"], int) and not isinstance(value["age"], bool) and 0 <= value["age"] <= 150
+            and isinstance(value["tags"], list) and len(value["tags"]) <= 3
+            and all(t in ("red", "green", "blue") for t in value["tags"]) and isinstance(value["ok"], bool))
+
+
+needs_grammar = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                   reason="the grammar extra (llguidance) enforces response_format")
+
+
+@needs_grammar
+def test_json_schema_outputs_parse_and_match(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    many = client.chat.completions.create(model=name, messages=MSGS, max_tokens=200, temperature=1.0, seed=1, n=6,
+                                          response_format=fmt)
+    for choice in many.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        assert _matches(json.loads(choice.message.content)), choice.message.content
+    assert len({c.message.content for c in many.choices}) > 1  # sampled, not one fixed answer
+    done = client.completions.create(model=name, prompt="Person:", max_tokens=200, temperature=1.0, seed=2,
+                                     extra_body={"response_format": fmt})
+    assert _matches(json.loads(done.choices[0].text))
+    body = {"model": name, "messages": MSGS, "max_tokens": 200, "temperature": 0.7, "seed": 3,
+            "response_format": fmt, "stream": True, "session": "json"}
+    chunks = _raw_stream(server, "/v1/chat/completions", body)
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert _matches(json.loads(streamed))
+    messages = server.get("/v1/sessions/json?messages=1").json()["messages"]
+    assert json.loads(messages[-1]["content"]) == json.loads(streamed)
+
+
+@needs_grammar
+def test_json_object_outputs_parse(server: ServerProc) -> None:
+    many = server.openai().chat.completions.create(model=_name(server), messages=MSGS, max_tokens=300,
+                                                   temperature=0.8, seed=4, n=4,
+                                                   response_format={"type": "json_object"})
+    for choice in many.choices:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict), choice.message.content
+        else:  # cut by max_tokens: still a prefix of an object
+            assert choice.message.content.startswith("{")
+    assert any(c.finish_reason == "stop" for c in many.choices)
+
+
+@pytest.mark.parametrize(("fields", "param", "code"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "if": {}}}}},
+     "response_format", "unsupported_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/nowhere"}}}},
+     "response_format", "unsupported_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "unsupported_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": "json"}, "response_format", None),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "invalid_value"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "invalid_value"),
+])
+def test_unenforceable_response_formats_are_400(server: ServerProc, fields: dict[str, Any], param: str,
+                                                code: str | None) -> None:
+    body = {"model": _name(server), "messages": MSGS, "max_tokens": 4, "session": "nojson", **fields}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == code
+    assert server.get("/v1/sessions/nojson").status_code == 404  # a refused first turn leaves no session

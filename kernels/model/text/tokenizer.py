@@ -86,6 +86,10 @@ class ChatTokenizer:
             raise FormatError(f"token id {bad[0]} is outside the tokenizer's {self.vocab_size} ids")
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text, declared tokens included (what a grammar library reads)."""
+        return str(self._tok.to_str())
+
     def token_text(self, token: int) -> tuple[str, bytes]:
         """One token's text (special tokens spelled out) and its own bytes: through the byte-level
         alphabet when the tokenizer decodes byte-level (so a token that ends inside a character
