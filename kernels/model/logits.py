@@ -74,8 +74,8 @@ class TurnDraw:
     position's logits processed by the ``sampler``'s settings (module doc), then the sampler's draw;
     ``stop_ids``: the ids ``min_tokens`` bans (the turn's eos ids); with ``top_logprobs`` (0..20;
     None: off) each drawn token's :class:`TokenLogprob` (of the processed logits) is appended to
-    ``logprobs``; ``constraint``: what else limits each token (a grammar). Call :meth:`begin` with
-    the turn's context before the first draw."""
+    ``logprobs``; ``constraint``: what else limits each token (a grammar). When
+    :attr:`wants_context`, call :meth:`begin` with the turn's context before the first draw."""
 
     def __init__(self, sampler: Sampler, *, stop_ids: frozenset[int] = frozenset(),
                  top_logprobs: int | None = None, constraint: TokenConstraint | None = None) -> None:
@@ -92,9 +92,15 @@ class TurnDraw:
         self._counts: np.ndarray | None = None  # [V] i64: times each id was drawn in this turn
         self._seen: np.ndarray | None = None  # [V] bool: ids in the context or drawn (repetition_penalty)
 
+    @property
+    def wants_context(self) -> bool:
+        """Whether the draw reads the tokens before the turn (``repetition_penalty``): a long
+        session's token column is only gathered for it then."""
+        return self.sampler.repetition_penalty != 1
+
     def begin(self, context: np.ndarray) -> None:
         """The turn starts after ``context`` [n] (every token before its first draw)."""
-        if self.sampler.repetition_penalty != 1:
+        if self.wants_context:
             self._context = np.unique(np.asarray(context, dtype=np.int64))  # [u] i64
 
     def process(self, logits: np.ndarray) -> np.ndarray:

@@ -205,7 +205,9 @@ class TurnRunner:
         output = self._output(spec, draw, sink, at_token)
         if spec.kind == "chat":
             conv = Conversation.open(session, self._text_tokenizer("chat"))
-            reply = conv.respond(spec.messages or [], max_new, sampler=draw, prompt=prompt, output=output)
+            structured = draw.constraint is not None
+            reply = conv.respond(spec.messages or [], max_new, sampler=draw, prompt=prompt, output=output,
+                                 response_format=spec.response_format if structured else None)
             return TurnOutcome(reply.tokens, output.text, output.finish_reason, reply.prompt_tokens,
                                reply.reused_prefix, session.committed, logprobs=self._logprobs(spec, draw))
         remove_record(session.directory)  # before the tokens change: never a stale conversation

@@ -109,7 +109,7 @@ class Conversation:
                 "(another tokenizer or template?)")
         n = len(prompt)
         if len(history) >= n and tokens_digest(history[:n]) == turn.prompt_digest:
-            self._close_turn(turn.messages, history[n:], turn.sampler)
+            self._close_turn(turn.messages, history[n:], turn.sampler, turn.response_format)
             self.recovered = {"action": "closed", "reply_tokens": history[n:]}
         elif self.record.agrees_with(history):
             self.record.turn = None  # the prompt never reached the kv file
@@ -117,7 +117,7 @@ class Conversation:
             self.recovered = {"action": "dropped", "reply_tokens": []}
         elif len(history) < n and history == prompt[:len(history)]:
             self.session.append_tokens(prompt[len(history):], commit=True)
-            self._close_turn(turn.messages, [], turn.sampler)
+            self._close_turn(turn.messages, [], turn.sampler, turn.response_format)
             self.recovered = {"action": "completed", "reply_tokens": []}
         else:
             raise ConversationMismatchError(
@@ -125,11 +125,11 @@ class Conversation:
                 "interrupted turn's")
 
     def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int],
-                    sampler: Sampler | None) -> str:
+                    sampler: Sampler | None, response_format: dict[str, Any] | None = None) -> str:
         text = self.tokenizer.decode(list(answer))
         history = self.session.history()
         self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
-                                         tokens_digest(history), None, sampler)
+                                         tokens_digest(history), None, sampler, response_format)
         write_record(self.session.directory, self.record)
         return text
 
@@ -142,7 +142,7 @@ class Conversation:
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
                 sampler: Sampler | TurnDraw | None = None, prompt: Sequence[int] | None = None,
-                output: OutputProcessor | None = None) -> Reply:
+                output: OutputProcessor | None = None, response_format: dict[str, Any] | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
         ``sampler``: this turn's settings (or a :class:`TurnDraw` over them), not stored in the
@@ -151,7 +151,9 @@ class Conversation:
         ids ``messages`` render to with the generation prompt, already checked against the model,
         when the caller rendered them (a request's prompt is rendered and tokenised once).
         ``output``: the turn's output processor, when the caller builds its own (stop strings, a
-        client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``."""
+        client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``.
+        ``response_format``: the grammar the caller's ``sampler`` (a TurnDraw) constrains the reply
+        to, recorded with the turn (FORMAT.md 5.8); None: free text."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
@@ -164,7 +166,7 @@ class Conversation:
         session.ensure_resident()
         draw = session.manifest.sampler if sampler is None else sampler
         drawn_with = settings_of(draw)
-        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with)
+        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with, response_format)
         write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
@@ -182,7 +184,7 @@ class Conversation:
         reply.tokens = output.tokens
         reply.stopped = {"eos": "eos", "length": "limit"}.get(output.reason, "interrupted")
         assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
-        reply.text = self._close_turn(checked, reply.tokens, drawn_with)
+        reply.text = self._close_turn(checked, reply.tokens, drawn_with, response_format)
         assert reply.text == output.decoded
         return reply
 

@@ -83,7 +83,8 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
         raise FormatError("nothing to continue from: the session is empty; give prompt ids")
     eos = frozenset(model.config.eos_token_ids) if stop_at_eos else frozenset()
     draw = turn_draw(sampler, frozenset(model.config.eos_token_ids))
-    draw.begin(cache.tokens)
+    if draw.wants_context:
+        draw.begin(cache.tokens)
     loop = decode_loop(cache, logits, max_new, draw, eos, on_rows, on_step)
     drive = getattr(model, "drive_decode", None)
     return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)

@@ -344,6 +344,11 @@ def test_json_schema_outputs_parse_and_match(server: ServerProc) -> None:
     assert _matches(json.loads(streamed))
     messages = server.get("/v1/sessions/json?messages=1").json()["messages"]
     assert json.loads(messages[-1]["content"]) == json.loads(streamed)
+    record = read_record(Path(server.root) / "sessions" / "json")
+    assert record is not None and record.sampler is not None and record.response_format == fmt
+    again = {"model": name, "messages": MSGS, "max_tokens": 200, **record.sampler.to_dict(),
+             "response_format": record.response_format}  # regenerate from the record
+    assert server.post("/v1/chat/completions", json=again).json()["choices"][0]["message"]["content"] == streamed
 
 
 @needs_grammar
