@@ -80,7 +80,7 @@ class TurnDraw:
     def __init__(self, sampler: Sampler, *, stop_ids: frozenset[int] = frozenset(),
                  top_logprobs: int | None = None, constraint: TokenConstraint | None = None) -> None:
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], found {top_logprobs}")
+            raise FormatError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], found {top_logprobs}")
         self.sampler = sampler
         self.stop_ids = stop_ids
         self.top_logprobs = top_logprobs
