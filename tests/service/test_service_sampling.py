@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kernels.model.logits import TurnDraw, log_softmax
 from kernels.model.sampling import Sampler
@@ -383,3 +385,33 @@ def test_unenforceable_response_formats_are_400(server: ServerProc, fields: dict
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and response.json()["error"]["code"] == code
     assert server.get("/v1/sessions/nojson").status_code == 404  # a refused first turn leaves no session
+
+
+# ---- fuzzed option values: a 200 or OpenAI's 400, never a 500 -------------------------------------
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.integers(-3, 30),
+                      st.floats(allow_nan=False, allow_infinity=False), st.floats(-3, 3), st.text(max_size=8))
+JSON_VALUE = st.one_of(
+    st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                    st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                 max_leaves=8),
+    st.dictionaries(st.integers(0, 1000).map(str), st.floats(-150, 150), max_size=4),  # near-valid logit_bias
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                     {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}]))
+OPTION_NAMES = ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n",
+                "logprobs", "top_logprobs", "response_format"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(options=st.dictionaries(st.sampled_from(OPTION_NAMES), JSON_VALUE, min_size=1, max_size=3),
+       chat=st.booleans())
+def test_fuzzed_options_are_served_or_refused_in_openais_shape(server: ServerProc, options: dict[str, Any],
+                                                               chat: bool) -> None:
+    body: dict[str, Any] = {"model": _name(server), "max_tokens": 2, **options}
+    body.update({"messages": MSGS} if chat else {"prompt": [5, 6]})
+    response = server.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    else:
+        assert len(response.json()["choices"]) == body.get("n", 1)
