@@ -47,7 +47,7 @@ from sessionstore.service.protocol import (
     usage,
     usage_chunk,
 )
-from sessionstore.service.streams import Event, TurnStream
+from sessionstore.service.streams import Event, TurnStream, merged
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
@@ -177,9 +177,29 @@ class Api:
             spec.prompt = req.prompt
         return spec
 
-    async def start_turn(self, spec: TurnSpec, clock: TurnClock) -> tuple[TurnStream, Event]:
-        """Queue the turn (counted waiting, then running); its stream and first event (an error
-        before any text is raised)."""
+    async def start_turns(self, spec: TurnSpec, clock: TurnClock) -> list[tuple[TurnStream, Event]]:
+        """Queue the request's choices: choice 0 is ``spec`` (on its session), choices 1..n-1 its
+        stateless copies (:meth:`TurnSpec.choice`), all queued before any is awaited so that the
+        engine steps them together; their streams and first events. An error before any text (of
+        any choice) is raised, every other choice cancelled. ``clock`` times choice 0 only."""
+        streams: list[TurnStream] = []
+        try:
+            for i in range(spec.n):
+                streams.append(self.queue_turn(spec if i == 0 else spec.choice(i)))
+            firsts: list[Event] = []
+            for i, stream in enumerate(streams):
+                event = await self.receive(stream, clock if i == 0 else None)
+                if event.kind == "error":
+                    raise event.value
+                firsts.append(event)
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return list(zip(streams, firsts, strict=True))
+
+    def queue_turn(self, spec: TurnSpec) -> TurnStream:
+        """Queue one turn (counted waiting, then running); the stream its events come on."""
         stream = TurnStream(asyncio.get_running_loop())
         metrics = self.engine.metrics
 
@@ -206,15 +226,14 @@ class Api:
                 stream.finish(done.result())
 
         fut.add_done_callback(deliver)
-        first = await self.receive(stream, clock)
-        if first.kind == "error":
-            raise first.value
-        return stream, first
+        return stream
 
     @staticmethod
-    async def receive(stream: TurnStream, clock: TurnClock) -> Event:
-        """The turn's next event, timed by ``clock``."""
+    async def receive(stream: TurnStream, clock: TurnClock | None) -> Event:
+        """The turn's next event, timed by ``clock`` (None: not timed)."""
         event = await stream.next()
+        if clock is None:
+            return event
         if event.kind == "text":
             clock.text()
         elif event.kind == "done":
@@ -230,9 +249,10 @@ class Api:
         tok = self.engine.runner.tok
         return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
 
-    def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
-        """The turn's usage: the prompt once, the tokens of every choice."""
-        return usage(out.prompt_tokens, len(out.tokens) + sum(len(c.tokens) for c in out.choices), out.reused_prefix)
+    def usage_of(self, outcomes: list[TurnOutcome]) -> dict[str, Any]:
+        """The request's usage: the prompt (and its cached part) once, the tokens of every choice."""
+        first = outcomes[0]
+        return usage(first.prompt_tokens, sum(len(out.tokens) for out in outcomes), first.reused_prefix)
 
     def choice_of(self, kind: str, index: int, out: TurnOutcome) -> dict[str, Any]:
         """One choice of an unstreamed response."""
@@ -256,30 +276,43 @@ class Api:
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
         spec = self.spec_of(req, kind, request.headers.get(SESSION_HEADER))
-        stream, first = await self.start_turn(spec, clock)
+        turns = await self.start_turns(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
         if not req.stream:
-            event = first
-            while event.kind == "text":
-                event = await self.receive(stream, clock)
-            if event.kind == "error":
-                raise event.value
-            out: TurnOutcome = event.value
-            choices = [self.choice_of(kind, i, c) for i, c in enumerate([out, *out.choices])]
+            outcomes = await self.outcomes(turns, clock)
+            choices = [self.choice_of(kind, i, out) for i, out in enumerate(outcomes)]
             obj = "chat.completion" if kind == "chat" else "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": choices, "usage": self.usage_of(out), **self.session_fields(spec, out)})
+                                 "choices": choices, "usage": self.usage_of(outcomes),
+                                 **self.session_fields(spec, outcomes[0])})
         head = StreamHead(kind, rid, created, req.include_usage())
-        return StreamingResponse(self.events(head, spec, stream, first, clock), media_type="text/event-stream",
+        return StreamingResponse(self.events(head, spec, turns, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event,
+    async def outcomes(self, turns: list[tuple[TurnStream, Event]], clock: TurnClock) -> list[TurnOutcome]:
+        """Every choice's outcome, in index order (an error is raised, the other choices cancelled)."""
+        outcomes: list[TurnOutcome] = []
+        try:
+            for i, (stream, event) in enumerate(turns):
+                while event.kind == "text":
+                    event = await self.receive(stream, clock if i == 0 else None)
+                if event.kind == "error":
+                    raise event.value
+                outcomes.append(event.value)
+        except BaseException:
+            for stream, _ in turns:
+                stream.cancel()
+            raise
+        return outcomes
+
+    async def events(self, head: StreamHead, spec: TurnSpec, turns: list[tuple[TurnStream, Event]],
                      clock: TurnClock) -> AsyncIterator[bytes]:
         """The turn's SSE: (chat: a role chunk per choice,) a chunk per piece of text (``index``: its
-        choice), then each choice's final chunk with ``finish_reason`` and ``token_ids`` (the last of
-        them with the session); with ``include_usage`` one more chunk with ``choices: []`` and
-        ``usage`` (every other chunk then has ``usage: null``, as OpenAI's). With log-probabilities
+        choice; the choices' chunks interleave as they come), each choice's final chunk with
+        ``finish_reason`` and ``token_ids`` when it ends (choice 0's with the session); with
+        ``include_usage`` one more chunk with ``choices: []`` and ``usage`` once every choice has
+        ended (every other chunk then has ``usage: null``, as OpenAI's). With log-probabilities
         each chunk carries those of its choice's tokens drawn since its chunk before (the final one
         those of the tokens whose text never went out: eos, a stop string's)."""
         kind, rid, created = head.kind, head.rid, head.created
@@ -304,27 +337,28 @@ class Api:
                 for index in range(spec.n):
                     yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""},
                                          index=index, **no_usage))
-            event = first
-            while True:
+            ended: dict[int, TurnOutcome] = {}  # choice -> its outcome
+            failed = False
+            async for index, event in merged(turns, lambda i, s: self.receive(s, clock if i == 0 else None)):
                 if event.kind == "text":
-                    yield piece(event.index, event.value, entries=event.logprobs)
+                    yield piece(index, event.value, entries=event.logprobs)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    outcomes = [out, *out.choices]
-                    for index, done in enumerate(outcomes):
-                        rest = None if done.logprobs is None else done.logprobs[sent[index]:]
-                        last = self.session_fields(spec, out) if index == len(outcomes) - 1 else {}
-                        yield piece(index, "", done.finish, done.tokens, rest, **last)
-                    if head.include_usage:
-                        yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
-                    break
+                    ended[index] = out
+                    rest = None if out.logprobs is None else out.logprobs[sent[index]:]
+                    yield piece(index, "", out.finish, out.tokens, rest,
+                                **(self.session_fields(spec, out) if index == 0 else {}))
                 else:
                     yield sse(api_error_of(event.value).body(self.places))
+                    failed = True
                     break
-                event = await self.receive(stream, clock)
+            if head.include_usage and not failed:
+                outcomes = [ended[i] for i in range(len(turns))]
+                yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(outcomes)))
             yield sse("[DONE]")
         finally:
-            stream.cancel()  # a vanished client ends its turn at the next token (it commits)
+            for stream, _ in turns:
+                stream.cancel()  # a vanished client ends its turns at the next token (choice 0 commits)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.turn(request, "chat")

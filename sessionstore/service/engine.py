@@ -218,8 +218,7 @@ class Engine:
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)
-        outcome.choices = self.runner.other_choices(spec, sink, self.at_token)
-        self.metrics.tokens.inc(len(outcome.tokens) + sum(len(c.tokens) for c in outcome.choices))
+        self.metrics.tokens.inc(len(outcome.tokens))
         self.metrics.turn_seconds.observe(time.perf_counter() - t0)
         return outcome
 

@@ -30,25 +30,10 @@ from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 class TurnSink(Protocol):
     """Where a turn's text goes (with the log-probabilities of the tokens drawn since the last
-    piece, when the turn asked for them, and the choice it belongs to), and whether its client
-    still listens."""
+    piece, when the turn asked for them), and whether its client still listens."""
 
-    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> None: ...
+    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> None: ...
     def cancelled(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class ChoiceSink:
-    """``sink`` for choice ``index``: its pieces go out tagged with the index."""
-
-    sink: TurnSink
-    index: int
-
-    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None, index: int = 0) -> None:
-        self.sink.text(piece, logprobs, self.index)
-
-    def cancelled(self) -> bool:
-        return self.sink.cancelled()
 
 
 @dataclass
@@ -64,7 +49,7 @@ class TurnSpec:
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     top_logprobs: int | None = None  # log-probabilities of each drawn token and this many alternatives
-    n: int = 1  # choices: 0 as the turn, 1..n-1 stateless from the same prompt with seed + i
+    n: int = 1  # choices: 0 is this turn, 1..n-1 its stateless copies (:meth:`choice`), queued beside it
     response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
 
     def choice(self, index: int) -> TurnSpec:
@@ -83,7 +68,6 @@ class TurnOutcome:
     committed: int | None = None
     created: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token, when the turn asked for them
-    choices: list[TurnOutcome] = field(default_factory=list)  # choices 1..n-1 (stateless, not committed)
 
 
 def template_reason(message: str, tok: ChatTokenizer) -> str:
@@ -222,11 +206,6 @@ class TurnRunner:
         return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed,
                            logprobs=self._logprobs(spec, draw))
 
-    def other_choices(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> list[TurnOutcome]:
-        """Choices 1..n-1 of ``spec``, one after another: each stateless from the same prompt
-        (:meth:`TurnSpec.choice`), its text tagged with its index; nothing is stored."""
-        return [self.stateless(spec.choice(i), ChoiceSink(sink, i), at_token) for i in range(1, spec.n)]
-
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
@@ -246,5 +225,5 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
 
-__all__ = ["ChoiceSink", "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
+__all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
            "template_reason"]

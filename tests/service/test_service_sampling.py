@@ -291,7 +291,7 @@ def test_n_streamed_choices_carry_their_index(server: ServerProc) -> None:
             items[choice["index"]] += choice["logprobs"]["content"]
         if choice["finish_reason"] is not None:
             finals[choice["index"]] = c
-    assert "session" in chunks[-1] and set(finals) == {0, 1}
+    assert set(finals) == {0, 1} and "session" in finals[0] and "session" not in finals[1]
     server.post("/v1/sessions/nstream/suspend")
     whole = server.post("/v1/chat/completions", json={**body, "session": None}).json()["choices"]
     for i in (0, 1):
@@ -415,3 +415,19 @@ def test_fuzzed_options_are_served_or_refused_in_openais_shape(server: ServerPro
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
     else:
         assert len(response.json()["choices"]) == body.get("n", 1)
+
+
+def _batched_steps(server: ServerProc) -> float:
+    """Decode steps so far that advanced more than one turn (the batch-size histogram's count above 1)."""
+    lines = server.get("/metrics").text.splitlines()
+    bucket = {line.split('le="')[1].split('"')[0]: float(line.split()[-1])
+              for line in lines if line.startswith("coli_decode_batch_size_bucket")}
+    return bucket["+Inf"] - bucket["1.0"]
+
+
+def test_n_choices_are_stepped_together(server: ServerProc) -> None:
+    before = _batched_steps(server)
+    many = server.openai().chat.completions.create(model=_name(server), messages=MSGS, max_tokens=MAX, n=4,
+                                                   temperature=1.0, seed=6, extra_body={"ignore_eos": True})
+    assert len(many.choices) == 4
+    assert _batched_steps(server) - before >= MAX // 2  # the choices were queued together, not one after another
