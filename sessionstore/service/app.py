@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kernels.model.logits import TokenLogprob
 from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service import bundle_pull, bundle_upload
 from sessionstore.service.auth import BearerAuth
@@ -37,7 +38,9 @@ from sessionstore.service.protocol import (
     PullRequest,
     TurnFields,
     chat_chunk,
+    chat_logprobs,
     completion_chunk,
+    completion_logprobs,
     now,
     parse_body,
     sse,
@@ -45,7 +48,7 @@ from sessionstore.service.protocol import (
     usage_chunk,
 )
 from sessionstore.service.responses import ResponsesRoutes, TurnJob
-from sessionstore.service.streams import Event, TurnStream
+from sessionstore.service.streams import Event, TurnStream, merged
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
@@ -161,6 +164,14 @@ class Api:
         spec = TurnSpec("chat" if kind == "chat" else "completion", session, max_tokens=req.max_tokens,
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos
+        spec.top_logprobs = req.top_logprobs_asked()
+        spec.n = req.n
+        spec.response_format = req.response_format
+        vocab = int(self.engine.model.config.vocab_size)
+        outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
+        if outside:
+            raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary ({vocab} ids)",
+                           param="logit_bias", code="invalid_value")
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
@@ -169,9 +180,39 @@ class Api:
 
     async def start_turn(self, spec: TurnSpec, clock: TurnClock,
                          job: TurnJob | None = None) -> tuple[TurnStream, Event]:
-        """Queue the turn (counted waiting, then running) holding ``spec.session``; its stream and
-        first event (an error before any text is raised). ``job``: what the engine runs with the
-        stream (default: :meth:`Engine.run_turn` of ``spec``)."""
+        """Queue one turn holding ``spec.session``; its stream and first event (an error before any
+        text is raised). ``job``: what the engine runs with the stream (default:
+        :meth:`Engine.run_turn` of ``spec``)."""
+        stream = self.queue_turn(spec, job)
+        first = await self.receive(stream, clock)
+        if first.kind == "error":
+            raise first.value
+        return stream, first
+
+    async def start_turns(self, spec: TurnSpec, clock: TurnClock) -> list[tuple[TurnStream, Event]]:
+        """Queue the request's choices: choice 0 is ``spec`` (on its session), choices 1..n-1 its
+        stateless copies (:meth:`TurnSpec.choice`), all queued before any is awaited so that the
+        engine steps them together; their streams and first events. An error before any text (of
+        any choice) is raised, every other choice cancelled. ``clock`` times choice 0 only."""
+        streams: list[TurnStream] = []
+        try:
+            for i in range(spec.n):
+                streams.append(self.queue_turn(spec if i == 0 else spec.choice(i)))
+            firsts: list[Event] = []
+            for i, stream in enumerate(streams):
+                event = await self.receive(stream, clock if i == 0 else None)
+                if event.kind == "error":
+                    raise event.value
+                firsts.append(event)
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return list(zip(streams, firsts, strict=True))
+
+    def queue_turn(self, spec: TurnSpec, job: TurnJob | None = None) -> TurnStream:
+        """Queue one turn (counted waiting, then running); the stream its events come on. ``job``:
+        what the engine runs with the stream (default: :meth:`Engine.run_turn` of ``spec``)."""
         stream = TurnStream(asyncio.get_running_loop())
         metrics = self.engine.metrics
 
@@ -198,15 +239,14 @@ class Api:
                 stream.finish(done.result())
 
         fut.add_done_callback(deliver)
-        first = await self.receive(stream, clock)
-        if first.kind == "error":
-            raise first.value
-        return stream, first
+        return stream
 
     @staticmethod
-    async def receive(stream: TurnStream, clock: TurnClock) -> Event:
-        """The turn's next event, timed by ``clock``."""
+    async def receive(stream: TurnStream, clock: TurnClock | None) -> Event:
+        """The turn's next event, timed by ``clock`` (None: not timed)."""
         event = await stream.next()
+        if clock is None:
+            return event
         if event.kind == "text":
             clock.text()
         elif event.kind == "done":
@@ -214,8 +254,27 @@ class Api:
             clock.done(len(out.tokens), out.prompt_tokens, out.reused_prefix)
         return event
 
-    def usage_of(self, out: TurnOutcome) -> dict[str, Any]:
-        return usage(out.prompt_tokens, len(out.tokens), out.reused_prefix)
+    def logprobs_of(self, kind: str, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
+        ``offset``: the completion text's length before these tokens (the legacy ``text_offset``)."""
+        if entries is None:
+            return None
+        tok = self.engine.runner.tok
+        return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
+
+    def usage_of(self, outcomes: list[TurnOutcome]) -> dict[str, Any]:
+        """The request's usage: the prompt (and its cached part) once, the tokens of every choice."""
+        first = outcomes[0]
+        return usage(first.prompt_tokens, sum(len(out.tokens) for out in outcomes), first.reused_prefix)
+
+    def choice_of(self, kind: str, index: int, out: TurnOutcome) -> dict[str, Any]:
+        """One choice of an unstreamed response."""
+        logprobs = self.logprobs_of(kind, out.logprobs)
+        if kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": out.text},
+                    "finish_reason": out.finish, "logprobs": logprobs, "token_ids": out.tokens}
+        return {"index": index, "text": out.text, "finish_reason": out.finish, "logprobs": logprobs,
+                "token_ids": out.tokens}
 
     def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
         """The ``session`` extension of a response (nothing for a stateless turn)."""
@@ -230,64 +289,89 @@ class Api:
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
         spec = self.spec_of(req, kind, request.headers.get(SESSION_HEADER))
-        stream, first = await self.start_turn(spec, clock)
+        turns = await self.start_turns(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
         if not req.stream:
-            event = first
-            while event.kind == "text":
-                event = await self.receive(stream, clock)
-            if event.kind == "error":
-                raise event.value
-            out: TurnOutcome = event.value
-            if kind == "chat":
-                choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                          "finish_reason": out.finish, "logprobs": None, "token_ids": out.tokens}
-                obj = "chat.completion"
-            else:
-                choice = {"index": 0, "text": out.text, "finish_reason": out.finish, "logprobs": None,
-                          "token_ids": out.tokens}
-                obj = "text_completion"
+            outcomes = await self.outcomes(turns, clock)
+            choices = [self.choice_of(kind, i, out) for i, out in enumerate(outcomes)]
+            obj = "chat.completion" if kind == "chat" else "text_completion"
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": [choice], "usage": self.usage_of(out), **self.session_fields(spec, out)})
+                                 "choices": choices, "usage": self.usage_of(outcomes),
+                                 **self.session_fields(spec, outcomes[0])})
         head = StreamHead(kind, rid, created, req.include_usage())
-        return StreamingResponse(self.events(head, spec, stream, first, clock), media_type="text/event-stream",
+        return StreamingResponse(self.events(head, spec, turns, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def events(self, head: StreamHead, spec: TurnSpec, stream: TurnStream, first: Event,
+    async def outcomes(self, turns: list[tuple[TurnStream, Event]], clock: TurnClock) -> list[TurnOutcome]:
+        """Every choice's outcome, in index order (an error is raised, the other choices cancelled)."""
+        outcomes: list[TurnOutcome] = []
+        try:
+            for i, (stream, event) in enumerate(turns):
+                while event.kind == "text":
+                    event = await self.receive(stream, clock if i == 0 else None)
+                if event.kind == "error":
+                    raise event.value
+                outcomes.append(event.value)
+        except BaseException:
+            for stream, _ in turns:
+                stream.cancel()
+            raise
+        return outcomes
+
+    async def events(self, head: StreamHead, spec: TurnSpec, turns: list[tuple[TurnStream, Event]],
                      clock: TurnClock) -> AsyncIterator[bytes]:
-        """The turn's SSE: (chat: the role chunk,) a chunk per piece of text, the final chunk with
-        ``finish_reason``, ``token_ids`` and the session; with ``include_usage`` one more chunk with
-        ``choices: []`` and ``usage`` (every other chunk then has ``usage: null``, as OpenAI's)."""
+        """The turn's SSE: (chat: a role chunk per choice,) a chunk per piece of text (``index``: its
+        choice; the choices' chunks interleave as they come), each choice's final chunk with
+        ``finish_reason`` and ``token_ids`` when it ends (choice 0's with the session); with
+        ``include_usage`` one more chunk with ``choices: []`` and ``usage`` once every choice has
+        ended (every other chunk then has ``usage: null``, as OpenAI's). With log-probabilities
+        each chunk carries those of its choice's tokens drawn since its chunk before (the final one
+        those of the tokens whose text never went out: eos, a stop string's)."""
         kind, rid, created = head.kind, head.rid, head.created
         no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
+        sent = [0] * spec.n  # per choice: log-probabilities sent so far
+        offset = [0] * spec.n  # per choice: the length of their tokens' texts (the legacy text_offset)
 
-        def piece(text: str, finish: str | None = None, tokens: list[int] | None = None, **extra: Any) -> bytes:
+        def piece(index: int, text: str, finish: str | None = None, tokens: list[int] | None = None,
+                  entries: list[TokenLogprob] | None = None, **extra: Any) -> bytes:
+            logprobs = self.logprobs_of(kind, entries, offset[index])
+            if entries is not None and logprobs is not None:
+                sent[index] += len(entries)
+                offset[index] += sum(len(t) for t in logprobs["tokens"]) if kind != "chat" else 0
             if kind == "chat":
                 return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, **extra, **no_usage))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, **extra, **no_usage))
+                                      finish, tokens, logprobs, index, **extra, **no_usage))
+            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, logprobs, index, **extra,
+                                        **no_usage))
 
         try:
             if kind == "chat":
-                yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""}, **no_usage))
-            event = first
-            while True:
+                for index in range(spec.n):
+                    yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""},
+                                         index=index, **no_usage))
+            ended: dict[int, TurnOutcome] = {}  # choice -> its outcome
+            failed = False
+            async for index, event in merged(turns, lambda i, s: self.receive(s, clock if i == 0 else None)):
                 if event.kind == "text":
-                    yield piece(event.value)
+                    yield piece(index, event.value, entries=event.logprobs)
                 elif event.kind == "done":
                     out: TurnOutcome = event.value
-                    yield piece("", out.finish, out.tokens, **self.session_fields(spec, out))
-                    if head.include_usage:
-                        yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(out)))
-                    break
+                    ended[index] = out
+                    rest = None if out.logprobs is None else out.logprobs[sent[index]:]
+                    yield piece(index, "", out.finish, out.tokens, rest,
+                                **(self.session_fields(spec, out) if index == 0 else {}))
                 else:
                     yield sse(api_error_of(event.value).body(self.places))
+                    failed = True
                     break
-                event = await self.receive(stream, clock)
+            if head.include_usage and not failed:
+                outcomes = [ended[i] for i in range(len(turns))]
+                yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(outcomes)))
             yield sse("[DONE]")
         finally:
-            stream.cancel()  # a vanished client ends its turn at the next token (it commits)
+            for stream, _ in turns:
+                stream.cancel()  # a vanished client ends its turns at the next token (choice 0 commits)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.turn(request, "chat")

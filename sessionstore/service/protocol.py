@@ -2,7 +2,7 @@
 OpenAI-shaped response objects built from a finished or streaming turn.
 
 Unknown request fields are ignored, as OpenAI-compatible servers do; fields the service cannot
-honour (``n`` > 1, ``logprobs``, ``echo``, ``tools``) are refused by name.
+honour (``echo``, ``tools``) are refused by name.
 """
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
+from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PROCESSING
+from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.service.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
@@ -86,18 +89,23 @@ class TurnFields(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's name); 0: off
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
+    presence_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # extension (vLLM's): prompt + output
+    logit_bias: dict[str, float] | None = None  # token id (decimal) -> bias in [-100, 100]
+    min_tokens: StrictInt | None = Field(default=None, ge=0, lt=1 << 31)  # extension (vLLM's)
     stop: str | list[str] | None = None
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
-    logprobs: Any = None
     tools: Any = None
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields this request gave, and its seed: a fresh random one when it gave
         none (so two requests at a temperature above 0 differ, as OpenAI's do)."""
-        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                   ("top_k", self.top_k)) if v is not None}
+        fields = ("temperature", "top_p", "top_k", *PROCESSING)
+        given = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         return {**given, "seed": fresh_seed() if self.seed is None else self.seed}
 
     def include_usage(self) -> bool:
@@ -108,34 +116,89 @@ class TurnFields(BaseModel):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check(self, limits: ServiceLimits, what: str) -> None:
-        if self.n != 1:
-            raise ApiError(400, "n must be 1 (one choice per request)", param="n")
-        if self.logprobs not in (None, False):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if not 1 <= self.n <= limits.max_choices:
+            raise ApiError(400, f"n must be in [1, {limits.max_choices}], found {self.n}", param="n",
+                           code="invalid_value")
         if self.tools is not None:
             raise ApiError(400, "tools are not supported", param="tools")
         if self.max_tokens is not None and not 1 <= self.max_tokens <= limits.max_tokens:
             raise ApiError(400, f"max_tokens must be in [1, {limits.max_tokens}], found {self.max_tokens}",
                            param="max_tokens", code="limit_exceeded")
+        if self.logit_bias is not None:
+            check_logit_bias(self.logit_bias)
+        if self.structured():
+            clash = "ignore_eos" if self.ignore_eos else "min_tokens" if self.min_tokens else None
+            if clash is not None:  # both would hold off the eos id that ends the JSON value
+                raise ApiError(400, f"response_format {self.structured()} cannot be combined with {clash}",
+                               param=clash, code="invalid_value")
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ApiError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                           param="min_tokens", code="invalid_value")
         stops = self.stops()
         if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stops):
             raise ApiError(400, f"stop: at most {limits.max_stop} non-empty strings of at most "
                            f"{limits.max_stop_chars} characters", param="stop")
 
 
+    def structured(self) -> str | None:
+        """The ``response_format`` type when it constrains the output (json_object, json_schema), else None."""
+        kind = (self.response_format or {}).get("type")
+        if kind in (None, "text"):
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise ApiError(400, "response_format.type must be text, json_object or json_schema",
+                           param="response_format.type", code="invalid_value")
+        return str(kind)
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return None
+
+
+def check_logit_bias(bias: dict[str, float]) -> None:
+    """At most 300 entries, each a decimal token id -> a bias in [-100, 100] (ids are checked
+    against the model's vocabulary by the caller, which knows it); else a 400 naming the entry."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias",
+                       code="limit_exceeded")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdecimal() and len(key) <= 10):
+            raise ApiError(400, f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias",
+                           code="invalid_value")
+        if not -BIAS_RANGE <= value <= BIAS_RANGE:
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be in [-100, 100], found {value}",
+                           param="logit_bias", code="invalid_value")
+
+
+def check_top_logprobs(value: int, param: str) -> int:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], found {value}", param=param,
+                       code="invalid_value")
+    return value
+
+
 class ChatCompletionRequest(TurnFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: StrictInt | None = None
 
     def check(self, limits: ServiceLimits, what: str = "chat") -> None:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         super().check(limits, what)
+        if self.top_logprobs is not None:
+            check_top_logprobs(self.top_logprobs, "top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if not self.messages:
             raise ApiError(400, "messages is empty: give at least one message", param="messages")
         if len(self.messages) > limits.max_messages:
             raise ApiError(400, f"{len(self.messages)} messages exceed the limit of {limits.max_messages}",
                            param="messages", code="limit_exceeded")
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template renders them (:meth:`ChatMessage.to_dict`)."""
@@ -148,9 +211,12 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # an id of any vocabulary (th
 class CompletionRequest(TurnFields):
     prompt: str | list[TokenId]
     echo: bool = False
+    logprobs: StrictInt | None = None  # the legacy API's: how many alternatives per token (0: the token's own only)
 
     def check(self, limits: ServiceLimits, what: str = "completion") -> None:
         super().check(limits, what)
+        if self.logprobs is not None:
+            check_top_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         if isinstance(self.prompt, list) and len(self.prompt) > limits.max_prompt_ids:
@@ -158,6 +224,9 @@ class CompletionRequest(TurnFields):
                            f"{limits.max_prompt_ids}", param="prompt", code="limit_exceeded")
         if not self.prompt:
             raise ApiError(400, "the prompt is empty", param="prompt")
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ForkRequest(BaseModel):
@@ -197,8 +266,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-               token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+               token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
+               **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -206,12 +276,60 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     token_ids: list[int] | None = None, **extra: Any) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+                     token_ids: list[int] | None = None, logprobs: dict[str, Any] | None = None, index: int = 0,
+                     **extra: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], **extra}
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability (a banned token) is written as: JSON has no -inf
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: list[TokenLogprob], tok: ChatTokenizer | None) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal": null}``
+    (without a tokenizer a token is written ``"token_id:N"``, its bytes those of that text)."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = token_text(token, tok)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], tok: ChatTokenizer | None, offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token
+    a dict text -> logprob of the alternatives and the drawn token, the likelier of two with one text)
+    and ``text_offset`` (each token's offset in the completion's text: ``offset`` for the first, then
+    the lengths of the tokens' texts)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        text = token_text(e.token, tok)[0]
+        top: dict[str, float] = {}
+        for t, lp in e.top:  # most likely first: of tokens with the same text the likelier one stays
+            top.setdefault(token_text(t, tok)[0], _finite(lp))
+        top.setdefault(text, _finite(e.logprob))
+        tokens.append(text)
+        lps.append(_finite(e.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def token_text(token: int, tok: ChatTokenizer | None) -> tuple[str, bytes]:
+    """A token's text and bytes (:meth:`ChatTokenizer.token_text`), ``token_id:N`` without a tokenizer."""
+    if tok is None:
+        text = f"token_id:{token}"
+        return text, text.encode()
+    return tok.token_text(token)
 
 
 def fresh_seed() -> int:
@@ -234,6 +352,7 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ForkRequest",
-           "StreamOptions", "TurnFields", "chat_chunk", "completion_chunk", "fresh_seed", "now", "parse_body", "sse",
-           "text_part", "usage", "usage_chunk"]
+__all__ = ["LOGPROB_FLOOR", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs", "check_logit_bias",
+           "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed", "now", "parse_body",
+           "sse", "text_part", "token_text", "usage", "usage_chunk"]

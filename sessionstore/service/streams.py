@@ -10,6 +10,7 @@ import asyncio
 import threading
 import weakref
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ T = TypeVar("T")
 class Event:
     kind: str  # "text" | "done" | "error"
     value: Any
+    logprobs: Any = None  # "text": the log-probabilities of the tokens drawn since the last piece (or None)
 
 
 class LoopOutbox:
@@ -81,8 +83,8 @@ class TurnStream:
             self._cancelled.set()
 
     # ---- engine side ---------------------------------------------------------------------------
-    def text(self, piece: str) -> None:
-        self._put(Event("text", piece))
+    def text(self, piece: str, logprobs: Any = None) -> None:
+        self._put(Event("text", piece, logprobs))
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
@@ -101,4 +103,37 @@ class TurnStream:
         self._cancelled.set()
 
 
-__all__ = ["Event", "LoopOutbox", "TurnStream", "outbox_of"]
+async def merged(turns: list[tuple[TurnStream, Event]],
+                 receive: Callable[[int, TurnStream], Awaitable[Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of several turns (each given with its first event) as they come, each with its
+    turn's index, until every turn has given its last ("done" or "error"); ``receive(i, stream)``
+    awaits turn i's next event. One turn is read directly (no task, no queue between)."""
+    if len(turns) == 1:
+        stream, event = turns[0]
+        while True:
+            yield 0, event
+            if event.kind != "text":
+                return
+            event = await receive(0, stream)
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    async def pump(i: int, stream: TurnStream, event: Event) -> None:
+        while True:
+            queue.put_nowait((i, event))
+            if event.kind != "text":
+                return
+            event = await receive(i, stream)
+
+    tasks = [asyncio.create_task(pump(i, stream, first)) for i, (stream, first) in enumerate(turns)]
+    try:
+        left = len(turns)
+        while left:
+            i, event = await queue.get()
+            left -= event.kind != "text"
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+__all__ = ["Event", "LoopOutbox", "TurnStream", "merged", "outbox_of"]

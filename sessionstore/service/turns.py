@@ -10,14 +10,16 @@ conversation file, which no longer describes the tokens, is removed first). Ever
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from kernels.errors import FormatError
+from kernels.model.logits import TokenLogprob, TurnDraw
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
+from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
@@ -27,9 +29,10 @@ from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 
 class TurnSink(Protocol):
-    """Where a turn's text goes, and whether its client still listens."""
+    """Where a turn's text goes (with the log-probabilities of the tokens drawn since the last
+    piece, when the turn asked for them), and whether its client still listens."""
 
-    def text(self, piece: str) -> None: ...
+    def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> None: ...
     def cancelled(self) -> bool: ...
 
 
@@ -45,6 +48,14 @@ class TurnSpec:
     sampling: dict[str, Any] = field(default_factory=dict)  # the fields the request gave (the seed always)
     stops: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    top_logprobs: int | None = None  # log-probabilities of each drawn token and this many alternatives
+    n: int = 1  # choices: 0 is this turn, 1..n-1 its stateless copies (:meth:`choice`), queued beside it
+    response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
+
+    def choice(self, index: int) -> TurnSpec:
+        """Choice ``index`` >= 1: the same prompt and settings, stateless, its seed ``seed + index``."""
+        seed = (int(self.sampling.get("seed", 0)) + index) % (1 << 64)
+        return replace(self, session=None, sampling={**self.sampling, "seed": seed}, n=1)
 
 
 @dataclass
@@ -56,6 +67,7 @@ class TurnOutcome:
     reused_prefix: int = 0
     committed: int | None = None
     created: bool = False
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the turn asked for them
 
 
 def template_reason(message: str, tok: ChatTokenizer) -> str:
@@ -68,11 +80,10 @@ def template_reason(message: str, tok: ChatTokenizer) -> str:
 
 
 def sampler_for(given: dict[str, Any]) -> Sampler:
-    """One request's settings: the defaults (greedy) with the fields it gave (checked by the
-    sampler's rules); never what a session's manifest holds from an earlier request or the CLI."""
-    base = Sampler()
-    merged = {k: given.get(k, getattr(base, k)) for k in ("temperature", "top_k", "top_p", "seed")}
-    return Sampler.checked(merged["temperature"], merged["top_k"], merged["top_p"], merged["seed"])
+    """One request's settings: the defaults (greedy, no logits processing) with the fields it gave
+    (checked by the sampler's rules); never what a session's manifest holds from an earlier request
+    or the CLI."""
+    return Sampler.checked(**given)
 
 
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
@@ -93,6 +104,7 @@ class TurnRunner:
         self.default_max_tokens = default_max_tokens
         self.context = int(model.config.max_position_embeddings)
         self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
         if self.tok is None:
@@ -128,52 +140,89 @@ class TurnRunner:
         checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
         return checked
 
-    # ---- on a session --------------------------------------------------------------------------
-    def _output(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> OutputProcessor:
+    # ---- the turn's draw and output ---------------------------------------------------------------
+    def _output(self, spec: TurnSpec, draw: TurnDraw, sink: TurnSink,
+                at_token: Callable[[], bool]) -> OutputProcessor:
         """The turn's output processor: eos ends it unless ``ignore_eos``, the request's stop
-        strings, text to the sink, a stopping server or a vanished client aborts it."""
+        strings, text to the sink (with the log-probabilities of the tokens drawn since the last
+        piece, when asked for), a stopping server or a vanished client aborts it."""
+        sent = 0
+
+        def with_logprobs(piece: str) -> None:
+            nonlocal sent
+            fresh, sent = draw.logprobs[sent:], len(draw.logprobs)
+            sink.text(piece, fresh)
+
+        on_text = sink.text if spec.top_logprobs is None else with_logprobs
         return OutputProcessor(eos=frozenset() if spec.ignore_eos else self.eos, tokenizer=self.tok,
-                               stops=spec.stops, on_text=sink.text,
+                               stops=spec.stops, on_text=on_text,
                                should_abort=lambda: at_token() or sink.cancelled())
+
+    def _draw(self, spec: TurnSpec) -> TurnDraw:
+        """The turn's draw: the request's settings (:func:`sampler_for`; ``min_tokens`` bans the eos
+        ids that would end it), log-probabilities if asked, its ``response_format``'s grammar."""
+        return TurnDraw(sampler_for(spec.sampling), stop_ids=frozenset() if spec.ignore_eos else self.eos,
+                        top_logprobs=spec.top_logprobs, constraint=self._grammar(spec))
+
+    def _grammar(self, spec: TurnSpec) -> TokenGrammar | None:
+        """A fresh grammar for ``spec.response_format`` (None: free text); a schema that cannot be
+        enforced is a 400 naming what (``unsupported_schema``)."""
+        if spec.response_format is None or spec.response_format.get("type") in (None, "text"):
+            return None
+        tok = self._text_tokenizer("response_format")
+        try:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(tok, int(self.model.config.vocab_size))
+            return self._grammars.compile(spec.response_format)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param="response_format", code="unsupported_schema") from None
+
+    @staticmethod
+    def _logprobs(spec: TurnSpec, draw: TurnDraw) -> list[TokenLogprob] | None:
+        return None if spec.top_logprobs is None else list(draw.logprobs)
 
     # ---- on a session --------------------------------------------------------------------------
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
-        sampler = sampler_for(spec.sampling)
-        output = self._output(spec, sink, at_token)
+        draw = self._draw(spec)
+        output = self._output(spec, draw, sink, at_token)
         if spec.kind == "chat":
             conv = Conversation.open(session, self._text_tokenizer("chat"))
-            reply = conv.respond(spec.messages or [], max_new, sampler=sampler, prompt=prompt, output=output)
+            structured = draw.constraint is not None
+            reply = conv.respond(spec.messages or [], max_new, sampler=draw, prompt=prompt, output=output,
+                                 response_format=spec.response_format if structured else None)
             return TurnOutcome(reply.tokens, output.text, output.finish_reason, reply.prompt_tokens,
-                               reply.reused_prefix, session.committed)
+                               reply.reused_prefix, session.committed, logprobs=self._logprobs(spec, draw))
         remove_record(session.directory)  # before the tokens change: never a stale conversation
         session.ensure_resident()
         assert session.cache is not None  # resident: its records' tokens, one array (no Python list per request)
         reused = common_prefix(session.cache.tokens, prompt)
         try:
-            session.generate(prompt, max_new, sampler=sampler, keep_sampler=False, on_token=output.on_token)
+            session.generate(prompt, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
         except TurnStop:
             session.commit()
         output.finish()
-        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed)
+        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed,
+                           logprobs=self._logprobs(spec, draw))
 
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
-        sampler = sampler_for(spec.sampling)
+        draw = self._draw(spec)
         cache = self.model.new_cache(self.kv_dtype)
-        output = self._output(spec, sink, at_token)
+        output = self._output(spec, draw, sink, at_token)
         try:
             logits = feed_chunk(self.model, cache, prompt)
-            run_turn(self.model, cache, None, logits, max_new, sampler,
+            run_turn(self.model, cache, None, logits, max_new, draw,
                      on_step=lambda token, position, _logits: output.on_token(token, position))
         except TurnStop:
             pass
         output.finish()
-        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt))
+        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt),
+                           logprobs=self._logprobs(spec, draw))
 
 
 __all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",

@@ -21,7 +21,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
-from kernels.model.sampling import Sampler
+from kernels.model.sampling import PROCESSING, Sampler
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 
 CONVERSATION_NAME = "conversation.json"
@@ -57,8 +57,9 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
 
 
 def sampler_json(sampler: Sampler | None) -> dict[str, Any] | None:
-    return None if sampler is None else {"temperature": sampler.temperature, "top_k": sampler.top_k,
-                                         "top_p": sampler.top_p, "seed": sampler.seed}
+    """The settings as recorded (FORMAT.md 5.8): the four draw settings, and the logits-processing
+    settings that are not the defaults (files written before them, and turns without, lack them)."""
+    return None if sampler is None else sampler.to_dict()
 
 
 def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
@@ -69,10 +70,19 @@ def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
     if not isinstance(value, dict):
         raise FormatError(f"{where}: sampler must be an object or null")
     try:
+        processing = {k: value[k] for k in PROCESSING if k in value}
         return Sampler.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
-                                       value.get("seed"))
+                               value.get("seed"), **processing)
     except FormatError as exc:
         raise FormatError(f"{where}: sampler: {exc}") from None
+
+
+def parse_response_format(obj: dict[str, Any], where: str) -> dict[str, Any] | None:
+    """The optional ``response_format`` field of a record or turn (absent: none recorded)."""
+    value = obj.get("response_format")
+    if value is not None and not (isinstance(value, dict) and isinstance(value.get("type"), str)):
+        raise FormatError(f"{where}: response_format must be an object with a string 'type', or null")
+    return value
 
 
 @dataclass
@@ -83,10 +93,12 @@ class OpenTurn:
     prompt_tokens: int
     prompt_digest: str
     sampler: Sampler | None = None  # what the reply is drawn with (None: not recorded)
+    response_format: dict[str, Any] | None = None  # the grammar it is drawn under (None: free text)
 
     def to_json(self) -> dict[str, Any]:
+        fmt = {} if self.response_format is None else {"response_format": self.response_format}
         return {"messages": self.messages, "prompt_tokens": self.prompt_tokens, "prompt_digest": self.prompt_digest,
-                "sampler": sampler_json(self.sampler)}
+                "sampler": sampler_json(self.sampler), **fmt}
 
 
 @dataclass
@@ -98,6 +110,7 @@ class ConversationRecord:
     digest: str = field(default_factory=lambda: tokens_digest([]))
     turn: OpenTurn | None = None
     sampler: Sampler | None = None  # what the last assistant message was drawn with (None: not recorded)
+    response_format: dict[str, Any] | None = None  # the grammar it was drawn under (None: free text)
 
     def agrees_with(self, history: Sequence[int]) -> bool:
         return len(history) == self.tokens and tokens_digest(history) == self.digest
@@ -106,6 +119,8 @@ class ConversationRecord:
         obj = {"schema": SCHEMA, "version": SCHEMA_VERSION, "messages": self.messages, "tokens": self.tokens,
                "digest": self.digest, "turn": None if self.turn is None else self.turn.to_json(),
                "sampler": sampler_json(self.sampler)}
+        if self.response_format is not None:
+            obj["response_format"] = self.response_format
         return (json.dumps(obj, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
 
 
@@ -134,9 +149,11 @@ def parse_record(obj: Any, where: str) -> ConversationRecord:
         if not isinstance(turn, dict):
             raise FormatError(f"{where}: turn must be an object or null")
         open_turn = OpenTurn(check_messages(turn.get("messages"), where), _count(turn, "prompt_tokens", where),
-                             _digest_field(turn, "prompt_digest", where), parse_sampler(turn, where))
+                             _digest_field(turn, "prompt_digest", where), parse_sampler(turn, where),
+                             parse_response_format(turn, where))
     return ConversationRecord(check_messages(obj.get("messages"), where), _count(obj, "tokens", where),
-                              _digest_field(obj, "digest", where), open_turn, parse_sampler(obj, where))
+                              _digest_field(obj, "digest", where), open_turn, parse_sampler(obj, where),
+                              parse_response_format(obj, where))
 
 
 def read_record(directory: str | os.PathLike[str]) -> ConversationRecord | None:
@@ -175,6 +192,5 @@ def remove_record(directory: str | os.PathLike[str]) -> bool:
 
 
 __all__ = ["CONVERSATION_NAME", "ConversationRecord", "MAX_CONVERSATION_BYTES", "OpenTurn", "check_messages",
-           "copy_record",
-           "parse_record", "parse_sampler", "read_record", "remove_record", "sampler_json", "tokens_digest",
-           "write_record"]
+           "copy_record", "parse_record", "parse_response_format", "parse_sampler", "read_record", "remove_record",
+           "sampler_json", "tokens_digest", "write_record"]

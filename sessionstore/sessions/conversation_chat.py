@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError, FormatError, LimitError
+from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
@@ -108,7 +109,7 @@ class Conversation:
                 "(another tokenizer or template?)")
         n = len(prompt)
         if len(history) >= n and tokens_digest(history[:n]) == turn.prompt_digest:
-            self._close_turn(turn.messages, history[n:], turn.sampler)
+            self._close_turn(turn.messages, history[n:], turn.sampler, turn.response_format)
             self.recovered = {"action": "closed", "reply_tokens": history[n:]}
         elif self.record.agrees_with(history):
             self.record.turn = None  # the prompt never reached the kv file
@@ -116,7 +117,7 @@ class Conversation:
             self.recovered = {"action": "dropped", "reply_tokens": []}
         elif len(history) < n and history == prompt[:len(history)]:
             self.session.append_tokens(prompt[len(history):], commit=True)
-            self._close_turn(turn.messages, [], turn.sampler)
+            self._close_turn(turn.messages, [], turn.sampler, turn.response_format)
             self.recovered = {"action": "completed", "reply_tokens": []}
         else:
             raise ConversationMismatchError(
@@ -124,11 +125,11 @@ class Conversation:
                 "interrupted turn's")
 
     def _close_turn(self, messages: list[dict[str, Any]], answer: Sequence[int],
-                    sampler: Sampler | None) -> str:
+                    sampler: Sampler | None, response_format: dict[str, Any] | None = None) -> str:
         text = self.tokenizer.decode(list(answer))
         history = self.session.history()
         self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
-                                         tokens_digest(history), None, sampler)
+                                         tokens_digest(history), None, sampler, response_format)
         write_record(self.session.directory, self.record)
         return text
 
@@ -140,16 +141,19 @@ class Conversation:
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int, *,
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
-                sampler: Sampler | None = None, prompt: Sequence[int] | None = None,
-                output: OutputProcessor | None = None) -> Reply:
+                sampler: Sampler | TurnDraw | None = None, prompt: Sequence[int] | None = None,
+                output: OutputProcessor | None = None, response_format: dict[str, Any] | None = None) -> Reply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
-        ``sampler``: this turn's settings, not stored in the manifest (None: the manifest's); the
-        conversation file records the ones the reply is drawn with (FORMAT.md 5.8). ``prompt``: the
+        ``sampler``: this turn's settings (or a :class:`TurnDraw` over them), not stored in the
+        manifest (None: the manifest's); the conversation file records the settings the reply is
+        drawn with (FORMAT.md 5.8). ``prompt``: the
         ids ``messages`` render to with the generation prompt, already checked against the model,
         when the caller rendered them (a request's prompt is rendered and tokenised once).
         ``output``: the turn's output processor, when the caller builds its own (stop strings, a
-        client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``."""
+        client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``.
+        ``response_format``: the grammar the caller's ``sampler`` (a TurnDraw) constrains the reply
+        to, recorded with the turn (FORMAT.md 5.8); None: free text."""
         checked = check_messages(list(messages), "messages")
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
@@ -160,8 +164,9 @@ class Conversation:
         prompt = list(prompt)
         check_room(prompt, max_new, model.config.max_position_embeddings)
         session.ensure_resident()
-        drawn_with = session.manifest.sampler if sampler is None else sampler
-        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with)
+        draw = session.manifest.sampler if sampler is None else sampler
+        drawn_with = settings_of(draw)
+        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with, response_format)
         write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
@@ -172,14 +177,14 @@ class Conversation:
             output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
                                      on_text=on_text, should_abort=should_stop)
         try:
-            session.generate(None, max_new, sampler=drawn_with, keep_sampler=False, on_token=output.on_token)
+            session.generate(None, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
         except TurnStop:
             session.commit()
         output.finish()
         reply.tokens = output.tokens
         reply.stopped = {"eos": "eos", "length": "limit"}.get(output.reason, "interrupted")
         assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
-        reply.text = self._close_turn(checked, reply.tokens, drawn_with)
+        reply.text = self._close_turn(checked, reply.tokens, drawn_with, response_format)
         assert reply.text == output.decoded
         return reply
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import ColiError, FormatError, ModelMismatchError
+from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
@@ -245,17 +246,18 @@ class Session:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
-                 stop_at_eos: bool = False, sampler: Sampler | None = None, keep_sampler: bool = True,
+                 stop_at_eos: bool = False, sampler: Sampler | TurnDraw | None = None, keep_sampler: bool = True,
                  on_token: Callable[[int, int], None] | None = None) -> TurnResult:
         """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
         rest truncated) and the remainder fed; without, generation continues where it stopped.
-        ``sampler``: this turn's settings (None: the manifest's); with ``keep_sampler`` they are
-        stored in the manifest for the turns after it, without they serve this turn only."""
+        ``sampler``: this turn's settings (None: the manifest's), or a :class:`TurnDraw` over them;
+        with ``keep_sampler`` the settings are stored in the manifest for the turns after it,
+        without they serve this turn only."""
         t0 = time.perf_counter()
         self.ensure_resident()
         self.residency.touch(self)
-        if sampler is not None and keep_sampler and sampler != self.manifest.sampler:
-            self.manifest.sampler = sampler
+        if sampler is not None and keep_sampler and settings_of(sampler) != self.manifest.sampler:
+            self.manifest.sampler = settings_of(sampler)
             write_manifest(self.directory / MANIFEST_NAME, self.manifest)  # durable: rare
         turn_sampler = self.manifest.sampler if sampler is None else sampler
         result = TurnResult()

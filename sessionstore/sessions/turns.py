@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import CorruptionError, FormatError, LimitError
+from kernels.model.logits import TurnDraw, turn_draw
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from kernels.rows import LatentRows, RecordRows
@@ -56,10 +57,11 @@ def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | 
 
 
 def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
-             max_new: int, sampler: Sampler, *, stop_at_eos: bool = False,
+             max_new: int, sampler: Sampler | TurnDraw, *, stop_at_eos: bool = False,
              on_rows: Callable[[], None] | None = None,
              on_step: Callable[[int, int, np.ndarray], None] | None = None) -> tuple[list[int], np.ndarray, bool]:
-    """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens.
+    """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens
+    with ``sampler`` (settings, or a :class:`TurnDraw` the caller keeps to read its log-probabilities).
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
     position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
@@ -80,7 +82,10 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     else:
         raise FormatError("nothing to continue from: the session is empty; give prompt ids")
     eos = frozenset(model.config.eos_token_ids) if stop_at_eos else frozenset()
-    loop = decode_loop(cache, logits, max_new, sampler, eos, on_rows, on_step)
+    draw = turn_draw(sampler, frozenset(model.config.eos_token_ids))
+    if draw.wants_context:
+        draw.begin(cache.tokens)
+    loop = decode_loop(cache, logits, max_new, draw, eos, on_rows, on_step)
     drive = getattr(model, "drive_decode", None)
     return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
 

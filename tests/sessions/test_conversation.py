@@ -271,3 +271,37 @@ def test_a_turns_own_sampler_is_recorded_and_survives_a_crash(tmp_path: Path, mo
     path.write_text(json.dumps({**obj, "sampler": {"temperature": -1, "top_k": 0, "top_p": 1.0, "seed": 0}}))
     with pytest.raises(FormatError, match="sampler"):
         read_record(path.parent)
+
+
+def test_a_turns_processing_and_response_format_are_recorded_through_a_crash(tmp_path: Path,
+                                                                             model_dir: Path) -> None:
+    """The turn's logits-processing settings and its response_format go into the open turn and the
+    closed record (FORMAT.md 5.8); recovery of a cut turn keeps both; a bad one in the file is refused."""
+    drawn = Sampler.checked(0.7, 0, 1.0, 9, presence_penalty=1.0, repetition_penalty=1.2, logit_bias={"7": -3},
+                            min_tokens=2)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    s, conv = _open(tmp_path, "f", model_dir)
+    conv.respond([_user("Hello there")], 6, sampler=drawn, response_format=fmt)
+    record = read_record(s.directory)
+    assert record.sampler == drawn and record.response_format == fmt
+    calls = {"n": 0}
+
+    def crash_at_third() -> bool:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Crash()
+        return False
+
+    msgs = [*record.messages, _user("More?")]
+    with pytest.raises(Crash):
+        conv.respond(msgs, 6, sampler=drawn, response_format=fmt, should_stop=crash_at_third)
+    s.abandon()
+    s, conv = _open(tmp_path, "f", model_dir)
+    record = read_record(s.directory)
+    assert conv.recovered["action"] == "closed" and record.sampler == drawn and record.response_format == fmt
+    s.close()
+    path = SessionStore(tmp_path).session_dir("f") / CONVERSATION_NAME
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps({**obj, "response_format": "json"}))
+    with pytest.raises(FormatError, match="response_format"):
+        read_record(path.parent)

@@ -19,6 +19,20 @@ from kernels.model.text.template import ChatTemplate
 MAX_TEXT_CHARS = 16 << 20  # one prompt or conversation, before tokenisation
 
 
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the character that stands for each byte -> the byte.
+    Printable Latin-1 bytes stand for themselves; the others take U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
 class ChatTokenizer:
     """``tokenizer.json`` through the ``tokenizers`` library plus the chat template."""
 
@@ -45,6 +59,8 @@ class ChatTokenizer:
             if eos_id not in eos:
                 eos.append(int(eos_id))
         self.eos_ids: tuple[int, ...] = tuple(eos)
+        decoder = self._tok.decoder
+        self._byte_level = byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
 
     def check_vocab(self, model_vocab: int) -> None:
         """Refuse a tokenizer whose ids do not fit the model's vocabulary."""
@@ -69,6 +85,21 @@ class ChatTokenizer:
         if bad:
             raise FormatError(f"token id {bad[0]} is outside the tokenizer's {self.vocab_size} ids")
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text, declared tokens included (what a grammar library reads)."""
+        return str(self._tok.to_str())
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        """One token's text (special tokens spelled out) and its own bytes: through the byte-level
+        alphabet when the tokenizer decodes byte-level (so a token that ends inside a character
+        has its true bytes, its text then holding U+FFFD), else the UTF-8 of its text."""
+        text = self.decode([token], skip_special_tokens=False)
+        piece = self._tok.id_to_token(int(token))
+        if piece is not None and int(token) not in self.special_ids and self._byte_level is not None:
+            if all(c in self._byte_level for c in piece):
+                return text, bytes(self._byte_level[c] for c in piece)
+        return text, text.encode("utf-8")
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         if self.template is None:
