@@ -332,3 +332,19 @@ def test_a_turn_left_open_shows_its_committed_reply_as_partial_then_continues(br
         assert after["messages"][: len(sent) + 1] == view["messages"]  # the cut reply was closed as committed
         assert after["messages"][-1] == {"role": "assistant", "content": reply}
         assert tab.errors == [], f"console errors: {tab.errors}"
+
+
+def test_the_list_shows_every_session_past_the_first_page(browser: Any, tmp_path: Path) -> None:
+    """The server lists sessions a page at a time (at most 1,000); the page reads every page."""
+    from playwright.sync_api import expect
+
+    from bench.catalogue import build_store, make_template, sid_of
+
+    n = 1203
+    build_store(tmp_path / "root", make_template(tmp_path / "template"), n, set())
+    with ServerProc(tmp_path / "root", MODEL) as server:
+        assert server.get("/v1/sessions").json()["has_more"]  # one page of the API does not hold them all
+        tab = Tab(browser, server.url)
+        expect(tab.page.locator("li.session")).to_have_count(n)
+        expect(tab.item(sid_of(n - 1))).to_have_count(1)
+        assert not tab.errors, tab.errors

@@ -137,9 +137,25 @@ function ago(iso) {
 const findSession = (sid) => state.sessions.find((s) => s.id === sid);
 
 // ---- the sessions list ------------------------------------------------------------------------
+const LIST_PAGES = 10;  // pages of 1,000 the list loads at most (the server pages its session catalogue)
+
+async function listSessions() {
+  // every session (up to LIST_PAGES pages), page after page: GET /v1/sessions?limit=1000&after=ID
+  const all = [];
+  let after = null;
+  for (let page = 0; page < LIST_PAGES; page++) {
+    const query = new URLSearchParams({ limit: "1000" });
+    if (after !== null) query.set("after", after);
+    const body = await (await api("GET", `/v1/sessions?${query}`)).json();
+    all.push(...body.data);
+    if (!body.has_more || !body.data.length) break;
+    after = body.last_id;
+  }
+  return all;
+}
+
 async function refresh() {
-  const res = await api("GET", "/v1/sessions");
-  state.sessions = (await res.json()).data;
+  state.sessions = await listSessions();
   for (const s of state.sessions) state.drafts.delete(s.id);
   renderList();
   renderHead();
