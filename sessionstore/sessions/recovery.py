@@ -25,8 +25,10 @@ import numpy as np
 
 from kernels.errors import ColiError, CorruptionError
 from kernels.model.protocols import Decoder, LatentCache
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, load_sidecar
 from sessionstore.log import get_logger
+from sessionstore.sessions.conversation import read_record
 from sessionstore.sessions.digest import make_digest
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
 from sessionstore.sessions.turns import compare_rows, recompute_last
@@ -174,14 +176,41 @@ def explain_mismatch(target: ResumeTarget, n: int, exc: CorruptionError) -> Corr
                            f"verification ({n} committed records): {exc}{cause}")
 
 
+def pending_token(target: ResumeTarget, n: int, logits: np.ndarray) -> int:
+    """The token pending at position ``n``, drawn from ``logits`` [V] again by what drew it: the
+    chat turn's own settings when the session's conversation file records them (FORMAT.md 5.8; an
+    API turn never writes the manifest's): the open turn's once its prompt is in, or the last closed
+    turn's when the file's history is these ``n`` tokens and the token its settings draw (its digest
+    checks that); not settings that process the logits (penalties, bias, a grammar: their state is
+    not rebuilt here). Otherwise the manifest's settings draw it."""
+    record = read_record(target.directory)
+    turn = None if record is None else record.turn
+    if turn is not None and n >= turn.prompt_tokens and _plain(turn.sampler, turn.response_format):
+        assert turn.sampler is not None  # _plain
+        return turn.sampler(logits, n)
+    if record is not None and turn is None and record.tokens == n + 1 and _plain(record.sampler,
+                                                                                record.response_format):
+        assert record.sampler is not None  # _plain
+        token = record.sampler(logits, n)
+        if record.agrees_with([*target.cache.tokens[:n].tolist(), token]):
+            return token
+    return target.manifest.sampler(logits, n)
+
+
+def _plain(sampler: Sampler | None, response_format: object) -> bool:
+    """Recorded settings that draw from the logits as given (no processing, no grammar)."""
+    return sampler is not None and not sampler.processing and response_format is None
+
+
 def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | None) -> None:
     """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``
-    (the pending token re-sampled at (seed, n) from ``logits``, the digest of position n-1)."""
+    (the pending token drawn again at (seed, n) from ``logits`` by :func:`pending_token`, the
+    digest of position n-1)."""
     manifest = target.manifest
     old_pending = list(manifest.pending)
     pending: list[int] = []
     if logits is not None:
-        pending = [manifest.sampler(logits, n)]
+        pending = [pending_token(target, n, logits)]
         manifest.last_logits = make_digest(logits, n - 1)
     else:
         manifest.last_logits = None
@@ -193,4 +222,4 @@ def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | 
 
 
 __all__ = ["DEFERRED", "ResumeTarget", "ResumeCheck", "check_resume", "may_defer", "verify_and_recover",
-           "verify_last", "explain_mismatch", "recover_manifest"]
+           "verify_last", "explain_mismatch", "pending_token", "recover_manifest"]

@@ -15,12 +15,14 @@ from kernels.errors import FormatError, LimitError  # noqa: E402
 from kernels.model.sampling import Sampler
 from kernels.model.text import load_text  # noqa: E402
 from sessionstore.sessions import SessionStore  # noqa: E402
+from sessionstore.sessions.commit_state import state_path  # noqa: E402
 from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record, tokens_digest  # noqa: E402
 from sessionstore.sessions.conversation_chat import (  # noqa: E402
     Conversation,
     ConversationMismatchError,
     ReferenceChat,
 )
+from sessionstore.sessions.manifest import MANIFEST_NAME  # noqa: E402
 from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
 from tests.support.conversation_cut import Crash, respond_until_crash  # noqa: E402
 
@@ -305,3 +307,32 @@ def test_a_turns_processing_and_response_format_are_recorded_through_a_crash(tmp
     path.write_text(json.dumps({**obj, "response_format": "json"}))
     with pytest.raises(FormatError, match="response_format"):
         read_record(path.parent)
+
+
+def test_a_recovered_pending_token_is_drawn_with_the_turns_own_settings(tmp_path: Path, model_dir: Path) -> None:
+    """A chat turn drawn with its own settings (an API turn: the manifest keeps greedy), then the
+    state page lost, so opening recovers the manifest from the file and draws the pending token
+    again: with the turn's recorded settings, not the manifest's, so the session's next turn is the
+    one the uninterrupted session gives."""
+    drawn = Sampler(temperature=5.0, seed=17)  # flat: its draw is not the greedy one
+    first = [_user("Tell me about the sea and the wind.")]
+    replies = {}
+    for sid in ("cut", "kept"):
+        s, conv = _open(tmp_path, sid, model_dir, every=2)
+        replies[sid] = conv.respond(first, 12, sampler=drawn, stop_at_eos=False)
+        s.close()
+    assert replies["cut"].tokens == replies["kept"].tokens
+    store = SessionStore(tmp_path)
+    assert store.read_manifest("cut").sampler == Sampler()  # the turn's settings were not the manifest's
+    state_path(store.session_dir("cut") / MANIFEST_NAME).unlink()  # the page with the pending token: lost
+    second = [*first, {"role": "assistant", "content": replies["cut"].text}, _user("And then?")]
+    pending, answers = {}, {}
+    for sid in ("cut", "kept"):
+        s, conv = _open(tmp_path, sid, model_dir, every=2)
+        if sid == "cut":
+            assert s.resume_report["recovered"] is True
+        pending[sid] = list(s.pending)
+        answers[sid] = conv.respond(second, 10, sampler=drawn, stop_at_eos=False).tokens
+        s.close()
+    assert pending["cut"] == pending["kept"]
+    assert answers["cut"] == answers["kept"]
