@@ -92,9 +92,11 @@ def test_an_upload_streams_into_its_temp_dir_and_a_cut_leaves_nothing(tmp_path: 
     with ServerProc(tmp_path / "b", "tiny") as b:
         put = ChunkedPut(b.url, "/v1/sessions/mv/bundle")
         put.send(bundle[:6 * MIB])
-        wait_until("the receiver's temp directory appears", lambda: tmp_entries(b.root) != [])
-        [entry] = tmp_entries(b.root)
-        assert (b.root / "tmp" / entry / "kv.coli_kv").is_file()  # written as it arrives, no spool
+        # written as it arrives, no spool: the kv file appears in the temp directory mid-body (the
+        # directory is made first, so wait for the file itself, not just the directory)
+        wait_until("the receiver's kv file appears in its temp directory",
+                   lambda: any((b.root / "tmp" / e / "kv.coli_kv").is_file() for e in tmp_entries(b.root)))
+        assert len(tmp_entries(b.root)) == 1
         put.close()  # the client vanishes mid-body
         wait_until("the cut upload's temp directory is removed", lambda: tmp_entries(b.root) == [])
         assert b.get("/v1/sessions/mv").status_code == 404
