@@ -1,17 +1,21 @@
-"""The HTTP API (Starlette): OpenAI-compatible completions, the sessions API, health and metrics.
+"""The HTTP API (Starlette) of the API process: OpenAI-compatible completions, the Responses API,
+the sessions API, health and metrics.
 
-Handlers validate the request, queue its work on the :class:`Engine` and stream what comes back;
-every refusal is an OpenAI-shaped error (:mod:`sessionstore.service.errors`).
+Handlers validate the request, render and tokenise its prompt, send its work to the engine core
+(:class:`~sessionstore.service.core_client.CoreClient`) and stream what comes back; every refusal
+is an OpenAI-shaped error (:mod:`sessionstore.service.errors`). Nothing here touches a session's
+files but a bundle's transfer (read for an export, received into the store's tmp/ for an import,
+whose install the core does).
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,16 +25,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kernels.model.logits import TokenLogprob
-from sessionstore.migration.lease import HeldElsewhereError
+from kernels.model.text import ChatTokenizer
 from sessionstore.service import bundle_pull, bundle_upload
 from sessionstore.service.auth import BearerAuth
 from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
-from sessionstore.service.engine import Engine
+from sessionstore.service.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
-from sessionstore.service.listing import in_window, list_object, page_query, problem_description
-from sessionstore.service.messages import session_messages
-from sessionstore.service.metrics import TurnClock
+from sessionstore.service.ipc import ResponseJob
+from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.listing import page_query
+from sessionstore.service.metrics import HttpMetrics, TurnClock
+from sessionstore.service.prompts import PromptRenderer
 from sessionstore.service.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,12 +53,11 @@ from sessionstore.service.protocol import (
     usage,
     usage_chunk,
 )
-from sessionstore.service.responses import ResponsesRoutes, TurnJob
-from sessionstore.service.streams import Event, TurnStream, merged
+from sessionstore.service.responses import ResponsesRoutes
+from sessionstore.service.streams import Event, merged
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
-from sessionstore.sessions import validate_session_id
-from sessionstore.sessions.catalogue import CatalogueEntry
+from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -72,12 +77,12 @@ def session_of(body: str | None, header: str | None) -> str | None:
     return session
 
 
-def holder_redirect(exc: HeldElsewhereError, request: Request, places: Places) -> Response:
+def holder_redirect(exc: HeldElsewhere, request: Request, places: Places) -> Response:
     """Another live host holds the session: a 307 to the same path and query on that host when its
     lease says where it serves (a client or proxy repeats the request there, body and all), else
     the 409 naming it."""
     if exc.holder_url is None:
-        return error_response(ApiError(409, str(exc), code="session_held"), places)
+        return error_response(exc, places)
     query = f"?{request.url.query}" if request.url.query else ""
     body = ApiError(307, f"{exc}; redirected to the holder", code="session_elsewhere").body(places)
     return JSONResponse(body, status_code=307, headers={"location": exc.holder_url + request.url.path + query})
@@ -102,16 +107,37 @@ def error_response(err: ApiError, places: Places = ()) -> JSONResponse:
     return JSONResponse(err.body(places), status_code=err.status)
 
 
-class Api:
-    """The routes over one engine."""
+@dataclass(frozen=True)
+class ServerContext:
+    """What the routes work with: the engine core's client, the model's name, vocabulary and
+    tokenizer, the store (read for bundles' transfer), the limits and the peers a pull may use."""
 
-    def __init__(self, engine: Engine, pull: PullPolicy | None = None) -> None:
-        self.engine = engine
-        self.pull = pull  # the peers POST .../pull may fetch from (None: pulls refused)
-        self.limits = engine.limits
-        self.model_id = engine.model_ref.name
-        tok = engine.runner.tok
-        self.places = server_places({"<model dir>": engine.model_source, "<store root>": str(engine.store.root),
+    core: CoreClient
+    model_id: str
+    vocab_size: int
+    model_source: str
+    tokenizer: ChatTokenizer | None
+    store: SessionStore
+    limits: ServiceLimits
+    metrics: HttpMetrics
+    pull: PullPolicy | None = None  # the peers POST .../pull may fetch from (None: pulls refused)
+
+
+class Api:
+    """The routes over one engine core."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.core = ctx.core
+        self.store = ctx.store
+        self.metrics = ctx.metrics
+        self.pull = ctx.pull
+        self.limits = ctx.limits
+        self.model_id = ctx.model_id
+        self.tok = ctx.tokenizer
+        self.renderer = PromptRenderer(ctx.tokenizer)
+        tok = ctx.tokenizer
+        self.places = server_places({"<model dir>": ctx.model_source, "<store root>": str(ctx.store.root),
                                      "<tokenizer dir>": None if tok is None else tok.source})
 
     # ---- plumbing ------------------------------------------------------------------------------
@@ -120,11 +146,11 @@ class Api:
         async def wrapped(request: Request) -> Response:
             try:
                 response = await fn(request)
-            except HeldElsewhereError as exc:
+            except HeldElsewhere as exc:
                 response = holder_redirect(exc, request, self.places)
             except Exception as exc:
                 response = error_response(api_error_of(exc), self.places)
-            self.engine.metrics.requests.labels(name, str(response.status_code)).inc()
+            self.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
         return wrapped
 
@@ -152,9 +178,6 @@ class Api:
         validate_session_id(sid)
         return sid
 
-    async def engine_call(self, fn: Callable[[], Any], session: str | None = None) -> Any:
-        return await asyncio.wrap_future(self.engine.submit(fn, session=session))
-
     # ---- turns ---------------------------------------------------------------------------------
     def spec_of(self, req: TurnFields, kind: str, header_session: str | None = None) -> TurnSpec:
         """The turn a request asks for; its session is the body's ``session`` or the
@@ -167,7 +190,7 @@ class Api:
         spec.top_logprobs = req.top_logprobs_asked()
         spec.n = req.n
         spec.response_format = req.response_format
-        vocab = int(self.engine.model.config.vocab_size)
+        vocab = self.ctx.vocab_size
         outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
         if outside:
             raise ApiError(400, f"logit_bias: token id {outside[0]} is outside the vocabulary ({vocab} ids)",
@@ -176,25 +199,33 @@ class Api:
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
             spec.prompt = req.prompt
+        self.render(spec)
         return spec
 
+    @property
+    def records_root(self) -> Path:
+        return Path(self.store.root)
+
+    def render(self, spec: TurnSpec) -> None:
+        """Render and tokenise ``spec``'s prompt, once, here (the core checks the ids)."""
+        spec.prompt_ids = self.renderer.prompt_ids(spec.kind, spec.messages, spec.prompt)
+
     async def start_turn(self, spec: TurnSpec, clock: TurnClock,
-                         job: TurnJob | None = None) -> tuple[TurnStream, Event]:
+                         job: ResponseJob | None = None) -> tuple[CoreStream, Event]:
         """Queue one turn holding ``spec.session``; its stream and first event (an error before any
-        text is raised). ``job``: what the engine runs with the stream (default:
-        :meth:`Engine.run_turn` of ``spec``)."""
+        text is raised). ``job``: the stored response the turn makes (None: a plain turn)."""
         stream = self.queue_turn(spec, job)
         first = await self.receive(stream, clock)
         if first.kind == "error":
             raise first.value
         return stream, first
 
-    async def start_turns(self, spec: TurnSpec, clock: TurnClock) -> list[tuple[TurnStream, Event]]:
+    async def start_turns(self, spec: TurnSpec, clock: TurnClock) -> list[tuple[CoreStream, Event]]:
         """Queue the request's choices: choice 0 is ``spec`` (on its session), choices 1..n-1 its
         stateless copies (:meth:`TurnSpec.choice`), all queued before any is awaited so that the
         engine steps them together; their streams and first events. An error before any text (of
         any choice) is raised, every other choice cancelled. ``clock`` times choice 0 only."""
-        streams: list[TurnStream] = []
+        streams: list[CoreStream] = []
         try:
             for i in range(spec.n):
                 streams.append(self.queue_turn(spec if i == 0 else spec.choice(i)))
@@ -210,39 +241,12 @@ class Api:
             raise
         return list(zip(streams, firsts, strict=True))
 
-    def queue_turn(self, spec: TurnSpec, job: TurnJob | None = None) -> TurnStream:
-        """Queue one turn (counted waiting, then running); the stream its events come on. ``job``:
-        what the engine runs with the stream (default: :meth:`Engine.run_turn` of ``spec``)."""
-        stream = TurnStream(asyncio.get_running_loop())
-        metrics = self.engine.metrics
-
-        def run() -> TurnOutcome:
-            metrics.waiting.dec()
-            metrics.running.inc()
-            try:
-                return job(stream) if job is not None else self.engine.run_turn(spec, stream)
-            finally:
-                metrics.running.dec()
-
-        metrics.waiting.inc()
-        try:
-            fut = self.engine.submit(run, session=spec.session, turn=True)
-        except BaseException:
-            metrics.waiting.dec()
-            raise
-
-        def deliver(done: Future[TurnOutcome]) -> None:
-            error = done.exception()
-            if error is not None:
-                stream.fail(error)
-            else:
-                stream.finish(done.result())
-
-        fut.add_done_callback(deliver)
-        return stream
+    def queue_turn(self, spec: TurnSpec, job: ResponseJob | None = None) -> CoreStream:
+        """Send one turn to the core; the stream its events come on."""
+        return self.core.turn(spec, job)
 
     @staticmethod
-    async def receive(stream: TurnStream, clock: TurnClock | None) -> Event:
+    async def receive(stream: CoreStream, clock: TurnClock | None) -> Event:
         """The turn's next event, timed by ``clock`` (None: not timed)."""
         event = await stream.next()
         if clock is None:
@@ -259,7 +263,7 @@ class Api:
         ``offset``: the completion text's length before these tokens (the legacy ``text_offset``)."""
         if entries is None:
             return None
-        tok = self.engine.runner.tok
+        tok = self.tok
         return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
 
     def usage_of(self, outcomes: list[TurnOutcome]) -> dict[str, Any]:
@@ -284,7 +288,7 @@ class Api:
                             "committed": out.committed}}
 
     async def turn(self, request: Request, kind: str) -> Response:
-        clock = TurnClock(self.engine.metrics, time.perf_counter())
+        clock = TurnClock(self.metrics, time.perf_counter())
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
@@ -303,7 +307,7 @@ class Api:
         return StreamingResponse(self.events(head, spec, turns, clock), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    async def outcomes(self, turns: list[tuple[TurnStream, Event]], clock: TurnClock) -> list[TurnOutcome]:
+    async def outcomes(self, turns: list[tuple[CoreStream, Event]], clock: TurnClock) -> list[TurnOutcome]:
         """Every choice's outcome, in index order (an error is raised, the other choices cancelled)."""
         outcomes: list[TurnOutcome] = []
         try:
@@ -319,7 +323,7 @@ class Api:
             raise
         return outcomes
 
-    async def events(self, head: StreamHead, spec: TurnSpec, turns: list[tuple[TurnStream, Event]],
+    async def events(self, head: StreamHead, spec: TurnSpec, turns: list[tuple[CoreStream, Event]],
                      clock: TurnClock) -> AsyncIterator[bytes]:
         """The turn's SSE: (chat: a role chunk per choice,) a chunk per piece of text (``index``: its
         choice; the choices' chunks interleave as they come), each choice's final chunk with
@@ -385,96 +389,78 @@ class Api:
                                                          "owned_by": "coli-sessionstore"}]})
 
     async def healthz(self, request: Request) -> Response:
-        if self.engine.stopping.is_set():
+        core = self.core
+        if core.stopping:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.model_id})
+        if core.ready is None:
+            return JSONResponse({"status": "engine_restarting", "engine_restarts": core.restarts}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.model_id, "engine_pid": core.pid,
+                             "engine_restarts": core.restarts})
 
-    async def metrics(self, request: Request) -> Response:
-        return Response(self.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_text(self, request: Request) -> Response:
+        """The API process's metrics, then the core's (none while a new core starts)."""
+        text = self.metrics.render()
+        with contextlib.suppress(ApiError):
+            text += await self.core.call("metrics")
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- sessions ------------------------------------------------------------------------------
-    def describe(self, sid: str) -> dict[str, Any]:
-        info = self.engine.store.info(sid)
-        last = self.engine.last_use.get(sid)
-        return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
-                "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model,
-                "state": self.engine.state_of(sid),
-                "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
-
     async def list_sessions(self, request: Request) -> Response:
         """One page from the store's catalogue (``?limit=N&after=ID&order=asc|desc``, FORMAT.md 7)."""
         query = page_query(request.query_params)
-        page = await asyncio.to_thread(self.engine.store.page, query.limit, query.after, query.order)
-        data = [self.describe_listed(entry) for entry in page.entries]
-        home = self.engine.home
-        if home is not None:  # a fleet server: the fleet's sessions too (state "remote" where not current here)
-            last_id = data[-1]["id"] if data else None
-            fleet = await asyncio.to_thread(home.listing, data)
-            data = [d for d in fleet if in_window(str(d["id"]), query, last_id, page.has_more)]
-            data.sort(key=lambda d: str(d["id"]), reverse=query.order == "desc")
-        return JSONResponse(list_object(data, page.has_more))
+        return JSONResponse(await self.core.call("list", limit=query.limit, after=query.after, order=query.order))
 
-    def describe_listed(self, entry: CatalogueEntry) -> dict[str, Any]:
-        """A page's entry as ``describe`` gives it; one whose files are gone (or unreadable) as such."""
-        if entry.state in ("missing", "unreadable"):
-            return problem_description(entry)
-        last = self.engine.last_use.get(entry.id)
-        return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
-                "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
-                "state": self.engine.state_of(entry.id),
-                "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+    async def describe(self, sid: str) -> dict[str, Any]:
+        described: dict[str, Any] = await self.core.call("describe", sid=sid)
+        return described
 
     async def get_session(self, request: Request) -> Response:
         sid = self.session_id(request)
-        if not self.engine.store.exists(sid):
-            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
-        body = self.describe(sid)
-        if request.query_params.get("history") in ("1", "true"):
-            body["history"] = self.engine.store.history(sid)
-        if request.query_params.get("messages") in ("1", "true"):  # from the committed files: never waits
-            body.update(await asyncio.to_thread(session_messages, self.engine, sid))
-        return JSONResponse(body)
+        flags = {k: request.query_params.get(k) in ("1", "true") for k in ("history", "messages")}
+        return JSONResponse(await self.core.call("describe", sid=sid, **flags))
 
     async def delete_session(self, request: Request) -> Response:
         sid = self.session_id(request)
-        await self.engine_call(lambda: self.engine.delete(sid), session=sid)
+        await self.core.call("delete", sid=sid)
         return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
 
     async def fork_session(self, request: Request) -> Response:
         sid = self.session_id(request)
         req: ForkRequest = parse_body(await self.body(request), ForkRequest)
         validate_session_id(req.new)
-        await self.engine_call(lambda: self.engine.fork(sid, req.new, req.at), session=sid)
-        return JSONResponse(self.describe(req.new))
+        return JSONResponse(await self.core.call("fork", sid=sid, new=req.new, at=req.at))
 
     async def get_bundle(self, request: Request) -> Response:
         sid = self.session_id(request)
-        if not self.engine.store.exists(sid):
+        if not self.store.exists(sid):
             raise ApiError(404, f"no session {sid!r}", code="session_not_found")
         compression = export_compression(request.query_params.get("compress"),
                                          request.client.host if request.client else None)
-        body, headers = await export_stream(self.engine, sid, compression)
+        body, headers = await export_stream(self.store, sid, compression)
         return StreamingResponse(body, media_type="application/octet-stream", headers=headers)
 
     async def pull_bundle(self, request: Request) -> Response:
         sid = self.session_id(request)
         req: PullRequest = parse_body(await self.body(request), PullRequest)
-        result = await bundle_pull.pull_bundle(self.engine, sid, req.source, self.pull,
+        result = await bundle_pull.pull_bundle(self.bundle_host, sid, req.source, self.pull,
                                                limit=self.limits.max_bundle_bytes, replace=req.replace)
-        return JSONResponse({**self.describe(sid), "imported": result})
+        return JSONResponse({**await self.describe(sid), "imported": result})
 
     async def put_bundle(self, request: Request) -> Response:
         sid = self.session_id(request)
         replace = request.query_params.get("replace", "1") not in ("0", "false")  # ?replace=0: refuse a taken id
-        result = await bundle_upload.put_bundle(self.engine, sid, request.stream(),
+        result = await bundle_upload.put_bundle(self.bundle_host, sid, request.stream(),
                                                 limit=self.limits.max_bundle_bytes,
                                                 declared=request.headers.get("content-length"), replace=replace)
-        return JSONResponse({**self.describe(sid), "imported": result})
+        return JSONResponse({**await self.describe(sid), "imported": result})
+
+    @property
+    def bundle_host(self) -> bundle_upload.BundleHost:
+        return bundle_upload.BundleHost(self.store, self.ctx.model_source, self.core)
 
     async def suspend_session(self, request: Request) -> Response:
         sid = self.session_id(request)
-        await self.engine_call(lambda: self.engine.suspend(sid), session=sid)
-        return JSONResponse(self.describe(sid))
+        return JSONResponse(await self.core.call("suspend", sid=sid))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -483,15 +469,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(ApiError(status, f"{request.method} {request.url.path}: {message}"))
 
 
-def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | None = None) -> Any:
-    """The ASGI application over ``engine`` (bearer auth in front when ``api_key`` is set; the web
-    page at ``/`` is served without it; ``pull``: the peers ``POST .../pull`` may fetch from)."""
-    api = Api(engine, pull)
+def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
+    """The ASGI application over ``ctx`` (bearer auth in front when ``api_key`` is set; the web
+    page at ``/`` is served without it). Its lifespan starts receiving from the engine core."""
+    api = Api(ctx)
     responses = ResponsesRoutes(api)
     r = api.route
     routes = [
         Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
-        Route("/metrics", r("metrics", api.metrics), methods=["GET"]),
+        Route("/metrics", r("metrics", api.metrics_text), methods=["GET"]),
         Route("/v1/models", r("models", api.models), methods=["GET"]),
         Route("/v1/chat/completions", r("chat", api.chat_completions), methods=["POST"]),
         Route("/v1/completions", r("completions", api.completions), methods=["POST"]),
@@ -509,8 +495,13 @@ def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | Non
         Route("/v1/sessions/{sid}/pull", r("bundle_pull", api.pull_bundle), methods=["POST"]),
         Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        ctx.core.attach()
+        yield
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     return WithPage(BearerAuth(app, api_key))
 
 
-__all__ = ["Api", "build_app", "error_response"]
+__all__ = ["Api", "ServerContext", "build_app", "error_response"]

@@ -23,8 +23,7 @@ from urllib.parse import quote, urlsplit
 
 from kernels.errors import CorruptionError
 from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.bundle_upload import check_target, in_thread, install_claimed, too_large
-from sessionstore.service.engine import Engine
+from sessionstore.service.bundle_upload import BundleHost, in_thread, too_large
 from sessionstore.service.errors import ApiError
 
 HEAD_LIMIT = 64 << 10  # bytes of a peer's status line and headers at most
@@ -154,7 +153,7 @@ def _peer_refusal(where: str, status: int, sock: socket.socket, rest: bytes) -> 
     return ApiError(ours, f"{where}: the peer answered {status}: {message}", code=code)
 
 
-def fetch_bundle(engine: Engine, session_id: str, origin: str, policy: PullPolicy, limit: int) -> ReceivedBundle:
+def fetch_bundle(host: BundleHost, session_id: str, origin: str, policy: PullPolicy, limit: int) -> ReceivedBundle:
     """(a thread) Session ``session_id``'s bundle from ``origin``, verified into a temp directory."""
     where = f"{origin}/v1/sessions/{session_id}/bundle"
     try:
@@ -162,9 +161,9 @@ def fetch_bundle(engine: Engine, session_id: str, origin: str, policy: PullPolic
     except OSError as exc:
         raise ApiError(502, f"{origin}: could not reach the peer: {exc}", code="peer_unreachable") from None
     try:
-        host = urlsplit(origin).netloc
+        netloc = urlsplit(origin).netloc
         auth = f"Authorization: Bearer {policy.key}\r\n" if policy.key else ""
-        sock.sendall((f"GET /v1/sessions/{quote(session_id)}/bundle?compress=none HTTP/1.1\r\nHost: {host}\r\n"
+        sock.sendall((f"GET /v1/sessions/{quote(session_id)}/bundle?compress=none HTTP/1.1\r\nHost: {netloc}\r\n"
                       f"{auth}Connection: close\r\n\r\n").encode())
         status, headers, rest = _read_head(sock, where)
         if status != 200:
@@ -177,8 +176,8 @@ def fetch_bundle(engine: Engine, session_id: str, origin: str, policy: PullPolic
             raise too_large(limit, declared)
         body = PeerBody(sock, int(declared), rest, where)
         try:
-            received = receive_bundle(engine.store, cast(BinaryIO, body), source_name=where, replace=True,
-                                      model=engine.model_source, as_id=session_id)
+            received = receive_bundle(host.store, cast(BinaryIO, body), source_name=where, replace=True,
+                                      model=host.model_source, as_id=session_id)
         except CorruptionError as exc:  # the peer's bundle, not our store
             raise ApiError(502, f"the bundle pulled from {where} failed verification: {exc}",
                            code="bundle_invalid") from None
@@ -192,16 +191,16 @@ def fetch_bundle(engine: Engine, session_id: str, origin: str, policy: PullPolic
         sock.close()
 
 
-async def pull_bundle(engine: Engine, session_id: str, asked: object, policy: PullPolicy | None, *,
+async def pull_bundle(host: BundleHost, session_id: str, asked: object, policy: PullPolicy | None, *,
                       limit: int, replace: bool) -> dict[str, Any]:
     """The whole pull: the checks, the streamed import in a thread, the install; its result."""
     if policy is None or not policy.origins:
         raise ApiError(403, "this server pulls from no peer (start it with --pull-from ORIGIN)",
                        code="pull_not_allowed")
     origin = policy.allowed(asked)
-    check_target(engine, session_id, replace)
-    received = await in_thread(lambda: fetch_bundle(engine, session_id, origin, policy, limit))
-    return await install_claimed(engine, session_id, received, replace)
+    await host.check_target(session_id, replace)
+    received = await in_thread(lambda: fetch_bundle(host, session_id, origin, policy, limit))
+    return await host.install(session_id, received, replace)
 
 
 __all__ = ["PeerBody", "PullPolicy", "fetch_bundle", "origin_of", "pull_bundle"]

@@ -3,7 +3,8 @@ AS IT STREAMS (no spool file): a thread reads it through :class:`BodyPipe` into 
 temp directory under ``<root>/tmp/`` (``migration.receive_bundle``: every chunk verified before it
 is written, then the file digests, trailer, header, sidecar, fsync), while the event loop feeds the
 pipe and counts the bytes against ``max_bundle_bytes``. Only a bundle that verified whole is
-installed, by one rename under the session's claim (refused while the session is resident).
+installed, by one rename under the session's claim (refused while the session is resident): the
+engine core's ``install`` operation (:func:`sessionstore.service.core_ops.op_install`).
 
 A body over the limit is refused with 413 as soon as the limit is passed; a cut upload (the
 client vanished) or one the receiver refused leaves no session and no temp directory: the
@@ -19,13 +20,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar, cast
+
+import msgspec
 
 from kernels.errors import CorruptionError
 from sessionstore.log import get_logger
 from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.engine import Engine
+from sessionstore.service.core_client import CoreClient
 from sessionstore.service.errors import ApiError
+from sessionstore.sessions import SessionStore
 
 log = get_logger("service")
 
@@ -140,25 +145,31 @@ def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return fut
 
 
-def check_target(engine: Engine, session_id: str, replace: bool) -> None:
-    """Refuse an upload over a taken id without ``replace`` (409 session_exists) or over a
-    resident session (409 session_live): before the body is read, and again at the install."""
-    if not replace and engine.store.exists(session_id):
-        raise ApiError(409, f"session {session_id!r} already exists here (replace=0)", code="session_exists")
-    if engine.state_of(session_id) == "resident":
-        raise ApiError(409, f"session {session_id!r} is resident here; suspend it before replacing it",
-                       code="session_live")
+@dataclass(frozen=True)
+class BundleHost:
+    """Where a bundle is received (the store's tmp/, for ``model_source``'s sessions) and the core
+    that checks the target and installs it."""
 
+    store: SessionStore
+    model_source: str
+    core: CoreClient
 
-def install(engine: Engine, session_id: str, received: ReceivedBundle, replace: bool) -> dict[str, Any]:
-    """Install a verified upload as ``session_id`` (the baton's holder; the session is claimed)."""
-    try:
-        check_target(engine, session_id, replace)
-        engine.forget(session_id)
-    except BaseException:
-        received.discard()
-        raise
-    return received.install(session_id, replace=True).to_json()
+    async def check_target(self, session_id: str, replace: bool) -> None:
+        """Refuse an upload over a taken id without ``replace`` (409 session_exists) or over a
+        resident session (409 session_live), before the body is read (the install checks again)."""
+        await self.core.call("check_target", sid=session_id, replace=replace)
+
+    async def install(self, session_id: str, received: ReceivedBundle, replace: bool) -> dict[str, Any]:
+        """Install a verified bundle under the session's claim, in the core; discarded if refused."""
+        try:
+            result: dict[str, Any] = await self.core.call(
+                "install", sid=session_id, tmp=str(received.tmp), bundle_id=received.session_id,
+                source_name=received.source_name, stats=msgspec.to_builtins(received.stats), start=received.start,
+                replace=replace)
+        except BaseException:
+            received.discard()
+            raise
+        return result
 
 
 def too_large(limit: int, declared: str | None = None) -> ApiError:
@@ -166,15 +177,15 @@ def too_large(limit: int, declared: str | None = None) -> ApiError:
     return ApiError(413, f"{what} exceeds the limit of {limit} bytes", code="body_too_large")
 
 
-async def receive_upload(engine: Engine, session_id: str, body: AsyncIterator[bytes], *,
+async def receive_upload(host: BundleHost, session_id: str, body: AsyncIterator[bytes], *,
                          limit: int) -> ReceivedBundle:
     """Stream ``body`` into a verified temp directory (nothing installed); ApiError on refusal."""
     pipe = BodyPipe(asyncio.get_running_loop())
 
     def receive() -> ReceivedBundle:
         try:
-            return receive_bundle(engine.store, cast(BinaryIO, pipe), source_name="upload", replace=True,
-                                  model=engine.model_source, as_id=session_id)
+            return receive_bundle(host.store, cast(BinaryIO, pipe), source_name="upload", replace=True,
+                                  model=host.model_source, as_id=session_id)
         finally:
             pipe.abandon()  # whatever the outcome, the loop stops handing it bytes
 
@@ -216,28 +227,14 @@ async def receive_upload(engine: Engine, session_id: str, body: AsyncIterator[by
     return received
 
 
-async def put_bundle(engine: Engine, session_id: str, body: AsyncIterator[bytes], *, limit: int,
+async def put_bundle(host: BundleHost, session_id: str, body: AsyncIterator[bytes], *, limit: int,
                      declared: str | None, replace: bool) -> dict[str, Any]:
     """The whole PUT: refusals before the body, the streamed receive, the install; its result."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit, declared)
-    check_target(engine, session_id, replace)
-    received = await receive_upload(engine, session_id, body, limit=limit)
-    return await install_claimed(engine, session_id, received, replace)
+    await host.check_target(session_id, replace)
+    received = await receive_upload(host, session_id, body, limit=limit)
+    return await host.install(session_id, received, replace)
 
 
-async def install_claimed(engine: Engine, session_id: str, received: ReceivedBundle,
-                          replace: bool) -> dict[str, Any]:
-    """:func:`install` of a verified bundle under the session's claim (an upload's, a pull's);
-    discarded if the claim is refused."""
-    try:
-        fut = engine.submit(lambda: install(engine, session_id, received, replace), session=session_id)
-    except BaseException:
-        received.discard()
-        raise
-    result: dict[str, Any] = await asyncio.wrap_future(fut)
-    return result
-
-
-__all__ = ["BodyPipe", "PIPE_HIGH_WATER", "check_target", "in_thread", "install", "install_claimed", "put_bundle",
-           "receive_upload"]
+__all__ = ["BodyPipe", "BundleHost", "PIPE_HIGH_WATER", "in_thread", "put_bundle", "receive_upload"]

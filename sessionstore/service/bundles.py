@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, cast
 
 from sessionstore.migration.exporting import PreparedExport
-from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 from sessionstore.service.streams import outbox_of
+from sessionstore.sessions import SessionStore
 
 QUEUE_CHUNKS = 8  # writes buffered between the exporting thread and a slow client
 GONE_POLL_S = 0.5  # how soon an export waiting for room notices that its client left
@@ -132,13 +132,13 @@ def export_compression(asked: str | None, peer: str | None) -> str | int:
                    param="compress", code="invalid_value")
 
 
-async def export_stream(engine: Engine, session_id: str, compression: str | int = "auto"
+async def export_stream(store: SessionStore, session_id: str, compression: str | int = "auto"
                         ) -> tuple[AsyncIterator[bytes], dict[str, str]]:
     """The bundle's bytes as they are written, and the response's headers (the exact
     ``content-length`` when nothing is compressed). The export is opened before the response
     starts (a missing or unreadable session is an error status); an export error later ends the
     body early (the bundle's own framing lets the receiver detect a truncated one)."""
-    export = await asyncio.to_thread(PreparedExport, engine.store, session_id)
+    export = await asyncio.to_thread(PreparedExport, store, session_id)
     headers = {"content-disposition": f'attachment; filename="{session_id}.colibundle"',
                "x-coli-bundle-compression": str(compression)}
     if compression == "none":

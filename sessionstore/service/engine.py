@@ -23,7 +23,7 @@ from sessionstore.log import get_logger
 from sessionstore.service.batcher import BatchingDecoder, StepBatcher
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import ServiceMetrics
+from sessionstore.service.metrics import EngineMetrics
 from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.sessions import Session, SessionStore, validate_session_id
@@ -37,13 +37,13 @@ class Engine:
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
-                 metrics: ServiceMetrics | None = None, session_options: dict[str, Any] | None = None,
+                 metrics: EngineMetrics | None = None, session_options: dict[str, Any] | None = None,
                  max_kv_bytes: int | None = None, home: Any = None) -> None:
         self.store = store
         self.home = home  # fleet hook: a fleet.SessionHome (serve --remote), else None
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
-        self.metrics = metrics or ServiceMetrics()
+        self.metrics = metrics or EngineMetrics()
         self.baton = DecoderBaton()
         decoder, self.model_ref = store.load_model(model_source)
         self.batcher = StepBatcher(decoder, self.baton, max_batch=self.limits.max_batch,

@@ -1,8 +1,10 @@
-"""The service's Prometheus metrics (``GET /metrics``), in a registry of their own.
+"""The service's Prometheus metrics (``GET /metrics``): two registries, one per process.
 
-The engine records its forwards, commits, resumes and sessions; the HTTP layer records what a
-client sees of each turn (:class:`TurnClock`: time to first token, the gaps between tokens, prompt
-and cached tokens) and how many turns wait for the engine or run in it."""
+The engine core records its forwards, commits, resumes, sessions and how many turns wait for it
+or run in it (:class:`EngineMetrics`, rendered in the core and fetched by the API process at each
+scrape); the API process records requests and what a client sees of each turn
+(:class:`HttpMetrics`, :class:`TurnClock`: time to first token, the gaps between tokens, prompt and
+cached tokens) and the engine process's restarts. ``/metrics`` is both, one after the other."""
 from __future__ import annotations
 
 import time
@@ -31,16 +33,13 @@ class FunctionCounter(Collector):
         yield CounterMetricFamily(self.name, self.documentation, value=self.read())
 
 
-class ServiceMetrics:
-    """Tokens (prompt, cached, generated), requests by outcome, turns waiting and running, time to
-    first token and between tokens, sessions and their resident bytes, commit / resume / turn
-    latency, decode steps and their batch sizes."""
+class EngineMetrics:
+    """The engine core's: generated tokens, turns waiting and running, sessions and their resident
+    bytes, evictions, commit / resume / turn latency, decode steps and their batch sizes."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.tokens = Counter("coli_tokens_generated", "tokens sampled by the engine", registry=r)
-        self.requests = Counter("coli_requests", "HTTP requests by endpoint and outcome (HTTP status)",
-                                ["endpoint", "status"], registry=r)
         self.evictions = Counter("coli_sessions_evicted", "idle sessions suspended by the residency limits",
                                  registry=r)
         self.resident = Gauge("coli_sessions_resident", "sessions resident (lock held, rows mapped)", registry=r)
@@ -59,15 +58,6 @@ class ServiceMetrics:
                                          "and prefills", ["kind"], registry=r, buckets=LATENCY_BUCKETS)
         self.turn_seconds = Histogram("coli_turn_seconds", "one turn in the engine, prompt to commit", registry=r,
                                       buckets=TURN_BUCKETS)
-        self.first_token_seconds = Histogram(
-            "coli_time_to_first_token_seconds", "from a turn's request to its first streamed text (or to its "
-            "end when it gave tokens but no text)", registry=r, buckets=FIRST_TOKEN_BUCKETS)
-        self.inter_token_seconds = Histogram(
-            "coli_inter_token_latency_seconds", "between consecutive streamed pieces of a turn's text (a token "
-            "each, unless the detokenizer or a stop string held text back)", registry=r, buckets=INTER_TOKEN_BUCKETS)
-        self.prompt_tokens = Counter("coli_prompt_tokens", "prompt tokens of finished turns", registry=r)
-        self.cached_tokens = Counter("coli_cached_prompt_tokens", "prompt tokens reused from a session's history "
-                                     "(not computed again)", registry=r)
         self.waiting = Gauge("coli_requests_waiting", "turns accepted and waiting for the engine", registry=r)
         self.running = Gauge("coli_requests_running", "turns the engine is running", registry=r)
 
@@ -90,12 +80,36 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
 
+class HttpMetrics:
+    """The API process's: requests by outcome, time to first token and between tokens, prompt and
+    cached tokens, and restarts of the engine process."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("coli_requests", "HTTP requests by endpoint and outcome (HTTP status)",
+                                ["endpoint", "status"], registry=r)
+        self.engine_restarts = Counter("coli_engine_restarts", "engine processes started again after one died",
+                                       registry=r)
+        self.first_token_seconds = Histogram(
+            "coli_time_to_first_token_seconds", "from a turn's request to its first streamed text (or to its "
+            "end when it gave tokens but no text)", registry=r, buckets=FIRST_TOKEN_BUCKETS)
+        self.inter_token_seconds = Histogram(
+            "coli_inter_token_latency_seconds", "between consecutive streamed pieces of a turn's text (a token "
+            "each, unless the detokenizer or a stop string held text back)", registry=r, buckets=INTER_TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("coli_prompt_tokens", "prompt tokens of finished turns", registry=r)
+        self.cached_tokens = Counter("coli_cached_prompt_tokens", "prompt tokens reused from a session's history "
+                                     "(not computed again)", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class TurnClock:
     """What one request's client sees of its turn, observed as the handler receives its events:
     the first text (time to first token, from ``start``), each later text (the gap since the one
     before), and the end (prompt and cached tokens)."""
 
-    def __init__(self, metrics: ServiceMetrics, start: float) -> None:
+    def __init__(self, metrics: HttpMetrics, start: float) -> None:
         self.metrics, self.start = metrics, start
         self.last: float | None = None  # when the last text came
 
@@ -115,4 +129,4 @@ class TurnClock:
 
 
 __all__ = ["BATCH_BUCKETS", "FIRST_TOKEN_BUCKETS", "INTER_TOKEN_BUCKETS", "LATENCY_BUCKETS", "TURN_BUCKETS",
-           "FunctionCounter", "ServiceMetrics", "TurnClock"]
+           "EngineMetrics", "FunctionCounter", "HttpMetrics", "TurnClock"]

@@ -26,6 +26,7 @@ from typing import Any
 from kernels.errors import CorruptionError, FormatError
 from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
+from sessionstore.service.turns import TurnOutcome
 from sessionstore.sessions.paths import confined
 
 RESPONSES_DIR = "responses"
@@ -131,5 +132,25 @@ class ResponseRecords:
         return path is not None and unlink_durably(path)
 
 
+def responses_usage(out: TurnOutcome) -> dict[str, Any]:
+    """The Responses API's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session."""
+    return {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.reused_prefix},
+            "output_tokens": len(out.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": out.prompt_tokens + len(out.tokens)}
+
+
+def chain_session_id() -> str:
+    """A fresh id for a session holding a chain (or a branch of one)."""
+    return f"chain-{secrets.token_hex(16)}"
+
+
+def finish(record: ResponseRecord, out: TurnOutcome) -> None:
+    """Fill ``record`` with the finished turn ``out``: its text, tokens, status and usage."""
+    record.output_text, record.output_tokens = out.text, list(out.tokens)
+    record.status = "completed" if out.finish == "stop" else "incomplete"
+    record.incomplete_reason = {"length": "max_output_tokens", "abort": "interrupted"}.get(out.finish)
+    record.usage = responses_usage(out)
+
+
 __all__ = ["MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
-           "is_response_id", "new_response_id", "parse_record"]
+           "chain_session_id", "finish", "is_response_id", "new_response_id", "parse_record", "responses_usage"]

@@ -17,36 +17,42 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionstore.service.engine import Engine
+from sessionstore.service.core_client import CoreStream
 from sessionstore.service.errors import ApiError, Places, api_error_of
+from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import TurnClock
+from sessionstore.service.metrics import HttpMetrics, TurnClock
 from sessionstore.service.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
-from sessionstore.service.response_records import ResponseRecord, ResponseRecords, new_response_id
-from sessionstore.service.streams import Event, TurnStream
-from sessionstore.service.turns import TurnOutcome, TurnSpec
-from sessionstore.sessions.conversation import tokens_digest
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.service.response_records import (
+    ResponseRecord,
+    ResponseRecords,
+    chain_session_id,
+    finish,
+    new_response_id,
+)
+from sessionstore.service.streams import Event
+from sessionstore.service.turns import TurnSpec
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 
-TurnJob = Callable[[TurnStream], TurnOutcome]
-
-
 class TurnHost(Protocol):
     """What the routes use of the API they are part of (:class:`sessionstore.service.app.Api`)."""
 
     @property
-    def engine(self) -> Engine: ...
+    def metrics(self) -> HttpMetrics: ...
+    @property
+    def records_root(self) -> Path: ...
     @property
     def limits(self) -> ServiceLimits: ...
     @property
@@ -56,9 +62,10 @@ class TurnHost(Protocol):
 
     async def body(self, request: Request) -> bytes: ...
     def check_model(self, name: str) -> None: ...
+    def render(self, spec: TurnSpec) -> None: ...
     async def start_turn(self, spec: TurnSpec, clock: TurnClock,
-                         job: TurnJob | None = None) -> tuple[TurnStream, Event]: ...
-    async def receive(self, stream: TurnStream, clock: TurnClock) -> Event: ...
+                         job: ResponseJob | None = None) -> tuple[CoreStream, Event]: ...
+    async def receive(self, stream: CoreStream, clock: TurnClock) -> Event: ...
 
 
 # ---- the request ------------------------------------------------------------------------------
@@ -144,13 +151,6 @@ class ResponseRequest(BaseModel):
 
 
 # ---- the response object ---------------------------------------------------------------------
-def responses_usage(out: TurnOutcome) -> dict[str, Any]:
-    """The Responses API's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session."""
-    return {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.reused_prefix},
-            "output_tokens": len(out.tokens), "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": out.prompt_tokens + len(out.tokens)}
-
-
 def message_item(record: ResponseRecord, text: str, status: str) -> dict[str, Any]:
     """The response's one output item: an assistant message holding its text (and, as the chat
     API's choices do, the sampled ``token_ids``: an extension)."""
@@ -187,23 +187,17 @@ def response_not_found(response_id: str, param: str | None = None) -> ApiError:
                     param=param, code="response_not_found")
 
 
-def chain_session_id() -> str:
-    """A fresh id for a session holding a chain (or a branch of one)."""
-    return f"chain-{secrets.token_hex(16)}"
-
-
 # ---- the routes -------------------------------------------------------------------------------
 class ResponsesRoutes:
     """The Responses API's handlers over one :class:`TurnHost` and the store's responses directory."""
 
     def __init__(self, host: TurnHost) -> None:
         self.host = host
-        self.engine = host.engine
-        self.records = ResponseRecords(host.engine.store.root)
+        self.records = ResponseRecords(host.records_root)
 
     async def create(self, request: Request) -> Response:
         host = self.host
-        clock = TurnClock(self.engine.metrics, time.perf_counter())
+        clock = TurnClock(host.metrics, time.perf_counter())
         req: ResponseRequest = parse_body(await host.body(request), ResponseRequest)
         req.check(host.limits)
         host.check_model(req.model)
@@ -228,10 +222,12 @@ class ResponsesRoutes:
             previous_response_id=req.previous_response_id, metadata=dict(req.metadata or {}),
             params={"temperature": sampler.get("temperature", 0.0), "top_p": sampler.get("top_p", 1.0),
                     "seed": sampler["seed"], "max_output_tokens": req.max_output_tokens})
+        host.render(spec)
         job = None
-        if req.store:
+        if req.store:  # the core places the turn on the chain's session and writes the record
             spec.session = prev.session if prev is not None else chain_session_id()
-            job = self.stored_job(spec, record, chain, prev)
+            job = ResponseJob(msgspec.to_builtins(record), chain,
+                              None if prev is None else msgspec.to_builtins(prev))
         stream, first = await host.start_turn(spec, clock, job)
         if req.stream:
             return StreamingResponse(self.events(record, req.store, stream, first, clock),
@@ -244,64 +240,8 @@ class ResponsesRoutes:
         finish(record, event.value)
         return JSONResponse(response_object(record, req.store))
 
-    def stored_job(self, spec: TurnSpec, record: ResponseRecord, chain: list[dict[str, Any]],
-                   prev: ResponseRecord | None) -> TurnJob:
-        """The engine job of a stored response: place the turn on the chain's session (in place,
-        a fork of it, or a new session: :meth:`place`), run it, write the record; a refused turn
-        leaves no new session behind."""
-        engine = self.engine
-
-        def job(stream: TurnStream) -> TurnOutcome:
-            extra = self.place(spec, prev) if prev is not None else None
-            try:
-                out = engine.run_turn(spec, stream)
-                assert spec.session is not None
-                session, _ = engine.open_session(spec.session, create=False)
-                history = session.history()
-                finish(record, out)
-                record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
-                record.messages = [*chain, {"role": "assistant", "content": out.text}]
-                self.records.write(record)
-                return out
-            except BaseException:
-                if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session
-                    engine.delete(extra)
-                raise
-            finally:
-                engine.release(extra)
-
-        return job
-
-    def place(self, spec: TurnSpec, prev: ResponseRecord) -> str | None:
-        """Point ``spec`` at the session to continue ``prev`` on (the baton's holder, ``prev``'s
-        session claimed): unchanged when that session ends at ``prev``'s checkpoint (its newest
-        response: in place); else a fork of it at the longest prefix its tokens share with this
-        turn's prompt (an older response: a branch that leaves the session as it is), or a new
-        session when they share none or the session is gone. The new session's id is claimed and
-        returned (None when in place)."""
-        engine, store = self.engine, self.engine.store
-        new = chain_session_id()
-        if store.exists(prev.session):
-            session, _ = engine.open_session(prev.session, create=False)
-            history = session.history()
-            if len(history) == prev.tokens and tokens_digest(history) == prev.digest:
-                return None
-            shared = common_prefix(history, engine.runner.prompt_ids(spec))
-            if shared > 0:
-                engine.claim(new)
-                try:
-                    engine.fork(prev.session, new, min(shared, session.committed))
-                except BaseException:
-                    engine.release(new)
-                    raise
-                spec.session = new
-                return new
-        engine.claim(new)
-        spec.session = new
-        return new
-
     # ---- streaming -------------------------------------------------------------------------------
-    async def events(self, record: ResponseRecord, store: bool, stream: TurnStream, first: Event,
+    async def events(self, record: ResponseRecord, store: bool, stream: CoreStream, first: Event,
                      clock: TurnClock) -> AsyncIterator[bytes]:
         """The response's SSE events as OpenAI sends them, each with ``type`` and ``sequence_number``."""
         seq = 0
@@ -388,13 +328,4 @@ class ResponsesRoutes:
                 "input_items": self.input_items}
 
 
-def finish(record: ResponseRecord, out: TurnOutcome) -> None:
-    """Fill ``record`` with the finished turn ``out``: its text, tokens, status and usage."""
-    record.output_text, record.output_tokens = out.text, list(out.tokens)
-    record.status = "completed" if out.finish == "stop" else "incomplete"
-    record.incomplete_reason = {"length": "max_output_tokens", "abort": "interrupted"}.get(out.finish)
-    record.usage = responses_usage(out)
-
-
-__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "chain_session_id", "finish",
-           "message_item", "response_object", "responses_usage"]
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "message_item", "response_object"]

@@ -1,6 +1,7 @@
-"""Running the service: the bind rule, the store and the engine, uvicorn on a socket we bound,
-and the shutdown order (SIGTERM/SIGINT: stop accepting, cut running turns at a token boundary,
-commit and suspend every session, exit 0)."""
+"""Running the service: the bind rule, the engine core's process (:mod:`sessionstore.service.core_process`,
+started and supervised by :class:`~sessionstore.service.core_client.CoreClient`), uvicorn on a socket
+we bound, and the shutdown order (SIGTERM/SIGINT: stop accepting, cut running turns at a token
+boundary, then the core commits and suspends every session and exits; exit 0)."""
 from __future__ import annotations
 
 import json
@@ -14,13 +15,14 @@ from types import FrameType
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore.kvfile.hash_helper import start_hash_helper, stop_hash_helper
 from sessionstore.log import get_logger
-from sessionstore.service.app import build_app
+from sessionstore.service.app import ServerContext, build_app
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
 from sessionstore.service.bundle_pull import PullPolicy
-from sessionstore.service.engine import Engine
+from sessionstore.service.core_client import CoreClient
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.metrics import HttpMetrics
+from sessionstore.service.prompts import load_tokenizer
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -65,35 +67,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_tokenizer(model_source: str) -> Any:
-    """The model's tokenizer and chat template, or None for a model without text files."""
-    try:
-        from kernels.model.text import load_text
-    except ImportError:
-        return None
-    try:
-        return load_text(model_source)
-    except (ColiError, OSError):
-        return None
-
-
-def fleet_home(config: ServeConfig, store: SessionStore, model_source: str) -> Any:
-    """The fleet's side of this server (``--remote``), its store checked reachable; or None."""
-    if config.remote is None:
-        return None
-    from sessionstore.migration import LEASE_TTL_S, RemoteStore
-    from sessionstore.service.fleet import SessionHome
-
-    ttl = LEASE_TTL_S if config.lease_ttl is None else config.lease_ttl
-    remote = RemoteStore(store, config.remote, host_id=config.host_id, lease_ttl=ttl,
-                         advertise_url=config.advertise_url)
-    home = SessionHome(remote, model=model_source)
-    home.probe()
-    return home
+def core_settings(config: ServeConfig) -> dict[str, Any]:
+    """The engine core's settings (:class:`~sessionstore.service.ipc.CoreConfig` but its sockets)."""
+    return {"root": str(config.root), "model": config.model, "kv_dtype": config.kv_dtype,
+            "limits": dict(config.limits.__dict__), "session_options": config.session_options,
+            "max_kv_bytes": config.max_kv_bytes, "remote": config.remote, "host_id": config.host_id,
+            "lease_ttl": config.lease_ttl, "advertise_url": config.advertise_url}
 
 
 def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns 0 once every session is committed."""
+    """Serve until SIGTERM/SIGINT; returns 0 once the core has committed every session."""
     import uvicorn
 
     from kernels.model import resolve_model
@@ -101,30 +84,35 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     check_bind(config.host, config.api_key)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     source = resolve_model(config.model)
-    store = SessionStore(config.root)
-    home = fleet_home(config, store, source)
-    engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
-                    limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes,
-                    home=home)
     sock = bind_socket(config.host, config.port)
-    start_hash_helper()  # resumes share their checksum pass with a second process (stopped below)
+    core = CoreClient(core_settings(config))
+    try:
+        ready_core = core.start()  # the store opened, the model loaded: or one line saying why not
+    except BaseException:
+        sock.close()
+        raise
+    store = SessionStore(config.root, sweep=False)  # read by bundles' transfer (the core owns the sessions)
+    ctx = ServerContext(core, ready_core.model, ready_core.vocab_size, source, load_tokenizer(source), store,
+                        config.limits, HttpMetrics(), config.pull)
+    core.on_restart.append(ctx.metrics.engine_restarts.inc)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            engine.stopping.set()  # new turns refused; the running one ends at its next token
+            core.drain()  # new turns refused; the running ones end at their next token and commit
             super().handle_exit(sig, frame)
 
-    uv_config = uvicorn.Config(build_app(engine, config.api_key, config.pull), log_level="warning", lifespan="off",
+    uv_config = uvicorn.Config(build_app(ctx, config.api_key), log_level="warning", lifespan="on",
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
     server = Server(uv_config)
     host, port = sock.getsockname()[:2]
     ready = {"event": "listening", "url": f"http://{'[' + host + ']' if ':' in host else host}:{port}",
-             "model": engine.model_ref.name, "pid": os.getpid()}
-    if home is not None:
-        ready.update(remote=home.url, host_id=home.host_id)
+             "model": ready_core.model, "pid": os.getpid(), "engine_pid": ready_core.pid}
+    if ready_core.remote is not None:
+        ready.update(remote=ready_core.remote, host_id=ready_core.host_id)
     # uvicorn re-raises the signal it caught once it has stopped; this handler absorbs it so the
-    # shutdown below (commit every session) runs and the exit status is 0
+    # shutdown below (the core commits every session) runs and the exit status is 0
     previous = {s: signal.signal(s, lambda _s, _f: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    code: int | None = 0
     try:
         if on_ready is not None:
             on_ready(ready)
@@ -132,14 +120,14 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
             print(json.dumps(ready), flush=True)
         server.run(sockets=[sock])
     finally:
-        engine.stop()
-        stop_hash_helper()
+        code = core.stop()
         sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    log.info("service.stopped", sessions=len(store.ids()))
-    print(json.dumps({"event": "stopped", "sessions": len(store.ids())}), file=sys.stderr, flush=True)
-    return 0
+    sessions = len(store.ids())
+    log.info("service.stopped", sessions=sessions, engine_exit=code)
+    print(json.dumps({"event": "stopped", "sessions": sessions}), file=sys.stderr, flush=True)
+    return 0 if code in (0, None) else 1
 
 
-__all__ = ["ServeConfig", "bind_socket", "fleet_home", "load_tokenizer", "serve_http"]
+__all__ = ["ServeConfig", "bind_socket", "core_settings", "serve_http"]

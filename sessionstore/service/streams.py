@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+S = TypeVar("S")  # a turn's stream, as ``receive`` reads it
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,8 @@ class TurnStream:
         self._cancelled.set()
 
 
-async def merged(turns: list[tuple[TurnStream, Event]],
-                 receive: Callable[[int, TurnStream], Awaitable[Event]]) -> AsyncIterator[tuple[int, Event]]:
+async def merged(turns: list[tuple[S, Event]],
+                 receive: Callable[[int, S], Awaitable[Event]]) -> AsyncIterator[tuple[int, Event]]:
     """The events of several turns (each given with its first event) as they come, each with its
     turn's index, until every turn has given its last ("done" or "error"); ``receive(i, stream)``
     awaits turn i's next event. One turn is read directly (no task, no queue between)."""
@@ -117,7 +118,7 @@ async def merged(turns: list[tuple[TurnStream, Event]],
             event = await receive(0, stream)
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-    async def pump(i: int, stream: TurnStream, event: Event) -> None:
+    async def pump(i: int, stream: S, event: Event) -> None:
         while True:
             queue.put_nowait((i, event))
             if event.kind != "text":

@@ -21,6 +21,7 @@ from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
 from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from sessionstore.service.errors import ApiError
+from sessionstore.service.prompts import PromptRenderer
 from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
@@ -51,6 +52,7 @@ class TurnSpec:
     top_logprobs: int | None = None  # log-probabilities of each drawn token and this many alternatives
     n: int = 1  # choices: 0 is this turn, 1..n-1 its stateless copies (:meth:`choice`), queued beside it
     response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
+    prompt_ids: list[int] | None = None  # the prompt rendered and tokenised (by the API process), once
 
     def choice(self, index: int) -> TurnSpec:
         """Choice ``index`` >= 1: the same prompt and settings, stateless, its seed ``seed + index``."""
@@ -68,15 +70,6 @@ class TurnOutcome:
     committed: int | None = None
     created: bool = False
     logprobs: list[TokenLogprob] | None = None  # one per token, when the turn asked for them
-
-
-def template_reason(message: str, tok: ChatTokenizer) -> str:
-    """A template error's message without the checkpoint's location that begins it."""
-    template = tok.template
-    for where in ([template.where] if template is not None else []) + [tok.source]:
-        if message.startswith(where + ": "):
-            return message[len(where) + 2:]
-    return message
 
 
 def sampler_for(given: dict[str, Any]) -> Sampler:
@@ -105,36 +98,16 @@ class TurnRunner:
         self.context = int(model.config.max_position_embeddings)
         self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        self.renderer = PromptRenderer(tokenizer)
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
-        if self.tok is None:
-            raise ApiError(400, f"{what} needs text, and this server's model has no tokenizer files; "
-                           "send token ids to /v1/completions", code="no_tokenizer")
-        return self.tok
-
-    def chat_prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``messages`` rendered with the generation prompt and tokenised; a template that cannot
-        render them (a role it refuses, tool calls it never mentions) is a 400 without paths."""
-        tok = self._text_tokenizer("chat")
-        template = tok.template
-        if template is not None and "tool_calls" not in template.source:
-            for i, m in enumerate(messages):
-                if "tool_calls" in m:
-                    raise ApiError(400, f"messages.{i}.tool_calls: this model's chat template does not render "
-                                   "tool calls", param=f"messages.{i}.tool_calls", code="unsupported_messages")
-        try:
-            return tok.chat_ids(messages, add_generation_prompt=True)
-        except FormatError as exc:
-            raise ApiError(400, "this model's chat template cannot render these messages: "
-                           f"{template_reason(str(exc), tok)}", param="messages", code="unsupported_messages") from None
+        return self.renderer.text_tokenizer(what)
 
     def prompt_ids(self, spec: TurnSpec) -> list[int]:
-        if spec.kind == "chat":
-            ids = self.chat_prompt_ids(spec.messages or [])
-        elif isinstance(spec.prompt, str):
-            ids = self._text_tokenizer("a text prompt").encode(spec.prompt, add_special_tokens=True)
-        else:
-            ids = list(spec.prompt or [])
+        """The turn's prompt ids: as the API process rendered them, else rendered here; checked
+        against the vocabulary."""
+        ids = spec.prompt_ids if spec.prompt_ids is not None else \
+            self.renderer.prompt_ids(spec.kind, spec.messages, spec.prompt)
         if not ids:
             raise FormatError("the prompt tokenizes to nothing")
         checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
@@ -225,5 +198,4 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
 
-__all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for",
-           "template_reason"]
+__all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for"]

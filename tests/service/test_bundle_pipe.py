@@ -158,7 +158,6 @@ def test_an_export_whose_reader_left_gives_up_and_strands_no_thread() -> None:
 
 def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(tmp_path, monkeypatch) -> None:
     import gc
-    from types import SimpleNamespace
 
     from sessionstore.migration.exporting import PreparedExport
     from sessionstore.service import bundles
@@ -187,12 +186,11 @@ def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(
         return sum(t.name == "coli-export" for t in threading.enumerate())
 
     async def main() -> None:
-        engine = SimpleNamespace(store=store)
-        never, _ = await bundles.export_stream(engine, "mv", "none")  # type: ignore[arg-type]
+        never, _ = await bundles.export_stream(store, "mv", "none")
         del never  # the response failed before its body: no thread started, the export closed
         gc.collect()
         assert closed == [1] and exporting() == 0
-        left, headers = await bundles.export_stream(engine, "mv", "none")  # type: ignore[arg-type]
+        left, headers = await bundles.export_stream(store, "mv", "none")
         first = await left.__anext__()
         assert 0 < len(first) < int(headers["content-length"]) and exporting() == 1
         await left.aclose()  # the client left after one chunk

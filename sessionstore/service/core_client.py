@@ -1,0 +1,324 @@
+"""The API process's side of the engine core: it starts the core's process, sends it requests as
+data, routes what comes back to the waiting handlers, and starts a new core when one dies.
+
+Everything runs on the API process's event loop: one task receives the core's events (an asyncio
+zmq socket), one watches the core's process. Sending never blocks (no high-water mark: a request
+is queued until the core reads it). When the core dies, every running turn ends with an error
+event (503 ``engine_restarted``) and every pending call with that error; until the new core says
+it is ready, new work is refused with 503 ``engine_unavailable`` and ``/healthz`` says
+``engine_restarting``. The new core opens the store as any restart does: each session resumes from
+its last commit.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kernels.errors import ColiError
+from sessionstore.log import get_logger
+from sessionstore.service.errors import ApiError
+from sessionstore.service.ipc import (
+    Call,
+    Cancel,
+    CoreConfig,
+    Drain,
+    ErrorInfo,
+    Failed,
+    Piece,
+    Ready,
+    ResponseJob,
+    Result,
+    StartFailed,
+    ToCore,
+    TurnCall,
+    TurnDone,
+    decode_from_core,
+    encode,
+    socket_paths,
+)
+from sessionstore.service.streams import Event
+from sessionstore.service.turns import TurnSpec
+
+log = get_logger("service.client")
+
+START_TIMEOUT_S = 600.0  # loading a big checkpoint can take minutes
+STOP_TIMEOUT_S = 120.0  # the core commits and suspends every session before it exits
+WATCH_S = 0.1  # how often the watcher looks at the core's process
+RESTART_PAUSE_S = 1.0  # between failed starts of a new core
+
+
+class HeldElsewhere(ApiError):
+    """Another live host holds the session; ``holder_url``: where it serves (None: unknown)."""
+
+    def __init__(self, message: str, holder_url: str | None) -> None:
+        super().__init__(409, message, code="session_held")
+        self.holder_url = holder_url
+
+
+def error_of(info: ErrorInfo) -> ApiError:
+    if info.held:
+        return HeldElsewhere(info.message, info.holder_url)
+    return ApiError(info.status, info.message, param=info.param, code=info.code)
+
+
+def unavailable() -> ApiError:
+    return ApiError(503, "the engine is restarting after its process died; retry in a few seconds",
+                    code="engine_unavailable")
+
+
+class CoreStream:
+    """One turn's events as the core sends them (:class:`Event` "text", then "done" or "error")."""
+
+    def __init__(self, client: CoreClient, rid: int) -> None:
+        self._client, self.rid = client, rid
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.ended = False
+
+    async def next(self) -> Event:
+        event = await self.queue.get()
+        if event.kind != "text":
+            self.ended = True
+        return event
+
+    def cancel(self) -> None:
+        """The client went away: the core ends the turn at its next token (it commits)."""
+        if not self.ended:
+            self.ended = True
+            self._client.cancel(self.rid)
+
+
+class CoreProcess:
+    """One started core: its process and the line it said when it came up."""
+
+    def __init__(self, config: CoreConfig) -> None:
+        env = {**os.environ}
+        self.proc = subprocess.Popen([sys.executable, "-m", "sessionstore.service.core_process"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgspec.json.encode(config))
+        self.proc.stdin.close()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Ready:
+        """The core's :class:`Ready` (blocking); a ColiError with its one line if it failed."""
+        assert self.proc.stdout is not None
+        fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise ColiError(f"the engine process did not start in {timeout:.0f} s")
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    code = self.proc.wait()
+                    raise ColiError(f"the engine process exited ({code}) before it was ready")
+                buf += chunk
+        self.proc.stdout.close()
+        said = msgspec.json.decode(buf.split(b"\n", 1)[0], type=Ready | StartFailed)
+        if isinstance(said, StartFailed):
+            self.proc.wait()
+            raise ColiError(said.message)
+        return said
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+
+
+class CoreClient:
+    """Starts, talks to and supervises the engine core of one server."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        """``config``: :class:`CoreConfig`'s fields but the sockets and the parent's pid."""
+        self._dir, requests, events = socket_paths()
+        self.config = CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
+        self._sync = zmq.Context()
+        self._push = self._sync.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.bind(requests)
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(events)
+        self._ids = itertools.count(1)
+        self._streams: dict[int, CoreStream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.core: CoreProcess | None = None
+        self.ready: Ready | None = None  # the running core's; None while none is ready
+        self.stopping = False
+        self.restarts = 0
+        self.on_restart: list[Callable[[], object]] = []  # run when a new core is up
+
+    # ---- life ------------------------------------------------------------------------------------
+    def start(self) -> Ready:
+        """Start the first core and wait until it is ready (blocking: before the server listens)."""
+        self.core = CoreProcess(self.config)
+        try:
+            self.ready = self.core.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self.ready
+
+    def attach(self) -> None:
+        """Start receiving and watching on the running event loop (the server's lifespan)."""
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def _watch(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(WATCH_S)
+            core = self.core
+            if core is None or self.stopping or core.proc.poll() is None:
+                continue
+            self._core_died(core.proc.returncode)
+            await self._restart()
+
+    def _core_died(self, code: int) -> None:
+        self.ready = None
+        log.error("core.died", exit=code)
+        err = ApiError(503, f"the engine process died ({'signal ' + str(-code) if code < 0 else 'exit ' + str(code)})"
+                       "; the session keeps what it had committed", code="engine_restarted")
+        streams, calls = self._streams, self._calls
+        self._streams, self._calls = {}, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(Event("error", err))
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _restart(self) -> None:
+        while not self.stopping:
+            try:
+                self.core = CoreProcess(self.config)
+                core = self.core
+                self.ready = await asyncio.to_thread(core.wait_ready)
+            except ColiError as exc:
+                log.error("core.start_failed", error=str(exc))
+                await asyncio.sleep(RESTART_PAUSE_S)
+                continue
+            self.restarts += 1
+            for hook in self.on_restart:
+                hook()
+            log.info("core.restarted", pid=self.ready.pid)
+            return
+
+    async def _receive(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            for event in decode_from_core(data):
+                self._route(event)
+
+    def _route(self, event: Piece | TurnDone | Result | Failed) -> None:
+        rid = event.rid
+        if isinstance(event, Piece):
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.queue.put_nowait(Event("text", event.text, event.logprobs))
+            return
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, TurnDone)
+                                    else Event("error", error_of(event.error) if isinstance(event, Failed)
+                                               else ApiError(500, "the engine answered a turn with a result")))
+            return
+        fut = self._calls.pop(rid, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(event, Result):
+            fut.set_result(event.value)
+        elif isinstance(event, Failed):
+            fut.set_exception(error_of(event.error))
+
+    def drain(self) -> None:
+        """The server stops: the core refuses new work and ends running turns at their next token."""
+        self.stopping = True
+        self._send(Drain(shutdown=False))
+
+    def stop(self) -> int | None:
+        """Tell the core to commit everything and exit; wait for it (the API process's last step)."""
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        code = None
+        core = self.core
+        if core is not None and core.proc.poll() is None:
+            self._send(Drain(shutdown=True))
+            try:
+                code = core.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.error("core.stop_timeout", seconds=STOP_TIMEOUT_S)
+                core.kill()
+        elif core is not None:
+            code = core.proc.returncode
+        self.close()
+        return code
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._sync.term()
+        self._actx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _send(self, message: ToCore) -> None:
+        self._push.send(encode(message))
+
+    def _check(self) -> None:
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        if self.ready is None:
+            raise unavailable()
+
+    def turn(self, spec: TurnSpec, response: ResponseJob | None = None) -> CoreStream:
+        """Queue one turn; the stream its events come on."""
+        self._check()
+        rid = next(self._ids)
+        stream = self._streams[rid] = CoreStream(self, rid)
+        self._send(TurnCall(rid, spec, response))
+        return stream
+
+    def cancel(self, rid: int) -> None:
+        if rid in self._streams and self.ready is not None:
+            self._send(Cancel(rid))
+
+    async def call(self, op: str, **args: Any) -> Any:
+        """One of the core's operations (:data:`sessionstore.service.core_ops.OPERATIONS`); its value."""
+        self._check()
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[rid] = fut
+        self._send(Call(rid, op, args))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(rid, None)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.ready is None else self.ready.pid
+
+    @property
+    def socket_dir(self) -> Path:
+        return self._dir
+
+
+__all__ = ["CoreClient", "CoreProcess", "CoreStream", "HeldElsewhere", "error_of"]

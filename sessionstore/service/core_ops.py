@@ -1,0 +1,170 @@
+"""The engine core's named operations (what a :class:`~sessionstore.service.ipc.Call` may ask),
+and the sessions' descriptions the API returns, built where the sessions live.
+
+An operation is ``fn(engine, args) -> value`` (a msgpack-able value). ``exclusive`` ones change a
+session: they run as the engine's work holding that session (a busy session is refused with 409);
+the others only read committed files or the engine's bookkeeping and run on a reader thread, never
+waiting behind a turn.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from sessionstore.migration.bundle_format import BundleStats
+from sessionstore.migration.migrate import ReceivedBundle
+from sessionstore.service.engine import Engine
+from sessionstore.service.errors import ApiError
+from sessionstore.service.listing import in_window, list_object, problem_description
+from sessionstore.service.messages import session_messages
+from sessionstore.sessions import validate_session_id
+from sessionstore.sessions.catalogue import CatalogueEntry
+
+
+def describe(engine: Engine, sid: str) -> dict[str, Any]:
+    """One session as ``GET /v1/sessions/{id}`` shows it (FORMAT.md 7)."""
+    info = engine.store.info(sid)
+    last = engine.last_use.get(sid)
+    return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
+            "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model, "state": engine.state_of(sid),
+            "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+
+
+def describe_listed(engine: Engine, entry: CatalogueEntry) -> dict[str, Any]:
+    """A page's entry as :func:`describe` gives it; one whose files are gone (or unreadable) as such."""
+    if entry.state in ("missing", "unreadable"):
+        return problem_description(entry)
+    last = engine.last_use.get(entry.id)
+    return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
+            "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
+            "state": engine.state_of(entry.id),
+            "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+
+
+def check_target(engine: Engine, session_id: str, replace: bool) -> None:
+    """Refuse a bundle over a taken id without ``replace`` (409 session_exists) or over a resident
+    session (409 session_live): before the body is read, and again at the install."""
+    if not replace and engine.store.exists(session_id):
+        raise ApiError(409, f"session {session_id!r} already exists here (replace=0)", code="session_exists")
+    if engine.state_of(session_id) == "resident":
+        raise ApiError(409, f"session {session_id!r} is resident here; suspend it before replacing it",
+                       code="session_live")
+
+
+def _session(args: dict[str, Any], key: str = "sid") -> str:
+    sid = args.get(key)
+    if not isinstance(sid, str):
+        raise ApiError(400, f"{key}: a session id is required", code="invalid_value")
+    validate_session_id(sid)
+    return sid
+
+
+def _existing(engine: Engine, args: dict[str, Any]) -> str:
+    sid = _session(args)
+    if not engine.store.exists(sid):
+        raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+    return sid
+
+
+# ---- reads --------------------------------------------------------------------------------------
+def op_describe(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    """``{sid, history?, messages?}``: the session's description, its token ids and its messages
+    when asked (from the committed files: never waits for a turn)."""
+    sid = _existing(engine, args)
+    body = describe(engine, sid)
+    if args.get("history"):
+        body["history"] = engine.store.history(sid)
+    if args.get("messages"):
+        body.update(session_messages(engine, sid))
+    return body
+
+
+def op_list(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    """``{limit, after, order}``: one page of the catalogue in OpenAI's list shape (a fleet server
+    adds the fleet's sessions, state ``remote`` where not current here)."""
+    from sessionstore.service.listing import PageQuery
+
+    query = PageQuery(int(args["limit"]), args.get("after"), str(args.get("order", "asc")))
+    page = engine.store.page(query.limit, query.after, query.order)
+    data = [describe_listed(engine, entry) for entry in page.entries]
+    if engine.home is not None:
+        last_id = data[-1]["id"] if data else None
+        fleet = engine.home.listing(data)
+        data = [d for d in fleet if in_window(str(d["id"]), query, last_id, page.has_more)]
+        data.sort(key=lambda d: str(d["id"]), reverse=query.order == "desc")
+    return list_object(data, page.has_more)
+
+
+def op_check_target(engine: Engine, args: dict[str, Any]) -> None:
+    """``{sid, replace}``: refuse a bundle over a taken id (without replace) or a resident session."""
+    check_target(engine, _session(args), bool(args.get("replace", True)))
+
+
+def op_metrics(engine: Engine, args: dict[str, Any]) -> bytes:
+    """The core's metrics in Prometheus' text format."""
+    return engine.metrics.render()
+
+
+# ---- changes (exclusive: the session claimed) -----------------------------------------------------
+def op_delete(engine: Engine, args: dict[str, Any]) -> None:
+    engine.delete(_session(args))
+
+
+def op_suspend(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    sid = _session(args)
+    engine.suspend(sid)
+    return describe(engine, sid)
+
+
+def op_fork(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    """``{sid, new, at}``: fork ``sid`` as ``new`` (at ``at`` tokens, or whole); the new one's description."""
+    sid, new = _session(args), _session(args, "new")
+    at = args.get("at")
+    engine.fork(sid, new, None if at is None else int(at))
+    return describe(engine, new)
+
+
+def op_install(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    """``{sid, tmp, source_name, stats, start, replace}``: install a bundle the API process received
+    and verified into ``<root>/tmp/`` (an upload, a pull) as ``sid``; its import result. The temp
+    directory must be the store's own."""
+    sid = _session(args)
+    tmp = Path(str(args["tmp"])).resolve()
+    if tmp.parent != (Path(engine.store.root) / "tmp").resolve():
+        raise ApiError(400, "install: not a directory of the store's tmp/", code="invalid_value")
+    received = ReceivedBundle(engine.store, tmp, str(args.get("bundle_id", sid)), str(args["source_name"]),
+                              msgspec.convert(args["stats"], BundleStats), float(args["start"]))
+    replace = bool(args.get("replace", True))
+    try:
+        check_target(engine, sid, replace)
+        engine.forget(sid)
+    except BaseException:
+        received.discard()
+        raise
+    return received.install(sid, replace=True).to_json()
+
+
+@dataclass(frozen=True)
+class Operation:
+    fn: Callable[[Engine, dict[str, Any]], Any]
+    exclusive: bool  # runs as the engine's work holding args["sid"]
+
+
+OPERATIONS: dict[str, Operation] = {
+    "describe": Operation(op_describe, False),
+    "list": Operation(op_list, False),
+    "check_target": Operation(op_check_target, False),
+    "metrics": Operation(op_metrics, False),
+    "delete": Operation(op_delete, True),
+    "suspend": Operation(op_suspend, True),
+    "fork": Operation(op_fork, True),
+    "install": Operation(op_install, True),
+}
+
+
+__all__ = ["OPERATIONS", "Operation", "check_target", "describe", "describe_listed"]

@@ -1,0 +1,76 @@
+"""A stored Responses turn as the engine core runs it (FORMAT.md 7.6): place the turn on its
+chain's session, run it, write its record.
+
+The turn continues the previous response's session in place when that session still ends at the
+response's checkpoint (its newest response); else it forks the session at the longest prefix its
+tokens share with this turn's prompt (an older response: a branch), or starts a new session when
+they share none or the session is gone. A refused turn leaves no new session behind.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from sessionstore.service.engine import Engine
+from sessionstore.service.ipc import ResponseJob
+from sessionstore.service.response_records import ResponseRecord, ResponseRecords, chain_session_id, finish
+from sessionstore.service.turns import TurnOutcome, TurnSink, TurnSpec
+from sessionstore.sessions.conversation import tokens_digest
+from sessionstore.sessions.turns import common_prefix
+
+
+class StoredResponseTurn:
+    """One stored response's turn on ``engine`` (run as the engine's work, ``spec.session`` claimed)."""
+
+    def __init__(self, engine: Engine, records: ResponseRecords, spec: TurnSpec, job: ResponseJob) -> None:
+        self.engine, self.records, self.spec = engine, records, spec
+        self.record = msgspec.convert(job.record, ResponseRecord)
+        self.chain = job.chain
+        self.previous = None if job.previous is None else msgspec.convert(job.previous, ResponseRecord)
+
+    def run(self, sink: TurnSink) -> TurnOutcome:
+        engine, spec = self.engine, self.spec
+        extra = self.place(self.previous) if self.previous is not None else None
+        try:
+            out = engine.run_turn(spec, sink)
+            assert spec.session is not None
+            session, _ = engine.open_session(spec.session, create=False)
+            history = session.history()
+            record = self.record
+            finish(record, out)
+            record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
+            record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
+            self.records.write(record)
+            return out
+        except BaseException:
+            if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session
+                engine.delete(extra)
+            raise
+        finally:
+            engine.release(extra)
+
+    def place(self, prev: ResponseRecord) -> str | None:
+        """Point the turn at the session to continue ``prev`` on; the new session's id, claimed
+        (None when in place)."""
+        engine, spec = self.engine, self.spec
+        new = chain_session_id()
+        if engine.store.exists(prev.session):
+            session, _ = engine.open_session(prev.session, create=False)
+            history = session.history()
+            if len(history) == prev.tokens and tokens_digest(history) == prev.digest:
+                return None
+            shared = common_prefix(history, engine.runner.prompt_ids(spec))
+            if shared > 0:
+                engine.claim(new)
+                try:
+                    engine.fork(prev.session, new, min(shared, session.committed))
+                except BaseException:
+                    engine.release(new)
+                    raise
+                spec.session = new
+                return new
+        engine.claim(new)
+        spec.session = new
+        return new
+
+
+__all__ = ["StoredResponseTurn"]
