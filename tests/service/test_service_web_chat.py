@@ -290,6 +290,9 @@ LAYOUT = """() => {
     const r = node.getBoundingClientRect();
     if (r.width === 0 && r.height === 0) continue;  // not shown
     if (r.left < -1 || r.right > width + 1) out.push(`${node.tagName}.${node.className} ${r.left}..${r.right}`);
+    const scrolls = ['auto', 'scroll'].includes(getComputedStyle(node).overflowX);
+    if (scrolls && node.tagName !== 'TEXTAREA' && node.scrollWidth > node.clientWidth + 1)  // a pane scrolls sideways
+      out.push(`${node.tagName}.${node.className} scrolls ${node.scrollWidth} > ${node.clientWidth}`);
   }
   return {width, scroll: document.documentElement.scrollWidth, body: document.body.scrollWidth, out};
 }"""
