@@ -263,7 +263,8 @@ def test_html_in_replies_is_shown_as_text_never_run(browser: Any, server: Server
 
     def stream(route: Any) -> None:  # a reply streamed with the markup cut across pieces
         pieces = [HOSTILE[i:i + 7] for i in range(0, len(HOSTILE), 7)]
-        chunks = [{"choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
+        chunks: list[dict[str, Any]] = [{"choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]}
+                                        for p in pieces]
         chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
         chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": len(pieces),
                                                 "prompt_tokens_details": {"cached_tokens": 4}}})
