@@ -13,11 +13,7 @@
 const KEY_STORE = "coli.apiKey";
 const SELECTED_STORE = "coli.selected";
 const REFRESH_MS = 3000;
-const KNOBS_STORE = "coli.knobs";
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9._-]*$/;
-const SYSTEM_ROLES = new Set(["system", "developer"]);
-// the sampling controls: input id -> request field (their bounds are the inputs' min and max)
-const KNOBS = [["temperature", "temperature"], ["top-p", "top_p"], ["max-tokens", "max_tokens"]];
 
 const $ = (id) => document.getElementById(id);
 const state = {
@@ -117,9 +113,7 @@ async function showView(sid) {
   if (ticket !== state.loading || state.selected !== sid || state.abort) return;
   if (state.systemFor !== sid) {  // a newly selected session: the field shows its system prompt
     state.systemFor = sid;
-    const head = view.messages && view.messages[0];
-    $("system").value = head && SYSTEM_ROLES.has(head.role) ? head.content : "";
-    updateSummary();
+    Settings.showSystemOf(view.messages);
   }
   if (logKey(view) !== state.shownKey) renderLog(view);
   renderHead();
@@ -481,53 +475,6 @@ async function* sseData(body) {
   }
 }
 
-// `messages` with the system prompt field as their first message (none when the field is empty)
-function withSystem(messages) {
-  const prompt = $("system").value;
-  const head = messages.length && SYSTEM_ROLES.has(messages[0].role) ? messages[0] : null;
-  const rest = head ? messages.slice(1) : messages;
-  if (!prompt.trim()) return rest;
-  if (head && head.content === prompt) return messages;  // unchanged (a developer message stays one)
-  return [{ role: "system", content: prompt }, ...rest];
-}
-
-// the request's sampling fields from the controls (an empty one: the server's default)
-function readKnobs() {
-  const knobs = {};
-  for (const [id, field] of KNOBS) {
-    const input = $(id);
-    const raw = input.value.trim();
-    if (raw === "") continue;
-    const value = Number(raw);
-    const [lo, hi] = [Number(input.min), Number(input.max)];
-    if (!Number.isFinite(value) || value < lo || value > hi || (input.step === "1" && !Number.isInteger(value))) {
-      throw new Error(`${field} must be ${input.step === "1" ? "a whole number" : "a number"} in [${lo}, ${hi}]`);
-    }
-    knobs[field] = value;
-  }
-  return knobs;
-}
-
-function saveKnobs() {
-  localStorage.setItem(KNOBS_STORE, JSON.stringify(Object.fromEntries(KNOBS.map(([id]) => [id, $(id).value]))));
-}
-
-function restoreKnobs() {
-  let saved = null;
-  try { saved = JSON.parse(localStorage.getItem(KNOBS_STORE) || "null"); } catch (_) { /* not ours: ignore */ }
-  if (saved && typeof saved === "object") {
-    for (const [id] of KNOBS) if (typeof saved[id] === "string") $(id).value = saved[id];
-  }
-  updateSummary();
-}
-
-function updateSummary() {
-  const parts = [`temperature ${$("temperature").value || "default"}`, `top_p ${$("top-p").value || "default"}`,
-                 `max ${$("max-tokens").value || "default"} tokens`];
-  if ($("system").value.trim()) parts.unshift("system prompt");
-  $("settings-summary").textContent = parts.join(" · ");
-}
-
 async function send(event) {
   event.preventDefault();
   const sid = state.selected;
@@ -537,10 +484,10 @@ async function send(event) {
   const view = state.views.get(sid);
   if (!sid || !content.trim() || state.abort || (known && !view)) return;
   await run(async () => {
-    const knobs = readKnobs();  // a bad control says so and keeps the message in the box
+    const knobs = Settings.knobs();  // a bad control says so and keeps the message in the box
     input.value = "";
     const before = known && view.messages ? view.messages : [];
-    await converse(sid, withSystem([...before, { role: "user", content }]), knobs);
+    await converse(sid, Settings.withSystem([...before, { role: "user", content }]), knobs);
   });
 }
 
@@ -548,14 +495,15 @@ async function send(event) {
 async function regenerate(index) {
   const sid = state.selected;
   if (!sid || state.abort || index !== state.shown.length - 1) return;
-  await converse(sid, withSystem(state.shown.slice(0, index)), readKnobs());
+  await converse(sid, Settings.withSystem(state.shown.slice(0, index)), Settings.knobs());
 }
 
 // the user's message at `index` replaced by `content`: the messages up to it, later ones dropped
 async function editAndResend(index, content) {
   const sid = state.selected;
   if (!sid || state.abort) return;
-  await converse(sid, withSystem([...state.shown.slice(0, index), { role: "user", content }]), readKnobs());
+  const messages = Settings.withSystem([...state.shown.slice(0, index), { role: "user", content }]);
+  await converse(sid, messages, Settings.knobs());
 }
 
 // one turn: the log shows `messages`, then the reply streams in below them
@@ -638,10 +586,7 @@ async function start() {
   $("new-form").addEventListener("submit", newSession);
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", () => state.abort && state.abort.abort());
-  restoreKnobs();
-  for (const id of ["system", ...KNOBS.map(([knob]) => knob)]) $(id).addEventListener("input", updateSummary);
-  for (const [id] of KNOBS) $(id).addEventListener("change", saveKnobs);
-  $("settings").open = window.matchMedia("(min-width: 701px)").matches;  // folded on a phone
+  Settings.start();
   $("input").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
       event.preventDefault();
