@@ -529,6 +529,11 @@ async function converse(sid, messages, knobs) {
   let finish = null;
   let usage = null;
   let first = null;
+  let painting = false;  // a render of the reply so far waits for the next frame
+  const paint = () => {
+    painting = false;
+    if (text.classList.contains("streaming")) text.replaceChildren(Markdown.render(reply));
+  };
   const began = performance.now();
   try {
     const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true },
@@ -543,7 +548,10 @@ async function converse(sid, messages, knobs) {
       if (piece) {
         if (first === null) first = performance.now();
         reply += piece;
-        text.append(piece);  // one Text node per streamed piece; markdown once the reply is whole
+        if (!painting) {  // the reply so far, as markdown, at most once a frame
+          painting = true;
+          requestAnimationFrame(paint);
+        }
       }
       if (choice.finish_reason) finish = choice.finish_reason;
     }
