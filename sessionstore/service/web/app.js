@@ -351,6 +351,14 @@ function showText(text, role, content) {
 
 const statsKey = (sid, index) => `${sid}\u0000${index}`;
 
+// run `change` (which grows `box`); a log scrolled to its end stays there, one scrolled up stays put
+function growing(box, change) {
+  const log = $("log");
+  const atEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 48;
+  change();
+  if (atEnd) box.scrollIntoView({ block: "end" });
+}
+
 // a reply's figures from its stream: usage (stream_options.include_usage) and the times its text came
 function turnStats(usage, began, first, ended) {
   const tokens = usage.completion_tokens;
@@ -532,7 +540,7 @@ async function converse(sid, messages, knobs) {
   let painting = false;  // a render of the reply so far waits for the next frame
   const paint = () => {
     painting = false;
-    if (text.classList.contains("streaming")) text.replaceChildren(Markdown.render(reply));
+    if (text.classList.contains("streaming")) growing(box, () => text.replaceChildren(Markdown.render(reply)));
   };
   const began = performance.now();
   try {
@@ -563,12 +571,14 @@ async function converse(sid, messages, knobs) {
   } finally {
     const ended = performance.now();
     text.classList.remove("streaming");
-    showText(text, "assistant", reply);
-    if (usage) {
-      const stats = turnStats(usage, began, first, ended);
-      state.stats.set(statsKey(sid, index), { content: reply, stats });
-      text.after(statsLine(stats));
-    }
+    growing(box, () => {
+      showText(text, "assistant", reply);
+      if (usage) {
+        const stats = turnStats(usage, began, first, ended);
+        state.stats.set(statsKey(sid, index), { content: reply, stats });
+        text.after(statsLine(stats));
+      }
+    });
     if (finish) text.dataset.finish = finish;  // last: a test that waits for it finds the reply whole
     state.abort = null;
     $("stop").hidden = true;
