@@ -16,6 +16,8 @@ CSP = "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 
 ASSETS = {  # path -> (file in web/, content type)
     "/": ("index.html", "text/html; charset=utf-8"),
     "/web/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/web/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
+    "/web/settings.js": ("settings.js", "text/javascript; charset=utf-8"),
     "/web/style.css": ("style.css", "text/css; charset=utf-8"),
     "/web/icon.svg": ("icon.svg", "image/svg+xml"),
 }

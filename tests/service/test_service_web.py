@@ -9,11 +9,8 @@ they fail, unless ``COLI_NO_BROWSER=1`` says this machine has no browser on purp
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
-import shutil
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +21,10 @@ from starlette.testclient import TestClient
 from sessionstore.service.auth import BearerAuth
 from sessionstore.service.webpage import ASSETS, CSP, WithPage, read_asset
 from tests.service.serverkit import REPO, ServerProc
+from tests.service.webkit import MAX_TOKENS, MODEL, Tab, browser  # noqa: F401 (browser: a fixture)
 from tests.support.conversation_cut import respond_until_crash
 
 WEB_DIR = REPO / "sessionstore" / "service" / "web"
-MODEL = "glm-mini"
-MAX_TOKENS = 48
 
 
 # ---- no browser ---------------------------------------------------------------------------------
@@ -68,80 +64,24 @@ def test_page_is_csp_clean_and_ships_as_package_data() -> None:
     assert not re.search(r"<script(?![^>]*\bsrc=)", html), "inline script: CSP default-src 'self' blocks it"
     assert not re.search(r"\sstyle=|\son[a-z]+=|<style", html), "inline style or handler: CSP blocks it"
     assert not re.search(r"(?:src|href)=\"(?:https?:)?//", html), "the page loads nothing from elsewhere"
-    js = (WEB_DIR / "app.js").read_text()
-    assert "innerHTML" not in js and "eval(" not in js
+    scripts = sorted(WEB_DIR.glob("*.js"))
+    assert {"app.js", "markdown.js"} <= {js.name for js in scripts}
+    for js in scripts:  # text never becomes markup: no HTML parsing sinks, no eval
+        code = js.read_text()
+        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+            assert sink not in code, f"{js.name} uses {sink}"
     globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sessionstore"]
     for name, _ in ASSETS.values():
         assert any(fnmatch.fnmatch(f"service/web/{name}", g) for g in globs), f"web/{name} is not package data"
 
 
 # ---- in Chromium ----------------------------------------------------------------------------------
-def _chromium() -> str:
-    for candidate in (os.environ.get("COLI_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
-        found = candidate and shutil.which(candidate)
-        if found:
-            return found
-    raise LookupError("no Chromium found")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import sync_playwright
-
-        path, missing = _chromium(), ""
-    except (ImportError, LookupError) as exc:
-        missing = str(exc)
-    if missing and os.environ.get("COLI_NO_BROWSER") == "1":
-        pytest.skip(f"COLI_NO_BROWSER=1: no browser test ({missing})")
-    if missing:
-        pytest.fail(f"the web page tests need Chromium and playwright ({missing}): apt-get install chromium, "
-                    "pip install -e .[test], or set COLI_CHROMIUM=/path/to/chrome; COLI_NO_BROWSER=1 skips them",
-                    pytrace=False)
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=path, headless=True)
-        yield chromium
-        chromium.close()
-
-
-class Tab:
-    """One page of the app, with its console errors collected."""
-
-    def __init__(self, browser: Any, url: str) -> None:
-        self.page = browser.new_page(viewport={"width": 1200, "height": 780})
-        self.errors: list[str] = []
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        self.page.set_default_timeout(60_000)
-        self.page.goto(url + "/")
-
-    def item(self, sid: str) -> Any:
-        return self.page.locator(f'li.session[data-id="{sid}"]')
-
-    def new_session(self, sid: str) -> None:
-        self.page.fill("#new-id", sid)
-        self.page.click("#new-form button")
-
-    def send(self, text: str) -> str:
-        """Send ``text``; the reply as the page shows it once its stream finished."""
-        from playwright.sync_api import expect
-
-        expect(self.page.locator("#send")).to_be_enabled()  # the selected session's messages are loaded
-        done = self.page.locator(".msg.assistant .text[data-finish]").count()
-        self.page.fill("#max-tokens", str(MAX_TOKENS))
-        self.page.fill("#input", text)
-        self.page.press("#input", "Enter")
-        self.page.wait_for_function("n => document.querySelectorAll('.msg.assistant .text[data-finish]').length > n",
-                                    arg=done)
-        return str(self.page.locator(".msg.assistant .text").last.text_content())
-
-
 GROWTH_OBSERVER = """() => {
   window.growth = {pieces: 0, lengths: []};
   new MutationObserver((records) => {
-    for (const r of records) {
-      if (r.target.matches && r.target.matches('.msg.assistant .text'))
-        window.growth.pieces += [...r.addedNodes].filter((n) => n.nodeType === Node.TEXT_NODE).length;
+    for (const r of records) {  // a render of the reply so far (as markdown) into its text box
+      if (r.target.matches && r.target.matches('.msg.assistant .text') && r.addedNodes.length)
+        window.growth.pieces += 1;
     }
     const last = [...document.querySelectorAll('.msg.assistant .text')].pop();
     if (last) window.growth.lengths.push(last.textContent.length);
@@ -173,8 +113,8 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         print(f"reply rendered in {growth['pieces']} pieces over {len(set(growth['lengths']))} lengths")
         assert reply.strip(), "the page showed no reply"
         assert growth["pieces"] >= 2, f"the reply was not rendered piece by piece: {growth}"
-        steps = sorted(set(growth["lengths"]))
-        assert len([n for n in steps if 0 < n < len(reply)]) >= 2, f"the reply did not grow in steps: {growth}"
+        steps = sorted(set(growth["lengths"]))  # shown as markdown: the whole reply's length is the last step
+        assert len([n for n in steps if 0 < n < steps[-1]]) >= 2, f"the reply did not grow in steps: {growth}"
         assert page.locator(".msg.user .text").first.text_content() == first
         assert page.locator("#log b").count() == 0, "message text was rendered as HTML"
 
@@ -212,7 +152,7 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         tab.item("ref").click()
         expect(page.locator(".msg")).to_have_count(len(messages))
         shown = page.eval_on_selector_all(".msg", "ns => ns.map((n) => ({role: n.querySelector('.role').textContent,"
-                                          " content: n.querySelector('.text').textContent}))")
+                                          " content: n.querySelector('.text').dataset.source}))")
         assert shown == messages
         assert page.locator("#log b").count() == 0, "message text was rendered as HTML"
         expect(page.locator("#log-note")).to_be_hidden()
@@ -231,7 +171,7 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         later = [*messages, {"role": "user", "content": "Thanks!"}]  # a turn by another client: the page follows
         later.append({"role": "assistant", "content": _reference_reply(server, "ref", later)})
         expect(page.locator(".msg")).to_have_count(len(later))
-        expect(page.locator(".msg .text").last).to_have_text(later[-1]["content"])
+        expect(page.locator(".msg .text").last).to_have_attribute("data-source", later[-1]["content"])
 
         # a session of the completions API: no messages, and the page says why
         res = server.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "session": "raw",
@@ -318,7 +258,7 @@ def test_a_turn_left_open_shows_its_committed_reply_as_partial_then_continues(br
         expect(page.locator(".msg.partial")).to_have_count(1)
         last = page.locator(".msg").last
         expect(last).to_have_class(re.compile(r"\bassistant\b.*\bpartial\b|\bpartial\b.*\bassistant\b"))
-        expect(last.locator(".text")).to_have_text(partial_reply)
+        expect(last.locator(".text")).to_have_attribute("data-source", partial_reply)
         expect(page.locator("#log-note")).to_contain_text("A turn is open on this session")
         page.screenshot(path=str(tmp_path / "web-page-partial.png"))
         print(f"screenshot: {tmp_path / 'web-page-partial.png'}")

@@ -1,7 +1,13 @@
 // The coli-kv session page: the sessions list (refreshed), a chat pane streaming from
 // POST /v1/chat/completions, and fork / suspend / delete per session. A session's past messages come
 // from GET /v1/sessions/{id}?messages=1 (the server's conversation file), so any session can be
-// continued, whoever made it. Server text is only ever rendered with textContent / Text nodes.
+// continued, whoever made it. Server text is only ever rendered with textContent / Text nodes, or
+// through Markdown.render (markdown.js), which builds element and Text nodes and never parses HTML.
+//
+// Every turn sends the whole conversation; the server prefix-matches it against the session's
+// history and truncates the session at the first token that differs. So regenerate sends the
+// messages without the last reply, edit-and-resend the messages up to the edited one (later ones
+// dropped), and a changed system prompt (the first message) starts the session over.
 "use strict";
 
 const KEY_STORE = "coli.apiKey";
@@ -22,6 +28,8 @@ const state = {
   abort: null,       // the AbortController of the turn streaming now
   keyWait: null,     // the promise of the open API-key dialog
   armedDelete: null, // the session whose delete button asks "sure?"
+  systemFor: null,   // the session whose system prompt the field was set from (or kept for: a draft)
+  stats: new Map(),  // "sid\0index" -> {content, stats}: the figures of the replies streamed here
 };
 
 function el(tag, cls, text) {
@@ -103,6 +111,10 @@ async function showView(sid) {
   const ticket = ++state.loading;
   const view = await loadView(sid);
   if (ticket !== state.loading || state.selected !== sid || state.abort) return;
+  if (state.systemFor !== sid) {  // a newly selected session: the field shows its system prompt
+    state.systemFor = sid;
+    Settings.showSystemOf(view.messages);
+  }
   if (logKey(view) !== state.shownKey) renderLog(view);
   renderHead();
 }
@@ -114,8 +126,8 @@ function renderLog(view) {
   state.shown = (view && view.messages) || [];
   state.shownKey = logKey(view);
   state.shown.forEach((m, i) => {
-    const text = addMessage(m.role, m.content);
-    if (view.state === "turn_partial" && i === state.shown.length - 1) text.parentNode.classList.add("partial");
+    const box = addMessage(m.role, m.content, i);
+    if (view.state === "turn_partial" && i === state.shown.length - 1) box.classList.add("partial");
   });
 }
 
@@ -285,6 +297,7 @@ function select(sid) {
   renderList();
   state.loading += 1;
   if (sid) state.views.delete(sid);  // sends wait for the server's messages, never a stale copy
+  state.systemFor = sid && !findSession(sid) ? sid : null;  // a draft keeps the field as it is
   renderLog(null);
   renderHead();
   if (sid && findSession(sid)) run(() => showView(sid));  // a draft has no messages yet
@@ -309,16 +322,143 @@ function renderHead() {
             : "";
   note.hidden = !note.textContent;
   $("send").disabled = !sid || state.abort !== null || Boolean(s && !view);
+  for (const button of $("log").querySelectorAll("button.turn")) button.disabled = state.abort !== null;
 }
 
-function addMessage(role, content) {
+// one message of the log (`index` in state.shown); a user's text is plain, the rest markdown
+function addMessage(role, content, index) {
   const box = el("div", `msg ${role}`);
+  box.dataset.index = String(index);
   box.append(el("div", "role", role));
-  const text = el("div", "text", content);
+  const text = el("div", "text");
+  showText(text, role, content);
   box.append(text);
+  const done = state.stats.get(statsKey(state.selected, index));
+  if (done && done.content === content) box.append(statsLine(done.stats));
+  box.append(messageActions(box, role, index));
   $("log").append(box);
   box.scrollIntoView({ block: "end" });
-  return text;
+  return box;
+}
+
+// `text` shows `content`; data-source keeps it verbatim (what copy copies and edit starts from)
+function showText(text, role, content) {
+  text.dataset.source = content;
+  const markdown = role !== "user";
+  text.classList.toggle("md", markdown);
+  text.replaceChildren(markdown ? Markdown.render(content) : document.createTextNode(content));
+}
+
+const statsKey = (sid, index) => `${sid}\u0000${index}`;
+
+// run `change` (which grows `box`); a log scrolled to its end stays there, one scrolled up stays put
+function growing(box, change) {
+  const log = $("log");
+  const atEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 48;
+  change();
+  if (atEnd) box.scrollIntoView({ block: "end" });
+}
+
+// a reply's figures from its stream: usage (stream_options.include_usage) and the times its text came
+function turnStats(usage, began, first, ended) {
+  const tokens = usage.completion_tokens;
+  const details = usage.prompt_tokens_details;
+  const decoding = first !== null && ended > first ? (ended - first) / 1000 : 0;
+  return {
+    tokens,
+    prompt: usage.prompt_tokens,
+    cached: (details && details.cached_tokens) || 0,
+    rate: tokens > 1 && decoding > 0 ? (tokens - 1) / decoding : null,  // after the first token
+    ttft: first === null ? null : (first - began) / 1000,
+  };
+}
+
+function statsLine(stats) {
+  const parts = [`${stats.tokens} tokens`];
+  if (stats.rate !== null) parts.push(`${stats.rate.toFixed(1)} tok/s`);
+  parts.push(`${stats.cached} of ${stats.prompt} prompt tokens cached`);
+  if (stats.ttft !== null) parts.push(`first token ${stats.ttft.toFixed(2)} s`);
+  const line = el("div", "stats", parts.join(" · "));
+  line.dataset.tokens = String(stats.tokens);
+  line.dataset.cached = String(stats.cached);
+  line.dataset.prompt = String(stats.prompt);
+  if (stats.rate !== null) line.dataset.rate = stats.rate.toFixed(2);
+  line.title = "tokens/s: the reply's tokens after its first, over the time from its first text to its end; "
+    + "cached: the prompt's tokens the session already held (not computed again)";
+  return line;
+}
+
+// copy (every message), edit (a user's message), regenerate (the last reply)
+function messageActions(box, role, index) {
+  const row = el("div", "msg-actions");
+  const copy = el("button", "small", "copy");
+  copy.type = "button";
+  copy.addEventListener("click", () => run(() => copyText(box, copy)));
+  row.append(copy);
+  if (role === "user") row.append(turnButton("edit", () => startEdit(box, index)));
+  if (role === "assistant") row.append(turnButton("regenerate", () => regenerate(index)));
+  return row;
+}
+
+function turnButton(label, fn) {
+  const button = el("button", `small turn ${label}`, label);
+  button.type = "button";
+  button.disabled = state.abort !== null;
+  button.addEventListener("click", () => run(fn));
+  return button;
+}
+
+async function copyText(box, button) {
+  const source = box.querySelector(".text").dataset.source;
+  if (navigator.clipboard && window.isSecureContext) {
+    await navigator.clipboard.writeText(source);
+  } else {  // plain http to another host is no secure context: no navigator.clipboard there
+    const area = el("textarea", "offscreen");
+    area.value = source;
+    document.body.append(area);
+    area.select();
+    const ok = document.execCommand("copy");
+    area.remove();
+    if (!ok) throw new Error("this browser refused to copy");
+  }
+  button.textContent = "copied";
+  setTimeout(() => { button.textContent = "copy"; }, 1500);
+}
+
+// edit-and-resend: the message becomes a text box; sending it drops every later message
+function startEdit(box, index) {
+  if (box.querySelector(".editor") || state.abort) return;
+  const text = box.querySelector(".text");
+  const editor = el("form", "editor");
+  const area = el("textarea");
+  area.value = text.dataset.source;
+  area.rows = Math.min(10, area.value.split("\n").length + 1);
+  area.setAttribute("aria-label", "edited message");
+  const resend = el("button", "", "Send");
+  resend.type = "submit";
+  const cancel = el("button", "ghost", "Cancel");
+  cancel.type = "button";
+  const row = el("div", "row");
+  row.append(resend, cancel);
+  editor.append(area, row);
+  const close = () => { editor.remove(); text.hidden = false; };
+  cancel.addEventListener("click", close);
+  editor.addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (!area.value.trim() || state.abort) return;
+    run(() => editAndResend(index, area.value));
+  });
+  area.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      editor.requestSubmit();
+    } else if (event.key === "Escape") {
+      close();
+    }
+  });
+  text.hidden = true;
+  text.after(editor);
+  area.focus();
 }
 
 // the SSE data lines of `body`, parsed as JSON, in order (ends at [DONE])
@@ -351,41 +491,98 @@ async function send(event) {
   const known = findSession(sid);
   const view = state.views.get(sid);
   if (!sid || !content.trim() || state.abort || (known && !view)) return;
-  const messages = [...(known && view.messages ? view.messages : []), { role: "user", content }];
-  input.value = "";
-  // the open turn's committed reply is sent back as an ordinary message: the server closes that turn
-  // with it (as recovery does), so it is partial no longer
-  for (const box of $("log").querySelectorAll(".msg.partial")) box.classList.remove("partial");
-  addMessage("user", content);
-  const text = addMessage("assistant", "");
+  await run(async () => {
+    const knobs = Settings.knobs();  // a bad control says so and keeps the message in the box
+    input.value = "";
+    const before = known && view.messages ? view.messages : [];
+    await converse(sid, Settings.withSystem([...before, { role: "user", content }]), knobs);
+  });
+}
+
+// regenerate the reply at `index` (the last message): the messages before it, sent again
+async function regenerate(index) {
+  const sid = state.selected;
+  if (!sid || state.abort || index !== state.shown.length - 1) return;
+  await converse(sid, Settings.withSystem(state.shown.slice(0, index)), Settings.knobs());
+}
+
+// the user's message at `index` replaced by `content`: the messages up to it, later ones dropped
+async function editAndResend(index, content) {
+  const sid = state.selected;
+  if (!sid || state.abort) return;
+  const messages = Settings.withSystem([...state.shown.slice(0, index), { role: "user", content }]);
+  await converse(sid, messages, Settings.knobs());
+}
+
+// one turn: the log shows `messages`, then the reply streams in below them
+async function converse(sid, messages, knobs) {
+  const asked = { messages, state: "complete", reason: null, tokens: null };
+  const before = { messages: messages.slice(0, -1), state: "complete" };
+  if (logKey(before) === state.shownKey) {  // a new message after the ones shown: only it is added
+    const last = messages[messages.length - 1];
+    addMessage(last.role, last.content, messages.length - 1);
+    state.shown = messages;
+    state.shownKey = logKey(asked);
+  } else if (logKey(asked) !== state.shownKey) {
+    renderLog(asked);  // an open turn's partial mark goes too: the server closes that turn with the
+  }                    // committed reply sent back (as recovery does)
+  const index = messages.length;
+  const box = addMessage("assistant", "", index);
+  const text = box.querySelector(".text");
   text.classList.add("streaming");
   state.abort = new AbortController();
   $("stop").hidden = false;
   renderHead();
   let reply = "";
+  let finish = null;
+  let usage = null;
+  let first = null;
+  let painting = false;  // a render of the reply so far waits for the next frame
+  const paint = () => {
+    painting = false;
+    if (text.classList.contains("streaming")) growing(box, () => text.replaceChildren(Markdown.render(reply)));
+  };
+  const began = performance.now();
   try {
-    const body = { model: state.model, messages, stream: true, session: sid,
-                   max_tokens: Number($("max-tokens").value) || 128 };
+    const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true },
+                   session: sid, ...knobs };
     const res = await api("POST", "/v1/chat/completions", body, state.abort.signal);
     for await (const chunk of sseData(res.body)) {
       if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices[0];
+      if (!choice) continue;  // the usage chunk has no choices
       const piece = choice.delta && choice.delta.content;
       if (piece) {
+        if (first === null) first = performance.now();
         reply += piece;
-        text.append(piece);  // one Text node per streamed piece
+        if (!painting) {  // the reply so far, as markdown, at most once a frame
+          painting = true;
+          requestAnimationFrame(paint);
+        }
       }
-      if (choice.finish_reason) text.dataset.finish = choice.finish_reason;
+      if (choice.finish_reason) finish = choice.finish_reason;
     }
   } catch (err) {
     if (err.name !== "AbortError") {
-      text.parentNode.classList.add("failed");
+      box.classList.add("failed");
       say(err.message, true);
     }
   } finally {
+    const ended = performance.now();
     text.classList.remove("streaming");
+    growing(box, () => {
+      showText(text, "assistant", reply);
+      if (usage) {
+        const stats = turnStats(usage, began, first, ended);
+        state.stats.set(statsKey(sid, index), { content: reply, stats });
+        text.after(statsLine(stats));
+      }
+    });
+    if (finish) text.dataset.finish = finish;  // last: a test that waits for it finds the reply whole
     state.abort = null;
     $("stop").hidden = true;
+    renderHead();
   }
   // shown until the server's record of the turn replaces it: the refresh sees its tokens unknown and loads it
   const provisional = { messages: [...messages, { role: "assistant", content: reply }], state: "complete",
@@ -407,6 +604,7 @@ async function start() {
   $("new-form").addEventListener("submit", newSession);
   $("composer").addEventListener("submit", send);
   $("stop").addEventListener("click", () => state.abort && state.abort.abort());
+  Settings.start();
   $("input").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) {
       event.preventDefault();
