@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from numba import njit, types, void
 
+from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError
 from kernels.fp8_blocks import as_codes, as_floats, blocks, check_out
 from kernels.fp8_codec import decode_flat
@@ -71,6 +72,7 @@ def _quantize_signature(readonly: bool) -> Any:
 # Compiled (numba, strict IEEE f32: the same products and quotients as numpy's, bit for bit): the
 # numpy version made ~6 passes over each block and cost ~150 us per call whatever its size, a
 # third of a small model's decode step (one call per layer for lc and one for rc).
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 _QUANTIZE = {ro: njit(_quantize_signature(ro), cache=True, nogil=True, boundscheck=False)(_quantize_rows)
              for ro in (False, True)}
 

@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                    help="prompt tokens one engine step carries beside the running streams' decode tokens "
                         f"(default {ServiceLimits.max_prefill_tokens}): a long prompt is admitted over several "
                         "steps while the others keep streaming; tokens are the same for any value")
+    p.add_argument("--read-timeout", type=int, default=ServiceLimits.read_timeout_s, metavar="S",
+                   help=f"seconds a client may take to send a request's headers, a JSON body whole, or any gap "
+                        f"in a body (default {ServiceLimits.read_timeout_s}); past it the request is cut (408)")
     p.add_argument("--max-bundle-bytes", type=int, default=ServiceLimits.max_bundle_bytes,
                    help=f"largest bundle PUT /v1/sessions/ID/bundle accepts (default {ServiceLimits.max_bundle_bytes})")
     p.add_argument("--commit-every", type=int, default=16, help="commit a reply every N tokens (default 16)")
@@ -90,8 +93,8 @@ def run_http(args: argparse.Namespace) -> int:
         raise FormatError("--once is for --inbox alone")
     if not args.model:
         raise FormatError("--http needs --model (a checkpoint directory, 'tiny' or 'glm-mini')")
-    if args.max_resident < 1 or args.commit_every < 1 or args.max_prefill_tokens < 1:
-        raise FormatError("--max-resident, --commit-every and --max-prefill-tokens must be >= 1")
+    if args.max_resident < 1 or args.commit_every < 1 or args.max_prefill_tokens < 1 or args.read_timeout < 1:
+        raise FormatError("--max-resident, --commit-every, --max-prefill-tokens and --read-timeout must be >= 1")
     if (args.max_kv_bytes is not None and args.max_kv_bytes < 1) or args.max_bundle_bytes < 1:
         raise FormatError("--max-kv-bytes and --max-bundle-bytes must be >= 1")
     host, port = parse_bind(args.http)
@@ -110,7 +113,8 @@ def run_http(args: argparse.Namespace) -> int:
 
     config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
                          limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes,
-                                              max_prefill_tokens=args.max_prefill_tokens),
+                                              max_prefill_tokens=args.max_prefill_tokens,
+                                              read_timeout_s=args.read_timeout),
                          max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,

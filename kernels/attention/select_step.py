@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numba import njit, types, void
 
+from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError
 
 _F32 = types.float32
@@ -31,6 +32,8 @@ def _score_signatures() -> list[Any]:
     keys = (types.Array(_F32, 2, "C"), types.Array(_F32, 2, "A"), types.Array(_F32, 2, "A", readonly=True))
     return [void(qi, w, k, out) for k in keys]
 
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 @njit(_score_signatures(), cache=True, nogil=True, boundscheck=False)
 def _score_keys(qi: np.ndarray, w: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover

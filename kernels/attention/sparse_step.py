@@ -26,6 +26,7 @@ from numba import njit, types, void
 from kernels.attention.absorbed import as_query, check_query_pair
 from kernels.attention.tables import DECODE_TABLE, decode_codes_into, sanitize_scales_into
 from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
+from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import Fp8Rows, LatentRows
 
@@ -34,6 +35,8 @@ _A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
 _U3 = types.Array(types.uint8, 3, "C")
 _TABLE = types.Array(_F32, 1, "C", readonly=True)  # DECODE_TABLE [256] f32
 
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 @njit(_F32(types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")), cache=True, nogil=True, boundscheck=False,
       inline="always")

@@ -21,11 +21,14 @@ from typing import Any
 import numpy as np
 from numba import njit, types, void
 
+from kernels.compile_notice import announce_if_cold
 from kernels.model.rowwise import COLUMN_BLOCK, L2_WEIGHTS
 
 _A2, _A3 = types.Array(types.float32, 2, "C"), types.Array(types.float32, 3, "C")
 _I64 = types.Array(types.int64, 1, "C")
 
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 @njit(void(_A2, _I64, _I64, _A3, _A3, _A2, _A2), cache=True, nogil=True, boundscheck=False)
 def _gate_up(x: np.ndarray, rows: np.ndarray, experts: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray,

@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 from numba import njit, prange, types, void
 
+from kernels.compile_notice import announce_if_cold
+
 COLUMN_BLOCK = 256  # output columns per block while the block's weights fit L2 (16 rows x 256 f32 in L1)
 WIDE_BLOCK = 4096  # past that, long contiguous weight runs (a 1 KiB run per 4 KiB page thrashes the TLB)
 L2_WEIGHTS = 512 << 10  # bytes of one block's weights [K, block] that stay in L2 for every row group
@@ -54,6 +56,8 @@ def _signatures(ndim: int, *extra: Any) -> list[Any]:
     writable, readonly = types.Array(types.float32, ndim, "C"), types.Array(types.float32, ndim, "C", readonly=True)
     return [void(x, w, writable, *extra) for x in (writable, readonly) for w in (writable, readonly)]
 
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 @njit(_signatures(2, types.int64), cache=True, nogil=True, boundscheck=False)
 def _rows_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int) -> None:  # pragma: no cover

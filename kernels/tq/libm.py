@@ -18,10 +18,14 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, types, void
 
+from kernels.compile_notice import announce_if_cold
+
 __all__ = ["LIBM_SOURCE", "atan2_hypot_f32", "cos_sin_f32"]
 
 _BLOCK = types.Array(types.float32, 2, "A")  # [R, count] f32, any strides (the pairs' views)
 
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 @njit(void(_BLOCK, _BLOCK, _BLOCK, _BLOCK), cache=True, nogil=True, boundscheck=False)
 def _atan2_hypot(y: np.ndarray, x: np.ndarray, angle: np.ndarray, radius: np.ndarray) -> None:  # pragma: no cover

@@ -9,6 +9,7 @@ whose install the core does).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -136,6 +137,7 @@ class Api:
         self.model_id = ctx.model_id
         self.tok = ctx.tokenizer
         self.renderer = PromptRenderer(ctx.tokenizer)
+        self.body_read_timeout_s = float(ctx.limits.read_timeout_s)
         tok = ctx.tokenizer
         self.places = server_places({"<model dir>": ctx.model_source, "<store root>": str(ctx.store.root),
                                      "<tokenizer dir>": None if tok is None else tok.source})
@@ -161,11 +163,17 @@ class Api:
             raise ApiError(413, f"the request body of {declared} bytes exceeds the limit of {limit}",
                            code="body_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_read_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(413, f"the request body exceeds the limit of {limit} bytes",
+                                       code="body_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_read_timeout_s:.0f} s "
+                           f"({size} bytes came)", code="request_timeout") from None
         return b"".join(chunks)
 
     def check_model(self, name: str) -> None:

@@ -24,7 +24,7 @@ from kernels.errors import (
     UnsupportedModelError,
 )
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
                409: "conflict_error", 413: "invalid_request_error", 500: "server_error",
                503: "service_unavailable", 507: "server_error"}
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the store's disk (or quota) had no room for: 507

@@ -22,6 +22,7 @@ class ServiceLimits:
     max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended
     max_batch: int = 64  # sessions one decode step advances together
     max_prefill_tokens: int = 32  # prompt tokens one step carries beside the decode tokens (chunked prefill)
+    read_timeout_s: int = 30  # a request's headers, a JSON body whole, a gap in any body: past it, cut (408)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

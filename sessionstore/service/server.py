@@ -23,6 +23,7 @@ from sessionstore.service.core_client import CoreClient
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import HttpMetrics
 from sessionstore.service.prompts import load_tokenizer
+from sessionstore.service.slow_clients import guarded_protocol
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -102,7 +103,8 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
             super().handle_exit(sig, frame)
 
     uv_config = uvicorn.Config(build_app(ctx, config.api_key), log_level="warning", lifespan="on",
-                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False)
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False,
+                               http=guarded_protocol(config.limits.read_timeout_s))  # slow clients are cut
     server = Server(uv_config)
     host, port = sock.getsockname()[:2]
     ready = {"event": "listening", "url": f"http://{'[' + host + ']' if ':' in host else host}:{port}",
