@@ -46,8 +46,9 @@ MAX_JSON_DEPTH = 16
 MAX_WINDOW_BYTES = 1 << 25  # zstd window a decoder will accept (chunks are single-segment)
 
 # File names a bundle may carry, in their bundle order. Nothing else is ever written.
-ALLOWED_FILES = ("manifest.json", "kv.coli_kv", "kv.coli_kv.colisum", "conversation.json")
+ALLOWED_FILES = ("manifest.json", "kv.coli_kv", "kv.coli_kv.colisum", "conversation.json", "responses.json")
 MAX_CONVERSATION_BYTES = 32 << 20  # the session's rendered conversation (FORMAT.md 5.8)
+MAX_RESPONSES_BYTES = 32 << 20  # the session's stored responses (FORMAT.md 5.11; sessions.response_list's bound)
 REQUIRED_FILES = ("manifest.json", "kv.coli_kv")
 
 # zstd level used when compressing. Measured (bench/migrate.py): on fp8 rows from the reference
@@ -204,9 +205,10 @@ def validate_manifest_doc(doc: Any, where: str) -> BundleManifest:
         raise LimitError(f"{where}: files total more than {MAX_FILE_BYTES} bytes")
     if files[0].size > MAX_MANIFEST_BYTES:
         raise LimitError(f"{where}: manifest.json of {files[0].size} bytes, limit {MAX_MANIFEST_BYTES}")
-    talk = [f for f in files if f.name == "conversation.json"]
-    if talk and talk[0].size > MAX_CONVERSATION_BYTES:
-        raise LimitError(f"{where}: conversation.json of {talk[0].size} bytes, limit {MAX_CONVERSATION_BYTES}")
+    for name, limit in (("conversation.json", MAX_CONVERSATION_BYTES), ("responses.json", MAX_RESPONSES_BYTES)):
+        sized = [f for f in files if f.name == name]
+        if sized and sized[0].size > limit:
+            raise LimitError(f"{where}: {name} of {sized[0].size} bytes, limit {limit}")
     for key in ("created_utc", "producer"):
         if not isinstance(doc.get(key, ""), str):
             raise FormatError(f"{where}: {key!r} must be a string")
@@ -234,7 +236,8 @@ __all__ = [
     "TRAILER_TAG", "PREAMBLE", "MANIFEST_HEAD", "CHUNK_HEAD", "FILE_END", "TRAILER", "CODEC_RAW", "CODEC_ZSTD",
     "CODECS",
     "MAX_MANIFEST_BYTES", "MIN_CHUNK_BYTES", "MAX_CHUNK_BYTES", "DEFAULT_CHUNK_BYTES", "MAX_FILES",
-    "MAX_FILE_BYTES", "MAX_JSON_DEPTH", "MAX_CONVERSATION_BYTES", "MAX_WINDOW_BYTES", "ALLOWED_FILES", "REQUIRED_FILES",
+    "MAX_FILE_BYTES", "MAX_JSON_DEPTH", "MAX_CONVERSATION_BYTES", "MAX_RESPONSES_BYTES", "MAX_WINDOW_BYTES",
+    "ALLOWED_FILES", "REQUIRED_FILES",
     "ZSTD_LEVEL", "BundleFile", "BundleManifest", "BundleStats", "check_session_id", "parse_json",
     "validate_manifest_doc",
 ]

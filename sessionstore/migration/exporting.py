@@ -38,6 +38,7 @@ from sessionstore.sessions import (
     SessionStore,
     read_record,
 )
+from sessionstore.sessions.response_list import RESPONSES_NAME, response_list_bytes
 
 log = get_logger("migrate")
 
@@ -113,11 +114,14 @@ class ExportSource:
         record = read_record(snap.kv_path.parent)  # the messages go along when they describe it
         self.conversation = record.encode() if record is not None and record.turn is None and \
             record.agrees_with(history) else None
+        self.responses = response_list_bytes(snap.kv_path.parent)  # its stored responses go along
         sizes = {MANIFEST_NAME: len(self.manifest_json), KV_NAME: HEADER_SIZE + n * rec}
         if self.sidecar is not None:
             sizes[SIDECAR_NAME] = len(self.sidecar)
         if self.conversation is not None:
             sizes[CONVERSATION_NAME] = len(self.conversation)
+        if self.responses is not None:
+            sizes[RESPONSES_NAME] = len(self.responses)
         self.files = tuple(B.BundleFile(name, size) for name, size in sizes.items())
 
     def kv_chunks(self) -> Iterator[bytes | memoryview]:
@@ -206,6 +210,8 @@ class PreparedExport:
                 writer.write_file(SIDECAR_NAME, [source.sidecar])
             if source.conversation is not None:
                 writer.write_file(CONVERSATION_NAME, [source.conversation])
+            if source.responses is not None:
+                writer.write_file(RESPONSES_NAME, [source.responses])
             if not snap.still_valid():
                 changed_while_exporting(session_id)
             stats = writer.finish()

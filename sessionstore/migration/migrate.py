@@ -53,12 +53,14 @@ from sessionstore.sessions import (
     read_record,
     write_manifest,
 )
+from sessionstore.sessions.response_list import MAX_RESPONSES_BYTES, RESPONSES_NAME, read_response_list
 
 log = get_logger("migrate")
 _progress = progress_bar  # the import side's progress bar (the same as export's)
 
 FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
-assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME) == B.ALLOWED_FILES
+assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME, RESPONSES_NAME) == B.ALLOWED_FILES
+assert MAX_RESPONSES_BYTES == B.MAX_RESPONSES_BYTES
 
 
 def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
@@ -280,6 +282,8 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
         if record is None or record.turn is not None or not record.agrees_with(history):
             raise FormatError(f"{tmp / CONVERSATION_NAME}: the shipped conversation does not describe the "
                               f"session's {len(history)} tokens")
+    if bm.file(RESPONSES_NAME) is not None:
+        read_response_list(tmp)  # a JSON array of objects (the service checks each record at its install)
     if bm.file(SIDECAR_NAME) is None:
         with open_kv(kv_path, expect=dims) as reader:
             write_sidecar_for(reader)  # checksums for the store from now on

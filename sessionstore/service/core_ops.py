@@ -22,8 +22,15 @@ from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 from sessionstore.service.listing import in_window, list_object, problem_description
 from sessionstore.service.messages import session_messages
+from sessionstore.service.response_records import (
+    ResponseRecord,
+    ResponseRecords,
+    drop_from_session,
+    session_records,
+)
 from sessionstore.sessions import validate_session_id
 from sessionstore.sessions.catalogue import CatalogueEntry
+from sessionstore.sessions.response_list import write_response_list
 
 
 def describe(engine: Engine, sid: str) -> dict[str, Any]:
@@ -142,11 +149,39 @@ def op_install(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
     replace = bool(args.get("replace", True))
     try:
         check_target(engine, sid, replace)
+        records = session_records(tmp, sid)  # its stored responses, checked before anything is installed
         engine.forget(sid)
     except BaseException:
         received.discard()
         raise
-    return received.install(sid, replace=True).to_json()
+    result = received.install(sid, replace=True).to_json()
+    adopt_records(engine, sid, records)
+    return result
+
+
+def adopt_records(engine: Engine, sid: str, records: list[ResponseRecord]) -> None:
+    """A received session's stored responses become this store's (by id; pointed at ``sid``)."""
+    if not records:
+        return
+    store = ResponseRecords(Path(engine.store.root))
+    for record in records:
+        store.write(record)
+    write_response_list(engine.store.session_dir(sid), [record.to_json() for record in records])
+
+
+def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
+    """``{rid, sid}``: delete a stored response (its file, and its copy in its session's list); True if
+    it was there. Run holding its session (``sid``, the record's), whose turns write that list."""
+    rid = args.get("rid")
+    if not isinstance(rid, str):
+        raise ApiError(400, "rid: a response id is required", code="invalid_value")
+    store = ResponseRecords(Path(engine.store.root))
+    record = store.read(rid)
+    if record is None:
+        return False
+    if engine.store.exists(record.session):
+        drop_from_session(engine.store.session_dir(record.session), rid)
+    return store.delete(rid)
 
 
 @dataclass(frozen=True)
@@ -164,6 +199,7 @@ OPERATIONS: dict[str, Operation] = {
     "suspend": Operation(op_suspend, True),
     "fork": Operation(op_fork, True),
     "install": Operation(op_install, True),
+    "delete_response": Operation(op_delete_response, True),
 }
 
 

@@ -12,7 +12,13 @@ import msgspec
 
 from sessionstore.service.engine import Engine
 from sessionstore.service.ipc import ResponseJob
-from sessionstore.service.response_records import ResponseRecord, ResponseRecords, chain_session_id, finish
+from sessionstore.service.response_records import (
+    ResponseRecord,
+    ResponseRecords,
+    chain_session_id,
+    finish,
+    keep_with_session,
+)
 from sessionstore.service.turns import TurnOutcome, TurnSink, TurnSpec
 from sessionstore.sessions.conversation import tokens_digest
 from sessionstore.sessions.turns import common_prefix
@@ -40,6 +46,7 @@ class StoredResponseTurn:
             record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
             record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
             self.records.write(record)
+            keep_with_session(engine.store.session_dir(spec.session), record)  # travels with its bundles
             return out
         except BaseException:
             if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session

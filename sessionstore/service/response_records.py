@@ -28,6 +28,7 @@ from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 from sessionstore.service.turns import TurnOutcome
 from sessionstore.sessions.paths import confined
+from sessionstore.sessions.response_list import read_response_list, write_response_list
 
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"
@@ -67,9 +68,12 @@ class ResponseRecord:
     metadata: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, max_output_tokens
 
+    def to_json(self) -> dict[str, Any]:
+        """The record's JSON object, as stored."""
+        return {"schema": SCHEMA, "version": SCHEMA_VERSION, **asdict(self)}
+
     def encode(self) -> bytes:
-        obj = {"schema": SCHEMA, "version": SCHEMA_VERSION, **asdict(self)}
-        return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        return (json.dumps(self.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
 
 
 _FIELDS = {"id": str, "model": str, "created_at": int, "session": str, "tokens": int, "digest": str,
@@ -152,5 +156,30 @@ def finish(record: ResponseRecord, out: TurnOutcome) -> None:
     record.usage = responses_usage(out)
 
 
+def keep_with_session(directory: Path, record: ResponseRecord) -> None:
+    """Put ``record`` in its session's ``responses.json`` (replacing one of the same id), so that a
+    bundle of the session carries it (FORMAT.md 5.11)."""
+    items = [item for item in read_response_list(directory) if item.get("id") != record.id]
+    write_response_list(directory, [*items, record.to_json()])
+
+
+def drop_from_session(directory: Path, response_id: str) -> None:
+    """Take ``response_id`` out of its session's ``responses.json`` (a deleted response)."""
+    items = read_response_list(directory)
+    kept = [item for item in items if item.get("id") != response_id]
+    if len(kept) != len(items):
+        write_response_list(directory, kept)
+
+
+def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
+    """The records a received session's ``responses.json`` holds, each checked, pointed at
+    ``session_id`` (the id the session was installed as); a bad one is a FormatError."""
+    records = [parse_record(item, f"{directory.name}/responses.json") for item in read_response_list(directory)]
+    for record in records:
+        record.session = session_id
+    return records
+
+
 __all__ = ["MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
-           "chain_session_id", "finish", "is_response_id", "new_response_id", "parse_record", "responses_usage"]
+           "chain_session_id", "drop_from_session", "finish", "is_response_id", "keep_with_session",
+           "new_response_id", "parse_record", "responses_usage", "session_records"]

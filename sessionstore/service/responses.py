@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionstore.service.core_client import CoreStream
+from sessionstore.service.core_client import CoreClient, CoreStream
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
@@ -49,6 +49,8 @@ TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 class TurnHost(Protocol):
     """What the routes use of the API they are part of (:class:`sessionstore.service.app.Api`)."""
 
+    @property
+    def core(self) -> CoreClient: ...
     @property
     def metrics(self) -> HttpMetrics: ...
     @property
@@ -296,10 +298,11 @@ class ResponsesRoutes:
         return JSONResponse(response_object(await self.stored(request), True))
 
     async def delete(self, request: Request) -> Response:
-        rid: str = request.path_params["rid"]
-        if not await asyncio.to_thread(self.records.delete, rid):
-            raise response_not_found(rid)
-        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+        """The record and its copy in its session's list go (in the core, holding the session)."""
+        record = await self.stored(request)
+        if not await self.host.core.call("delete_response", rid=record.id, sid=record.session):
+            raise response_not_found(record.id)
+        return JSONResponse({"id": record.id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: Request) -> Response:
         """The input items the response added, as OpenAI's list (``order`` desc by default,

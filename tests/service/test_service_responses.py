@@ -220,3 +220,34 @@ def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path:
             {"role": "user", "content": "hello there"}, {"role": "assistant", "content": text},
             {"role": "user", "content": "go on"}])
         assert follow.output[0].content[0].token_ids == done.choices[0].token_ids
+
+
+def test_a_bundle_carries_its_chains_to_another_server(tmp_path: Path, text_model_dir: Path) -> None:
+    """A chain's session exported from one server and put into another: its stored responses go
+    along (responses.json in the bundle), are retrieved there and continue exactly; a deleted
+    response does not travel."""
+    a = ServerProc(tmp_path / "a", text_model_dir).start()
+    b = ServerProc(tmp_path / "b", text_model_dir).start()
+    try:
+        ca, cb = a.openai(), b.openai()
+        model = ca.models.list().data[0].id
+        r1 = _respond(ca, model, "hello there", None)
+        r2 = _respond(ca, model, "and then?", r1.id)
+        gone = _respond(ca, model, "a reply to forget", r2.id)
+        ca.responses.delete(gone.id)
+        (sid,) = [s["id"] for s in a.get("/v1/sessions").json()["data"]]
+        assert a.post(f"/v1/sessions/{sid}/suspend").status_code == 200
+        bundle = a.get(f"/v1/sessions/{sid}/bundle")
+        assert bundle.status_code == 200 and b"responses.json" in bundle.content[:4096]
+        put = httpx.put(b.url + f"/v1/sessions/{sid}/bundle", content=bundle.content, timeout=120)
+        assert put.status_code == 200, put.text
+        assert cb.responses.retrieve(r2.id).output_text == r2.output_text
+        with pytest.raises(openai.NotFoundError):
+            cb.responses.retrieve(gone.id)
+        r3 = _respond(cb, model, "go on", r2.id)  # continued on the other server
+        _check(cb, model, r3, [*_messages(("hello there", r1.output_text), ("and then?", r2.output_text)),
+                               {"role": "user", "content": "go on"}], "after the move")
+        assert r3.usage.input_tokens_details.cached_tokens > 0  # the moved session, not a new prefill
+    finally:
+        a.stop()
+        b.stop()
