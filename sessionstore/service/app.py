@@ -49,6 +49,7 @@ from sessionstore.service.protocol import (
 )
 from sessionstore.service.responses import ResponsesRoutes, TurnJob
 from sessionstore.service.streams import Event, TurnStream, merged
+from sessionstore.service.tier_routes import entry_tier_fields, patch_session, session_tier_fields, tier_change_of
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import validate_session_id
@@ -167,6 +168,7 @@ class Api:
         spec.top_logprobs = req.top_logprobs_asked()
         spec.n = req.n
         spec.response_format = req.response_format
+        spec.tier = tier_change_of(req, session)  # retention_seconds / pinned (FORMAT.md 5.10)
         vocab = int(self.engine.model.config.vocab_size)
         outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
         if outside:
@@ -399,7 +401,8 @@ class Api:
         return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
                 "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model,
                 "state": self.engine.state_of(sid),
-                "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+                "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
+                **session_tier_fields(self.engine, sid)}
 
     async def list_sessions(self, request: Request) -> Response:
         """One page from the store's catalogue (``?limit=N&after=ID&order=asc|desc``, FORMAT.md 7)."""
@@ -422,7 +425,8 @@ class Api:
         return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
                 "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
                 "state": self.engine.state_of(entry.id),
-                "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+                "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
+                **entry_tier_fields(entry)}
 
     async def get_session(self, request: Request) -> Response:
         sid = self.session_id(request)
@@ -503,6 +507,7 @@ def build_app(engine: Engine, api_key: str | None = None, pull: PullPolicy | Non
         Route("/v1/sessions", r("sessions", api.list_sessions), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),
+        Route("/v1/sessions/{sid}", r("session_patch", lambda req: patch_session(api, req)), methods=["PATCH"]),
         Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_get", api.get_bundle), methods=["GET"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_put", api.put_bundle), methods=["PUT"]),

@@ -21,6 +21,7 @@ from sessionstore.service.bind import DEFAULT_HOST, check_bind
 from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.engine import Engine
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.tiers import DEFAULT_SWEEP_INTERVAL_S, Sweeper, TierManager
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -49,6 +50,8 @@ class ServeConfig:
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
     advertise_url: str | None = None  # where the fleet reaches this server: written into its leases (307s)
     pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
+    max_disk_bytes: int | None = None  # the sessions' kv files on this disk at most (tiers.TierManager)
+    sweep_interval: float = DEFAULT_SWEEP_INTERVAL_S  # seconds between sweeps (retention, the disk budget)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -106,6 +109,8 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
                     limits=config.limits, session_options=config.session_options, max_kv_bytes=config.max_kv_bytes,
                     home=home)
+    engine.tiers = TierManager(engine, max_disk_bytes=config.max_disk_bytes)  # tiers hook (FORMAT.md 5.10)
+    sweeper = Sweeper(engine.tiers, config.sweep_interval).start()
     sock = bind_socket(config.host, config.port)
     start_hash_helper()  # resumes share their checksum pass with a second process (stopped below)
 
@@ -132,6 +137,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
             print(json.dumps(ready), flush=True)
         server.run(sockets=[sock])
     finally:
+        sweeper.stop()
         engine.stop()
         stop_hash_helper()
         sock.close()
