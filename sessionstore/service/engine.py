@@ -219,6 +219,9 @@ class Engine:
                 if created and not session.history():  # a refused first turn leaves no session behind
                     self._drop(spec.session)
                 raise
+            finally:
+                if self.tiers is not None:  # tiers hook: the turn's reserved disk bytes are its file's now
+                    self.tiers.after_turn(spec)
             outcome.created = created
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()

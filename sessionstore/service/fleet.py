@@ -195,11 +195,18 @@ class SessionHome:
         for desc in local:
             lease = leases.get(desc["id"])
             if lease is None or desc["id"] in self._held or (
-                    self._synced.get(desc["id"]) == lease.bundle and not self._elsewhere(lease)):
+                    self._synced.get(desc["id"]) == lease.bundle and not self._elsewhere(lease)) or (
+                    self._offloaded_as(desc, lease) and not self._elsewhere(lease)):
                 leases.pop(desc["id"], None)
                 out.append({**desc, "fleet": self.state(desc["id"])})
         out += [self._describe(lease) for lease in leases.values()]
         return sorted(out, key=lambda d: str(d["id"]))
+
+    @staticmethod
+    def _offloaded_as(desc: dict[str, Any], lease: Lease) -> bool:
+        """Whether ``desc`` is an offloaded stub of the lease's current bundle (FORMAT.md 5.10)."""
+        return desc.get("state") == "offloaded" and lease.bundle is not None and \
+            str(desc.get("location", "")).endswith("/" + lease.bundle)
 
     def _elsewhere(self, lease: Lease) -> bool:
         return lease.live() and lease.owner != self.host_id

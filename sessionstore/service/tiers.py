@@ -23,14 +23,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from kernels.errors import ColiError
+from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile import WriterLock, fsync_directory
-from sessionstore.kvfile.header import HEADER_SIZE, Dims, parse_header, record_bytes
-from sessionstore.kvfile.headroom import default_headroom
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, record_bytes
+from sessionstore.kvfile.headroom import PAGE, default_headroom
 from sessionstore.log import get_logger
 from sessionstore.service.errors import ApiError
 from sessionstore.service.turns import TurnSpec, max_new_for
@@ -48,6 +50,7 @@ from sessionstore.sessions.tier_record import (
 
 STUB_NAMES = frozenset({MANIFEST_NAME, MANIFEST_NAME + ".state", TIER_NAME, LOCK_NAME})  # what an offload keeps
 DEFAULT_SWEEP_INTERVAL_S = 30.0
+MAX_ROUNDS = 8  # plans a turn's room is made in (each round skips what the one before could not move)
 
 log = get_logger("tiers")
 
@@ -83,7 +86,7 @@ class TierManager:
         self.budget = max_disk_bytes
         self.metrics = TierMetrics(engine.metrics.registry)
         self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)
-        self._new_record_bytes: int | None = None
+        self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
 
     # ---- a turn's hooks (the baton's holder) --------------------------------------------------
     def before_turn(self, spec: TurnSpec) -> None:
@@ -95,9 +98,16 @@ class TierManager:
         exists = self.store.exists(sid)
         record = read_tier(self.store.session_dir(sid)) if exists else TierRecord()
         if self.budget is not None:
-            self.make_room(self.turn_need(spec, sid, record), keep=sid)
+            needed, bound = self.turn_need(spec, sid, record)
+            self.make_room(needed, keep=sid)
+            self._reserved[sid] = bound  # counted for the session until the turn ends (after_turn)
         if record.offloaded is not None:
             self.restore(sid, record)
+
+    def after_turn(self, spec: TurnSpec) -> None:
+        """The turn on ``spec.session`` ended: its file's size is counted as it is again."""
+        if spec.session is not None:
+            self._reserved.pop(spec.session, None)
 
     def after_open(self, spec: TurnSpec) -> None:
         """Write the request's ``retention_seconds`` / ``pinned`` to the session's tier record."""
@@ -106,34 +116,34 @@ class TierManager:
             self.change(spec.session, change)
 
     # ---- the disk budget --------------------------------------------------------------------------
-    def turn_need(self, spec: TurnSpec, sid: str, record: TierRecord) -> int:
-        """Bytes the turn may add to this disk: the kv file's size after a turn of the prompt's
-        tokens and ``max_tokens`` new ones (an upper bound: records never pass prompt + new,
-        plus the writer's headroom) less its size now (an offloaded session's is 0 here)."""
+    def turn_need(self, spec: TurnSpec, sid: str, record: TierRecord) -> tuple[int, int]:
+        """(bytes the turn may add to this disk, the bound of the kv file's size during it): the
+        size after a turn of the prompt's tokens and ``max_tokens`` new ones (an upper bound:
+        records never pass prompt + new; plus the writer's headroom) less its size now (an
+        offloaded session's is 0 here)."""
         runner = self.engine.runner
         prompt = runner.prompt_ids(spec)  # the same 400 the turn would give, before anything moves
         max_new = max_new_for(spec, len(prompt), runner.context, runner.default_max_tokens)
-        now_bytes, per_record = 0, self._record_bytes_of(sid, record)
+        now_bytes, per_record = 0, self._record_bytes_of(sid)
         if record.offloaded is None and self.store.exists(sid):
             now_bytes = os.lstat(self.store.kv_path(sid)).st_size
-        after = HEADER_SIZE + (len(prompt) + max_new) * per_record + default_headroom(per_record)
+        # the writer's headroom ends on a page boundary (FORMAT.md 3.4.1): one page more bounds it
+        after = HEADER_SIZE + (len(prompt) + max_new) * per_record + default_headroom(per_record) + PAGE
         if record.offloaded is not None:
             after = max(after, record.offloaded.bytes)  # it comes back whole first
-        return max(0, after - now_bytes)
+        return max(0, after - now_bytes), max(after, now_bytes)
 
-    def _record_bytes_of(self, sid: str, record: TierRecord) -> int:
-        """One record's bytes: from the session's kv header, else (new, or offloaded) the widest
-        layout (f32 rows) of the model's dims, an upper bound for every kv dtype."""
-        if record.offloaded is None and self.store.exists(sid):
-            try:
-                with open(self.store.kv_path(sid), "rb") as f:
-                    head = f.read(HEADER_SIZE)
-                return parse_header(head, os.fstat(f.fileno()).st_size).record_bytes
-            except (OSError, ColiError):
-                pass
-        if self._new_record_bytes is None:
-            self._new_record_bytes = record_bytes(1, Dims(*self.engine.model.dims_for_file()))
-        return self._new_record_bytes
+    def _record_bytes_of(self, sid: str) -> int:
+        """One record's bytes in the session's kv file (FORMAT.md 1.1): its manifest's dims and
+        kv dtype (an offloaded stub keeps its manifest), a new session's the model's and the
+        server's ``--kv``."""
+        if self.store.exists(sid):
+            manifest = self.store.read_manifest(sid)
+            dims, kv_dtype = Dims(**manifest.dims), manifest.kv_dtype
+        else:
+            dims, kv_dtype = Dims(*self.engine.model.dims_for_file()), self.engine.kv_dtype
+        version, tag = KV_FORMAT_OF_DTYPE[kv_dtype]
+        return record_bytes(version, dims, tag)
 
     def uses(self, keep: str | None = None) -> list[SessionUse]:
         """Every listed session as the policy reads it (``keep``: busy, never moved)."""
@@ -143,28 +153,33 @@ class TierManager:
             if e.state in ("missing", "unreadable"):
                 continue
             last = max(epoch_of(e.last_use), recent.get(e.id, 0.0))
-            out.append(SessionUse(e.id, e.bytes, last, e.retention_s, e.pinned, e.state == "offloaded",
-                                  busy=e.id == keep))
+            reserved = self._reserved.get(e.id)
+            size = e.bytes if reserved is None else max(e.bytes, reserved)
+            out.append(SessionUse(e.id, size, last, e.retention_s, e.pinned, e.state == "offloaded",
+                                  busy=e.id == keep or reserved is not None))
         return out
 
     def local_bytes(self) -> int:
-        by_state = self.store.catalogue.bytes_by_state()
-        return by_state.get("resident", 0) + by_state.get("suspended", 0)
+        """The local sessions' kv bytes as the catalogue has them, a running turn's at its bound."""
+        return sum(u.bytes for u in self.uses() if not u.offloaded)
 
     def make_room(self, needed: int, *, keep: str) -> None:
         """Expire what is due and offload until ``needed`` more bytes fit the budget; 507 (and
         nothing moved) when no plan fits, or when offloading fell short."""
         assert self.budget is not None
-        plan = plan_tiers(self.uses(keep), now=time.time(), budget=self.budget, needed=needed,
-                          can_offload=self.home is not None)
-        if not plan.fits:
-            raise self._full(needed, plan)
-        if plan.expire or plan.offload:
-            self.act(plan)
-            if self.local_bytes() + needed > self.budget:
-                raise self._full(needed, plan)
+        stuck: set[str] = set()  # sessions an offload or expiry skipped (a request holds them): planned without
+        for _ in range(MAX_ROUNDS):
+            uses = [replace(u, busy=True) if u.id in stuck else u for u in self.uses(keep)]
+            plan = plan_tiers(uses, now=time.time(), budget=self.budget, needed=needed,
+                              can_offload=self.home is not None)
+            if not plan.fits:
+                break
+            if not plan.expire and not plan.offload:
+                return
+            stuck.update(self.act(plan))
+        raise self._full(needed)
 
-    def _full(self, needed: int, plan: TierPlan) -> ApiError:
+    def _full(self, needed: int) -> ApiError:
         used = self.local_bytes()
         how = ("even with every idle, unpinned session offloaded" if self.home is not None
                else "and this server has no --remote to offload sessions to")
@@ -172,11 +187,10 @@ class TierManager:
                         f"--max-disk-bytes {self.budget} {how}; nothing was written: delete or unpin sessions, or "
                         "ask for fewer max_tokens", code="insufficient_storage")
 
-    def act(self, plan: TierPlan) -> None:
-        for sid in plan.expire:
-            self.expire(sid)
-        for sid in plan.offload:
-            self.offload(sid)
+    def act(self, plan: TierPlan) -> list[str]:
+        """Expire, then offload, as ``plan`` says; the sessions skipped."""
+        skipped = [sid for sid in plan.expire if not self.expire(sid)]
+        return skipped + [sid for sid in plan.offload if not self.offload(sid)]
 
     def sweep(self) -> TierPlan:
         """Expire what is due; offload what passes the budget (the sweeper's work)."""
@@ -185,24 +199,26 @@ class TierManager:
         return plan
 
     # ---- one session ------------------------------------------------------------------------------
-    def _claimed(self, sid: str) -> bool:
+    def _idle(self, sid: str) -> bool:
+        """Whether no request holds ``sid`` now. It is not kept claimed: this runs holding the
+        engine's baton, so a request that claims it meanwhile runs after this (and restores it),
+        never beside it, and is never refused for it."""
         try:
             self.engine.claim(sid)
         except ApiError:
             return False  # a request holds it: left for the next sweep
+        self.engine.release(sid)
         return True
 
     def offload(self, sid: str) -> bool:
         """Ship, verify, then remove the local data of ``sid`` (False: skipped, and why logged)."""
-        if self.home is None or not self._claimed(sid):
+        if self.home is None or not self._idle(sid):
             return False
         try:
             return self._offload(sid)
         except (ColiError, ApiError, OSError) as exc:
             log.warning("tiers.offload_failed", id=sid, error=str(exc))
             return False
-        finally:
-            self.engine.release(sid)
 
     def _offload(self, sid: str) -> bool:
         home, remote, store = self.home, self.home.remote, self.store
@@ -271,7 +287,7 @@ class TierManager:
 
     def expire(self, sid: str) -> bool:
         """Delete ``sid`` here and from the object store (False: skipped, and why logged)."""
-        if not self._claimed(sid):
+        if not self._idle(sid):
             return False
         try:
             record = read_tier(self.store.session_dir(sid))
@@ -283,8 +299,6 @@ class TierManager:
         except (ColiError, ApiError, OSError) as exc:
             log.warning("tiers.expire_failed", id=sid, error=str(exc))
             return False
-        finally:
-            self.engine.release(sid)
         self.metrics.expiries.inc()
         log.info("tiers.expired", id=sid, retention_s=record.retention_seconds)
         return True
