@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import FormatError, LimitError
+from kernels.errors import ColiError, FormatError, LimitError
 from kernels.jsonfile import parse_json_bytes
 from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
 
@@ -28,6 +28,11 @@ TIER_SCHEMA = "coli-session-tier"
 TIER_VERSION = 1
 MAX_TIER_BYTES = 64 << 10  # a tier record is a few hundred bytes; more is refused before parsing
 MAX_RETENTION_S = 10 * 366 * 86400  # ten years: longer is a mistake (use no retention: kept until deleted)
+
+
+class SessionOffloadedError(ColiError):
+    """The session is offloaded (its kv file is in the object store, FORMAT.md 5.10): what needs
+    its records waits for a turn to restore it."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,13 @@ def write_tier(session_dir: str | os.PathLike[str], record: TierRecord) -> None:
     atomic_replace(path, record.encode(), make_temp=readable_temp(".tier-"), durable=True)
 
 
+def refuse_offloaded(session_dir: str | os.PathLike[str], session_id: str) -> None:
+    """Raise SessionOffloadedError when the session in ``session_dir`` is an offloaded stub."""
+    if is_offloaded(session_dir):
+        raise SessionOffloadedError(f"session {session_id!r} is offloaded to the object store: its records are not "
+                                    "on this disk until a turn on it restores it")
+
+
 def is_offloaded(session_dir: str | os.PathLike[str]) -> bool:
     """Whether the session in ``session_dir`` is an offloaded stub (a damaged record: False)."""
     try:
@@ -165,5 +177,6 @@ def is_offloaded(session_dir: str | os.PathLike[str]) -> bool:
         return False
 
 
-__all__ = ["MAX_RETENTION_S", "MAX_TIER_BYTES", "TIER_NAME", "Offloaded", "TierChange", "TierRecord", "check_retention",
+__all__ = ["MAX_RETENTION_S", "MAX_TIER_BYTES", "TIER_NAME", "Offloaded", "SessionOffloadedError", "TierChange",
+           "TierRecord", "refuse_offloaded", "check_retention",
            "decode_tier", "is_offloaded", "read_tier", "write_tier"]
