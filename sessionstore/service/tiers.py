@@ -147,6 +147,9 @@ class TierManager:
 
     def uses(self, keep: str | None = None) -> list[SessionUse]:
         """Every listed session as the policy reads it (``keep``: busy, never moved)."""
+        for sid in [sid for sid in self._reserved if sid != keep]:
+            if self._idle(sid):  # its turn never opened it (refused): no turn holds the bound any more
+                del self._reserved[sid]
         out = []
         recent = self.engine.last_use
         for e in self.store.catalogue.entries():
