@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError("give --http [HOST:]PORT, --inbox DIR or both")
     if args.http is None and (args.remote or args.host_id or args.lease_ttl is not None):
         raise FormatError("--remote, --host-id and --lease-ttl are for --http")
+    if args.http is None and args.max_disk_bytes is not None:
+        raise FormatError("--max-disk-bytes is for --http")
     if args.advertise_url is not None and not args.remote:
         raise FormatError("--advertise-url is for --remote (a fleet's hosts redirect to each other)")
     if args.http is not None:

@@ -165,7 +165,8 @@ def test_disk_budget_held_under_load_offload_and_restore_exact_across_a_restart(
         stub = offloaded[0]  # what needs its records is refused until a turn restores it
         for response in (server.post(f"/v1/sessions/{stub}/fork", json={"new": "copy"}),
                          server.get(f"/v1/sessions/{stub}/bundle"), server.get(f"/v1/sessions/{stub}?history=1")):
-            assert response.status_code == 409 and response.json()["error"]["code"] == "session_offloaded", response.text
+            assert response.status_code == 409, response.text
+            assert response.json()["error"]["code"] == "session_offloaded"
         assert server.get(f"/v1/sessions/{stub}").json()["state"] == "offloaded"
         with DiskWatch(root) as watch:
             for conv in convs:
