@@ -8,6 +8,7 @@ bundles."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from sessionstore.service.fleet import SessionHome
 from sessionstore.service.metrics import ServiceMetrics
 from sessionstore.service.tiers import STUB_NAMES, TierManager
 from sessionstore.sessions import SessionStore
+from sessionstore.sessions.manifest import write_manifest
 from sessionstore.sessions.paths import KV_NAME
 from sessionstore.sessions.tier_record import Offloaded, TierChange, TierRecord, read_tier, write_tier
 from tests.support.migrate import S3_BUCKET, make_session, s3_endpoint, session_files  # noqa: F401 - fixture
@@ -152,3 +154,21 @@ def test_without_a_fleet_an_offloaded_session_is_a_409_and_no_room_is_a_507(tmp_
         manager.make_room(5000, keep="b")
     assert err.value.status == 507 and err.value.code == "insufficient_storage"
     assert "--max-disk-bytes 1000" in err.value.message and "no --remote" in err.value.message
+
+
+def test_the_lru_order_comes_from_the_files_so_it_survives_a_restart(
+        fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    for sid in ("b", "a", "c"):  # made in this order: b is the least recently used, then a, then c
+        make_session(store, sid, 8)
+        time.sleep(0.01)
+    size = os.path.getsize(store.kv_path("a"))
+    # "a" is used again: its manifest's updated_at (what a commit writes) moves past c's
+    manifest = store.read_manifest("a")
+    write_manifest(store.session_dir("a") / "manifest.json", manifest)
+    store.note_session(store.read_manifest("a"), resident=False)
+    restarted = TierManager(Engine(SessionStore(store.root), SessionHome(remote)), max_disk_bytes=3 * size)
+    restarted.make_room(size, keep="new")  # room for one more: the least recently used goes
+    assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b"]
+    restarted.make_room(2 * size, keep="new")
+    assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b", "c"]
