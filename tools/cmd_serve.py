@@ -62,6 +62,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--advertise-url", default=None, metavar="http://HOST:PORT",
                    help="--remote: where the other hosts reach this server; written into the leases it holds, "
                    "so a request for one of its sessions that reaches another host is redirected here (307)")
+    p.add_argument("--max-disk-bytes", type=int, default=None, metavar="B",
+                   help="--http: the sessions' kv files on this disk at most (default: no bound); with --remote the "
+                   "least recently used idle sessions past it are offloaded to the object store (a request restores "
+                   "one), without it a turn that could pass it is refused with 507")
+    p.add_argument("--sweep-interval", type=float, default=30.0, metavar="S",
+                   help="--http: seconds between sweeps that delete sessions past their retention_seconds and "
+                   "offload past --max-disk-bytes (default 30)")
     p.add_argument("--pull-from", action="append", default=[], metavar="ORIGIN",
                    help="--http: a server (scheme://host:port) that POST /v1/sessions/ID/pull may fetch sessions "
                    "from; repeat for more (default: none, pulls refused)")
@@ -80,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError("give --http [HOST:]PORT, --inbox DIR or both")
     if args.http is None and (args.remote or args.host_id or args.lease_ttl is not None):
         raise FormatError("--remote, --host-id and --lease-ttl are for --http")
+    if args.http is None and args.max_disk_bytes is not None:
+        raise FormatError("--max-disk-bytes is for --http")
     if args.advertise_url is not None and not args.remote:
         raise FormatError("--advertise-url is for --remote (a fleet's hosts redirect to each other)")
     if args.http is not None:
@@ -97,6 +106,10 @@ def run_http(args: argparse.Namespace) -> int:
         raise FormatError("--max-resident, --commit-every, --max-prefill-tokens and --read-timeout must be >= 1")
     if (args.max_kv_bytes is not None and args.max_kv_bytes < 1) or args.max_bundle_bytes < 1:
         raise FormatError("--max-kv-bytes and --max-bundle-bytes must be >= 1")
+    if args.max_disk_bytes is not None and args.max_disk_bytes < 1:
+        raise FormatError("--max-disk-bytes must be >= 1")
+    if not args.sweep_interval > 0:
+        raise FormatError("--sweep-interval must be > 0")
     host, port = parse_bind(args.http)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(host, api_key)
@@ -119,7 +132,8 @@ def run_http(args: argparse.Namespace) -> int:
                          session_options={"commit_every": args.commit_every},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
                          advertise_url=args.advertise_url,
-                         pull=pull if pull.origins else None)
+                         pull=pull if pull.origins else None, max_disk_bytes=args.max_disk_bytes,
+                         sweep_interval=args.sweep_interval)
     if args.inbox is None:
         return serve_http(config)
     stop = threading.Event()

@@ -56,6 +56,7 @@ from sessionstore.service.protocol import (
 )
 from sessionstore.service.responses import ResponsesRoutes
 from sessionstore.service.streams import Event, merged
+from sessionstore.service.tier_routes import patch_session, tier_change_of
 from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import SessionStore, validate_session_id
@@ -198,6 +199,7 @@ class Api:
         spec.top_logprobs = req.top_logprobs_asked()
         spec.n = req.n
         spec.response_format = req.response_format
+        spec.tier = tier_change_of(req, session)  # retention_seconds / pinned (FORMAT.md 5.10)
         vocab = self.ctx.vocab_size
         outside = [k for k in req.logit_bias or {} if int(k) >= vocab]
         if outside:
@@ -497,6 +499,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
         Route("/v1/sessions", r("sessions", api.list_sessions), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),
+        Route("/v1/sessions/{sid}", r("session_patch", lambda req: patch_session(api, req)), methods=["PATCH"]),
         Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_get", api.get_bundle), methods=["GET"]),
         Route("/v1/sessions/{sid}/bundle", r("bundle_put", api.put_bundle), methods=["PUT"]),

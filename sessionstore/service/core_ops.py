@@ -28,9 +28,11 @@ from sessionstore.service.response_records import (
     drop_from_session,
     session_records,
 )
+from sessionstore.service.tier_routes import entry_tier_fields, session_tier_fields
 from sessionstore.sessions import validate_session_id
 from sessionstore.sessions.catalogue import CatalogueEntry
 from sessionstore.sessions.response_list import write_response_list
+from sessionstore.sessions.tier_record import TierChange
 
 
 def describe(engine: Engine, sid: str) -> dict[str, Any]:
@@ -39,7 +41,8 @@ def describe(engine: Engine, sid: str) -> dict[str, Any]:
     last = engine.last_use.get(sid)
     return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
             "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model, "state": engine.state_of(sid),
-            "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+            "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
+            **session_tier_fields(engine, sid)}
 
 
 def describe_listed(engine: Engine, entry: CatalogueEntry) -> dict[str, Any]:
@@ -50,7 +53,8 @@ def describe_listed(engine: Engine, entry: CatalogueEntry) -> dict[str, Any]:
     return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
             "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
             "state": engine.state_of(entry.id),
-            "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat()}
+            "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
+            **entry_tier_fields(entry)}
 
 
 def check_target(engine: Engine, session_id: str, replace: bool) -> None:
@@ -184,6 +188,16 @@ def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
     return store.delete(rid)
 
 
+def op_tier_change(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
+    """``{sid, change}``: a session's ``retention_seconds`` / ``pinned`` (a
+    :class:`~sessionstore.sessions.tier_record.TierChange`'s fields); its description after."""
+    sid = _existing(engine, args)
+    if engine.tiers is None:
+        raise ApiError(400, "this server does not manage tiers", code="invalid_value")
+    engine.tiers.change(sid, msgspec.convert(args["change"], TierChange))
+    return describe(engine, sid)
+
+
 @dataclass(frozen=True)
 class Operation:
     fn: Callable[[Engine, dict[str, Any]], Any]
@@ -200,6 +214,7 @@ OPERATIONS: dict[str, Operation] = {
     "fork": Operation(op_fork, True),
     "install": Operation(op_install, True),
     "delete_response": Operation(op_delete_response, True),
+    "tier_change": Operation(op_tier_change, True),
 }
 
 

@@ -54,6 +54,7 @@ from sessionstore.service.ipc import (
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.response_job import StoredResponseTurn
 from sessionstore.service.response_records import ResponseRecords
+from sessionstore.service.tiers import Sweeper, TierManager
 from sessionstore.service.turns import TurnOutcome
 from sessionstore.sessions import SessionStore
 
@@ -248,9 +249,11 @@ def build_engine(config: CoreConfig) -> Engine:
     source = resolve_model(config.model)
     store = SessionStore(config.root)
     home = fleet_home(config.remote, config.host_id, config.lease_ttl, config.advertise_url, store, source)
-    return Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
-                  limits=ServiceLimits(**config.limits), session_options=config.session_options,
-                  max_kv_bytes=config.max_kv_bytes, home=home)
+    engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
+                    limits=ServiceLimits(**config.limits), session_options=config.session_options,
+                    max_kv_bytes=config.max_kv_bytes, home=home)
+    engine.tiers = TierManager(engine, max_disk_bytes=config.max_disk_bytes)  # FORMAT.md 5.10
+    return engine
 
 
 def say(line: dict[str, Any] | msgspec.Struct) -> None:
@@ -286,6 +289,7 @@ def main() -> int:
     start_hash_helper()
     outbox = Outbox(events)
     core = Core(engine, outbox)
+    sweeper = Sweeper(engine.tiers, config.sweep_interval).start()  # retention, the disk budget
     say(Ready(engine.model_ref.name, int(engine.model.config.vocab_size),
               int(engine.model.config.max_position_embeddings), os.getpid(),
               None if engine.home is None else engine.home.url, None if engine.home is None else engine.home.host_id))
@@ -305,6 +309,7 @@ def main() -> int:
             if not core.handle(message):
                 break
     finally:
+        sweeper.stop()
         engine.stop()  # cut running turns at their next token, commit and suspend every session
         core.close()
         stop_hash_helper()

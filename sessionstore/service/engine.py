@@ -41,6 +41,7 @@ class Engine:
                  max_kv_bytes: int | None = None, home: Any = None) -> None:
         self.store = store
         self.home = home  # fleet hook: a fleet.SessionHome (serve --remote), else None
+        self.tiers: Any = None  # tiers hook: a tiers.TierManager (disk budget, offload, retention), else None
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or EngineMetrics()
@@ -207,13 +208,20 @@ class Engine:
         if spec.session is None:
             outcome = self.runner.stateless(spec, sink, self.at_token)
         else:
+            if self.tiers is not None:  # tiers hook: room on the disk (else 507), an offloaded session restored
+                self.tiers.before_turn(spec)
             session, created = self.open_session(spec.session, create=True)
             try:
+                if self.tiers is not None:  # tiers hook: the request's retention_seconds / pinned
+                    self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token)
             except BaseException:
                 if created and not session.history():  # a refused first turn leaves no session behind
                     self._drop(spec.session)
                 raise
+            finally:
+                if self.tiers is not None:  # tiers hook: the turn's reserved disk bytes are its file's now
+                    self.tiers.after_turn(spec)
             outcome.created = created
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()

@@ -23,6 +23,7 @@ from kernels.errors import (
     NotFoundError,
     UnsupportedModelError,
 )
+from sessionstore.sessions.tier_record import SessionOffloadedError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
                409: "conflict_error", 413: "invalid_request_error", 500: "server_error",
@@ -81,6 +82,8 @@ def api_error_of(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, NotFoundError):
         return ApiError(404, str(exc), code="not_found")
+    if isinstance(exc, SessionOffloadedError):
+        return ApiError(409, str(exc), code="session_offloaded")
     if isinstance(exc, ModelMismatchError):
         return ApiError(409, str(exc), code="model_mismatch")
     if isinstance(exc, LockedError):

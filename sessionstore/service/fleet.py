@@ -33,6 +33,7 @@ from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreE
 from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
+from sessionstore.sessions.tier_record import is_offloaded
 
 log = get_logger("fleet")
 
@@ -85,7 +86,8 @@ class SessionHome:
         cur = remote.lease(session_id)
         if cur is not None and cur.live() and cur.owner != self.host_id:
             raise HeldElsewhereError(cur)
-        local = remote.store.exists(session_id)
+        # an offloaded stub (FORMAT.md 5.10) is no local copy: the fleet's bundle is pulled over it
+        local = remote.store.exists(session_id) and not is_offloaded(remote.store.session_dir(session_id))
         if cur is not None and cur.owner == self.host_id and not cur.released and local:
             self._held[session_id] = remote.renew(session_id)  # still ours: the local copy is newest
             return False
@@ -138,6 +140,15 @@ class SessionHome:
         if lease.bundle is not None:
             self._synced[session_id] = lease.bundle
 
+    def shipped(self, session_id: str, lease: Lease) -> None:
+        """The caller pushed the (suspended) session and released it (``lease``, the store's
+        answer): this host no longer holds it, and its local copy equals that bundle."""
+        self._kept.pop(session_id, None)
+        self._held.pop(session_id, None)
+        self.push_errors.pop(session_id, None)
+        if lease.bundle is not None:
+            self._synced[session_id] = lease.bundle
+
     def close(self) -> None:
         """Check in every session still checked out (the server stops)."""
         for session_id in list(self._held):
@@ -184,11 +195,18 @@ class SessionHome:
         for desc in local:
             lease = leases.get(desc["id"])
             if lease is None or desc["id"] in self._held or (
-                    self._synced.get(desc["id"]) == lease.bundle and not self._elsewhere(lease)):
+                    self._synced.get(desc["id"]) == lease.bundle and not self._elsewhere(lease)) or (
+                    self._offloaded_as(desc, lease) and not self._elsewhere(lease)):
                 leases.pop(desc["id"], None)
                 out.append({**desc, "fleet": self.state(desc["id"])})
         out += [self._describe(lease) for lease in leases.values()]
         return sorted(out, key=lambda d: str(d["id"]))
+
+    @staticmethod
+    def _offloaded_as(desc: dict[str, Any], lease: Lease) -> bool:
+        """Whether ``desc`` is an offloaded stub of the lease's current bundle (FORMAT.md 5.10)."""
+        return desc.get("state") == "offloaded" and lease.bundle is not None and \
+            str(desc.get("location", "")).endswith("/" + lease.bundle)
 
     def _elsewhere(self, lease: Lease) -> bool:
         return lease.live() and lease.owner != self.host_id

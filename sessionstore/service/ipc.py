@@ -40,6 +40,8 @@ class CoreConfig(msgspec.Struct, frozen=True):
     host_id: str | None
     lease_ttl: float | None
     advertise_url: str | None
+    max_disk_bytes: int | None
+    sweep_interval: float
     requests: str
     events: str
     parent_pid: int

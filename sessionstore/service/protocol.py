@@ -11,7 +11,7 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
 from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PROCESSING
@@ -98,6 +98,8 @@ class TurnFields(BaseModel):
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
+    retention_seconds: StrictInt | None = None  # extension: the session's retention (FORMAT.md 5.10; null clears)
+    pinned: StrictBool | None = None  # extension: the session is never offloaded or expired (FORMAT.md 5.10)
     tools: Any = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
 

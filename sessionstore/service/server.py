@@ -24,6 +24,7 @@ from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import HttpMetrics
 from sessionstore.service.prompts import load_tokenizer
 from sessionstore.service.slow_clients import guarded_protocol
+from sessionstore.service.tiers import DEFAULT_SWEEP_INTERVAL_S
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -52,6 +53,8 @@ class ServeConfig:
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
     advertise_url: str | None = None  # where the fleet reaches this server: written into its leases (307s)
     pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
+    max_disk_bytes: int | None = None  # the sessions' kv files on this disk at most (tiers.TierManager)
+    sweep_interval: float = DEFAULT_SWEEP_INTERVAL_S  # seconds between sweeps (retention, the disk budget)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -73,7 +76,8 @@ def core_settings(config: ServeConfig) -> dict[str, Any]:
     return {"root": str(config.root), "model": config.model, "kv_dtype": config.kv_dtype,
             "limits": dict(config.limits.__dict__), "session_options": config.session_options,
             "max_kv_bytes": config.max_kv_bytes, "remote": config.remote, "host_id": config.host_id,
-            "lease_ttl": config.lease_ttl, "advertise_url": config.advertise_url}
+            "lease_ttl": config.lease_ttl, "advertise_url": config.advertise_url,
+            "max_disk_bytes": config.max_disk_bytes, "sweep_interval": config.sweep_interval}
 
 
 def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:

@@ -26,6 +26,7 @@ from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
 from sessionstore.sessions.output import OutputProcessor, TurnStop
+from sessionstore.sessions.tier_record import TierChange
 from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
 
 
@@ -53,6 +54,7 @@ class TurnSpec:
     n: int = 1  # choices: 0 is this turn, 1..n-1 its stateless copies (:meth:`choice`), queued beside it
     response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
     prompt_ids: list[int] | None = None  # the prompt rendered and tokenised (by the API process), once
+    tier: TierChange | None = None  # the request's retention_seconds / pinned for its session (FORMAT.md 5.10)
 
     def choice(self, index: int) -> TurnSpec:
         """Choice ``index`` >= 1: the same prompt and settings, stateless, its seed ``seed + index``."""

@@ -30,9 +30,10 @@ from sessionstore.kvfile.sweep import current_owner, owner_of
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id
+from sessionstore.sessions.tier_record import TierRecord, read_tier
 
 CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
-CATALOGUE_FORMAT = 1  # PRAGMA user_version; another value: rebuilt
+CATALOGUE_FORMAT = 2  # PRAGMA user_version; another value: rebuilt (2: the pinned column)
 RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
 WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
 BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
@@ -46,7 +47,7 @@ CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, model TEXT NOT NULL, fingerprint TEXT NOT NULL, kv_dtype TEXT NOT NULL,
     committed INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL,
     state TEXT NOT NULL, holder TEXT, last_use TEXT NOT NULL, retention_s INTEGER,
-    location TEXT NOT NULL, error TEXT) WITHOUT ROWID;
+    pinned INTEGER NOT NULL, location TEXT NOT NULL, error TEXT) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS intents (id TEXT NOT NULL, owner TEXT NOT NULL,
     PRIMARY KEY (id, owner)) WITHOUT ROWID;
@@ -67,12 +68,13 @@ class CatalogueEntry:
     kv_dtype: str
     committed: int  # committed records
     tokens: int  # committed records + pending tokens
-    bytes: int  # the kv file's size on disk
+    bytes: int  # the kv file's size on disk (offloaded: the size its removal freed)
     state: str  # one of STATES
     holder: str | None  # owner token of the process holding it resident (state "resident")
     last_use: str  # ISO-8601 UTC: the manifest's updated_at (the last commit or whole write)
-    retention_s: int | None  # seconds kept after last use (None: kept until deleted)
-    location: str  # LOCAL, or where an offloaded session's bundle lies
+    retention_s: int | None  # seconds kept after last use (None: kept until deleted; tier.json)
+    pinned: bool  # never offloaded or expired (tier.json)
+    location: str  # LOCAL, or where an offloaded session's bundle lies (s3://bucket/key, tier.json)
     error: str | None  # why the state is "missing" or "unreadable"
 
     def same_files(self, other: CatalogueEntry) -> bool:
@@ -82,30 +84,44 @@ class CatalogueEntry:
 
 def _file_fields(e: CatalogueEntry) -> tuple[object, ...]:
     return (e.id, e.model, e.fingerprint, e.kv_dtype, e.committed, e.tokens, e.bytes, e.last_use, e.error,
-            e.state in ("missing", "unreadable"))
+            e.state in ("missing", "unreadable", "offloaded"), e.retention_s, bool(e.pinned), e.location)
+
+
+def _entry(row: tuple[object, ...] | sqlite3.Row) -> CatalogueEntry:
+    """A row of ``sessions`` as an entry (SQLite keeps ``pinned`` as 0 or 1)."""
+    entry = CatalogueEntry(*row)  # type: ignore[arg-type]
+    return replace(entry, pinned=bool(entry.pinned))
 
 
 _COLUMNS = ", ".join(f.name for f in fields(CatalogueEntry))
+_TIER_COLUMNS = ("retention_s", "pinned", "location")  # from the tier record: a commit's note keeps them
+_NOTED = ", ".join(f"{f.name} = excluded.{f.name}" for f in fields(CatalogueEntry)
+                   if f.name not in ("id", *_TIER_COLUMNS))
 _PLACEHOLDERS = ", ".join("?" for _ in fields(CatalogueEntry))
 
 
 def entry_of_manifest(manifest: Manifest, kv_bytes: int, *, state: str = "suspended",
-                      holder: str | None = None) -> CatalogueEntry:
-    """The entry of a session whose manifest is ``manifest`` and kv file ``kv_bytes`` long."""
+                      holder: str | None = None, tier: TierRecord | None = None) -> CatalogueEntry:
+    """The entry of a session whose manifest is ``manifest``, kv file ``kv_bytes`` long and
+    tier record ``tier`` (None: the defaults; :meth:`Catalogue.note` keeps the row's)."""
+    tier = tier or TierRecord()
     return CatalogueEntry(manifest.id, manifest.model.name, manifest.model.fingerprint, manifest.kv_dtype,
                           manifest.committed, manifest.committed + len(manifest.pending), kv_bytes, state,
-                          holder, manifest.updated_at, None, LOCAL, None)
+                          holder, manifest.updated_at, tier.retention_seconds, tier.pinned,
+                          LOCAL if tier.offloaded is None else tier.offloaded.location, None)
 
 
 def problem_entry(session_id: str, state: str, error: str) -> CatalogueEntry:
     """The entry of a session whose files are gone (``missing``) or cannot be read (``unreadable``)."""
-    return CatalogueEntry(session_id, "", "", "", 0, 0, 0, state, None, "", None, LOCAL, error)
+    return CatalogueEntry(session_id, "", "", "", 0, 0, 0, state, None, "", None, False, LOCAL, error)
 
 
 def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | None:
-    """The entry ``sessions/<id>`` describes now (manifest with its state page, kv size); None when
-    the directory is absent; state ``missing`` when its manifest or kv file is, ``unreadable`` when
-    its manifest fails FORMAT.md 5.3 or the directory is a symlink (not followed)."""
+    """The entry ``sessions/<id>`` describes now (manifest with its state page, kv size, tier
+    record); None when the directory is absent; state ``offloaded`` when its tier record says so
+    (FORMAT.md 5.10: its kv file may be gone), ``missing`` when its manifest or kv file is,
+    ``unreadable`` when its manifest or tier record fails FORMAT.md 5.3 / 5.10 or the directory is
+    a symlink (not followed)."""
     d = sessions_root / session_id
     try:
         if not check_component(d, want="dir"):  # a symlink is refused (FormatError), never followed
@@ -113,6 +129,9 @@ def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | N
         manifest = read_manifest(d / MANIFEST_NAME)
         if manifest.id != session_id:
             raise ColiError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
+        tier = read_tier(d)
+        if tier.offloaded is not None:
+            return entry_of_manifest(manifest, tier.offloaded.bytes, state="offloaded", tier=tier)
         size = os.lstat(d / KV_NAME).st_size
     except (NotFoundError, FileNotFoundError) as exc:
         if not os.path.lexists(d):
@@ -120,7 +139,7 @@ def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | N
         return problem_entry(session_id, "missing", str(exc))
     except (ColiError, OSError) as exc:
         return problem_entry(session_id, "unreadable", str(exc))
-    return entry_of_manifest(manifest, size)
+    return entry_of_manifest(manifest, size, tier=tier)
 
 
 @dataclass(frozen=True)
@@ -352,13 +371,32 @@ class Catalogue:
 
     # ---- a session's life (commits, resume, release) -------------------------------------------------
     def note(self, entry: CatalogueEntry) -> None:
-        """Record a live session's row (a commit, a resume, a release); failures are logged only."""
+        """Record a live session's row (a commit, a resume, a release); the tier columns
+        (retention, pinned, location) of a row already there are kept: they change only with the
+        session's tier record (:meth:`note_tier`, or a change of its files). Failures are logged only."""
         try:
             with self._transaction() as db:
-                db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
-                           astuple(entry))
+                db.execute(f"INSERT INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS}) ON CONFLICT(id) DO UPDATE "
+                           f"SET {_NOTED}", astuple(entry))
         except sqlite3.Error as exc:
             log.warning("catalogue.write_failed", id=entry.id, error=str(exc), step="note")
+
+    def note_tier(self, session_id: str, tier: TierRecord) -> None:
+        """Record a session's new retention and pin (its tier record was just written); failures
+        are logged only (the next page re-reads the file)."""
+        try:
+            with self._transaction() as db:
+                db.execute("UPDATE sessions SET retention_s = ?, pinned = ? WHERE id = ?",
+                           (tier.retention_seconds, int(tier.pinned), session_id))
+        except sqlite3.Error as exc:
+            log.warning("catalogue.write_failed", id=session_id, error=str(exc), step="tier")
+
+    def bytes_by_state(self) -> dict[str, int]:
+        """The ``bytes`` of every row summed by state (one aggregate query; resident and suspended
+        sessions' kv files are on this disk, offloaded ones' in the object store)."""
+        with self._lock:
+            rows = self._db.execute("SELECT state, sum(bytes) FROM sessions GROUP BY state").fetchall()
+        return {str(state): int(total or 0) for state, total in rows}
 
     def forget(self, session_id: str) -> bool:
         """Drop the row of a session whose files are gone; True when there was one."""
@@ -370,7 +408,7 @@ class Catalogue:
         """The row of ``session_id`` as recorded (None when not listed)."""
         with self._lock:
             row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
-        return None if row is None else CatalogueEntry(*row)
+        return None if row is None else _entry(row)
 
     def count(self) -> int:
         with self._lock:
@@ -379,7 +417,7 @@ class Catalogue:
     def entries(self) -> list[CatalogueEntry]:
         """Every row, by id (a full scan: for tests and tools, not for serving)."""
         with self._lock:
-            return [CatalogueEntry(*row) for row in self._db.execute(f"SELECT {_COLUMNS} FROM sessions ORDER BY id")]
+            return [_entry(row) for row in self._db.execute(f"SELECT {_COLUMNS} FROM sessions ORDER BY id")]
 
     def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
         """Up to ``limit`` sessions after the cursor ``after`` (any id: it need not be listed, so
@@ -398,7 +436,7 @@ class Catalogue:
         with self._lock:
             rows = self._db.execute(f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
-        listed = [CatalogueEntry(*row) for row in rows[:limit]]
+        listed = [_entry(row) for row in rows[:limit]]
         out: list[CatalogueEntry] = []
         changed: list[tuple[CatalogueEntry, CatalogueEntry]] = []
         for old in listed:
@@ -434,10 +472,11 @@ def _gone(sessions_root: Path, session_id: str) -> str:
 
 
 def _keep_runtime(old: CatalogueEntry, new: CatalogueEntry) -> CatalogueEntry:
-    if new.state in ("missing", "unreadable"):
+    """``new`` (from the files) with what only the catalogue knows: whether a process holds the
+    session resident (the tier columns and ``offloaded`` come from the files)."""
+    if new.state != "suspended":
         return new
-    return replace(new, state=old.state if old.state in ("resident", "offloaded") else new.state,
-                   holder=old.holder, retention_s=old.retention_s, location=old.location)
+    return replace(new, state=old.state if old.state == "resident" else new.state, holder=old.holder)
 
 
 def _alive(entry: CatalogueEntry) -> CatalogueEntry:

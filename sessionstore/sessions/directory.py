@@ -51,6 +51,7 @@ from sessionstore.sessions.paths import (
     resolve_root,
     validate_session_id,
 )
+from sessionstore.sessions.tier_record import refuse_offloaded
 
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
@@ -165,6 +166,7 @@ class StoreDirectory:
         state page when present (bundles fold the state into the manifest they carry); the
         lock file is not data."""
         d = self.existing_dir(session_id)
+        refuse_offloaded(d, session_id)
         files = [d / MANIFEST_NAME, d / KV_NAME]
         for optional in (SIDECAR_NAME, STATE_NAME):
             if check_component(d / optional, want="file"):

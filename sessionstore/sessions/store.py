@@ -33,6 +33,7 @@ from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
+from sessionstore.sessions.tier_record import refuse_offloaded
 from sessionstore.sessions.turns import common_prefix
 
 SNAPSHOT_RETRIES = 5
@@ -107,8 +108,11 @@ class SessionStore(StoreDirectory):
 
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:
-        """The last commit of a live or suspended session: manifest + header at that count."""
-        return SessionSnapshot.take(session_id, self.existing_dir(session_id), self.read_manifest(session_id))
+        """The last commit of a live or suspended session: manifest + header at that count
+        (SessionOffloadedError for an offloaded one, FORMAT.md 5.10)."""
+        d = self.existing_dir(session_id)
+        refuse_offloaded(d, session_id)
+        return SessionSnapshot.take(session_id, d, self.read_manifest(session_id))
 
     def copy_snapshot(self, snap: SessionSnapshot, dst_dir: Path, *, at: int | None = None,
                       new_id: str | None = None) -> tuple[Manifest, str]:

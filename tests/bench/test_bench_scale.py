@@ -1,0 +1,23 @@
+"""``python -m bench.scale`` runs end to end as a module (tiny sizes) and prints its keys."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_scale_bench_restore_key_runs_and_reports() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.scale", "--quick", "--reps", "1", "--json",
+                          "--only", "restore_offloaded_over_raw_read"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["restore_offloaded_over_raw_read"] > 0
+    assert res["restore_bundle_bytes"] > 0 and res["restore_kv_bytes"] > 0
+    assert "restore_offloaded_over_raw_read" in res["goals"]

@@ -1,0 +1,174 @@
+"""The tier manager (FORMAT.md 5.10) on a real S3 API server (moto) without a model: an offload
+ships, verifies and leaves a stub (manifest, state page, tier record), listed offloaded; a restore
+brings back the very files (kv records, sidecar, manifest) and the tier record; a pinned session,
+or one another host holds live, is never offloaded; a stub whose mark landed but whose files were
+not removed yet (a crash between) restores all the same; a turn that cannot fit is a 507 naming the
+budget; without a fleet an offloaded session is a 409 that says so; expiry deletes a stub and its
+bundles."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sessionstore.migration import RemoteStore
+from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet import SessionHome
+from sessionstore.service.metrics import EngineMetrics
+from sessionstore.service.tiers import STUB_NAMES, TierManager
+from sessionstore.sessions import SessionStore
+from sessionstore.sessions.manifest import write_manifest
+from sessionstore.sessions.paths import KV_NAME
+from sessionstore.sessions.tier_record import Offloaded, TierChange, TierRecord, read_tier, write_tier
+from tests.support.migrate import S3_BUCKET, make_session, s3_endpoint, session_files  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Engine:
+    """What the tier manager reads of the service's engine (no model: nothing is ever open)."""
+
+    def __init__(self, store: SessionStore, home: SessionHome | None) -> None:
+        self.store, self.home = store, home
+        self.metrics = EngineMetrics()
+        self.last_use: dict[str, float] = {}
+        self.busy: set[str] = set()
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+    def claim(self, session_id: str) -> None:
+        if session_id in self.busy:
+            raise ApiError(409, f"session {session_id!r} is busy", code="session_busy")
+
+    def release(self, session_id: str | None) -> None:
+        pass
+
+    def delete(self, session_id: str) -> None:
+        if self.home is not None:
+            self.home.forget(session_id)
+        self.store.delete(session_id)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, s3_endpoint: str, request: pytest.FixtureRequest) -> tuple[SessionStore, RemoteStore]:  # noqa: F811
+    store = SessionStore(tmp_path / "host")
+    return store, RemoteStore(store, f"s3://{S3_BUCKET}/{request.node.name}", host_id="host-a")
+
+
+def bundles(remote: RemoteStore, sid: str) -> list[str]:
+    try:
+        return list(remote.fs.ls(f"{S3_BUCKET}/{remote.prefix}/bundles/{sid}", detail=False, refresh=True))
+    except FileNotFoundError:
+        return []
+
+
+def test_offload_leaves_a_stub_and_restore_brings_back_the_same_files(
+        fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    make_session(store, "a", 40, seed=3)
+    write_tier(store.session_dir("a"), TierRecord(600, False))
+    before = session_files(store, "a")
+    size = os.path.getsize(store.kv_path("a"))
+    manager = TierManager(Engine(store, SessionHome(remote)))
+
+    assert manager.offload("a")
+    d = store.session_dir("a")
+    assert set(os.listdir(d)) <= STUB_NAMES and KV_NAME not in os.listdir(d)
+    record = read_tier(d)
+    assert record.retention_seconds == 600 and record.offloaded is not None
+    assert record.offloaded.bytes == size and record.offloaded.tokens == 40
+    lease = remote.lease("a")
+    assert lease is not None and lease.released and lease.bundle == record.offloaded.bundle
+    row = store.catalogue.get("a")
+    assert row is not None and row.state == "offloaded" and row.location.endswith(record.offloaded.bundle)
+    assert store.catalogue.bytes_by_state() == {"offloaded": size}
+    assert not manager.offload("a")  # already offloaded
+
+    manager.restore("a", record)
+    assert session_files(store, "a") == before  # the very records, sidecar and manifest
+    assert read_tier(d) == TierRecord(600, False)
+    assert store.catalogue.get("a").state == "suspended"  # type: ignore[union-attr]
+    # restored means checked out here: the next offload pushes it again, the superseded bundle deleted
+    assert manager.offload("a") and len(bundles(remote, "a")) == 1
+    assert manager.metrics.offloads._value.get() == 2 and manager.metrics.restores._value.get() == 1
+
+
+def test_pinned_busy_or_held_elsewhere_is_never_offloaded(fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    for sid in ("pin", "busy", "theirs"):
+        make_session(store, sid, 8)
+    engine = Engine(store, SessionHome(remote))
+    manager = TierManager(engine)
+    manager.change("pin", TierChange(pinned=True))
+    engine.busy.add("busy")
+    RemoteStore(SessionStore(store.root.parent / "other"), remote.url, host_id="host-b").acquire("theirs")
+    for sid in ("pin", "busy", "theirs"):
+        assert not manager.offload(sid), sid
+        assert os.path.exists(store.kv_path(sid)) and read_tier(store.session_dir(sid)).offloaded is None
+    assert bundles(remote, "pin") == [] and bundles(remote, "theirs") == []
+
+
+def test_a_stub_whose_files_were_not_removed_yet_restores(fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    make_session(store, "a", 12, seed=5)
+    before = session_files(store, "a")
+    manager = TierManager(Engine(store, SessionHome(remote)))
+    assert manager.offload("a")
+    record = read_tier(store.session_dir("a"))
+    assert record.offloaded is not None
+    # as if killed between the mark and the unlinks: the mark is there, so are (stale) files
+    (store.session_dir("a") / KV_NAME).write_bytes(b"stale")
+    assert store.catalogue.refresh() in ("fresh", "reconciled")
+    fresh = TierManager(Engine(store, SessionHome(remote)))  # a restarted server knows nothing of it
+    fresh.restore("a", record)
+    assert session_files(store, "a") == before
+
+
+def test_expiry_deletes_a_stub_and_its_bundles(fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    make_session(store, "a", 6)
+    manager = TierManager(Engine(store, SessionHome(remote)))
+    assert manager.offload("a") and bundles(remote, "a")
+    assert manager.expire("a")
+    assert not store.exists("a") and remote.lease("a") is None and bundles(remote, "a") == []
+    assert store.catalogue.get("a") is None
+
+
+def test_without_a_fleet_an_offloaded_session_is_a_409_and_no_room_is_a_507(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "host")
+    make_session(store, "a", 4)
+    manager: Any = TierManager(Engine(store, None), max_disk_bytes=1000)
+    assert not manager.offload("a")  # nothing to offload to
+    record = TierRecord(offloaded=None)
+    marked = TierRecord(None, False, Offloaded("s3://b/p", "p/bundles/a/x", 10, 4, "t"))
+    write_tier(store.session_dir("a"), marked)
+    with pytest.raises(ApiError) as err:
+        manager.restore("a", marked)
+    assert err.value.status == 409 and err.value.code == "session_offloaded"
+    write_tier(store.session_dir("a"), record)
+    with pytest.raises(ApiError) as err:
+        manager.make_room(5000, keep="b")
+    assert err.value.status == 507 and err.value.code == "insufficient_storage"
+    assert "--max-disk-bytes 1000" in err.value.message and "no --remote" in err.value.message
+
+
+def test_the_lru_order_comes_from_the_files_so_it_survives_a_restart(
+        fleet: tuple[SessionStore, RemoteStore]) -> None:
+    store, remote = fleet
+    for sid in ("b", "a", "c"):  # made in this order: b is the least recently used, then a, then c
+        make_session(store, sid, 8)
+        time.sleep(0.01)
+    size = os.path.getsize(store.kv_path("a"))
+    # "a" is used again: its manifest's updated_at (what a commit writes) moves past c's
+    manifest = store.read_manifest("a")
+    write_manifest(store.session_dir("a") / "manifest.json", manifest)
+    store.note_session(store.read_manifest("a"), resident=False)
+    restarted = TierManager(Engine(SessionStore(store.root), SessionHome(remote)), max_disk_bytes=3 * size)
+    restarted.make_room(size, keep="new")  # room for one more: the least recently used goes
+    assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b"]
+    restarted.make_room(2 * size, keep="new")
+    assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b", "c"]
