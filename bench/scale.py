@@ -18,6 +18,8 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -30,7 +32,11 @@ from typing import Any
 
 from bench.migrate import build_session
 
-GOALS = {"restore_offloaded_over_raw_read": 2.0}  # key -> the most it may be
+GOALS = {"restore_offloaded_over_raw_read": 2.0, "ready_s_100k_over_100": 1.5,
+         "first_request_100k_over_100": 1.2}  # key -> the most it may be
+SERVER_SIZES = (100, 100_000)  # the stores a real server is timed on (--quick: 100 / 2,000)
+QUICK_SERVER_SIZES = (100, 2_000)
+PAGE_LIMIT = 20  # sessions per listed page (OpenAI's default)
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "scale-bench"
 READ_PIECE = 4 << 20  # the raw read's pieces
@@ -150,9 +156,93 @@ def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "restore_bundle_bytes": bundle_bytes}
 
 
+class TimedServer:
+    """A real ``coli-kv serve --http`` (the tiny model) on one store, for the server's keys."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def start(self) -> float:
+        """Start it; seconds from the spawn until ``/healthz`` answers 200 (the engine core up)."""
+        import httpx
+
+        t0 = time.perf_counter()
+        env = {**os.environ, "COLI_LOG": "off"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools", "serve", "--http", "127.0.0.1:0", "--root",
+                                      str(self.root), "--model", "tiny"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env)
+        assert self.proc.stdout is not None
+        self.url = json.loads(self.proc.stdout.readline())["url"]
+        while True:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200:
+                    return time.perf_counter() - t0
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode})")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+
+
+def measure_server_scale(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``ready_s_100k_over_100``, ``list_page_ms_100k``, ``first_request_100k_over_100``: a real
+    server on stores of 100 and 100,000 sessions (bench.catalogue's stores: one small tiny-model
+    session, hard-linked; the catalogue built once before, as a server that ran before leaves it):
+    the time from its spawn to ready, a page of the listing (a middle one: ``after`` an id half way),
+    and the first request on a suspended session (a one-token completion continuing its history:
+    resume, verify, one step, commit). Medians of ``--reps`` server starts per size."""
+    import httpx
+
+    from bench.catalogue import TEMPLATE_PROMPT, build_store, make_template, sid_of
+    from sessionstore.sessions import SessionStore
+
+    sizes = QUICK_SERVER_SIZES if args.quick else SERVER_SIZES
+    template = make_template(work / "template")
+    found: dict[int, dict[str, float]] = {}
+    for n in sizes:
+        root = work / f"store-{n}"
+        probes = [n // 3 + r for r in range(args.reps)]
+        build_store(root, template, n, set(probes))
+        SessionStore(root).catalogue.count()  # the catalogue made once (the directories came behind its back)
+        time.sleep(2.5)  # its stamp is trusted from now on (bench.catalogue's RACY_S)
+        samples: dict[str, list[float]] = {"ready_s": [], "list_page_s": [], "first_request_s": []}
+        for r in range(args.reps):
+            server = TimedServer(root)
+            samples["ready_s"].append(server.start())
+            try:
+                with httpx.Client(base_url=server.url, timeout=120) as client:  # one connection, kept alive
+                    for _ in range(5):
+                        t = time.perf_counter()
+                        page = client.get(f"/v1/sessions?limit={PAGE_LIMIT}&after={sid_of(n // 2)}").json()
+                        samples["list_page_s"].append(time.perf_counter() - t)
+                        assert page["data"][0]["id"] == sid_of(n // 2 + 1), page["data"][:1]
+                    body = {"model": "tiny", "prompt": [*TEMPLATE_PROMPT, 7], "max_tokens": 1,
+                            "session": sid_of(probes[r])}
+                    t = time.perf_counter()
+                    reply = client.post("/v1/completions", json=body)
+                    samples["first_request_s"].append(time.perf_counter() - t)
+                    assert reply.status_code == 200, reply.text
+                    assert reply.json()["session"]["reused_prefix"] == len(TEMPLATE_PROMPT)
+            finally:
+                server.stop()
+        found[n] = {k: statistics.median(v) for k, v in samples.items()}
+        shutil.rmtree(root)
+    small, large = found[sizes[0]], found[sizes[-1]]
+    return {"server_sizes": list(sizes),
+            "ready_s_100k_over_100": large["ready_s"] / small["ready_s"],
+            "first_request_100k_over_100": large["first_request_s"] / small["first_request_s"],
+            "list_page_ms_100k": large["list_page_s"] * 1e3,
+            "server_results": {str(n): v for n, v in found.items()}}
+
+
 # key -> (the function that measures it and its companions); other parts of issue 25 add theirs here
 MEASURES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "restore_offloaded_over_raw_read": measure_restore,
+    "server_scale": measure_server_scale,
 }
 
 
@@ -174,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             ok = out[key] <= goal
             out.setdefault("goals", {})[key] = {"goal": f"<= {goal}", "met": ok}
             print(f"{key}: {out[key]:.3f} (goal <= {goal}: {'met' if ok else 'NOT met'})")
+    if "server_results" in out:
+        for n, v in out["server_results"].items():
+            print(f"  {n} sessions: ready {v['ready_s']:.2f} s, a middle page {v['list_page_s'] * 1e3:.1f} ms, "
+                  f"the first request on a suspended session {v['first_request_s'] * 1e3:.1f} ms")
+        print(f"list_page_ms_100k: {out['list_page_ms_100k']:.1f} ms (at {out['server_sizes'][-1]} sessions)")
     if "restore_offloaded_s" in out:
         print(f"  restore {out['restore_offloaded_s'] * 1e3:.1f} ms vs raw read {out['raw_read_s'] * 1e3:.1f} ms of a "
               f"{out['restore_bundle_bytes'] / 1e6:.1f} MB bundle ({out['restore_tokens']} tokens, "

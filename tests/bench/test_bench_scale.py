@@ -21,3 +21,14 @@ def test_scale_bench_restore_key_runs_and_reports() -> None:
     assert res["restore_offloaded_over_raw_read"] > 0
     assert res["restore_bundle_bytes"] > 0 and res["restore_kv_bytes"] > 0
     assert "restore_offloaded_over_raw_read" in res["goals"]
+
+
+@pytest.mark.timeout(600)
+def test_scale_bench_server_keys_run_and_report() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.scale", "--quick", "--reps", "1", "--json",
+                          "--only", "server_scale"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["ready_s_100k_over_100"] > 0 and res["first_request_100k_over_100"] > 0
+    assert res["list_page_ms_100k"] > 0 and res["server_sizes"] == [100, 2000]
+    assert {"ready_s_100k_over_100", "first_request_100k_over_100"} <= set(res["goals"])
