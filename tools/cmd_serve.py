@@ -69,6 +69,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sweep-interval", type=float, default=30.0, metavar="S",
                    help="--http: seconds between sweeps that delete sessions past their retention_seconds and "
                    "offload past --max-disk-bytes (default 30)")
+    p.add_argument("--fleet-proxy", action="store_true",
+                   help="--remote: forward a request for a session another live host holds to that host (its "
+                   "--advertise-url) and stream its answer back, instead of answering 307")
     p.add_argument("--pull-from", action="append", default=[], metavar="ORIGIN",
                    help="--http: a server (scheme://host:port) that POST /v1/sessions/ID/pull may fetch sessions "
                    "from; repeat for more (default: none, pulls refused)")
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError("--remote, --host-id and --lease-ttl are for --http")
     if args.http is None and args.max_disk_bytes is not None:
         raise FormatError("--max-disk-bytes is for --http")
+    if args.fleet_proxy and not args.remote:
+        raise FormatError("--fleet-proxy is for --remote (it forwards to the host that holds a session)")
     if args.advertise_url is not None and not args.remote:
         raise FormatError("--advertise-url is for --remote (a fleet's hosts redirect to each other)")
     if args.http is not None:
@@ -131,7 +136,7 @@ def run_http(args: argparse.Namespace) -> int:
                          max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
-                         advertise_url=args.advertise_url,
+                         advertise_url=args.advertise_url, fleet_proxy=args.fleet_proxy,
                          pull=pull if pull.origins else None, max_disk_bytes=args.max_disk_bytes,
                          sweep_interval=args.sweep_interval)
     if args.inbox is None:

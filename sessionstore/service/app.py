@@ -33,6 +33,7 @@ from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.bundles import export_compression, export_stream
 from sessionstore.service.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
+from sessionstore.service.fleet_proxy import FleetProxy
 from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.listing import page_query
@@ -123,6 +124,7 @@ class ServerContext:
     limits: ServiceLimits
     metrics: HttpMetrics
     pull: PullPolicy | None = None  # the peers POST .../pull may fetch from (None: pulls refused)
+    fleet_proxy: FleetProxy | None = None  # --fleet-proxy: forward requests for sessions held elsewhere
 
 
 class Api:
@@ -150,7 +152,11 @@ class Api:
             try:
                 response = await fn(request)
             except HeldElsewhere as exc:
-                response = holder_redirect(exc, request, self.places)
+                proxy = self.ctx.fleet_proxy
+                if proxy is not None and exc.holder_url is not None and proxy.forwardable(request):
+                    response = await proxy.forward(request, exc.holder_url)
+                else:
+                    response = holder_redirect(exc, request, self.places)
             except Exception as exc:
                 response = error_response(api_error_of(exc), self.places)
             self.metrics.requests.labels(name, str(response.status_code)).inc()
@@ -175,7 +181,9 @@ class Api:
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.body_read_timeout_s:.0f} s "
                            f"({size} bytes came)", code="request_timeout") from None
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        request.state.body = body  # kept for --fleet-proxy, which may forward the request
+        return body
 
     def check_model(self, name: str) -> None:
         if name != self.model_id:
@@ -510,6 +518,8 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.core.attach()
         yield
+        if ctx.fleet_proxy is not None:
+            await ctx.fleet_proxy.close()
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     return WithPage(BearerAuth(app, api_key))

@@ -20,6 +20,7 @@ from sessionstore.service.app import ServerContext, build_app
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
 from sessionstore.service.bundle_pull import PullPolicy
 from sessionstore.service.core_client import CoreClient
+from sessionstore.service.fleet_proxy import FleetProxy
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import HttpMetrics
 from sessionstore.service.prompts import load_tokenizer
@@ -52,6 +53,7 @@ class ServeConfig:
     host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
     advertise_url: str | None = None  # where the fleet reaches this server: written into its leases (307s)
+    fleet_proxy: bool = False  # forward a request for a session held elsewhere to its holder (else 307)
     pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
     max_disk_bytes: int | None = None  # the sessions' kv files on this disk at most (tiers.TierManager)
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL_S  # seconds between sweeps (retention, the disk budget)
@@ -98,7 +100,8 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
         raise
     store = SessionStore(config.root, sweep=False)  # read by bundles' transfer (the core owns the sessions)
     ctx = ServerContext(core, ready_core.model, ready_core.vocab_size, source, load_tokenizer(source), store,
-                        config.limits, HttpMetrics(), config.pull)
+                        config.limits, HttpMetrics(), config.pull,
+                        FleetProxy(ready_core.host_id or "") if config.fleet_proxy else None)
     core.on_restart.append(ctx.metrics.engine_restarts.inc)
 
     class Server(uvicorn.Server):

@@ -183,3 +183,37 @@ def test_serve_remote_refuses_an_unreachable_store_in_one_line(tmp_path: Path, t
         proc.start()
     assert proc.proc is not None and proc.proc.wait(timeout=30) != 0
     assert "Traceback" not in proc.stderr()
+
+
+def test_fleet_proxy_forwards_a_turn_to_the_holder_and_streams_its_answer(
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], fleet_url: str) -> None:
+    """``--fleet-proxy``: a request reaching B for a session A holds live is forwarded to A (its
+    --advertise-url) and answered from there, plain and streamed, token-exact; a request already
+    forwarded once is never forwarded again (307)."""
+    from tests.service.serverkit import free_port, sse_events
+
+    model, _ = text_model
+    pa = free_port()
+    a = host(tmp_path, "a", text_model_dir, fleet_url, "--advertise-url", f"http://127.0.0.1:{pa}")
+    a.port = pa
+    pb = free_port()
+    b = host(tmp_path, "b", text_model_dir, fleet_url, "--advertise-url", f"http://127.0.0.1:{pb}", "--fleet-proxy")
+    b.port = pb
+    with a, b:
+        model_id = a.get("/v1/models").json()["data"][0]["id"]
+        conv = Conversation(model_id, "px")
+        conv.turn(a, [5, 6, 7], 4)  # A holds px now
+        via_b = b.post("/v1/completions", json=conv.body([8], 5))
+        assert via_b.status_code == 200, via_b.text
+        assert via_b.headers["x-coli-served-by"] == f"http://127.0.0.1:{pa}"
+        conv.turns.append((conv.body([8], 5)["prompt"], 5))
+        conv.history = conv.turns[-1][0] + via_b.json()["choices"][0]["token_ids"]
+        body = {**conv.body([9], 6), "stream": True}
+        with httpx.stream("POST", b.url + "/v1/completions", json=body, timeout=120) as streamed:
+            assert streamed.status_code == 200
+            events = list(sse_events(streamed))
+        tokens = events[-1]["choices"][0]["token_ids"]
+        conv.turns.append((body["prompt"], 6))
+        assert [via_b.json()["choices"][0]["token_ids"], tokens] == conv.reference(model)[1:]
+        again = b.post("/v1/completions", json=conv.body([1], 2), headers={"X-Coli-Proxied-By": "a"})
+        assert again.status_code == 307 and again.json()["error"]["code"] == "session_elsewhere"
