@@ -23,6 +23,7 @@ from sessionstore.service.errors import ApiError
 from sessionstore.service.listing import in_window, list_object, problem_description
 from sessionstore.service.messages import session_messages
 from sessionstore.service.response_records import (
+    FleetResponses,
     ResponseRecord,
     ResponseRecords,
     drop_from_session,
@@ -173,6 +174,26 @@ def adopt_records(engine: Engine, sid: str, records: list[ResponseRecord]) -> No
     write_response_list(engine.store.session_dir(sid), [record.to_json() for record in records])
 
 
+def fleet_responses(engine: Engine) -> FleetResponses | None:
+    """The fleet's response records (``serve --remote``), or None."""
+    return None if engine.home is None else FleetResponses(engine.home.remote.objects)
+
+
+def op_fetch_response(engine: Engine, args: dict[str, Any]) -> dict[str, Any] | None:
+    """``{rid}``: a stored response this store does not hold, from the fleet's object store (kept
+    here once found); None when the fleet has none either."""
+    rid = args.get("rid")
+    fleet = fleet_responses(engine)
+    if not isinstance(rid, str) or fleet is None:
+        return None
+    local = ResponseRecords(Path(engine.store.root))
+    record = local.read(rid) or fleet.get(rid)
+    if record is None:
+        return None
+    local.write(record)
+    return record.to_json()
+
+
 def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
     """``{rid, sid}``: delete a stored response (its file, and its copy in its session's list); True if
     it was there. Run holding its session (``sid``, the record's), whose turns write that list."""
@@ -185,6 +206,9 @@ def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
         return False
     if engine.store.exists(record.session):
         drop_from_session(engine.store.session_dir(record.session), rid)
+    fleet = fleet_responses(engine)
+    if fleet is not None:
+        fleet.delete(rid)
     return store.delete(rid)
 
 
@@ -214,8 +238,9 @@ OPERATIONS: dict[str, Operation] = {
     "fork": Operation(op_fork, True),
     "install": Operation(op_install, True),
     "delete_response": Operation(op_delete_response, True),
+    "fetch_response": Operation(op_fetch_response, False),
     "tier_change": Operation(op_tier_change, True),
 }
 
 
-__all__ = ["OPERATIONS", "Operation", "check_target", "describe", "describe_listed"]
+__all__ = ["OPERATIONS", "Operation", "check_target", "describe", "describe_listed", "fleet_responses"]

@@ -31,7 +31,7 @@ import zmq
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.migration.lease import HeldElsewhereError
-from sessionstore.service.core_ops import OPERATIONS
+from sessionstore.service.core_ops import OPERATIONS, fleet_responses
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import api_error_of
 from sessionstore.service.ipc import (
@@ -160,7 +160,8 @@ class Core:
         engine, metrics, rid = self.engine, self.engine.metrics, call.rid
         sink = CoreSink(rid, self.outbox)
         spec = call.spec
-        job = None if call.response is None else StoredResponseTurn(engine, self.records, spec, call.response)
+        job = None if call.response is None else StoredResponseTurn(engine, self.records, spec, call.response,
+                                                                    fleet_responses(engine))
 
         def run() -> TurnOutcome:
             metrics.waiting.dec()

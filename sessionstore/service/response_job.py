@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import msgspec
 
+from kernels.errors import ColiError
+from sessionstore.log import get_logger
 from sessionstore.service.engine import Engine
+from sessionstore.service.errors import ApiError
 from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.response_records import (
+    FleetResponses,
     ResponseRecord,
     ResponseRecords,
     chain_session_id,
@@ -20,15 +24,19 @@ from sessionstore.service.response_records import (
     keep_with_session,
 )
 from sessionstore.service.turns import TurnOutcome, TurnSink, TurnSpec
+from sessionstore.sessions import Session
 from sessionstore.sessions.conversation import tokens_digest
 from sessionstore.sessions.turns import common_prefix
+
+log = get_logger("service")
 
 
 class StoredResponseTurn:
     """One stored response's turn on ``engine`` (run as the engine's work, ``spec.session`` claimed)."""
 
-    def __init__(self, engine: Engine, records: ResponseRecords, spec: TurnSpec, job: ResponseJob) -> None:
-        self.engine, self.records, self.spec = engine, records, spec
+    def __init__(self, engine: Engine, records: ResponseRecords, spec: TurnSpec, job: ResponseJob,
+                 fleet: FleetResponses | None = None) -> None:
+        self.engine, self.records, self.spec, self.fleet = engine, records, spec, fleet
         self.record = msgspec.convert(job.record, ResponseRecord)
         self.chain = job.chain
         self.previous = None if job.previous is None else msgspec.convert(job.previous, ResponseRecord)
@@ -47,6 +55,11 @@ class StoredResponseTurn:
             record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
             self.records.write(record)
             keep_with_session(engine.store.session_dir(spec.session), record)  # travels with its bundles
+            if self.fleet is not None:  # any host of the fleet can continue the chain
+                try:
+                    self.fleet.put(record)
+                except ColiError as exc:
+                    log.error("responses.fleet_put_failed", id=record.id, error=str(exc))
             return out
         except BaseException:
             if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session
@@ -55,13 +68,26 @@ class StoredResponseTurn:
         finally:
             engine.release(extra)
 
+    def previous_session(self, prev: ResponseRecord) -> Session | None:
+        """``prev``'s session, opened: here, or pulled from the fleet (``serve --remote``); None when
+        it is gone."""
+        if not self.engine.store.exists(prev.session) and self.engine.home is None:
+            return None
+        try:
+            session, _ = self.engine.open_session(prev.session, create=False)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return session
+
     def place(self, prev: ResponseRecord) -> str | None:
         """Point the turn at the session to continue ``prev`` on; the new session's id, claimed
         (None when in place)."""
         engine, spec = self.engine, self.spec
         new = chain_session_id()
-        if engine.store.exists(prev.session):
-            session, _ = engine.open_session(prev.session, create=False)
+        session = self.previous_session(prev)
+        if session is not None:
             history = session.history()
             if len(history) == prev.tokens and tokens_digest(history) == prev.digest:
                 return None

@@ -26,6 +26,8 @@ from typing import Any
 from kernels.errors import CorruptionError, FormatError
 from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
+from sessionstore.migration.object_records import ObjectRecords
+from sessionstore.migration.object_store import ObjectPrefix
 from sessionstore.service.turns import TurnOutcome
 from sessionstore.sessions.paths import confined
 from sessionstore.sessions.response_list import read_response_list, write_response_list
@@ -156,6 +158,33 @@ def finish(record: ResponseRecord, out: TurnOutcome) -> None:
     record.usage = responses_usage(out)
 
 
+class FleetResponses:
+    """The records in a fleet's object store (``<prefix>/responses/<id>.json``): written by the host
+    that made them, read by any host asked to continue a chain it does not know (FORMAT.md 7.3)."""
+
+    def __init__(self, objects: ObjectPrefix) -> None:
+        self.shelf = ObjectRecords(objects, RESPONSES_DIR, MAX_RECORD_BYTES)
+
+    def put(self, record: ResponseRecord) -> None:
+        self.shelf.put(f"{record.id}.json", record.encode())
+
+    def get(self, response_id: str) -> ResponseRecord | None:
+        """The fleet's record ``response_id`` (None: none, or not one of our ids)."""
+        if not is_response_id(response_id):
+            return None
+        data = self.shelf.get(f"{response_id}.json")
+        if data is None:
+            return None
+        try:
+            return parse_record(json.loads(data), f"fleet response {response_id}")
+        except (ValueError, FormatError) as exc:
+            raise CorruptionError(f"the fleet's stored response {response_id}: {exc}") from None
+
+    def delete(self, response_id: str) -> None:
+        if is_response_id(response_id):
+            self.shelf.delete(f"{response_id}.json")
+
+
 def keep_with_session(directory: Path, record: ResponseRecord) -> None:
     """Put ``record`` in its session's ``responses.json`` (replacing one of the same id), so that a
     bundle of the session carries it (FORMAT.md 5.11)."""
@@ -180,6 +209,6 @@ def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
     return records
 
 
-__all__ = ["MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
+__all__ = ["FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
            "chain_session_id", "drop_from_session", "finish", "is_response_id", "keep_with_session",
            "new_response_id", "parse_record", "responses_usage", "session_records"]

@@ -36,7 +36,9 @@ from sessionstore.service.response_records import (
     ResponseRecords,
     chain_session_id,
     finish,
+    is_response_id,
     new_response_id,
+    parse_record,
 )
 from sessionstore.service.streams import Event
 from sessionstore.service.turns import TurnSpec
@@ -205,7 +207,7 @@ class ResponsesRoutes:
         host.check_model(req.model)
         prev = None
         if req.previous_response_id is not None:
-            prev = await asyncio.to_thread(self.records.read, req.previous_response_id)
+            prev = await self.read(req.previous_response_id)
             if prev is None:
                 raise response_not_found(req.previous_response_id, "previous_response_id")
             if prev.model != req.model:
@@ -287,9 +289,17 @@ class ResponsesRoutes:
     # ---- stored responses ------------------------------------------------------------------------
     async def stored(self, request: Request) -> ResponseRecord:
         rid: str = request.path_params["rid"]
-        record = await asyncio.to_thread(self.records.read, rid)
+        record = await self.read(rid)
         if record is None:
             raise response_not_found(rid)
+        return record
+
+    async def read(self, response_id: str) -> ResponseRecord | None:
+        """The record ``response_id``: this store's, else (a fleet server) the fleet's, via the core."""
+        record = await asyncio.to_thread(self.records.read, response_id)
+        if record is None and is_response_id(response_id):
+            found = await self.host.core.call("fetch_response", rid=response_id)
+            record = None if found is None else parse_record(found, f"response {response_id}")
         return record
 
     async def retrieve(self, request: Request) -> Response:

@@ -217,3 +217,32 @@ def test_fleet_proxy_forwards_a_turn_to_the_holder_and_streams_its_answer(
         assert [via_b.json()["choices"][0]["token_ids"], tokens] == conv.reference(model)[1:]
         again = b.post("/v1/completions", json=conv.body([1], 2), headers={"X-Coli-Proxied-By": "a"})
         assert again.status_code == 307 and again.json()["error"]["code"] == "session_elsewhere"
+
+
+def test_a_responses_chain_continues_on_another_host_from_the_object_store(
+        tmp_path: Path, text_model_dir: Path, fleet_url: str) -> None:
+    """A chain made on A (its records written to the fleet too), its session handed back (suspend:
+    pushed, lease released): B, which never saw the chain, continues it with previous_response_id,
+    token-exact against a stateless chat completion over the same messages."""
+    a, b = host(tmp_path, "a", text_model_dir, fleet_url), host(tmp_path, "b", text_model_dir, fleet_url)
+    with a, b:
+        ca, cb = a.openai(), b.openai()
+        model = ca.models.list().data[0].id
+        extra = {"seed": 3}
+        r1 = ca.responses.create(model=model, input="hello there", max_output_tokens=6, extra_body=extra)
+        r2 = ca.responses.create(model=model, input="and then?", previous_response_id=r1.id,
+                                 max_output_tokens=6, extra_body=extra)
+        (sid,) = [d["id"] for d in listed(a).values() if d["id"].startswith("chain-")]
+        assert a.post(f"/v1/sessions/{sid}/suspend").status_code == 200  # pushed, lease released
+        assert cb.responses.retrieve(r2.id).output_text == r2.output_text  # from the object store
+        r3 = cb.responses.create(model=model, input="go on", previous_response_id=r2.id, max_output_tokens=6,
+                                 extra_body=extra)
+        messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": r1.output_text},
+                    {"role": "user", "content": "and then?"}, {"role": "assistant", "content": r2.output_text},
+                    {"role": "user", "content": "go on"}]
+        want = cb.chat.completions.create(model=model, messages=messages, max_tokens=6, seed=3)
+        assert r3.output[0].content[0].token_ids == want.choices[0].token_ids
+        assert r3.usage.input_tokens_details.cached_tokens > 0  # the session pulled, not prefilled again
+        ca.responses.delete(r1.id)  # gone from the fleet too
+        with pytest.raises(Exception, match="404|not found|No response"):
+            cb.responses.retrieve(r1.id)
