@@ -35,6 +35,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
+from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
@@ -79,7 +80,8 @@ class Session:
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
-                 commit_runner: Callable[[Callable[[], object]], None] | None = None) -> None:
+                 commit_runner: Callable[[Callable[[], object]], None] | None = None,
+                 durable_stream: bool = False) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
@@ -96,6 +98,11 @@ class Session:
         # runs generate's commits every commit_every tokens, now or before the next token is fed (a
         # server commits sessions that are due in the same step together: service.group_commit)
         self.commit_runner = commit_runner
+        # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
+        # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
+        # hears what each commit covers once it has returned
+        self.durable_stream = durable_stream
+        self.commit_watch: CommitWatch | None = None
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
@@ -284,8 +291,8 @@ class Session:
             if on_token is not None:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
-            if every and self._files.live_cache.length - writer.nrec >= every:
-                self._commit_through_runner()
+            if self.durable_stream or (every and self._files.live_cache.length - writer.nrec >= every):
+                self._commit_through_runner()  # durable stream: every token, its text held until then
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        turn_sampler, stop_at_eos=stop_at_eos,
@@ -322,13 +329,17 @@ class Session:
         writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
         length, pending = self._files.live_cache.length, list(self.pending)
+        watch = self.commit_watch
+        mark = watch.mark() if watch is not None else 0  # the text this commit covers (durable stream)
 
         def finish() -> int:
             before = self.manifest
             self.manifest = self._committer.commit(writer, self.manifest, pending, length,
-                                                   durable=self.manifest_fsync)
+                                                   durable=self.manifest_fsync or self.durable_stream)
             if self.manifest is not before:  # the catalogue's row follows the commit (FORMAT.md 5.9)
                 self.store.note_session(self.manifest, resident=True)
+            if watch is not None:  # returned: the text of the tokens it covers may go out
+                watch.committed(mark)
             return n
 
         return finish
