@@ -73,6 +73,13 @@ class SessionHome(Protocol):
     def note_session(self, manifest: Manifest, *, resident: bool) -> None: ...
 
 
+class CommitRunner(Protocol):
+    """Runs the rest of a turn's commit (:meth:`Session.begin_commit`'s callable), now or beside
+    the next batched step; ``overlap``: the turn's loop may run on before it has returned."""
+
+    def __call__(self, commit: Callable[[], object], *, overlap: bool = False) -> None: ...
+
+
 class Session:
     """One session. Obtain through :class:`SessionStore` (``create`` / ``open``)."""
 
@@ -80,7 +87,7 @@ class Session:
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
-                 commit_runner: Callable[[Callable[[], object]], None] | None = None,
+                 commit_runner: CommitRunner | None = None,
                  durable_stream: bool = False) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
@@ -103,6 +110,8 @@ class Session:
         # hears what each commit covers once it has returned
         self.durable_stream = durable_stream
         self.commit_watch: CommitWatch | None = None
+        self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
+        self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
@@ -291,8 +300,12 @@ class Session:
             if on_token is not None:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
-            if self.durable_stream or (every and self._files.live_cache.length - writer.nrec >= every):
-                self._commit_through_runner()  # durable stream: every token, its text held until then
+            if self.durable_stream:  # every token (its text is held until then), unless one is in flight:
+                if not self._in_flight:  # the next one covers this token too
+                    self._uncatalogued += 1  # the catalogue's row every commit_every of these (FORMAT.md 5.9)
+                    self._commit_through_runner(catalogue=self._uncatalogued >= (every or 1))
+            elif every and self._files.live_cache.length - writer.nrec >= every:
+                self._commit_through_runner()
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        turn_sampler, stop_at_eos=stop_at_eos,
@@ -300,6 +313,7 @@ class Session:
         if not tokens:
             self.pending = []
         self._note_logits(logits)
+        assert not self._in_flight  # a turn is woken only once its commits returned
         self._commit_through_runner()
         result.tokens, result.stopped_at_eos = tokens, eos
         result.committed = self._files.live_writer.nrec
@@ -313,13 +327,14 @@ class Session:
         (:class:`sessionstore.sessions.commit.Committer`)."""
         return self.begin_commit()()
 
-    def begin_commit(self) -> Callable[[], int]:
+    def begin_commit(self, *, catalogue: bool = True) -> Callable[[], int]:
         """The commit's first part, now: the rows not handed to the writer yet are handed over
         and what the commit covers is fixed (the records appended so far, the pending token).
         The returned callable is the rest (the kv commit, then the manifest's dynamic fields;
         returns the count): it reads neither the cache nor ``pending``, so it may run while the
         cache grows (a server runs it beside its next batched step). Nothing may append to the
-        writer or commit this session again until it has returned."""
+        writer or commit this session again until it has returned. ``catalogue`` False: the
+        store's catalogue row is left to a later commit (a durable stream's per-token ones)."""
         if self.state != "resident":
             committed = self.manifest.committed
             return lambda: committed
@@ -329,14 +344,16 @@ class Session:
         writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
         length, pending = self._files.live_cache.length, list(self.pending)
+        noted = self._committer.noted()  # the last position's logits: the next token may note others meanwhile
         watch = self.commit_watch
         mark = watch.mark() if watch is not None else 0  # the text this commit covers (durable stream)
 
         def finish() -> int:
             before = self.manifest
-            self.manifest = self._committer.commit(writer, self.manifest, pending, length,
+            self.manifest = self._committer.commit(writer, self.manifest, pending, length, noted=noted,
                                                    durable=self.manifest_fsync or self.durable_stream)
-            if self.manifest is not before:  # the catalogue's row follows the commit (FORMAT.md 5.9)
+            if self.manifest is not before and catalogue:  # the catalogue's row follows (FORMAT.md 5.9)
+                self._uncatalogued = 0
                 self.store.note_session(self.manifest, resident=True)
             if watch is not None:  # returned: the text of the tokens it covers may go out
                 watch.committed(mark)
@@ -344,20 +361,31 @@ class Session:
 
         return finish
 
-    def _commit_through_runner(self) -> None:
+    def _commit_through_runner(self, *, catalogue: bool = True) -> None:
         """A turn's commit: its first part here, the rest by ``commit_runner`` when there is one
         (a server's engine runs it beside its next batched step, or lets the turn run it without
         holding the other sessions back), else here."""
-        finish = self.begin_commit()
+        finish = self.begin_commit(catalogue=catalogue)
         if self.commit_runner is None:
             finish()
-        else:
+        elif not self.durable_stream:
             self.commit_runner(finish)
+        else:  # the loop runs on while it is in flight (no rows handed over, no commit begun meanwhile)
+            def finish_then_clear() -> int:
+                try:
+                    return finish()
+                finally:
+                    self._in_flight = False
+
+            self._in_flight = True
+            self.commit_runner(finish_then_clear, overlap=True)
 
     def _append_in_runs(self) -> None:
         """After a forward: hand the new rows to the writer once APPEND_RUN of them wait (a prefill
         at once; decode steps in runs, and every commit hands over the rest first). Rows not yet
         handed over are only uncommitted ones, which a crash loses either way."""
+        if self._in_flight:  # a commit is writing from the writer: the rows wait for the next one
+            return
         if self._files.live_cache.length - self._files.live_writer.length >= APPEND_RUN:
             self._files.append_rows()
 
