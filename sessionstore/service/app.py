@@ -387,6 +387,9 @@ class Api:
     async def healthz(self, request: Request) -> Response:
         if self.engine.stopping.is_set():
             return JSONResponse({"status": "stopping"}, status_code=503)
+        fenced = self.engine.fences.listed()  # sessions whose commit failed with an I/O error (FORMAT.md 7)
+        if fenced:
+            return JSONResponse({"status": "degraded", "model": self.model_id, "fenced": fenced})
         return JSONResponse({"status": "ok", "model": self.model_id})
 
     async def metrics(self, request: Request) -> Response:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
 from sessionstore.sessions.durable_text import CommitWatch
+from sessionstore.sessions.fence import Fence, SessionFencedError, fence_of, fences
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
@@ -112,6 +113,7 @@ class Session:
         self.commit_watch: CommitWatch | None = None
         self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
         self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
+        self.fence: Fence | None = None  # set when a commit failed with an I/O error (sessions.fence)
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
@@ -183,6 +185,8 @@ class Session:
 
     # ---- resume ----------------------------------------------------------------------------
     def ensure_resident(self) -> None:
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
         if self.state == "closed":
             raise ColiError(f"session {self.id!r} is closed")
         if self.state != "resident":
@@ -338,6 +342,8 @@ class Session:
         if self.state != "resident":
             committed = self.manifest.committed
             return lambda: committed
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
         self._files.append_rows()  # the rows not handed to the writer yet (decode appends in runs)
@@ -350,8 +356,13 @@ class Session:
 
         def finish() -> int:
             before = self.manifest
-            self.manifest = self._committer.commit(writer, self.manifest, pending, length, noted=noted,
-                                                   durable=self.manifest_fsync or self.durable_stream)
+            try:
+                self.manifest = self._committer.commit(writer, self.manifest, pending, length, noted=noted,
+                                                       durable=self.manifest_fsync or self.durable_stream)
+            except OSError as exc:
+                if not fences(exc):
+                    raise
+                self._fence(exc, writer.nrec)
             if self.manifest is not before and catalogue:  # the catalogue's row follows (FORMAT.md 5.9)
                 self._uncatalogued = 0
                 self.store.note_session(self.manifest, resident=True)
@@ -360,6 +371,13 @@ class Session:
             return n
 
         return finish
+
+    def _fence(self, exc: OSError, verified: int) -> NoReturn:
+        """A commit failed with an I/O error: nothing more is written for this session; it is
+        reopened from its ``verified`` records only (:mod:`sessionstore.sessions.fence`)."""
+        self.fence = fence_of(self.id, verified, exc)
+        log.error("session.fenced", id=self.id, verified=verified, error=self.fence.error, message=str(exc))
+        raise SessionFencedError(self.fence) from exc
 
     def _commit_through_runner(self, *, catalogue: bool = True) -> None:
         """A turn's commit: its first part here, the rest by ``commit_runner`` when there is one
@@ -432,8 +450,12 @@ class Session:
 
     # ---- suspend / close -------------------------------------------------------------------
     def suspend(self) -> None:
-        """Commit, then release the cache, the mapping and the writer lock (disk only)."""
+        """Commit, then release the cache, the mapping and the writer lock (disk only). A fenced
+        session is released without a commit: nothing more is written for it."""
         if self.state != "resident":
+            return
+        if self.fence is not None:
+            self.abandon()
             return
         t0 = time.perf_counter()
         try:

@@ -23,8 +23,9 @@ class ServerProc:
     """One server process; ``url`` once started."""
 
     def __init__(self, root: Path, model: Path | str, *args: str, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None, port: int = 0) -> None:
+                 env: dict[str, str] | None = None, port: int = 0, module: str = "tools") -> None:
         self.root, self.model, self.args = root, str(model), list(args)
+        self.module = module  # what ``python -m`` runs: the CLI, or a test's launcher of it (faults injected)
         self.port = port  # 0: one the OS picks
         self.log_dir = log_dir or root.parent
         self.env = env
@@ -36,7 +37,7 @@ class ServerProc:
     def start(self) -> ServerProc:
         self._n += 1
         self.stderr_path = self.log_dir / f"server-{os.getpid()}-{id(self)}-{self._n}.stderr"
-        cmd = [sys.executable, "-m", "tools", "serve", "--http", f"127.0.0.1:{self.port}", "--root", str(self.root),
+        cmd = [sys.executable, "-m", self.module, "serve", "--http", f"127.0.0.1:{self.port}", "--root", str(self.root),
                "--model", self.model, *self.args]
         env = {**os.environ, "COLI_LOG": "off", "PYTHONPATH": str(REPO), **(self.env or {})}
         with open(self.stderr_path, "wb") as err:
