@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,42 @@ class ServerProc:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(signal.SIGKILL)
+
+
+class StreamReader:
+    """One streamed request read in a thread: the text its events carried, in order, and its
+    error event if any (a SIGKILL ending the connection is no error here: it is what is tested)."""
+
+    def __init__(self, server: ServerProc, path: str, body: dict[str, Any]) -> None:
+        self.text = ""
+        self.events = 0
+        self.error: dict[str, Any] | None = None
+        self.tokens: list[int] | None = None  # the final event's token_ids, when the turn ended
+        self.status = 0  # the response's HTTP status (0: none came)
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server.url + path, body))
+        self.thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=120) as response:
+                self.status = response.status_code
+                for event in sse_events(response):
+                    if "error" in event:
+                        self.error = event["error"]
+                        continue
+                    choice = event["choices"][0]
+                    if choice.get("finish_reason") is not None:
+                        self.tokens = choice.get("token_ids")
+                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if piece:
+                        self.text += piece
+                        self.events += 1
+                        self.started.set()
+        except httpx.HTTPError:
+            pass  # SIGKILL: the connection dies mid-stream
+        finally:
+            self.started.set()
 
 
 def free_port() -> int:

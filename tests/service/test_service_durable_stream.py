@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.service.serverkit import ServerProc, sse_events
+from tests.service.serverkit import ServerProc, StreamReader
 
 STREAMS = 4  # completion streams, beside one chat stream
 LONG = 3000  # max_tokens of every interrupted turn (never reached)
@@ -29,32 +27,6 @@ CHAT = [{"role": "user", "content": "tell me a long story"}]
 
 def _prompt(i: int) -> list[int]:
     return [7 + i, 40, 41 + 3 * i, 200, 9]
-
-
-class Reader:
-    """One streamed request read in a thread: the text every event carried, in order."""
-
-    def __init__(self, server: ServerProc, path: str, body: dict[str, Any]) -> None:
-        self.text = ""
-        self.events = 0
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(server.url + path, body))
-        self.thread.start()
-
-    def _run(self, url: str, body: dict[str, Any]) -> None:
-        try:
-            with httpx.stream("POST", url, json=body, timeout=120) as response:
-                for event in sse_events(response):
-                    choice = event["choices"][0]
-                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if piece:
-                        self.text += piece
-                        self.events += 1
-                        self.started.set()
-        except httpx.HTTPError:
-            pass  # SIGKILL: the connection dies mid-stream
-        finally:
-            self.started.set()
 
 
 def _history(server: ServerProc, sid: str) -> list[int]:
@@ -75,11 +47,11 @@ def _kill_rounds(tmp_path: Path, text_model_dir: Path, tok: Any, durable: bool, 
     seen: list[tuple[str, str, str]] = []
     try:
         for round_ in range(kills):
-            readers = {sid: Reader(server, "/v1/completions",
+            readers = {sid: StreamReader(server, "/v1/completions",
                                    {"model": name, "prompt": prompt, "max_tokens": LONG, "stream": True,
                                     "ignore_eos": True, "session": sid, **SAMPLING, "seed": round_ * 10 + int(sid[1])})
                        for sid, prompt in before.items()}
-            readers["chat"] = Reader(server, "/v1/chat/completions",
+            readers["chat"] = StreamReader(server, "/v1/chat/completions",
                                      {"model": name, "messages": CHAT, "max_tokens": LONG, "stream": True,
                                       "session": "chat", "seed": 3, **SAMPLING})
             for reader in readers.values():
