@@ -10,7 +10,7 @@ from sessionstore.kvfile import Dims
 from sessionstore.log import get_logger
 from sessionstore.service.metrics import ServiceMetrics
 from sessionstore.sessions import SessionStore
-from sessionstore.sessions.fence import Fence, SessionFencedError, cut_back
+from sessionstore.sessions.fence import Fence, SessionFencedError, reopen_fenced
 
 log = get_logger("service")
 
@@ -40,16 +40,17 @@ class FencedSessions:
 
     def reopen(self, store: SessionStore, session_id: str) -> None:
         """Before ``session_id`` is opened again: when it is fenced, its kv file's commit word is
-        put back to the verified count (durably), and it is no longer fenced; a failure there
-        leaves it fenced (SessionFencedError)."""
+        put back to the verified count (durably; also when its ``fence.json`` could not be written),
+        and it is no longer fenced; a failure there leaves it fenced (SessionFencedError)."""
         with self._lock:
             fence = self._fences.get(session_id)
         if fence is None:
             return
         manifest = store.read_manifest(session_id)
+        directory = store.session_dir(session_id)
         try:
-            cut = cut_back(store.session_dir(session_id) / manifest.kv_file, Dims(**manifest.dims), manifest.kv_dtype,
-                           fence.verified)
+            cut = reopen_fenced(directory, directory / manifest.kv_file, Dims(**manifest.dims), manifest.kv_dtype,
+                                fence.verified)
         except OSError as exc:
             log.error("service.reopen_failed", id=session_id, error=str(exc))
             raise SessionFencedError(fence) from exc

@@ -9,7 +9,9 @@ more is appended, committed or written for it (every later operation raises
 was verifiably committed: the records of its last commit whose every barrier returned
 (:attr:`Fence.verified`). :func:`cut_back` puts the kv file's commit word back there (durably)
 before the session is opened again, so records a failed commit may have left past it (in the
-page cache, or on disk without their barrier) are never used.
+page cache, or on disk without their barrier) are never used. The fence is also written beside the
+session (``fence.json``, best effort: the disk is failing) so that a process that opens it later,
+after a restart say, cuts it back the same way first (:func:`reopen_fenced`).
 
 A full disk (ENOSPC, EDQUOT) is not fenced: the write failed before any barrier, nothing
 committed changed, and the next commit rewrites every staged record (FORMAT.md 3).
@@ -17,14 +19,21 @@ committed changed, and the next commit rewrites every staged record (FORMAT.md 3
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from kernels.errors import ColiError
-from sessionstore.kvfile import Dims, KVWriter
+from kernels.errors import ColiError, FormatError
+from sessionstore.kvfile import Dims, KVWriter, atomic_replace, read_json_bounded, readable_temp, unlink_durably
+from sessionstore.log import get_logger
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+FENCE_NAME = "fence.json"  # beside a fenced session's files until it is reopened (FORMAT.md 5.1)
+MAX_FENCE_BYTES = 4096
+
+log = get_logger("session")
 
 
 @dataclass(frozen=True)
@@ -74,4 +83,40 @@ def cut_back(kv_path: str | os.PathLike[str], dims: Dims, kv_dtype: str, verifie
         writer.close(commit=False)
 
 
-__all__ = ["DISK_FULL", "Fence", "SessionFencedError", "cut_back", "fence_of", "fences"]
+def record_fence(directory: str | os.PathLike[str], fence: Fence) -> bool:
+    """Write ``fence.json`` beside the session (temp, fsync, rename, directory fsync); False, and
+    logged, when the failing disk refuses it (the process still holds the fence in memory)."""
+    data = json.dumps(fence.to_json(), sort_keys=True).encode()
+    try:
+        atomic_replace(Path(directory) / FENCE_NAME, data, make_temp=readable_temp(".fence-"))
+    except OSError as exc:
+        log.error("session.fence_unrecorded", id=fence.session_id, error=str(exc))
+        return False
+    return True
+
+
+def read_fence(directory: str | os.PathLike[str]) -> int | None:
+    """The verified count ``fence.json`` beside a session holds; None when there is none."""
+    path = Path(directory) / FENCE_NAME
+    try:
+        data = read_json_bounded(path, MAX_FENCE_BYTES, what="fence")
+    except FileNotFoundError:
+        return None
+    verified = data.get("verified") if isinstance(data, dict) else None
+    if isinstance(verified, bool) or not isinstance(verified, int) or verified < 0:
+        raise FormatError(f"{path}: 'verified' must be an integer >= 0, found {verified!r}")
+    return verified
+
+
+def reopen_fenced(directory: str | os.PathLike[str], kv_path: str | os.PathLike[str], dims: Dims, kv_dtype: str,
+                  verified: int) -> int:
+    """Before a fenced session opens again: its kv file cut back to ``verified`` records
+    (:func:`cut_back`), then ``fence.json`` removed; returns the records cut."""
+    cut = cut_back(kv_path, dims, kv_dtype, verified)
+    unlink_durably(Path(directory) / FENCE_NAME)
+    log.warning("session.reopened_fenced", path=str(directory), verified=verified, records_cut=cut)
+    return cut
+
+
+__all__ = ["DISK_FULL", "FENCE_NAME", "Fence", "SessionFencedError", "cut_back", "fence_of", "fences",
+           "read_fence", "record_fence", "reopen_fenced"]

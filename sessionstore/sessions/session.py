@@ -36,7 +36,15 @@ from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
 from sessionstore.sessions.durable_text import CommitWatch
-from sessionstore.sessions.fence import Fence, SessionFencedError, fence_of, fences
+from sessionstore.sessions.fence import (
+    Fence,
+    SessionFencedError,
+    fence_of,
+    fences,
+    read_fence,
+    record_fence,
+    reopen_fenced,
+)
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
@@ -197,6 +205,11 @@ class Session:
         if self.state == "resident":
             return self.resume_report
         t0 = time.perf_counter()
+        verified = read_fence(self.directory)  # fenced by a failed commit: from its verified records only
+        if verified is not None:
+            fenced = self.store.read_manifest(self.id)
+            reopen_fenced(self.directory, self.directory / fenced.kv_file, Dims(**fenced.dims), fenced.kv_dtype,
+                          verified)
         self.manifest = manifest = self.store.read_manifest(self.id)
         writer = self._open_writer(manifest)
         for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
@@ -377,6 +390,7 @@ class Session:
         reopened from its ``verified`` records only (:mod:`sessionstore.sessions.fence`)."""
         self.fence = fence_of(self.id, verified, exc)
         log.error("session.fenced", id=self.id, verified=verified, error=self.fence.error, message=str(exc))
+        record_fence(self.directory, self.fence)  # a later process cuts it back the same way first
         raise SessionFencedError(self.fence) from exc
 
     def _commit_through_runner(self, *, catalogue: bool = True) -> None:

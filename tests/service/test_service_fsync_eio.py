@@ -9,7 +9,8 @@ it. The three other streams finish exactly as uninterrupted runs. The next reque
 session reopens it from its last verified commit only (the records the failed commit word counted
 are cut: the request reuses exactly the verified count), everything its client had been sent is
 in that committed reply (``--durable-stream``), and it continues exactly; ``/healthz`` is ``ok``
-again."""
+again. The same holds when the server is restarted before that request: the fence was written
+beside the session (``fence.json``), and the new process cuts back from it."""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from kernels.model.sampling import Sampler
 from sessionstore.sessions import reference_turns
@@ -59,8 +61,9 @@ def _metric(text: str, name: str) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["same-server", "after-restart"])
 def test_eio_from_fsync_fences_only_that_session_which_reopens_from_its_verified_commit(
-        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any]) -> None:
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], restart: bool) -> None:
     model, tok = text_model
     log = tmp_path / "fsyncs.log"
     env = {"COLI_TEST_EIO_SESSION": BAD, "COLI_TEST_EIO_AFTER": str(AFTER), "COLI_TEST_EIO_LOG": str(log)}
@@ -109,6 +112,10 @@ def test_eio_from_fsync_fences_only_that_session_which_reopens_from_its_verified
         lines = log.read_text().splitlines()
         assert lines[-1].endswith(" EIO") and sum(line.endswith(" EIO") for line in lines) == 1, lines
 
+        assert (bad_dir / "fence.json").exists()  # recorded beside it: any later open cuts back first
+        if restart:  # a new process (no fault, no memory of the fence) reopens it from fence.json
+            assert server.stop() == 0
+            server = ServerProc(tmp_path / "root", text_model_dir, "--durable-stream").start()
         # reopened from its verified commit only: the greedy run's tokens as far as it goes
         want = reference_turns(model, "fp8", [(_prompt(0), BAD_TOKENS + 60)], Sampler())[0]
         ask = _prompt(0) + want[:BAD_TOKENS + 40]  # past anything it committed
@@ -116,7 +123,9 @@ def test_eio_from_fsync_fences_only_that_session_which_reopens_from_its_verified
                                                     "ignore_eos": True, "session": BAD, "temperature": 0})
         assert more.status_code == 200, more.text
         assert more.json()["session"]["reused_prefix"] == verified  # not the records the failed word counted
-        assert len(log.read_text().splitlines()) > len(lines)  # the cut back: written again only now
+        if not restart:
+            assert len(log.read_text().splitlines()) > len(lines)  # the cut back: written again only now
+        assert not (bad_dir / "fence.json").exists()
         history = server.get(f"/v1/sessions/{BAD}?history=1").json()["history"]
         assert history == (_prompt(0) + want)[:len(history)]
         assert tok.decode(history[len(_prompt(0)):]).startswith(bad["text"])  # all it was sent is committed
