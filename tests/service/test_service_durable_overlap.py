@@ -93,4 +93,5 @@ def test_each_piece_is_durable_before_it_is_sent_and_slow_commits_coalesce(
         # slow commits coalesce: far fewer mid-turn commits than tokens (one per token would be 40)
         assert commits[sid] < MAX_NEW // 2, commits
     # one commit per token, one after another, would take 40 x 3 fsyncs x 20 ms = 2.4 s per session
+    print(f"3 sessions x {MAX_NEW} tokens with {SLOW_FSYNC_S * 1e3:.0f} ms fsyncs: {took:.2f} s, commits {commits}")
     assert took < MAX_NEW * 3 * SLOW_FSYNC_S, f"{took:.2f} s: the steps waited for the commits"
