@@ -22,6 +22,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
+from sessionstore.sessions.durable_text import DURABLE_STREAM, held_until_committed
 from tools._common import check_backend, fresh_store
 from tools._text import set_sampler, tokenizer_for
 
@@ -41,6 +42,10 @@ def register(subparsers: Any) -> None:
                    help=f"most tokens per reply (default {DEFAULT_MAX_NEW}); a reply also ends at an eos token")
     p.add_argument("--system", default=None, help="a system message starting a new conversation")
     p.add_argument("--commit-every", type=int, default=16, help="commit the reply every N tokens (default 16)")
+    p.add_argument("--durable-stream", action=argparse.BooleanOptionalAction, default=DURABLE_STREAM,
+                   help="show a token only once it is committed (every token commits; the state page is "
+                   "fdatasync'ed): a crash never loses text already shown "
+                   f"(default {'on' if DURABLE_STREAM else 'off'})")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy; default:"
                    " the session's, greedy for a new one)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
@@ -80,7 +85,8 @@ class ChatLoop:
     def __init__(self, args: argparse.Namespace, store: Any) -> None:
         self.args = args
         self.store = store
-        self.options = {"commit_every": args.commit_every, "backend": args.backend}
+        self.options = {"commit_every": args.commit_every, "backend": args.backend,
+                        "durable_stream": args.durable_stream}
         self.session: Any = None
         self.conv: Any = None
         self.tok: Any = None
@@ -154,8 +160,8 @@ class ChatLoop:
         if not self.args.json:
             sys.stdout.write("assistant> ")
             sys.stdout.flush()
-        with _Interrupt() as interrupt:
-            r = turn(self.args.max_new, on_text=self.piece, should_stop=interrupt)
+        with _Interrupt() as interrupt, held_until_committed(self.session, self.piece) as on_text:
+            r = turn(self.args.max_new, on_text=on_text, should_stop=interrupt)  # --durable-stream: once committed
         if not self.args.json:
             print("" if r.stopped != "interrupted" else " [interrupted]", flush=True)
         self.emit({"reply": r.to_json(), "session": self.session.id})

@@ -24,6 +24,7 @@ from kernels.rows import KV_DTYPES
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
 from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, PULL_KEY_ENV, ServiceLimits, check_bind, parse_bind
+from sessionstore.sessions.durable_text import DURABLE_STREAM
 from tools._common import fresh_store
 
 
@@ -54,6 +55,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-bundle-bytes", type=int, default=ServiceLimits.max_bundle_bytes,
                    help=f"largest bundle PUT /v1/sessions/ID/bundle accepts (default {ServiceLimits.max_bundle_bytes})")
     p.add_argument("--commit-every", type=int, default=16, help="commit a reply every N tokens (default 16)")
+    p.add_argument("--durable-stream", action=argparse.BooleanOptionalAction, default=DURABLE_STREAM,
+                   help="send a token to the client only once it is committed (every token commits, one group "
+                   "commit per decode step for the whole batch): a crash never loses text a client was sent "
+                   f"(default {'on' if DURABLE_STREAM else 'off'})")
     p.add_argument("--remote", default=None, metavar="s3://BUCKET/PREFIX",
                    help="--http: serve as one host of a fleet on this object store (sessions leased, pulled "
                    "and pushed back; endpoint and credentials from the AWS environment, e.g. AWS_ENDPOINT_URL)")
@@ -134,7 +139,8 @@ def run_http(args: argparse.Namespace) -> int:
                                               max_prefill_tokens=args.max_prefill_tokens,
                                               read_timeout_s=args.read_timeout),
                          max_kv_bytes=args.max_kv_bytes,
-                         session_options={"commit_every": args.commit_every},
+                         session_options={"commit_every": args.commit_every,
+                                          "durable_stream": args.durable_stream},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
                          advertise_url=args.advertise_url, fleet_proxy=args.fleet_proxy,
                          pull=pull if pull.origins else None, max_disk_bytes=args.max_disk_bytes,

@@ -412,8 +412,14 @@ class Api:
             return JSONResponse({"status": "stopping"}, status_code=503)
         if core.ready is None:
             return JSONResponse({"status": "engine_restarting", "engine_restarts": core.restarts}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.model_id, "engine_pid": core.pid,
-                             "engine_restarts": core.restarts})
+        body = {"status": "ok", "model": self.model_id, "engine_pid": core.pid, "engine_restarts": core.restarts}
+        try:  # sessions whose commit failed with an I/O error, fenced (FORMAT.md 7)
+            fenced = await core.call("fenced")
+        except ApiError:
+            fenced = []
+        if fenced:
+            body.update(status="degraded", fenced=fenced)
+        return JSONResponse(body)
 
     async def metrics_text(self, request: Request) -> Response:
         """The API process's metrics, then the core's (none while a new core starts)."""

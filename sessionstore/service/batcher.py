@@ -250,15 +250,16 @@ class StepBatcher:
         for work in woken:  # in batch order
             self._admit(work)
 
-    def run_commit(self, commit: Callable[[], object]) -> None:
+    def run_commit(self, commit: Callable[[], object], *, overlap: bool = False) -> None:
         """A turn's mid-turn commit (the part a session's ``commit_runner`` is handed, which
         touches neither the cache nor the pending token): started at the end of this pass when
         the engine thread is running the turn's loop on (:mod:`.group_commit`), else run now.
         A turn that commits on its own thread (its loop has ended) lets go of the baton while it
         does, and is not waited for by the steps meanwhile: its fsyncs hold no other session back.
         Nothing else touches its session then (the session is claimed by the turn; the engine
-        thread runs only other sessions' loops)."""
-        if self.commits.put_off(commit):
+        thread runs only other sessions' loops). ``overlap``: the loop may run on while the
+        commit is in flight (its session guards its writer: :meth:`GroupCommit.ready`)."""
+        if self.commits.put_off(commit, overlap=overlap):
             return
         if threading.current_thread() is self.thread or not self.baton.held_by_me():
             commit()
@@ -275,7 +276,7 @@ class StepBatcher:
         """Send a loop its logits [V]: True once it yielded its next token (queued for the next
         step), False once it ended or raised (settled)."""
         assert work.loop is not None
-        failed = self.commits.wait(work)  # the commit its last pass asked for, run beside this step
+        failed = self.commits.ready(work)  # the commit its last pass asked for, run beside this step
         if failed is not None:  # its turn ends as it would have before the step: the step is undone
             work.cache.truncate(work.cache.length - 1)
             work.settle(None, failed)

@@ -55,6 +55,7 @@ from sessionstore.service.turns import TurnSpec
 
 log = get_logger("service.client")
 
+CORE_MODULE = "sessionstore.service.core_process"  # run as ``python -m`` (a fault-injecting test launcher swaps it)
 START_TIMEOUT_S = 600.0  # loading a big checkpoint can take minutes
 STOP_TIMEOUT_S = 120.0  # the core commits and suspends every session before it exits
 WATCH_S = 0.1  # how often the watcher looks at the core's process
@@ -106,7 +107,7 @@ class CoreProcess:
 
     def __init__(self, config: CoreConfig) -> None:
         env = {**os.environ}
-        self.proc = subprocess.Popen([sys.executable, "-m", "sessionstore.service.core_process"],
+        self.proc = subprocess.Popen([sys.executable, "-m", CORE_MODULE],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(config))

@@ -117,6 +117,12 @@ def op_check_target(engine: Engine, args: dict[str, Any]) -> None:
     check_target(engine, _session(args), bool(args.get("replace", True)))
 
 
+def op_fenced(engine: Engine, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sessions fenced by a failed commit (FORMAT.md 5.5), as ``/healthz`` lists them."""
+    listed: list[dict[str, Any]] = engine.fences.listed()
+    return listed
+
+
 def op_metrics(engine: Engine, args: dict[str, Any]) -> bytes:
     """The core's metrics in Prometheus' text format."""
     return engine.metrics.render()
@@ -233,6 +239,7 @@ OPERATIONS: dict[str, Operation] = {
     "list": Operation(op_list, False),
     "check_target": Operation(op_check_target, False),
     "metrics": Operation(op_metrics, False),
+    "fenced": Operation(op_fenced, False),
     "delete": Operation(op_delete, True),
     "suspend": Operation(op_suspend, True),
     "fork": Operation(op_fork, True),

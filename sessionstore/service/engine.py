@@ -22,6 +22,7 @@ from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.batcher import BatchingDecoder, StepBatcher
 from sessionstore.service.errors import ApiError
+from sessionstore.service.fencing import FencedSessions
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import EngineMetrics
 from sessionstore.service.scheduler import DecoderBaton
@@ -64,6 +65,7 @@ class Engine:
         self._busy: set[str] = set()
         self._workers: set[threading.Thread] = set()
         self._lock = threading.Lock()  # the busy set and the workers
+        self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
                                    lambda: self.batcher.steps)
 
@@ -152,6 +154,10 @@ class Engine:
     def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
         """The open session ``session_id``, resident (created if absent and ``create``)."""
         session = self._sessions.get(session_id)
+        if session is not None and session.fence is not None:  # fenced: let go of, reopened below
+            self.let_go_fenced(session)
+            session = None
+        self.fences.reopen(self.store, session_id)  # a fenced session: from its verified commit only
         if self.home is not None and self.home.check_out(session_id, create=create):
             self.forget(session_id)  # fleet hook: the fleet's newer copy was pulled over it: reopen
             session = None
@@ -216,6 +222,9 @@ class Engine:
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token)
             except BaseException:
+                if session.fence is not None:  # a commit failed with an I/O error: nothing more written
+                    self.let_go_fenced(session)
+                    raise
                 if created and not session.history():  # a refused first turn leaves no session behind
                     self._drop(spec.session)
                 raise
@@ -229,6 +238,15 @@ class Engine:
         self.metrics.tokens.inc(len(outcome.tokens))
         self.metrics.turn_seconds.observe(time.perf_counter() - t0)
         return outcome
+
+    def let_go_fenced(self, session: Session) -> None:
+        """A fenced session (:mod:`sessionstore.sessions.fence`): released without a commit and
+        listed until its next request reopens it; the other sessions carry on."""
+        assert session.fence is not None
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+        session.suspend()  # fenced: released, nothing written
+        self.fences.note(session.fence)
 
     def forget(self, session_id: str) -> None:
         """Let go of a suspended session's object (its files are about to be replaced)."""

@@ -23,6 +23,7 @@ from kernels.errors import (
     NotFoundError,
     UnsupportedModelError,
 )
+from sessionstore.sessions.fence import SessionFencedError
 from sessionstore.sessions.tier_record import SessionOffloadedError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
@@ -80,6 +81,8 @@ def api_error_of(exc: BaseException) -> ApiError:
     """The API error for an exception raised while serving a request."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, SessionFencedError):
+        return ApiError(503, f"{exc}; ask again to reopen it", code="session_fenced")
     if isinstance(exc, NotFoundError):
         return ApiError(404, str(exc), code="not_found")
     if isinstance(exc, SessionOffloadedError):

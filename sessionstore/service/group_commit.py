@@ -12,6 +12,13 @@ durable and touches neither the cache nor the pending token, so the next step ma
 cache meanwhile. Before a loop is run on again (sent the logits of that next step) or its turn is
 woken, the engine thread waits for the loop's commit (:meth:`GroupCommit.wait`): a loop never
 hands rows to a writer whose commit is in flight, and a turn never sees its commit unfinished.
+
+A commit put off with ``overlap`` (a durable-stream session's per-token commit,
+:mod:`sessionstore.sessions.durable_text`) is not waited for before its loop runs on
+(:meth:`GroupCommit.ready`): its session guards its own writer (no rows handed over, no commit
+begun, while one is in flight; the next commit covers the tokens drawn meanwhile), so a commit
+slower than a step delays only the text it releases, never the steps. Its turn still waits for
+it before it is woken (:meth:`GroupCommit.wait`).
 """
 from __future__ import annotations
 
@@ -19,20 +26,21 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 
 class GroupCommit:
     """Commits put off while one thread runs loops on (:meth:`collecting`), started together
-    (:meth:`start_all`) and awaited one owner at a time (:meth:`wait`)."""
+    (:meth:`start_all`) and awaited one owner at a time (:meth:`ready`, :meth:`wait`)."""
 
     def __init__(self, workers: int) -> None:
         self.workers = max(1, workers)
         self._pool: ThreadPoolExecutor | None = None
         self._collector: int | None = None  # the thread whose loops' commits are put off
         self._owner: Any = None  # the loop being run on: the owner of the commits it puts off
-        self._jobs: dict[Any, list[Callable[[], object]]] = {}  # put off in this pass, by owner
-        self._running: dict[Any, Future[BaseException | None]] = {}  # started, not waited for yet
+        self._jobs: dict[Any, _Job] = {}  # put off in this pass, by owner
+        self._running: dict[Any, list[_Started]] = {}  # started, not waited for yet (oldest first)
 
     @contextmanager
     def collecting(self, owner: Any) -> Iterator[None]:
@@ -43,12 +51,14 @@ class GroupCommit:
         finally:
             self._collector = self._owner = None
 
-    def put_off(self, commit: Callable[[], object]) -> bool:
+    def put_off(self, commit: Callable[[], object], *, overlap: bool = False) -> bool:
         """Queue ``commit`` for :meth:`start_all` (True), or False when no loop is being run on
-        in this thread (the caller commits now)."""
+        in this thread (the caller commits now). ``overlap``: its loop may run on before it ends."""
         if self._collector != threading.get_ident() or self._owner is None:
             return False
-        self._jobs.setdefault(self._owner, []).append(commit)
+        job = self._jobs.setdefault(self._owner, _Job([], overlap))
+        job.commits.append(commit)
+        job.overlap = job.overlap and overlap
         return True
 
     def start_all(self) -> None:
@@ -59,15 +69,27 @@ class GroupCommit:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="coli-commit")
-        for owner, commits in jobs.items():
-            assert owner not in self._running  # waited for before its loop could ask again
-            self._running[owner] = self._pool.submit(_run, commits)
+        for owner, job in jobs.items():
+            running = self._running.setdefault(owner, [])
+            assert all(s.overlap for s in running)  # else waited for before its loop asked again
+            running.append(_Started(self._pool.submit(_run, job.commits), job.overlap))
+
+    def ready(self, owner: Any) -> BaseException | None:
+        """Before ``owner``'s loop runs on: its commits that ended are collected and the others
+        waited for, except those started with ``overlap`` (left running); the first error of
+        those collected, or None."""
+        running = self._running.pop(owner, [])
+        left = [s for s in running if s.overlap and not s.future.done()]
+        if left:
+            self._running[owner] = left
+        errors = [s.future.result() for s in running if s not in left]
+        return next((e for e in errors if e is not None), None)
 
     def wait(self, owner: Any) -> BaseException | None:
         """Wait for ``owner``'s commits started by :meth:`start_all` (none: at once); the error
-        that ended them, or None."""
-        running = self._running.pop(owner, None)
-        return None if running is None else running.result()
+        that ended the first that failed, or None."""
+        errors = [s.future.result() for s in self._running.pop(owner, [])]
+        return next((e for e in errors if e is not None), None)
 
     def in_flight(self) -> int:
         """Owners whose commits were started and not waited for."""
@@ -81,6 +103,20 @@ class GroupCommit:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+@dataclass
+class _Job:
+    """One owner's commits put off in a pass; ``overlap`` when every one of them allows it."""
+
+    commits: list[Callable[[], object]]
+    overlap: bool
+
+
+@dataclass(frozen=True)
+class _Started:
+    future: Future[BaseException | None]
+    overlap: bool
 
 
 def _run(commits: list[Callable[[], object]]) -> BaseException | None:

@@ -60,6 +60,11 @@ class EngineMetrics:
                                       buckets=TURN_BUCKETS)
         self.waiting = Gauge("coli_requests_waiting", "turns accepted and waiting for the engine", registry=r)
         self.running = Gauge("coli_requests_running", "turns the engine is running", registry=r)
+        self.fenced = Gauge("coli_sessions_fenced", "sessions fenced after a commit failed with an I/O error "
+                            "(nothing more written; reopened from their last verified commit on their next request)",
+                            registry=r)
+        self.fences = Counter("coli_session_fences", "sessions fenced after a failed commit (EIO from fsync, ...)",
+                              registry=r)
 
     def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
                       resident_bytes: Callable[[], int], steps: Callable[[], int]) -> None:

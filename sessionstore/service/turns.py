@@ -20,6 +20,7 @@ from kernels.model.logits import TokenLogprob, TurnDraw
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
 from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
+from sessionstore.service.durable_stream import durable_sink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.prompts import PromptRenderer
 from sessionstore.sessions import Session
@@ -158,6 +159,11 @@ class TurnRunner:
 
     # ---- on a session --------------------------------------------------------------------------
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
+        with durable_sink(session, sink) as turn_sink:  # --durable-stream: text once committed
+            return self._on_session(session, spec, turn_sink, at_token)
+
+    def _on_session(self, session: Session, spec: TurnSpec, sink: TurnSink,
+                    at_token: Callable[[], bool]) -> TurnOutcome:
         prompt = self.prompt_ids(spec)
         max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
         draw = self._draw(spec)

@@ -62,18 +62,26 @@ class Committer:
         self.logits = logits
         self.digest = None
 
+    def noted(self) -> tuple[np.ndarray | None, LogitsDigest | None]:
+        """The logits noted last and their digest (taken by a commit when it begins)."""
+        return self.logits, self.digest
+
     def commit(self, writer: KVWriter, manifest: Manifest, pending: list[int], length: int, *,
-               durable: bool = False) -> Manifest:
+               durable: bool = False,
+               noted: tuple[np.ndarray | None, LogitsDigest | None] | None = None) -> Manifest:
         """Commit the ``length`` records appended through ``writer``: the kv commit, then the
-        state page (fdatasync'ed when ``durable``); returns the manifest after it."""
+        state page (fdatasync'ed when ``durable``); returns the manifest after it. ``noted``: the
+        logits of position ``length - 1`` and their digest as :meth:`noted` gave them when the
+        commit began (default: those noted now)."""
         t0 = time.perf_counter()
         n = writer.length
         if n != length:
             raise CorruptionError(f"{self.kv_path}: {n} records appended, the cache holds {length}")
+        logits, digest = self.noted() if noted is None else noted
         prepared: list[tuple[Manifest, bytes] | None] = []
-        committed = writer.commit(beside=lambda: prepared.append(self._prepare(manifest, pending, n)))
+        committed = writer.commit(beside=lambda: prepared.append(self._prepare(manifest, pending, n, logits, digest)))
         t1 = time.perf_counter()
-        state = prepared[0] if prepared else self._prepare(manifest, pending, n)
+        state = prepared[0] if prepared else self._prepare(manifest, pending, n, logits, digest)
         t2 = time.perf_counter()
         if committed != n:
             raise CorruptionError(f"{self.kv_path}: committed {committed} records, expected {n}")
@@ -87,9 +95,11 @@ class Committer:
                        "state_write_s": time.perf_counter() - t2}
         return manifest
 
-    def _prepare(self, manifest: Manifest, pending: list[int], n: int) -> tuple[Manifest, bytes] | None:
+    @staticmethod
+    def _prepare(manifest: Manifest, pending: list[int], n: int, logits: np.ndarray | None,
+                 digest: LogitsDigest | None) -> tuple[Manifest, bytes] | None:
         """The manifest after a commit of ``n`` records and its state page; None if unchanged."""
-        new = manifest_after_commit(manifest, n, pending, self.logits, self.digest)
+        new = manifest_after_commit(manifest, n, pending, logits, digest)
         if new is None:
             return None
         new.updated_at = utc_now()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -35,6 +35,16 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit import Committer
+from sessionstore.sessions.durable_text import CommitWatch
+from sessionstore.sessions.fence import (
+    Fence,
+    SessionFencedError,
+    fence_of,
+    fences,
+    read_fence,
+    record_fence,
+    reopen_fenced,
+)
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency import Residency
@@ -72,6 +82,13 @@ class SessionHome(Protocol):
     def note_session(self, manifest: Manifest, *, resident: bool) -> None: ...
 
 
+class CommitRunner(Protocol):
+    """Runs the rest of a turn's commit (:meth:`Session.begin_commit`'s callable), now or beside
+    the next batched step; ``overlap``: the turn's loop may run on before it has returned."""
+
+    def __call__(self, commit: Callable[[], object], *, overlap: bool = False) -> None: ...
+
+
 class Session:
     """One session. Obtain through :class:`SessionStore` (``create`` / ``open``)."""
 
@@ -79,7 +96,8 @@ class Session:
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
-                 commit_runner: Callable[[Callable[[], object]], None] | None = None) -> None:
+                 commit_runner: CommitRunner | None = None,
+                 durable_stream: bool = False) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
@@ -96,6 +114,14 @@ class Session:
         # runs generate's commits every commit_every tokens, now or before the next token is fed (a
         # server commits sessions that are due in the same step together: service.group_commit)
         self.commit_runner = commit_runner
+        # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
+        # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
+        # hears what each commit covers once it has returned
+        self.durable_stream = durable_stream
+        self.commit_watch: CommitWatch | None = None
+        self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
+        self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
+        self.fence: Fence | None = None  # set when a commit failed with an I/O error (sessions.fence)
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
         self.kv_path = self.directory / manifest.kv_file
@@ -167,6 +193,8 @@ class Session:
 
     # ---- resume ----------------------------------------------------------------------------
     def ensure_resident(self) -> None:
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
         if self.state == "closed":
             raise ColiError(f"session {self.id!r} is closed")
         if self.state != "resident":
@@ -177,6 +205,11 @@ class Session:
         if self.state == "resident":
             return self.resume_report
         t0 = time.perf_counter()
+        verified = read_fence(self.directory)  # fenced by a failed commit: from its verified records only
+        if verified is not None:
+            fenced = self.store.read_manifest(self.id)
+            reopen_fenced(self.directory, self.directory / fenced.kv_file, Dims(**fenced.dims), fenced.kv_dtype,
+                          verified)
         self.manifest = manifest = self.store.read_manifest(self.id)
         writer = self._open_writer(manifest)
         for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
@@ -284,7 +317,11 @@ class Session:
             if on_token is not None:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
-            if every and self._files.live_cache.length - writer.nrec >= every:
+            if self.durable_stream:  # every token (its text is held until then), unless one is in flight:
+                if not self._in_flight:  # the next one covers this token too
+                    self._uncatalogued += 1  # the catalogue's row every commit_every of these (FORMAT.md 5.9)
+                    self._commit_through_runner(catalogue=self._uncatalogued >= (every or 1))
+            elif every and self._files.live_cache.length - writer.nrec >= every:
                 self._commit_through_runner()
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
@@ -293,6 +330,7 @@ class Session:
         if not tokens:
             self.pending = []
         self._note_logits(logits)
+        assert not self._in_flight  # a turn is woken only once its commits returned
         self._commit_through_runner()
         result.tokens, result.stopped_at_eos = tokens, eos
         result.committed = self._files.live_writer.nrec
@@ -306,47 +344,80 @@ class Session:
         (:class:`sessionstore.sessions.commit.Committer`)."""
         return self.begin_commit()()
 
-    def begin_commit(self) -> Callable[[], int]:
+    def begin_commit(self, *, catalogue: bool = True) -> Callable[[], int]:
         """The commit's first part, now: the rows not handed to the writer yet are handed over
         and what the commit covers is fixed (the records appended so far, the pending token).
         The returned callable is the rest (the kv commit, then the manifest's dynamic fields;
         returns the count): it reads neither the cache nor ``pending``, so it may run while the
         cache grows (a server runs it beside its next batched step). Nothing may append to the
-        writer or commit this session again until it has returned."""
+        writer or commit this session again until it has returned. ``catalogue`` False: the
+        store's catalogue row is left to a later commit (a durable stream's per-token ones)."""
         if self.state != "resident":
             committed = self.manifest.committed
             return lambda: committed
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
         self._files.append_rows()  # the rows not handed to the writer yet (decode appends in runs)
         writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
         length, pending = self._files.live_cache.length, list(self.pending)
+        noted = self._committer.noted()  # the last position's logits: the next token may note others meanwhile
+        watch = self.commit_watch
+        mark = watch.mark() if watch is not None else 0  # the text this commit covers (durable stream)
 
         def finish() -> int:
             before = self.manifest
-            self.manifest = self._committer.commit(writer, self.manifest, pending, length,
-                                                   durable=self.manifest_fsync)
-            if self.manifest is not before:  # the catalogue's row follows the commit (FORMAT.md 5.9)
+            try:
+                self.manifest = self._committer.commit(writer, self.manifest, pending, length, noted=noted,
+                                                       durable=self.manifest_fsync or self.durable_stream)
+            except OSError as exc:
+                if not fences(exc):
+                    raise
+                self._fence(exc, writer.nrec)
+            if self.manifest is not before and catalogue:  # the catalogue's row follows (FORMAT.md 5.9)
+                self._uncatalogued = 0
                 self.store.note_session(self.manifest, resident=True)
+            if watch is not None:  # returned: the text of the tokens it covers may go out
+                watch.committed(mark)
             return n
 
         return finish
 
-    def _commit_through_runner(self) -> None:
+    def _fence(self, exc: OSError, verified: int) -> NoReturn:
+        """A commit failed with an I/O error: nothing more is written for this session; it is
+        reopened from its ``verified`` records only (:mod:`sessionstore.sessions.fence`)."""
+        self.fence = fence_of(self.id, verified, exc)
+        log.error("session.fenced", id=self.id, verified=verified, error=self.fence.error, message=str(exc))
+        record_fence(self.directory, self.fence)  # a later process cuts it back the same way first
+        raise SessionFencedError(self.fence) from exc
+
+    def _commit_through_runner(self, *, catalogue: bool = True) -> None:
         """A turn's commit: its first part here, the rest by ``commit_runner`` when there is one
         (a server's engine runs it beside its next batched step, or lets the turn run it without
         holding the other sessions back), else here."""
-        finish = self.begin_commit()
+        finish = self.begin_commit(catalogue=catalogue)
         if self.commit_runner is None:
             finish()
-        else:
+        elif not self.durable_stream:
             self.commit_runner(finish)
+        else:  # the loop runs on while it is in flight (no rows handed over, no commit begun meanwhile)
+            def finish_then_clear() -> int:
+                try:
+                    return finish()
+                finally:
+                    self._in_flight = False
+
+            self._in_flight = True
+            self.commit_runner(finish_then_clear, overlap=True)
 
     def _append_in_runs(self) -> None:
         """After a forward: hand the new rows to the writer once APPEND_RUN of them wait (a prefill
         at once; decode steps in runs, and every commit hands over the rest first). Rows not yet
         handed over are only uncommitted ones, which a crash loses either way."""
+        if self._in_flight:  # a commit is writing from the writer: the rows wait for the next one
+            return
         if self._files.live_cache.length - self._files.live_writer.length >= APPEND_RUN:
             self._files.append_rows()
 
@@ -393,8 +464,12 @@ class Session:
 
     # ---- suspend / close -------------------------------------------------------------------
     def suspend(self) -> None:
-        """Commit, then release the cache, the mapping and the writer lock (disk only)."""
+        """Commit, then release the cache, the mapping and the writer lock (disk only). A fenced
+        session is released without a commit: nothing more is written for it."""
         if self.state != "resident":
+            return
+        if self.fence is not None:
+            self.abandon()
             return
         t0 = time.perf_counter()
         try:

@@ -34,11 +34,11 @@ CANDIDATES = ["Tell me a long story about the quick brown fox.", "Describe Paris
 class Chat:
     """One ``coli-kv chat --json`` process fed line by line."""
 
-    def __init__(self, root: Path, sid: str, model: Path) -> None:
+    def __init__(self, root: Path, sid: str, model: Path, *extra: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tools.coli_kv", "chat", "--root", str(root), "--session", sid, "--model",
-             str(model), "--json", "--max-new", str(MAX_NEW), "--commit-every", "2"],
+             str(model), "--json", "--max-new", str(MAX_NEW), "--commit-every", "2", *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env,
             text=True, encoding="utf-8")
         self.opened = self.event()

@@ -2,6 +2,7 @@
 (printed by the server), ready once ``/healthz`` answers, stopped by SIGTERM or SIGKILL."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,9 @@ class ServerProc:
     """One server process; ``url`` once started."""
 
     def __init__(self, root: Path, model: Path | str, *args: str, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None, port: int = 0) -> None:
+                 env: dict[str, str] | None = None, port: int = 0, module: str = "tools") -> None:
         self.root, self.model, self.args = root, str(model), list(args)
+        self.module = module  # what ``python -m`` runs: the CLI, or a test's launcher of it (faults injected)
         self.port = port  # 0: one the OS picks
         self.log_dir = log_dir or root.parent
         self.env = env
@@ -36,7 +39,7 @@ class ServerProc:
     def start(self) -> ServerProc:
         self._n += 1
         self.stderr_path = self.log_dir / f"server-{os.getpid()}-{id(self)}-{self._n}.stderr"
-        cmd = [sys.executable, "-m", "tools", "serve", "--http", f"127.0.0.1:{self.port}", "--root", str(self.root),
+        cmd = [sys.executable, "-m", self.module, "serve", "--http", f"127.0.0.1:{self.port}", "--root", str(self.root),
                "--model", self.model, *self.args]
         env = {**os.environ, "COLI_LOG": "off", "PYTHONPATH": str(REPO), **(self.env or {})}
         with open(self.stderr_path, "wb") as err:
@@ -94,10 +97,16 @@ class ServerProc:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
                              timeout=120)
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Signal the server and wait for it; its exit status."""
+    def stop(self, sig: int = signal.SIGTERM, *, api_only: bool = False) -> int:
+        """Signal the server and wait for it; its exit status. SIGKILL is a crash of the whole
+        server: its engine core is SIGKILLed first, then the API process (``api_only``: the API
+        process alone, whose core then commits and exits on its own)."""
         assert self.proc is not None
         if self.proc.poll() is None:
+            if sig == signal.SIGKILL and not api_only:
+                for child in children_of(self.proc.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child, signal.SIGKILL)
             self.proc.send_signal(sig)
         rc = self.proc.wait(timeout=60)
         if self.proc.stdout is not None:
@@ -110,6 +119,51 @@ class ServerProc:
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop(signal.SIGKILL)
+
+
+class StreamReader:
+    """One streamed request read in a thread: the text its events carried, in order, and its
+    error event if any (a SIGKILL ending the connection is no error here: it is what is tested)."""
+
+    def __init__(self, server: ServerProc, path: str, body: dict[str, Any]) -> None:
+        self.text = ""
+        self.events = 0
+        self.error: dict[str, Any] | None = None
+        self.tokens: list[int] | None = None  # the final event's token_ids, when the turn ended
+        self.status = 0  # the response's HTTP status (0: none came)
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server.url + path, body))
+        self.thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=120) as response:
+                self.status = response.status_code
+                for event in sse_events(response):
+                    if "error" in event:
+                        self.error = event["error"]
+                        continue
+                    choice = event["choices"][0]
+                    if choice.get("finish_reason") is not None:
+                        self.tokens = choice.get("token_ids")
+                    piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if piece:
+                        self.text += piece
+                        self.events += 1
+                        self.started.set()
+        except httpx.HTTPError:
+            pass  # SIGKILL: the connection dies mid-stream
+        finally:
+            self.started.set()
+
+
+def children_of(pid: int) -> list[int]:
+    """The child processes of ``pid`` (every thread's, from /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
 def free_port() -> int:

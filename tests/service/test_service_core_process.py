@@ -79,7 +79,7 @@ def test_api_sigkill_leaves_no_orphan_core_and_its_sessions_committed(tmp_path: 
     seen = threading.Event()
     th = _stream(server, _body(name, "o1"), "/v1/completions", events, seen, 10)
     assert seen.wait(60)
-    assert server.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert server.stop(signal.SIGKILL, api_only=True) == -signal.SIGKILL
     th.join(60)
     assert _wait(lambda: _gone(core_pid), 60), "the core outlived its API process"
     streamed = [e for e in events if e.get("choices")]

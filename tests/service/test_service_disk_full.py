@@ -56,6 +56,10 @@ def _stream(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
     pieces: list[str] = []
     with httpx.Client(timeout=240) as client, client.stream("POST", url + "/v1/completions", json=body) as reply:
         out["status"] = reply.status_code
+        if reply.status_code != 200:  # refused before any text: the error in OpenAI's shape, no stream
+            reply.read()
+            out["error"], out["ended"], out["text"] = reply.json()["error"], True, ""
+            return
         for event in sse_events(reply):
             if "error" in event:
                 out["error"] = event["error"]
@@ -68,13 +72,14 @@ def _stream(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
     out["text"] = "".join(pieces)
 
 
+@pytest.mark.parametrize("flags", [(), ("--durable-stream",)], ids=["default", "durable-stream"])
 def test_a_full_disk_ends_turns_with_507_keeps_what_was_committed_and_recovers(
-        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any]) -> None:
-    model, _ = text_model
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], flags: tuple[str, ...]) -> None:
+    model, tok = text_model
     sampler = Sampler.checked(SAMPLING["temperature"], 0, 1.0, SAMPLING["seed"])
     prompts = [[5, 6, 7 + i] for i in range(STREAMS)]
     with small_disk(tmp_path / "disk", "3m") as disk, \
-            ServerProc(disk / "root", text_model_dir, "--commit-every", "4", log_dir=tmp_path) as server:
+            ServerProc(disk / "root", text_model_dir, "--commit-every", "4", *flags, log_dir=tmp_path) as server:
         model_id = server.get("/v1/models").json()["data"][0]["id"]
         for i, prompt in enumerate(prompts):  # the sessions exist before the disk fills
             assert server.post("/v1/completions", json=_body(model_id, f"s{i}", prompt, 1)).status_code == 200
@@ -90,8 +95,8 @@ def test_a_full_disk_ends_turns_with_507_keeps_what_was_committed_and_recovers(
             t.join()
         full = [o for o in outs if "error" in o]
         assert full, "the disk never filled: no turn was refused"
-        for o in outs:
-            assert o["status"] == 200 and o["ended"], o
+        for o in outs:  # each streamed until the disk filled (an SSE error event), or was refused before text
+            assert o["status"] in (200, 507) and o["ended"], o
             if "error" in o:
                 assert o["error"]["code"] == "insufficient_storage" and o["error"]["type"] == "server_error", o
                 assert "no space left" in o["error"]["message"] and "/" not in o["error"]["message"], o
@@ -102,6 +107,8 @@ def test_a_full_disk_ends_turns_with_507_keeps_what_was_committed_and_recovers(
             history = server.get(f"/v1/sessions/s{i}", params={"history": 1}).json()["history"]
             kept = history[len(prompt):]
             assert history[:len(prompt)] == prompt and kept == whole[:len(kept)], i
+            if flags:  # --durable-stream: every byte a client was sent is in what its session committed
+                assert tok.decode(kept).startswith(outs[i]["text"]), i
             if "error" not in outs[i]:
                 assert kept[:TOKENS - 1] == whole[:TOKENS - 1]
         # still serving while the disk is full: a stateless turn writes nothing; a turn that must write is a 507
