@@ -110,6 +110,7 @@ def test_sigkill_soak_every_session_verifies_and_continues_exactly(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 300 kills, ~18 min here: run with `pytest -m soak`; the CI runs the 50-kill one above
 def test_sigkill_soak_long(tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any]) -> None:
     model, tok = text_model
     seen = soak(tmp_path / "root", text_model_dir, model, tok, SLOW_KILLS, seed=7)
