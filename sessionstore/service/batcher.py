@@ -5,7 +5,8 @@ touch their session), but none of them runs the model: a turn's ``model.forward`
 :class:`BatchingDecoder` that hands the work to the :class:`StepBatcher` and parks on the baton
 meanwhile; the engine thread admits it back once its forward is done. A turn's sampling loop
 (:func:`sessionstore.sessions.turns.decode_loop`) goes to the engine thread whole
-(``drive_decode``): after each step that thread, holding the baton for the turns, sends every
+(:meth:`StepBatcher.drive_decode`, handed to the sessions as their ``decode_driver``): after each
+step that thread, holding the baton for the turns, sends every
 loop its logits and steps the token it yields (sampling, streaming and the turn's commits run
 there; the commits that loops ask for in one pass start together at its end and run while the next
 step computes, :mod:`.group_commit`),
@@ -370,9 +371,6 @@ class BatchingDecoder:
     def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
         """The logits of the last of ``tokens``' positions, [1, V] f32 (:meth:`StepBatcher.forward`)."""
         return self._batcher.forward(tokens, cache)
-
-    def drive_decode(self, loop: DecodeLoop, cache: Any) -> TurnEnd:
-        return self._batcher.drive_decode(loop, cache)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

@@ -54,10 +54,12 @@ class Engine:
         self.model = BatchingDecoder(decoder, self.batcher)
         store.adopt_model(model_source, self.model)  # the store's sessions decode through the engine thread
         self.kv_dtype = kv_dtype
-        self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens)
+        self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens,
+                                 drive=self.batcher.drive_decode)
         # lazy_logits: a request that feeds tokens resumes without recomputing the last position
         # when the sidecar vouched for every record (FORMAT.md 5.5); one that continues checks it then
-        self.options = {"lazy_logits": True, "commit_runner": self.batcher.run_commit, **(session_options or {})}
+        self.options = {"lazy_logits": True, "commit_runner": self.batcher.run_commit,
+                        "decode_driver": self.batcher.drive_decode, **(session_options or {})}
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}

@@ -28,7 +28,7 @@ from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
 from sessionstore.sessions.output import OutputProcessor, TurnStop
 from sessionstore.sessions.tier_record import TierChange
-from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
+from sessionstore.sessions.turns import DecodeDriver, common_prefix, feed_chunk, run_turn
 
 
 class TurnSink(Protocol):
@@ -95,8 +95,10 @@ class TurnRunner:
     ``at_token()`` is called at every token boundary (the engine hands the decoder on there) and
     answers whether the server is stopping; a stopping server or a vanished client ends the turn."""
 
-    def __init__(self, model: Any, tokenizer: ChatTokenizer | None, kv_dtype: str, default_max_tokens: int) -> None:
+    def __init__(self, model: Any, tokenizer: ChatTokenizer | None, kv_dtype: str, default_max_tokens: int,
+                 drive: DecodeDriver | None = None) -> None:
         self.model, self.tok, self.kv_dtype = model, tokenizer, kv_dtype
+        self.drive = drive  # runs a stateless turn's sampling loop (the engine thread), else inline
         self.default_max_tokens = default_max_tokens
         self.context = int(model.config.max_position_embeddings)
         self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
@@ -198,7 +200,7 @@ class TurnRunner:
         try:
             logits = feed_chunk(self.model, cache, prompt)
             run_turn(self.model, cache, None, logits, max_new, draw,
-                     on_step=lambda token, position, _logits: output.on_token(token, position))
+                     on_step=lambda token, position, _logits: output.on_token(token, position), drive=self.drive)
         except TurnStop:
             pass
         output.finish()

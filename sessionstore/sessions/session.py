@@ -50,6 +50,7 @@ from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_la
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.resident import ResidentFiles
 from sessionstore.sessions.turns import (
+    DecodeDriver,
     TurnResult,
     blocks_from_reader,
     common_prefix,
@@ -96,7 +97,7 @@ class Session:
                  manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
-                 commit_runner: CommitRunner | None = None,
+                 commit_runner: CommitRunner | None = None, decode_driver: DecodeDriver | None = None,
                  durable_stream: bool = False) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
@@ -114,6 +115,8 @@ class Session:
         # runs generate's commits every commit_every tokens, now or before the next token is fed (a
         # server commits sessions that are due in the same step together: service.group_commit)
         self.commit_runner = commit_runner
+        # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
+        self.decode_driver = decode_driver
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
         # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
         # hears what each commit covers once it has returned
@@ -326,7 +329,7 @@ class Session:
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        turn_sampler, stop_at_eos=stop_at_eos,
-                                       on_rows=self._append_in_runs, on_step=on_step)
+                                       on_rows=self._append_in_runs, on_step=on_step, drive=self.decode_driver)
         if not tokens:
             self.pending = []
         self._note_logits(logits)

@@ -59,15 +59,16 @@ def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | 
 def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
              max_new: int, sampler: Sampler | TurnDraw, *, stop_at_eos: bool = False,
              on_rows: Callable[[], None] | None = None,
-             on_step: Callable[[int, int, np.ndarray], None] | None = None) -> tuple[list[int], np.ndarray, bool]:
+             on_step: Callable[[int, int, np.ndarray], None] | None = None,
+             drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
     """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens
     with ``sampler`` (settings, or a :class:`TurnDraw` the caller keeps to read its log-probabilities).
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
     position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
-    stopped_at_eos). The sampling loop (:func:`decode_loop`) is run by the model's own
-    ``drive_decode(loop, cache)`` when it has one (a server's engine thread runs it between its
-    batched steps), else here by :func:`drive_inline`: the same forwards either way.
+    stopped_at_eos). The sampling loop (:func:`decode_loop`) is run by ``drive(loop, cache)`` when
+    the caller gives one (a server's engine thread runs it between its batched steps), else here by
+    :func:`drive_inline`: the same forwards either way.
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
@@ -86,12 +87,12 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     if draw.wants_context:
         draw.begin(cache.tokens)
     loop = decode_loop(cache, logits, max_new, draw, eos, on_rows, on_step)
-    drive = getattr(model, "drive_decode", None)
     return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
 
 
 TurnEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
 DecodeLoop = Generator[int, np.ndarray, TurnEnd]  # yields each token to feed, is sent its logits [vocab]
+DecodeDriver = Callable[[DecodeLoop, Any], TurnEnd]  # runs a turn's loop over a cache to its end
 
 
 def decode_loop(cache: LatentCache, logits: np.ndarray, max_new: int, draw: Callable[[np.ndarray, int], int],
