@@ -1,6 +1,8 @@
 """The ``.coli_kv`` file (FORMAT.md sections 1-4): layout, reading, the single writer and its
 commit protocol, the crash-safe upgrade, the checksum sidecar, conversion and verification.
 Imports nothing from the rooms above it (sessions, migration)."""
+from kernels.fp8 import usable_scales
+from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile.convert import ConvertResult, convert_file
 from sessionstore.kvfile.copying import copy_committed, copy_sidecar_prefix
 from sessionstore.kvfile.durability import Durability
@@ -10,27 +12,16 @@ from sessionstore.kvfile.fsio import (
     fsync_parent,
     open_regular,
     pwrite_all,
-    read_json_bounded,
     readable_temp,
     unlink_durably,
     write_all,
 )
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, Header, pack_header, parse_header, record_bytes, validate_dims
 from sessionstore.kvfile.integrity import Vouched, require_sound, require_vouched
-from sessionstore.kvfile.layout import (
-    HEADER_SIZE,
-    Dims,
-    Header,
-    pack_header,
-    pack_records,
-    parse_header,
-    record_bytes,
-    sanitize_scales,
-    usable_scales,
-    validate_dims,
-)
+from sessionstore.kvfile.layout import pack_records, sanitize_scales
 from sessionstore.kvfile.lock import WriterLock
-from sessionstore.kvfile.mapping import release_later
-from sessionstore.kvfile.reader import KVReader, open_kv, wait_for_unmaps
+from sessionstore.kvfile.mapping import release_later, wait_for_unmaps
+from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     ENTRY_SIZE,
     SIDECAR_HEADER_SIZE,

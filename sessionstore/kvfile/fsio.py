@@ -22,7 +22,6 @@ import tempfile
 from collections.abc import Callable
 
 from kernels.errors import FormatError
-from kernels.jsonfile import parse_json_bytes, read_json_bounded
 
 Buffer = bytes | bytearray | memoryview
 Opener = Callable[[str, int, int], int]  # os.open's (path, flags, mode) -> fd
@@ -167,7 +166,6 @@ def readable_temp(prefix: str) -> Callable[[str], tuple[int, str]]:
 
 
 __all__ = [
-    "Buffer", "Opener", "atomic_replace", "describe_mode", "fsync_directory", "fsync_parent",
-    "open_regular", "parse_json_bytes", "pwrite_all", "read_json_bounded", "readable_temp", "unlink_durably",
-    "write_all",
+    "Buffer", "Opener", "atomic_replace", "describe_mode", "fsync_directory", "fsync_parent", "open_regular",
+    "pwrite_all", "readable_temp", "unlink_durably", "write_all"
 ]

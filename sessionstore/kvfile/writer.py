@@ -23,9 +23,7 @@ from kernels.errors import ColiError, FormatError, LimitError
 from kernels.rows import KV_DTYPES, RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability, SharedDurability, wait_all
-from sessionstore.kvfile.headroom import PREALLOC_MAX_BYTES, PREALLOC_RECORDS, Headroom, default_headroom
-from sessionstore.kvfile.integrity import Vouched, VouchedMapping
-from sessionstore.kvfile.layout import (
+from sessionstore.kvfile.header import (
     HEADER_SIZE,
     MAX_NREC,
     NREC_OFFSET,
@@ -33,10 +31,11 @@ from sessionstore.kvfile.layout import (
     Header,
     complete_records,
     pack_nrec,
-    pack_records,
-    record_dtype,
     validate_dims,
 )
+from sessionstore.kvfile.headroom import Headroom
+from sessionstore.kvfile.integrity import Vouched, VouchedMapping
+from sessionstore.kvfile.layout import pack_records, record_dtype
 from sessionstore.kvfile.lock import WriterLock
 from sessionstore.kvfile.opening import open_locked, refuse_non_regular, target_header
 from sessionstore.kvfile.reader import KVReader, open_kv
@@ -412,5 +411,4 @@ class KVWriter:
                 f"length={self.length}, closed={self._closed})")
 
 
-__all__ = ["KVWriter", "KV_DTYPES", "default_headroom", "PREALLOC_RECORDS",
-           "PREALLOC_MAX_BYTES"]
+__all__ = ["KVWriter"]

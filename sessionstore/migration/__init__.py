@@ -1,12 +1,13 @@
 """Moving sessions between hosts (FORMAT.md section 6): the streamed bundle, transports (files,
 pipes, object stores), the object-store tier with its lease, the inbox watcher.
 Imports the sessions and kvfile rooms below it."""
-from sessionstore.migration.bundle import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from sessionstore.migration.bundle_io import WritebackFile
+from sessionstore.migration.exporting import MigrateResult, export_session
 from sessionstore.migration.inbox import Inbox
 from sessionstore.migration.lease import LEASE_TTL_S, Lease, default_host_id, held_message
 from sessionstore.migration.lease_keeper import LeaseKeeper
-from sessionstore.migration.migrate import MigrateResult, export_session, import_bundle
+from sessionstore.migration.migrate import import_bundle
 from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.transport import describe, is_url, open_sink, open_source, store_errors

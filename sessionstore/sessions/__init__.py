@@ -2,11 +2,12 @@
 digest, the model fingerprint, a session's life cycle (suspend, resume), its recovery, the store
 and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
+from kernels.rows import KV_VERSION_OF_DTYPE
 from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
+from sessionstore.sessions.directory import SessionInfo
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
 from sessionstore.sessions.manifest import (
-    KV_VERSION_OF_DTYPE,
     MANIFEST_NAME,
     Manifest,
     ModelRef,
@@ -14,14 +15,14 @@ from sessionstore.sessions.manifest import (
     read_manifest,
     write_manifest,
 )
-from sessionstore.sessions.paths import check_component, validate_session_id
+from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME, check_component, validate_session_id
 from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
 from sessionstore.sessions.residency import Residency, Resident
-from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome, TurnResult, reference_turns
+from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
-from sessionstore.sessions.store import KV_NAME, SIDECAR_NAME, SessionInfo, SessionStore
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import TurnResult, common_prefix, reference_turns
 
 __all__ = [
     "DEFAULT_COMMIT_EVERY", "KV_NAME", "KV_VERSION_OF_DTYPE", "MANIFEST_NAME", "Manifest",

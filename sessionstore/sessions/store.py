@@ -17,19 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kernels.errors import FormatError, LockedError, NotFoundError
-from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv, sidecar_path
+from kernels.model.sampling import Sampler
+from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue import entry_of_manifest
-from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME, TMP_DIR, SessionInfo, StoreDirectory
-from sessionstore.sessions.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ModelRef,
-    Sampler,
-    read_manifest,
-    write_manifest,
-)
-from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
+from sessionstore.sessions.directory import SessionInfo, StoreDirectory
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
+from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
@@ -232,7 +226,4 @@ class SessionStore(StoreDirectory):
         return self.residency.enforce_budget(keep=keep)
 
 
-__all__ = ["SessionStore", "SessionInfo", "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "STATE_NAME", "SESSIONS_DIR",
-           "TMP_DIR", "SNAPSHOT_RETRIES", "sidecar_path",
-           # re-exported for the store's callers (defined in directory.py, snapshot.py and turns.py)
-           "StoreDirectory", "SessionSnapshot", "verify_session_dir", "common_prefix"]
+__all__ = ["SessionStore", "SNAPSHOT_RETRIES"]

@@ -12,7 +12,8 @@ from kernels.errors import FormatError
 from kernels.rows import F32Rows, Fp8Rows
 from sessionstore.kvfile import reader as reader_mod
 from sessionstore.kvfile.layout import sanitize_scales
-from sessionstore.kvfile.reader import open_kv, wait_for_unmaps
+from sessionstore.kvfile.mapping import wait_for_unmaps
+from sessionstore.kvfile.reader import open_kv
 from sessionstore.sessions.turns import blocks_from_reader
 from tests.kvfile.test_layout_fixtures import (
     ENGINE_DIMS,

@@ -17,7 +17,7 @@ import pytest
 from sessionstore import log as store_log
 from sessionstore.kvfile import sweep
 from sessionstore.kvfile.convert import convert_file
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
 from sessionstore.kvfile.sweep import SWEEP_GRACE_S, Owner, current_owner
 from sessionstore.kvfile.verify import verify_file
 from sessionstore.kvfile.writer import KVWriter

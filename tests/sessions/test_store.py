@@ -13,9 +13,11 @@ from sessionstore.kvfile import copying
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
+from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
-from sessionstore.sessions.paths import InvalidSessionIdError
-from sessionstore.sessions.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix
+from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, InvalidSessionIdError
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import common_prefix
 
 PROMPT = list(b"Hello, store")
 
