@@ -1,5 +1,5 @@
-"""Export a session as a bundle (``exporting.py``, re-exported here), import a bundle as a session
-(the store side of migration).
+"""Import a bundle as a session (the store side of migration; the export side is
+:mod:`sessionstore.migration.exporting`).
 
 Import reads the manifest frame, validates it against the session manifest schema, the layout
 limits, the model (``model=``) and the store (id taken without ``replace``), checks the free

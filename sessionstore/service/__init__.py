@@ -1,7 +1,7 @@
 """The long-running server: one engine thread over the decoder and the open sessions, an
 OpenAI-compatible HTTP API (chat and text completions, streamed as server-sent events), the
-sessions API, health and Prometheus metrics, bearer-key auth. Imports sessions and kernels below
-it; nothing below imports it.
+sessions API, health and Prometheus metrics, bearer-key auth. Imports the rooms below it
+(sessions, migration and, for two helpers, kvfile) and kernels; nothing below imports it.
 
 The package itself imports no web stack (the ``service`` extra: starlette, uvicorn, pydantic,
 prometheus_client); :mod:`~sessionstore.service.server` (``serve_http``), ``app`` (``build_app``)
