@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.house.reexports import find_reexports
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("kernels", "sessionstore", "tools")
 ROOMS = ("kvfile", "sessions", "migration")  # each may import only those before it
@@ -132,3 +134,25 @@ def test_the_known_circles_are_the_only_ones() -> None:
     known: list[set[str]] = []
     for cycle in _cycles(_graph()):
         assert any(set(cycle) <= k for k in known), f"a new import circle: {cycle}"
+
+
+def test_names_are_imported_from_the_module_that_defines_them() -> None:
+    """Re-exports only in a package's ``__init__`` (``python -m tests.house.reexports`` lists them)."""
+    found = find_reexports()
+    assert not found, "\n".join(map(str, found))
+
+
+def test_the_reexport_finder_finds_each_kind(tmp_path: Path) -> None:
+    pkg = tmp_path / "sessionstore" / "room"
+    pkg.mkdir(parents=True)
+    (tmp_path / "sessionstore" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from sessionstore.room.home import X\n__all__ = ['X']\n")  # allowed
+    (pkg / "home.py").write_text("X = 1\nY = 2\nZ = 3\nW = 4\n")
+    (pkg / "hall.py").write_text("from sessionstore.room.home import W, X, Y, Z\n__all__ = ['X']\n")
+    (pkg / "star.py").write_text("from sessionstore.room.home import *\n")
+    (pkg / "user.py").write_text("from sessionstore.room import hall\nfrom sessionstore.room.hall import Y\n"
+                                 "print(hall.Z, Y)\n")
+    (pkg / "patcher.py").write_text("from sessionstore.room import hall\nreal = hall.W\nhall.W = None\n")
+    found = {(r.module, r.name) for r in find_reexports(tmp_path)}
+    assert found == {("sessionstore.room.hall", "X"), ("sessionstore.room.hall", "Y"),
+                     ("sessionstore.room.hall", "Z"), ("sessionstore.room.star", "*")}
