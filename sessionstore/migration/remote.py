@@ -101,9 +101,6 @@ class RemoteStore:
         return self.leases.lease_ttl
 
     # --- the lease (see LeaseTable) ----------------------------------------------------------
-    def lease_key(self, session_id: str) -> str:
-        return self.leases.key(session_id)
-
     def lease(self, session_id: str) -> Lease | None:
         """The lease as stored now (None: the remote has never seen this session)."""
         return self.leases.lease(session_id)

@@ -7,9 +7,17 @@ The package itself imports no web stack (the ``service`` extra: starlette, uvico
 prometheus_client); :mod:`~sessionstore.service.server` (``serve_http``), ``app`` (``build_app``)
 and ``engine`` (``Engine``) do.
 """
-from sessionstore.service.bind import API_KEY_ENV, DEFAULT_HOST, PULL_KEY_ENV, check_bind, is_loopback, parse_bind
+from sessionstore.service.bind import (
+           API_KEY_ENV,
+           DEFAULT_HOST,
+           PULL_KEY_ENV,
+           check_bind,
+           is_loopback_address,
+           is_loopback_host,
+           parse_bind,
+)
 from sessionstore.service.errors import ApiError, api_error_of
 from sessionstore.service.limits import ServiceLimits
 
 __all__ = ["API_KEY_ENV", "ApiError", "DEFAULT_HOST", "PULL_KEY_ENV", "ServiceLimits", "api_error_of", "check_bind",
-           "is_loopback", "parse_bind"]
+           "is_loopback_address", "is_loopback_host", "parse_bind"]

@@ -11,7 +11,6 @@ import builtins
 import os
 import shutil
 import threading
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from sessionstore.sessions.paths import KV_NAME, check_component, validate_sessi
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
-from sessionstore.sessions.turns import common_prefix
 
 SNAPSHOT_RETRIES = 5
 
@@ -186,17 +184,6 @@ class SessionStore(StoreDirectory):
             return  # its files went away: the catalogue reports it when listed
         self.catalogue.note(entry_of_manifest(manifest, size, state="resident" if resident else "suspended",
                                               holder=current_owner().token if resident else None))
-
-    # ---- prefix reuse ---------------------------------------------------------------------
-    def prefix_match(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        """How many leading records of the history a new prompt can reuse (read-only).
-
-        The longest common prefix of the committed tokens and ``prompt_ids``, at most
-        ``len(prompt_ids) - 1`` so that at least one token is fed (its logits pick the next).
-        """
-        snap = self.snapshot(session_id)
-        with open_kv(snap.kv_path) as reader:
-            return common_prefix(reader.tokens[:snap.committed], prompt_ids)
 
     def history(self, session_id: str) -> builtins.list[int]:
         """The conversation's tokens (committed records + pending), read-only, no lock taken."""
