@@ -3,10 +3,11 @@ commit protocol, the crash-safe upgrade, the checksum sidecar, conversion and ve
 Imports nothing from the rooms above it (sessions, migration)."""
 from kernels.fp8 import usable_scales
 from kernels.jsonfile import read_json_bounded
-from sessionstore.kvfile.convert import ConvertResult, convert_file
+from sessionstore.kvfile.convert import ConvertResult, convert_file, parse_version, target_codec
 from sessionstore.kvfile.copying import copy_committed, copy_sidecar_prefix
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.fsio import (
+    Buffer,
     atomic_replace,
     fsync_directory,
     fsync_parent,
@@ -39,6 +40,7 @@ from sessionstore.kvfile.sweep import (
     TRASH_PREFIX,
     Swept,
     current_owner,
+    owner_of,
     store_entry_name,
     sweep_beside,
     sweep_store_tmp,
@@ -59,4 +61,6 @@ __all__ = [
     "sidecar_bytes", "sidecar_path", "static_hash", "store_entry_name", "sweep_beside",
     "sweep_store_tmp", "temp_beside", "usable_scales", "validate_dims", "verify_file",
     "wait_for_unmaps", "write_all", "write_sidecar_for",
+    # for the store's catalogue, the testing kit and the CLI
+    "Buffer", "owner_of", "parse_version", "target_codec",
 ]

@@ -114,6 +114,12 @@ class KVReader:
     def tokens(self) -> np.ndarray:
         return self.records["token"]  # [nrec] <i4 view
 
+    @property
+    def scales_gathered(self) -> int:
+        """How many leading records' stored v2 scales are gathered already (by the checksum pass,
+        ``require_vouched(..., gather_scales=True)``); the rest are gathered on first use."""
+        return self._gathered
+
     # --- rows -----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.dims.n_layers:

@@ -4,6 +4,7 @@ Imports the sessions and kvfile rooms below it."""
 from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from sessionstore.migration.bundle_io import WritebackFile
 from sessionstore.migration.exporting import MigrateResult, export_session
+from sessionstore.migration.http_transport import HttpOptions, is_http, with_session
 from sessionstore.migration.inbox import Inbox
 from sessionstore.migration.lease import LEASE_TTL_S, Lease, default_host_id, held_message
 from sessionstore.migration.lease_keeper import LeaseKeeper
@@ -17,4 +18,5 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES", "Inbox", "LEASE_TTL_S", "Lease", "LeaseKeeper", "MAX_CHUNK_BYTES", "MIN_CHUNK_BYTES",
     "MigrateResult", "RemoteStore", "RemoteStoreError", "WritebackFile", "default_host_id", "describe",
     "export_session", "held_message", "import_bundle", "is_url", "open_sink", "open_source",
+    "HttpOptions", "is_http", "with_session",
 ]

@@ -3,9 +3,10 @@ digest, the model fingerprint, a session's life cycle (suspend, resume), its rec
 and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
 from kernels.rows import KV_VERSION_OF_DTYPE
-from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record
+from sessionstore.sessions.catalogue import CATALOGUE_NAME, SessionFilesMissingError
+from sessionstore.sessions.conversation import CONVERSATION_NAME, check_messages, read_record, remove_record
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
-from sessionstore.sessions.directory import SessionInfo
+from sessionstore.sessions.directory import MAX_PAGE, ORDERS, SessionInfo
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
 from sessionstore.sessions.manifest import (
     MANIFEST_NAME,
@@ -15,6 +16,7 @@ from sessionstore.sessions.manifest import (
     read_manifest,
     write_manifest,
 )
+from sessionstore.sessions.output import OutputProcessor, TurnStop
 from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME, check_component, validate_session_id
 from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
 from sessionstore.sessions.residency import Residency, Resident
@@ -34,5 +36,7 @@ __all__ = [
     "LogitsDigest", "Residency", "Resident", "ResumeCheck", "ResumeTarget", "SessionHome",
     "check_resume", "common_prefix", "logits_hash", "verify_session_dir",
     # the rendered conversation (FORMAT.md 5.8)
-    "CONVERSATION_NAME", "read_record",
+    "CONVERSATION_NAME", "check_messages", "read_record", "remove_record",
+    # for the CLI: the catalogue's file and listing, a turn's output
+    "CATALOGUE_NAME", "MAX_PAGE", "ORDERS", "OutputProcessor", "SessionFilesMissingError", "TurnStop",
 ]

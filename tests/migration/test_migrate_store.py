@@ -36,6 +36,7 @@ from sessionstore.migration.bundle_format import (
     BundleFile,
     BundleManifest,
 )
+from sessionstore.migration.exporting import progress_bar
 from sessionstore.sessions.manifest import read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import (
@@ -458,12 +459,12 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     import sys
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert migrate._progress(100, "x", True) is None
+    assert progress_bar(100, "x", True) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    bar = migrate._progress(100, "x", True)
+    bar = progress_bar(100, "x", True)
     assert bar is not None and bar.total == 100
     bar.close()
-    assert migrate._progress(100, "x", False) is None
+    assert progress_bar(100, "x", False) is None
 
 
 class _TimedSink(io.BytesIO):
