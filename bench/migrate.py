@@ -50,8 +50,8 @@ import zstandard
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore.kvfile import Dims, KVWriter, fsync_parent, pack_records
-from sessionstore.migration import WritebackFile, migrate, open_sink
-from sessionstore.migration import bundle as B
+from sessionstore.migration import WritebackFile, export_session, migrate, open_sink
+from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, ZSTD_LEVEL
 from sessionstore.sessions import Manifest, ModelRef, SessionStore, write_manifest
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
@@ -140,8 +140,8 @@ def time_durable_copy(src: Path, dst: Path) -> float:
             with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) if p.stat().st_size else (
                     contextlib.nullcontext(b"")) as data:
                 view = memoryview(data)
-                for i in range(0, len(view), B.DEFAULT_CHUNK_BYTES):
-                    out.write(view[i:i + B.DEFAULT_CHUNK_BYTES])
+                for i in range(0, len(view), DEFAULT_CHUNK_BYTES):
+                    out.write(view[i:i + DEFAULT_CHUNK_BYTES])
                 view.release()
     for out in outs:
         out.sync()
@@ -159,7 +159,7 @@ def time_migrate(a: SessionStore, b: SessionStore, sid: str, bundle: Path) -> tu
     _settle()
     t = time.perf_counter()
     with open_sink(str(bundle)) as (sink, _):
-        exported = migrate.export_session(a, sid, sink, compression="auto")
+        exported = export_session(a, sid, sink, compression="auto")
     t_export = time.perf_counter() - t
     t = time.perf_counter()
     with open(bundle, "rb", buffering=1 << 20) as source:
@@ -227,7 +227,7 @@ def synthetic_records(n: int) -> bytes:
 def zstd_profile(raw: bytes, levels=(1, 3, 9), reps: int = 3) -> dict[str, dict[str, float]]:
     """Ratio and median speeds of zstd at each level over ``raw`` cut into bundle chunks."""
     out = {}
-    chunk = B.DEFAULT_CHUNK_BYTES
+    chunk = DEFAULT_CHUNK_BYTES
     pieces = [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
     for level in levels:
         cctx, dctx = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     "synthetic_gaussian": zstd_profile(synthetic_records(n_rows))}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    level = str(B.ZSTD_LEVEL)
+    level = str(ZSTD_LEVEL)
     mb = session_bytes / 1e6
     result = {
         "migrate_ratio": round(t_cp / t_mig, 3),
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "cp_s": round(t_cp, 4), "cp_fsync_s": round(t_cp_sync, 4), "two_cps_s": round(t_two_cp, 4),
         "durable_copy_s": round(t_dcopy, 4), "export_s": round(t_exp, 4),
         "import_s": round(t_imp, 4), "migrate_s": round(t_mig, 4),
-        "auto_policy": runs[-1][2], "zstd_level": B.ZSTD_LEVEL,
+        "auto_policy": runs[-1][2], "zstd_level": ZSTD_LEVEL,
         "zstd": {k: {lv: {m: round(x, 3) for m, x in v.items()} for lv, v in p.items()}
                  for k, p in profiles.items()},
         "build_s": round(build_s, 2), "quick": bool(args.quick),

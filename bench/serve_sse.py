@@ -21,7 +21,7 @@ RECV = 1 << 16
 
 
 @dataclass
-class _Stream:
+class SseStream:
     """One request on its own connection: the bytes received so far, decoded as they come."""
 
     sock: socket.socket
@@ -92,7 +92,7 @@ def stream_all(url: str, bodies: list[dict[str, Any]], *, timeout: float = 600.0
     parts = urlsplit(url)
     address = (parts.hostname or "127.0.0.1", parts.port or 80)
     requests = [_request(url, body) for body in bodies]
-    streams = [_Stream(socket.create_connection(address, timeout=timeout)) for _ in bodies]
+    streams = [SseStream(socket.create_connection(address, timeout=timeout)) for _ in bodies]
     selector = selectors.DefaultSelector()
     try:
         for stream in streams:

@@ -1,5 +1,11 @@
-"""Pure compute (no I/O): the fp8 e4m3 codec, absorbed MLA attention over the latent cache
-(numpy; optional cupy mirror) and a reference MLA decoder (:mod:`kernels.model`).
+"""The compute, and what it needs to run, importing nothing else of ours: the fp8 e4m3 and v3
+4-bit codecs (:mod:`kernels.tq`), absorbed MLA attention over the latent cache (numpy; an optional
+cupy mirror in :mod:`kernels.cuda`) and the reference decoders (:mod:`kernels.model`).
+
+Not all of it is pure compute: :mod:`kernels.model` loads checkpoints (``config.json``, safetensors
+weights, the tokenizer and chat template files), :mod:`kernels.cuda` reads and compiles its kernel
+sources, and :mod:`kernels.jsonfile` is the project's one bounded JSON read. The project-wide
+error hierarchy lives here too (:mod:`kernels.errors`), since every other package imports kernels.
 
 The public surface::
 

@@ -108,7 +108,3 @@ class RecordRows:
     @property
     def is_fp8(self) -> bool:
         return self.lc_codes is not None and self.codec is None
-
-    @property
-    def is_tq(self) -> bool:
-        return self.codec is not None

@@ -1,6 +1,8 @@
-"""Persistence and the session service, in three rooms that mirror FORMAT.md: ``kvfile`` (the
-``.coli_kv`` file, sections 1-4), ``sessions`` (section 5) and ``migration`` (section 6). Each room
-imports only the rooms below it; errors have one home, :mod:`kernels.errors`.
+"""Persistence and the session service, in four rooms that mirror FORMAT.md: ``kvfile`` (the
+``.coli_kv`` file, sections 1-4), ``sessions`` (section 5), ``migration`` (section 6) and
+``service`` (the HTTP server, section 7). Each room imports only the rooms below it; errors have
+one home, :mod:`kernels.errors`. This package imports the three lower rooms, never ``service``
+(the web stack is an optional extra).
 
 The public surface::
 

@@ -94,7 +94,7 @@ def remove_empty_store(root: str, *, keep: frozenset[str] = frozenset()) -> None
             return
     except OSError:
         return
-    from sessionstore.sessions.catalogue import CATALOGUE_NAME
+    from sessionstore.sessions import CATALOGUE_NAME
 
     if "sessions" not in keep:  # the catalogue of a store this command made lists nothing (FORMAT.md 5.9)
         for suffix in ("", "-wal", "-shm"):

@@ -17,7 +17,7 @@ import numpy as np
 from kernels.errors import ColiError, FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model import Sampler, load_model, resolve_model
-from sessionstore.sessions.output import OutputProcessor, TurnStop
+from sessionstore.sessions import OutputProcessor, TurnStop
 
 if TYPE_CHECKING:  # the text extra (tokenizers, jinja2) is imported only by commands that use text
     from kernels.model.text import ChatTokenizer
@@ -43,7 +43,7 @@ def text_input(args: argparse.Namespace) -> tuple[str, Any] | None:
 
 def read_messages_file(path: str) -> list[dict[str, Any]]:
     """An OpenAI-style message list (or an object with one under "messages") from a JSON file."""
-    from sessionstore.sessions.conversation import check_messages
+    from sessionstore.sessions import check_messages
 
     try:
         obj = read_json_bounded(path, MAX_MESSAGES_FILE_BYTES, "messages file")
@@ -111,9 +111,8 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
                       tok: ChatTokenizer, max_new: int, sampler: Any) -> dict[str, Any]:
     """One text turn on an open session: messages through its conversation, raw text as ids (the
     conversation file then no longer describes the tokens and is removed first)."""
-    from sessionstore.sessions.conversation import remove_record
+    from sessionstore.sessions import common_prefix, remove_record
     from sessionstore.sessions.conversation_chat import Conversation, check_room
-    from sessionstore.sessions.turns import common_prefix
 
     tok.check_vocab(session.model.config.vocab_size)
     if kind == "messages":
@@ -141,7 +140,7 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
 
 def set_sampler(session: Any, sampler: Any) -> None:
     """Store a changed sampler in the manifest (generate does this for token-level turns)."""
-    from sessionstore.sessions.manifest import MANIFEST_NAME, write_manifest
+    from sessionstore.sessions import MANIFEST_NAME, write_manifest
 
     session.manifest.sampler = sampler
     write_manifest(session.directory / MANIFEST_NAME, session.manifest)

@@ -22,7 +22,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
-from sessionstore.sessions.durable_text import DURABLE_STREAM, held_until_committed
+from sessionstore.sessions import DURABLE_STREAM, held_until_committed
 from tools._common import check_backend, fresh_store
 from tools._text import set_sampler, tokenizer_for
 

@@ -8,8 +8,7 @@ import sys
 from typing import Any
 
 from kernels.errors import CorruptionError
-from sessionstore.kvfile import convert_file, verify_file
-from sessionstore.kvfile.convert import parse_version, target_codec
+from sessionstore.kvfile import convert_file, parse_version, target_codec, verify_file
 from tools._common import unsound_line
 
 

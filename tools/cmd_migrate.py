@@ -24,16 +24,18 @@ from sessionstore.migration import (
     LEASE_TTL_S,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    HttpOptions,
     MigrateResult,
     RemoteStore,
     describe,
     export_session,
     import_bundle,
+    is_http,
     is_url,
     open_sink,
     open_source,
+    with_session,
 )
-from sessionstore.migration.http_transport import HttpOptions, is_http, with_session
 from sessionstore.service import API_KEY_ENV
 from sessionstore.sessions import SessionStore
 from tools._common import fresh_store

@@ -24,7 +24,7 @@ from kernels.rows import KV_DTYPES
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
 from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, PULL_KEY_ENV, ServiceLimits, check_bind, parse_bind
-from sessionstore.sessions.durable_text import DURABLE_STREAM
+from sessionstore.sessions import DURABLE_STREAM
 from tools._common import fresh_store
 
 

@@ -12,9 +12,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import resolve_model
 from kernels.model.sampling import Sampler
-from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SessionStore
-from sessionstore.sessions.catalogue import SessionFilesMissingError
-from sessionstore.sessions.directory import MAX_PAGE, ORDERS
+from sessionstore.sessions import DEFAULT_COMMIT_EVERY, MAX_PAGE, ORDERS, SessionFilesMissingError, SessionStore
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._text import session_text_turn, text_input, tokenizer_for
 

@@ -10,6 +10,8 @@
   the DSA indexer's scores over every key and the engine's top-k (ties to lower positions).
 
 Inside: ``absorbed`` (absorbed MLA, online softmax), ``mla`` (absorbed or expanded, cost model),
+``tq`` (absorbed MLA over v3 rows in the rotated domain), ``sparse`` and ``selection`` (DSA),
+``sparse_step`` and ``select_step`` (their batched decode-step forms, B sessions at once),
 ``tiles`` (cache tiles at absolute positions, gathered into aligned scratch) and ``tables``
 (the fp8 decode tables the tiles read through).
 

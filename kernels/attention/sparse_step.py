@@ -24,10 +24,11 @@ import numpy as np
 from numba import njit, types, void
 
 from kernels.attention.absorbed import as_query, check_query_pair
-from kernels.attention.tables import DECODE_TABLE, decode_codes_into, sanitize_scales_into
+from kernels.attention.tables import decode_codes_into, sanitize_scales_into
 from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
 from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError, ModelMismatchError
+from kernels.fp8 import DECODE_TABLE
 from kernels.rows import Fp8Rows, LatentRows
 
 _F32 = types.float32

@@ -11,7 +11,7 @@ import numpy as np
 
 from kernels.fp8 import DECODE_TABLE, USABLE_SCALE_BOUND, pair_table, usable_scales
 
-__all__ = ["DECODE_TABLE", "SCALE_MAX", "decode_codes_into", "sanitize_scales_into"]
+__all__ = ["SCALE_MAX", "decode_codes_into", "sanitize_scales_into"]
 
 SCALE_MAX = USABLE_SCALE_BOUND  # a usable scale is > 0 and below this (kernels.fp8 holds the bound)
 _PAIRS_U64: np.ndarray = pair_table().view("<u8").reshape(65536)  # [65536] u64 = 2 x f32

@@ -132,10 +132,6 @@ class TileGatherer:
         self.lsc = aligned_empty((tile_rows,), np.float32)  # lsc: [tile] f32
         self.rsc = aligned_empty((tile_rows,), np.float32)  # rsc: [tile] f32
 
-    @property
-    def scratch_bytes(self) -> int:
-        return self.lc.nbytes + self.rc.nbytes + self.lsc.nbytes + self.rsc.nbytes
-
     def gather(self, start: int, stop: int) -> bool:
         """Fill scratch rows [0, stop - start); returns True when any row of the tile is fp8 (or v3
         in the rotated domain): then ``lsc``/``rsc`` are factors the caller must apply."""

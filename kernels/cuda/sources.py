@@ -55,7 +55,9 @@ def mma_supported(dims: KernelDims) -> bool:
 GLM_DIMS = KernelDims(heads=64, kv_lora=512, rope=64)  # GLM-5.2 / DeepSeek-V3 head shapes
 
 
-def _read(name: str) -> str:
+def read_source(name: str) -> str:
+    """The text of the packaged kernel source ``name`` (the one place sources are read; a test
+    patches it to hand the compiler a broken source)."""
     return resources.files("kernels.cuda").joinpath(name).read_text(encoding="utf-8")
 
 
@@ -68,9 +70,9 @@ def kernel_source(module: str) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        return _INCLUDE.sub(splice, _read(name))
+        return _INCLUDE.sub(splice, read_source(name))
 
-    return _INCLUDE.sub(splice, _read(module))
+    return _INCLUDE.sub(splice, read_source(module))
 
 
 def base_options(dims: KernelDims) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Reference MLA decoders (DeepSeek-V3 family; GLM-5.x with DSA) over a latent cache in f32 or fp8.
+"""Reference MLA decoders (DeepSeek-V3 family; GLM-5.x with DSA) over a latent cache in f32, fp8 or v3 4-bit codes.
 
 Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"tiny"``; the config's
 ``model_type`` picks :class:`MLADecoder` or :class:`GlmDecoder`), :class:`DecoderCache`,

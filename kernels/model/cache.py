@@ -12,24 +12,31 @@ followed by one view of the grown rows.
 A DSA model (GLM-5.x) also keeps one indexer key per position for each of its ``n_index_layers``
 full layers (the file's Ic rows, always f32): written per forward beside the latent rows,
 committed, truncated and discarded with them, resumed from a ``[T, n_index_layers, hd]`` f32 view.
+
+The grown storage and the block views are :mod:`kernels.model.cache_storage`; the rows of a batched
+step (a cache, or one position of a cache that takes several) are :mod:`kernels.model.step_rows`.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
-from kernels.rows import KV_DTYPES, KV_VERSION_OF_DTYPE, F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
-from kernels.tq import TqCodec
-
-# the arrays a layer's rows live in, by row kind; v3 radii are RecordRows' lc_scale / rc_scale
-_FIELDS = {"f32": ("lc", "rc"), "fp8": ("lc_codes", "lc_scale", "rc_codes", "rc_scale"),
-           "tq": ("lc_codes", "lc_radius", "rc_codes", "rc_radius")}
-_RECORD_FIELD = {"lc_radius": "lc_scale", "rc_radius": "rc_scale"}
-_INITIAL_CAPACITY = 64
+from kernels.model.cache_storage import (
+    FIELDS,
+    INITIAL_CAPACITY,
+    RECORD_FIELD,
+    GrowableIndex,
+    GrowableRows,
+    check_index_rows,
+    row_kind,
+    row_width,
+    slice_rows,
+    window_from,
+)
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
 
 
 def _resolve_backend(backend: str | Any) -> Any:
@@ -40,93 +47,6 @@ def _resolve_backend(backend: str | Any) -> Any:
 
         return get_backend(backend)
     return backend
-
-
-def row_kind(kv_dtype: str) -> str:
-    """"f32", "fp8" or "tq" (the 4-bit tier) for a kv dtype name."""
-    if kv_dtype not in KV_DTYPES:
-        raise FormatError(f"kv dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    return "tq" if KV_VERSION_OF_DTYPE[kv_dtype] == 3 else kv_dtype
-
-
-class _GrowableRows:
-    """One layer's owned rows: arrays with spare capacity, doubled when full."""
-
-    def __init__(self, kv_dtype: str, kv_lora: int, rope: int) -> None:
-        self.kind = row_kind(kv_dtype)
-        self.codec = TqCodec.from_kv_dtype(kv_dtype) if self.kind == "tq" else None
-        self.kv_lora, self.rope = kv_lora, rope
-        self.length = 0
-        code_widths = (kv_lora, rope) if self.codec is None else (self.codec.row_bytes(kv_lora),
-                                                                  self.codec.row_bytes(rope))
-        shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (code_widths[0],), "rc_codes": (code_widths[1],),
-                  "lc_scale": (), "rc_scale": (), "lc_radius": (), "rc_radius": ()}
-        self.arrays = {
-            name: np.zeros((_INITIAL_CAPACITY, *shapes[name]), dtype=np.uint8 if name.endswith("codes") else np.float32)
-            for name in _FIELDS[self.kind]
-        }  # each: [capacity, *] (f32 rows, u8 codes or f32 scales / radii)
-
-    def write(self, start: int, values: dict[str, np.ndarray]) -> None:
-        """Write rows at owned positions [start, start + n) (n = rows in values)."""
-        n = next(iter(values.values())).shape[0]
-        capacity = next(iter(self.arrays.values())).shape[0]
-        if start + n > capacity:
-            new_cap = max(2 * capacity, start + n)
-            for name, arr in self.arrays.items():
-                grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
-                grown[: self.length] = arr[: self.length]
-                self.arrays[name] = grown
-        for name, val in values.items():
-            self.arrays[name][start : start + n] = val
-        self.length = start + n
-
-    def write_row(self, pos: int, values: dict[str, np.ndarray], i: int) -> None:
-        """Row i of every batch array in ``values`` ({field: [B, *]}) at owned position ``pos``
-        (a decode step's one new row: no per-row dict or slices)."""
-        if pos >= next(iter(self.arrays.values())).shape[0]:
-            self.write(pos, {name: val[i : i + 1] for name, val in values.items()})
-            return
-        for name, arr in self.arrays.items():
-            arr[pos] = values[name][i]
-        self.length = pos + 1
-
-    def view(self, start: int, stop: int) -> LatentRows:
-        a = self.arrays
-        if self.kind == "f32":
-            return F32Rows(lc=a["lc"][start:stop], rc=a["rc"][start:stop])
-        if self.codec is not None:
-            return TqRows(lc_codes=a["lc_codes"][start:stop], lc_radius=a["lc_radius"][start:stop],
-                          rc_codes=a["rc_codes"][start:stop], rc_radius=a["rc_radius"][start:stop],
-                          codec=self.codec, kv_lora=self.kv_lora, qk_rope=self.rope)
-        return Fp8Rows(
-            lc_codes=a["lc_codes"][start:stop], lc_scale=a["lc_scale"][start:stop],
-            rc_codes=a["rc_codes"][start:stop], rc_scale=a["rc_scale"][start:stop],
-        )
-
-
-class _GrowableIndex:
-    """One full layer's owned indexer keys: [capacity, hd] f32, doubled when full."""
-
-    def __init__(self, head_dim: int) -> None:
-        self.length = 0
-        self.rows = np.zeros((_INITIAL_CAPACITY, head_dim), dtype=np.float32)  # rows: [capacity, hd] f32
-
-    def write(self, start: int, ic: np.ndarray) -> None:
-        n = ic.shape[0]
-        if start + n > self.rows.shape[0]:
-            grown = np.zeros((max(2 * self.rows.shape[0], start + n), self.rows.shape[1]), dtype=np.float32)
-            grown[: self.length] = self.rows[: self.length]
-            self.rows = grown
-        self.rows[start : start + n] = ic
-        self.length = start + n
-
-    def write_row(self, pos: int, keys: np.ndarray, i: int) -> None:
-        """Row i of keys [B, hd] f32 at owned position ``pos``."""
-        if pos >= self.rows.shape[0]:
-            self.write(pos, keys[i : i + 1])
-            return
-        self.rows[pos] = keys[i]
-        self.length = pos + 1
 
 
 class DecoderCache:
@@ -147,9 +67,9 @@ class DecoderCache:
         self._base_tokens = np.zeros(0, dtype="<i4")  # [base_len] i32
         self._base_index = np.zeros((0, n_index_layers, index_head_dim), np.float32)  # [base_len, NI, hd] f32
         self._base_len = 0
-        self._own = [_GrowableRows(kv_dtype, kv_lora, qk_rope) for _ in range(n_layers)]
-        self._own_index = [_GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
-        self._own_tokens = np.zeros(_INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
+        self._own = [GrowableRows(kv_dtype, kv_lora, qk_rope) for _ in range(n_layers)]
+        self._own_index = [GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
+        self._own_tokens = np.zeros(INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
         self.length = 0
 
     # ---- resume -------------------------------------------------------------------------
@@ -181,13 +101,13 @@ class DecoderCache:
             kv_dtype = ("fp8" if isinstance(first, Fp8Rows) else
                         first.codec.kv_dtype if isinstance(first, TqRows) else "f32")
         if first is not None:
-            kv_lora = kv_lora or _width(first, "lc")
-            qk_rope = qk_rope or _width(first, "rc")
+            kv_lora = kv_lora or row_width(first, "lc")
+            qk_rope = qk_rope or row_width(first, "rc")
         if kv_lora is None or qk_rope is None:
             raise FormatError("from_blocks: no rows to infer kv_lora/qk_rope from; pass them explicitly")
         cache = cls(len(blocks), kv_lora, qk_rope, kv_dtype, backend,
                     n_index_layers=n_index_layers, index_head_dim=index_head_dim)
-        cache._base_index = _check_index_rows(index_rows, int(tokens.shape[0]), n_index_layers, index_head_dim)
+        cache._base_index = check_index_rows(index_rows, int(tokens.shape[0]), n_index_layers, index_head_dim)
         want = {"f32": F32Rows, "fp8": Fp8Rows, "tq": TqRows}[cache.kind]
         for layer, layer_blocks in enumerate(blocks):
             total = 0
@@ -197,9 +117,9 @@ class DecoderCache:
                         f"layer {layer}: {type(b).__name__} block given to a {kv_dtype} cache"
                         " (a cache reads rows only in the dtype it stores)"
                     )
-                if _width(b, "lc") != kv_lora or _width(b, "rc") != qk_rope:
+                if row_width(b, "lc") != kv_lora or row_width(b, "rc") != qk_rope:
                     raise ModelMismatchError(
-                        f"layer {layer}: rows of width {_width(b, 'lc')}/{_width(b, 'rc')},"
+                        f"layer {layer}: rows of width {row_width(b, 'lc')}/{row_width(b, 'rc')},"
                         f" expected kv_lora={kv_lora}/qk_rope={qk_rope}"
                     )
                 total += b.length
@@ -220,7 +140,7 @@ class DecoderCache:
         for b in self._base[layer]:
             if pos >= stop:
                 break
-            out.append(b if pos + b.length <= stop else _slice(b, 0, stop - pos))
+            out.append(b if pos + b.length <= stop else slice_rows(b, 0, stop - pos))
             pos += b.length
         if stop > self._base_len:
             out.append(own.view(0, stop - self._base_len))
@@ -271,21 +191,21 @@ class DecoderCache:
         fields: dict[str, Any] = {}  # RecordRows field name -> [k, L, *] array
         codec = self._own[0].codec if self._own else None
         if start == self.length:
-            empty = _GrowableRows(self.kv_dtype, self.kv_lora, self.qk_rope).arrays
+            empty = GrowableRows(self.kv_dtype, self.kv_lora, self.qk_rope).arrays
             for name, arr in empty.items():
-                fields[_RECORD_FIELD.get(name, name)] = np.zeros((0, self.n_layers, *arr.shape[1:]), arr.dtype)
+                fields[RECORD_FIELD.get(name, name)] = np.zeros((0, self.n_layers, *arr.shape[1:]), arr.dtype)
             return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
         owned = start >= self._base_len  # every asked position is in this cache's own rows (a decode step)
         a, b = start - self._base_len, self.length - self._base_len
-        for name in _FIELDS[self.kind]:
+        for name in FIELDS[self.kind]:
             if owned:
                 per_layer = [own.arrays[name][a:b] for own in self._own]  # each: [k, *] views
             else:
                 per_layer = [
-                    np.concatenate([getattr(blk, name) for blk in _window(self.blocks(layer, self.length), start)])
+                    np.concatenate([getattr(blk, name) for blk in window_from(self.blocks(layer, self.length), start)])
                     for layer in range(self.n_layers)
                 ]  # each: [k, *]
-            fields[_RECORD_FIELD.get(name, name)] = np.stack(per_layer, axis=1)  # [k, L, *] (a new array)
+            fields[RECORD_FIELD.get(name, name)] = np.stack(per_layer, axis=1)  # [k, L, *] (a new array)
         return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
 
     def _index_since(self, start: int) -> np.ndarray | None:
@@ -396,112 +316,4 @@ class DecoderCache:
         return latent + sum(own.rows.nbytes for own in self._own_index)
 
 
-class StepPosition:
-    """Pending position ``cache.length + offset`` of ``cache``, as one row of a batched step that
-    carries several new positions of that cache (a prefill chunk beside other sessions' decode
-    tokens). It reads and writes as ``cache`` itself would in a decode step of that one token,
-    with every position before it committed: ``length`` is its position, ``blocks`` and
-    ``index_blocks`` stop right after it, and its rows go to that pending position. A step's
-    arithmetic per row depends only on these, so a prompt's rows are bitwise the same however it
-    is cut into chunks (or fed one token per step)."""
-
-    def __init__(self, cache: DecoderCache, offset: int) -> None:
-        self.cache, self.offset = cache, offset
-        self.backend, self.kv_dtype = cache.backend, cache.kv_dtype
-
-    @property
-    def length(self) -> int:
-        """The positions before this one (as a cache about to step this token holds)."""
-        return self.cache.length + self.offset
-
-    def blocks(self, layer: int, stop: int | None = None) -> list[LatentRows]:
-        """Rows [0, stop) of ``layer``, by default up to and including this position."""
-        return self.cache.blocks(layer, self.length + 1 if stop is None else stop)
-
-    def index_blocks(self, slot: int, stop: int | None = None) -> list[np.ndarray]:
-        """Indexer keys [0, stop) of full layer number ``slot``, by default up to this position."""
-        return self.cache.index_blocks(slot, self.length + 1 if stop is None else stop)
-
-    def encode_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> dict[str, np.ndarray]:
-        return self.cache.encode_rows(layer, lc, rc)
-
-    def write_step_row(self, layer: int, values: dict[str, np.ndarray], i: int) -> None:
-        self.cache.write_step_row(layer, values, i, self.offset)
-
-    def write_index_row(self, slot: int, keys: np.ndarray, i: int) -> None:
-        self.cache.write_index_row(slot, keys, i, self.offset)
-
-
-StepRow = DecoderCache | StepPosition  # one row of a batched step: a cache's only new position, or one of several
-
-
-def step_rows_of(caches: Sequence[DecoderCache], counts: Sequence[int]) -> list[StepRow]:
-    """The rows of a step in which cache b takes ``counts[b]`` new positions: the cache itself
-    where it takes one, else one :class:`StepPosition` per position, in order."""
-    rows: list[StepRow] = []
-    for cache, count in zip(caches, counts, strict=True):
-        rows.extend([cache] if count == 1 else [StepPosition(cache, j) for j in range(count)])
-    return rows
-
-
-def write_step_rows(caches: Sequence[StepRow], layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
-    """Row b of lc [B, kv_lora], rc [B, qk_rope] f32 to cache b's pending position: the rows of
-    caches of one kv dtype encoded in one call (encoding is per row, so each row's bytes are
-    what its cache alone would write)."""
-    groups: dict[str, list[int]] = {}
-    for b, cache in enumerate(caches):
-        groups.setdefault(cache.kv_dtype, []).append(b)
-    for members in groups.values():
-        rows = np.asarray(members)  # rows: [n] batch rows of this kv dtype
-        values = caches[members[0]].encode_rows(layer, lc[rows], rc[rows])  # {field: [n, ...]}
-        for i, b in enumerate(members):
-            caches[b].write_step_row(layer, values, i)
-
-
-def _width(b: LatentRows, which: str) -> int:
-    """The row width (kv_lora or qk_rope) of a block's Lc or Rc rows."""
-    if isinstance(b, TqRows):
-        return b.kv_lora if which == "lc" else b.qk_rope
-    if isinstance(b, F32Rows):
-        arr = b.lc if which == "lc" else b.rc
-    else:
-        arr = b.lc_codes if which == "lc" else b.rc_codes
-    return int(arr.shape[1])
-
-
-def _slice(b: LatentRows, start: int, stop: int) -> LatentRows:
-    if isinstance(b, F32Rows):
-        return F32Rows(lc=b.lc[start:stop], rc=b.rc[start:stop])
-    if isinstance(b, TqRows):
-        return dataclasses.replace(b, lc_codes=b.lc_codes[start:stop], lc_radius=b.lc_radius[start:stop],
-                                   rc_codes=b.rc_codes[start:stop], rc_radius=b.rc_radius[start:stop])
-    return Fp8Rows(
-        lc_codes=b.lc_codes[start:stop], lc_scale=b.lc_scale[start:stop],
-        rc_codes=b.rc_codes[start:stop], rc_scale=b.rc_scale[start:stop],
-    )
-
-
-def _window(blocks: list[LatentRows], start: int) -> list[LatentRows]:
-    """The blocks cut to positions [start, end)."""
-    out: list[LatentRows] = []
-    pos = 0
-    for b in blocks:
-        lo = max(start - pos, 0)
-        if lo < b.length:
-            out.append(_slice(b, lo, b.length))
-        pos += b.length
-    return out
-
-
-def _check_index_rows(rows: np.ndarray | None, length: int, n_index: int, head_dim: int) -> np.ndarray:
-    """The resumed indexer keys as given (not copied), checked: [T, NI, hd] f32."""
-    want = (length, n_index, head_dim)
-    if rows is None:
-        if n_index and length:
-            raise ModelMismatchError(f"from_blocks: {length} positions of a model with {n_index} indexer layers"
-                                     " need their indexer rows (index_rows [T, NI, hd])")
-        return np.zeros(want, np.float32)
-    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.shape != want:
-        found = f"{rows.dtype} {rows.shape}" if isinstance(rows, np.ndarray) else type(rows).__name__
-        raise ModelMismatchError(f"from_blocks: index_rows must be float32 {want}, found {found}")
-    return rows
+__all__ = ["DecoderCache"]

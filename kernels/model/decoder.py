@@ -18,11 +18,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import FormatError, LimitError, ModelMismatchError
-from kernels.model.cache import DecoderCache, StepRow, step_rows_of, write_step_rows
+from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
 from kernels.model.rowwise import head_matmul, rowwise_linear
+from kernels.model.step_rows import StepRow, step_rows_of, write_step_rows
 from kernels.rows import LatentRows
 
 
@@ -192,7 +193,7 @@ class MLADecoder:
         shares the step and however large it is. Every projection, the MoE and lm_head run row by
         row in one call over all N rows (:mod:`kernels.model.rowwise`); the cache writes, the
         indexer's selection and attention run per row over the rows before it
-        (:class:`~kernels.model.cache.StepPosition`)."""
+        (:class:`~kernels.model.step_rows.StepPosition`)."""
         toks = self.check_tokens(tokens)  # [N] i32
         counts = [int(c) for c in counts]
         if len(counts) != len(caches) or not caches:

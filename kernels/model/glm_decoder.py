@@ -18,11 +18,11 @@ import numpy as np
 from kernels.attention.select_step import select_step
 from kernels.attention.tiles import cache_shape
 from kernels.errors import BackendUnavailableError, UnsupportedModelError
-from kernels.model.cache import StepRow
 from kernels.model.config import ModelConfig
 from kernels.model.decoder import MLADecoder, Queries, Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
+from kernels.model.step_rows import StepRow
 
 
 class GlmDecoder(MLADecoder):

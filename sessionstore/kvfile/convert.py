@@ -23,7 +23,8 @@ import numpy as np
 from kernels.errors import ColiError, CorruptionError, FormatError, NotFoundError
 from kernels.tq import TqCodec
 from sessionstore.kvfile.fsio import fsync_parent, open_regular, write_all
-from sessionstore.kvfile.layout import Header, pack_header, record_dtype, sanitize_scales, validate_v3_widths
+from sessionstore.kvfile.header import Header, pack_header, validate_v3_widths
+from sessionstore.kvfile.layout import record_dtype, sanitize_scales
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,

@@ -15,7 +15,7 @@ import os
 
 from kernels.errors import CorruptionError
 from sessionstore.kvfile.fsio import open_regular, pwrite_all, write_all
-from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header
+from sessionstore.kvfile.header import Header, pack_header
 from sessionstore.kvfile.reader import open_kv, open_regular_file
 from sessionstore.kvfile.sidecar import ENTRY_SIZE, SIDECAR_HEADER_SIZE, SidecarWriter, load_sidecar, sidecar_path
 from sessionstore.log import get_logger
@@ -123,4 +123,4 @@ def copy_sidecar_prefix(src_kv: str | os.PathLike[str], dst_kv: str | os.PathLik
     return copied
 
 
-__all__ = ["copy_committed", "copy_sidecar_prefix", "FICLONE", "HEADER_SIZE"]
+__all__ = ["copy_committed", "copy_sidecar_prefix", "FICLONE"]

@@ -7,8 +7,8 @@ helper per primitive"): every room opens, writes, replaces and fsyncs through th
 - :func:`atomic_replace`: a whole file replaced: temp -> fsync -> rename -> fsync the directory.
 - :func:`fsync_directory` (this directory) and :func:`fsync_parent` (the directory holding this
   path): the two meanings of "fsync the directory", under two names.
-- :func:`read_json_bounded`: a small JSON file read without ever holding more than its limit
-  (kernels holds it, :mod:`kernels.jsonfile`, for the decoder's loaders; re-exported here).
+The one bounded JSON read (a small JSON file read without ever holding more than its limit) is
+:func:`kernels.jsonfile.read_json_bounded`: kernels holds it so the decoder's loaders share it.
 
 The append path's fault seam (:class:`sessionstore.kvfile.durability.Durability`) uses these for
 its real I/O; code that must stay injectable passes its ``Durability.open`` as ``opener``.
@@ -22,7 +22,6 @@ import tempfile
 from collections.abc import Callable
 
 from kernels.errors import FormatError
-from kernels.jsonfile import parse_json_bytes, read_json_bounded
 
 Buffer = bytes | bytearray | memoryview
 Opener = Callable[[str, int, int], int]  # os.open's (path, flags, mode) -> fd
@@ -167,7 +166,6 @@ def readable_temp(prefix: str) -> Callable[[str], tuple[int, str]]:
 
 
 __all__ = [
-    "Buffer", "Opener", "atomic_replace", "describe_mode", "fsync_directory", "fsync_parent",
-    "open_regular", "parse_json_bytes", "pwrite_all", "read_json_bounded", "readable_temp", "unlink_durably",
-    "write_all",
+    "Buffer", "Opener", "atomic_replace", "describe_mode", "fsync_directory", "fsync_parent", "open_regular",
+    "pwrite_all", "readable_temp", "unlink_durably", "write_all"
 ]

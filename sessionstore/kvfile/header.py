@@ -278,7 +278,7 @@ __all__ = [
     "MAGIC_V1", "MAGIC_V2", "MAGIC_V3", "MAGIC_DSV4", "MAGIC_SIZE", "HEADER_SIZE", "NREC_OFFSET", "TAG_OFFSET",
     "TAG_F32", "TAG_FP8", "VERSION_TAGS", "VERSION_MAGICS", "MAGIC_VERSIONS", "HEADER_STRUCT", "DIMS_STRUCT",
     "NREC_STRUCT", "TOKEN_BYTES", "SCALE_BYTES", "F32_BYTES", "MAX_LAYERS", "MAX_WIDTH", "MAX_VOCAB",
-    "MAX_RECORD_BYTES", "MAX_NREC", "INERT_SCALE_LIMIT", "V3_WIDTHS", "Dims", "Header", "record_bytes",
-    "v3_codec", "validate_dims", "pack_header", "validate_v3_widths", "pack_nrec", "static_header_bytes",
-    "parse_header", "complete_records",
+    "MAX_RECORD_BYTES", "MAX_NREC", "INERT_SCALE_LIMIT", "Dims", "Header", "record_bytes", "v3_codec",
+    "validate_dims", "pack_header", "validate_v3_widths", "pack_nrec", "static_header_bytes", "parse_header",
+    "complete_records"
 ]

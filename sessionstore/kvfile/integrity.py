@@ -25,7 +25,7 @@ import numpy as np
 
 from kernels.errors import CorruptionError
 from sessionstore.kvfile.hash_helper import HELPER_SHARE, MIN_SHARED_BYTES, active_hash_helper
-from sessionstore.kvfile.layout import HEADER_SIZE
+from sessionstore.kvfile.header import HEADER_SIZE
 from sessionstore.kvfile.reader import KVReader
 from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
 

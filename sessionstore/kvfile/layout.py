@@ -2,7 +2,7 @@
 
 Record p sits at ``40 + p * record_bytes``: the input token, each layer's Lc and Rc rows in the
 file's encoding (v1 f32; v2 fp8 codes + scale; v3 codec bytes + radius), then the f32 indexer
-rows. The header and its one parser are :mod:`sessionstore.kvfile.header`, re-exported here.
+rows. The header and its one parser are :mod:`sessionstore.kvfile.header` (import them from there).
 """
 from __future__ import annotations
 
@@ -14,45 +14,7 @@ from kernels.errors import FormatError
 from kernels.fp8 import usable_scales
 from kernels.rows import RecordRows
 from kernels.tq import TqCodec
-from sessionstore.kvfile.header import (
-    DIMS_STRUCT,
-    F32_BYTES,
-    HEADER_SIZE,
-    HEADER_STRUCT,
-    INERT_SCALE_LIMIT,
-    MAGIC_DSV4,
-    MAGIC_SIZE,
-    MAGIC_V1,
-    MAGIC_V2,
-    MAGIC_V3,
-    MAGIC_VERSIONS,
-    MAX_LAYERS,
-    MAX_NREC,
-    MAX_RECORD_BYTES,
-    MAX_VOCAB,
-    MAX_WIDTH,
-    NREC_OFFSET,
-    NREC_STRUCT,
-    SCALE_BYTES,
-    TAG_F32,
-    TAG_FP8,
-    TAG_OFFSET,
-    TOKEN_BYTES,
-    V3_WIDTHS,
-    VERSION_MAGICS,
-    VERSION_TAGS,
-    Dims,
-    Header,
-    complete_records,
-    pack_header,
-    pack_nrec,
-    parse_header,
-    record_bytes,
-    static_header_bytes,
-    v3_codec,
-    validate_dims,
-    validate_v3_widths,
-)
+from sessionstore.kvfile.header import Dims, record_bytes, v3_codec
 
 
 def layer_dtype(version: int, dims: Dims, tag: int | None = None) -> np.dtype:
@@ -169,14 +131,4 @@ def sanitize_scales(scales: np.ndarray) -> np.ndarray:
     return np.where(usable_scales(scales), scales, np.float32(0)).astype(np.float32)
 
 
-__all__ = [
-    # the header (sessionstore.kvfile.header)
-    "DIMS_STRUCT", "F32_BYTES", "HEADER_SIZE", "HEADER_STRUCT", "INERT_SCALE_LIMIT", "MAGIC_DSV4",
-    "MAGIC_SIZE", "MAGIC_V1", "MAGIC_V2", "MAGIC_V3", "MAGIC_VERSIONS", "MAX_LAYERS", "MAX_NREC",
-    "MAX_RECORD_BYTES", "MAX_VOCAB", "MAX_WIDTH", "NREC_OFFSET", "NREC_STRUCT", "SCALE_BYTES", "TAG_F32",
-    "TAG_FP8", "TAG_OFFSET", "TOKEN_BYTES", "V3_WIDTHS", "VERSION_MAGICS", "VERSION_TAGS", "Dims", "Header",
-    "complete_records", "pack_header", "pack_nrec", "parse_header", "record_bytes", "static_header_bytes",
-    "v3_codec", "validate_dims", "validate_v3_widths",
-    # the records
-    "layer_dtype", "record_dtype", "pack_records", "sanitize_scales", "usable_scales",
-]
+__all__ = ["layer_dtype", "record_dtype", "pack_records", "sanitize_scales"]

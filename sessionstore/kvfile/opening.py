@@ -16,7 +16,7 @@ from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.fsio import describe_mode, open_regular
-from sessionstore.kvfile.layout import HEADER_SIZE, Dims, Header, pack_header, parse_header
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, Header, pack_header, parse_header
 from sessionstore.log import get_logger
 
 CREATE_SUFFIX = ".create.tmp"

@@ -14,19 +14,13 @@ import stat
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
+from kernels.fp8 import usable_scales
 from kernels.rows import F32Rows, Fp8Rows, TqRows
 from kernels.tq import usable_radius
 from sessionstore.kvfile.fsio import describe_mode, open_regular
-from sessionstore.kvfile.layout import (
-    HEADER_SIZE,
-    Dims,
-    Header,
-    complete_records,
-    parse_header,
-    record_dtype,
-    usable_scales,
-)
-from sessionstore.kvfile.mapping import FileMapping, wait_for_unmaps
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, Header, complete_records, parse_header
+from sessionstore.kvfile.layout import record_dtype
+from sessionstore.kvfile.mapping import FileMapping
 from sessionstore.log import get_logger
 
 log = get_logger("reader")
@@ -119,6 +113,12 @@ class KVReader:
     @property
     def tokens(self) -> np.ndarray:
         return self.records["token"]  # [nrec] <i4 view
+
+    @property
+    def scales_gathered(self) -> int:
+        """How many leading records' stored v2 scales are gathered already (by the checksum pass,
+        ``require_vouched(..., gather_scales=True)``); the rest are gathered on first use."""
+        return self._gathered
 
     # --- rows -----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
@@ -265,4 +265,4 @@ def open_kv(path: str | os.PathLike[str], *, expect: Dims | None = None,
     return KVReader(path, expect=expect, fp8_enabled=fp8_enabled, tq_tag=tq_tag)
 
 
-__all__ = ["KVReader", "open_kv", "open_regular_file", "wait_for_unmaps"]
+__all__ = ["KVReader", "open_kv", "open_regular_file"]

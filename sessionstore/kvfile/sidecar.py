@@ -19,7 +19,7 @@ import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
 from sessionstore.kvfile.fsio import Buffer, atomic_replace, fsync_parent, open_regular, pwrite_all
-from sessionstore.kvfile.layout import Header, pack_header, static_header_bytes
+from sessionstore.kvfile.header import Header, pack_header, static_header_bytes
 from sessionstore.log import get_logger
 
 if TYPE_CHECKING:

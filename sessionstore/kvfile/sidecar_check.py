@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sessionstore.kvfile.layout import HEADER_SIZE
+from sessionstore.kvfile.header import HEADER_SIZE
 from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, Sidecar, hash_records, static_hash
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ import os
 
 from kernels.errors import FormatError
 from sessionstore.kvfile.durability import Durability
-from sessionstore.kvfile.layout import HEADER_SIZE, Header
+from sessionstore.kvfile.header import HEADER_SIZE, Header
 from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter, sidecar_path
 from sessionstore.log import get_logger
 

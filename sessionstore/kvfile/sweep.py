@@ -53,7 +53,7 @@ class Owner:
         """One of "alive", "dead", "unknown" (another boot or host: liveness is not known here)."""
         if self.boot != _boot_id():
             return "unknown"
-        started = _start_time(self.pid)
+        started = process_start_time(self.pid)
         if started is None:
             return "dead"
         if self.start and started != self.start:
@@ -76,7 +76,7 @@ def _boot_id() -> str:
     return _BOOT
 
 
-def _start_time(pid: int) -> int | None:
+def process_start_time(pid: int) -> int | None:
     """The start time of a live ``pid`` (0 where /proc is absent), None if it is dead or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -107,7 +107,7 @@ def current_owner() -> Owner:
     global _ME
     pid = os.getpid()
     if _ME is None or _ME[0] != pid:
-        _ME = (pid, Owner(pid, _start_time(pid) or 0, _boot_id()))
+        _ME = (pid, Owner(pid, process_start_time(pid) or 0, _boot_id()))
     return _ME[1]
 
 
@@ -274,6 +274,6 @@ def sweep_beside(path: str | os.PathLike[str], suffix: str, *, legacy: str | Non
     return out
 
 
-__all__ = ["SWEEP_GRACE_S", "TMP_DIR_PREFIX", "TRASH_PREFIX", "REPLACED_PREFIX", "CLAIM_PREFIX",
+__all__ = ["process_start_time", "SWEEP_GRACE_S", "TMP_DIR_PREFIX", "TRASH_PREFIX", "REPLACED_PREFIX", "CLAIM_PREFIX",
            "Owner", "Swept", "current_owner", "owner_of", "store_entry_name", "temp_beside",
            "sweep_store_tmp", "sweep_beside"]

@@ -27,7 +27,8 @@ from kernels.errors import CorruptionError
 from kernels.rows import RecordRows
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.fsio import open_regular
-from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_records, record_dtype
+from sessionstore.kvfile.header import HEADER_SIZE, Header, pack_header
+from sessionstore.kvfile.layout import pack_records, record_dtype
 from sessionstore.kvfile.sidecar import SidecarWriter, sidecar_path
 from sessionstore.log import get_logger
 

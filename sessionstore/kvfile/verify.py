@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import ColiError
+from kernels.fp8 import usable_scales
 from kernels.tq import usable_radius
 from sessionstore.kvfile.integrity import bad_token_message
-from sessionstore.kvfile.layout import usable_scales
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
 from sessionstore.kvfile.sidecar_check import SidecarReport, check_records

@@ -23,9 +23,7 @@ from kernels.errors import ColiError, FormatError, LimitError
 from kernels.rows import KV_DTYPES, RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability, SharedDurability, wait_all
-from sessionstore.kvfile.headroom import PREALLOC_MAX_BYTES, PREALLOC_RECORDS, Headroom, default_headroom
-from sessionstore.kvfile.integrity import Vouched, VouchedMapping
-from sessionstore.kvfile.layout import (
+from sessionstore.kvfile.header import (
     HEADER_SIZE,
     MAX_NREC,
     NREC_OFFSET,
@@ -33,16 +31,18 @@ from sessionstore.kvfile.layout import (
     Header,
     complete_records,
     pack_nrec,
-    pack_records,
-    record_dtype,
     validate_dims,
 )
+from sessionstore.kvfile.headroom import Headroom
+from sessionstore.kvfile.integrity import Vouched, VouchedMapping
+from sessionstore.kvfile.layout import pack_records, record_dtype
 from sessionstore.kvfile.lock import WriterLock
-from sessionstore.kvfile.opening import open_locked, refuse_non_regular, target_header
+from sessionstore.kvfile.opening import OpenedFile, open_locked, refuse_non_regular, target_header
 from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter
 from sessionstore.kvfile.sidecar_repair import catch_up, drop_untended, open_beside, repair_on_open
 from sessionstore.kvfile.staging import Staging
+from sessionstore.kvfile.writer_options import WriterOptions
 from sessionstore.log import get_logger
 
 log = get_logger("writer")
@@ -51,29 +51,27 @@ log = get_logger("writer")
 class KVWriter:
     """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`."""
 
-    def __init__(self, *, path: str, dims: Dims, kv_dtype: str, io: Durability, lock: WriterLock,
-                 fd: int, header: Header, nrec: int, disk_nrec: int, staging_bytes: int,
-                 checksums: bool, upgrade_chunk_bytes: int, file_bytes: int,
-                 preallocate: int | None, write_behind: bool = False) -> None:
+    def __init__(self, *, path: str, dims: Dims, options: WriterOptions, io: Durability, lock: WriterLock,
+                 opened: OpenedFile, nrec: int) -> None:
         self.path = path
         self.dims = dims
-        self.kv_dtype = kv_dtype
+        self.kv_dtype = options.kv_dtype
         self._io = io
         self._lock = lock
-        self._fd = fd
-        self._header = header
+        self._fd = opened.fd
+        self._header = opened.header
         self._nrec = nrec  # committed (durable) count
-        self._disk_nrec_max = disk_nrec  # the most the commit word on disk may hold
-        self._staging_bytes = staging_bytes
-        self._checksums = checksums
-        self._upgrade_chunk_bytes = upgrade_chunk_bytes
+        self._disk_nrec_max = opened.header.nrec  # the most the commit word on disk may hold
+        self._staging_bytes = options.staging_bytes
+        self._checksums = options.checksums
+        self._upgrade_chunk_bytes = options.upgrade_chunk_bytes
         self._staging = self._new_staging()  # records [nrec, length), in order
-        self._write_behind = write_behind
+        self._write_behind = options.write_behind
         self._sidecar: SidecarWriter | None = None
         self._dir_sync_due = False
         self._closed = False
-        self._file_end = file_bytes  # the file's size as far as this writer knows (never shrinks)
-        self._headroom = Headroom(preallocate)  # zero-filled headroom past the committed records
+        self._file_end = opened.size  # the file's size as far as this writer knows (never shrinks)
+        self._headroom = Headroom(options.preallocate)  # zero-filled headroom past the committed records
         self._vouch = VouchedMapping()  # what open(vouch=...) checked before any repair, and how
 
     def _new_staging(self) -> Staging:
@@ -114,29 +112,24 @@ class KVWriter:
         io = durability if durability is not None else SharedDurability()
         lock = WriterLock(path).acquire()
         try:
-            writer = cls._open_locked(path, dims, kv_dtype, create, max(staging_bytes, 1), io,
-                                      lock, checksums, upgrade_chunk_bytes, preallocate,
-                                      write_behind, vouch)
+            options = WriterOptions(kv_dtype=kv_dtype, staging_bytes=max(staging_bytes, 1), checksums=checksums,
+                                    upgrade_chunk_bytes=upgrade_chunk_bytes, preallocate=preallocate,
+                                    write_behind=write_behind)
+            writer = cls._open_locked(path, dims, options, create=create, io=io, lock=lock, vouch=vouch)
         except BaseException:
             lock.release()
             raise
         return writer
 
     @classmethod
-    def _open_locked(cls, path: str, dims: Dims, kv_dtype: str, create: bool, staging_bytes: int,
-                     io: Durability, lock: WriterLock, checksums: bool,
-                     upgrade_chunk_bytes: int, preallocate: int | None,
-                     write_behind: bool, vouch: int | None = None) -> KVWriter:
-        opened = open_locked(path, dims, kv_dtype, create=create, io=io)
+    def _open_locked(cls, path: str, dims: Dims, options: WriterOptions, *, create: bool, io: Durability,
+                     lock: WriterLock, vouch: int | None) -> KVWriter:
+        opened = open_locked(path, dims, options.kv_dtype, create=create, io=io)
         header = opened.header
         writer: KVWriter | None = None
         try:
             complete = complete_records(header, opened.size)
-            writer = cls(path=path, dims=dims, kv_dtype=kv_dtype, io=io, lock=lock, fd=opened.fd,
-                         header=header, nrec=complete, disk_nrec=header.nrec,
-                         staging_bytes=staging_bytes, checksums=checksums,
-                         upgrade_chunk_bytes=upgrade_chunk_bytes, file_bytes=opened.size,
-                         preallocate=preallocate, write_behind=write_behind)
+            writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
             if vouch is not None:  # under the lock, before any repair touches the files
                 writer._vouch.check(open_kv(path, expect=dims), vouch)
             if not writer.pending_upgrade:
@@ -146,7 +139,7 @@ class KVWriter:
             if writer is not None:
                 writer._vouch.drop()
             raise
-        log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=kv_dtype,
+        log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=options.kv_dtype,
                  created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")
         return writer
 
@@ -412,5 +405,4 @@ class KVWriter:
                 f"length={self.length}, closed={self._closed})")
 
 
-__all__ = ["KVWriter", "KV_DTYPES", "default_headroom", "PREALLOC_RECORDS",
-           "PREALLOC_MAX_BYTES"]
+__all__ = ["KVWriter"]

@@ -31,7 +31,6 @@ import zstandard
 
 from kernels.errors import CorruptionError, FormatError, LimitError
 from sessionstore.migration.bundle_compress import CompressionPolicy
-from sessionstore.migration.bundle_format import *  # noqa: F403 - the format is part of this module's API
 from sessionstore.migration.bundle_format import (
     BUNDLE_END_MAGIC,
     BUNDLE_MAGIC,
@@ -55,7 +54,6 @@ from sessionstore.migration.bundle_format import (
     parse_json,
     validate_manifest_doc,
 )
-from sessionstore.migration.bundle_format import __all__ as _format_all
 from sessionstore.migration.bundle_io import read_exactly_into
 
 
@@ -350,4 +348,4 @@ class BundleReader:
         return self.stats
 
 
-__all__ = [*_format_all, "CompressionPolicy", "BundleWriter", "BundleReader", "cut_chunks"]
+__all__ = ["BundleWriter", "BundleReader", "cut_chunks"]

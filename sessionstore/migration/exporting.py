@@ -29,16 +29,19 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.migration import bundle as B
+from sessionstore.migration.bundle_compress import CompressionPolicy
+from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, BundleFile, BundleManifest
 from sessionstore.sessions import (
     CONVERSATION_NAME,
     KV_NAME,
     MANIFEST_NAME,
+    RESPONSES_NAME,
     SIDECAR_NAME,
     SessionSnapshot,
     SessionStore,
     read_record,
+    response_list_bytes,
 )
-from sessionstore.sessions.response_list import RESPONSES_NAME, response_list_bytes
 
 log = get_logger("migrate")
 
@@ -122,7 +125,7 @@ class ExportSource:
             sizes[CONVERSATION_NAME] = len(self.conversation)
         if self.responses is not None:
             sizes[RESPONSES_NAME] = len(self.responses)
-        self.files = tuple(B.BundleFile(name, size) for name, size in sizes.items())
+        self.files = tuple(BundleFile(name, size) for name, size in sizes.items())
 
     def kv_chunks(self) -> Iterator[bytes | memoryview]:
         """The kv file's bytes cut at chunk boundaries: the header (nrec = committed) and the
@@ -174,12 +177,12 @@ class PreparedExport:
     bundle's size is known before a byte is written when every chunk is stored raw). ``write``
     streams it once; ``close`` lets go of the kv mapping. A context manager."""
 
-    def __init__(self, store: SessionStore, session_id: str, chunk_bytes: int = B.DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, store: SessionStore, session_id: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.session_id = session_id
         self.snap = store.snapshot(session_id)
         self.source = ExportSource(self.snap, chunk_bytes)
         try:
-            self.manifest = B.BundleManifest(
+            self.manifest = BundleManifest(
                 session_id=session_id, session=self.snap.manifest.to_json(), kv=kv_info(self.snap),
                 files=self.source.files, chunk_bytes=chunk_bytes,
                 created_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -198,7 +201,7 @@ class PreparedExport:
         snap, source, session_id = self.snap, self.source, self.session_id
         bar = progress_bar(self.manifest.total_bytes, f"export {session_id}", progress)
         try:
-            writer = B.BundleWriter(sink, self.manifest, B.CompressionPolicy(compression), bar)
+            writer = B.BundleWriter(sink, self.manifest, CompressionPolicy(compression), bar)
             writer.write_file(MANIFEST_NAME, [source.manifest_json])
             try:
                 writer.write_file(KV_NAME, source.kv_chunks())
@@ -236,7 +239,7 @@ class PreparedExport:
 
 
 def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
-                   compression: str | int = "auto", chunk_bytes: int = B.DEFAULT_CHUNK_BYTES,
+                   compression: str | int = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                    progress: bool = False) -> MigrateResult:
     """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
     with PreparedExport(store, session_id, chunk_bytes) as export:

@@ -23,7 +23,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 
 from kernels.errors import ColiError
-from sessionstore.kvfile.fsio import open_regular
+from sessionstore.kvfile import open_regular
 from sessionstore.log import get_logger
 from sessionstore.migration import migrate
 from sessionstore.migration.bundle_io import WritebackFile

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kernels.errors import FormatError, LockedError
-from sessionstore.migration.bundle import check_session_id, parse_json
+from sessionstore.migration.bundle_format import check_session_id, parse_json
 
 LEASE_TTL_S = 900.0
 MAX_LEASE_BYTES = 64 << 10

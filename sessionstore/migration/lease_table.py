@@ -16,7 +16,7 @@ import time
 
 from kernels.errors import ColiError, LimitError, LockedError
 from sessionstore.log import get_logger
-from sessionstore.migration.bundle import check_session_id
+from sessionstore.migration.bundle_format import check_session_id
 from sessionstore.migration.lease import (
     MAX_LEASE_BYTES,
     HeldElsewhereError,

@@ -1,5 +1,5 @@
-"""Export a session as a bundle (``exporting.py``, re-exported here), import a bundle as a session
-(the store side of migration).
+"""Import a bundle as a session (the store side of migration; the export side is
+:mod:`sessionstore.migration.exporting`).
 
 Import reads the manifest frame, validates it against the session manifest schema, the layout
 limits, the model (``model=``) and the store (id taken without ``replace``), checks the free
@@ -39,31 +39,35 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.migration import bundle as B
+from sessionstore.migration.bundle_format import ALLOWED_FILES, BundleManifest, BundleStats, parse_json
+from sessionstore.migration.bundle_format import MAX_RESPONSES_BYTES as BUNDLE_MAX_RESPONSES_BYTES
 from sessionstore.migration.bundle_io import SYNC_AHEAD_BYTES, WritebackFile
-from sessionstore.migration.exporting import MigrateResult, export_session, kv_info, progress_bar
+from sessionstore.migration.exporting import MigrateResult, progress_bar
 from sessionstore.sessions import (
     CONVERSATION_NAME,
     KV_NAME,
     MANIFEST_NAME,
+    MAX_RESPONSES_BYTES,
+    RESPONSES_NAME,
     SIDECAR_NAME,
     ModelRef,
     SessionStore,
     manifest_from_json,
     read_manifest,
     read_record,
+    read_response_list,
     write_manifest,
 )
-from sessionstore.sessions.response_list import MAX_RESPONSES_BYTES, RESPONSES_NAME, read_response_list
 
 log = get_logger("migrate")
 _progress = progress_bar  # the import side's progress bar (the same as export's)
 
 FREE_SPACE_MARGIN = 64 << 20  # left free on the store's filesystem after an import
-assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME, RESPONSES_NAME) == B.ALLOWED_FILES
-assert MAX_RESPONSES_BYTES == B.MAX_RESPONSES_BYTES
+assert (MANIFEST_NAME, KV_NAME, SIDECAR_NAME, CONVERSATION_NAME, RESPONSES_NAME) == ALLOWED_FILES
+assert MAX_RESPONSES_BYTES == BUNDLE_MAX_RESPONSES_BYTES
 
 
-def _check_frame(bm: B.BundleManifest, where: str) -> tuple[Any, Dims, int]:
+def _check_frame(bm: BundleManifest, where: str) -> tuple[Any, Dims, int]:
     """The manifest frame must describe one consistent session; returns (manifest, dims, rec)."""
     manifest = manifest_from_json(bm.session, f"{where}: session manifest")
     if manifest.id != bm.session_id:
@@ -171,7 +175,7 @@ class ReceivedBundle:
     tmp: Path
     session_id: str
     source_name: str
-    stats: B.BundleStats
+    stats: BundleStats
     start: float
 
     def install(self, session_id: str | None = None, *, replace: bool = False) -> MigrateResult:
@@ -259,9 +263,9 @@ def _point_at_local_model(tmp: Path, model: str | os.PathLike[str]) -> None:
         write_manifest(tmp / MANIFEST_NAME, manifest)
 
 
-def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims) -> None:
+def _verify_received(tmp: Path, bm: BundleManifest, manifest: Any, dims: Dims) -> None:
     """What landed must be what the frame described (adopt_dir then re-checks the sidecar)."""
-    shipped = B.parse_json((tmp / MANIFEST_NAME).read_bytes(), f"{tmp / MANIFEST_NAME}")
+    shipped = parse_json((tmp / MANIFEST_NAME).read_bytes(), f"{tmp / MANIFEST_NAME}")
     if shipped != bm.session:
         raise FormatError(f"{bm.session_id}: manifest.json differs from the manifest frame")
     kv_path = tmp / KV_NAME
@@ -293,5 +297,4 @@ def _verify_received(tmp: Path, bm: B.BundleManifest, manifest: Any, dims: Dims)
             raise CorruptionError(f"{kv_path}: the shipped sidecar does not describe this header")
 
 
-__all__ = ["MigrateResult", "ReceivedBundle", "export_session", "import_bundle", "check_model",
-           "kv_info", "receive_bundle"]
+__all__ = ["ReceivedBundle", "import_bundle", "check_model", "receive_bundle"]

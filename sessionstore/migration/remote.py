@@ -31,6 +31,7 @@ from kernels.errors import ColiError, FormatError, LimitError, NotFoundError
 from sessionstore.kvfile import WriterLock
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_shelf import BundleShelf
+from sessionstore.migration.exporting import MigrateResult, export_session
 from sessionstore.migration.lease import (
     LEASE_TTL_S,
     HeldElsewhereError,
@@ -40,7 +41,7 @@ from sessionstore.migration.lease import (
 )
 from sessionstore.migration.lease_keeper import LeaseKeeper
 from sessionstore.migration.lease_table import LeaseTable
-from sessionstore.migration.migrate import MigrateResult, export_session, import_bundle
+from sessionstore.migration.migrate import import_bundle
 from sessionstore.migration.object_store import ObjectPrefix
 from sessionstore.migration.transport import open_sink, open_source
 from sessionstore.sessions import SessionStore
@@ -100,9 +101,6 @@ class RemoteStore:
         return self.leases.lease_ttl
 
     # --- the lease (see LeaseTable) ----------------------------------------------------------
-    def lease_key(self, session_id: str) -> str:
-        return self.leases.key(session_id)
-
     def lease(self, session_id: str) -> Lease | None:
         """The lease as stored now (None: the remote has never seen this session)."""
         return self.leases.lease(session_id)

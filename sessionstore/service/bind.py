@@ -20,20 +20,32 @@ def parse_bind(text: str) -> tuple[str, int]:
     return host or DEFAULT_HOST, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def is_loopback_address(text: str | None) -> bool:
+    """Whether ``text`` is a loopback IP address literal (IPv4-mapped IPv6 included); a name, an
+    empty string or None is not an address, so never loopback. A peer's address is judged by this."""
+    if not text:
+        return False
     try:
-        return ipaddress.ip_address(host).is_loopback
+        addr = ipaddress.ip_address(text)
     except ValueError:
         return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether listening on ``host`` stays on this machine: the name ``localhost`` or a loopback
+    address (:func:`is_loopback_address`)."""
+    return host == "localhost" or is_loopback_address(host)
 
 
 def check_bind(host: str, api_key: str | None) -> None:
     """A non-loopback address is refused without an API key."""
-    if not is_loopback(host) and not api_key:
+    if not is_loopback_host(host) and not api_key:
         raise FormatError(f"refusing to listen on {host} (not loopback) without an API key: pass --api-key KEY "
                           f"or set {API_KEY_ENV}")
 
 
-__all__ = ["API_KEY_ENV", "DEFAULT_HOST", "PULL_KEY_ENV", "check_bind", "is_loopback", "parse_bind"]
+__all__ = ["API_KEY_ENV", "DEFAULT_HOST", "PULL_KEY_ENV", "check_bind", "is_loopback_address", "is_loopback_host",
+           "parse_bind"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import ipaddress
 import threading
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, cast
 
 from sessionstore.migration.exporting import PreparedExport
+from sessionstore.service.bind import is_loopback_address
 from sessionstore.service.errors import ApiError
 from sessionstore.service.streams import outbox_of
 from sessionstore.sessions import SessionStore
@@ -106,24 +106,11 @@ class QueueSink(io.RawIOBase):
             self.out.put(data)
 
 
-def is_loopback(host: str | None) -> bool:
-    """Whether ``host`` (a peer's address) is a loopback address (IPv4-mapped IPv6 included)."""
-    if not host:
-        return False
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
-
-
 def export_compression(asked: str | None, peer: str | None) -> str | int:
     """The compression of a GET's bundle: ``asked`` (``?compress=``), else ``none`` for a loopback
     peer and ``auto`` for any other."""
     if asked is None:
-        return "none" if is_loopback(peer) else "auto"
+        return "none" if is_loopback_address(peer) else "auto"
     if asked in ("auto", "none"):
         return asked
     if asked.isdigit() and 1 <= int(asked) <= MAX_ZSTD_LEVEL:
@@ -179,4 +166,4 @@ async def export_stream(store: SessionStore, session_id: str, compression: str |
     return stream, headers
 
 
-__all__ = ["ChunkHandoff", "QueueSink", "export_compression", "export_stream", "is_loopback"]
+__all__ = ["ChunkHandoff", "QueueSink", "export_compression", "export_stream"]

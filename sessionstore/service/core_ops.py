@@ -16,8 +16,7 @@ from typing import Any
 
 import msgspec
 
-from sessionstore.migration.bundle_format import BundleStats
-from sessionstore.migration.migrate import ReceivedBundle
+from sessionstore.migration import BundleStats, ReceivedBundle
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import ApiError
 from sessionstore.service.listing import in_window, list_object, problem_description
@@ -30,10 +29,7 @@ from sessionstore.service.response_records import (
     session_records,
 )
 from sessionstore.service.tier_routes import entry_tier_fields, session_tier_fields
-from sessionstore.sessions import validate_session_id
-from sessionstore.sessions.catalogue import CatalogueEntry
-from sessionstore.sessions.response_list import write_response_list
-from sessionstore.sessions.tier_record import TierChange
+from sessionstore.sessions import CatalogueEntry, TierChange, validate_session_id, write_response_list
 
 
 def describe(engine: Engine, sid: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import zmq
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.migration.lease import HeldElsewhereError
+from sessionstore.migration import HeldElsewhereError
 from sessionstore.service.core_ops import OPERATIONS, fleet_responses
 from sessionstore.service.engine import Engine
 from sessionstore.service.errors import api_error_of
@@ -271,7 +271,7 @@ def main() -> int:
     if os.getppid() != config.parent_pid:
         return 0  # the parent died before the death signal was asked for
     sys.setswitchinterval(0.0005)  # the engine thread's hand-over interval (see server.SWITCH_INTERVAL_S)
-    from sessionstore.kvfile.hash_helper import start_hash_helper, stop_hash_helper
+    from sessionstore.kvfile import start_hash_helper, stop_hash_helper
 
     try:
         engine = build_engine(config)

@@ -8,8 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kernels.model.logits import TokenLogprob
-from sessionstore.sessions import Session
-from sessionstore.sessions.durable_text import held_until_committed
+from sessionstore.sessions import Session, held_until_committed
 
 
 class HeldSink:

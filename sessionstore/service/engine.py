@@ -1,9 +1,10 @@
 """The engine: the decoder and every open session, driven by one piece of work at a time (the
 holder of the :class:`DecoderBaton`); handlers queue work here and stream what comes back.
 
-Each request's work runs in a thread of its own that waits for the baton; a turn hands it on at
-every token boundary; the engine thread batches every waiting session's forward into one step
-and admits long prompts in chunks beside them (:mod:`sessionstore.service.batcher`). Two requests on one
+Each request's work runs in a thread of its own and touches sessions only while it holds the
+baton; none of them runs the model: the engine thread batches every waiting session's forward into
+one step, runs each turn's decode loop between steps, and admits long prompts in chunks beside them
+(:mod:`sessionstore.service.batcher`). Two requests on one
 session never interleave: while a session has work queued or running, another request on it is
 refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions (or
 ``max_kv_bytes``) the least recently used idle one is suspended (commit, release memory and
@@ -34,7 +35,8 @@ log = get_logger("service")
 
 
 class Engine:
-    """The decoder's thread, its queue of jobs, the open sessions and the residency limits."""
+    """The work in flight (a thread per request, each holding the baton in turn), the decoder behind
+    the step batcher, the open sessions and the residency limits."""
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,

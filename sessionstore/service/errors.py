@@ -23,8 +23,7 @@ from kernels.errors import (
     NotFoundError,
     UnsupportedModelError,
 )
-from sessionstore.sessions.fence import SessionFencedError
-from sessionstore.sessions.tier_record import SessionOffloadedError
+from sessionstore.sessions import SessionFencedError, SessionOffloadedError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
                409: "conflict_error", 413: "invalid_request_error", 500: "server_error",

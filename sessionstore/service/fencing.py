@@ -9,8 +9,7 @@ import threading
 from sessionstore.kvfile import Dims
 from sessionstore.log import get_logger
 from sessionstore.service.metrics import EngineMetrics
-from sessionstore.sessions import SessionStore
-from sessionstore.sessions.fence import Fence, SessionFencedError, reopen_fenced
+from sessionstore.sessions import Fence, SessionFencedError, SessionStore, reopen_fenced
 
 log = get_logger("service")
 

@@ -32,8 +32,7 @@ from sessionstore.log import get_logger
 from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError
 from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import Session
-from sessionstore.sessions.tier_record import is_offloaded
+from sessionstore.sessions import Session, is_offloaded
 
 log = get_logger("fleet")
 

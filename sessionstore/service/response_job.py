@@ -24,9 +24,7 @@ from sessionstore.service.response_records import (
     keep_with_session,
 )
 from sessionstore.service.turns import TurnOutcome, TurnSink, TurnSpec
-from sessionstore.sessions import Session
-from sessionstore.sessions.conversation import tokens_digest
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.sessions import Session, common_prefix, tokens_digest
 
 log = get_logger("service")
 

@@ -26,11 +26,10 @@ from typing import Any
 from kernels.errors import CorruptionError, FormatError
 from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
-from sessionstore.migration.object_records import ObjectRecords
-from sessionstore.migration.object_store import ObjectPrefix
+from sessionstore.migration import ObjectPrefix, ObjectRecords
 from sessionstore.service.turns import TurnOutcome
+from sessionstore.sessions import read_response_list, write_response_list
 from sessionstore.sessions.paths import confined
-from sessionstore.sessions.response_list import read_response_list, write_response_list
 
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"

@@ -13,8 +13,7 @@ from starlette.responses import JSONResponse, Response
 from kernels.errors import ColiError
 from sessionstore.service.errors import ApiError
 from sessionstore.service.protocol import parse_body
-from sessionstore.sessions.catalogue import CatalogueEntry
-from sessionstore.sessions.tier_record import MAX_RETENTION_S, TierChange, check_retention, read_tier
+from sessionstore.sessions import MAX_RETENTION_S, CatalogueEntry, TierChange, check_retention, read_tier
 
 
 class SessionPatch(BaseModel):

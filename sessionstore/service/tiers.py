@@ -30,21 +30,23 @@ from prometheus_client import Counter, Gauge
 
 from kernels.errors import ColiError
 from kernels.rows import KV_FORMAT_OF_DTYPE
-from sessionstore.kvfile import WriterLock, fsync_directory
-from sessionstore.kvfile.header import HEADER_SIZE, Dims, record_bytes
-from sessionstore.kvfile.headroom import PAGE, default_headroom
+from sessionstore.kvfile import HEADER_SIZE, PAGE, Dims, WriterLock, default_headroom, fsync_directory, record_bytes
 from sessionstore.log import get_logger
 from sessionstore.service.errors import ApiError
 from sessionstore.service.turns import TurnSpec, max_new_for
-from sessionstore.sessions.manifest import MANIFEST_NAME, utc_now
-from sessionstore.sessions.paths import LOCK_NAME
-from sessionstore.sessions.tier_policy import SessionUse, TierPlan, epoch_of, plan_tiers
-from sessionstore.sessions.tier_record import (
+from sessionstore.sessions import (
+    LOCK_NAME,
+    MANIFEST_NAME,
     TIER_NAME,
     Offloaded,
+    SessionUse,
     TierChange,
+    TierPlan,
     TierRecord,
+    epoch_of,
+    plan_tiers,
     read_tier,
+    utc_now,
     write_tier,
 )
 

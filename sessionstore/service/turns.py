@@ -23,11 +23,10 @@ from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGramm
 from sessionstore.service.durable_stream import durable_sink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.prompts import PromptRenderer
-from sessionstore.sessions import Session
+from sessionstore.sessions import Session, TierChange
 from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
 from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.tier_record import TierChange
 from sessionstore.sessions.turns import DecodeDriver, common_prefix, feed_chunk, run_turn
 
 

@@ -2,36 +2,130 @@
 digest, the model fingerprint, a session's life cycle (suspend, resume), its recovery, the store
 and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
-from sessionstore.sessions.conversation import CONVERSATION_NAME, read_record
+from kernels.rows import KV_VERSION_OF_DTYPE
+from sessionstore.sessions.catalogue import CATALOGUE_NAME, CatalogueEntry, SessionFilesMissingError
+from sessionstore.sessions.conversation import (
+    CONVERSATION_NAME,
+    check_messages,
+    read_record,
+    remove_record,
+    tokens_digest,
+)
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
+from sessionstore.sessions.directory import MAX_PAGE, ORDERS, SessionInfo
+from sessionstore.sessions.durable_text import DURABLE_STREAM, held_until_committed
+from sessionstore.sessions.fence import Fence, SessionFencedError, reopen_fenced
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
 from sessionstore.sessions.manifest import (
-    KV_VERSION_OF_DTYPE,
     MANIFEST_NAME,
     Manifest,
     ModelRef,
     manifest_from_json,
     read_manifest,
+    utc_now,
     write_manifest,
 )
-from sessionstore.sessions.paths import check_component, validate_session_id
+from sessionstore.sessions.output import OutputProcessor, TurnStop
+from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
 from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
 from sessionstore.sessions.residency import Residency, Resident
-from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome, TurnResult, reference_turns
+from sessionstore.sessions.response_list import (
+    MAX_RESPONSES_BYTES,
+    RESPONSES_NAME,
+    read_response_list,
+    response_list_bytes,
+    write_response_list,
+)
+from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
-from sessionstore.sessions.store import KV_NAME, SIDECAR_NAME, SessionInfo, SessionStore
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.tier_policy import SessionUse, TierPlan, epoch_of, plan_tiers
+from sessionstore.sessions.tier_record import (
+    MAX_RETENTION_S,
+    TIER_NAME,
+    Offloaded,
+    SessionOffloadedError,
+    TierChange,
+    TierRecord,
+    check_retention,
+    is_offloaded,
+    read_tier,
+    write_tier,
+)
+from sessionstore.sessions.turns import TurnResult, common_prefix, reference_turns
 
 __all__ = [
-    "DEFAULT_COMMIT_EVERY", "KV_NAME", "KV_VERSION_OF_DTYPE", "MANIFEST_NAME", "Manifest",
-    "ModelRef", "SIDECAR_NAME", "Session", "SessionInfo", "SessionSnapshot",
-    "SessionStore", "TINY_NAME", "TurnResult", "check_component", "export_slot",
-    "fingerprint_tiny", "import_slot", "make_digest", "manifest_from_json", "model_fingerprint",
-    "read_manifest", "reference_turns", "validate_session_id", "write_manifest",
-    # added with the sessions room's restructuring
-    "LogitsDigest", "Residency", "Resident", "ResumeCheck", "ResumeTarget", "SessionHome",
-    "check_resume", "common_prefix", "logits_hash", "verify_session_dir",
-    # the rendered conversation (FORMAT.md 5.8)
-    "CONVERSATION_NAME", "read_record",
+    "CATALOGUE_NAME",
+    "CONVERSATION_NAME",
+    "CatalogueEntry",
+    "DEFAULT_COMMIT_EVERY",
+    "DURABLE_STREAM",
+    "Fence",
+    "KV_NAME",
+    "KV_VERSION_OF_DTYPE",
+    "LOCK_NAME",
+    "LogitsDigest",
+    "MANIFEST_NAME",
+    "MAX_PAGE",
+    "MAX_RESPONSES_BYTES",
+    "MAX_RETENTION_S",
+    "Manifest",
+    "ModelRef",
+    "ORDERS",
+    "Offloaded",
+    "OutputProcessor",
+    "RESPONSES_NAME",
+    "Residency",
+    "Resident",
+    "ResumeCheck",
+    "ResumeTarget",
+    "SIDECAR_NAME",
+    "Session",
+    "SessionFencedError",
+    "SessionFilesMissingError",
+    "SessionHome",
+    "SessionInfo",
+    "SessionOffloadedError",
+    "SessionSnapshot",
+    "SessionStore",
+    "SessionUse",
+    "TIER_NAME",
+    "TINY_NAME",
+    "TierChange",
+    "TierPlan",
+    "TierRecord",
+    "TurnResult",
+    "TurnStop",
+    "check_component",
+    "check_messages",
+    "check_resume",
+    "check_retention",
+    "common_prefix",
+    "epoch_of",
+    "export_slot",
+    "fingerprint_tiny",
+    "held_until_committed",
+    "import_slot",
+    "is_offloaded",
+    "logits_hash",
+    "make_digest",
+    "manifest_from_json",
+    "model_fingerprint",
+    "plan_tiers",
+    "read_manifest",
+    "read_record",
+    "read_response_list",
+    "read_tier",
+    "reference_turns",
+    "remove_record",
+    "reopen_fenced",
+    "response_list_bytes",
+    "tokens_digest",
+    "utc_now",
+    "validate_session_id",
+    "verify_session_dir",
+    "write_manifest",
+    "write_response_list",
+    "write_tier",
 ]

@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
 from kernels.errors import ColiError, FormatError, NotFoundError
-from sessionstore.kvfile.sweep import current_owner, owner_of
+from sessionstore.kvfile import current_owner, owner_of
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id

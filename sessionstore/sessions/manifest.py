@@ -28,16 +28,11 @@ from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
 from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
-    DIGEST_ATOL,
-    DIGEST_RTOL,
-    DIGEST_TOP_K,
     LogitsDigest,
     digest_from_json,
     digest_to_json,
-    logits_hash,
-    make_digest,
 )
-from sessionstore.sessions.fields import MAX_PENDING, need, need_float, need_int, pending_from_json
+from sessionstore.sessions.fields import need, need_float, need_int, pending_from_json
 
 SCHEMA = "coli-session-manifest"
 SCHEMA_VERSION = 1
@@ -195,11 +190,6 @@ def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable:
 
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "KV_DTYPES", "DIM_NAMES", "MAX_PENDING", "ModelRef",
-    "Manifest", "manifest_from_json", "apply_state", "read_manifest",
-    "write_manifest", "utc_now", "KV_VERSION_OF_DTYPE",
-    # the digest, re-exported for callers of the manifest (defined in sessionstore.sessions.digest)
-    "LogitsDigest", "make_digest", "logits_hash", "digest_from_json", "digest_to_json",
-    "DIGEST_TOP_K", "DIGEST_RTOL", "DIGEST_ATOL",
-    "pending_from_json",
+    "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "DIM_NAMES", "ModelRef", "Manifest", "manifest_from_json",
+    "apply_state", "read_manifest", "write_manifest", "utc_now",
 ]

@@ -52,11 +52,9 @@ from sessionstore.sessions.resident import ResidentFiles
 from sessionstore.sessions.turns import (
     DecodeDriver,
     TurnResult,
-    blocks_from_reader,
     common_prefix,
     feed_chunk,
     recompute_last,
-    reference_turns,
     run_turn,
 )
 
@@ -530,5 +528,4 @@ class Session:
         return f"Session({self.id!r}, {self.state}, committed={self.committed}, pending={self.pending})"
 
 
-__all__ = ["Session", "SessionHome", "TurnResult", "feed_chunk", "run_turn", "reference_turns", "recompute_last",
-           "blocks_from_reader", "DEFAULT_COMMIT_EVERY"]
+__all__ = ["Session", "SessionHome", "DEFAULT_COMMIT_EVERY"]

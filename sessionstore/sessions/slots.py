@@ -26,9 +26,11 @@ from sessionstore.kvfile import (
     sidecar_path,
 )
 from sessionstore.log import get_logger
+from sessionstore.sessions.directory import SessionInfo
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
-from sessionstore.sessions.paths import validate_session_id
-from sessionstore.sessions.store import KV_NAME, SNAPSHOT_RETRIES, SessionInfo, SessionSnapshot, SessionStore
+from sessionstore.sessions.paths import KV_NAME, validate_session_id
+from sessionstore.sessions.snapshot import SessionSnapshot
+from sessionstore.sessions.store import SNAPSHOT_RETRIES, SessionStore
 
 SLOT_NAME = ".coli_kv"
 MAX_SLOT = 9999

@@ -11,30 +11,22 @@ import builtins
 import os
 import shutil
 import threading
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kernels.errors import FormatError, LockedError, NotFoundError
-from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv, sidecar_path
+from kernels.model.sampling import Sampler
+from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue import entry_of_manifest
-from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME, TMP_DIR, SessionInfo, StoreDirectory
-from sessionstore.sessions.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ModelRef,
-    Sampler,
-    read_manifest,
-    write_manifest,
-)
-from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
+from sessionstore.sessions.directory import SessionInfo, StoreDirectory
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
+from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.tier_record import refuse_offloaded
-from sessionstore.sessions.turns import common_prefix
 
 SNAPSHOT_RETRIES = 5
 
@@ -197,17 +189,6 @@ class SessionStore(StoreDirectory):
         self.catalogue.note(entry_of_manifest(manifest, size, state="resident" if resident else "suspended",
                                               holder=current_owner().token if resident else None))
 
-    # ---- prefix reuse ---------------------------------------------------------------------
-    def prefix_match(self, session_id: str, prompt_ids: Sequence[int]) -> int:
-        """How many leading records of the history a new prompt can reuse (read-only).
-
-        The longest common prefix of the committed tokens and ``prompt_ids``, at most
-        ``len(prompt_ids) - 1`` so that at least one token is fed (its logits pick the next).
-        """
-        snap = self.snapshot(session_id)
-        with open_kv(snap.kv_path) as reader:
-            return common_prefix(reader.tokens[:snap.committed], prompt_ids)
-
     def history(self, session_id: str) -> builtins.list[int]:
         """The conversation's tokens (committed records + pending), read-only, no lock taken."""
         snap = self.snapshot(session_id)
@@ -236,7 +217,4 @@ class SessionStore(StoreDirectory):
         return self.residency.enforce_budget(keep=keep)
 
 
-__all__ = ["SessionStore", "SessionInfo", "KV_NAME", "SIDECAR_NAME", "LOCK_NAME", "STATE_NAME", "SESSIONS_DIR",
-           "TMP_DIR", "SNAPSHOT_RETRIES", "sidecar_path",
-           # re-exported for the store's callers (defined in directory.py, snapshot.py and turns.py)
-           "StoreDirectory", "SessionSnapshot", "verify_session_dir", "common_prefix"]
+__all__ = ["SessionStore", "SNAPSHOT_RETRIES"]

@@ -17,7 +17,7 @@ from kernels.errors import CorruptionError, FormatError, LimitError
 from kernels.model.logits import TurnDraw, turn_draw
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
-from kernels.rows import LatentRows, RecordRows
+from kernels.rows import RecordRows
 from sessionstore.kvfile import KVReader, sanitize_scales
 
 ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
@@ -181,15 +181,6 @@ def recompute_last(model: Decoder[Any], blocks_of: Callable[[int, int], list], t
     return logits, scratch.records_since(n - 1)
 
 
-def blocks_from_reader(reader: KVReader, n: int) -> list[list[LatentRows]]:
-    """One block per layer over records [0, n) of a mapped file: row views, no copy.
-
-    The one implementation is :meth:`KVReader.layer_blocks` (v2 scales gathered for all layers
-    in ONE pass over the records, sanitised once and cached by the reader); kept here for callers.
-    """
-    return reader.layer_blocks(n)
-
-
 def compare_rows(found: RecordRows, reader: KVReader, position: int) -> bool:
     """True if bit-identical; raises CorruptionError when beyond ROW_RTOL of the row's magnitude."""
     stored = reader.records[position]["layers"]  # [L] layer records
@@ -233,5 +224,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["DecodeLoop", "ROW_RTOL", "TurnEnd", "TurnResult", "blocks_from_reader", "common_prefix", "compare_rows",
+__all__ = ["DecodeLoop", "ROW_RTOL", "TurnEnd", "TurnResult", "common_prefix", "compare_rows",
            "decode_loop", "drive_inline", "feed_chunk", "recompute_last", "reference_turns", "run_turn"]

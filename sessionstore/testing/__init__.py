@@ -12,8 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from sessionstore.kvfile.durability import Durability
-from sessionstore.kvfile.fsio import Buffer
+from sessionstore.kvfile import Buffer, Durability
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ import pytest
 
 from bench.serve_decode import aggregate_rate, decode_span
 from bench.serve_procs import Streamed
-from bench.serve_sse import _Stream
+from bench.serve_sse import SseStream
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_the_lean_client_times_each_event_when_its_last_byte_arrives(piece: int)
     text = [json.dumps({"choices": [{"text": t, "finish_reason": None}]}).encode() for t in ("a", "b", "c")]
     final = json.dumps({"choices": [{"text": "", "finish_reason": "length", "token_ids": [1, 2, 3]}]}).encode()
     raw = _chunked([*text, final, b"[DONE]"])
-    s = _Stream(sock=None)  # type: ignore[arg-type]  # feed() never touches the socket
+    s = SseStream(sock=None)  # type: ignore[arg-type]  # feed() never touches the socket
     for i in range(0, len(raw), piece):
         s.feed(raw[i:i + piece], now=float(i))
     got = s.streamed()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sessionstore.kvfile.layout import HEADER_SIZE, record_bytes
+from sessionstore.kvfile.header import HEADER_SIZE, record_bytes
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import write_sidecar_for
 from tests.kvfile.test_layout_fixtures import (

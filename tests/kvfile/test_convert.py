@@ -13,7 +13,7 @@ import pytest
 from kernels.errors import FormatError, NotFoundError
 from kernels.rows import RecordRows
 from sessionstore.kvfile.convert import DestinationExistsError, convert_file
-from sessionstore.kvfile.layout import HEADER_SIZE, Dims, record_bytes
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, record_bytes
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
 from sessionstore.kvfile.sidecar_check import check_records

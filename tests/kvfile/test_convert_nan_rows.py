@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sessionstore.kvfile.convert import convert_file
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
 from tests.kernels.test_fp8_nan_rows import nan_bits, nan_rows, reference_row
 from tests.kvfile.test_layout_fixtures import struct_header
 from tools.coli_kv import main

@@ -19,7 +19,8 @@ import time
 import pytest
 
 from sessionstore.kvfile.convert import convert_file
-from sessionstore.kvfile.layout import Dims, Header, pack_header, pack_records
+from sessionstore.kvfile.header import Dims, Header, pack_header
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import sidecar_path
 from sessionstore.kvfile.writer import KVWriter

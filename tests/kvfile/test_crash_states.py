@@ -24,7 +24,8 @@ from kernels.errors import ColiError
 from kernels.rows import KV_FORMAT_OF_DTYPE
 from sessionstore.kvfile.convert import convert_file
 from sessionstore.kvfile.fsio import fsync_parent
-from sessionstore.kvfile.layout import NREC_OFFSET, Dims, pack_nrec, pack_records
+from sessionstore.kvfile.header import NREC_OFFSET, Dims, pack_nrec
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records

@@ -18,16 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import ColiError
-from sessionstore.kvfile.layout import (
-    HEADER_SIZE,
-    MAGIC_DSV4,
-    MAGIC_V1,
-    MAGIC_V2,
-    MAGIC_V3,
-    Header,
-    pack_header,
-    pack_records,
-)
+from sessionstore.kvfile.header import HEADER_SIZE, MAGIC_DSV4, MAGIC_V1, MAGIC_V2, MAGIC_V3, Header, pack_header
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path, write_sidecar_for
 from sessionstore.kvfile.sidecar_check import check_records

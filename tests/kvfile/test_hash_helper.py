@@ -17,8 +17,8 @@ import pytest
 from kernels.errors import CorruptionError
 from sessionstore.kvfile import integrity
 from sessionstore.kvfile.hash_helper import hash_file_records, start_hash_helper, stop_hash_helper
+from sessionstore.kvfile.header import HEADER_SIZE, record_bytes
 from sessionstore.kvfile.integrity import require_vouched
-from sessionstore.kvfile.layout import HEADER_SIZE, record_bytes
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import hash_records, write_sidecar_for
 from tests.kvfile.test_layout_fixtures import ENGINE_TOKENS, INDEXER_DIMS, fp8_rows, write_kv

@@ -8,8 +8,8 @@ import pytest
 
 from kernels.errors import FormatError, LimitError
 from kernels.rows import RecordRows
-from sessionstore.kvfile import layout
-from sessionstore.kvfile.layout import (
+from sessionstore.kvfile import header
+from sessionstore.kvfile.header import (
     HEADER_SIZE,
     MAX_LAYERS,
     MAX_RECORD_BYTES,
@@ -19,12 +19,10 @@ from sessionstore.kvfile.layout import (
     Header,
     complete_records,
     pack_header,
-    pack_records,
     parse_header,
     record_bytes,
-    record_dtype,
-    sanitize_scales,
 )
+from sessionstore.kvfile.layout import pack_records, record_dtype, sanitize_scales
 from tests.kvfile.test_layout_fixtures import (
     ENGINE_DIMS,
     ENGINE_TOKENS,
@@ -260,5 +258,5 @@ def test_sanitize_scales_reading_rule() -> None:
 
 
 def test_struct_sizes_asserted() -> None:
-    assert layout.HEADER_STRUCT.size == HEADER_SIZE == 40
-    assert layout.NREC_OFFSET == 32
+    assert header.HEADER_STRUCT.size == HEADER_SIZE == 40
+    assert header.NREC_OFFSET == 32

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from kernels.rows import RecordRows
-from sessionstore.kvfile.layout import Dims, Header, pack_header, pack_records
+from sessionstore.kvfile.header import Dims, Header, pack_header
+from sessionstore.kvfile.layout import pack_records
 
 # The engine's test scenario: 2 layers, latent 8, rope 4, tokens 11..55; vocab large enough.
 ENGINE_DIMS = Dims(n_layers=2, kv_lora=8, qk_rope=4, index_head_dim=0, n_index_layers=0, vocab=1000)

@@ -10,7 +10,7 @@ import pytest
 
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.rows import F32Rows, Fp8Rows
-from sessionstore.kvfile.layout import HEADER_SIZE, Dims, record_bytes
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, record_bytes
 from sessionstore.kvfile.reader import open_kv
 from tests.kvfile.test_layout_fixtures import (
     ENGINE_DIMS,

@@ -10,7 +10,8 @@ import pytest
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.kvfile.layout import HEADER_SIZE, Header, pack_header, pack_records, record_bytes
+from sessionstore.kvfile.header import HEADER_SIZE, Header, pack_header, record_bytes
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import (
     SidecarWriter,

@@ -13,7 +13,8 @@ from kernels.fp8 import quantize_rows
 from kernels.rows import KV_FORMAT_OF_DTYPE
 from kernels.tq import TqCodec
 from sessionstore.kvfile.durability import Durability
-from sessionstore.kvfile.layout import Header, pack_header, pack_records
+from sessionstore.kvfile.header import Header, pack_header
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
 from sessionstore.kvfile.upgrade import UPGRADE_SUFFIX

@@ -21,7 +21,8 @@ from kernels.errors import ColiError, FormatError
 from kernels.rows import KV_FORMAT_OF_DTYPE, RecordRows, TqRows
 from kernels.tq import TqCodec
 from sessionstore.kvfile import KVWriter, convert_file, open_kv, verify_file
-from sessionstore.kvfile.layout import HEADER_SIZE, Dims, Header, pack_header, pack_records
+from sessionstore.kvfile.header import HEADER_SIZE, Dims, Header, pack_header
+from sessionstore.kvfile.layout import pack_records
 from tests.support.writer import DIMS, DIMS_IX, gen_f32
 from tools.cmd_inspect import inspect_file
 

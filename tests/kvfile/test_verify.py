@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels.errors import FormatError
-from sessionstore.kvfile.layout import HEADER_SIZE, record_bytes
+from sessionstore.kvfile.header import HEADER_SIZE, record_bytes
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import sidecar_path, write_sidecar_for
 from sessionstore.kvfile.verify import scan_records, verify_file

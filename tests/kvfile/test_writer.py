@@ -12,7 +12,7 @@ from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchEr
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore import log as store_log
-from sessionstore.kvfile.layout import Dims, Header, pack_header
+from sessionstore.kvfile.header import Dims, Header, pack_header
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, record_checksum, sidecar_path
 from sessionstore.kvfile.writer import KVWriter

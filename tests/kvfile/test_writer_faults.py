@@ -14,7 +14,7 @@ import os
 import pytest
 
 from sessionstore.kvfile.durability import Durability
-from sessionstore.kvfile.layout import Header, pack_header
+from sessionstore.kvfile.header import Header, pack_header
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.testing import FaultyDurability, SimulatedCrash
 from tests.support.writer import (

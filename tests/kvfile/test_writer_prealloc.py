@@ -11,11 +11,12 @@ import random
 
 import pytest
 
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
+from sessionstore.kvfile.headroom import PREALLOC_RECORDS, default_headroom
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar, sidecar_path
 from sessionstore.kvfile.verify import verify_file
-from sessionstore.kvfile.writer import PREALLOC_RECORDS, KVWriter, default_headroom
+from sessionstore.kvfile.writer import KVWriter
 from sessionstore.testing import FaultyDurability, SimulatedCrash, count_steps
 from tests.kvfile.test_crash_sigkill import COMMITTED, COMMITTING, _fork, _kill_after
 from tests.support.writer import (

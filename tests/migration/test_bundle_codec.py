@@ -14,20 +14,34 @@ from hypothesis import strategies as st
 
 from kernels.errors import ColiError, CorruptionError, FormatError, LimitError
 from sessionstore.migration import bundle as B
-from sessionstore.migration.bundle_compress import PROBE_SAMPLE_BYTES
+from sessionstore.migration.bundle_compress import PROBE_SAMPLE_BYTES, CompressionPolicy
+from sessionstore.migration.bundle_format import (
+    BUNDLE_MAGIC,
+    CHUNK_HEAD,
+    CODEC_RAW,
+    CODEC_ZSTD,
+    FILE_END,
+    MANIFEST_HEAD,
+    MAX_FILE_BYTES,
+    MIN_CHUNK_BYTES,
+    PREAMBLE,
+    BundleFile,
+    BundleManifest,
+    parse_json,
+)
 
 
-def _manifest(files: dict[str, bytes], chunk_bytes: int = B.MIN_CHUNK_BYTES,
-              session_id: str = "s1") -> B.BundleManifest:
-    entries = tuple(B.BundleFile(name, len(data)) for name, data in files.items())
-    return B.BundleManifest(session_id=session_id, session={"id": session_id},
+def _manifest(files: dict[str, bytes], chunk_bytes: int = MIN_CHUNK_BYTES,
+              session_id: str = "s1") -> BundleManifest:
+    entries = tuple(BundleFile(name, len(data)) for name, data in files.items())
+    return BundleManifest(session_id=session_id, session={"id": session_id},
                             kv={"version": 2}, files=entries, chunk_bytes=chunk_bytes)
 
 
-def make_bundle(files: dict[str, bytes], *, chunk_bytes: int = B.MIN_CHUNK_BYTES,
+def make_bundle(files: dict[str, bytes], *, chunk_bytes: int = MIN_CHUNK_BYTES,
                 mode: str | int = "none", piece: int = 3000) -> bytes:
     sink = io.BytesIO()
-    writer = B.BundleWriter(sink, _manifest(files, chunk_bytes), B.CompressionPolicy(mode))
+    writer = B.BundleWriter(sink, _manifest(files, chunk_bytes), CompressionPolicy(mode))
     for name, data in files.items():
         writer.write_file(name, (data[i:i + piece] for i in range(0, len(data), piece)))
     writer.finish()
@@ -49,7 +63,7 @@ def _files(seed: int = 0, kv_size: int = 50_000) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("mode", ["none", 1, 3, "auto"])
-@pytest.mark.parametrize("kv_size", [0, 1, B.MIN_CHUNK_BYTES, 3 * B.MIN_CHUNK_BYTES + 17])
+@pytest.mark.parametrize("kv_size", [0, 1, MIN_CHUNK_BYTES, 3 * MIN_CHUNK_BYTES + 17])
 def test_round_trip_any_size_and_mode(mode, kv_size):
     files = _files(kv_size=kv_size)
     assert read_bundle(make_bundle(files, mode=mode)) == files
@@ -79,52 +93,52 @@ def _encode_watching_probes(policy, chunk: bytes, n: int) -> tuple[list[int], li
 
 
 def test_auto_policy_stays_raw_when_the_sink_is_faster_than_compression():
-    policy = B.CompressionPolicy("auto", probe_every=8)
+    policy = CompressionPolicy("auto", probe_every=8)
     policy.note_sink(1e-12, 1 << 30)  # a sink that costs nothing per byte
-    codecs, probes = _encode_watching_probes(policy, bytes(B.MIN_CHUNK_BYTES), 60)
+    codecs, probes = _encode_watching_probes(policy, bytes(MIN_CHUNK_BYTES), 60)
     assert probes == [0, 16, 48]  # each losing probe doubles the interval
-    assert codecs == [B.CODEC_RAW] * 60  # a probe is a measurement: the chunk still goes raw
+    assert codecs == [CODEC_RAW] * 60  # a probe is a measurement: the chunk still goes raw
     assert policy.saved_fraction > 0.9  # zeros compress: it is the sink's speed that says no
 
 
 def test_a_probe_compresses_a_sample_not_the_whole_chunk(monkeypatch):
-    policy = B.CompressionPolicy("auto")
+    policy = CompressionPolicy("auto")
     seen = []
     real = policy._cctx.compress
     monkeypatch.setattr(policy, "_cctx", type("Spy", (), {
         "compress": staticmethod(lambda data: seen.append(len(data)) or real(data))})())
     policy.note_sink(1e-12, 1 << 30)
-    assert policy.encode(bytes(4 << 20))[0] == B.CODEC_RAW
+    assert policy.encode(bytes(4 << 20))[0] == CODEC_RAW
     assert seen == [PROBE_SAMPLE_BYTES]
 
 
 def test_auto_policy_compresses_for_a_slow_sink():
-    policy = B.CompressionPolicy("auto", probe_every=8)
+    policy = CompressionPolicy("auto", probe_every=8)
     policy.note_sink(1.0, 1 << 20)  # 1 MB/s
-    codecs = [policy.encode(bytes(B.MIN_CHUNK_BYTES))[0] for _ in range(8)]
-    assert codecs == [B.CODEC_ZSTD] * 8
+    codecs = [policy.encode(bytes(MIN_CHUNK_BYTES))[0] for _ in range(8)]
+    assert codecs == [CODEC_ZSTD] * 8
 
 
 def test_auto_policy_ignores_short_writes_and_probes_until_the_sink_is_measured():
-    policy = B.CompressionPolicy("auto")
+    policy = CompressionPolicy("auto")
     policy.note_sink(1.0, 24)  # a chunk header: call overhead, not bandwidth
     assert policy.sink_bytes == 0 and not policy.pays()
-    assert policy.encode(b"{}" * 100)[0] == B.CODEC_RAW  # tiny: no probe, nothing learnt
+    assert policy.encode(b"{}" * 100)[0] == CODEC_RAW  # tiny: no probe, nothing learnt
     assert policy.compress_s_per_byte == 0.0
-    chunk = bytes(B.MIN_CHUNK_BYTES)
+    chunk = bytes(MIN_CHUNK_BYTES)
     codecs, probes = _encode_watching_probes(policy, chunk, 3)
-    assert probes == [0, 1, 2] and codecs == [B.CODEC_RAW] * 3  # no verdict without the sink
+    assert probes == [0, 1, 2] and codecs == [CODEC_RAW] * 3  # no verdict without the sink
     policy.note_sink(1e-12, 1 << 30)  # now a fast sink is measured
     codecs, probes = _encode_watching_probes(policy, chunk, 3)
-    assert probes == [0] and codecs == [B.CODEC_RAW] * 3
+    assert probes == [0] and codecs == [CODEC_RAW] * 3
 
 
 def test_auto_policy_follows_a_sink_that_slows_down():
-    policy = B.CompressionPolicy("auto", probe_every=4)
+    policy = CompressionPolicy("auto", probe_every=4)
     policy.note_sink(1e-12, 1 << 30)
-    assert [policy.encode(bytes(8192))[0] for _ in range(3)][1:] == [B.CODEC_RAW] * 2
+    assert [policy.encode(bytes(8192))[0] for _ in range(3)][1:] == [CODEC_RAW] * 2
     policy.note_sink(100.0, 1 << 20)  # the link became slow
-    assert policy.encode(bytes(8192))[0] == B.CODEC_ZSTD
+    assert policy.encode(bytes(8192))[0] == CODEC_ZSTD
 
 
 def test_layout_of_the_first_bytes_matches_the_spec():
@@ -201,8 +215,8 @@ def test_unknown_version_and_flags_are_refused():
 
 def _with_manifest(doc: dict, body: bytes = b"") -> bytes:
     raw = json.dumps(doc).encode()
-    return (B.PREAMBLE.pack(B.BUNDLE_MAGIC, 1, 0)
-            + B.MANIFEST_HEAD.pack(b"MNFT", len(raw), xxhash.xxh3_64_intdigest(raw)) + raw + body)
+    return (PREAMBLE.pack(BUNDLE_MAGIC, 1, 0)
+            + MANIFEST_HEAD.pack(b"MNFT", len(raw), xxhash.xxh3_64_intdigest(raw)) + raw + body)
 
 
 def _doc(**overrides) -> dict:
@@ -239,13 +253,13 @@ def test_manifest_fields_are_validated(field, value, error):
 
 def test_declared_file_size_beyond_limit_is_refused_before_reading():
     doc = _doc()
-    doc["files"][1]["size"] = B.MAX_FILE_BYTES + 1
+    doc["files"][1]["size"] = MAX_FILE_BYTES + 1
     with pytest.raises(LimitError):
         B.BundleReader(io.BytesIO(_with_manifest(doc)))
 
 
 def test_manifest_length_beyond_limit_is_refused_before_allocation():
-    head = B.PREAMBLE.pack(B.BUNDLE_MAGIC, 1, 0) + B.MANIFEST_HEAD.pack(b"MNFT", 0xFFFFFFFF, 0)
+    head = PREAMBLE.pack(BUNDLE_MAGIC, 1, 0) + MANIFEST_HEAD.pack(b"MNFT", 0xFFFFFFFF, 0)
     with pytest.raises(LimitError, match="manifest length"):
         B.BundleReader(io.BytesIO(head))
 
@@ -255,18 +269,18 @@ def test_duplicate_keys_nan_and_deep_nesting_are_refused():
     for bad in (raw, b'{"a": NaN}', b"[" * 5000 + b"]" * 5000, b'{"a":' * 40 + b"1" + b"}" * 40,
                 b"\xff\xfe"):
         with pytest.raises((FormatError, LimitError)):
-            B.parse_json(bad, "t")
+            parse_json(bad, "t")
 
 
 def test_a_zstd_bomb_is_refused_without_inflating_it():
     """A payload whose frame claims (or holds) more than raw_len is refused before inflation."""
     bomb = zstandard.ZstdCompressor(level=19).compress(bytes(64 << 20))  # 64 MiB of zeros
     doc = _doc()
-    doc["files"][1]["size"] = B.MIN_CHUNK_BYTES
-    doc["chunk_bytes"] = B.MIN_CHUNK_BYTES
-    chunk = B.CHUNK_HEAD.pack(b"CHNK", 0, 0, 0, 2, 2, xxhash.xxh3_64_intdigest(b"{}", seed=0))
-    chunk += b"{}" + B.FILE_END.pack(b"FEND", 0, 0, 2, xxhash.xxh3_128(b"{}").digest())
-    bomb_head = B.CHUNK_HEAD.pack(b"CHNK", 1, 1, 0, B.MIN_CHUNK_BYTES, len(bomb), 0)
+    doc["files"][1]["size"] = MIN_CHUNK_BYTES
+    doc["chunk_bytes"] = MIN_CHUNK_BYTES
+    chunk = CHUNK_HEAD.pack(b"CHNK", 0, 0, 0, 2, 2, xxhash.xxh3_64_intdigest(b"{}", seed=0))
+    chunk += b"{}" + FILE_END.pack(b"FEND", 0, 0, 2, xxhash.xxh3_128(b"{}").digest())
+    bomb_head = CHUNK_HEAD.pack(b"CHNK", 1, 1, 0, MIN_CHUNK_BYTES, len(bomb), 0)
     stream = _with_manifest(doc, chunk + bomb_head + bomb)
     reader = B.BundleReader(io.BytesIO(stream))
     list(reader.iter_file("manifest.json"))
@@ -276,8 +290,8 @@ def test_a_zstd_bomb_is_refused_without_inflating_it():
     streaming = zstandard.ZstdCompressor().compressobj()
     no_size = streaming.compress(bytes(1 << 20)) + streaming.flush()
     assert zstandard.frame_content_size(no_size) == -1
-    stream = _with_manifest(doc, chunk + B.CHUNK_HEAD.pack(
-        b"CHNK", 1, 1, 0, B.MIN_CHUNK_BYTES, len(no_size), 0) + no_size)
+    stream = _with_manifest(doc, chunk + CHUNK_HEAD.pack(
+        b"CHNK", 1, 1, 0, MIN_CHUNK_BYTES, len(no_size), 0) + no_size)
     reader = B.BundleReader(io.BytesIO(stream))
     list(reader.iter_file("manifest.json"))
     with pytest.raises(CorruptionError, match="declares -1"):
@@ -285,10 +299,10 @@ def test_a_zstd_bomb_is_refused_without_inflating_it():
 
 
 def test_swapped_chunks_are_refused_by_the_ordinal_seed():
-    files = {"manifest.json": b"{}", "kv.coli_kv": b"A" * B.MIN_CHUNK_BYTES + b"B" * B.MIN_CHUNK_BYTES}
+    files = {"manifest.json": b"{}", "kv.coli_kv": b"A" * MIN_CHUNK_BYTES + b"B" * MIN_CHUNK_BYTES}
     data = make_bundle(files, piece=1 << 20)
     first = data.index(b"CHNK", data.index(b"CHNK") + 1)  # kv's first chunk
-    size = 24 + B.MIN_CHUNK_BYTES
+    size = 24 + MIN_CHUNK_BYTES
     a, b = data[first:first + size], data[first + size:first + 2 * size]
     swapped = data[:first] + b + a + data[first + 2 * size:]
     with pytest.raises(CorruptionError, match="checksum"):
@@ -327,7 +341,7 @@ def test_file_end_frame_fields_are_checked():
 
 
 def test_iter_file_without_copy_yields_views_of_one_reused_buffer():
-    files = _files(kv_size=3 * B.MIN_CHUNK_BYTES + 17)
+    files = _files(kv_size=3 * MIN_CHUNK_BYTES + 17)
     reader = B.BundleReader(io.BytesIO(make_bundle(files)))
     list(reader.iter_file("manifest.json"))
     got, buffers = [], set()
@@ -349,7 +363,7 @@ def test_cut_chunks_is_zero_copy_for_whole_chunks():
 def test_writer_refuses_a_source_that_changed_under_it():
     files = {"manifest.json": b"{}", "kv.coli_kv": b"x" * 100}
     sink = io.BytesIO()
-    writer = B.BundleWriter(sink, _manifest(files), B.CompressionPolicy("none"))
+    writer = B.BundleWriter(sink, _manifest(files), CompressionPolicy("none"))
     writer.write_file("manifest.json", [b"{}"])
     with pytest.raises(CorruptionError, match="streamed 99 bytes.*changed"):
         writer.write_file("kv.coli_kv", [b"x" * 99])

@@ -12,7 +12,10 @@ pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the
 
 from kernels.errors import FormatError  # noqa: E402
 from kernels.model.text import load_text  # noqa: E402
-from sessionstore.migration import migrate  # noqa: E402
+from sessionstore.migration import (
+    export_session,
+    migrate,  # noqa: E402
+)
 from sessionstore.sessions import SessionStore  # noqa: E402
 from sessionstore.sessions.conversation import ConversationRecord, read_record  # noqa: E402
 from sessionstore.sessions.conversation_chat import Conversation, ReferenceChat  # noqa: E402
@@ -37,7 +40,7 @@ def test_a_moved_session_keeps_its_conversation_and_continues_exactly(tmp_path: 
     messages = conv.messages
     conv.session.close()
     buf = io.BytesIO()
-    migrate.export_session(a, "c", buf)
+    export_session(a, "c", buf)
     b = SessionStore(tmp_path / "b")
     migrate.import_bundle(b, io.BytesIO(buf.getvalue()), model=str(model_dir))
     moved = read_record(b.session_dir("c"))
@@ -63,7 +66,7 @@ def test_import_refuses_a_conversation_of_another_history(tmp_path: Path, model_
     (a.session_dir("cut") / "conversation.json").write_bytes(stale.encode())  # claims the longer one
     monkeypatch.setattr(ConversationRecord, "agrees_with", lambda self, history: True)  # a lax exporter
     buf = io.BytesIO()
-    migrate.export_session(a, "cut", buf)
+    export_session(a, "cut", buf)
     monkeypatch.undo()
     b = SessionStore(tmp_path / "b")
     with pytest.raises(FormatError, match="does not describe the session's"):
@@ -77,7 +80,7 @@ def test_no_conversation_no_file(tmp_path: Path) -> None:
     s.generate([1, 2, 3], 4)
     s.close()
     buf = io.BytesIO()
-    migrate.export_session(a, "t", buf)
+    export_session(a, "t", buf)
     assert b"conversation.json" not in buf.getvalue()[:4096]
     b = SessionStore(tmp_path / "b")
     migrate.import_bundle(b, io.BytesIO(buf.getvalue()), model="tiny")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore.migration import migrate
+from sessionstore.migration import export_session
 from sessionstore.migration.inbox import Inbox
 from sessionstore.migration.transport import open_sink
 from sessionstore.sessions.store import SessionStore
@@ -34,7 +34,7 @@ def source(tmp_path):
 
 def bundle_bytes(store, sid) -> bytes:
     sink = io.BytesIO()
-    migrate.export_session(store, sid, sink)
+    export_session(store, sid, sink)
     return sink.getvalue()
 
 
@@ -104,7 +104,7 @@ def test_run_imports_what_is_there_and_what_lands_later(tmp_path, source):
         assert ready.wait(10)
         # a writer that follows the convention: <name>.partial then a rename
         with open_sink(str(inbox_dir / "beta.colibundle")) as (sink, _):
-            migrate.export_session(source, "beta", sink)
+            export_session(source, "beta", sink)
         # a plain copy (written in place, then closed)
         shutil.copyfile(_export_file(source, "gamma", tmp_path), inbox_dir / "gamma.colibundle")
         wait_for(lambda: len(inbox.outcomes) >= 3)

@@ -25,7 +25,18 @@ from sessionstore.kvfile.lock import WriterLock
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.migration import bundle as B
-from sessionstore.migration import migrate
+from sessionstore.migration import export_session, migrate
+from sessionstore.migration.bundle_compress import CompressionPolicy
+from sessionstore.migration.bundle_format import (
+    CHUNK_HEAD,
+    FILE_END,
+    FILE_END_TAG,
+    MANIFEST_HEAD,
+    MIN_CHUNK_BYTES,
+    BundleFile,
+    BundleManifest,
+)
+from sessionstore.migration.exporting import progress_bar
 from sessionstore.sessions.manifest import read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import (
@@ -44,7 +55,7 @@ def stores(tmp_path):
 
 def export_bytes(store, sid, **kw) -> bytes:
     sink = io.BytesIO()
-    migrate.export_session(store, sid, sink, **kw)
+    export_session(store, sid, sink, **kw)
     return sink.getvalue()
 
 
@@ -53,7 +64,7 @@ def export_bytes(store, sid, **kw) -> bytes:
 def test_round_trip_gives_identical_session_files(stores, kv_dtype, compression):
     a, b = stores
     make_session(a, "chat-1", 37, kv_dtype=kv_dtype)
-    data = export_bytes(a, "chat-1", compression=compression, chunk_bytes=B.MIN_CHUNK_BYTES)
+    data = export_bytes(a, "chat-1", compression=compression, chunk_bytes=MIN_CHUNK_BYTES)
     result = migrate.import_bundle(b, io.BytesIO(data), source_name="mem")
     assert result.tokens == 37 and result.kv_dtype == kv_dtype
     assert session_files(b, "chat-1") == session_files(a, "chat-1")
@@ -120,7 +131,7 @@ def test_a_truncate_during_export_abandons_the_stream_before_its_trailer(stores)
     make_session(a, "live", 40)
     sink = _TruncatingSink(a, "live", after=2000)
     with pytest.raises((LockedError, CorruptionError)):
-        migrate.export_session(a, "live", sink, compression="none", chunk_bytes=B.MIN_CHUNK_BYTES)
+        export_session(a, "live", sink, compression="none", chunk_bytes=MIN_CHUNK_BYTES)
     before = tree_state(b.root)
     with pytest.raises(ColiError):
         migrate.import_bundle(b, io.BytesIO(sink.getvalue()))
@@ -145,10 +156,10 @@ def _kv_chunks_sent(data: bytes) -> int:
     (length,) = struct.unpack_from("<I", data, 20)
     at, sent = 32 + length, 0
     while at + 24 <= len(data):
-        if data[at:at + 4] == B.FILE_END_TAG:
-            at += B.FILE_END.size
+        if data[at:at + 4] == FILE_END_TAG:
+            at += FILE_END.size
             continue
-        _, index, _, _, _, stored, _ = B.CHUNK_HEAD.unpack_from(data, at)
+        _, index, _, _, _, stored, _ = CHUNK_HEAD.unpack_from(data, at)
         sent += index == 1
         at += 24 + stored
     return sent
@@ -169,10 +180,10 @@ def test_a_corrupt_record_stops_the_one_pass_export_before_its_chunk(stores, tmp
     kv.write_bytes(raw)
     sink = io.BytesIO()
     with pytest.raises(CorruptionError, match="record 250"):
-        migrate.export_session(a, "late", sink, compression="none", chunk_bytes=B.MIN_CHUNK_BYTES)
+        export_session(a, "late", sink, compression="none", chunk_bytes=MIN_CHUNK_BYTES)
     data = sink.getvalue()
     assert b"TRLR" not in data and b"COLIBEND" not in data
-    assert _kv_chunks_sent(data) == (40 + 250 * rec) // B.MIN_CHUNK_BYTES  # up to the bad one
+    assert _kv_chunks_sent(data) == (40 + 250 * rec) // MIN_CHUNK_BYTES  # up to the bad one
     before = tree_state(b.root)
     with pytest.raises(CorruptionError, match="truncated"):
         migrate.import_bundle(b, io.BytesIO(data))
@@ -180,7 +191,7 @@ def test_a_corrupt_record_stops_the_one_pass_export_before_its_chunk(stores, tmp
     dest = tmp_path / "out.colibundle"
     with pytest.raises(CorruptionError):
         with open_sink(str(dest)) as (file_sink, _):
-            migrate.export_session(a, "late", file_sink, chunk_bytes=B.MIN_CHUNK_BYTES)
+            export_session(a, "late", file_sink, chunk_bytes=MIN_CHUNK_BYTES)
     assert list(tmp_path.glob("out.colibundle*")) == []  # no bundle, no .partial
 
 
@@ -197,7 +208,7 @@ def bundle_and_target(stores):
     a, b = stores
     make_session(a, "s1", 60)
     make_session(b, "other", 4, seed=3)  # the target store is not empty
-    return export_bytes(a, "s1", compression=1, chunk_bytes=B.MIN_CHUNK_BYTES), b
+    return export_bytes(a, "s1", compression=1, chunk_bytes=MIN_CHUNK_BYTES), b
 
 
 def test_truncated_streams_are_refused(bundle_and_target):
@@ -228,14 +239,14 @@ def _reframe(data: bytes, edit) -> bytes:
     doc = json.loads(data[32:32 + length])
     edit(doc)
     raw = json.dumps(doc).encode()
-    body = (data[:16] + B.MANIFEST_HEAD.pack(b"MNFT", len(raw), xxhash.xxh3_64_intdigest(raw))
+    body = (data[:16] + MANIFEST_HEAD.pack(b"MNFT", len(raw), xxhash.xxh3_64_intdigest(raw))
             + raw + data[32 + length:-48])
     framing = xxhash.xxh3_128(body[:32 + len(raw)])
     at = 32 + len(raw)
     while at < len(body):  # every chunk header and file-end frame, as the writer hashes them
-        if body[at:at + 4] == B.FILE_END_TAG:
-            framing.update(body[at:at + B.FILE_END.size])
-            at += B.FILE_END.size
+        if body[at:at + 4] == FILE_END_TAG:
+            framing.update(body[at:at + FILE_END.size])
+            at += FILE_END.size
             continue
         header = body[at:at + 24]
         framing.update(header)
@@ -311,10 +322,10 @@ def _rewrite_kv_payload(data: bytes, edit) -> bytes:
     files = {f.name: b"".join(reader.iter_file(f.name)) for f in reader.manifest.files}
     files["kv.coli_kv"] = edit(bytearray(files["kv.coli_kv"]))
     bm = reader.manifest
-    entries = tuple(B.BundleFile(f.name, len(files[f.name])) for f in bm.files)
+    entries = tuple(BundleFile(f.name, len(files[f.name])) for f in bm.files)
     out = io.BytesIO()
-    writer = B.BundleWriter(out, B.BundleManifest(bm.session_id, bm.session, bm.kv, entries,
-                                                  bm.chunk_bytes), B.CompressionPolicy("none"))
+    writer = B.BundleWriter(out, BundleManifest(bm.session_id, bm.session, bm.kv, entries,
+                                                  bm.chunk_bytes), CompressionPolicy("none"))
     for f in entries:
         writer.write_file(f.name, [files[f.name]])
     writer.finish()
@@ -357,7 +368,7 @@ def test_import_through_a_pipe(stores):
     def produce():
         with os.fdopen(w, "wb") as sink:
             try:
-                migrate.export_session(a, "piped", sink, compression=1)
+                export_session(a, "piped", sink, compression=1)
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
@@ -379,7 +390,7 @@ def test_fuzz_mutated_session_bundles_leave_the_store_unchanged(tmp_path_factory
     make_session(a, "f", 12)
     make_session(b, "keep", 2)
     base = export_bytes(a, "f", compression=data.draw(st.sampled_from(["none", 1])),
-                        chunk_bytes=B.MIN_CHUNK_BYTES)
+                        chunk_bytes=MIN_CHUNK_BYTES)
     buf = bytearray(base)
     for _ in range(data.draw(st.integers(1, 3))):
         pos = data.draw(st.integers(0, 1 << 20)) % len(buf)  # the bundle's length varies by a
@@ -421,7 +432,7 @@ def test_a_session_without_sidecar_gets_one_on_import(stores):
 def test_memory_stays_a_few_chunks_whatever_the_session_size(tmp_path):
     import tracemalloc
 
-    from sessionstore.kvfile.layout import Dims
+    from sessionstore.kvfile.header import Dims
     from sessionstore.migration.transport import open_sink
 
     dims = Dims(n_layers=16, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=1000)
@@ -432,7 +443,7 @@ def test_memory_stays_a_few_chunks_whatever_the_session_size(tmp_path):
     tracemalloc.start()
     try:
         with open_sink(str(bundle)) as (sink, _):
-            migrate.export_session(a, "big", sink, compression="none", chunk_bytes=1 << 20)
+            export_session(a, "big", sink, compression="none", chunk_bytes=1 << 20)
         _, export_peak = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         with open(bundle, "rb") as source:
@@ -448,12 +459,12 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     import sys
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert migrate._progress(100, "x", True) is None
+    assert progress_bar(100, "x", True) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    bar = migrate._progress(100, "x", True)
+    bar = progress_bar(100, "x", True)
     assert bar is not None and bar.total == 100
     bar.close()
-    assert migrate._progress(100, "x", False) is None
+    assert progress_bar(100, "x", False) is None
 
 
 class _TimedSink(io.BytesIO):
@@ -477,7 +488,7 @@ def test_auto_compression_follows_the_measured_link(stores):
     results = {}
     for name, rate in (("slow", 20e6), ("fast", 1e12)):
         sink = _TimedSink(rate)
-        results[name] = migrate.export_session(a, "s", sink, compression="auto",
+        results[name] = export_session(a, "s", sink, compression="auto",
                                                chunk_bytes=64 << 10)
         migrate.import_bundle(b, io.BytesIO(sink.getvalue()), replace=True)
         assert session_files(b, "s") == session_files(a, "s")

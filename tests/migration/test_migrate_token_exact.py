@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kernels.model.sampling import Sampler
-from sessionstore.migration import migrate
-from sessionstore.sessions.session import reference_turns
+from sessionstore.migration import export_session, migrate
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401
 
 PROMPT = [3, 17, 101, 5, 42, 7, 250, 9]
@@ -38,7 +38,7 @@ def _move(a: SessionStore, b: SessionStore, sid: str, transport: str) -> None:
     if transport == "file":
         path = a.root.parent / f"{sid}.colibundle"
         with open(path, "wb") as sink:
-            migrate.export_session(a, sid, sink)
+            export_session(a, sid, sink)
         with open(path, "rb") as source:
             migrate.import_bundle(b, source, source_name=str(path), model="tiny")
         return
@@ -48,7 +48,7 @@ def _move(a: SessionStore, b: SessionStore, sid: str, transport: str) -> None:
     def produce() -> None:
         with os.fdopen(w, "wb") as sink:
             try:
-                migrate.export_session(a, sid, sink, compression=1)
+                export_session(a, sid, sink, compression=1)
             except BaseException as exc:  # pragma: no cover - asserted below
                 errors.append(exc)
 
@@ -88,7 +88,7 @@ def test_export_of_a_live_session_continues_token_exact(tmp_path, tiny, kv):
     try:
         first = session.generate(PROMPT, FIRST).tokens  # committed at the end of the turn
         sink = io.BytesIO()
-        migrate.export_session(a, "live", sink)
+        export_session(a, "live", sink)
     finally:
         session.close()
     migrate.import_bundle(b, io.BytesIO(sink.getvalue()))

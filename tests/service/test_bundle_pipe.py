@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
+from sessionstore.service import is_loopback_address
 from sessionstore.service.bundle_upload import BodyPipe, in_thread
-from sessionstore.service.bundles import export_compression, is_loopback
+from sessionstore.service.bundles import export_compression
 from sessionstore.service.errors import ApiError
 
 
@@ -81,7 +82,7 @@ def test_an_abandoned_pipe_drops_what_is_fed_and_wakes_a_waiting_feeder() -> Non
                                             ("::ffff:127.0.0.1", True), ("10.0.0.2", False),
                                             ("2001:db8::1", False), ("localhost", False), (None, False)])
 def test_loopback_peers(host: str | None, loop: bool) -> None:
-    assert is_loopback(host) is loop
+    assert is_loopback_address(host) is loop
 
 
 def test_the_download_compression_choice() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.model.sampling import Sampler
-from sessionstore.migration import migrate
+from sessionstore.migration import export_session
 from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
 
@@ -19,7 +19,7 @@ def test_bundle_in_the_inbox_is_served(tmp_path: Path, text_model_dir: Path, tex
     with source.create("imp", str(text_model_dir), kv_dtype="fp8") as session:
         session.generate([5, 6, 7], 10)
     sink = io.BytesIO()
-    migrate.export_session(source, "imp", sink)
+    export_session(source, "imp", sink)
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     with ServerProc(tmp_path / "root", text_model_dir, "--inbox", str(inbox)) as server:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
-from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback, parse_bind
+from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback_host, parse_bind
 from sessionstore.service.batcher import StepBatcher
 from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.streams import Event, LoopOutbox
@@ -82,8 +82,9 @@ def test_bind_rule() -> None:
     for bad in ("x", "1:99999", "host:", ":-1"):
         with pytest.raises(FormatError):
             parse_bind(bad)
-    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
-    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    assert is_loopback_host("127.0.0.2") and is_loopback_host("::1") and is_loopback_host("localhost")
+    assert is_loopback_host("::ffff:127.0.0.1")  # the one loopback-address rule (is_loopback_address) holds here too
+    assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.0.0.1") and not is_loopback_host("example.com")
     check_bind("127.0.0.1", None)
     check_bind("0.0.0.0", "key")
     with pytest.raises(FormatError, match="without an API key"):

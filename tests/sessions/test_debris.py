@@ -17,7 +17,7 @@ import pytest
 from sessionstore import log as store_log
 from sessionstore.kvfile import sweep
 from sessionstore.kvfile.convert import convert_file
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
 from sessionstore.kvfile.sweep import SWEEP_GRACE_S, Owner, current_owner
 from sessionstore.kvfile.verify import verify_file
 from sessionstore.kvfile.writer import KVWriter
@@ -33,7 +33,7 @@ BIG_N = 4000  # f32 records of BIG: ~37 MB, so each operation runs long enough t
 def dead_owner() -> Owner:
     """The owner token of a process that has exited (its pid is free)."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = sweep._start_time(child.pid)  # read while it runs or as a zombie: either is fine
+    start = sweep.process_start_time(child.pid)  # read while it runs or as a zombie: either is fine
     child.wait()
     return Owner(child.pid, start or 1, current_owner().boot)
 
@@ -91,7 +91,7 @@ def test_a_live_owners_temporaries_are_never_swept(store: SessionStore) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
-        while (start := sweep._start_time(child.pid)) is None and time.monotonic() < deadline:
+        while (start := sweep.process_start_time(child.pid)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         theirs = fill(store.tmp_root / f"t-{Owner(child.pid, start or 0, current_owner().boot).token}-x1y2z3w4")
         age(theirs, 10 * SWEEP_GRACE_S)  # however old: its owner lives

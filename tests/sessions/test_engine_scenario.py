@@ -21,7 +21,7 @@ import pytest
 from kernels.errors import FormatError
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import sidecar_path
 from sessionstore.kvfile.writer import KVWriter

@@ -18,10 +18,10 @@ import pytest
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import convert_file, open_kv
-from sessionstore.migration import migrate
-from sessionstore.sessions.session import reference_turns
+from sessionstore.migration import export_session, migrate
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 from tests.support.session_util import run_child, spawn_child
 
 PROMPT = list(b"The indexer picks the rows that matter most.")  # 44 tokens > index_topk 16
@@ -113,7 +113,7 @@ def test_every_mover_carries_the_indexer_rows(tmp_path: Path, glm, tiny_glm_dir:
     f.close()
     # bundle: export from host A, import on host B, continue like the uninterrupted run
     buf = io.BytesIO()
-    migrate.export_session(store, "src", buf)
+    export_session(store, "src", buf)
     other = SessionStore(tmp_path / "b")
     migrate.import_bundle(other, io.BytesIO(buf.getvalue()), model=str(tiny_glm_dir))
     assert np.array_equal(_index_rows(other, "src"), ic)

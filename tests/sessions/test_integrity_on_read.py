@@ -14,7 +14,7 @@ from kernels.errors import CorruptionError
 from sessionstore.kvfile.convert import convert_file
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.verify import verify_file
-from sessionstore.migration import migrate
+from sessionstore.migration import export_session, migrate
 from sessionstore.sessions.slots import export_slot
 from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import make_session, tree_state
@@ -180,7 +180,7 @@ def test_fork_export_export_slot_and_convert_refuse_a_condemned_record(tmp_path,
         store.fork(SID, "copy")
     sink = io.BytesIO()
     with pytest.raises(CorruptionError, match="record 18"):
-        migrate.export_session(store, SID, sink)
+        export_session(store, SID, sink)
     model_dir = write_tiny_checkpoint(tmp_path / "model")
     with pytest.raises(CorruptionError, match="record at position 18"):
         export_slot(store, SID, model_dir, force=True)
@@ -205,7 +205,7 @@ def test_export_refuses_a_rewound_sidecar(tmp_path, capsys) -> None:
     _chat(root, capsys)
     os.truncate(Path(str(_kv(root)) + ".colisum"), 64 + 8 * 7)
     with pytest.raises(CorruptionError, match="rewound or cut short"):
-        migrate.export_session(SessionStore(root), SID, io.BytesIO())
+        export_session(SessionStore(root), SID, io.BytesIO())
 
 
 def _bundle_with_token(tmp_path: Path, token: int) -> bytes:
@@ -221,7 +221,7 @@ def _bundle_with_token(tmp_path: Path, token: int) -> bytes:
     raw[40 + 5 * rec: 40 + 5 * rec + 4] = int(token).to_bytes(4, "little", signed=True)
     kv.write_bytes(bytes(raw))
     sink = io.BytesIO()
-    migrate.export_session(src, "bad", sink)
+    export_session(src, "bad", sink)
     return sink.getvalue()
 
 

@@ -42,7 +42,7 @@ def test_scales_gathered_by_the_checksum_pass_equal_the_reading_rule(tmp_path, m
     want = _alone(path)
     with open_kv(path) as kv:
         assert require_vouched(kv, kv.nrec, gather_scales=True).checked == kv.nrec
-        assert kv._gathered == kv.nrec  # the pass gathered every vouched record
+        assert kv.scales_gathered == kv.nrec  # the pass gathered every vouched record
         got = kv.sanitized_scales()
         assert np.array_equal(got, want, equal_nan=False) and not got.flags.writeable
         assert got[0, 0, 3] == 0 and got[1, 0, 5] == 0 and got[1, 0, 44] == 0
@@ -76,7 +76,7 @@ def test_a_resumed_writer_hands_over_a_reader_with_its_scales_gathered(tmp_path)
     want = _alone(path)
     with KVWriter.open(path, INDEXER_DIMS, kv_dtype="fp8", create=False, vouch=45) as writer:
         reader = writer.take_vouched_reader()
-        assert reader is not None and reader._gathered == 45
+        assert reader is not None and reader.scales_gathered == 45
         blocks = reader.layer_blocks(45)
         for layer in range(INDEXER_DIMS.n_layers):
             assert np.array_equal(blocks[layer][0].lc_scale, want[0, layer])

@@ -10,8 +10,8 @@ import pytest
 
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
-from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 from tests.support.session_util import REPO
 from tools.cmd_sessions import session_generate
 from tools.coli_kv import main

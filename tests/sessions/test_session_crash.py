@@ -17,9 +17,11 @@ import pytest
 
 from kernels.errors import LockedError
 from kernels.model.sampling import Sampler
+from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME
-from sessionstore.sessions.session import reference_turns
-from sessionstore.sessions.store import STATE_NAME, SessionStore, verify_session_dir
+from sessionstore.sessions.snapshot import verify_session_dir
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 from tests.support.session_util import run_child, spawn_child
 
 PROMPT = list(b"Once upon a time")

@@ -17,8 +17,8 @@ from kernels.errors import CorruptionError, ModelMismatchError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from sessionstore.sessions.session import reference_turns
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 from tests.support.session_util import run_child, write_tiny_checkpoint
 
 PROMPT = list(b"The quick brown fox")

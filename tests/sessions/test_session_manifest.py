@@ -9,15 +9,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
+from kernels.model.sampling import Sampler
+from sessionstore.sessions.digest import make_digest
 from sessionstore.sessions.fingerprint import fingerprint_dir, fingerprint_tiny
-from sessionstore.sessions.manifest import (
-    Manifest,
-    ModelRef,
-    Sampler,
-    make_digest,
-    read_manifest,
-    write_manifest,
-)
+from sessionstore.sessions.manifest import Manifest, ModelRef, read_manifest, write_manifest
 
 DIMS = {"n_layers": 2, "kv_lora": 8, "qk_rope": 4, "index_head_dim": 0, "n_index_layers": 0,
         "vocab": 64}

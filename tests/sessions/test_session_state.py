@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.errors import FormatError
-from sessionstore.kvfile.reader import open_kv, wait_for_unmaps
+from kernels.model.sampling import Sampler
+from sessionstore.kvfile.mapping import wait_for_unmaps
+from sessionstore.kvfile.reader import open_kv
 from sessionstore.sessions.commit_state import (
     STATE_BYTES,
     StateWriter,
@@ -23,19 +25,11 @@ from sessionstore.sessions.commit_state import (
     read_state_page,
     state_path,
 )
-from sessionstore.sessions.manifest import (
-    MANIFEST_NAME,
-    LogitsDigest,
-    Manifest,
-    ModelRef,
-    Sampler,
-    logits_hash,
-    make_digest,
-    read_manifest,
-    write_manifest,
-)
-from sessionstore.sessions.session import reference_turns
-from sessionstore.sessions.store import STATE_NAME, SessionStore
+from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
+from sessionstore.sessions.directory import STATE_NAME
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import reference_turns
 
 PROMPT = list(b"State pages")
 SAMPLED = Sampler(0.9, 50, 0.95, 77)

@@ -9,12 +9,12 @@ import pytest
 from kernels.errors import FormatError, ModelMismatchError, NotFoundError
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
-from sessionstore.kvfile.layout import Dims, Header, pack_header
+from sessionstore.kvfile.header import Dims, Header, pack_header
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
-from sessionstore.sessions.session import feed_chunk, reference_turns
 from sessionstore.sessions.slots import export_slot, import_slot, slot_path
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import feed_chunk, reference_turns
 from tests.support.session_util import write_tiny_checkpoint
 from tools.coli_kv import main
 

@@ -13,9 +13,11 @@ from sessionstore.kvfile import copying
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
+from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
-from sessionstore.sessions.paths import InvalidSessionIdError
-from sessionstore.sessions.store import KV_NAME, LOCK_NAME, SIDECAR_NAME, STATE_NAME, SessionStore, common_prefix
+from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, InvalidSessionIdError
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import common_prefix
 
 PROMPT = list(b"Hello, store")
 
@@ -212,12 +214,16 @@ def test_adopt_dir_verifies_and_installs(store) -> None:
     assert store.history("moved") == store.history("src")
 
 
-def test_prefix_match(store) -> None:
+def test_common_prefix_over_a_history(store) -> None:
     _make(store, "s", n=3)
-    history = store.history("s")
-    assert store.prefix_match("s", history + [1, 2]) == len(history) - 1  # all records reused
-    assert store.prefix_match("s", history[:4] + [999 % 260]) == 4
-    assert store.prefix_match("s", history[:3]) == 2  # at least one token is always fed
+    history = store.history("s")  # the committed records' tokens, then the pending one
+    snap = store.snapshot("s")
+    with open_kv(snap.kv_path) as reader:
+        records = [int(t) for t in reader.tokens[:snap.committed]]
+    assert records == history[:-1]
+    assert common_prefix(records, history + [1, 2]) == len(history) - 1  # all records reused
+    assert common_prefix(records, history[:4] + [999 % 260]) == 4
+    assert common_prefix(records, history[:3]) == 2  # at least one token is always fed
     assert common_prefix([], [5]) == 0 and common_prefix([1, 2], [3]) == 0
 
 

@@ -20,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.session import Session
-from sessionstore.sessions.store import SessionStore, common_prefix
+from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.turns import common_prefix
 
 IDS = st.sampled_from(["a", "b", "c"])
 TOKENS = st.lists(st.integers(0, 259), min_size=1, max_size=5)

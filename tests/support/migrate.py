@@ -11,18 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels.model.sampling import Sampler
 from kernels.rows import RecordRows
-from sessionstore.kvfile.layout import Dims
+from sessionstore.kvfile.header import Dims
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.sessions.catalogue import CATALOGUE_NAME
-from sessionstore.sessions.manifest import (
-    Manifest,
-    ModelRef,
-    Sampler,
-    make_digest,
-    write_manifest,
-)
+from sessionstore.sessions.digest import make_digest
+from sessionstore.sessions.manifest import Manifest, ModelRef, write_manifest
 from sessionstore.sessions.store import SessionStore
 
 SMALL_DIMS = Dims(n_layers=3, kv_lora=32, qk_rope=8, index_head_dim=0, n_index_layers=0, vocab=1000)

@@ -14,7 +14,8 @@ import numpy as np
 
 from kernels.rows import RecordRows
 from sessionstore.kvfile.durability import Durability
-from sessionstore.kvfile.layout import Dims, pack_records
+from sessionstore.kvfile.header import Dims
+from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records

@@ -37,8 +37,8 @@ def test_sources_are_self_contained_package_data() -> None:
 
 @needs_cuda_extra
 def test_a_kernel_that_does_not_compile_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = sources._read
-    monkeypatch.setattr(sources, "_read", lambda name: real(name) + "\nthis is not C++;\n")
+    real = sources.read_source
+    monkeypatch.setattr(sources, "read_source", lambda name: real(name) + "\nthis is not C++;\n")
     with pytest.raises(sources.KernelCompileError, match="mla_reduce.cu"):
         sources.compile_to_ptx("mla_reduce.cu")
 

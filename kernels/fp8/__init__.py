@@ -6,16 +6,16 @@ onto the e4m3 grid (subnormal step 2^-9), the sign bit kept (-0.0 and negative u
 The row quantizer scales each row by 448/amax (f32 ops, amax over the non-NaN values) before
 encoding; scale = amax/448.
 
-The public surface of four modules, one job each: kernels.fp8_tables (the lookup tables),
-kernels.fp8_codec (element encode/decode), kernels.fp8_rows (the row quantizer and dequantizer,
-the usable-scale rule) and kernels.fp8_blocks (argument checks and block iteration they share).
+This package's surface, over its four modules, one job each: ``tables`` (the lookup tables),
+``codec`` (element encode/decode), ``row_quantizer`` (the row quantizer and dequantizer, the
+usable-scale rule) and ``blocks`` (the argument checks and block iteration they share).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.fp8_codec import decode, decode_into, encode, encode_into
-from kernels.fp8_rows import (
+from kernels.fp8.codec import decode, decode_into, encode, encode_into
+from kernels.fp8.row_quantizer import (
     FP8_MAX,
     USABLE_SCALE_BOUND,
     dequantize_rows,
@@ -24,7 +24,7 @@ from kernels.fp8_rows import (
     quantize_rows_into,
     usable_scales,
 )
-from kernels.fp8_tables import DECODE_TABLE, encode_reference, pair_table
+from kernels.fp8.tables import DECODE_TABLE, encode_reference, pair_table
 
 __all__ = [
     "DECODE_TABLE",

@@ -1,6 +1,6 @@
 """fp8 e4m3 element codec: float32 values <-> uint8 codes, any shape and strides (FORMAT.md 2).
 
-Encode looks up kernels.fp8_tables.ENCODE_TABLE by the sticky 16-bit key of each f32 pattern;
+Encode looks up kernels.fp8.tables.ENCODE_TABLE by the sticky 16-bit key of each f32 pattern;
 decode looks up DECODE_TABLE, or pairs of codes in the pair table for long arrays.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 
-from kernels.fp8_blocks import BLOCK, alloc_like, as_codes, as_floats, check_out, elementwise
-from kernels.fp8_tables import DECODE_TABLE, ENCODE_TABLE, pair_table
+from kernels.fp8.blocks import BLOCK, alloc_like, as_codes, as_floats, check_out, elementwise
+from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE, pair_table
 
 _PAIR_MIN = 1 << 12  # decode arrays at least this long use the pair table
 _LO, _HI = (0, 1) if sys.byteorder == "little" else (1, 0)  # u16 halves of a native f32

@@ -14,9 +14,9 @@ from numba import njit, types, void
 
 from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError
-from kernels.fp8_blocks import as_codes, as_floats, blocks, check_out
-from kernels.fp8_codec import decode_flat
-from kernels.fp8_tables import ENCODE_TABLE
+from kernels.fp8.blocks import as_codes, as_floats, blocks, check_out
+from kernels.fp8.codec import decode_flat
+from kernels.fp8.tables import ENCODE_TABLE
 
 FP8_MAX = 448.0
 _F448 = np.float32(448.0)
