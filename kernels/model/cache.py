@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
+from kernels.model.row_addresses import RowTables
 from kernels.rows import KV_DTYPES, KV_VERSION_OF_DTYPE, F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
 from kernels.tq import TqCodec
 
@@ -57,6 +58,7 @@ class _GrowableRows:
         self.codec = TqCodec.from_kv_dtype(kv_dtype) if self.kind == "tq" else None
         self.kv_lora, self.rope = kv_lora, rope
         self.length = 0
+        self.generation = 0  # counts reallocations (address tables of these arrays go stale)
         code_widths = (kv_lora, rope) if self.codec is None else (self.codec.row_bytes(kv_lora),
                                                                   self.codec.row_bytes(rope))
         shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (code_widths[0],), "rc_codes": (code_widths[1],),
@@ -71,14 +73,22 @@ class _GrowableRows:
         n = next(iter(values.values())).shape[0]
         capacity = next(iter(self.arrays.values())).shape[0]
         if start + n > capacity:
-            new_cap = max(2 * capacity, start + n)
-            for name, arr in self.arrays.items():
-                grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
-                grown[: self.length] = arr[: self.length]
-                self.arrays[name] = grown
+            self.reserve(start + n)
         for name, val in values.items():
             self.arrays[name][start : start + n] = val
         self.length = start + n
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` owned rows (capacity doubled, or more, when short); keeps the rows held."""
+        capacity = next(iter(self.arrays.values())).shape[0]
+        if rows <= capacity:
+            return
+        new_cap = max(2 * capacity, rows)
+        for name, arr in self.arrays.items():
+            grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
+            grown[: self.length] = arr[: self.length]
+            self.arrays[name] = grown
+        self.generation += 1
 
     def write_row(self, pos: int, values: dict[str, np.ndarray], i: int) -> None:
         """Row i of every batch array in ``values`` ({field: [B, *]}) at owned position ``pos``
@@ -109,14 +119,21 @@ class _GrowableIndex:
 
     def __init__(self, head_dim: int) -> None:
         self.length = 0
+        self.generation = 0  # counts reallocations
         self.rows = np.zeros((_INITIAL_CAPACITY, head_dim), dtype=np.float32)  # rows: [capacity, hd] f32
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` owned keys; keeps the keys held."""
+        if rows <= self.rows.shape[0]:
+            return
+        grown = np.zeros((max(2 * self.rows.shape[0], rows), self.rows.shape[1]), dtype=np.float32)
+        grown[: self.length] = self.rows[: self.length]
+        self.rows = grown
+        self.generation += 1
 
     def write(self, start: int, ic: np.ndarray) -> None:
         n = ic.shape[0]
-        if start + n > self.rows.shape[0]:
-            grown = np.zeros((max(2 * self.rows.shape[0], start + n), self.rows.shape[1]), dtype=np.float32)
-            grown[: self.length] = self.rows[: self.length]
-            self.rows = grown
+        self.reserve(start + n)
         self.rows[start : start + n] = ic
         self.length = start + n
 
@@ -151,6 +168,7 @@ class DecoderCache:
         self._own_index = [_GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
         self._own_tokens = np.zeros(_INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
         self.length = 0
+        self._tables: tuple[tuple[int, ...], RowTables] | None = None  # (storage key, tables) when built
 
     # ---- resume -------------------------------------------------------------------------
     @classmethod
@@ -208,6 +226,7 @@ class DecoderCache:
         cache._base = blocks
         cache._base_tokens = tokens
         cache._base_len = cache.length = int(tokens.shape[0])
+        cache._tables = None
         return cache
 
     # ---- reading ------------------------------------------------------------------------
@@ -347,6 +366,40 @@ class DecoderCache:
         """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
         self._own_index[slot].write(self.length - self._base_len, np.asarray(ic, dtype=np.float32))
 
+    # ---- the batch kernels' view (kernels.model.step_tables) -----------------------------
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` pending positions in every layer's owned rows and indexer keys, so that
+        writing them moves no array (the address tables stay valid through a step)."""
+        rows = self.length - self._base_len + n
+        for own in self._own:
+            own.reserve(rows)
+        for index in self._own_index:
+            index.reserve(rows)
+
+    def row_tables(self) -> RowTables | None:
+        """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
+        moves); None for another kv dtype or rows a table cannot describe."""
+        if self.kind != "fp8":
+            return None
+        key = (self._base_len, *(own.generation for own in self._own), *(ix.generation for ix in self._own_index))
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables[1]
+        tables = RowTables.of(self)
+        if tables is not None:
+            self._tables = (key, tables)
+        return tables
+
+    def owned_storage(self) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray], int]:
+        """(each layer's owned arrays {field: [capacity, *]}, each full layer's owned keys
+        [capacity, hd] f32, the position of owned row 0): the arrays themselves, for address tables."""
+        return [own.arrays for own in self._own], [index.rows for index in self._own_index], self._base_len
+
+    def mark_written(self, n: int, *, layer: int | None = None, slot: int | None = None) -> None:
+        """The ``n`` pending positions of ``layer``'s rows (or full layer ``slot``'s keys) were
+        written in place through the address tables."""
+        own: _GrowableRows | _GrowableIndex = self._own[layer] if layer is not None else self._own_index[slot or 0]
+        own.length = self.length - self._base_len + n
+
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
@@ -376,6 +429,7 @@ class DecoderCache:
             self._base, self._base_len = kept, n
             self._base_tokens = self._base_tokens[:n]
             self._base_index = self._base_index[:n]
+            self._tables = None
         self._set_own_length(n - self._base_len)
         self.length = n
         return n
