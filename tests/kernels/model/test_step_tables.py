@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kernels.model.decoder as decoder_module
 from kernels.model import DecoderCache, MLADecoder, load_model
 from kernels.model.step_tables import StepTables
 from kernels.rows import Fp8Rows
@@ -64,10 +63,10 @@ def _both_paths(monkeypatch: pytest.MonkeyPatch, run: Callable[[], tuple[list[An
         built.append(real(rows))
         return built[-1]
 
-    monkeypatch.setattr(decoder_module.StepTables, "of", spy)
+    monkeypatch.setattr(StepTables, "of", spy)
     vector = run()
     assert built and all(t is not None for t in built), "the step did not take the tables"
-    monkeypatch.setattr(decoder_module.StepTables, "of", lambda rows: None)
+    monkeypatch.setattr(StepTables, "of", lambda rows: None)
     loop = run()
     for a, b in zip(vector[0], loop[0], strict=True):
         assert np.array_equal(a, b)
