@@ -50,15 +50,22 @@ def row_kind(kv_dtype: str) -> str:
     return "tq" if KV_VERSION_OF_DTYPE[kv_dtype] == 3 else kv_dtype
 
 
+class _Moves:
+    """How many times a cache's owned arrays were reallocated (its address tables go stale)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class _GrowableRows:
     """One layer's owned rows: arrays with spare capacity, doubled when full."""
 
-    def __init__(self, kv_dtype: str, kv_lora: int, rope: int) -> None:
+    def __init__(self, kv_dtype: str, kv_lora: int, rope: int, moves: _Moves | None = None) -> None:
         self.kind = row_kind(kv_dtype)
         self.codec = TqCodec.from_kv_dtype(kv_dtype) if self.kind == "tq" else None
         self.kv_lora, self.rope = kv_lora, rope
         self.length = 0
-        self.generation = 0  # counts reallocations (address tables of these arrays go stale)
+        self.moves = moves or _Moves()  # the cache's count of reallocations
         code_widths = (kv_lora, rope) if self.codec is None else (self.codec.row_bytes(kv_lora),
                                                                   self.codec.row_bytes(rope))
         shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (code_widths[0],), "rc_codes": (code_widths[1],),
@@ -88,7 +95,7 @@ class _GrowableRows:
             grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
             grown[: self.length] = arr[: self.length]
             self.arrays[name] = grown
-        self.generation += 1
+        self.moves.count += 1
 
     def write_row(self, pos: int, values: dict[str, np.ndarray], i: int) -> None:
         """Row i of every batch array in ``values`` ({field: [B, *]}) at owned position ``pos``
@@ -117,9 +124,9 @@ class _GrowableRows:
 class _GrowableIndex:
     """One full layer's owned indexer keys: [capacity, hd] f32, doubled when full."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, moves: _Moves | None = None) -> None:
         self.length = 0
-        self.generation = 0  # counts reallocations
+        self.moves = moves or _Moves()  # the cache's count of reallocations
         self.rows = np.zeros((_INITIAL_CAPACITY, head_dim), dtype=np.float32)  # rows: [capacity, hd] f32
 
     def reserve(self, rows: int) -> None:
@@ -129,7 +136,7 @@ class _GrowableIndex:
         grown = np.zeros((max(2 * self.rows.shape[0], rows), self.rows.shape[1]), dtype=np.float32)
         grown[: self.length] = self.rows[: self.length]
         self.rows = grown
-        self.generation += 1
+        self.moves.count += 1
 
     def write(self, start: int, ic: np.ndarray) -> None:
         n = ic.shape[0]
@@ -164,11 +171,13 @@ class DecoderCache:
         self._base_tokens = np.zeros(0, dtype="<i4")  # [base_len] i32
         self._base_index = np.zeros((0, n_index_layers, index_head_dim), np.float32)  # [base_len, NI, hd] f32
         self._base_len = 0
-        self._own = [_GrowableRows(kv_dtype, kv_lora, qk_rope) for _ in range(n_layers)]
-        self._own_index = [_GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
+        self._moves = _Moves()  # reallocations of the arrays below
+        self._own = [_GrowableRows(kv_dtype, kv_lora, qk_rope, self._moves) for _ in range(n_layers)]
+        self._own_index = [_GrowableIndex(index_head_dim, self._moves) for _ in range(n_index_layers)]
+        self._room = _INITIAL_CAPACITY  # owned rows every array above has room for (they only grow)
         self._own_tokens = np.zeros(_INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
         self.length = 0
-        self._tables: tuple[tuple[int, ...], RowTables] | None = None  # (storage key, tables) when built
+        self._tables: tuple[tuple[int, int], RowTables] | None = None  # (storage key, tables) when built
 
     # ---- resume -------------------------------------------------------------------------
     @classmethod
@@ -371,17 +380,20 @@ class DecoderCache:
         """Room for ``n`` pending positions in every layer's owned rows and indexer keys, so that
         writing them moves no array (the address tables stay valid through a step)."""
         rows = self.length - self._base_len + n
+        if rows <= self._room:
+            return
         for own in self._own:
             own.reserve(rows)
         for index in self._own_index:
             index.reserve(rows)
+        self._room = rows
 
     def row_tables(self) -> RowTables | None:
         """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
         moves); None for another kv dtype or rows a table cannot describe."""
         if self.kind != "fp8":
             return None
-        key = (self._base_len, *(own.generation for own in self._own), *(ix.generation for ix in self._own_index))
+        key = (self._base_len, self._moves.count)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
         tables = RowTables.of(self)

@@ -23,6 +23,7 @@ from kernels.attention.tables import DECODE_TABLE
 from kernels.backend import CpuBackend
 from kernels.fp8 import quantize_rows
 from kernels.model.cache import DecoderCache, StepPosition, StepRow
+from kernels.model.row_addresses import RowTables
 
 
 class StepTables:
@@ -51,33 +52,18 @@ class StepTables:
         for cache, n in per_cache:
             cache.reserve(n)
         tables = {id(c): c.row_tables() for c, _ in per_cache}
-        if any(t is None for t in tables.values()):
+        row_tables = [tables[id(row.cache if isinstance(row, StepPosition) else row)] for row in rows]
+        if any(t is None for t in row_tables):
             return None
-        first = next(iter(tables.values()))
-        assert first is not None  # checked just above
-        n_layers, n_index = first.latent.shape[0], first.index.shape[0]
-        nb = max(t.latent.shape[1] for t in tables.values() if t is not None)
-        nbi = max(t.index.shape[1] for t in tables.values() if t is not None)
-        b_rows = len(rows)
-        latent = np.zeros((n_layers, b_rows, nb, first.latent.shape[2]), np.int64)  # [L, B, NB, 10] i64
-        index = np.zeros((n_index, b_rows, nbi, first.index.shape[2]), np.int64)  # [NI, B, NBi, 4] i64
-        own_latent = np.empty((b_rows, n_layers, 4, 2), np.int64)  # [B, L, 4, 2] i64
-        own_index = np.empty((b_rows, n_index, 2), np.int64)  # [B, NI, 2] i64
-        positions = np.empty(b_rows, np.int64)  # [B] each row's position
-        owned = np.empty(b_rows, np.int64)  # [B] each row's owned row index
-        for b, row in enumerate(rows):
-            cache = row.cache if isinstance(row, StepPosition) else row
-            t = tables[id(cache)]
-            assert t is not None  # checked above
-            latent[:, b, : t.latent.shape[1]] = t.latent
-            index[:, b, : t.index.shape[1]] = t.index
-            own_latent[b], own_index[b] = t.own_latent, t.own_index
-            positions[b] = row.length
-            owned[b] = row.length - t.base_len
+        ts: list[RowTables] = row_tables  # type: ignore[assignment]  # (no None: checked above)
+        positions = np.fromiter((row.length for row in rows), np.int64, len(rows))  # [B] each row's position
+        owned = positions - np.fromiter((t.base_len for t in ts), np.int64, len(ts))  # [B] its owned row index
+        own_latent = np.stack([t.own_latent for t in ts])  # [B, L, 4, 2] i64 (row 0 address, row stride)
+        own_index = np.stack([t.own_index for t in ts])  # [B, NI, 2] i64
         dst = own_latent[..., 0] + owned[:, None, None] * own_latent[..., 1]  # [B, L, 4] i64 addresses
         key_dst = own_index[..., 0] + owned[:, None] * own_index[..., 1]  # [B, NI] i64 addresses
-        return cls(rows, per_cache, latent, index, np.ascontiguousarray(dst.transpose(1, 0, 2)),
-                   np.ascontiguousarray(key_dst.T), positions + 1)
+        return cls(rows, per_cache, _stacked([t.latent for t in ts]), _stacked([t.index for t in ts]),
+                   np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1)
 
     def write_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Row b of lc [B, kv_lora], rc [B, rope] f32, fp8-encoded (each row alone), to row b's
@@ -118,6 +104,17 @@ class StepTables:
         attend_rows(np.ascontiguousarray(q_abs, dtype=np.float32), np.ascontiguousarray(q_rope, dtype=np.float32),
                     self.latent[layer], sel, counts, DECODE_TABLE, np.float32(softmax_scale), ctx)
         return ctx
+
+
+def _stacked(tables: list[np.ndarray]) -> np.ndarray:
+    """Each row's [n, NB_b, F] table -> [n, B, max NB, F] i64 (narrower ones padded with empty blocks)."""
+    widest = max(t.shape[1] for t in tables)
+    if all(t.shape[1] == widest for t in tables):
+        return np.stack(tables, axis=1)  # the usual step: every cache's tables alike in shape
+    out = np.zeros((tables[0].shape[0], len(tables), widest, tables[0].shape[2]), np.int64)  # [n, B, NB, F]
+    for b, t in enumerate(tables):
+        out[:, b, : t.shape[1]] = t
+    return out
 
 
 __all__ = ["StepTables"]
