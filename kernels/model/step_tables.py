@@ -44,7 +44,7 @@ class StepTables:
         counts: dict[int, int] = {}  # id(cache) -> its rows in this step
         for row in rows:
             cache = row.cache if isinstance(row, StepPosition) else row
-            if cache.kind != "fp8" or not isinstance(cache.backend, CpuBackend):
+            if not isinstance(cache, DecoderCache) or cache.kind != "fp8" or not isinstance(cache.backend, CpuBackend):
                 return None
             by_id.setdefault(id(cache), cache)
             counts[id(cache)] = counts.get(id(cache), 0) + 1
