@@ -35,35 +35,41 @@ def _score_signatures() -> list[Any]:
 
 announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def score_row(qi: np.ndarray, w: np.ndarray, key: np.ndarray) -> np.float32:  # pragma: no cover - compiled
+    """sum_h w[h] * relu(qi[h] . key) for qi [nh, hd], w [nh] (scaled), one key [hd]: each dot
+    product over eight lanes combined in a fixed tree, the heads summed in order."""
+    depth = key.shape[0]
+    full = depth - depth % 8
+    total = np.float32(0.0)
+    for h in range(qi.shape[0]):
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for i in range(0, full, 8):
+            s0 += qi[h, i] * key[i]
+            s1 += qi[h, i + 1] * key[i + 1]
+            s2 += qi[h, i + 2] * key[i + 2]
+            s3 += qi[h, i + 3] * key[i + 3]
+            s4 += qi[h, i + 4] * key[i + 4]
+            s5 += qi[h, i + 5] * key[i + 5]
+            s6 += qi[h, i + 6] * key[i + 6]
+            s7 += qi[h, i + 7] * key[i + 7]
+        dot = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        for i in range(full, depth):
+            dot += qi[h, i] * key[i]
+        relu = np.float32(0.0) if dot <= 0 else dot  # NaN stays NaN, as np.maximum keeps it
+        total += w[h] * relu
+    return total
+
+
 @njit(_score_signatures(), cache=True, nogil=True, boundscheck=False)
 def _score_keys(qi: np.ndarray, w: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """out [t] = sum_h w[h] * relu(qi[h] . keys[t]) for qi [nh, hd], w [nh] (scaled), keys [t, hd]."""
-    n_keys, depth = keys.shape
-    heads = qi.shape[0]
-    full = depth - depth % 8
-    for t in range(n_keys):
-        total = np.float32(0.0)
-        for h in range(heads):
-            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-            for i in range(0, full, 8):
-                s0 += qi[h, i] * keys[t, i]
-                s1 += qi[h, i + 1] * keys[t, i + 1]
-                s2 += qi[h, i + 2] * keys[t, i + 2]
-                s3 += qi[h, i + 3] * keys[t, i + 3]
-                s4 += qi[h, i + 4] * keys[t, i + 4]
-                s5 += qi[h, i + 5] * keys[t, i + 5]
-                s6 += qi[h, i + 6] * keys[t, i + 6]
-                s7 += qi[h, i + 7] * keys[t, i + 7]
-            dot = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-            for i in range(full, depth):
-                dot += qi[h, i] * keys[t, i]
-            relu = np.float32(0.0) if dot <= 0 else dot  # NaN stays NaN, as np.maximum keeps it
-            total += w[h] * relu
-        out[t] = total
+    for t in range(keys.shape[0]):
+        out[t] = score_row(qi, w, keys[t])
 
 
 @njit(void(types.Array(_F32, 1, "C"), types.Array(types.int64, 1, "C")), cache=True, nogil=True, boundscheck=False)
-def _engine_topk(scores: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+def engine_topk(scores: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [k] = the engine's top-k positions of scores [T] (T > k), ascending; NaN scores are
     set to -inf in place first."""
     n, k = scores.shape[0], out.shape[0]
@@ -110,8 +116,8 @@ def select_step(qi: np.ndarray, weights: np.ndarray, key_blocks_of: Sequence[Seq
         for blk in blocks:
             _score_keys(q[b], w[b], blk, scores[start : start + blk.shape[0]])
             start += blk.shape[0]
-        _engine_topk(scores, out[b])
+        engine_topk(scores, out[b])
     return out
 
 
-__all__ = ["select_step"]
+__all__ = ["engine_topk", "score_row", "select_step"]

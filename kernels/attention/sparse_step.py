@@ -66,7 +66,7 @@ _A1 = types.Array(_F32, 1, "C")
 
 @njit(void(_A2, _A2, _A2, _A2, _A1, _A1, _F32, _A1, _A2), cache=True, nogil=True, boundscheck=False,
       inline="always")
-def _attend_one(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
+def attend_one(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
                 scale: np.float32, scores: np.ndarray, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
     """One session: ctx [H, K] from qa [H, K], qr [H, R] over its rows lc [k, K], rc [k, R] and
     their factors lsc, rsc [k]; ``scores`` [k] is scratch."""
@@ -100,7 +100,7 @@ def _attend_selected(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndar
     factors lsc, rsc [B, k]."""
     scores = np.empty(lc.shape[1], np.float32)
     for b in range(qa.shape[0]):
-        _attend_one(qa[b], qr[b], lc[b], rc[b], lsc[b], rsc[b], scale, scores, ctx[b])
+        attend_one(qa[b], qr[b], lc[b], rc[b], lsc[b], rsc[b], scale, scores, ctx[b])
 
 
 @njit(void(_A3, _A3, _U3, _U3, _TABLE, _A2, _A2, _F32, _A3), cache=True, nogil=True, boundscheck=False)
@@ -121,7 +121,7 @@ def _attend_codes(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray
                 lc_f[j, n] = table[lc[b, j, n]]
             for n in range(rope):
                 rc_f[j, n] = table[rc[b, j, n]]
-        _attend_one(qa[b], qr[b], lc_f, rc_f, lsc[b], rsc[b], scale, scores, ctx[b])
+        attend_one(qa[b], qr[b], lc_f, rc_f, lsc[b], rsc[b], scale, scores, ctx[b])
 
 
 def _take_signature(readonly: bool) -> Any:
@@ -266,4 +266,4 @@ def batched_sparse_decode(q_abs: np.ndarray, q_rope: np.ndarray, blocks_of: Sequ
     return ctx
 
 
-__all__ = ["batched_sparse_decode"]
+__all__ = ["attend_one", "batched_sparse_decode"]

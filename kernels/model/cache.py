@@ -30,12 +30,14 @@ from kernels.model.cache_storage import (
     RECORD_FIELD,
     GrowableIndex,
     GrowableRows,
+    Moves,
     check_index_rows,
     row_kind,
     row_width,
     slice_rows,
     window_from,
 )
+from kernels.model.row_addresses import RowTables
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, RecordRows, TqRows
 
 
@@ -67,10 +69,13 @@ class DecoderCache:
         self._base_tokens = np.zeros(0, dtype="<i4")  # [base_len] i32
         self._base_index = np.zeros((0, n_index_layers, index_head_dim), np.float32)  # [base_len, NI, hd] f32
         self._base_len = 0
-        self._own = [GrowableRows(kv_dtype, kv_lora, qk_rope) for _ in range(n_layers)]
-        self._own_index = [GrowableIndex(index_head_dim) for _ in range(n_index_layers)]
+        self._moves = Moves()  # reallocations of the arrays below
+        self._own = [GrowableRows(kv_dtype, kv_lora, qk_rope, self._moves) for _ in range(n_layers)]
+        self._own_index = [GrowableIndex(index_head_dim, self._moves) for _ in range(n_index_layers)]
+        self._room = INITIAL_CAPACITY  # owned rows every array above has room for (they only grow)
         self._own_tokens = np.zeros(INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
         self.length = 0
+        self._tables: tuple[tuple[int, int], RowTables] | None = None  # (storage key, tables) when built
 
     # ---- resume -------------------------------------------------------------------------
     @classmethod
@@ -128,6 +133,7 @@ class DecoderCache:
         cache._base = blocks
         cache._base_tokens = tokens
         cache._base_len = cache.length = int(tokens.shape[0])
+        cache._tables = None
         return cache
 
     # ---- reading ------------------------------------------------------------------------
@@ -267,6 +273,43 @@ class DecoderCache:
         """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
         self._own_index[slot].write(self.length - self._base_len, np.asarray(ic, dtype=np.float32))
 
+    # ---- the batch kernels' view (kernels.model.step_tables) -----------------------------
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` pending positions in every layer's owned rows and indexer keys, so that
+        writing them moves no array (the address tables stay valid through a step)."""
+        rows = self.length - self._base_len + n
+        if rows <= self._room:
+            return
+        for own in self._own:
+            own.reserve(rows)
+        for index in self._own_index:
+            index.reserve(rows)
+        self._room = rows
+
+    def row_tables(self) -> RowTables | None:
+        """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
+        moves); None for another kv dtype or rows a table cannot describe."""
+        if self.kind != "fp8":
+            return None
+        key = (self._base_len, self._moves.count)
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables[1]
+        tables = RowTables.of(self)
+        if tables is not None:
+            self._tables = (key, tables)
+        return tables
+
+    def owned_storage(self) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray], int]:
+        """(each layer's owned arrays {field: [capacity, *]}, each full layer's owned keys
+        [capacity, hd] f32, the position of owned row 0): the arrays themselves, for address tables."""
+        return [own.arrays for own in self._own], [index.rows for index in self._own_index], self._base_len
+
+    def mark_written(self, n: int, *, layer: int | None = None, slot: int | None = None) -> None:
+        """The ``n`` pending positions of ``layer``'s rows (or full layer ``slot``'s keys) were
+        written in place through the address tables."""
+        own: GrowableRows | GrowableIndex = self._own[layer] if layer is not None else self._own_index[slot or 0]
+        own.length = self.length - self._base_len + n
+
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
@@ -296,6 +339,7 @@ class DecoderCache:
             self._base, self._base_len = kept, n
             self._base_tokens = self._base_tokens[:n]
             self._base_index = self._base_index[:n]
+            self._tables = None
         self._set_own_length(n - self._base_len)
         self.length = n
         return n

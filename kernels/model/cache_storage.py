@@ -25,14 +25,22 @@ def row_kind(kv_dtype: str) -> str:
     return "tq" if KV_VERSION_OF_DTYPE[kv_dtype] == 3 else kv_dtype
 
 
+class Moves:
+    """How many times a cache's owned arrays were reallocated (its address tables go stale)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class GrowableRows:
     """One layer's owned rows: arrays with spare capacity, doubled when full."""
 
-    def __init__(self, kv_dtype: str, kv_lora: int, rope: int) -> None:
+    def __init__(self, kv_dtype: str, kv_lora: int, rope: int, moves: Moves | None = None) -> None:
         self.kind = row_kind(kv_dtype)
         self.codec = TqCodec.from_kv_dtype(kv_dtype) if self.kind == "tq" else None
         self.kv_lora, self.rope = kv_lora, rope
         self.length = 0
+        self.moves = moves or Moves()  # the cache's count of reallocations
         code_widths = (kv_lora, rope) if self.codec is None else (self.codec.row_bytes(kv_lora),
                                                                   self.codec.row_bytes(rope))
         shapes = {"lc": (kv_lora,), "rc": (rope,), "lc_codes": (code_widths[0],), "rc_codes": (code_widths[1],),
@@ -47,14 +55,22 @@ class GrowableRows:
         n = next(iter(values.values())).shape[0]
         capacity = next(iter(self.arrays.values())).shape[0]
         if start + n > capacity:
-            new_cap = max(2 * capacity, start + n)
-            for name, arr in self.arrays.items():
-                grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
-                grown[: self.length] = arr[: self.length]
-                self.arrays[name] = grown
+            self.reserve(start + n)
         for name, val in values.items():
             self.arrays[name][start : start + n] = val
         self.length = start + n
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` owned rows (capacity doubled, or more, when short); keeps the rows held."""
+        capacity = next(iter(self.arrays.values())).shape[0]
+        if rows <= capacity:
+            return
+        new_cap = max(2 * capacity, rows)
+        for name, arr in self.arrays.items():
+            grown = np.zeros((new_cap, *arr.shape[1:]), dtype=arr.dtype)
+            grown[: self.length] = arr[: self.length]
+            self.arrays[name] = grown
+        self.moves.count += 1
 
     def write_row(self, pos: int, values: dict[str, np.ndarray], i: int) -> None:
         """Row i of every batch array in ``values`` ({field: [B, *]}) at owned position ``pos``
@@ -83,16 +99,23 @@ class GrowableRows:
 class GrowableIndex:
     """One full layer's owned indexer keys: [capacity, hd] f32, doubled when full."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, moves: Moves | None = None) -> None:
         self.length = 0
+        self.moves = moves or Moves()  # the cache's count of reallocations
         self.rows = np.zeros((INITIAL_CAPACITY, head_dim), dtype=np.float32)  # rows: [capacity, hd] f32
+
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` owned keys; keeps the keys held."""
+        if rows <= self.rows.shape[0]:
+            return
+        grown = np.zeros((max(2 * self.rows.shape[0], rows), self.rows.shape[1]), dtype=np.float32)
+        grown[: self.length] = self.rows[: self.length]
+        self.rows = grown
+        self.moves.count += 1
 
     def write(self, start: int, ic: np.ndarray) -> None:
         n = ic.shape[0]
-        if start + n > self.rows.shape[0]:
-            grown = np.zeros((max(2 * self.rows.shape[0], start + n), self.rows.shape[1]), dtype=np.float32)
-            grown[: self.length] = self.rows[: self.length]
-            self.rows = grown
+        self.reserve(start + n)
         self.rows[start : start + n] = ic
         self.length = start + n
 
@@ -154,5 +177,5 @@ def check_index_rows(rows: np.ndarray | None, length: int, n_index: int, head_di
     return rows
 
 
-__all__ = ["FIELDS", "INITIAL_CAPACITY", "RECORD_FIELD", "GrowableIndex", "GrowableRows", "check_index_rows",
+__all__ = ["FIELDS", "INITIAL_CAPACITY", "RECORD_FIELD", "GrowableIndex", "GrowableRows", "Moves", "check_index_rows",
            "row_kind", "row_width", "slice_rows", "window_from"]

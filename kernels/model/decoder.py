@@ -24,6 +24,7 @@ from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
 from kernels.model.rowwise import head_matmul, rowwise_linear
 from kernels.model.step_rows import StepRow, step_rows_of, write_step_rows
+from kernels.model.step_tables import StepTables
 from kernels.rows import LatentRows
 
 
@@ -229,10 +230,12 @@ class MLADecoder:
     def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow]) -> np.ndarray:
         """Every layer over the step's rows (one new position each): h [B, hidden] f32."""
-        step: dict[str, Any] = {}  # what one layer leaves for the next (a DSA model's selections)
+        # what one layer leaves for the next: the step's address tables (fp8 caches on the CPU: every
+        # session's rows written, selected and attended in one call per layer), a DSA model's selections
+        step: dict[str, Any] = {"tables": StepTables.of(caches)}
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
-            q = self._project_step(i, layer.attn, x, cos, sin, caches)
+            q = self._project_step(i, layer.attn, x, cos, sin, caches, step)
             ctx = self._attend_step(i, x, q, cos, sin, caches, step)  # ctx: [B, H, kv_lora] f32
             h = h + self._attention_output(layer.attn, ctx)
             x = rms_norm(h, layer.post_norm, self.config.rms_norm_eps)
@@ -249,10 +252,15 @@ class MLADecoder:
         return ctx
 
     def _project_step(self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                      caches: Sequence[StepRow]) -> Queries:
-        """The queries of the step's rows (row by row); writes each row's Lc/Rc row to its cache."""
+                      caches: Sequence[StepRow], step: dict[str, Any]) -> Queries:
+        """The queries of the step's rows (row by row); writes each row's Lc/Rc row to its cache
+        (through the step's tables in one call when it has them)."""
         q, lc, rc = self._queries(a, x, cos, sin)
-        write_step_rows(caches, layer_idx, lc, rc)
+        tables: StepTables | None = step["tables"]
+        if tables is not None:
+            tables.write_rows(layer_idx, lc, rc)
+        else:
+            write_step_rows(caches, layer_idx, lc, rc)
         return q
 
     def _queries(self, a: MLAttention, x: np.ndarray, cos: np.ndarray,

@@ -23,6 +23,7 @@ from kernels.model.decoder import MLADecoder, Queries, Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
 from kernels.model.step_rows import StepRow
+from kernels.model.step_tables import StepTables
 
 
 class GlmDecoder(MLADecoder):
@@ -44,6 +45,12 @@ class GlmDecoder(MLADecoder):
         their selected rows, the others every row (all of them are selected). Sessions of a backend
         that batches the step attend in one call per row count; others session by session. Each
         session over its own rows -> [B, H, kv_lora]."""
+        tables: StepTables | None = step["tables"]
+        if tables is not None:  # every session in one call per layer
+            if self.dsa.is_full(layer):
+                step["selected"] = self._select_tables(layer, x, q, cos, sin, tables)
+            sel, counts = step["selected"]
+            return tables.attend(layer, q.q_abs, q.q_rope, sel, counts, self.softmax_scale)
         if self.dsa.is_full(layer):
             step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
         selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
@@ -70,6 +77,21 @@ class GlmDecoder(MLADecoder):
             ctx[rows] = caches[members[0]].backend.batched_sparse_decode(
                 q.q_abs[rows], q.q_rope[rows], blocks_of, picks, self.softmax_scale, shapes=shapes[key])
         return ctx
+
+    def _select_tables(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                       tables: StepTables) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_select_step` for the whole batch in two calls: writes this full layer's key of every
+        row, then each row's selection [B, k] i64 and count [B] (all it sees, up to ``index_topk``)."""
+        indexer, slot, k = self.indexers[layer], self.index_slots[layer], self.dsa.index_topk
+        keys = indexer.keys(x, self.rotary, cos, sin, rowwise=True)  # keys: [B, hd] f32
+        tables.write_keys(slot, keys)
+        if tables.any_past(k):
+            assert q.q_resid is not None  # a GLM config always has q_lora (glm_config refuses it otherwise)
+            qi, w = indexer.queries(x, q.q_resid, self.rotary, cos, sin, rowwise=True)  # [B, nh, hd], [B, nh]
+        else:  # nobody scores: every row attends all it sees
+            qi = np.zeros((x.shape[0], indexer.n_heads, indexer.head_dim), np.float32)
+            w = np.zeros((x.shape[0], indexer.n_heads), np.float32)
+        return tables.select(slot, qi, w, k)
 
     def _select_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow]) -> dict[int, np.ndarray]:

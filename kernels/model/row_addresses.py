@@ -1,0 +1,114 @@
+"""Address tables of a cache's fp8 rows and indexer keys, the form the batch kernels of
+:mod:`kernels.attention.row_tables` read them in (that module states the table layouts).
+
+A table holds raw byte addresses: it is valid while the arrays it names live and are not
+reallocated. :class:`kernels.model.cache.DecoderCache` builds its own once and rebuilds them when
+its storage grows or it is cut back; nothing else should keep one.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kernels.attention.row_tables import INDEX_FIELDS, LATENT_FIELDS
+from kernels.rows import Fp8Rows, LatentRows
+
+
+def address(arr: np.ndarray) -> int:
+    """The byte address of arr's first element."""
+    return int(arr.__array_interface__["data"][0])
+
+
+def latent_table(blocks: Sequence[LatentRows]) -> np.ndarray | None:
+    """[NB, LATENT_FIELDS] i64 for fp8 ``blocks`` in position order; None when a block is not fp8
+    rows whose code rows are contiguous (those take the session-by-session path)."""
+    out = np.zeros((len(blocks), LATENT_FIELDS), np.int64)  # out: [NB, 10] i64
+    start = 0
+    for i, blk in enumerate(blocks):
+        if not isinstance(blk, Fp8Rows) or blk.lc_codes.ndim != 2 or blk.rc_codes.ndim != 2:
+            return None
+        if blk.lc_codes.strides[1] != 1 or blk.rc_codes.strides[1] != 1:
+            return None
+        fields = (blk.lc_codes, blk.lc_scale, blk.rc_codes, blk.rc_scale)
+        if any(f.dtype != (np.uint8 if f.ndim == 2 else np.float32) for f in fields):
+            return None
+        out[i, :2] = start, blk.length
+        for j, field in enumerate(fields):
+            out[i, 2 + 2 * j : 4 + 2 * j] = address(field), field.strides[0]
+        start += blk.length
+    return out
+
+
+def index_table(blocks: Sequence[np.ndarray]) -> np.ndarray | None:
+    """[NB, INDEX_FIELDS] i64 for indexer-key blocks [t, hd] f32 in position order; None when a
+    block's rows are not contiguous f32."""
+    out = np.zeros((len(blocks), INDEX_FIELDS), np.int64)  # out: [NB, 4] i64
+    start = 0
+    for i, rows in enumerate(blocks):
+        if rows.ndim != 2 or rows.dtype != np.float32 or rows.strides[1] != 4:
+            return None
+        out[i] = start, rows.shape[0], address(rows), rows.strides[0]
+        start += rows.shape[0]
+    return out
+
+
+def row_origin(arr: np.ndarray) -> tuple[int, int]:
+    """(address of row 0, row stride) of an owned array [capacity, ...]."""
+    return address(arr), int(arr.strides[0])
+
+
+_OWN_FIELDS = ("lc_codes", "lc_scale", "rc_codes", "rc_scale")
+
+
+@dataclass(frozen=True)
+class RowTables:
+    """One fp8 cache's address tables: every layer's blocks (the resumed ones, then the owned
+    rows over their whole capacity) and every full layer's key blocks, plus where the owned
+    row of a position lies."""
+
+    latent: np.ndarray  # [L, NB, LATENT_FIELDS] i64, padded with empty blocks after the owned one
+    index: np.ndarray  # [NI, NBi, INDEX_FIELDS] i64, padded likewise
+    own_latent: np.ndarray  # [L, 4, 2] i64: (row 0 address, row stride) of lc codes, lc scale, rc codes, rc scale
+    own_index: np.ndarray  # [NI, 2] i64: (row 0 address, row stride) of the owned keys
+    base_len: int  # the position of owned row 0
+
+    @classmethod
+    def of(cls, cache: Any) -> RowTables | None:
+        """The tables of a :class:`~kernels.model.cache.DecoderCache` as its storage is now; None
+        when some rows cannot be described (not fp8, code rows not contiguous)."""
+        arrays, keys, base_len = cache.owned_storage()
+        latent = []
+        for layer, own in enumerate(arrays):
+            resumed = cache.blocks(layer, base_len) if base_len else []
+            owned = Fp8Rows(lc_codes=own["lc_codes"], lc_scale=own["lc_scale"], rc_codes=own["rc_codes"],
+                            rc_scale=own["rc_scale"])
+            table = latent_table([*resumed, owned])
+            if table is None:
+                return None
+            latent.append(table)
+        index = []
+        for slot, own_keys in enumerate(keys):
+            table = index_table([*(cache.index_blocks(slot, base_len) if base_len else []), own_keys])
+            if table is None:
+                return None
+            index.append(table)
+        return cls(latent=_padded(latent, LATENT_FIELDS), index=_padded(index, INDEX_FIELDS),
+                   own_latent=np.array([[row_origin(own[f]) for f in _OWN_FIELDS] for own in arrays],
+                                       np.int64).reshape(len(arrays), 4, 2),
+                   own_index=np.array([row_origin(k) for k in keys], np.int64).reshape(len(keys), 2),
+                   base_len=base_len)
+
+
+def _padded(tables: list[np.ndarray], fields: int) -> np.ndarray:
+    """[n, NB_i, fields] tables -> [n, max NB, fields] i64, empty blocks after each one's own."""
+    widest = max((t.shape[0] for t in tables), default=0)
+    out = np.zeros((len(tables), widest, fields), np.int64)  # out: [n, NB, fields] i64
+    for i, t in enumerate(tables):
+        out[i, : t.shape[0]] = t
+    return out
+
+
+__all__ = ["RowTables", "address", "index_table", "latent_table", "row_origin"]
