@@ -31,6 +31,7 @@ from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
 from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError
 from sessionstore.migration.lease import HeldElsewhereError
+from sessionstore.migration.shipping import TurnShipper
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session
 from sessionstore.sessions.tier_record import is_offloaded
@@ -41,8 +42,9 @@ log = get_logger("fleet")
 class SessionHome:
     """The fleet's side of this server's sessions: leases held, bundles pushed and pulled."""
 
-    def __init__(self, remote: RemoteStore, *, model: str | None = None) -> None:
+    def __init__(self, remote: RemoteStore, *, model: str | None = None, ship: bool = True) -> None:
         self.remote = remote
+        self.shipper = TurnShipper(remote) if ship else None  # write-through shipping (FORMAT.md 6.7)
         self.model = model  # pulls refuse bundles of another model
         self._held: dict[str, Lease] = {}  # checked out here, not pushed back yet
         self._kept: dict[str, tuple[Session, LeaseKeeper]] = {}  # resident here, lease renewed
@@ -94,8 +96,15 @@ class SessionHome:
         if (cur is None or cur.bundle is None) and not local and not create:
             return False  # nowhere: the engine answers 404
         held = remote.acquire(session_id)  # a conditional write: one host wins
+        if self.shipper is not None and self.shipper.take_over(  # a shipped chain past the bundle: fetched
+                session_id, held, local_current=local, model=self.model):
+            self._held[session_id] = held
+            self._synced.pop(session_id, None)
+            return True
         if held.bundle is None or (local and self._synced.get(session_id) == held.bundle):
             self._held[session_id] = held
+            if held.bundle is not None:
+                self._chain_from(held)
             return False
         try:
             _, held = remote.pull(session_id, replace=True, model=self.model)
@@ -104,8 +113,23 @@ class SessionHome:
             raise
         assert held.bundle is not None
         self._held[session_id], self._synced[session_id] = held, held.bundle
+        self._chain_from(held)
         log.info("fleet.pulled", id=session_id, host=self.host_id, bundle=held.bundle)
         return True
+
+    def _chain_from(self, held: Lease) -> None:
+        """The local copy equals the lease's bundle: the turns shipped next extend it."""
+        if self.shipper is not None:
+            self.shipper.start_from(held.session_id, held, self.remote.store.snapshot(held.session_id).epoch)
+
+    def turn_done(self, session_id: str) -> None:
+        """A turn on ``session_id`` committed: ship what it added (FORMAT.md 6.7) before its answer's
+        final event. 503 when the store fails; 409 once another host claimed the chain (fenced)."""
+        held = self._held.get(session_id)
+        if self.shipper is None or held is None:
+            return
+        with self._refusals(session_id):
+            self.shipper.ship(session_id, held)
 
     def keep(self, session: Session) -> None:
         """Renew the lease of ``session`` (open and resident now) until it is released, and
@@ -139,6 +163,8 @@ class SessionHome:
         self.push_errors.pop(session_id, None)
         if lease.bundle is not None:
             self._synced[session_id] = lease.bundle
+        if self.shipper is not None:  # the chain extended the old pointer: stale now, deleted
+            self.shipper.pushed(session_id, lease)
 
     def shipped(self, session_id: str, lease: Lease) -> None:
         """The caller pushed the (suspended) session and released it (``lease``, the store's
@@ -148,6 +174,8 @@ class SessionHome:
         self.push_errors.pop(session_id, None)
         if lease.bundle is not None:
             self._synced[session_id] = lease.bundle
+        if self.shipper is not None:
+            self.shipper.pushed(session_id, lease)
 
     def close(self) -> None:
         """Check in every session still checked out (the server stops)."""
@@ -169,9 +197,13 @@ class SessionHome:
                 raise HeldElsewhereError(cur)
             if cur.bundle is None:
                 self.remote.release(session_id)  # a bundle-less lease is deleted
+                if self.shipper is not None:  # with the chain its turns were shipped as
+                    self.shipper.forget(session_id)
                 return True
             self.remote.leases.forget(cur)  # conditional (If-Match): a lease changed meanwhile stays
             self.remote.bundles.sweep(session_id, cur.updated(bundle=None))  # every bundle up to it
+            if self.shipper is not None:
+                self.shipper.forget(session_id)
         log.info("fleet.deleted", id=session_id, host=self.host_id)
         return True
 
