@@ -270,9 +270,13 @@ class TurnShipper:
             return None
 
     def forget(self, session_id: str) -> None:
-        """Delete the session's head and every segment (the session is deleted from the fleet)."""
+        """Delete the session's head, its base bundle and every segment (the session is deleted
+        from the fleet)."""
         self._forget_chain(session_id)
+        head = self.read_head_quietly(session_id)
         self.objects.delete(self.head_key(session_id))
+        if head is not None and head.base is not None:
+            self.objects.delete(head.base)
         prefix = self.segment_key(session_id, "")
         with self.objects.failing("deleting the segments", session_id):
             page = self.objects.call("list_objects_v2", Prefix=prefix)
