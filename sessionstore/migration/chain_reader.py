@@ -1,8 +1,9 @@
-"""Assemble a session from its shipped chain (FORMAT.md 6.7.3): the base bundle, then every
-segment the head lists, into ONE bundle that the ordinary verified import installs.
+"""Assemble a session from its shipped chain (FORMAT.md 6.7.4): the base bundle, then every
+segment of the chain (walked back from the head's last one), into ONE bundle that the ordinary verified import installs.
 
 The base bundle's files are read through :class:`BundleReader` (every chunk, file digest and the
-trailer checked); each segment is checked against the head's size and digest and its own trailer
+trailer checked); each segment is checked against the size and digest its successor (or the head)
+names and its own trailer
 (:func:`parse_segment`); its records must start exactly where the chain so far ends. The result is
 re-framed as a bundle in a temporary file and handed to :func:`import_bundle`, so the install
 checks are the import's own (kv header, sidecar over every record, token ids, model fingerprint,
@@ -23,7 +24,14 @@ from sessionstore.migration.bundle_format import parse_json
 from sessionstore.migration.exporting import MigrateResult
 from sessionstore.migration.migrate import import_bundle
 from sessionstore.migration.object_store import ObjectPrefix
-from sessionstore.migration.segment_format import Head, Segment, parse_segment
+from sessionstore.migration.segment_format import (
+    META_PREFIX_BYTES,
+    Head,
+    Segment,
+    SegmentRef,
+    parse_segment,
+    segment_prev,
+)
 from sessionstore.migration.transport import open_source
 from sessionstore.sessions import SessionStore
 
@@ -130,6 +138,29 @@ def fetch_segment(objects: ObjectPrefix, key: str, size: int) -> bytes:
     return data
 
 
+def chain_refs(objects: ObjectPrefix, head: Head, segment_key: Any) -> list[SegmentRef]:
+    """The head's segments, first to last: walked back from ``head.last`` through each segment's
+    ``prev`` (read from its first bytes; every object is checked whole before it is applied)."""
+    refs: list[SegmentRef] = []
+    ref = head.last
+    while ref is not None:
+        if len(refs) >= head.count:
+            raise CorruptionError(f"session {head.session_id!r}: its chain is longer than the "
+                                  f"{head.count} segments its head counts")
+        key = segment_key(head.session_id, ref.name)
+        with objects.failing(f"takeover (reading segment {ref.name})", head.session_id):
+            resp = objects.call("get_object", Key=key, Range=f"bytes=0-{META_PREFIX_BYTES - 1}")
+            from fsspec.asyn import sync
+
+            prefix: bytes = sync(objects.fs.loop, resp["Body"].read)
+        refs.append(ref)
+        ref = segment_prev(prefix, objects.url_of(key))
+    if len(refs) != head.count:
+        raise CorruptionError(f"session {head.session_id!r}: its chain has {len(refs)} segments, its "
+                              f"head counts {head.count}")
+    return refs[::-1]
+
+
 def assemble(objects: ObjectPrefix, head: Head, segment_key: Any, store: SessionStore, *,
              model: str | os.PathLike[str] | None = None) -> MigrateResult:
     """Install ``head``'s chain as the session (replacing the local copy); ``segment_key(id,
@@ -142,14 +173,14 @@ def assemble(objects: ObjectPrefix, head: Head, segment_key: Any, store: Session
                 with objects.failing(f"takeover (downloading base bundle {head.base.rsplit('/', 1)[-1]})", sid), \
                         open_source(objects.url_of(head.base), storage_options=objects.storage_options) as src:
                     files.load_base(src, objects.url_of(head.base))
-            for ref in head.segments:
+            for ref in chain_refs(objects, head, segment_key):
                 key = segment_key(sid, ref.name)
                 with objects.failing(f"takeover (downloading segment {ref.name})", sid):
                     data = fetch_segment(objects, key, ref.size)
                 seg = parse_segment(data, objects.url_of(key), session_id=sid, digest=ref.digest)
                 if (seg.start, seg.nrec) != (ref.start, ref.nrec):
-                    raise CorruptionError(f"{objects.url_of(key)}: records [{seg.start}, {seg.nrec}), the "
-                                          f"head lists [{ref.start}, {ref.nrec})")
+                    raise CorruptionError(f"{objects.url_of(key)}: records [{seg.start}, {seg.nrec}), its "
+                                          f"successor names [{ref.start}, {ref.nrec})")
                 files.apply(seg, objects.url_of(key))
             if files.nrec != head.nrec:
                 raise CorruptionError(f"session {sid!r}: the chain holds {files.nrec} records, "
@@ -163,4 +194,4 @@ def assemble(objects: ObjectPrefix, head: Head, segment_key: Any, store: Session
             files.close()
 
 
-__all__ = ["ChainFiles", "assemble", "fetch_segment"]
+__all__ = ["ChainFiles", "assemble", "chain_refs", "fetch_segment"]

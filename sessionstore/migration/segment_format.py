@@ -9,8 +9,9 @@ entries, the kv and sidecar headers as they read after the turn, and the session
     parts             the parts the JSON lists, in its order, back to back
     trailer    32 B   b"SGTR", u32 0, 16s xxh3_128(every byte before the trailer), b"COLISEND"
 
-The *head* (``heads/<id>.json``) names the chain: a base bundle (or none) and the segments after
-it, each with its size and whole-object digest. This module only encodes and parses; the
+Each segment names the one before it (``prev``: name, records, size, whole-object digest; null
+for the first after the base), so the segments form a chain whose *head* (``heads/<id>.json``, a
+fixed few hundred bytes) names the base bundle (or none) and the last segment. This module only encodes and parses; the
 object store side is :mod:`sessionstore.migration.shipping`.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ assert PREAMBLE.size == 16 and META_HEAD.size == 16 and TRAILER.size == 32
 MAX_SEGMENT_META_BYTES = 64 << 10
 MAX_SEGMENT_BYTES = 1 << 36  # 64 GiB: one turn's records of the largest models, far above any turn
 MAX_HEAD_BYTES = 64 << 10
-MAX_CHAIN_SEGMENTS = 64  # a head lists at most this many; the shipper compacts before
+MAX_CHAIN_SEGMENTS = 1024  # a chain holds at most this many; the shipper compacts before
 HEAD_FORMAT = "coli-head"
 HEAD_VERSION = 1
 
@@ -67,6 +68,7 @@ class Segment:
     record_bytes: int
     kv: dict[str, Any]  # the bundle manifest's kv member as it reads after the turn (FORMAT.md 6.1)
     parts: dict[str, bytes]  # PART_NAMES -> bytes (absent small files missing)
+    prev: SegmentRef | None  # the segment before this one (None: the first after the base)
 
     @property
     def count(self) -> int:
@@ -74,13 +76,14 @@ class Segment:
 
 
 def encode_segment(session_id: str, generation: int, start: int, kv: dict[str, Any],
-                   parts: dict[str, bytes | memoryview]) -> bytes:
+                   parts: dict[str, bytes | memoryview], prev: SegmentRef | None) -> bytes:
     """The segment object's bytes (records ``[start, kv['nrec'])``); parts as PART_NAMES lists."""
     rec, nrec = int(kv["record_bytes"]), int(kv["nrec"])
     assert len(parts["records"]) == (nrec - start) * rec and len(parts["entries"]) == (nrec - start) * ENTRY_SIZE
     listed = [(name, len(parts[name])) for name in PART_NAMES if name in parts]
     meta = json.dumps({"format": "coli-segment", "version": SEGMENT_VERSION, "session_id": session_id,
                        "generation": generation, "start": start, "kv": kv,
+                       "prev": None if prev is None else asdict(prev),
                        "parts": [{"name": n, "size": s} for n, s in listed]}, sort_keys=True).encode()
     out = bytearray(PREAMBLE.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0))
     out += META_HEAD.pack(META_TAG, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
@@ -100,33 +103,23 @@ def parse_segment(data: bytes, where: str, *, session_id: str, digest: str) -> S
     if len(data) < PREAMBLE.size + META_HEAD.size + TRAILER.size:
         raise CorruptionError(f"{where}: {len(data)} bytes is shorter than any segment")
     if digest_of(data) != digest:
-        raise CorruptionError(f"{where}: digest {digest_of(data)} differs from the head's {digest}")
-    magic, version, flags = PREAMBLE.unpack_from(data, 0)
-    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or flags != 0:
-        raise FormatError(f"{where}: not a version-{SEGMENT_VERSION} segment (magic {magic!r}, "
-                          f"version {version}, flags {flags})")
+        raise CorruptionError(f"{where}: digest {digest_of(data)} differs from the one its successor "
+                              f"(or the head) names, {digest}")
     tag, trailer_flags, whole, end = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     if tag != TRAILER_TAG or trailer_flags != 0 or end != SEGMENT_END:
         raise CorruptionError(f"{where}: byte {len(data) - TRAILER.size}: no segment trailer")
     if whole != xxhash.xxh3_128_digest(data[:len(data) - TRAILER.size]):
         raise CorruptionError(f"{where}: the trailer's digest does not match the segment's bytes")
-    tag, json_len, check = META_HEAD.unpack_from(data, PREAMBLE.size)
+    meta, json_len = _meta(data, where)
     body_at = PREAMBLE.size + META_HEAD.size
-    if tag != META_TAG or not 1 <= json_len <= MAX_SEGMENT_META_BYTES or body_at + json_len > len(data):
-        raise FormatError(f"{where}: byte {PREAMBLE.size}: bad segment meta frame (tag {tag!r}, {json_len} bytes)")
-    meta_raw = data[body_at:body_at + json_len]
-    if xxhash.xxh3_64_intdigest(meta_raw) != check:
-        raise CorruptionError(f"{where}: the segment meta's checksum does not match")
-    meta = parse_json(meta_raw, where)
     try:
-        if meta["format"] != "coli-segment" or meta["version"] != SEGMENT_VERSION:
-            raise FormatError(f"{where}: not a coli-segment version {SEGMENT_VERSION}")
         if check_session_id(meta["session_id"], where) != session_id:
             raise FormatError(f"{where}: a segment of session {meta['session_id']!r}, not {session_id!r}")
         kv = dict(meta["kv"])
         rec, nrec, start = int(kv["record_bytes"]), int(kv["nrec"]), int(meta["start"])
         listed = [(str(p["name"]), int(p["size"])) for p in meta["parts"]]
         generation = int(meta["generation"])
+        prev = _ref(meta["prev"], where)
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{where}: segment meta field missing or of the wrong type ({exc})") from None
     if not (rec > 0 and 0 <= start <= nrec):
@@ -148,7 +141,48 @@ def parse_segment(data: bytes, where: str, *, session_id: str, digest: str) -> S
         at += size
     if at != len(data) - TRAILER.size:
         raise CorruptionError(f"{where}: byte {at}: {len(data) - TRAILER.size - at} stray bytes before the trailer")
-    return Segment(session_id, generation, start, nrec, rec, kv, parts)
+    return Segment(session_id, generation, start, nrec, rec, kv, parts, prev)
+
+
+def _meta(data: bytes, where: str) -> tuple[dict[str, Any], int]:
+    """(the meta JSON, its length) of a segment's first bytes (preamble, meta frame)."""
+    magic, version, flags = PREAMBLE.unpack_from(data, 0)
+    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or flags != 0:
+        raise FormatError(f"{where}: not a version-{SEGMENT_VERSION} segment (magic {magic!r}, "
+                          f"version {version}, flags {flags})")
+    tag, json_len, check = META_HEAD.unpack_from(data, PREAMBLE.size)
+    body_at = PREAMBLE.size + META_HEAD.size
+    if tag != META_TAG or not 1 <= json_len <= MAX_SEGMENT_META_BYTES or body_at + json_len > len(data):
+        raise FormatError(f"{where}: byte {PREAMBLE.size}: bad segment meta frame (tag {tag!r}, {json_len} bytes)")
+    meta_raw = data[body_at:body_at + json_len]
+    if xxhash.xxh3_64_intdigest(meta_raw) != check:
+        raise CorruptionError(f"{where}: the segment meta's checksum does not match")
+    meta = parse_json(meta_raw, where)
+    if not isinstance(meta, dict) or meta.get("format") != "coli-segment" or meta.get("version") != SEGMENT_VERSION:
+        raise FormatError(f"{where}: not a coli-segment version {SEGMENT_VERSION}")
+    return meta, json_len
+
+
+def _ref(doc: Any, where: str) -> SegmentRef | None:
+    if doc is None:
+        return None
+    ref = SegmentRef(str(doc["name"]), int(doc["start"]), int(doc["nrec"]), int(doc["size"]), str(doc["digest"]))
+    if "/" in ref.name or not 0 <= ref.size <= MAX_SEGMENT_BYTES or not 0 <= ref.start <= ref.nrec:
+        raise LimitError(f"{where}: a segment reference out of bounds ({ref})")
+    return ref
+
+
+META_PREFIX_BYTES = PREAMBLE.size + META_HEAD.size + MAX_SEGMENT_META_BYTES  # enough to read any meta
+
+
+def segment_prev(prefix: bytes, where: str) -> SegmentRef | None:
+    """The ``prev`` reference from a segment's first bytes (at most META_PREFIX_BYTES); the
+    whole object is checked later, before any of it is used."""
+    meta, _ = _meta(prefix, where)
+    try:
+        return _ref(meta["prev"], where)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{where}: segment meta field missing or of the wrong type ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -173,16 +207,15 @@ class Head:
     base: str | None  # the chain's base bundle key (None: the chain starts from an empty session)
     base_tokens: int
     nrec: int  # records base + segments hold
-    segments: tuple[SegmentRef, ...] = ()
+    last: SegmentRef | None = None  # the chain's last segment (None: just the base)
+    count: int = 0  # segments in the chain
+    segment_bytes: int = 0  # their total size
     updated_utc: str = ""
     etag: str = field(default="", compare=False)
 
     def body(self) -> bytes:
         doc = {k: v for k, v in asdict(self).items() if k != "etag"}
         return json.dumps({"format": HEAD_FORMAT, "version": HEAD_VERSION, **doc}, sort_keys=True).encode()
-
-    def segment_bytes(self) -> int:
-        return sum(s.size for s in self.segments)
 
 
 def parse_head(raw: bytes, etag: str, where: str) -> Head:
@@ -193,23 +226,24 @@ def parse_head(raw: bytes, etag: str, where: str) -> Head:
     if not isinstance(doc, dict) or doc.get("format") != HEAD_FORMAT or doc.get("version") != HEAD_VERSION:
         raise FormatError(f"{where}: not a version-{HEAD_VERSION} {HEAD_FORMAT} object")
     try:
-        segments = tuple(SegmentRef(str(s["name"]), int(s["start"]), int(s["nrec"]), int(s["size"]),
-                                    str(s["digest"])) for s in doc["segments"])
         head = Head(check_session_id(doc["session_id"], where), int(doc["generation"]), str(doc["owner"]),
-                    doc["lease_bundle"], doc["base"], int(doc["base_tokens"]), int(doc["nrec"]), segments,
+                    doc["lease_bundle"], doc["base"], int(doc["base_tokens"]), int(doc["nrec"]),
+                    _ref(doc["last"], where), int(doc["count"]), int(doc["segment_bytes"]),
                     str(doc["updated_utc"]), etag)
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{where}: head field missing or of the wrong type ({exc})") from None
     for value in (head.lease_bundle, head.base):
         if value is not None and not isinstance(value, str):
             raise FormatError(f"{where}: 'lease_bundle' and 'base' must be keys or null")
-    if len(segments) > MAX_CHAIN_SEGMENTS or any(s.size > MAX_SEGMENT_BYTES or "/" in s.name for s in segments):
-        raise LimitError(f"{where}: {len(segments)} segments (at most {MAX_CHAIN_SEGMENTS}) or one too large")
+    if not 0 <= head.count <= MAX_CHAIN_SEGMENTS or (head.count == 0) != (head.last is None):
+        raise LimitError(f"{where}: a chain of {head.count} segments (at most {MAX_CHAIN_SEGMENTS}; "
+                         "none exactly when no last one is named)")
     return head
 
 
 __all__ = [
     "HEAD_FORMAT",
+    "META_PREFIX_BYTES",
     "MAX_CHAIN_SEGMENTS",
     "MAX_HEAD_BYTES",
     "MAX_SEGMENT_BYTES",
@@ -221,4 +255,5 @@ __all__ = [
     "encode_segment",
     "parse_head",
     "parse_segment",
+    "segment_prev",
 ]

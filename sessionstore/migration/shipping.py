@@ -5,8 +5,9 @@ as one *segment* object, and the session's *head* object names the chain (base b
   their sidecar entries and the session's small files, then moves the head with a conditional
   write (``If-Match`` the head this host wrote last). A head write that loses means another host
   claimed the chain (a takeover): the segment is deleted and the chain forgotten here
-  (LockedError). Cost: O(new records) plus the head (at most 64 entries).
-- A chain that would grow past 64 segments, or whose segments outweigh its base, is compacted:
+  (LockedError). Cost: O(new records) plus the head (a fixed few hundred bytes: each segment
+  names its predecessor, the head only the last one).
+- A chain that would grow past 1,024 segments, or whose segments outweigh its base, is compacted:
   the whole commit is uploaded as a new base bundle and the head restarts from it (amortised
   O(1) per shipped byte, since the base at least doubles between compactions).
 - :meth:`TurnShipper.take_over` on a host that just took the lease: a head that extends the
@@ -119,8 +120,8 @@ class TurnShipper:
             return
         stored = self.read_head(session_id)
         self._chains[session_id] = Head(session_id, lease.generation, self.remote.host_id, lease.bundle,
-                                        lease.bundle, lease.bundle_tokens, lease.bundle_tokens, (),
-                                        utc_stamp(), "" if stored is None else stored.etag)
+                                        lease.bundle, lease.bundle_tokens, lease.bundle_tokens,
+                                        updated_utc=utc_stamp(), etag="" if stored is None else stored.etag)
         self._epochs[session_id] = epoch
 
     def ship(self, session_id: str, lease: Lease) -> ShipReport:
@@ -150,7 +151,7 @@ class TurnShipper:
             if source.responses is not None:
                 parts["responses.json"] = source.responses
             check_records(records, source.entries[start:n], start, rec, snap.kv_path)
-            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts)
+            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, chain.last)
         finally:
             source.close()
         name = f"g{lease.generation:08d}-r{n:012d}-{secrets.token_hex(4)}{SEGMENT_SUFFIX}"
@@ -158,7 +159,8 @@ class TurnShipper:
         with self.objects.failing(f"ship (uploading segment {name})", session_id):
             self.objects.call("put_object", Key=key, Body=data)
         ref = SegmentRef(name, start, n, len(data), digest_of(data))
-        new = replace(chain, segments=(*chain.segments, ref), nrec=n, updated_utc=utc_stamp())
+        new = replace(chain, last=ref, count=chain.count + 1, segment_bytes=chain.segment_bytes + len(data),
+                      nrec=n, updated_utc=utc_stamp())
         try:
             written, head_bytes = self._write_head(new, self._expect(session_id, chain), "ship (moving the head)")
         except BaseException:
@@ -174,9 +176,8 @@ class TurnShipper:
     @staticmethod
     def _due(chain: Head, record_bytes: int) -> bool:
         """Compaction: the chain is as long as a head lists, or its segments outweigh its base."""
-        seg_bytes = chain.segment_bytes()
-        return len(chain.segments) >= MAX_CHAIN_SEGMENTS - 1 or (
-            seg_bytes >= COMPACT_MIN_BYTES and seg_bytes >= chain.base_tokens * record_bytes)
+        return chain.count >= MAX_CHAIN_SEGMENTS or (
+            chain.segment_bytes >= COMPACT_MIN_BYTES and chain.segment_bytes >= chain.base_tokens * record_bytes)
 
     def _expect(self, session_id: str, chain: Head | None) -> Head | None:
         """The head a write must replace: the one this host wrote, or the stored one it read."""
@@ -196,7 +197,7 @@ class TurnShipper:
                           storage_options=self.objects.storage_options) as (sink, _):
             result = export_session(self.remote.store, session_id, sink, compression=self.remote.compression)
         new = Head(session_id, lease.generation, self.remote.host_id, lease.bundle, key, result.tokens,
-                   result.tokens, (), utc_stamp())
+                   result.tokens, updated_utc=utc_stamp())
         try:
             written, head_bytes = self._write_head(new, self._expect(session_id, stored), "ship (restarting the chain)")
         except BaseException:
@@ -244,7 +245,7 @@ class TurnShipper:
             self._chains[session_id] = written
             self._epochs[session_id] = self.remote.store.snapshot(session_id).epoch
             log.info("ship.takeover", id=session_id, host=self.remote.host_id, nrec=written.nrec,
-                     segments=len(written.segments), fetched=not current)
+                     segments=written.count, fetched=not current)
             return not current
         raise LockedError(f"session {session_id!r}: its head kept changing while being claimed; try again")
 
@@ -277,22 +278,32 @@ class TurnShipper:
         self.objects.delete(self.head_key(session_id))
         if head is not None and head.base is not None:
             self.objects.delete(head.base)
-        prefix = self.segment_key(session_id, "")
-        with self.objects.failing("deleting the segments", session_id):
-            page = self.objects.call("list_objects_v2", Prefix=prefix)
-        for obj in page.get("Contents", []):
-            self.objects.delete(str(obj["Key"]))
+        self._delete_segments(session_id)
 
     def _forget_chain(self, session_id: str) -> None:
         self._chains.pop(session_id, None)
         self._epochs.pop(session_id, None)
 
     def _delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:
-        """Delete a replaced chain's segments and its base (unless ``keep`` names it)."""
-        for ref in head.segments:
-            self.objects.delete(self.segment_key(head.session_id, ref.name))
+        """Delete a replaced chain's segments and its base (unless ``keep`` names it). The chain
+        that replaced it has no segment yet (a base or a pushed bundle): every segment goes."""
+        self._delete_segments(head.session_id)
         if head.base is not None and head.base not in keep:
             self.objects.delete(head.base)
+
+    def _delete_segments(self, session_id: str) -> None:
+        """Delete every object under ``segments/<id>/`` (best effort: leftovers are never read)."""
+        prefix = self.segment_key(session_id, "")
+        try:
+            page: dict[str, Any] = {"IsTruncated": True}
+            while page.get("IsTruncated"):
+                more = {"ContinuationToken": page["NextContinuationToken"]} \
+                    if page.get("NextContinuationToken") else {}
+                page = self.objects.call("list_objects_v2", Prefix=prefix, **more)
+                for obj in page.get("Contents", []):
+                    self.objects.delete(str(obj["Key"]))
+        except Exception as exc:  # noqa: BLE001 - a store failure: the next delete retries
+            log.info("ship.segments_delete_failed", id=session_id, error=str(exc))
 
 
 def check_records(records: bytes, entries: Any, start: int, record_bytes: int, path: Any) -> None:
