@@ -8,6 +8,8 @@ is the whole-bundle push the fleet did before (the session's bundle over the sam
 ``takeover_s``: host A stops renewing (as if SIGKILLed); host B waits for the lease to expire (TTL
 ``TAKEOVER_TTL_S``), takes it, claims the head and fetches base + segments into its store (the
 verified import): TTL + fetch, medians over ``--reps`` takeovers alternating between the hosts.
+Baseline in the same run: the raw read of the chain's base bundle through the same reader
+(``takeover_fetch_over_raw_read``).
 """
 from __future__ import annotations
 
@@ -64,7 +66,9 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
     build_session(hosts[0].store, "s", tokens)
     lease = hosts[0].acquire("s")
     shippers[0].ship("s", lease)  # the chain's base (a new chain ships the whole commit once)
-    ratios, bundle_ratios, ship_s, takeovers, fetches = [], [], [], [], []
+    from bench.scale import raw_read
+
+    ratios, bundle_ratios, ship_s, takeovers, fetches, raw_reads = [], [], [], [], [], []
     holder = 0
     for rep in range(args.reps):
         store = hosts[holder].store
@@ -85,11 +89,18 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
         fetches.append(time.perf_counter() - t1)  # take the lease, claim the head, fetch and install
         takeovers.append(TAKEOVER_TTL_S + fetches[-1])
         assert hosts[other].store.read_manifest("s").committed == tokens + (rep + 1) * TURN_TOKENS
+        head = shippers[other].read_head("s")
+        assert head is not None and head.base is not None
+        t = time.perf_counter()
+        raw_read(hosts[other].objects.url_of(head.base))  # the base's bytes alone, the same reader
+        raw_reads.append(time.perf_counter() - t)
         holder = other
     return {"turn_ship_bytes_over_turn_records": statistics.median(ratios),
             "turn_ship_baseline_bundle_over_turn_records": statistics.median(bundle_ratios),
             "turn_ship_s": statistics.median(ship_s), "turn_ship_tokens": TURN_TOKENS,
             "takeover_s": statistics.median(takeovers), "takeover_fetch_s": statistics.median(fetches),
+            "takeover_base_raw_read_s": statistics.median(raw_reads),
+            "takeover_fetch_over_raw_read": statistics.median(fetches) / statistics.median(raw_reads),
             "takeover_lease_ttl_s": TAKEOVER_TTL_S, "shipping_session_tokens": tokens}
 
 
