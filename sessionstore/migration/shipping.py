@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,7 +54,7 @@ class ShipReport:
     """What one ship uploaded: the segment (or base bundle) and head bytes, and the records it carried."""
 
     session_id: str
-    kind: str  # "segment" or "base" (a new chain, a rebase after a truncate, a compaction)
+    kind: str  # "segment", "base" (a new chain, a rebase after a truncate, a compaction) or "unchanged"
     start: int
     nrec: int
     object_bytes: int
@@ -73,6 +74,8 @@ class TurnShipper:
         self.objects = remote.objects
         self._chains: dict[str, Head] = {}  # the head as this host last wrote (or claimed) it
         self._epochs: dict[str, int] = {}  # the manifest epoch the chain's records belong to
+        self._manifests: dict[str, bytes] = {}  # the manifest.json the chain's last ship carried
+        self._lock = threading.RLock()  # a turn's end and a commit inside another turn may ship at once
         self.last: dict[str, ShipReport] = {}
 
     # ---- keys and the head ----------------------------------------------------------------
@@ -127,7 +130,12 @@ class TurnShipper:
     def ship(self, session_id: str, lease: Lease) -> ShipReport:
         """Ship the session's last commit: a segment of the records since the chain's end, or a
         new base bundle when there is no chain here, the records were truncated, or the chain is
-        due for compaction. LockedError: fenced (another host claimed the chain)."""
+        due for compaction; nothing when the chain already holds it. LockedError: fenced
+        (another host claimed the chain)."""
+        with self._lock:
+            return self._ship(session_id, lease)
+
+    def _ship(self, session_id: str, lease: Lease) -> ShipReport:
         store = self.remote.store
         snap = store.snapshot(session_id)
         chain = self._chains.get(session_id)
@@ -141,6 +149,8 @@ class TurnShipper:
                 return self._rebase(session_id, lease, snap.epoch, chain)
             start, n = chain.nrec, snap.committed
             rec = snap.header.record_bytes
+            if n == start and self._manifests.get(session_id) == source.manifest_json:
+                return ShipReport(session_id, "unchanged", start, n, 0, 0, 0)
             records = bytes(source.reader.records_bytes_view(start, n)) if n > start else b""
             parts: dict[str, bytes | memoryview] = {
                 "kv_header": source.header_bytes, "records": records,
@@ -168,6 +178,7 @@ class TurnShipper:
             self._forget_chain(session_id)
             raise
         self._chains[session_id] = written
+        self._manifests[session_id] = bytes(parts["manifest.json"])
         report = ShipReport(session_id, "segment", start, n, len(data), head_bytes, (n - start) * rec)
         self.last[session_id] = report
         log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes)
@@ -205,6 +216,7 @@ class TurnShipper:
             self._forget_chain(session_id)
             raise
         self._chains[session_id], self._epochs[session_id] = written, epoch
+        self._manifests.pop(session_id, None)
         if stored is not None:
             self._delete_chain(stored, keep=(lease.bundle, key))
         report = ShipReport(session_id, "base", 0, result.tokens, result.stored_bytes, head_bytes, 0)
@@ -283,6 +295,7 @@ class TurnShipper:
     def _forget_chain(self, session_id: str) -> None:
         self._chains.pop(session_id, None)
         self._epochs.pop(session_id, None)
+        self._manifests.pop(session_id, None)
 
     def _delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:
         """Delete a replaced chain's segments and its base (unless ``keep`` names it). The chain

@@ -23,7 +23,7 @@ engine's baton holder, one at a time; the listing (:meth:`SessionHome.listing`) 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,9 +42,11 @@ log = get_logger("fleet")
 class SessionHome:
     """The fleet's side of this server's sessions: leases held, bundles pushed and pulled."""
 
-    def __init__(self, remote: RemoteStore, *, model: str | None = None, ship: bool = True) -> None:
+    def __init__(self, remote: RemoteStore, *, model: str | None = None, ship: bool = True,
+                 ship_every_commit: bool = False) -> None:
         self.remote = remote
         self.shipper = TurnShipper(remote) if ship else None  # write-through shipping (FORMAT.md 6.7)
+        self.ship_every_commit = ship and ship_every_commit  # also at each commit inside a turn
         self.model = model  # pulls refuse bundles of another model
         self._held: dict[str, Lease] = {}  # checked out here, not pushed back yet
         self._kept: dict[str, tuple[Session, LeaseKeeper]] = {}  # resident here, lease renewed
@@ -143,6 +145,32 @@ class SessionHome:
         keeper = LeaseKeeper(self.remote, session.id, held, interval=self.remote.renew_interval).start()
         session.guard_with(keeper)  # Session._release stops it
         self._kept[session.id] = (session, keeper)
+        if self.ship_every_commit:
+            self._ship_each_commit(session)
+
+    def _ship_each_commit(self, session: Session) -> None:
+        """``--ship-every-commit``: each commit the session's runner finishes inside a turn ships
+        too. A failure there is logged; the turn's end ships (or refuses) again."""
+        inner = session.commit_runner
+        if getattr(inner, "ships", None) == session.id:
+            return
+        sid = session.id
+
+        def runner(finish: Callable[[], object]) -> None:
+            def finish_and_ship() -> object:
+                count = finish()
+                try:
+                    self.turn_done(sid)
+                except (ApiError, ColiError) as exc:
+                    log.warning("fleet.ship_failed", id=sid, host=self.host_id, error=str(exc))
+                return count
+            if inner is None:
+                finish_and_ship()
+            else:
+                inner(finish_and_ship)
+
+        runner.ships = sid  # type: ignore[attr-defined]
+        session.commit_runner = runner
 
     def check_in(self, session_id: str) -> None:
         """Push the (suspended) session as a new bundle and release its lease. Never raises:

@@ -78,3 +78,46 @@ def test_host_sigkill_mid_stream_then_takeover_from_segments_is_token_exact(
         assert takeover_s < LEASE_TTL_S + 60
         head = reader.read_head("one")
         assert head is not None and head.owner == "host-b" and head.nrec == len(convs[0].history) - 1
+
+
+def test_ship_every_commit_ships_inside_a_reply(tmp_path: Path, text_model_dir: Path,
+                                                text_model: tuple[Any, Any], fleet_url: str) -> None:
+    """``--ship-every-commit``: a host killed mid-reply has shipped the reply's commits so far (every
+    ``--commit-every`` tokens), each a prefix of the uninterrupted reply, installable elsewhere."""
+    model, _ = text_model
+    a = host(tmp_path, "host-a", text_model_dir, fleet_url, "--lease-ttl", str(LEASE_TTL_S),
+             "--ship-every-commit", "--commit-every", "4").start()
+    reader = TurnShipper(RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader",
+                                     lease_ttl=LEASE_TTL_S))
+    try:
+        conv = Conversation(a.get("/v1/models").json()["data"][0]["id"], "one")
+        conv.turn(a, [9, 8, 7], 5)
+        before = len(conv.history) - 1
+        body = {**conv.body([4, 3], 600), "stream": True}
+        seen = 0
+        with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                head = reader.read_head("one")
+                if seen >= 12 and head is not None and head.nrec > before + 2:
+                    break  # commits inside the reply are in the store while it streams
+            kill_host(a)
+    finally:
+        if a.proc is not None and a.proc.poll() is None:
+            a.stop(signal.SIGKILL)
+    head = reader.read_head("one")
+    assert head is not None and before + 2 < head.nrec < before + 2 + 600  # mid-reply, not its end
+    conv.turns.append((body["prompt"], 600))
+    full = body["prompt"] + conv.reference(model)[-1]  # the uninterrupted reply
+    lease = reader.remote.lease("one")
+    assert lease is not None
+    time.sleep(max(0.0, lease.expires_at - time.time()))
+    taken = reader.remote.acquire("one")
+    assert reader.take_over("one", taken, local_current=False)
+    store = reader.remote.store
+    assert store.read_manifest("one").committed == head.nrec
+    from sessionstore.kvfile import open_kv
+
+    with open_kv(store.kv_path("one")) as kv:
+        assert [int(t) for t in kv.tokens[:head.nrec]] == full[:head.nrec]
