@@ -4,7 +4,8 @@ A GLM-5.2-shaped session (L=78, kv_lora 512, rope 64, fp8) on host A, paired wit
 on loopback (moto). Each rep is one turn: ``TURN_TOKENS`` records appended through the real writer
 and committed, then shipped (:class:`TurnShipper`: one segment object plus the head). The figure is
 the bytes uploaded (segment + head) over the turn's own record bytes; the baseline, in the same run,
-is the whole-bundle push the fleet did before (the session's bundle over the same record bytes).
+is the whole-bundle push the fleet did before: the same commit exported as a bundle (its bytes over
+the same record bytes, and its export time beside the ship's upload time).
 ``takeover_s``: host A stops renewing (as if SIGKILLed); host B waits for the lease to expire (TTL
 ``TAKEOVER_TTL_S``), takes it, claims the head and fetches base + segments into its store (the
 verified import): TTL + fetch, medians over ``--reps`` takeovers alternating between the hosts.
@@ -52,6 +53,20 @@ def grow(store: Any, sid: str, k: int, seed: int) -> int:
     return k * rec
 
 
+class _CountingSink:
+    """A binary sink that counts what is written and keeps nothing."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> dict[str, Any]:
     """Both keys; see the module."""
     from sessionstore.migration import RemoteStore
@@ -67,8 +82,9 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
     lease = hosts[0].acquire("s")
     shippers[0].ship("s", lease)  # the chain's base (a new chain ships the whole commit once)
     from bench.scale import raw_read
+    from sessionstore.migration import export_session
 
-    ratios, bundle_ratios, ship_s, takeovers, fetches, raw_reads = [], [], [], [], [], []
+    ratios, bundle_ratios, ship_s, push_s, takeovers, fetches, raw_reads = [], [], [], [], [], [], []
     holder = 0
     for rep in range(args.reps):
         store = hosts[holder].store
@@ -78,8 +94,11 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
         ship_s.append(time.perf_counter() - t)
         assert report.kind == "segment", report
         ratios.append(report.shipped_bytes / report.record_bytes)
-        snap_bytes = hosts[holder].store.snapshot("s").committed * (report.record_bytes // TURN_TOKENS)
-        bundle_ratios.append(snap_bytes / report.record_bytes)
+        sink = _CountingSink()  # the baseline: what a whole-bundle push of this commit uploads
+        t = time.perf_counter()
+        export_session(hosts[holder].store, "s", sink, compression=hosts[holder].compression)
+        push_s.append(time.perf_counter() - t)
+        bundle_ratios.append(sink.bytes / report.record_bytes)
         # the holder 'dies': nothing renews its lease; the other host waits for it and fetches the chain
         other = 1 - holder
         time.sleep(max(0.0, lease.expires_at - time.time()))  # the TTL since its last renewal
@@ -98,6 +117,7 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
     return {"turn_ship_bytes_over_turn_records": statistics.median(ratios),
             "turn_ship_baseline_bundle_over_turn_records": statistics.median(bundle_ratios),
             "turn_ship_s": statistics.median(ship_s), "turn_ship_tokens": TURN_TOKENS,
+            "turn_ship_baseline_export_s": statistics.median(push_s),
             "takeover_s": statistics.median(takeovers), "takeover_fetch_s": statistics.median(fetches),
             "takeover_base_raw_read_s": statistics.median(raw_reads),
             "takeover_fetch_over_raw_read": statistics.median(fetches) / statistics.median(raw_reads),
