@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kernels.errors import LockedError
-from sessionstore.kvfile import KVWriter
+from sessionstore.kvfile import KVWriter, open_kv
 from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.shipping import TurnShipper
@@ -112,3 +112,44 @@ def test_a_whole_bundle_push_retires_the_chain(hosts):
     assert ship_a.read_head("conv") is None
     a.fs.invalidate_cache()
     assert a.fs.find(f"{a.bucket}/{a.prefix}/segments") == []
+
+
+def test_a_truncated_session_ships_a_new_base_and_the_chain_restarts(hosts):
+    a, b = hosts
+    make_session(a.store, "conv", 60)
+    held = a.acquire("conv")
+    ship_a = TurnShipper(a)
+    ship_a.ship("conv", held)
+    grow(a.store, "conv", 10, seed=1)
+    assert ship_a.ship("conv", held).kind == "segment"
+    manifest = a.store.read_manifest("conv")  # a rewind: the epoch first (FORMAT.md 5), then the records
+    write_manifest(a.store.session_dir("conv") / "manifest.json",
+                   dataclasses.replace(manifest, epoch=manifest.epoch + 1, committed=40))
+    with KVWriter.open(a.store.kv_path("conv"), SMALL_DIMS, kv_dtype=manifest.kv_dtype) as writer:
+        writer.truncate(40)
+    grow(a.store, "conv", 35, seed=2)  # past the chain's 70 again, with records 40.. rewritten
+    report = ship_a.ship("conv", held)
+    assert report.kind == "base" and report.nrec == 75  # segments only append: the epoch moved, a new base
+    head = ship_a.read_head("conv")
+    assert head.count == 0 and head.nrec == 75
+    a.fs.invalidate_cache()
+    assert a.fs.find(f"{a.bucket}/{a.prefix}/segments") == []  # the replaced chain is deleted
+    grow(a.store, "conv", 3, seed=3)
+    assert ship_a.ship("conv", held).kind == "segment"
+    expected = vouched_files(a.store, "conv")
+    time.sleep(1.1)
+    taken = b.acquire("conv")
+    assert TurnShipper(b).take_over("conv", taken, local_current=False)
+    assert vouched_files(b.store, "conv") == expected
+
+
+def vouched_files(store: SessionStore, sid: str) -> dict[str, bytes]:
+    """The manifest, the committed kv bytes and the sidecar entries it vouches for (entries past
+    its count, stale after a truncate, are ignored by every reader: FORMAT.md 4.1)."""
+    manifest = store.read_manifest(sid)
+    kv = store.kv_path(sid).read_bytes()
+    side = (store.session_dir(sid) / "kv.coli_kv.colisum").read_bytes()
+    with open_kv(store.kv_path(sid)) as reader:
+        kv = kv[:40 + reader.nrec * reader.record_bytes]
+    return {"manifest.json": (store.session_dir(sid) / "manifest.json").read_bytes(), "kv": kv,
+            "sidecar": side[:64 + 8 * manifest.committed]}
