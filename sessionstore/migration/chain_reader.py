@@ -166,6 +166,10 @@ def assemble(objects: ObjectPrefix, head: Head, segment_key: Any, store: Session
     """Install ``head``'s chain as the session (replacing the local copy); ``segment_key(id,
     name)`` is the object key of a segment the head lists."""
     sid = head.session_id
+    if head.count == 0 and head.base is not None:  # the base alone: streamed straight into the import
+        with objects.failing(f"takeover (downloading base bundle {head.base.rsplit('/', 1)[-1]})", sid), \
+                open_source(objects.url_of(head.base), storage_options=objects.storage_options) as src:
+            return import_bundle(store, src, source_name=objects.url_of(head.base), replace=True, model=model)
     with tempfile.TemporaryDirectory(prefix="coli-chain-") as tmp:
         files = ChainFiles(tmp)
         try:

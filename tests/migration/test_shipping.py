@@ -153,3 +153,16 @@ def vouched_files(store: SessionStore, sid: str) -> dict[str, bytes]:
         kv = kv[:40 + reader.nrec * reader.record_bytes]
     return {"manifest.json": (store.session_dir(sid) / "manifest.json").read_bytes(), "kv": kv,
             "sidecar": side[:64 + 8 * manifest.committed]}
+
+
+def test_a_chain_of_its_base_alone_is_taken_over(hosts):
+    a, b = hosts
+    make_session(a.store, "conv", 33)
+    held = a.acquire("conv")
+    assert TurnShipper(a).ship("conv", held).kind == "base"  # a session never pushed: its chain's base
+    assert a.lease("conv").bundle is None
+    expected = session_files(a.store, "conv")
+    time.sleep(1.1)
+    taken = b.acquire("conv")
+    assert TurnShipper(b).take_over("conv", taken, local_current=False)
+    assert session_files(b.store, "conv") == expected
