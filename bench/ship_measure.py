@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -96,7 +96,7 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
         ratios.append(report.shipped_bytes / report.record_bytes)
         sink = _CountingSink()  # the baseline: what a whole-bundle push of this commit uploads
         t = time.perf_counter()
-        export_session(hosts[holder].store, "s", sink, compression=hosts[holder].compression)
+        export_session(hosts[holder].store, "s", cast(BinaryIO, sink), compression=hosts[holder].compression)
         push_s.append(time.perf_counter() - t)
         bundle_ratios.append(sink.bytes / report.record_bytes)
         # the holder 'dies': nothing renews its lease; the other host waits for it and fetches the chain
