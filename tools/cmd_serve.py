@@ -64,6 +64,9 @@ def register(subparsers: Any) -> None:
                    "and pushed back; endpoint and credentials from the AWS environment, e.g. AWS_ENDPOINT_URL)")
     p.add_argument("--host-id", default=None, help="--remote: who holds leases (default: $COLI_HOST_ID or hostname)")
     p.add_argument("--lease-ttl", type=float, default=None, help="--remote: lease lifetime in seconds (default 900)")
+    p.add_argument("--ship-every-commit", action="store_true",
+                   help="--remote: ship each commit inside a reply too (every --commit-every tokens), not only "
+                   "each finished turn; a host lost mid-reply then loses at most the tokens since the last commit")
     p.add_argument("--advertise-url", default=None, metavar="http://HOST:PORT",
                    help="--remote: where the other hosts reach this server; written into the leases it holds, "
                    "so a request for one of its sessions that reaches another host is redirected here (307)")
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise FormatError("--remote, --host-id and --lease-ttl are for --http")
     if args.http is None and args.max_disk_bytes is not None:
         raise FormatError("--max-disk-bytes is for --http")
+    if args.ship_every_commit and not args.remote:
+        raise FormatError("--ship-every-commit is for --remote (it ships to the fleet's object store)")
     if args.fleet_proxy and not args.remote:
         raise FormatError("--fleet-proxy is for --remote (it forwards to the host that holds a session)")
     if args.advertise_url is not None and not args.remote:
@@ -143,6 +148,7 @@ def run_http(args: argparse.Namespace) -> int:
                                           "durable_stream": args.durable_stream},
                          remote=args.remote, host_id=args.host_id, lease_ttl=args.lease_ttl,
                          advertise_url=args.advertise_url, fleet_proxy=args.fleet_proxy,
+                         ship_every_commit=args.ship_every_commit,
                          pull=pull if pull.origins else None, max_disk_bytes=args.max_disk_bytes,
                          sweep_interval=args.sweep_interval)
     if args.inbox is None:

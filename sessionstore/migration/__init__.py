@@ -12,6 +12,7 @@ from sessionstore.migration.migrate import ReceivedBundle, import_bundle
 from sessionstore.migration.object_records import ObjectRecords
 from sessionstore.migration.object_store import ObjectPrefix, RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
+from sessionstore.migration.shipping import TurnShipper
 from sessionstore.migration.transport import describe, is_url, open_sink, open_source, store_errors
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "ReceivedBundle",
     "RemoteStore",
     "RemoteStoreError",
+    "TurnShipper",
     "WritebackFile",
     "default_host_id",
     "describe",

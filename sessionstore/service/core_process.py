@@ -227,7 +227,7 @@ def watch_parent() -> None:
 
 
 def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | None, advertise_url: str | None,
-               store: SessionStore, model_source: str) -> Any:
+               store: SessionStore, model_source: str, ship_every_commit: bool = False) -> Any:
     """The fleet's side of this server (``--remote``), its store checked reachable; or None."""
     if remote_url is None:
         return None
@@ -236,7 +236,7 @@ def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | N
 
     ttl = LEASE_TTL_S if lease_ttl is None else lease_ttl
     remote = RemoteStore(store, remote_url, host_id=host_id, lease_ttl=ttl, advertise_url=advertise_url)
-    home = SessionHome(remote, model=model_source)
+    home = SessionHome(remote, model=model_source, ship_every_commit=ship_every_commit)
     home.probe()
     return home
 
@@ -249,7 +249,8 @@ def build_engine(config: CoreConfig) -> Engine:
 
     source = resolve_model(config.model)
     store = SessionStore(config.root)
-    home = fleet_home(config.remote, config.host_id, config.lease_ttl, config.advertise_url, store, source)
+    home = fleet_home(config.remote, config.host_id, config.lease_ttl, config.advertise_url, store, source,
+                      config.ship_every_commit)
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
                     limits=ServiceLimits(**config.limits), session_options=config.session_options,
                     max_kv_bytes=config.max_kv_bytes, home=home)

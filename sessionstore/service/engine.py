@@ -236,6 +236,8 @@ class Engine:
                 if self.tiers is not None:  # tiers hook: the turn's reserved disk bytes are its file's now
                     self.tiers.after_turn(spec)
             outcome.created = created
+            if self.home is not None:  # fleet hook: ship what the turn added before its final event
+                self.home.turn_done(spec.session)
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)

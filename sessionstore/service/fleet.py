@@ -23,13 +23,13 @@ engine's baton holder, one at a time; the listing (:meth:`SessionHome.listing`) 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
-from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError
+from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
 from sessionstore.migration.lease import HeldElsewhereError
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, is_offloaded
@@ -40,8 +40,11 @@ log = get_logger("fleet")
 class SessionHome:
     """The fleet's side of this server's sessions: leases held, bundles pushed and pulled."""
 
-    def __init__(self, remote: RemoteStore, *, model: str | None = None) -> None:
+    def __init__(self, remote: RemoteStore, *, model: str | None = None, ship: bool = True,
+                 ship_every_commit: bool = False) -> None:
         self.remote = remote
+        self.shipper = TurnShipper(remote) if ship else None  # write-through shipping (FORMAT.md 6.7)
+        self.ship_every_commit = ship and ship_every_commit  # also at each commit inside a turn
         self.model = model  # pulls refuse bundles of another model
         self._held: dict[str, Lease] = {}  # checked out here, not pushed back yet
         self._kept: dict[str, tuple[Session, LeaseKeeper]] = {}  # resident here, lease renewed
@@ -93,8 +96,15 @@ class SessionHome:
         if (cur is None or cur.bundle is None) and not local and not create:
             return False  # nowhere: the engine answers 404
         held = remote.acquire(session_id)  # a conditional write: one host wins
+        if self.shipper is not None and self.shipper.take_over(  # a shipped chain past the bundle: fetched
+                session_id, held, local_current=local, model=self.model):
+            self._held[session_id] = held
+            self._synced.pop(session_id, None)
+            return True
         if held.bundle is None or (local and self._synced.get(session_id) == held.bundle):
             self._held[session_id] = held
+            if held.bundle is not None:
+                self._chain_from(held)
             return False
         try:
             _, held = remote.pull(session_id, replace=True, model=self.model)
@@ -103,8 +113,23 @@ class SessionHome:
             raise
         assert held.bundle is not None
         self._held[session_id], self._synced[session_id] = held, held.bundle
+        self._chain_from(held)
         log.info("fleet.pulled", id=session_id, host=self.host_id, bundle=held.bundle)
         return True
+
+    def _chain_from(self, held: Lease) -> None:
+        """The local copy equals the lease's bundle: the turns shipped next extend it."""
+        if self.shipper is not None:
+            self.shipper.start_from(held.session_id, held, self.remote.store.snapshot(held.session_id).epoch)
+
+    def turn_done(self, session_id: str) -> None:
+        """A turn on ``session_id`` committed: ship what it added (FORMAT.md 6.7) before its answer's
+        final event. 503 when the store fails; 409 once another host claimed the chain (fenced)."""
+        held = self._held.get(session_id)
+        if self.shipper is None or held is None:
+            return
+        with self._refusals(session_id):
+            self.shipper.ship(session_id, held)
 
     def keep(self, session: Session) -> None:
         """Renew the lease of ``session`` (open and resident now) until it is released, and
@@ -118,6 +143,32 @@ class SessionHome:
         keeper = LeaseKeeper(self.remote, session.id, held, interval=self.remote.renew_interval).start()
         session.guard_with(keeper)  # Session._release stops it
         self._kept[session.id] = (session, keeper)
+        if self.ship_every_commit:
+            self._ship_each_commit(session)
+
+    def _ship_each_commit(self, session: Session) -> None:
+        """``--ship-every-commit``: each commit the session's runner finishes inside a turn ships
+        too. A failure there is logged; the turn's end ships (or refuses) again."""
+        inner = session.commit_runner
+        if getattr(inner, "ships", None) == session.id:
+            return
+        sid = session.id
+
+        def runner(commit: Callable[[], object], *, overlap: bool = False) -> None:
+            def finish_and_ship() -> object:
+                count = commit()
+                try:
+                    self.turn_done(sid)
+                except (ApiError, ColiError) as exc:
+                    log.warning("fleet.ship_failed", id=sid, host=self.host_id, error=str(exc))
+                return count
+            if inner is None:
+                finish_and_ship()
+            else:
+                inner(finish_and_ship, overlap=overlap)
+
+        runner.ships = sid  # type: ignore[attr-defined]
+        session.commit_runner = runner
 
     def check_in(self, session_id: str) -> None:
         """Push the (suspended) session as a new bundle and release its lease. Never raises:
@@ -138,6 +189,8 @@ class SessionHome:
         self.push_errors.pop(session_id, None)
         if lease.bundle is not None:
             self._synced[session_id] = lease.bundle
+        if self.shipper is not None:  # the chain extended the old pointer: stale now, deleted
+            self.shipper.pushed(session_id, lease)
 
     def shipped(self, session_id: str, lease: Lease) -> None:
         """The caller pushed the (suspended) session and released it (``lease``, the store's
@@ -147,6 +200,8 @@ class SessionHome:
         self.push_errors.pop(session_id, None)
         if lease.bundle is not None:
             self._synced[session_id] = lease.bundle
+        if self.shipper is not None:
+            self.shipper.pushed(session_id, lease)
 
     def close(self) -> None:
         """Check in every session still checked out (the server stops)."""
@@ -168,9 +223,13 @@ class SessionHome:
                 raise HeldElsewhereError(cur)
             if cur.bundle is None:
                 self.remote.release(session_id)  # a bundle-less lease is deleted
+                if self.shipper is not None:  # with the chain its turns were shipped as
+                    self.shipper.forget(session_id)
                 return True
             self.remote.leases.forget(cur)  # conditional (If-Match): a lease changed meanwhile stays
             self.remote.bundles.sweep(session_id, cur.updated(bundle=None))  # every bundle up to it
+            if self.shipper is not None:
+                self.shipper.forget(session_id)
         log.info("fleet.deleted", id=session_id, host=self.host_id)
         return True
 

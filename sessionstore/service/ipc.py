@@ -41,6 +41,7 @@ class CoreConfig(msgspec.Struct, frozen=True):
     lease_ttl: float | None
     advertise_url: str | None
     max_disk_bytes: int | None
+    ship_every_commit: bool
     sweep_interval: float
     requests: str
     events: str

@@ -54,6 +54,7 @@ class ServeConfig:
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
     advertise_url: str | None = None  # where the fleet reaches this server: written into its leases (307s)
     fleet_proxy: bool = False  # forward a request for a session held elsewhere to its holder (else 307)
+    ship_every_commit: bool = False  # --remote: ship at each commit inside a turn too (FORMAT.md 6.7)
     pull: PullPolicy | None = None  # the peers POST /v1/sessions/ID/pull may fetch from (--pull-from)
     max_disk_bytes: int | None = None  # the sessions' kv files on this disk at most (tiers.TierManager)
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL_S  # seconds between sweeps (retention, the disk budget)
@@ -79,7 +80,8 @@ def core_settings(config: ServeConfig) -> dict[str, Any]:
             "limits": dict(config.limits.__dict__), "session_options": config.session_options,
             "max_kv_bytes": config.max_kv_bytes, "remote": config.remote, "host_id": config.host_id,
             "lease_ttl": config.lease_ttl, "advertise_url": config.advertise_url,
-            "max_disk_bytes": config.max_disk_bytes, "sweep_interval": config.sweep_interval}
+            "max_disk_bytes": config.max_disk_bytes, "sweep_interval": config.sweep_interval,
+            "ship_every_commit": config.ship_every_commit}
 
 
 def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:

@@ -32,3 +32,15 @@ def test_scale_bench_server_keys_run_and_report() -> None:
     assert res["ready_s_100k_over_100"] > 0 and res["first_request_100k_over_100"] > 0
     assert res["list_page_ms_100k"] > 0 and res["server_sizes"] == [100, 2000]
     assert {"ready_s_100k_over_100", "first_request_100k_over_100"} <= set(res["goals"])
+
+
+@pytest.mark.timeout(300)
+def test_scale_bench_shipping_keys_run_and_report() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.scale", "--quick", "--reps", "1", "--json",
+                          "--only", "shipping"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 1.0 <= res["turn_ship_bytes_over_turn_records"] <= 1.5  # the turn's records, not the session
+    assert res["turn_ship_baseline_bundle_over_turn_records"] > 1.5
+    assert res["takeover_s"] >= res["takeover_lease_ttl_s"] and res["takeover_fetch_s"] > 0
+    assert res["goals"]["turn_ship_bytes_over_turn_records"]["met"]

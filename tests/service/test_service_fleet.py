@@ -129,26 +129,25 @@ def test_a_lost_lease_is_refused_at_the_next_turn_and_never_pushed_over(
             pushed = RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader").lease("conv")
             a_second = conv.turn(a, [6, 5], 5)  # resident on A, its lease renewed through the relay
             time.sleep(ttl / 2)
-            assert conv.turn(a, [4], 3)  # renewed past half its TTL: A still serves it
+            a_third = conv.turn(a, [4], 3)  # renewed past half its TTL: A still serves it
 
             relay.down()
             time.sleep(ttl + 0.5)  # A's renewals fail until its lease expires
-            cut = Conversation(conv.model_id, "conv")  # the fleet never saw A's last two turns
-            cut.history, cut.turns = [9, 8, 7] + first, [([9, 8, 7], 6)]
-            assert "fleet_unavailable" in a.post("/v1/completions", json=cut.body([1], 3)).text  # 503
-            second = cut.turn(b, [6, 5], 5)  # B takes the expired lease and pulls turn 1
+            assert "fleet_unavailable" in a.post("/v1/completions", json=conv.body([1], 3)).text  # 503
+            # B takes the expired lease: every turn A finished was shipped before its answer (FORMAT.md 6.7)
+            fourth = conv.turn(b, [6, 5], 5)
             relay.up()
-            message = cut.refused(a, [2], 409, "session_held")  # B holds it now; A lost it
+            message = conv.refused(a, [2], 409, "session_held")  # B holds it now; A lost it
             assert "'host-b'" in message
             assert b.post("/v1/sessions/conv/suspend").status_code == 200
-            third = cut.turn(a, [2, 1], 4)  # A pulls B's history: its own lost turns are gone
+            fifth = conv.turn(a, [2, 1], 4)  # A pulls B's history over its own copy
             assert a.stop() == 0 and b.stop() == 0
     finally:
         relay.close()
-    assert a_second and [first, second, third] == cut.reference(model)
+    assert [first, a_second, a_third, fourth, fifth] == conv.reference(model)
     final = RemoteStore(SessionStore(tmp_path / "reader2"), fleet_url, host_id="reader").lease("conv")
     assert final.owner == "host-a" and final.released and final.generation > pushed.generation
-    assert final.bundle_tokens == len(cut.history) - 1
+    assert final.bundle_tokens == len(conv.history) - 1
 
 
 def test_delete_on_a_fleet_server_deletes_from_the_fleet(tmp_path: Path, text_model_dir: Path,

@@ -1,0 +1,336 @@
+"""Write-through shipping (FORMAT.md 6.7): every finished turn's new records go to the object store
+as one *segment* object, and the session's *head* object names the chain (base bundle + segments).
+
+- :meth:`TurnShipper.ship` after a turn's commit: uploads records ``[chain end, committed)`` with
+  their sidecar entries and the session's small files, then moves the head with a conditional
+  write (``If-Match`` the head this host wrote last). A head write that loses means another host
+  claimed the chain (a takeover): the segment is deleted and the chain forgotten here
+  (LockedError). Cost: O(new records) plus the head (a fixed few hundred bytes: each segment
+  names its predecessor, the head only the last one).
+- A chain that would grow past 1,024 segments, or whose segments outweigh its base, is compacted:
+  the whole commit is uploaded as a new base bundle and the head restarts from it (amortised
+  O(1) per shipped byte, since the base at least doubles between compactions).
+- :meth:`TurnShipper.take_over` on a host that just took the lease: a head that extends the
+  lease's bundle pointer is *claimed* (rewritten with the new generation, ``If-Match``), so the
+  former holder's later head writes fail; then the chain is fetched and installed
+  (:func:`chain_reader.assemble`), token-exact, never re-prefilled.
+- :meth:`TurnShipper.pushed` after a whole-bundle push moved the lease pointer: the head is
+  stale (it extends the old pointer) and is deleted with its segments.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kernels.errors import ColiError, LockedError
+from sessionstore.kvfile import SIDECAR_HEADER_SIZE
+from sessionstore.log import get_logger
+from sessionstore.migration.chain_reader import assemble
+from sessionstore.migration.exporting import ExportSource, export_session, kv_info
+from sessionstore.migration.lease import Lease, utc_stamp
+from sessionstore.migration.object_store import RemoteStoreError, is_conflict, no_bucket
+from sessionstore.migration.remote import RemoteStore
+from sessionstore.migration.segment_format import (
+    MAX_CHAIN_SEGMENTS,
+    Head,
+    SegmentRef,
+    digest_of,
+    encode_segment,
+    parse_head,
+)
+from sessionstore.migration.transport import open_sink
+
+log = get_logger("remote")
+
+SEGMENT_SUFFIX = ".colisegment"
+COMPACT_MIN_BYTES = 4 << 20  # segments below this total never trigger a compaction by size
+
+
+@dataclass(frozen=True)
+class ShipReport:
+    """What one ship uploaded: the segment (or base bundle) and head bytes, and the records it carried."""
+
+    session_id: str
+    kind: str  # "segment", "base" (a new chain, a rebase after a truncate, a compaction) or "unchanged"
+    start: int
+    nrec: int
+    object_bytes: int
+    head_bytes: int
+    record_bytes: int  # bytes of the records [start, nrec) themselves
+
+    @property
+    def shipped_bytes(self) -> int:
+        return self.object_bytes + self.head_bytes
+
+
+class TurnShipper:
+    """The chains of the sessions this host ships; one call at a time (the engine's baton)."""
+
+    def __init__(self, remote: RemoteStore) -> None:
+        self.remote = remote
+        self.objects = remote.objects
+        self._chains: dict[str, Head] = {}  # the head as this host last wrote (or claimed) it
+        self._epochs: dict[str, int] = {}  # the manifest epoch the chain's records belong to
+        self._manifests: dict[str, bytes] = {}  # the manifest.json the chain's last ship carried
+        self._lock = threading.RLock()  # a turn's end and a commit inside another turn may ship at once
+        self.last: dict[str, ShipReport] = {}
+
+    # ---- keys and the head ----------------------------------------------------------------
+    def head_key(self, session_id: str) -> str:
+        return self.objects.key("heads", f"{session_id}.json")
+
+    def segment_key(self, session_id: str, name: str) -> str:
+        return self.objects.key("segments", session_id, name)
+
+    def read_head(self, session_id: str) -> Head | None:
+        """The head as stored now (None: no chain)."""
+        key = self.head_key(session_id)
+        with self.objects.failing("reading the head", session_id):
+            try:
+                resp = self.objects.call("get_object", Key=key)
+            except FileNotFoundError as exc:
+                if no_bucket(exc):
+                    raise
+                return None
+            from fsspec.asyn import sync
+
+            raw = sync(self.objects.fs.loop, resp["Body"].read)
+        return parse_head(raw, str(resp["ETag"]), self.objects.url_of(key))
+
+    def _write_head(self, head: Head, expect: Head | None, what: str) -> tuple[Head, int]:
+        """Conditionally write ``head`` over ``expect`` (None: must not exist); (as written, its
+        bytes). LockedError: another host's head write came first (a takeover claimed it)."""
+        body = head.body()
+        cond = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect.etag}
+        with self.objects.failing(what, head.session_id):
+            try:
+                resp = self.objects.call("put_object", Key=self.head_key(head.session_id), Body=body, **cond)
+            except Exception as exc:
+                if is_conflict(exc):
+                    raise LockedError(f"session {head.session_id!r}: its head was rewritten by another "
+                                      "host (the chain was taken over); nothing more is shipped from "
+                                      f"host {self.remote.host_id!r}") from None
+                raise
+        return replace(head, etag=str(resp.get("ETag", ""))), len(body)
+
+    # ---- a host that holds the lease ------------------------------------------------------------
+    def start_from(self, session_id: str, lease: Lease, epoch: int) -> None:
+        """The local copy equals the lease's bundle (just pulled or pushed): the chain starts at it."""
+        if lease.bundle is None:
+            return
+        stored = self.read_head(session_id)
+        self._chains[session_id] = Head(session_id, lease.generation, self.remote.host_id, lease.bundle,
+                                        lease.bundle, lease.bundle_tokens, lease.bundle_tokens,
+                                        updated_utc=utc_stamp(), etag="" if stored is None else stored.etag)
+        self._epochs[session_id] = epoch
+
+    def ship(self, session_id: str, lease: Lease) -> ShipReport:
+        """Ship the session's last commit: a segment of the records since the chain's end, or a
+        new base bundle when there is no chain here, the records were truncated, or the chain is
+        due for compaction; nothing when the chain already holds it. LockedError: fenced
+        (another host claimed the chain)."""
+        with self._lock:
+            return self._ship(session_id, lease)
+
+    def _ship(self, session_id: str, lease: Lease) -> ShipReport:
+        store = self.remote.store
+        snap = store.snapshot(session_id)
+        chain = self._chains.get(session_id)
+        if chain is None or chain.generation != lease.generation or \
+                self._epochs.get(session_id) != snap.epoch or snap.committed < chain.nrec or \
+                self._due(chain, snap.header.record_bytes):
+            return self._rebase(session_id, lease, snap.epoch, chain)
+        source = ExportSource(snap, 4 << 20)
+        try:
+            if source.entries is None:  # no sidecar to ship entries from: ship the whole commit
+                return self._rebase(session_id, lease, snap.epoch, chain)
+            start, n = chain.nrec, snap.committed
+            rec = snap.header.record_bytes
+            if n == start and self._manifests.get(session_id) == source.manifest_json:
+                return ShipReport(session_id, "unchanged", start, n, 0, 0, 0)
+            records = bytes(source.reader.records_bytes_view(start, n)) if n > start else b""
+            parts: dict[str, bytes | memoryview] = {
+                "kv_header": source.header_bytes, "records": records,
+                "sidecar_header": (source.sidecar or b"")[:SIDECAR_HEADER_SIZE],
+                "entries": source.entries[start:n].tobytes(), "manifest.json": source.manifest_json}
+            if source.conversation is not None:
+                parts["conversation.json"] = source.conversation
+            if source.responses is not None:
+                parts["responses.json"] = source.responses
+            check_records(records, source.entries[start:n], start, rec, snap.kv_path)
+            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, chain.last)
+        finally:
+            source.close()
+        name = f"g{lease.generation:08d}-r{n:012d}-{secrets.token_hex(4)}{SEGMENT_SUFFIX}"
+        key = self.segment_key(session_id, name)
+        with self.objects.failing(f"ship (uploading segment {name})", session_id):
+            self.objects.call("put_object", Key=key, Body=data)
+        ref = SegmentRef(name, start, n, len(data), digest_of(data))
+        new = replace(chain, last=ref, count=chain.count + 1, segment_bytes=chain.segment_bytes + len(data),
+                      nrec=n, updated_utc=utc_stamp())
+        try:
+            written, head_bytes = self._write_head(new, self._expect(session_id, chain), "ship (moving the head)")
+        except BaseException:
+            self.objects.delete(key)
+            self._forget_chain(session_id)
+            raise
+        self._chains[session_id] = written
+        self._manifests[session_id] = bytes(parts["manifest.json"])
+        report = ShipReport(session_id, "segment", start, n, len(data), head_bytes, (n - start) * rec)
+        self.last[session_id] = report
+        log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes)
+        return report
+
+    @staticmethod
+    def _due(chain: Head, record_bytes: int) -> bool:
+        """Compaction: the chain is as long as a head lists, or its segments outweigh its base."""
+        return chain.count >= MAX_CHAIN_SEGMENTS or (
+            chain.segment_bytes >= COMPACT_MIN_BYTES and chain.segment_bytes >= chain.base_tokens * record_bytes)
+
+    def _expect(self, session_id: str, chain: Head | None) -> Head | None:
+        """The head a write must replace: the one this host wrote, or the stored one it read."""
+        if chain is None or not chain.etag:
+            return None
+        return chain
+
+    def _rebase(self, session_id: str, lease: Lease, epoch: int, chain: Head | None) -> ShipReport:
+        """Upload the whole commit as a new base bundle; the head restarts from it."""
+        stored = chain if chain is not None and chain.generation == lease.generation else self.read_head(session_id)
+        if stored is not None and stored.generation > lease.generation:
+            raise LockedError(f"session {session_id!r}: its head belongs to lease generation "
+                              f"{stored.generation}, this host holds {lease.generation}")
+        name, key = self.remote.bundles.new_key(session_id, lease)
+        with self.objects.failing(f"ship (uploading base bundle {name})", session_id), \
+                open_sink(self.objects.url_of(key), overwrite=True,
+                          storage_options=self.objects.storage_options) as (sink, _):
+            result = export_session(self.remote.store, session_id, sink, compression=self.remote.compression)
+        new = Head(session_id, lease.generation, self.remote.host_id, lease.bundle, key, result.tokens,
+                   result.tokens, updated_utc=utc_stamp())
+        try:
+            written, head_bytes = self._write_head(new, self._expect(session_id, stored), "ship (restarting the chain)")
+        except BaseException:
+            self.objects.delete(key)
+            self._forget_chain(session_id)
+            raise
+        self._chains[session_id], self._epochs[session_id] = written, epoch
+        self._manifests.pop(session_id, None)
+        if stored is not None:
+            self._delete_chain(stored, keep=(lease.bundle, key))
+        report = ShipReport(session_id, "base", 0, result.tokens, result.stored_bytes, head_bytes, 0)
+        self.last[session_id] = report
+        log.info("ship.base", id=session_id, nrec=result.tokens, bytes=result.stored_bytes)
+        return report
+
+    # ---- another host's chain --------------------------------------------------------------------
+    def take_over(self, session_id: str, lease: Lease, *, local_current: bool,
+                  model: str | os.PathLike[str] | None = None) -> bool:
+        """After this host took ``lease``: claim a head that extends its bundle pointer and install
+        its chain (skipped when ``local_current``: this host wrote that very head). True when the
+        chain was installed over the local copy; False: no live chain (the lease's bundle is the
+        session's latest state)."""
+        for _ in range(8):
+            head = self.read_head(session_id)
+            if head is None or head.lease_bundle != lease.bundle:
+                self._forget_chain(session_id)  # stale or absent: the lease's bundle is the latest
+                return False
+            if head.generation > lease.generation:
+                raise LockedError(f"session {session_id!r}: its head belongs to a later lease generation "
+                                  f"({head.generation} > {lease.generation})")
+            mine = self._chains.get(session_id)
+            current = local_current and mine is not None and mine.etag == head.etag
+            claimed = replace(head, generation=lease.generation, owner=self.remote.host_id, updated_utc=utc_stamp())
+            try:
+                written, _ = self._write_head(claimed, head, "takeover (claiming the head)")
+            except LockedError:
+                continue  # the former holder shipped one more turn meanwhile: read it again
+            if not current:
+                try:
+                    assemble(self.objects, written, self.segment_key, self.remote.store, model=model)
+                except RemoteStoreError:
+                    raise
+                except ColiError as exc:
+                    raise RemoteStoreError(f"remote object store {self.objects.url}: takeover of session "
+                                           f"{session_id!r} could not assemble its chain: {exc}") from None
+            self._chains[session_id] = written
+            self._epochs[session_id] = self.remote.store.snapshot(session_id).epoch
+            log.info("ship.takeover", id=session_id, host=self.remote.host_id, nrec=written.nrec,
+                     segments=written.count, fetched=not current)
+            return not current
+        raise LockedError(f"session {session_id!r}: its head kept changing while being claimed; try again")
+
+    # ---- after a whole-bundle push, and a delete -------------------------------------------------
+    def pushed(self, session_id: str, lease: Lease) -> None:
+        """A push moved the lease's pointer to ``lease.bundle``: the chain is stale; delete it."""
+        chain = self._chains.pop(session_id, None)
+        stored = chain if chain is not None and chain.etag else self.read_head_quietly(session_id)
+        if stored is None or stored.lease_bundle == lease.bundle:
+            return
+        try:
+            self.objects.call("delete_object", Key=self.head_key(session_id), IfMatch=stored.etag)
+        except Exception as exc:  # noqa: BLE001 - a stale head is ignored by readers; best effort
+            log.info("ship.head_delete_failed", id=session_id, error=str(exc))
+            return
+        self._delete_chain(stored, keep=(lease.bundle,))
+
+    def read_head_quietly(self, session_id: str) -> Head | None:
+        try:
+            return self.read_head(session_id)
+        except ColiError as exc:
+            log.info("ship.head_read_failed", id=session_id, error=str(exc))
+            return None
+
+    def forget(self, session_id: str) -> None:
+        """Delete the session's head, its base bundle and every segment (the session is deleted
+        from the fleet)."""
+        self._forget_chain(session_id)
+        head = self.read_head_quietly(session_id)
+        self.objects.delete(self.head_key(session_id))
+        if head is not None and head.base is not None:
+            self.objects.delete(head.base)
+        self._delete_segments(session_id)
+
+    def _forget_chain(self, session_id: str) -> None:
+        self._chains.pop(session_id, None)
+        self._epochs.pop(session_id, None)
+        self._manifests.pop(session_id, None)
+
+    def _delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:
+        """Delete a replaced chain's segments and its base (unless ``keep`` names it). The chain
+        that replaced it has no segment yet (a base or a pushed bundle): every segment goes."""
+        self._delete_segments(head.session_id)
+        if head.base is not None and head.base not in keep:
+            self.objects.delete(head.base)
+
+    def _delete_segments(self, session_id: str) -> None:
+        """Delete every object under ``segments/<id>/`` (best effort: leftovers are never read)."""
+        prefix = self.segment_key(session_id, "")
+        try:
+            page: dict[str, Any] = {"IsTruncated": True}
+            while page.get("IsTruncated"):
+                more = {"ContinuationToken": page["NextContinuationToken"]} \
+                    if page.get("NextContinuationToken") else {}
+                page = self.objects.call("list_objects_v2", Prefix=prefix, **more)
+                for obj in page.get("Contents", []):
+                    self.objects.delete(str(obj["Key"]))
+        except Exception as exc:  # noqa: BLE001 - a store failure: the next delete retries
+            log.info("ship.segments_delete_failed", id=session_id, error=str(exc))
+
+
+def check_records(records: bytes, entries: Any, start: int, record_bytes: int, path: Any) -> None:
+    """Every record against its sidecar entry before it is shipped (FORMAT.md 4.4)."""
+    from kernels.errors import CorruptionError
+    from sessionstore.kvfile import record_checksum
+
+    view = memoryview(records)
+    for i in range(len(entries)):  # [count] u64
+        p = start + i
+        found = record_checksum(view[i * record_bytes:(i + 1) * record_bytes], p)
+        if found != int(entries[i]):
+            raise CorruptionError(f"{path}: record {p} hashes {found:#018x}, the sidecar vouches for "
+                                  f"{int(entries[i]):#018x}; refusing to ship it")
+
+
+__all__ = ["COMPACT_MIN_BYTES", "SEGMENT_SUFFIX", "ShipReport", "TurnShipper"]
