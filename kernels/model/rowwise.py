@@ -153,24 +153,35 @@ def _panels_times(x: np.ndarray, panels: np.ndarray, out: np.ndarray) -> None:  
 
 _lock = threading.Lock()
 _layouts: dict[tuple[str, int], tuple[weakref.ref[np.ndarray], np.ndarray]] = {}  # (layout, id(w)) -> (w, copy)
+# keys whose weight died, dropped at the next look-up: a weakref callback must not take ``_lock``, since
+# a garbage collection may run it on a thread that holds it (any allocation inside the lock can collect)
+_dead: list[tuple[tuple[str, int], weakref.ref[np.ndarray]]] = []
+
+
+def _drop_dead() -> None:
+    """Forget the layouts of weights that died (under ``_lock``)."""
+    while _dead:
+        key, ref = _dead.pop()
+        if _layouts.get(key, (None,))[0] is ref:
+            del _layouts[key]
 
 
 def _kept_layout(w: np.ndarray, layout: str, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """``make(w)``, made once per weight array and layout and kept while ``w`` lives."""
     key = (layout, id(w))
     with _lock:
+        _drop_dead()
         held = _layouts.get(key)
         if held is not None and held[0]() is w:
             return held[1]
     made = make(w)
 
-    def forget(_ref: weakref.ref[np.ndarray], key: tuple[str, int] = key, lock: threading.Lock = _lock,
-               kept: dict[tuple[str, int], Any] = _layouts) -> None:  # bound now: also at interpreter exit
-        with lock:
-            if kept.get(key, (None,))[0] is _ref:
-                del kept[key]
+    def forget(ref: weakref.ref[np.ndarray], key: tuple[str, int] = key,
+               dead: list[Any] = _dead) -> None:  # bound now: also at interpreter exit; takes no lock
+        dead.append((key, ref))
 
     with _lock:
+        _drop_dead()
         _layouts[key] = (weakref.ref(w, forget), made)
     return made
 

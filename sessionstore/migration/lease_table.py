@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from kernels.errors import ColiError, LimitError, LockedError
+from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_format import check_session_id
 from sessionstore.migration.lease import (
@@ -51,19 +51,11 @@ class LeaseTable:
 
     def _read(self, session_id: str) -> Lease | None:
         key = self.key(session_id)
-        try:
-            resp = self.objects.call("get_object", Key=key)
-        except FileNotFoundError as exc:
-            if no_bucket(exc):
-                raise
+        found = self.objects.read_small(key, MAX_LEASE_BYTES)
+        if found is None:
             return None
-        size = int(resp.get("ContentLength") or 0)
-        if size > MAX_LEASE_BYTES:
-            raise LimitError(f"{self.objects.url_of(key)}: lease object of {size} bytes exceeds {MAX_LEASE_BYTES}")
-        from fsspec.asyn import sync
-
-        raw = sync(self.objects.fs.loop, resp["Body"].read)
-        return parse_lease(raw, resp["ETag"], self.objects.url_of(key))
+        raw, etag = found
+        return parse_lease(raw, etag, self.objects.url_of(key))
 
     def stored(self, session_id: str) -> tuple[Lease | None, bool]:
         """(the lease now, whether it could be read): the read that settles a lost answer."""

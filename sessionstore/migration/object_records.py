@@ -4,7 +4,7 @@ read back bounded, so any host of the fleet finds what another wrote."""
 from __future__ import annotations
 
 from kernels.errors import LimitError
-from sessionstore.migration.object_store import ObjectPrefix, no_bucket
+from sessionstore.migration.object_store import ObjectPrefix
 
 
 class ObjectRecords:
@@ -25,21 +25,10 @@ class ObjectRecords:
 
     def get(self, name: str) -> bytes | None:
         """``name``'s bytes, or None when the fleet has no such object."""
-        from fsspec.asyn import sync
-
         key = self.key(name)
         with self.objects.failing(f"reading {self.kind}/{name}", None):
-            try:
-                resp = self.objects.call("get_object", Key=key)
-            except FileNotFoundError as exc:
-                if no_bucket(exc):
-                    raise
-                return None
-            size = int(resp.get("ContentLength") or 0)
-            if size > self.max_bytes:
-                raise LimitError(f"{self.objects.url_of(key)}: {size} bytes, limit {self.max_bytes}")
-            data: bytes = sync(self.objects.fs.loop, resp["Body"].read)
-            return data
+            found = self.objects.read_small(key, self.max_bytes)
+        return None if found is None else found[0]
 
     def delete(self, name: str) -> None:
         """Delete ``name``, best effort."""

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kernels.errors import ColiError, FormatError
+from kernels.errors import ColiError, FormatError, LimitError
 from sessionstore.log import get_logger
 from sessionstore.migration.transport import store_errors, url_filesystem
 
@@ -99,6 +99,23 @@ class ObjectPrefix:
             reason = one_line(exc) or type(exc).__name__
         whose = f" for session {session_id!r}" if session_id else ""
         return f"remote object store {self.url}: {what}{whose} failed: {reason}"
+
+    def read_small(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        """One small object's bytes and ETag, or None when there is none (a missing bucket is
+        raised); an object over ``max_bytes`` is a LimitError before its body is read."""
+        from fsspec.asyn import sync
+
+        try:
+            resp = self.call("get_object", Key=key)
+        except FileNotFoundError as exc:
+            if no_bucket(exc):
+                raise
+            return None
+        size = int(resp.get("ContentLength") or 0)
+        if size > max_bytes:
+            raise LimitError(f"{self.url_of(key)}: an object of {size} bytes exceeds {max_bytes}")
+        data: bytes = sync(self.fs.loop, resp["Body"].read)
+        return data, str(resp.get("ETag", ""))
 
     def delete(self, key: str) -> None:
         """Delete one object, best effort (logged when the store cannot)."""

@@ -31,10 +31,11 @@ from sessionstore.log import get_logger
 from sessionstore.migration.chain_reader import assemble
 from sessionstore.migration.exporting import ExportSource, export_session, kv_info
 from sessionstore.migration.lease import Lease, utc_stamp
-from sessionstore.migration.object_store import RemoteStoreError, is_conflict, no_bucket
+from sessionstore.migration.object_store import RemoteStoreError, is_conflict
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.segment_format import (
     MAX_CHAIN_SEGMENTS,
+    MAX_HEAD_BYTES,
     Head,
     SegmentRef,
     digest_of,
@@ -89,16 +90,11 @@ class TurnShipper:
         """The head as stored now (None: no chain)."""
         key = self.head_key(session_id)
         with self.objects.failing("reading the head", session_id):
-            try:
-                resp = self.objects.call("get_object", Key=key)
-            except FileNotFoundError as exc:
-                if no_bucket(exc):
-                    raise
-                return None
-            from fsspec.asyn import sync
-
-            raw = sync(self.objects.fs.loop, resp["Body"].read)
-        return parse_head(raw, str(resp["ETag"]), self.objects.url_of(key))
+            found = self.objects.read_small(key, MAX_HEAD_BYTES)
+        if found is None:
+            return None
+        raw, etag = found
+        return parse_head(raw, etag, self.objects.url_of(key))
 
     def _write_head(self, head: Head, expect: Head | None, what: str) -> tuple[Head, int]:
         """Conditionally write ``head`` over ``expect`` (None: must not exist); (as written, its

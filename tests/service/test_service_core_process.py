@@ -8,13 +8,26 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.service.serverkit import ServerProc
 from tests.service.test_service_crash import _body, _check_exact, _continue, _stream
 
 RESTART_WITHIN_S = 30.0  # a new core loads the model and opens the store (glm-mini: ~2-5 s here)
+
+
+@pytest.fixture
+def started() -> Iterator[list[ServerProc]]:
+    """Servers a test starts; any still running when it ends (a failed assertion) is killed."""
+    made: list[ServerProc] = []
+    yield made
+    for server in made:
+        if server.proc is not None and server.proc.poll() is None:
+            server.stop(signal.SIGKILL)
 
 
 def _gone(pid: int) -> bool:
@@ -36,9 +49,10 @@ def _wait(predicate: Any, seconds: float) -> bool:
 
 
 def test_engine_sigkill_mid_stream_then_a_new_core_continues_every_session_exactly(
-        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any]) -> None:
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], started: list[ServerProc]) -> None:
     model, _ = text_model
-    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "16").start()
+    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "16")
+    started.append(server.start())
     name = server.get("/v1/models").json()["data"][0]["id"]
     health = server.get("/healthz").json()
     core_pid, api_pid = health["engine_pid"], server.proc.pid if server.proc else 0
@@ -71,8 +85,10 @@ def test_engine_sigkill_mid_stream_then_a_new_core_continues_every_session_exact
     assert server.stop() == 0
 
 
-def test_api_sigkill_leaves_no_orphan_core_and_its_sessions_committed(tmp_path: Path, text_model_dir: Path) -> None:
-    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "1000").start()
+def test_api_sigkill_leaves_no_orphan_core_and_its_sessions_committed(tmp_path: Path, text_model_dir: Path,
+                                                                     started: list[ServerProc]) -> None:
+    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "1000")
+    started.append(server.start())
     name = server.get("/v1/models").json()["data"][0]["id"]
     core_pid = server.get("/healthz").json()["engine_pid"]
     events: list[dict[str, Any]] = []
@@ -89,8 +105,10 @@ def test_api_sigkill_leaves_no_orphan_core_and_its_sessions_committed(tmp_path: 
     assert server.stop() == 0
 
 
-def test_sigterm_drains_the_core_and_exits_0(tmp_path: Path, text_model_dir: Path) -> None:
-    server = ServerProc(tmp_path / "root", text_model_dir).start()
+def test_sigterm_drains_the_core_and_exits_0(tmp_path: Path, text_model_dir: Path,
+                                             started: list[ServerProc]) -> None:
+    server = ServerProc(tmp_path / "root", text_model_dir)
+    started.append(server.start())
     core_pid = server.get("/healthz").json()["engine_pid"]
     name = server.get("/v1/models").json()["data"][0]["id"]
     reply = server.post("/v1/completions", json={"model": name, "prompt": [5, 6, 7], "max_tokens": 4,

@@ -42,7 +42,11 @@ def _drip(sock: socket.socket, data: bytes, every_s: float, out: dict[str, objec
 
 def test_slow_headers_trickled_and_stalled_bodies_are_cut_and_others_served(tmp_path: Path,
                                                                             text_model_dir: Path) -> None:
-    server = ServerProc(tmp_path / "root", text_model_dir, "--read-timeout", str(TIMEOUT_S)).start()
+    with ServerProc(tmp_path / "root", text_model_dir, "--read-timeout", str(TIMEOUT_S)) as server:
+        _cut_and_served(server)
+
+
+def _cut_and_served(server: ServerProc) -> None:
     name = server.get("/v1/models").json()["data"][0]["id"]
     body = b'{"model": "%s", "prompt": [5, 6, 7], "max_tokens": 2}' % name.encode()
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
