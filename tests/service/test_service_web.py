@@ -113,8 +113,11 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         print(f"reply rendered in {growth['pieces']} pieces over {len(set(growth['lengths']))} lengths")
         assert reply.strip(), "the page showed no reply"
         assert growth["pieces"] >= 2, f"the reply was not rendered piece by piece: {growth}"
-        steps = sorted(set(growth["lengths"]))  # shown as markdown: the whole reply's length is the last step
-        assert len([n for n in steps if 0 < n < steps[-1]]) >= 2, f"the reply did not grow in steps: {growth}"
+        # shown as markdown, at most once per animation frame: the whole reply's length is the last step,
+        # and a page that only rendered the finished reply would show no length between 0 and that one
+        # (a loaded machine may paint a 48-token reply in as few as two frames, so one is the bound)
+        steps = sorted(set(growth["lengths"]))
+        assert [n for n in steps if 0 < n < steps[-1]], f"the reply did not grow in steps: {growth}"
         assert page.locator(".msg.user .text").first.text_content() == first
         assert page.locator("#log b").count() == 0, "message text was rendered as HTML"
 
