@@ -56,6 +56,8 @@ GATHER_S = 0.004  # how long an idle loop woken by a job waits for the jobs arri
 MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
 IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
 IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off)
+PREFILL_STEP_RATIO = 3.0  # a step carrying prompt chunks beside decoding sessions is sized to take at
+# most this many times their decode-only step (so a running stream's longest gap stays near it)
 
 Resume = Callable[[], Any]  # what a parked job is switched back with: returns its value or raises its error
 
@@ -95,6 +97,38 @@ class _Work:
         return self.result
 
 
+class PrefillPacer:
+    """How many prompt tokens a step may carry beside decoding sessions: at most ``cap``, and as
+    many as keep the step within ``ratio`` times a decode-only step of those sessions, by what the
+    loop's steps measured (a token of prompt costs more the further into a long prompt it is, and
+    more than a decode row on a CPU: each position is computed as its own decode step would be)."""
+
+    SMOOTH = 0.3  # weight of the newest measurement in the running estimates
+
+    def __init__(self, cap: int, ratio: float = PREFILL_STEP_RATIO) -> None:
+        self.cap, self.ratio = cap, ratio
+        self.decode_row_s: float | None = None  # a decode-only step's seconds per session
+        self.prompt_token_s: float | None = None  # seconds per prompt token beside (or without) decoding
+
+    def budget(self, decoding: int) -> int:
+        """Prompt tokens for a step in which ``decoding`` sessions decode (>= 1)."""
+        if self.decode_row_s is None or not self.prompt_token_s:  # unmeasured, or too cheap to tell
+            return self.cap
+        room = (self.ratio - 1.0) * decoding * self.decode_row_s
+        return max(1, min(self.cap, int(room / self.prompt_token_s)))
+
+    def observe(self, decoding: int, prompt_tokens: int, seconds: float) -> None:
+        """One step's size and time."""
+        if prompt_tokens == 0:
+            self.decode_row_s = self._blend(self.decode_row_s, seconds / max(decoding, 1))
+            return
+        decode_part = decoding * (self.decode_row_s or 0.0)
+        self.prompt_token_s = self._blend(self.prompt_token_s, max(seconds - decode_part, 0.0) / prompt_tokens)
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTH * (new - old)
+
+
 class EngineLoop:
     """The loop's thread, its jobs and its queue of forwards."""
 
@@ -104,6 +138,7 @@ class EngineLoop:
         self.model = model
         self.max_batch, self.gather_s = max_batch, gather_s
         self.max_prefill_tokens = max_prefill_tokens
+        self.pacer = PrefillPacer(max_prefill_tokens)
         self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
         self.steps = 0
         self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass
@@ -314,12 +349,13 @@ class EngineLoop:
     def _plan(self, taken: list[_Work]) -> tuple[list[tuple[_Work, int]], list[_Work]]:
         """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and
         what waits for a later step: at most ``max_batch`` members, prompts in arrival order, and
-        at most ``max_prefill_tokens`` prompt tokens while any member decodes (the budget keeps the
-        running streams flowing); a step with no one decoding takes up to ``IDLE_PREFILL_TOKENS``."""
+        while any member decodes at most the :class:`PrefillPacer`'s budget of prompt tokens (at
+        most ``max_prefill_tokens``; the budget keeps the running streams flowing); a step with no
+        one decoding takes up to ``IDLE_PREFILL_TOKENS``."""
         batch: list[tuple[_Work, int]] = []
         later: list[_Work] = []
-        decoding = any(work.tokens.shape[0] - work.fed == 1 for work in taken)
-        budget = self.max_prefill_tokens if decoding else max(self.max_prefill_tokens, IDLE_PREFILL_TOKENS)
+        decoding = sum(work.tokens.shape[0] - work.fed == 1 for work in taken)
+        budget = self.pacer.budget(decoding) if decoding else max(self.max_prefill_tokens, IDLE_PREFILL_TOKENS)
         for work in taken:
             want = work.tokens.shape[0] - work.fed
             take = 1 if want == 1 else min(want, budget)
@@ -357,6 +393,8 @@ class EngineLoop:
                 self._solo(work, count)
             return
         self.steps += 1
+        rows = sum(1 for work, _ in ready if work.tokens.shape[0] - work.fed == 1)  # single-token members
+        self.pacer.observe(rows, sum(counts) - rows, took)
         self._observe("step" if min(counts) == 1 else "prefill", len(ready), took)
         self._stepped(ready, logits)
 
@@ -451,4 +489,5 @@ class LoopDecoder:
         return getattr(self._model, name)
 
 
-__all__ = ["GATHER_S", "IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "EngineLoop", "LoopDecoder"]
+__all__ = ["GATHER_S", "IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "EngineLoop", "LoopDecoder",
+           "PrefillPacer"]

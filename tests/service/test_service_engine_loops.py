@@ -7,6 +7,7 @@ step), a failed one ending only its own turn, its step undone; a job's own commi
 thread while the loop steps the others on; prompts are admitted in chunks beside running streams."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from kernels.errors import FormatError
-from sessionstore.service.engine_loop import MAX_PREFILL_TOKENS, EngineLoop
+from sessionstore.service.engine_loop import MAX_PREFILL_TOKENS, EngineLoop, PrefillPacer
 from sessionstore.service.group_commit import GroupCommit
 from sessionstore.sessions.turns import decode_loop, drive_inline
 
@@ -412,3 +413,43 @@ def test_a_caller_outside_the_jobs_gets_its_logits_or_its_own_error() -> None:
         assert loop.forward(np.array([5], np.int32), SimpleNamespace(id=2))[0, 0] == 2.0  # still serving
     finally:
         loop.stop()
+
+
+def test_the_prefill_pacer_sizes_chunks_to_keep_a_step_within_its_ratio_of_a_decode_step() -> None:
+    pacer = PrefillPacer(cap=32, ratio=3.0)
+    assert pacer.budget(4) == 32  # nothing measured yet: the cap
+    pacer.observe(4, 0, 0.012)  # a decode-only step of 4 sessions: 3 ms a session
+    pacer.observe(4, 32, 0.060)  # 4 sessions and 32 prompt tokens: (60 - 12) / 32 = 1.5 ms a token
+    assert pacer.budget(4) == 16  # (3 - 1) x 12 ms of room / 1.5 ms
+    assert pacer.budget(1) == 4
+    pacer.observe(4, 16, 0.012 + 16 * 0.010)  # deep into a long prompt a token costs more
+    assert 1 <= pacer.budget(4) < 16
+    assert PrefillPacer(cap=8).budget(64) == 8 and PrefillPacer(cap=8, ratio=3.0).budget(1) == 8
+    slow = PrefillPacer(cap=32)
+    slow.observe(1, 0, 0.001)
+    slow.observe(0, 10, 10.0)  # a prompt token far dearer than a decode row: still one token a step
+    assert slow.budget(1) == 1
+
+
+def test_chunks_beside_running_loops_follow_the_pacer() -> None:
+    """With the loops' steps measured, the chunks beside them are the pacer's budget, not the cap."""
+    prompt_len = 64
+    asked: list[Any] = []
+
+    class _Timed(_CountsModel):
+        def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+            time.sleep(0.001 * len(caches) + 0.002 * (sum(counts) - len(caches)))  # a prompt token: 2x a row
+            return super().step(caches, tokens, counts)
+
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 0 and position == 20:
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+
+    model = _Timed()
+    _run_turns(2, 120, on_step, model)
+    assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
+    beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]
+    assert sum(beside) == prompt_len and min(beside) >= 1
+    # paced once measured: (3 - 1) x 2 rows x 1 ms / ~2 ms = about 2 tokens a step, not the cap of
+    # 32 (the median: a loaded machine's late wake-ups stretch a step's sleep now and then)
+    assert statistics.median(beside[1:]) <= 8, beside
