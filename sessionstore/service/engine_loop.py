@@ -56,7 +56,7 @@ GATHER_S = 0.004  # how long an idle loop woken by a job waits for the jobs arri
 MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
 IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
 IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off)
-PREFILL_STEP_RATIO = 3.0  # a step carrying prompt chunks beside decoding sessions is sized to take at
+PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions is sized to take at
 # most this many times their decode-only step (so a running stream's longest gap stays near it)
 
 Resume = Callable[[], Any]  # what a parked job is switched back with: returns its value or raises its error
@@ -106,14 +106,14 @@ class PrefillPacer:
     SMOOTH = 0.3  # weight of the newest measurement in the running estimates
 
     def __init__(self, cap: int, ratio: float = PREFILL_STEP_RATIO) -> None:
-        self.cap, self.ratio = cap, ratio
+        self.cap, self.ratio = cap, ratio  # ratio 0: no pacing, the cap alone
         self.decode_row_s: float | None = None  # a decode-only step's seconds per session
         self.prompt_token_s: float | None = None  # seconds per prompt token beside (or without) decoding
 
     def budget(self, decoding: int) -> int:
         """Prompt tokens for a step in which ``decoding`` sessions decode (>= 1)."""
-        if self.decode_row_s is None or not self.prompt_token_s:  # unmeasured, or too cheap to tell
-            return self.cap
+        if not self.ratio or self.decode_row_s is None or not self.prompt_token_s:  # off, unmeasured, or
+            return self.cap  # too cheap to tell
         room = (self.ratio - 1.0) * decoding * self.decode_row_s
         return max(1, min(self.cap, int(room / self.prompt_token_s)))
 
@@ -133,12 +133,12 @@ class EngineLoop:
     """The loop's thread, its jobs and its queue of forwards."""
 
     def __init__(self, model: Any, *, max_batch: int = 64, gather_s: float = GATHER_S,
-                 max_prefill_tokens: int = MAX_PREFILL_TOKENS,
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS, prefill_step_ratio: float = PREFILL_STEP_RATIO,
                  on_forward: Callable[[str, int, float], None] | None = None) -> None:
         self.model = model
         self.max_batch, self.gather_s = max_batch, gather_s
         self.max_prefill_tokens = max_prefill_tokens
-        self.pacer = PrefillPacer(max_prefill_tokens)
+        self.pacer = PrefillPacer(max_prefill_tokens, prefill_step_ratio)
         self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
         self.steps = 0
         self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass

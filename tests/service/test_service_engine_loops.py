@@ -453,3 +453,10 @@ def test_chunks_beside_running_loops_follow_the_pacer() -> None:
     # paced once measured: (3 - 1) x 2 rows x 1 ms / ~2 ms = about 2 tokens a step, not the cap of
     # 32 (the median: a loaded machine's late wake-ups stretch a step's sleep now and then)
     assert statistics.median(beside[1:]) <= 8, beside
+
+
+def test_a_pacer_with_ratio_zero_always_gives_the_cap() -> None:
+    pacer = PrefillPacer(cap=4096, ratio=0)
+    pacer.observe(4, 0, 0.012)
+    pacer.observe(4, 32, 0.060)
+    assert pacer.budget(4) == 4096  # off: the prompt in one piece beside the streams

@@ -93,6 +93,10 @@ def test_limits_are_checked() -> None:
         ServiceLimits(max_resident=0)
     with pytest.raises(ValueError):
         ServiceLimits(default_max_tokens=10, max_tokens=5)
+    assert ServiceLimits(prefill_step_ratio=0).prefill_step_ratio == 0  # 0: no pacing, the cap alone
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="prefill_step_ratio must be an integer >= 0"):
+            ServiceLimits(prefill_step_ratio=bad)  # type: ignore[arg-type]
 
 
 def test_errors_map_to_statuses() -> None:
