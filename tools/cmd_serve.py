@@ -49,6 +49,10 @@ def register(subparsers: Any) -> None:
                    help="prompt tokens one engine step carries beside the running streams' decode tokens "
                         f"(default {ServiceLimits.max_prefill_tokens}): a long prompt is admitted over several "
                         "steps while the others keep streaming; tokens are the same for any value")
+    p.add_argument("--prefill-step-ratio", type=int, default=ServiceLimits.prefill_step_ratio, metavar="R",
+                   help="beside running streams, a step's prompt chunk is sized (from the steps measured) to "
+                        f"take at most R decode-only steps (default {ServiceLimits.prefill_step_ratio}; at most "
+                        "--max-prefill-tokens tokens); 0: no pacing, always --max-prefill-tokens")
     p.add_argument("--read-timeout", type=int, default=ServiceLimits.read_timeout_s, metavar="S",
                    help=f"seconds a client may take to send a request's headers, a JSON body whole, or any gap "
                         f"in a body (default {ServiceLimits.read_timeout_s}); past it the request is cut (408)")
@@ -119,6 +123,8 @@ def run_http(args: argparse.Namespace) -> int:
         raise FormatError("--http needs --model (a checkpoint directory, 'tiny' or 'glm-mini')")
     if args.max_resident < 1 or args.commit_every < 1 or args.max_prefill_tokens < 1 or args.read_timeout < 1:
         raise FormatError("--max-resident, --commit-every, --max-prefill-tokens and --read-timeout must be >= 1")
+    if args.prefill_step_ratio < 0:
+        raise FormatError("--prefill-step-ratio must be >= 0")
     if (args.max_kv_bytes is not None and args.max_kv_bytes < 1) or args.max_bundle_bytes < 1:
         raise FormatError("--max-kv-bytes and --max-bundle-bytes must be >= 1")
     if args.max_disk_bytes is not None and args.max_disk_bytes < 1:
@@ -142,6 +148,7 @@ def run_http(args: argparse.Namespace) -> int:
     config = ServeConfig(root=args.root, model=args.model, host=host, port=port, kv_dtype=args.kv, api_key=api_key,
                          limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes,
                                               max_prefill_tokens=args.max_prefill_tokens,
+                                              prefill_step_ratio=args.prefill_step_ratio,
                                               read_timeout_s=args.read_timeout),
                          max_kv_bytes=args.max_kv_bytes,
                          session_options={"commit_every": args.commit_every,

@@ -68,7 +68,7 @@ class ShipReport:
 
 
 class TurnShipper:
-    """The chains of the sessions this host ships; one call at a time (the engine's baton)."""
+    """The chains of the sessions this host ships; one call at a time (the engine loop's jobs)."""
 
     def __init__(self, remote: RemoteStore) -> None:
         self.remote = remote

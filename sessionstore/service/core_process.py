@@ -4,11 +4,13 @@ leases, and answers requests that arrive as data (:mod:`sessionstore.service.ipc
 
 It reads its :class:`~sessionstore.service.ipc.CoreConfig` (JSON) on stdin, builds the
 :class:`Engine`, connects to the API process's two sockets and prints one JSON line on stdout:
-``Ready`` or ``StartFailed``. Then its main thread receives requests and hands them to the engine;
+``Ready`` or ``StartFailed``. Then its main thread receives requests and hands them to the engine
+loop as jobs (:mod:`sessionstore.service.engine_loop`);
 one sender thread sends the engine's events back, every event queued meanwhile in one message.
 
 It stops (commit and suspend every session, exit 0) on ``Drain(shutdown=True)``, on SIGTERM, and
-when its parent is gone (the kernel's parent-death signal on Linux, and a check of the parent's pid
+when its parent is gone; should the engine loop's thread die (a bug), it exits 1 and its API
+process starts a new core (the kernel's parent-death signal on Linux, and a check of the parent's pid
 every poll, so a SIGKILLed API process leaves no orphan core). SIGINT is ignored: a terminal's
 Ctrl-C reaches the API process, which drains the core itself.
 """
@@ -300,6 +302,9 @@ def main() -> int:
     poller.register(requests, zmq.POLLIN)
     try:
         while not stop.is_set() and os.getppid() == config.parent_pid:
+            if not engine.loop.thread.is_alive():  # a bug in the loop: end, the API process starts a new core
+                log.critical("core.loop_died")
+                return 1
             if not poller.poll(POLL_MS):
                 continue
             data = requests.recv()

@@ -1,15 +1,15 @@
-"""The engine: the decoder and every open session, driven by one piece of work at a time (the
-holder of the :class:`DecoderBaton`); handlers queue work here and stream what comes back.
+"""The engine: the decoder and every open session, owned by the engine loop
+(:mod:`sessionstore.service.engine_loop`), and what a request may ask of them.
 
-Each request's work runs in a thread of its own and touches sessions only while it holds the
-baton; none of them runs the model: the engine thread batches every waiting session's forward into
-one step, runs each turn's decode loop between steps, and admits long prompts in chunks beside them
-(:mod:`sessionstore.service.batcher`). Two requests on one
-session never interleave: while a session has work queued or running, another request on it is
-refused with 409 (:meth:`Engine.claim`). Past ``max_resident`` resident sessions (or
-``max_kv_bytes``) the least recently used idle one is suspended (commit, release memory and
-lock); its next request resumes it token-exact. Shutdown cuts every running turn at its next
-token, waits for the work in flight, then commits and suspends every session.
+A request's work (a turn, a session operation) is a job the loop runs on its own thread: the jobs
+run one at a time and touch the sessions without a lock; the loop batches every waiting session's
+forward into one step, runs each turn's decode loop between steps, and admits long prompts in
+chunks beside them. Two requests on one session never interleave: while a session has work queued
+or running, another request on it is refused with 409 (:meth:`Engine.claim`). Past
+``max_resident`` resident sessions (or ``max_kv_bytes``) the least recently used idle one is
+suspended (commit, release memory and lock); its next request resumes it token-exact. Shutdown
+cuts every running turn at its next token, waits for the jobs in flight, then commits and suspends
+every session.
 """
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ from typing import Any
 
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
-from sessionstore.service.batcher import BatchingDecoder, StepBatcher
+from sessionstore.service.engine_loop import EngineLoop, LoopDecoder
 from sessionstore.service.errors import ApiError
 from sessionstore.service.fencing import FencedSessions
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import EngineMetrics
-from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.sessions import Session, SessionStore, validate_session_id
 from sessionstore.sessions.conversation import read_record, write_record
@@ -35,8 +34,8 @@ log = get_logger("service")
 
 
 class Engine:
-    """The work in flight (a thread per request, each holding the baton in turn), the decoder behind
-    the step batcher, the open sessions and the residency limits."""
+    """The engine loop (every request's work a job on its thread), the decoder behind it, the open
+    sessions and the residency limits."""
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
@@ -48,72 +47,54 @@ class Engine:
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or EngineMetrics()
-        self.baton = DecoderBaton()
         decoder, self.model_ref = store.load_model(model_source)
-        self.batcher = StepBatcher(decoder, self.baton, max_batch=self.limits.max_batch,
-                                   max_prefill_tokens=self.limits.max_prefill_tokens,
-                                   on_forward=self.metrics.observe_forward)
-        self.model = BatchingDecoder(decoder, self.batcher)
-        store.adopt_model(model_source, self.model)  # the store's sessions decode through the engine thread
+        self.loop = EngineLoop(decoder, max_batch=self.limits.max_batch,
+                               max_prefill_tokens=self.limits.max_prefill_tokens,
+                               prefill_step_ratio=self.limits.prefill_step_ratio,
+                               on_forward=self.metrics.observe_forward)
+        self.model = LoopDecoder(decoder, self.loop)
+        store.adopt_model(model_source, self.model)  # the store's sessions decode through the loop
         self.kv_dtype = kv_dtype
         self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens,
-                                 drive=self.batcher.drive_decode)
+                                 drive=self.loop.drive_decode)
         # lazy_logits: a request that feeds tokens resumes without recomputing the last position
         # when the sidecar vouched for every record (FORMAT.md 5.5); one that continues checks it then
-        self.options = {"lazy_logits": True, "commit_runner": self.batcher.run_commit,
-                        "decode_driver": self.batcher.drive_decode, **(session_options or {})}
+        self.options = {"lazy_logits": True, "commit_runner": self.loop.run_commit,
+                        "decode_driver": self.loop.drive_decode, **(session_options or {})}
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
-        self._sessions: dict[str, Session] = {}  # touched only by the baton's holder
+        self._sessions: dict[str, Session] = {}  # touched only by the loop's jobs
         self._busy: set[str] = set()
-        self._workers: set[threading.Thread] = set()
-        self._lock = threading.Lock()  # the busy set and the workers
+        self._lock = threading.Lock()  # the busy set
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
-                                   lambda: self.batcher.steps)
+                                   lambda: self.loop.steps)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
-        """Run ``fn`` holding the decoder (and ``session``, refused with 409 while busy); its future."""
+        """Run ``fn`` as a job on the loop (holding ``session``, refused with 409 while busy); its
+        future. The session is free again BEFORE the outcome is delivered, so a client that waits
+        for its reply and asks again is never refused."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
-        with self._lock:
-            if turn and len(self._workers) >= self.limits.max_queued_turns:
-                raise ApiError(503, f"{len(self._workers)} requests are in flight; try again later", code="busy")
+        queued = self.loop.in_flight()
+        if turn and queued >= self.limits.max_queued_turns:
+            raise ApiError(503, f"{queued} requests are in flight; try again later", code="busy")
         if session is not None:
             self.claim(session)
-        fut: Future[Any] = Future()
-        worker = threading.Thread(target=self._work, args=(fn, fut, session), name="coli-turn", daemon=True)
-        with self._lock:
-            self._workers.add(worker)
-        worker.start()
-        return fut
 
-    def _work(self, fn: Callable[[], Any], fut: Future[Any], session: str | None) -> None:
-        """Run ``fn`` holding the decoder; the session is free again BEFORE its outcome is
-        delivered, so a client that waits for its reply and asks again is never refused."""
-        result: Any = None
-        error: BaseException | None = None
+        def job() -> Any:
+            try:
+                return fn()
+            finally:
+                self.release(session)
+
         try:
-            with self.baton.held():
-                if not fut.set_running_or_notify_cancel():
-                    return
-                self.batcher.turn_started()
-                try:
-                    result = fn()
-                except BaseException as exc:  # handed to the waiting handler
-                    error = exc
-                finally:
-                    self.batcher.turn_ended()
-        finally:
+            return self.loop.submit(job)
+        except RuntimeError:  # the loop has stopped
             self.release(session)
-            with self._lock:
-                self._workers.discard(threading.current_thread())
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
+            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
 
     def at_token(self) -> bool:
         """A turn's token boundary: True once the server stops (the turn then ends and commits)."""
@@ -133,28 +114,27 @@ class Engine:
                 self._busy.discard(session_id)
 
     def stop(self) -> None:
-        """Refuse new work, cut running turns at their next token, wait for the work in flight,
-        then commit and suspend every open session."""
+        """Refuse new work, cut running turns at their next token, wait for the jobs in flight,
+        then commit and suspend every open session (a last job) and stop the loop."""
         self.stopping.set()
-        while True:
-            with self._lock:
-                workers = list(self._workers)
-            if not workers:
-                break
-            for worker in workers:
-                worker.join()
-        with self.baton.held():
-            for session in list(self._sessions.values()):
-                try:
-                    session.close()
-                except Exception as exc:  # one session's failure must not keep the others uncommitted
-                    log.error("service.close_failed", id=session.id, error=str(exc))
-            self._sessions.clear()
-            if self.home is not None:  # fleet hook: push back every session still checked out
-                self.home.close()
-        self.batcher.stop()
+        self.loop.wait_idle()
+        if self.loop.thread.is_alive():
+            self.loop.submit(self._close_all).result()
+        else:
+            log.error("service.engine_loop_gone", sessions=len(self._sessions))
+        self.loop.stop()
 
-    # ---- sessions (the baton's holder) ------------------------------------------------------------
+    def _close_all(self) -> None:
+        for session in list(self._sessions.values()):
+            try:
+                session.close()
+            except Exception as exc:  # one session's failure must not keep the others uncommitted
+                log.error("service.close_failed", id=session.id, error=str(exc))
+        self._sessions.clear()
+        if self.home is not None:  # fleet hook: push back every session still checked out
+            self.home.close()
+
+    # ---- sessions (the loop's jobs) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
         """The open session ``session_id``, resident (created if absent and ``create``)."""
         session = self._sessions.get(session_id)
@@ -211,7 +191,7 @@ class Engine:
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
     def run_turn(self, spec: TurnSpec, sink: TurnSink) -> TurnOutcome:
-        """One turn (the baton's holder): on its session, or stateless."""
+        """One turn (a job on the loop): on its session, or stateless."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         t0 = time.perf_counter()
@@ -269,7 +249,7 @@ class Engine:
         self.store.delete(session_id)
         self.last_use.pop(session_id, None)
 
-    # ---- session operations (the baton's holder) -----------------------------------------------------
+    # ---- session operations (the loop's jobs) -----------------------------------------------------
     def suspend(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
         if session is None and not self.store.exists(session_id):

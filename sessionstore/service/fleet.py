@@ -18,8 +18,8 @@ s3://bucket/prefix``, FORMAT.md 6.4 and 7): the fleet, not the local store, is e
 A resident session whose lease was lost (another host took it over after it expired, or the
 store stayed unreachable past the TTL) is dropped uncommitted at its next request, which then
 checks the session out afresh: 409 while the new owner holds it live, 503 while the store cannot
-be reached, else the fleet's copy is pulled (never pushed over). Every method runs on the
-engine's baton holder, one at a time; the listing (:meth:`SessionHome.listing`) may run beside.
+be reached, else the fleet's copy is pulled (never pushed over). Every method runs as a job
+on the engine loop, one at a time; the listing (:meth:`SessionHome.listing`) may run beside.
 """
 from __future__ import annotations
 

@@ -22,12 +22,14 @@ class ServiceLimits:
     max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended
     max_batch: int = 64  # sessions one decode step advances together
     max_prefill_tokens: int = 32  # prompt tokens one step carries beside the decode tokens (chunked prefill)
+    prefill_step_ratio: int = 3  # such a step is sized to take at most this many decode-only steps; 0: off
     read_timeout_s: int = 30  # a request's headers, a JSON body whole, a gap in any body: past it, cut (408)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"service limit {name} must be an integer >= 1, found {value!r}")
+            least = 0 if name == "prefill_step_ratio" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"service limit {name} must be an integer >= {least}, found {value!r}")
         if self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must not exceed max_tokens")
 

@@ -13,7 +13,7 @@ store. :class:`TierManager` acts on the plan of :mod:`sessionstore.sessions.tier
 - a request's ``retention_seconds`` / ``pinned`` (or ``PATCH /v1/sessions/{id}``) are written to
   the tier record.
 
-Every method runs on the engine's baton holder (a turn's, or the sweeper's work); a session
+Every method runs as a job on the engine loop (a turn's, or the sweeper's work); a session
 another request holds is skipped (:meth:`Engine.claim`). :class:`Sweeper` runs :meth:`sweep`
 every ``interval`` seconds.
 """
@@ -90,7 +90,7 @@ class TierManager:
         self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)
         self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
 
-    # ---- a turn's hooks (the baton's holder) --------------------------------------------------
+    # ---- a turn's hooks (its job on the loop) --------------------------------------------------
     def before_turn(self, spec: TurnSpec) -> None:
         """Make room on the disk for the turn on ``spec.session`` (507 when it cannot be made)
         and restore the session when it is offloaded."""
@@ -205,8 +205,8 @@ class TierManager:
 
     # ---- one session ------------------------------------------------------------------------------
     def _idle(self, sid: str) -> bool:
-        """Whether no request holds ``sid`` now. It is not kept claimed: this runs holding the
-        engine's baton, so a request that claims it meanwhile runs after this (and restores it),
+        """Whether no request holds ``sid`` now. It is not kept claimed: this runs as a job on the
+        engine loop, so a request that claims it meanwhile runs after this (and restores it),
         never beside it, and is never refused for it."""
         try:
             self.engine.claim(sid)

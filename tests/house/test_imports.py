@@ -41,7 +41,7 @@ EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheu
 # (http/, engine/, fleet/) by the engine-core work, and these imports follow the names there. The
 # list may only shrink: a breach not listed fails, and so does a listed one that is gone.
 KNOWN_SURFACE_BREACHES = frozenset({
-    "sessionstore.service.batcher imports sessionstore.sessions.turns",
+    "sessionstore.service.engine_loop imports sessionstore.sessions.turns",
     "sessionstore.service.bundle_pull imports sessionstore.migration.migrate",
     "sessionstore.service.bundle_upload imports sessionstore.migration.migrate",
     "sessionstore.service.bundles imports sessionstore.migration.exporting",

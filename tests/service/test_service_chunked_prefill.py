@@ -81,7 +81,8 @@ def _together(server: ServerProc, prefix: str) -> tuple[dict[str, list[int]], fl
 
 
 def test_a_long_prompt_is_admitted_in_chunks_beside_16_streams_exactly(tmp_path: Path) -> None:
-    with ServerProc(tmp_path / "whole", "glm-mini", "--max-prefill-tokens", "4096") as server:
+    with ServerProc(tmp_path / "whole", "glm-mini", "--max-prefill-tokens", "4096", "--prefill-step-ratio", "0") \
+            as server:
         model = str(server.get("/v1/models").json()["data"][0]["id"])
         short, long_body = _plans(model)
         solo = {b["session"]: _stream(server, {**b, "session": "solo-" + b["session"]}, [])

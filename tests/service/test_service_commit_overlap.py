@@ -46,7 +46,7 @@ def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_contin
     store = SessionStore(tmp_path)
     engine = Engine(store, MODEL, session_options={"commit_every": COMMIT_EVERY})
     sampler = Sampler()
-    want = reference_turns(engine.batcher.model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
+    want = reference_turns(engine.loop.model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
     seen = _failing_second_commit_of(monkeypatch, "a")
 
     specs = {sid: TurnSpec("completion", sid, prompt=list(PROMPT), max_tokens=MAX_NEW, ignore_eos=True)
@@ -58,8 +58,7 @@ def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_contin
     assert futures["b"].result(timeout=120).tokens == want  # shared the steps, untouched
     assert len(seen) == 2
 
-    with engine.baton.held():
-        session, _ = engine.open_session("a", create=False)  # still resident: its state after the failure
+    session, _ = engine.submit(lambda: engine.open_session("a", create=False)).result()  # still resident
     cache = session.cache
     assert cache is not None
     fed = cache.length - len(PROMPT)  # tokens sampled and fed before the failed commit's turn ended

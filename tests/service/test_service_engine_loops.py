@@ -1,22 +1,30 @@
-"""The engine thread runs each turn's decode loop between its batched steps: the tokens are the
-ones the loop gives run inline, the turn's thread is woken once per loop, not once per token, and
-the mid-turn commits that loops ask for in one pass start together and run beside the next step (their
-waits overlap each other and the step), a failed one ending only its own turn, its step undone."""
+"""The engine loop (:mod:`sessionstore.service.engine_loop`): every request's work is a job, a
+greenlet on the loop's one thread, never a thread of its own. The loop runs each turn's decode loop
+between its batched steps itself (the tokens are the ones the decode loop gives run inline, and the
+job runs on once per decode loop, not once per token); the mid-turn commits that decode loops ask
+for in one pass start together and run beside the next step (their waits overlap each other and the
+step), a failed one ending only its own turn, its step undone; a job's own commit runs on an I/O
+thread while the loop steps the others on; prompts are admitted in chunks beside running streams."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
+import greenlet
 import numpy as np
+import pytest
 
-from sessionstore.service.batcher import MAX_PREFILL_TOKENS, StepBatcher
+from kernels.errors import FormatError
+from sessionstore.service.engine_loop import MAX_PREFILL_TOKENS, EngineLoop, PrefillPacer
 from sessionstore.service.group_commit import GroupCommit
-from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.sessions.turns import decode_loop, drive_inline
 
 VOCAB = 11
+GATHER_S = 0.3  # the tests' jobs are all submitted well within it: they start together
 
 
 class _Cache:
@@ -62,16 +70,6 @@ class _ChainModel:
         return np.stack(rows)  # [B, V] f32
 
 
-class _CountingBaton(DecoderBaton):
-    def __init__(self) -> None:
-        super().__init__()
-        self.admits = 0
-
-    def admit(self, ticket: Any) -> None:
-        self.admits += 1
-        super().admit(ticket)
-
-
 def _greedy(logits: np.ndarray, position: int) -> int:
     return int(np.argmax(logits))
 
@@ -82,39 +80,54 @@ def _start(i: int) -> np.ndarray:
     return row
 
 
-OnStep = Callable[[StepBatcher, int, int, int, np.ndarray], None]  # (batcher, turn, token, position, logits)
+OnStep = Callable[[EngineLoop, int, int, int, np.ndarray], None]  # (loop, turn, token, position, logits)
 
 
-def _run_turns(n: int, max_new: int, on_step: OnStep | None = None,
-               model: _ChainModel | None = None) -> tuple[dict[int, Any], _ChainModel, _CountingBaton, list[_Cache]]:
-    """``n`` turns in threads, each driving a decode loop through one batcher; their outcomes
-    (the loop's end, or the error it raised), and their caches."""
-    model, baton = model or _ChainModel(), _CountingBaton()
-    batcher = StepBatcher(model, baton, gather_s=5.0)  # each step waits for every turn in flight
+class _Switches:
+    """Counts, on the loop's thread, how often the loop switched back into each job after its
+    start (greenlet's trace hook, installed by the first job to start)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[Any, int] = {}  # a job's greenlet -> its turn
+        self.ran_on: dict[int, int] = {}
+
+    def install(self) -> None:
+        if greenlet.gettrace() is None:
+            greenlet.settrace(self._trace)
+
+    def _trace(self, event: str, args: Any) -> None:
+        if event in ("switch", "throw") and args[1] in self.jobs:
+            turn = self.jobs[args[1]]
+            self.ran_on[turn] = self.ran_on.get(turn, 0) + 1
+
+
+def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _ChainModel | None = None,
+               ) -> tuple[dict[int, Any], _ChainModel, list[_Cache], _Switches]:
+    """``n`` turns as jobs on one loop, each driving a decode loop; their outcomes (the decode
+    loop's end, or the error it raised), their caches, and the switches into the jobs."""
+    model = model or _ChainModel()
+    loop = EngineLoop(model, gather_s=GATHER_S)
     outcomes: dict[int, Any] = {}
     caches = [_Cache(i) for i in range(n)]
-    for _ in range(n):
-        batcher.turn_started()
+    switches = _Switches()
 
     def turn(i: int) -> None:
+        switches.jobs[greenlet.getcurrent()] = i
+        switches.install()
         cache = caches[i]
-        step = None if on_step is None else (lambda tok, pos, lg: on_step(batcher, i, tok, pos, lg))
-        loop = decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, step)
-        with baton.held():
-            try:
-                outcomes[i] = batcher.drive_decode(loop, cache)
-            except Exception as exc:  # the test reads it
-                outcomes[i] = exc
-            assert baton.held_by_me()  # woken holding the baton
-        batcher.turn_ended()
+        step = None if on_step is None else (lambda tok, pos, lg: on_step(loop, i, tok, pos, lg))
+        decode = decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, step)
+        try:
+            outcomes[i] = loop.drive_decode(decode, cache)
+        except Exception as exc:  # the test reads it
+            outcomes[i] = exc
 
-    threads = [threading.Thread(target=turn, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    batcher.stop()
-    return outcomes, model, baton, caches
+    futures = [loop.submit(lambda i=i: turn(i)) for i in range(n)]
+    for fut in futures:
+        fut.result(20)
+    loop.submit(lambda: greenlet.settrace(None)).result(5)
+    loop.stop()
+    return outcomes, model, caches, switches
 
 
 def _inline(i: int, max_new: int) -> list[int]:
@@ -124,24 +137,49 @@ def _inline(i: int, max_new: int) -> list[int]:
     return tokens
 
 
-def test_loops_run_on_the_engine_thread_give_the_inline_tokens_and_wake_each_turn_once() -> None:
-    threads_seen: dict[int, set[str]] = {}
+def test_loops_run_on_the_loop_itself_give_the_inline_tokens_and_run_each_job_on_once() -> None:
+    seen: dict[int, set[tuple[str, bool]]] = {}
 
-    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
-        if position > 0:  # the first sample is the turn's own, before its loop goes to the engine
-            threads_seen.setdefault(i, set()).add(threading.current_thread().name)
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if position > 0:  # the first sample is the job's own, before its decode loop goes to the loop
+            on_hub = greenlet.getcurrent().parent is None  # the loop's own greenlet, not the job's
+            seen.setdefault(i, set()).add((threading.current_thread().name, on_hub))
 
-    outcomes, model, baton, _ = _run_turns(3, 8, on_step)
+    outcomes, model, _, switches = _run_turns(3, 8, on_step)
     for i in range(3):
         tokens, _, eos = outcomes[i]
         assert tokens == _inline(i, 8) and not eos
-    assert threads_seen == {i: {"coli-engine"} for i in range(3)}
+    assert seen == {i: {("coli-engine", True)} for i in range(3)}
     assert model.batches == [3] * 7  # 8 tokens: 7 fed, every step shared by the three
-    assert baton.admits == 3  # one wake-up per turn, at its loop's end
+    assert switches.ran_on == {0: 1, 1: 1, 2: 1}  # each job ran on once, at its decode loop's end
+
+
+def test_jobs_run_on_the_loop_thread_not_a_thread_each() -> None:
+    model = _ChainModel()
+    loop = EngineLoop(model, gather_s=GATHER_S)
+    where: list[str] = []
+    before = threading.active_count()
+
+    def job(i: int) -> int:
+        where.append(threading.current_thread().name)
+        logits = loop.forward(np.asarray([i], np.int32), _Cache(i))
+        return int(np.argmax(logits))
+
+    try:
+        futures = [loop.submit(lambda i=i: job(i)) for i in range(16)]
+        outcomes = [fut.result(10) for fut in futures]
+        during = threading.active_count()
+    finally:
+        loop.stop()
+    assert where == ["coli-engine"] * 16 and during == before  # no thread was started for a job
+    assert outcomes == [int(np.argmax(_ChainModel().forward(np.asarray([i]), _Cache(i))[-1])) for i in range(16)]
+    assert model.batches == [16]  # the 16 jobs' forwards shared one step
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.submit(lambda: None)
 
 
 def test_a_loop_that_raises_ends_only_its_own_turn() -> None:
-    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
         if i == 1 and position == 3:
             raise RuntimeError("client went away")
 
@@ -150,17 +188,31 @@ def test_a_loop_that_raises_ends_only_its_own_turn() -> None:
     assert outcomes[0][0] == _inline(0, 6)
 
 
+def test_a_job_that_raises_hands_its_error_to_its_caller_and_the_loop_serves_on() -> None:
+    loop = EngineLoop(_ChainModel(), gather_s=0.0)
+    try:
+        def bad() -> None:
+            loop.forward(np.asarray([1], np.int32), _Cache(0))
+            raise ValueError("bad request")
+
+        with pytest.raises(ValueError, match="bad request"):
+            loop.submit(bad).result(5)
+        assert loop.submit(lambda: 7).result(5) == 7 and loop.in_flight() == 0
+    finally:
+        loop.stop()
+
+
 class _StepWatchingModel(_ChainModel):
     """Records, at each batched step, how many turns' commits are still running beside it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.batcher: StepBatcher | None = None
+        self.loop: EngineLoop | None = None
         self.beside: list[int] = []
 
     def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
-        assert self.batcher is not None
-        self.beside.append(self.batcher.commits.in_flight())
+        assert self.loop is not None
+        self.beside.append(self.loop.commits.in_flight())
         return super().step(caches, tokens, counts)
 
 
@@ -176,14 +228,14 @@ def test_commits_of_one_pass_run_together_beside_the_next_step_and_a_failure_end
             ran.append((i, position))
         return commit
 
-    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
-        model.batcher = batcher
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        model.loop = loop
         if position == 2:
-            batcher.run_commit(slow_commit(i, position))
+            loop.run_commit(slow_commit(i, position))
 
     t0 = time.perf_counter()
-    outcomes, _, _, caches = _run_turns(3, 5, on_step, model)
-    took = time.perf_counter() - t0
+    outcomes, _, caches, _ = _run_turns(3, 5, on_step, model)
+    took = time.perf_counter() - t0 - GATHER_S
     assert isinstance(outcomes[2], OSError) and "disk full" in str(outcomes[2])
     assert outcomes[0][0] == _inline(0, 5) and outcomes[1][0] == _inline(1, 5)
     assert sorted(ran) == [(0, 2), (1, 2)]
@@ -195,26 +247,25 @@ def test_commits_of_one_pass_run_together_beside_the_next_step_and_a_failure_end
     assert caches[0].length == caches[1].length == 4
 
 
-def test_a_loop_that_ends_in_the_pass_of_its_commit_wakes_its_turn_after_the_commit() -> None:
+def test_a_loop_that_ends_in_the_pass_of_its_commit_runs_its_job_on_after_the_commit() -> None:
     done: list[str] = []
+    loop = EngineLoop(_ChainModel(), gather_s=0.0)
 
-    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
-        if position == 3:  # the last token (max_new 4): the loop ends in this pass
-            batcher.run_commit(lambda: (time.sleep(0.2), done.append(f"commit {i}")))
+    def job() -> list[int]:
+        cache = _Cache(0)
+        decode = decode_loop(cache, _start(0), 4, _greedy, frozenset(), None,
+                             lambda tok, pos, lg: pos == 3 and loop.run_commit(  # the last token: ends in this pass
+                                 lambda: (time.sleep(0.2), done.append("commit 0"))))
+        tokens, _, _ = loop.drive_decode(decode, cache)
+        done.append("ran on")
+        return tokens
 
-    model, baton = _ChainModel(), DecoderBaton()
-    batcher = StepBatcher(model, baton, gather_s=5.0)
-    batcher.turn_started()
-    cache = _Cache(0)
-    loop = decode_loop(cache, _start(0), 4, _greedy, frozenset(), None,
-                       lambda tok, pos, lg: on_step(batcher, 0, tok, pos, lg))
-    with baton.held():
-        tokens, _, _ = batcher.drive_decode(loop, cache)
-        done.append("woken")
-    batcher.turn_ended()
-    batcher.stop()
+    try:
+        tokens = loop.submit(job).result(10)
+    finally:
+        loop.stop()
     assert tokens == _inline(0, 4)
-    assert done == ["commit 0", "woken"]
+    assert done == ["commit 0", "ran on"]
 
 
 def test_group_commit_outside_a_pass_does_not_put_off() -> None:
@@ -234,41 +285,37 @@ def test_group_commit_outside_a_pass_does_not_put_off() -> None:
     group.close()
 
 
-def test_a_turn_commits_its_end_without_the_baton_and_the_others_step_on() -> None:
-    """Turn 0's loop ends early and it commits on its own thread (slowly); turn 1 keeps stepping
-    meanwhile: the baton is not held during that commit, nor is turn 0 waited for by the steps
-    (with a 5 s gather, one step waiting for it would take 5 s)."""
-    model, baton = _ChainModel(), DecoderBaton()
-    batcher = StepBatcher(model, baton, gather_s=5.0)
+def test_a_job_commits_on_an_io_thread_and_the_others_step_on() -> None:
+    """Turn 0's decode loop ends early and its job commits (slowly): the commit runs on an I/O
+    thread while turn 1 keeps stepping; turn 0's job runs on after it."""
+    loop = EngineLoop(_ChainModel(), gather_s=GATHER_S)
     ended: dict[str, float] = {}
-    outcomes: dict[int, Any] = {}
+    committed_on: list[str] = []
 
     def slow_commit() -> None:
+        committed_on.append(threading.current_thread().name)
         time.sleep(1.0)
         ended["commit"] = time.perf_counter()
 
-    def turn(i: int, max_new: int) -> None:
+    def turn(i: int, max_new: int) -> list[int]:
         cache = _Cache(i)
-        loop = decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, None)
-        with baton.held():
-            outcomes[i] = batcher.drive_decode(loop, cache)
-            if i == 0:
-                batcher.run_commit(slow_commit)
-                assert baton.held_by_me()  # the turn holds the baton again after its commit
-            ended[f"turn {i}"] = time.perf_counter()
-        batcher.turn_ended()
+        tokens, _, _ = loop.drive_decode(decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, None),
+                                         cache)
+        if i == 0:
+            loop.run_commit(slow_commit)
+            assert threading.current_thread().name == "coli-engine"  # back on the loop, after the commit
+        ended[f"turn {i}"] = time.perf_counter()
+        return tokens
 
-    for _ in range(2):
-        batcher.turn_started()
-    threads = [threading.Thread(target=turn, args=(0, 3)), threading.Thread(target=turn, args=(1, 12))]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    batcher.stop()
-    assert outcomes[0][0] == _inline(0, 3) and outcomes[1][0] == _inline(1, 12)
-    assert ended["turn 1"] < ended["commit"], "turn 1 waited for turn 0's commit"
+    try:
+        futures = [loop.submit(lambda: turn(0, 3)), loop.submit(lambda: turn(1, 12))]
+        outcomes = [fut.result(30) for fut in futures]
+    finally:
+        loop.stop()
+    assert outcomes == [_inline(0, 3), _inline(1, 12)]
+    assert committed_on and committed_on[0].startswith("coli-engine-io")
+    assert ended["turn 1"] < ended["commit"] < ended["turn 0"], "turn 1 waited for turn 0's commit"
     assert time.perf_counter() - t0 < 4.0
 
 
@@ -281,7 +328,6 @@ class _CountsModel(_ChainModel):
 
     def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
         self.members.append([(c.id, n) for c, n in zip(caches, counts, strict=True)])
-        time.sleep(0.002)  # a step takes time, as a real one does: the prompt's thread is in long before the loops end
         return super().step(caches, tokens, counts)
 
 
@@ -292,31 +338,125 @@ def _prompt_alone(cache_id: int, n: int) -> np.ndarray:
 
 def test_a_prompt_is_admitted_in_chunks_beside_running_loops_and_alone_in_one_step() -> None:
     prompt_len = 100
-    got: dict[str, np.ndarray] = {}
-    asked: list[threading.Thread] = []
+    asked: list[Any] = []
 
-    def on_step(batcher: StepBatcher, i: int, token: int, position: int, logits: np.ndarray) -> None:
-        if i == 0 and position == 2:  # both loops are running: a prompt arrives
-            def ask() -> None:
-                got["prompt"] = batcher.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))
-            asked.append(threading.Thread(target=ask))
-            asked[0].start()
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 0 and position == 2:  # both decode loops are running: a prompt arrives
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
 
     model = _CountsModel()
     outcomes, _, _, _ = _run_turns(2, 200, on_step, model)  # long loops: still running once the prompt is in
-    asked[0].join(10)
     for i in range(2):
         assert outcomes[i][0] == _inline(i, 200)  # the loops' tokens are unchanged by the prompt beside them
-    assert np.array_equal(got["prompt"], _prompt_alone(9, prompt_len))
+    assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
     chunks = [dict(step)[9] for step in model.members if 9 in dict(step)]  # the prompt's, step by step
     beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]
     assert sum(chunks) == prompt_len and beside and max(beside) <= MAX_PREFILL_TOKENS
     assert sum(beside) == prompt_len  # the loops outlast it: every chunk shared a step with them
     alone = _CountsModel()
-    batcher = StepBatcher(alone, DecoderBaton())
+    loop = EngineLoop(alone, gather_s=0.0)
     try:
-        assert np.array_equal(batcher.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9)),
-                              _prompt_alone(9, prompt_len))
+        got = loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))).result(10)
     finally:
-        batcher.stop()
+        loop.stop()
+    assert np.array_equal(got, _prompt_alone(9, prompt_len))
     assert alone.members == [[(9, prompt_len)]]  # no one decoding: the whole prompt in one step
+
+
+class _CountingModel:
+    """A stand-in decoder: cache c's logits are [c.id] * V; records each step's batch size and
+    refuses token ids below 0."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        if np.any(np.asarray(tokens) < 0):
+            raise FormatError("token id -1 is outside the vocabulary")
+        return np.asarray(tokens, np.int32)
+
+    def check_room(self, cache: object, n: int) -> None:
+        return None
+
+    def forward(self, tokens: np.ndarray, cache: SimpleNamespace) -> np.ndarray:
+        return np.full((len(tokens), 4), float(cache.id), np.float32)
+
+    def step(self, caches: list[SimpleNamespace], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+        self.batches.append(len(caches))
+        return np.array([[float(c.id)] * 4 for c in caches], np.float32)
+
+
+def test_jobs_share_one_step_and_each_gets_its_own_row_or_its_own_error() -> None:
+    model = _CountingModel()
+    loop = EngineLoop(model, gather_s=GATHER_S)
+    try:
+        futures = [loop.submit(lambda i=i: float(loop.forward(np.array([i], np.int32), SimpleNamespace(id=i))[0, 0]))
+                   for i in range(4)]
+        bad = loop.submit(lambda: loop.forward(np.array([-1], np.int32), SimpleNamespace(id=9)))
+        assert [fut.result(10) for fut in futures] == [0.0, 1.0, 2.0, 3.0]
+        with pytest.raises(FormatError, match="outside the vocabulary"):
+            bad.result(10)
+    finally:
+        loop.stop()
+    assert model.batches == [4]  # the bad one was refused before the step, alone
+
+
+def test_a_caller_outside_the_jobs_gets_its_logits_or_its_own_error() -> None:
+    model = _CountingModel()
+    loop = EngineLoop(model, gather_s=0.0)
+    try:
+        assert loop.forward(np.array([5], np.int32), SimpleNamespace(id=7))[0, 0] == 7.0
+        assert loop.forward(np.array([1, 2], np.int32), SimpleNamespace(id=3)).shape == (1, 4)  # a prefill: its
+        # last position's logits
+        with pytest.raises(FormatError, match="outside the vocabulary"):
+            loop.forward(np.array([-1], np.int32), SimpleNamespace(id=1))
+        assert loop.forward(np.array([5], np.int32), SimpleNamespace(id=2))[0, 0] == 2.0  # still serving
+    finally:
+        loop.stop()
+
+
+def test_the_prefill_pacer_sizes_chunks_to_keep_a_step_within_its_ratio_of_a_decode_step() -> None:
+    pacer = PrefillPacer(cap=32, ratio=3.0)
+    assert pacer.budget(4) == 32  # nothing measured yet: the cap
+    pacer.observe(4, 0, 0.012)  # a decode-only step of 4 sessions: 3 ms a session
+    pacer.observe(4, 32, 0.060)  # 4 sessions and 32 prompt tokens: (60 - 12) / 32 = 1.5 ms a token
+    assert pacer.budget(4) == 16  # (3 - 1) x 12 ms of room / 1.5 ms
+    assert pacer.budget(1) == 4
+    pacer.observe(4, 16, 0.012 + 16 * 0.010)  # deep into a long prompt a token costs more
+    assert 1 <= pacer.budget(4) < 16
+    assert PrefillPacer(cap=8).budget(64) == 8 and PrefillPacer(cap=8, ratio=3.0).budget(1) == 8
+    slow = PrefillPacer(cap=32)
+    slow.observe(1, 0, 0.001)
+    slow.observe(0, 10, 10.0)  # a prompt token far dearer than a decode row: still one token a step
+    assert slow.budget(1) == 1
+
+
+def test_chunks_beside_running_loops_follow_the_pacer() -> None:
+    """With the loops' steps measured, the chunks beside them are the pacer's budget, not the cap."""
+    prompt_len = 64
+    asked: list[Any] = []
+
+    class _Timed(_CountsModel):
+        def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+            time.sleep(0.001 * len(caches) + 0.002 * (sum(counts) - len(caches)))  # a prompt token: 2x a row
+            return super().step(caches, tokens, counts)
+
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 0 and position == 20:
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+
+    model = _Timed()
+    _run_turns(2, 120, on_step, model)
+    assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
+    beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]
+    assert sum(beside) == prompt_len and min(beside) >= 1
+    # paced once measured: (3 - 1) x 2 rows x 1 ms / ~2 ms = about 2 tokens a step, not the cap of
+    # 32 (the median: a loaded machine's late wake-ups stretch a step's sleep now and then)
+    assert statistics.median(beside[1:]) <= 8, beside
+
+
+def test_a_pacer_with_ratio_zero_always_gives_the_cap() -> None:
+    pacer = PrefillPacer(cap=4096, ratio=0)
+    pacer.observe(4, 0, 0.012)
+    pacer.observe(4, 32, 0.060)
+    assert pacer.budget(4) == 4096  # off: the prompt in one piece beside the streams

@@ -1,20 +1,16 @@
 """In-process pieces of the service: stop strings over streamed text, the bind rule, the limits,
-the baton's arrival order, the error mapping, the engine thread's batching of parked turns."""
+the error mapping, the event loop's outbox."""
 from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
 from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback_host, parse_bind
-from sessionstore.service.batcher import StepBatcher
-from sessionstore.service.scheduler import DecoderBaton
 from sessionstore.service.streams import Event, LoopOutbox
 from sessionstore.sessions.output import OutputProcessor, StopStrings, TurnStop
 
@@ -97,6 +93,10 @@ def test_limits_are_checked() -> None:
         ServiceLimits(max_resident=0)
     with pytest.raises(ValueError):
         ServiceLimits(default_max_tokens=10, max_tokens=5)
+    assert ServiceLimits(prefill_step_ratio=0).prefill_step_ratio == 0  # 0: no pacing, the cap alone
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="prefill_step_ratio must be an integer >= 0"):
+            ServiceLimits(prefill_step_ratio=bad)  # type: ignore[arg-type]
 
 
 def test_errors_map_to_statuses() -> None:
@@ -107,66 +107,6 @@ def test_errors_map_to_statuses() -> None:
     assert api_error_of(FormatError("x")).status == 400
     body = api_error_of(RuntimeError("boom")).body()
     assert body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
-
-
-def test_baton_serves_in_arrival_order_and_only_its_holder_releases_it() -> None:
-    baton, order, refused = DecoderBaton(), [], []
-    baton.acquire()
-
-    def take(n: int) -> None:
-        with baton.held():
-            order.append(n)
-
-    threads = [threading.Thread(target=take, args=(n,)) for n in range(4)]
-    for n, t in enumerate(threads):
-        t.start()
-        while baton.waiting < n + 1:  # queued one after another
-            pass
-
-    def stranger() -> None:
-        try:
-            baton.release()
-        except AssertionError:
-            refused.append(True)
-
-    s = threading.Thread(target=stranger)
-    s.start()
-    s.join()
-    assert refused == [True] and baton.held_by_me()
-    baton.release()
-    for t in threads:
-        t.join()
-    assert order == [0, 1, 2, 3] and not baton.held_by_me()
-
-
-def test_a_parked_holder_wakes_only_when_admitted_and_then_holds_the_baton() -> None:
-    baton, events = DecoderBaton(), []
-    ready = threading.Event()
-    tickets: list = []
-
-    def turn(n: int) -> None:
-        with baton.held():
-            tickets.append(baton.park())  # lets go of the baton: the next turn may take it
-            if len(tickets) == 3:
-                ready.set()
-            baton.wait(tickets[n])
-            events.append((n, baton.held_by_me()))
-
-    threads = [threading.Thread(target=turn, args=(n,)) for n in range(3)]
-    for n, t in enumerate(threads):
-        t.start()
-        while len(tickets) < n + 1:  # parked one after another
-            pass
-    ready.wait(5)
-    assert events == [] and not baton.held_by_me()  # nobody holds it while all are parked
-    baton.acquire()  # a newcomer takes the free baton; admitted turns queue behind it
-    for n in (2, 0, 1):  # the engine admits them in the order their forwards finish
-        baton.admit(tickets[n])
-    assert events == []
-    baton.release()
-    for t in threads:
-        t.join(5)
-    assert events == [(2, True), (0, True), (1, True)] and baton.waiting == 0
 
 
 def test_loop_outbox_keeps_each_queues_order_and_wakes_the_loop_once_per_burst() -> None:
@@ -207,63 +147,3 @@ async def _queues(n: int) -> list[asyncio.Queue[Event]]:
 
 async def _drain_all(queues: list[asyncio.Queue[Event]], n: int) -> list[list[int]]:
     return [[(await q.get()).value for _ in range(n)] for q in queues]
-
-
-class _CountingModel:
-    """A stand-in decoder: cache c's logits are [c.id] * V; records each decode step's batch size
-    and refuses token ids below 0."""
-
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-
-    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        if np.any(np.asarray(tokens) < 0):
-            raise FormatError("token id -1 is outside the vocabulary")
-        return np.asarray(tokens, np.int32)
-
-    def check_room(self, cache: object, n: int) -> None:
-        return None
-
-    def forward(self, tokens: np.ndarray, cache: SimpleNamespace) -> np.ndarray:
-        return np.full((len(tokens), 4), float(cache.id), np.float32)
-
-    def step(self, caches: list[SimpleNamespace], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
-        self.batches.append(len(caches))
-        return np.array([[float(c.id)] * 4 for c in caches], np.float32)
-
-
-def test_turns_parked_on_the_baton_share_one_step_and_each_gets_its_own_row() -> None:
-    model, baton = _CountingModel(), DecoderBaton()
-    batcher = StepBatcher(model, baton, gather_s=5.0)  # the step waits for every turn in flight
-    got: dict[int, float] = {}
-    for _ in range(4):
-        batcher.turn_started()
-
-    def turn(i: int) -> None:
-        with baton.held():
-            logits = batcher.forward(np.array([i], np.int32), SimpleNamespace(id=i))
-            got[i] = float(logits[0, 0])
-            assert baton.held_by_me()  # woken holding the baton
-        batcher.turn_ended()
-
-    threads = [threading.Thread(target=turn, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    batcher.stop()
-    assert got == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0} and model.batches == [4]
-
-
-def test_a_caller_outside_the_turns_gets_its_logits_or_its_own_error() -> None:
-    model = _CountingModel()
-    batcher = StepBatcher(model, DecoderBaton())
-    try:
-        assert batcher.forward(np.array([5], np.int32), SimpleNamespace(id=7))[0, 0] == 7.0
-        assert batcher.forward(np.array([1, 2], np.int32), SimpleNamespace(id=3)).shape == (1, 4)  # a prefill: its
-        # last position's logits
-        with pytest.raises(FormatError, match="outside the vocabulary"):
-            batcher.forward(np.array([-1], np.int32), SimpleNamespace(id=1))
-        assert batcher.forward(np.array([5], np.int32), SimpleNamespace(id=2))[0, 0] == 2.0  # still serving
-    finally:
-        batcher.stop()
