@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kernels.model.sampling import Sampler
-from sessionstore.service.bundle_pull import PullPolicy, origin_of
 from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet.bundle_pull import PullPolicy, origin_of
 from sessionstore.sessions import reference_turns
 from tests.service.serverkit import ServerProc
 

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
 from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback_host, parse_bind
 from sessionstore.service.batcher import StepBatcher
+from sessionstore.service.fleet.loop_outbox import LoopOutbox
+from sessionstore.service.http.streams import Event
 from sessionstore.service.scheduler import DecoderBaton
-from sessionstore.service.streams import Event, LoopOutbox
 from sessionstore.sessions.output import OutputProcessor, StopStrings, TurnStop
 
 

@@ -29,8 +29,7 @@ from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
-from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
-from sessionstore.migration.lease import HeldElsewhereError
+from sessionstore.migration import HeldElsewhereError, Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, is_offloaded
 

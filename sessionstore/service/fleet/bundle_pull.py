@@ -22,9 +22,9 @@ from typing import Any, BinaryIO, cast
 from urllib.parse import quote, urlsplit
 
 from kernels.errors import CorruptionError
-from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.bundle_upload import BundleHost, in_thread, too_large
+from sessionstore.migration import ReceivedBundle, receive_bundle
 from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet.bundle_upload import BundleHost, in_thread, too_large
 
 HEAD_LIMIT = 64 << 10  # bytes of a peer's status line and headers at most
 ERROR_BODY_LIMIT = 64 << 10  # bytes of a peer's error body read for its message
