@@ -28,8 +28,7 @@ from starlette.routing import Route
 from kernels.model.logits import TokenLogprob
 from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
-from sessionstore.service.fleet import bundle_pull, bundle_upload
-from sessionstore.service.fleet.bundle_export import export_compression, export_stream
+from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
 from sessionstore.service.http.auth import BearerAuth
