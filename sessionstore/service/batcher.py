@@ -42,7 +42,7 @@ import numpy as np
 from sessionstore.log import get_logger
 from sessionstore.service.group_commit import GroupCommit
 from sessionstore.service.scheduler import DecoderBaton, Ticket
-from sessionstore.sessions.turns import DecodeLoop, TurnEnd, drive_inline
+from sessionstore.sessions.turn_loop import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
 

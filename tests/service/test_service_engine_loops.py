@@ -14,7 +14,7 @@ import numpy as np
 from sessionstore.service.batcher import MAX_PREFILL_TOKENS, StepBatcher
 from sessionstore.service.group_commit import GroupCommit
 from sessionstore.service.scheduler import DecoderBaton
-from sessionstore.sessions.turns import decode_loop, drive_inline
+from sessionstore.sessions.turn_loop import decode_loop, drive_inline
 
 VOCAB = 11
 

@@ -1,7 +1,7 @@
 """The fleet room: this server as one host of a fleet sharing an object store, and sessions moving
 between servers as bundles over HTTP.
 
-- :mod:`~sessionstore.service.fleet.home`: :class:`SessionHome`, the engine core's check-out and
+- :mod:`~sessionstore.service.fleet.home`: :class:`FleetHome`, the engine core's check-out and
   check-in of a session's lease (FORMAT.md 6.4, 7);
 - :mod:`~sessionstore.service.fleet.proxy`: ``--fleet-proxy``, a request forwarded to the host
   holding its session;
@@ -14,6 +14,6 @@ engine core or of ``http``. The surface imports no optional extra: ``proxy``, ``
 ``bundle_pull`` need the ``service`` extra and are imported by their own names where they are used.
 """
 from sessionstore.service.fleet.bundle_export import export_compression, export_stream
-from sessionstore.service.fleet.home import SessionHome
+from sessionstore.service.fleet.home import FleetHome
 
-__all__ = ["SessionHome", "export_compression", "export_stream"]
+__all__ = ["FleetHome", "export_compression", "export_stream"]
