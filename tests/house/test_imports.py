@@ -37,7 +37,7 @@ ROOMS = ("kvfile", "sessions", "migration", "service")  # each may import only t
 BEHIND_AN_EXTRA = {
     "sessionstore.sessions.conversation_chat": "text",  # jinja2, for the chat template
     "sessionstore.service.http": "service",  # starlette, uvicorn, pydantic, prometheus_client: the API process
-    "sessionstore.service.fleet.bundle_pull": "service",  # msgspec
+    "sessionstore.service.fleet.bundle_pull": "service",  # httpx, msgspec
     "sessionstore.service.fleet.bundle_upload": "service",  # msgspec
     "sessionstore.service.fleet.proxy": "service",  # starlette, httpx
 }
