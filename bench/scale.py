@@ -124,7 +124,7 @@ def raw_read(url: str) -> int:
 def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """``restore_offloaded_over_raw_read``: see the module."""
     from sessionstore.migration import RemoteStore
-    from sessionstore.service.fleet import SessionHome
+    from sessionstore.service.fleet import FleetHome
     from sessionstore.service.tiers import TierManager
     from sessionstore.sessions import SessionStore
     from sessionstore.sessions.tier_record import read_tier
@@ -135,7 +135,7 @@ def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         build_session(store, "s", tokens)
         kv_bytes = os.path.getsize(store.kv_path("s"))
         remote = RemoteStore(store, f"{bucket_url}/restore", host_id="bench-host")
-        manager = TierManager(_Engine(store, SessionHome(remote)))
+        manager = TierManager(_Engine(store, FleetHome(remote)))
         restores, reads = [], []
         bundle_bytes = 0
         for _ in range(args.reps):

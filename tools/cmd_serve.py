@@ -134,8 +134,8 @@ def run_http(args: argparse.Namespace) -> int:
     host, port = parse_bind(args.http)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(host, api_key)
-    from sessionstore.service.bundle_pull import PullPolicy  # the service extra: imported here only
-    from sessionstore.service.server import ServeConfig, serve_http
+    from sessionstore.service.fleet.bundle_pull import PullPolicy  # the service extra: imported here only
+    from sessionstore.service.http import ServeConfig, serve_http
 
     try:
         if args.pull_timeout <= 0:

@@ -3,12 +3,12 @@ pipes, object stores), the object-store tier with its lease, the inbox watcher.
 Imports the sessions and kvfile rooms below it."""
 from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, BundleStats
 from sessionstore.migration.bundle_io import WritebackFile
-from sessionstore.migration.exporting import MigrateResult, export_session
+from sessionstore.migration.exporting import MigrateResult, PreparedExport, export_session
 from sessionstore.migration.http_transport import HttpOptions, is_http, with_session
 from sessionstore.migration.inbox import Inbox
 from sessionstore.migration.lease import LEASE_TTL_S, HeldElsewhereError, Lease, default_host_id, held_message
 from sessionstore.migration.lease_keeper import LeaseKeeper
-from sessionstore.migration.migrate import ReceivedBundle, import_bundle
+from sessionstore.migration.migrate import ReceivedBundle, import_bundle, receive_bundle
 from sessionstore.migration.object_records import ObjectRecords
 from sessionstore.migration.object_store import ObjectPrefix, RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
@@ -29,6 +29,7 @@ __all__ = [
     "MigrateResult",
     "ObjectPrefix",
     "ObjectRecords",
+    "PreparedExport",
     "ReceivedBundle",
     "RemoteStore",
     "RemoteStoreError",
@@ -38,6 +39,7 @@ __all__ = [
     "describe",
     "export_session",
     "held_message",
+    "receive_bundle",
     "import_bundle",
     "is_http",
     "is_url",

@@ -1,11 +1,23 @@
-"""The long-running server: one engine thread over the decoder and the open sessions, an
-OpenAI-compatible HTTP API (chat and text completions, streamed as server-sent events), the
-sessions API, health and Prometheus metrics, bearer-key auth. Imports the rooms below it
-(sessions, migration and, for two helpers, kvfile) and kernels; nothing below imports it.
+"""The long-running server (``coli-kv serve --http``): two processes, in rooms by job.
 
-The package itself imports no web stack (the ``service`` extra: starlette, uvicorn, pydantic,
-prometheus_client); :mod:`~sessionstore.service.server` (``serve_http``), ``app`` (``build_app``)
-and ``engine`` (``Engine``) do.
+- ``http/``: the API process: the OpenAI-compatible API, the sessions API, auth, the web page,
+  metrics; renders and tokenises each prompt once and sends the work to the engine core as data.
+- The engine core, its own process (``python -m sessionstore.service.core_process``): the decoder,
+  the scheduler, batched steps, commits and the resident sessions. Today its modules are the flat
+  ones here (``engine``, ``batcher``, ``scheduler``, ``group_commit``, ``core_process``, ``core_ops``,
+  ``response_job``, ``turns``, ``durable_stream``, and beside them the modules only the core runs:
+  ``fencing``, ``tiers``, ``messages``, ``listing``, ``tier_fields``, ``response_records``,
+  ``metrics``); they move into ``engine/`` with the engine-core rewrite. ``ipc`` (the messages
+  between the two processes, built on the core's request types in ``turns``) and ``prompts`` (the
+  template renderer and tokenizer both processes load) sit with the core; ``http`` imports them.
+- ``fleet/``: leases and this host's place in a fleet, ``--fleet-proxy``, bundles in transfer.
+- The floor, this package's surface: where to listen (``bind``), errors in OpenAI's shape
+  (``errors``), the named limits (``limits``).
+
+Each imports only downward: floor < ``fleet`` < the engine core < ``http``; below them all, the
+rooms of sessionstore (kvfile, sessions, migration) and kernels; nothing below imports the service.
+This package itself imports no optional extra; ``http`` imports the web stack (the ``service``
+extra) and so does the core (zmq, msgspec).
 """
 from sessionstore.service.bind import (
            API_KEY_ENV,

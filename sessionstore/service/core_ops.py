@@ -28,7 +28,7 @@ from sessionstore.service.response_records import (
     drop_from_session,
     session_records,
 )
-from sessionstore.service.tier_routes import entry_tier_fields, session_tier_fields
+from sessionstore.service.tier_fields import entry_tier_fields, session_tier_fields
 from sessionstore.sessions import CatalogueEntry, TierChange, validate_session_id, write_response_list
 
 

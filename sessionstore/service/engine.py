@@ -28,7 +28,7 @@ from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.metrics import EngineMetrics
 from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.sessions import Session, SessionStore, validate_session_id
-from sessionstore.sessions.conversation import read_record, write_record
+from sessionstore.sessions.conversation_file import read_record, write_record
 
 log = get_logger("service")
 

@@ -7,7 +7,7 @@ time and no lock guards them. A job runs until it needs the model or a wait, and
 loop what it waits for, as data:
 
 - ``forward`` (a prompt, or one token): a :class:`_Work` queued for the next batched step;
-- ``drive_decode`` (a turn's sampling loop, :func:`sessionstore.sessions.turns.decode_loop`): the
+- ``drive_decode`` (a turn's sampling loop, :func:`sessionstore.sessions.turn_loop.decode_loop`): the
   loop itself sends the generator each step's logits and steps the token it yields (sampling,
   streaming and the turn's mid-turn commits run on the loop), and switches back to the job once the
   generator has ended: a decode token costs no switch at all;
@@ -48,7 +48,7 @@ import numpy as np
 
 from sessionstore.log import get_logger
 from sessionstore.service.group_commit import GroupCommit
-from sessionstore.sessions.turns import DecodeLoop, TurnEnd, drive_inline
+from sessionstore.sessions.turn_loop import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
 

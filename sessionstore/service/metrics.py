@@ -1,13 +1,9 @@
-"""The service's Prometheus metrics (``GET /metrics``): two registries, one per process.
-
-The engine core records its forwards, commits, resumes, sessions and how many turns wait for it
-or run in it (:class:`EngineMetrics`, rendered in the core and fetched by the API process at each
-scrape); the API process records requests and what a client sees of each turn
-(:class:`HttpMetrics`, :class:`TurnClock`: time to first token, the gaps between tokens, prompt and
-cached tokens) and the engine process's restarts. ``/metrics`` is both, one after the other."""
+"""The engine core's Prometheus metrics (:class:`EngineMetrics`): its forwards, commits, resumes,
+sessions and how many turns wait for it or run in it, rendered in the core and fetched by the API
+process at each scrape. ``GET /metrics`` is these, then the API process's own
+(:mod:`sessionstore.service.http.metrics`)."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,9 +12,7 @@ from prometheus_client.registry import Collector
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-# a first token can wait behind a long prefill or a queue; a turn can run for many minutes
-FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a turn can run for many minutes
 TURN_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
@@ -85,53 +79,4 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-class HttpMetrics:
-    """The API process's: requests by outcome, time to first token and between tokens, prompt and
-    cached tokens, and restarts of the engine process."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("coli_requests", "HTTP requests by endpoint and outcome (HTTP status)",
-                                ["endpoint", "status"], registry=r)
-        self.engine_restarts = Counter("coli_engine_restarts", "engine processes started again after one died",
-                                       registry=r)
-        self.first_token_seconds = Histogram(
-            "coli_time_to_first_token_seconds", "from a turn's request to its first streamed text (or to its "
-            "end when it gave tokens but no text)", registry=r, buckets=FIRST_TOKEN_BUCKETS)
-        self.inter_token_seconds = Histogram(
-            "coli_inter_token_latency_seconds", "between consecutive streamed pieces of a turn's text (a token "
-            "each, unless the detokenizer or a stop string held text back)", registry=r, buckets=INTER_TOKEN_BUCKETS)
-        self.prompt_tokens = Counter("coli_prompt_tokens", "prompt tokens of finished turns", registry=r)
-        self.cached_tokens = Counter("coli_cached_prompt_tokens", "prompt tokens reused from a session's history "
-                                     "(not computed again)", registry=r)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class TurnClock:
-    """What one request's client sees of its turn, observed as the handler receives its events:
-    the first text (time to first token, from ``start``), each later text (the gap since the one
-    before), and the end (prompt and cached tokens)."""
-
-    def __init__(self, metrics: HttpMetrics, start: float) -> None:
-        self.metrics, self.start = metrics, start
-        self.last: float | None = None  # when the last text came
-
-    def text(self) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.metrics.first_token_seconds.observe(now - self.start)
-        else:
-            self.metrics.inter_token_seconds.observe(now - self.last)
-        self.last = now
-
-    def done(self, generated: int, prompt_tokens: int, cached_tokens: int) -> None:
-        if self.last is None and generated:  # tokens but no text (token ids only, or held back)
-            self.metrics.first_token_seconds.observe(time.perf_counter() - self.start)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.cached_tokens.inc(cached_tokens)
-
-
-__all__ = ["BATCH_BUCKETS", "FIRST_TOKEN_BUCKETS", "INTER_TOKEN_BUCKETS", "LATENCY_BUCKETS", "TURN_BUCKETS",
-           "EngineMetrics", "FunctionCounter", "HttpMetrics", "TurnClock"]
+__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS", "TURN_BUCKETS", "EngineMetrics", "FunctionCounter"]

@@ -84,7 +84,7 @@ class TierManager:
     def __init__(self, engine: Any, *, max_disk_bytes: int | None = None) -> None:
         self.engine = engine
         self.store = engine.store
-        self.home = engine.home  # fleet.SessionHome (serve --remote), else None: nothing is offloaded
+        self.home = engine.home  # fleet.FleetHome (serve --remote), else None: nothing is offloaded
         self.budget = max_disk_bytes
         self.metrics = TierMetrics(engine.metrics.registry)
         self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)

@@ -24,10 +24,10 @@ from sessionstore.service.durable_stream import durable_sink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.prompts import PromptRenderer
 from sessionstore.sessions import Session, TierChange
-from sessionstore.sessions.conversation import remove_record
 from sessionstore.sessions.conversation_chat import Conversation, check_room
+from sessionstore.sessions.conversation_file import remove_record
 from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.turns import DecodeDriver, common_prefix, feed_chunk, run_turn
+from sessionstore.sessions.turn_loop import DecodeDriver, common_prefix, feed_chunk, run_turn
 
 
 class TurnSink(Protocol):

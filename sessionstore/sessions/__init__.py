@@ -4,7 +4,7 @@ and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
 from kernels.rows import KV_VERSION_OF_DTYPE
 from sessionstore.sessions.catalogue import CATALOGUE_NAME, CatalogueEntry, SessionFilesMissingError
-from sessionstore.sessions.conversation import (
+from sessionstore.sessions.conversation_file import (
     CONVERSATION_NAME,
     check_messages,
     read_record,
@@ -28,7 +28,7 @@ from sessionstore.sessions.manifest import (
 from sessionstore.sessions.output import OutputProcessor, TurnStop
 from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
 from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
-from sessionstore.sessions.residency import Residency, Resident
+from sessionstore.sessions.residency_budget import Residency, Resident
 from sessionstore.sessions.response_list import (
     MAX_RESPONSES_BYTES,
     RESPONSES_NAME,
@@ -53,7 +53,7 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
-from sessionstore.sessions.turns import TurnResult, common_prefix, reference_turns
+from sessionstore.sessions.turn_loop import TurnResult, common_prefix, reference_turns
 
 __all__ = [
     "CATALOGUE_NAME",

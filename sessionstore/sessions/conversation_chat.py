@@ -34,7 +34,7 @@ from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
-from sessionstore.sessions.conversation import (
+from sessionstore.sessions.conversation_file import (
     ConversationRecord,
     OpenTurn,
     check_messages,
@@ -43,7 +43,7 @@ from sessionstore.sessions.conversation import (
     write_record,
 )
 from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.turns import common_prefix, feed_chunk, run_turn
+from sessionstore.sessions.turn_loop import common_prefix, feed_chunk, run_turn
 
 
 class ConversationMismatchError(ColiError):

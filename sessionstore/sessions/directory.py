@@ -41,7 +41,7 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue import Catalogue, CataloguePage, SessionFilesMissingError
-from sessionstore.sessions.commit_state import STATE_SUFFIX
+from sessionstore.sessions.commit_state_page import STATE_SUFFIX
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import (
     KV_NAME,
@@ -55,7 +55,7 @@ from sessionstore.sessions.tier_record import refuse_offloaded
 
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
-STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state)
+STATE_NAME = MANIFEST_NAME + STATE_SUFFIX  # the last commit's dynamic fields (commit_state_page)
 MAX_PAGE = 1000  # the most sessions one page of the listing may hold
 ORDERS = ("asc", "desc")
 

@@ -8,7 +8,7 @@ torn manifest. Static changes (create, import, sampler change) are durable (fsyn
 fields written at each commit are a verified cache of the committed state (see FORMAT.md section 5).
 
 The last-logits digest (:mod:`sessionstore.sessions.digest`) and the commit state page
-(:mod:`sessionstore.sessions.commit_state`) are their own modules; this one reads the page back
+(:mod:`sessionstore.sessions.commit_state_page`) are their own modules; this one reads the page back
 into a manifest (:func:`apply_state`).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kernels.jsonfile import parse_json_bytes
 from kernels.model.sampling import Sampler
 from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
-from sessionstore.sessions.commit_state import decode_state, read_state_page, state_path, update_existing_state
+from sessionstore.sessions.commit_state_page import decode_state, read_state_page, state_path, update_existing_state
 from sessionstore.sessions.digest import (
     LogitsDigest,
     digest_from_json,
@@ -144,7 +144,7 @@ def manifest_from_json(data: Any, where: str) -> Manifest:
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate ``path`` (never follows a symlink; bounded read), with the dynamic
     fields of its commit state page (``<path>.state``) when that page is sound and of the same
-    epoch (:mod:`sessionstore.sessions.commit_state`)."""
+    epoch (:mod:`sessionstore.sessions.commit_state_page`)."""
     path = os.fspath(path)
     try:
         fd = open_regular(path, os.O_RDONLY | os.O_NONBLOCK, what="manifest")

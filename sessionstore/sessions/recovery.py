@@ -28,10 +28,10 @@ from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, load_sidecar
 from sessionstore.log import get_logger
-from sessionstore.sessions.conversation import read_record
+from sessionstore.sessions.conversation_file import read_record
 from sessionstore.sessions.digest import make_digest
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, write_manifest
-from sessionstore.sessions.turns import compare_rows, recompute_last
+from sessionstore.sessions.turn_loop import compare_rows, recompute_last
 
 log = get_logger("session")
 

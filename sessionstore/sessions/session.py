@@ -15,7 +15,7 @@ token can always be re-derived: sampling depends only on (seed, position, logits
 that feeds tokens never does) whenever the sidecar vouched for every committed record.
 
 Commit = (1) the kv commit, THE commit point, (2) the manifest's dynamic fields on the commit
-state page (:mod:`sessionstore.sessions.commit`). On open, when the file's count F differs from
+state page (:mod:`sessionstore.sessions.committer`). On open, when the file's count F differs from
 the manifest's M, the session takes F and recomputes the pending token and the digest from
 position F-1 (:mod:`sessionstore.sessions.recovery`).
 """
@@ -34,7 +34,7 @@ from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
-from sessionstore.sessions.commit import Committer
+from sessionstore.sessions.committer import Committer
 from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import (
     Fence,
@@ -47,9 +47,9 @@ from sessionstore.sessions.fence import (
 )
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
-from sessionstore.sessions.residency import Residency
-from sessionstore.sessions.resident import ResidentFiles
-from sessionstore.sessions.turns import (
+from sessionstore.sessions.residency_budget import Residency
+from sessionstore.sessions.resident_files import ResidentFiles
+from sessionstore.sessions.turn_loop import (
     DecodeDriver,
     TurnResult,
     common_prefix,
@@ -342,7 +342,7 @@ class Session:
 
     def commit(self) -> int:
         """kv commit (the commit point), then the manifest's dynamic fields; returns the count
-        (:class:`sessionstore.sessions.commit.Committer`)."""
+        (:class:`sessionstore.sessions.committer.Committer`)."""
         return self.begin_commit()()
 
     def begin_commit(self, *, catalogue: bool = True) -> Callable[[], int]:

@@ -22,7 +22,7 @@ from sessionstore.kvfile import (
     record_bytes,
     require_sound,
 )
-from sessionstore.sessions.conversation import copy_record
+from sessionstore.sessions.conversation_file import copy_record
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME, check_component
 

@@ -23,7 +23,7 @@ from sessionstore.sessions.catalogue import entry_of_manifest
 from sessionstore.sessions.directory import SessionInfo, StoreDirectory
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
-from sessionstore.sessions.residency import Residency
+from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.tier_record import refuse_offloaded

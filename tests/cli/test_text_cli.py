@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the
 from kernels.model import GLM_MINI_NAME, SHIPPED_MODELS_DIR  # noqa: E402
 from kernels.model.text import load_text  # noqa: E402
 from sessionstore.sessions import SessionStore  # noqa: E402
-from sessionstore.sessions.conversation import read_record  # noqa: E402
+from sessionstore.sessions.conversation_file import read_record  # noqa: E402
 from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
 from tools.coli_kv import main  # noqa: E402
 

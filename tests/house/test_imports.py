@@ -4,8 +4,12 @@ each test also breaks its rule in a scratch copy of the sources and sees it fail
 - no circle between modules;
 - the rooms of sessionstore (kvfile < sessions < migration < service) import only the rooms below
   them, and the kvfile room imports nothing of the rooms above it or of tools;
-- outside a room, import its surface (its package ``__init__``), except a module the surface leaves
-  out because it needs an optional extra (:data:`BEHIND_AN_EXTRA`); the room surfaces import none;
+- inside the service, its rooms (:data:`SERVICE_LEVELS`: the floor < fleet < the engine core < http)
+  import only their own level and those below;
+- outside a room (a room of sessionstore or of the service), import its surface (its package
+  ``__init__``), except a module the surface leaves out because it needs an optional extra
+  (:data:`BEHIND_AN_EXTRA`); the room surfaces import none (but ``http``'s, the API process, whose
+  room is the ``service`` extra), and each names its public names in ``__all__``;
 - every name imported from the module that defines it (:mod:`tests.house.reexports`);
 - tests use production code's public surface, not its private names (:mod:`tests.house.private_names`).
 """
@@ -32,29 +36,36 @@ ROOMS = ("kvfile", "sessions", "migration", "service")  # each may import only t
 # the room imports them by their own name, where it needs them (the CLI's serve and chat commands).
 BEHIND_AN_EXTRA = {
     "sessionstore.sessions.conversation_chat": "text",  # jinja2, for the chat template
-    "sessionstore.service.server": "service",  # starlette, uvicorn, pydantic, prometheus_client
-    "sessionstore.service.bundle_pull": "service",
+    "sessionstore.service.http": "service",  # starlette, uvicorn, pydantic, prometheus_client: the API process
+    "sessionstore.service.fleet.bundle_pull": "service",  # httpx, msgspec
+    "sessionstore.service.fleet.bundle_upload": "service",  # msgspec
+    "sessionstore.service.fleet.proxy": "service",  # starlette, httpx
 }
+# The service's rooms, lowest first: each imports only its own level and those below. fleet/ and http/
+# are packages; the engine core's modules are still flat in service/ (the engine-core rewrite moves
+# them to engine/), so a flat module is the engine's unless it is one of the floor's.
+SERVICE_LEVELS = ("floor", "fleet", "engine", "http")
+SERVICE_FLOOR = frozenset({"sessionstore.service", "sessionstore.service.bind", "sessionstore.service.errors",
+                           "sessionstore.service.limits"})
+SERVICE_ROOMS = ("fleet", "engine", "http")  # the service's rooms that are (or will be) packages
+EXTRA_ROOMS = {"sessionstore.service.http": "service"}  # a room whose surface is an extra's by design
+
 EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "torch")
 
 # service/ reaches into sessions/ and migration/ modules: it is being split into its own rooms
 # (http/, engine/, fleet/) by the engine-core work, and these imports follow the names there. The
 # list may only shrink: a breach not listed fails, and so does a listed one that is gone.
 KNOWN_SURFACE_BREACHES = frozenset({
-    "sessionstore.service.engine_loop imports sessionstore.sessions.turns",
-    "sessionstore.service.bundle_pull imports sessionstore.migration.migrate",
-    "sessionstore.service.bundle_upload imports sessionstore.migration.migrate",
-    "sessionstore.service.bundles imports sessionstore.migration.exporting",
-    "sessionstore.service.engine imports sessionstore.sessions.conversation",
-    "sessionstore.service.fleet imports sessionstore.migration.lease",
+    "sessionstore.service.engine_loop imports sessionstore.sessions.turn_loop",
+    "sessionstore.service.engine imports sessionstore.sessions.conversation_file",
     "sessionstore.service.listing imports sessionstore.sessions.catalogue",
     "sessionstore.service.listing imports sessionstore.sessions.directory",
     "sessionstore.service.listing imports sessionstore.sessions.paths",
-    "sessionstore.service.messages imports sessionstore.sessions.conversation",
+    "sessionstore.service.messages imports sessionstore.sessions.conversation_file",
     "sessionstore.service.response_records imports sessionstore.sessions.paths",
-    "sessionstore.service.turns imports sessionstore.sessions.conversation",
+    "sessionstore.service.turns imports sessionstore.sessions.conversation_file",
     "sessionstore.service.turns imports sessionstore.sessions.output",
-    "sessionstore.service.turns imports sessionstore.sessions.turns",
+    "sessionstore.service.turns imports sessionstore.sessions.turn_loop",
 })
 
 
@@ -166,15 +177,51 @@ def kvfile_breaches(edges: dict[str, set[str]]) -> list[str]:
             for t in sorted(targets) if t == "tools" or t.startswith(above)]
 
 
+def service_level(module: str) -> str | None:
+    """The service room ``module`` belongs to (one of :data:`SERVICE_LEVELS`); None outside the service."""
+    parts = module.split(".")
+    if parts[:2] != ["sessionstore", "service"]:
+        return None
+    if module in SERVICE_FLOOR:
+        return "floor"
+    return parts[2] if len(parts) > 2 and parts[2] in SERVICE_ROOMS else "engine"
+
+
+def service_downward_breaches(edges: dict[str, set[str]]) -> list[str]:
+    """``a imports b``, both in the service, where a's room sits below b's."""
+    bad = []
+    for name, targets in edges.items():
+        level = service_level(name)
+        if level is None:
+            continue
+        allowed = SERVICE_LEVELS[: SERVICE_LEVELS.index(level) + 1]
+        bad += [f"{name} imports {t}" for t in sorted(targets) if service_level(t) not in (None, *allowed)]
+    return bad
+
+
+def room_packages(module: str) -> list[str]:
+    """The room packages holding ``module`` (itself included when it is one), outermost first:
+    ``sessionstore.service.fleet.home`` is in ``sessionstore.service`` and ``sessionstore.service.fleet``."""
+    room = _room(module)
+    if room is None:
+        return []
+    out = [f"sessionstore.{room}"]
+    parts = module.split(".")
+    if room == "service" and len(parts) > 2 and parts[2] in SERVICE_ROOMS:
+        out.append(f"sessionstore.service.{parts[2]}")
+    return out
+
+
 def surface_breaches(edges: dict[str, set[str]]) -> set[str]:
-    """``a imports b`` where b is a module inside a room (not its package) and a is outside it."""
+    """``a imports b`` where b is a module inside a room (not a room's package) and a is outside
+    that room: outside a room, only its surface is imported."""
     bad = set()
     for name, targets in edges.items():
+        holding_name = room_packages(name)
         for target in targets:
-            room = _room(target)
-            if room is None or target == f"sessionstore.{room}" or target in BEHIND_AN_EXTRA:
+            if target in BEHIND_AN_EXTRA or target in room_packages(target)[-1:]:
                 continue
-            if _room(name) != room:
+            if any(room not in holding_name for room in room_packages(target)):
                 bad.add(f"{name} imports {target}")
     return bad
 
@@ -261,6 +308,81 @@ def test_reaching_into_a_room_fails(scratch: Path) -> None:
                      "new: tools.cmd_verify imports sessionstore.kvfile.sidecar_check"]
 
 
+def test_service_rooms_import_only_downward() -> None:
+    assert service_downward_breaches(graph()) == []
+
+
+def test_a_service_room_importing_upward_fails(scratch: Path) -> None:
+    """The floor may not import the fleet, the fleet not the engine core, the core not http."""
+    service = "sessionstore/service"
+    _append(scratch, f"{service}/errors.py", "\nfrom sessionstore.service.fleet import FleetHome  # noqa\n")
+    _append(scratch, f"{service}/fleet/home.py", "\nfrom sessionstore.service.tiers import TierManager  # noqa\n")
+    _append(scratch, f"{service}/tiers.py", "\nfrom sessionstore.service.http import ServeConfig  # noqa\n")
+    assert service_downward_breaches(graph(scratch)) == [
+        "sessionstore.service.errors imports sessionstore.service.fleet",
+        "sessionstore.service.fleet.home imports sessionstore.service.tiers",
+        "sessionstore.service.tiers imports sessionstore.service.http",
+    ]
+
+
+def test_the_service_levels_are_read() -> None:
+    assert [service_level(m) for m in ("sessionstore.service", "sessionstore.service.errors",
+                                       "sessionstore.service.fleet.home", "sessionstore.service.engine",
+                                       "sessionstore.service.http.app", "sessionstore.sessions.store")] == [
+        "floor", "floor", "fleet", "engine", "http", None]
+
+
+def test_reaching_into_a_service_room_fails(scratch: Path) -> None:
+    """Outside fleet/ or http/ (elsewhere in the service too), a module imports the room's surface."""
+    reach = "\nfrom sessionstore.service.fleet.home import FleetHome  # noqa\n"
+    _append(scratch, "sessionstore/service/tiers.py", reach)
+    _append(scratch, "sessionstore/service/fleet/proxy.py", reach)
+    _append(scratch, "tools/cmd_serve.py", "\nfrom sessionstore.service.http.server import serve_http  # noqa\n")
+    found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
+    assert found == ["new: sessionstore.service.tiers imports sessionstore.service.fleet.home",
+                     "new: tools.cmd_serve imports sessionstore.service.http.server"]  # proxy is inside fleet
+
+
+def _room_surfaces(root: Path) -> list[Path]:
+    top = [root / "sessionstore" / room / "__init__.py" for room in ROOMS]
+    inner = [root / "sessionstore" / "service" / room / "__init__.py" for room in SERVICE_ROOMS]
+    return [p for p in (*top, *inner) if p.exists()]
+
+
+def surface_problems(root: Path = REPO) -> list[str]:
+    """A room's ``__init__`` without ``__all__``, or naming a private name or one it does not bind."""
+    bad = []
+    for path in _room_surfaces(root):
+        tree = ast.parse(path.read_text())
+        bound = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                 for alias in node.names}
+        listed: list[str] | None = None
+        for node in tree.body:
+            names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            if isinstance(node, ast.Assign) and "__all__" in names:
+                listed = list(ast.literal_eval(node.value))
+        where = _module_name(path, root)
+        if listed is None:
+            bad.append(f"{where}: no __all__")
+            continue
+        bad += [f"{where}: {n} is private" for n in listed if n.startswith("_")]
+        bad += [f"{where}: {n} is not imported there" for n in listed if n not in bound]
+    return bad
+
+
+def test_each_room_surface_names_its_public_names() -> None:
+    assert surface_problems() == []
+
+
+def test_a_surface_without_all_or_with_a_private_name_fails(scratch: Path) -> None:
+    path = scratch / "sessionstore" / "service" / "fleet" / "__init__.py"
+    path.write_text(path.read_text().replace('__all__ = ["FleetHome"', '__all__ = ["_hidden", "FleetHome"'))
+    (scratch / "sessionstore" / "service" / "http" / "__init__.py").write_text('"""No list."""\n')
+    assert surface_problems(scratch) == ["sessionstore.service.fleet: _hidden is private",
+                                         "sessionstore.service.fleet: _hidden is not imported there",
+                                         "sessionstore.service.http: no __all__"]
+
+
 def test_a_known_breach_may_only_go() -> None:
     assert unexpected({"a imports b"}, {"a imports b"}) == []
     assert unexpected({"a imports b", "c imports d"}, {"a imports b"}) == ["new: c imports d"]
@@ -278,14 +400,21 @@ def _extras_imported(root: Path, modules: list[str]) -> str:
 
 def test_the_room_surfaces_import_no_optional_extra() -> None:
     """Why BEHIND_AN_EXTRA exists: a room's surface imports with the base install only."""
-    rooms = ["sessionstore", *(f"sessionstore.{room}" for room in ROOMS), "sessionstore.testing"]
+    rooms = ["sessionstore", *(f"sessionstore.{room}" for room in ROOMS), "sessionstore.testing",
+             *(f"sessionstore.service.{room}" for room in SERVICE_ROOMS
+               if (REPO / "sessionstore" / "service" / room / "__init__.py").exists()
+               and f"sessionstore.service.{room}" not in EXTRA_ROOMS)]
+    assert "sessionstore.service.fleet" in rooms
     assert _extras_imported(REPO, rooms) == "[]"
 
 
 def test_a_surface_that_imports_an_extra_fails(scratch: Path) -> None:
     _append(scratch, "sessionstore/sessions/__init__.py",
             "\nfrom sessionstore.sessions.conversation_chat import Conversation  # noqa\n")
+    _append(scratch, "sessionstore/service/fleet/__init__.py",
+            "\nfrom sessionstore.service.fleet.proxy import FleetProxy  # noqa\n")
     assert _extras_imported(scratch, ["sessionstore.sessions"]) != "[]"
+    assert "'starlette'" in _extras_imported(scratch, ["sessionstore.service.fleet"])
 
 
 def test_names_are_imported_from_the_module_that_defines_them() -> None:

@@ -17,8 +17,8 @@ from sessionstore.migration import (
     migrate,  # noqa: E402
 )
 from sessionstore.sessions import SessionStore  # noqa: E402
-from sessionstore.sessions.conversation import ConversationRecord, read_record  # noqa: E402
 from sessionstore.sessions.conversation_chat import Conversation, ReferenceChat  # noqa: E402
+from sessionstore.sessions.conversation_file import ConversationRecord, read_record  # noqa: E402
 from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
 
 

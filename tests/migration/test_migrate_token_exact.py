@@ -19,7 +19,7 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.migration import export_session, migrate
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401
 
 PROMPT = [3, 17, 101, 5, 42, 7, 250, 9]

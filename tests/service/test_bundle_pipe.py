@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from sessionstore.service import is_loopback_address
-from sessionstore.service.bundle_upload import BodyPipe, in_thread
-from sessionstore.service.bundles import export_compression
 from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet.bundle_export import export_compression
+from sessionstore.service.fleet.bundle_upload import BodyPipe, in_thread
 
 
 def read_all(pipe: BodyPipe, size: int) -> bytes:
@@ -98,7 +98,7 @@ def test_the_download_compression_choice() -> None:
 
 
 def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
-    from sessionstore.service.bundles import JOIN_BYTES, ChunkHandoff, QueueSink, _Gone
+    from sessionstore.service.fleet.bundle_export import JOIN_BYTES, ChunkHandoff, QueueSink, _Gone
 
     async def main() -> None:
         out = ChunkHandoff(asyncio.get_running_loop(), capacity=8)
@@ -128,7 +128,7 @@ def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
 def test_an_export_whose_reader_left_gives_up_and_strands_no_thread() -> None:
     """The exporting thread waits for room while its reader is slow, and gives up once the
     reader closes the handoff (no thread of the loop's executor is involved either way)."""
-    from sessionstore.service.bundles import GONE_POLL_S, ChunkHandoff, _Gone
+    from sessionstore.service.fleet.bundle_export import GONE_POLL_S, ChunkHandoff, _Gone
 
     async def main() -> None:
         out = ChunkHandoff(asyncio.get_running_loop(), capacity=2)
@@ -161,7 +161,7 @@ def test_a_download_abandoned_before_or_after_its_first_chunk_closes_its_export(
     import gc
 
     from sessionstore.migration.exporting import PreparedExport
-    from sessionstore.service import bundles
+    from sessionstore.service.fleet import bundle_export as bundles
     from sessionstore.sessions import SessionStore
     from sessionstore.sessions.fingerprint import model_fingerprint
     from tests.support.migrate import make_session

@@ -15,7 +15,7 @@ from sessionstore.kvfile import KVWriter
 from sessionstore.service.engine import Engine
 from sessionstore.service.turns import TurnSpec
 from sessionstore.sessions import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.service.test_service_units import Sink
 
 MODEL = "tiny"

@@ -21,7 +21,7 @@ import pytest
 from kernels.errors import FormatError
 from sessionstore.service.engine_loop import MAX_PREFILL_TOKENS, EngineLoop, PrefillPacer
 from sessionstore.service.group_commit import GroupCommit
-from sessionstore.sessions.turns import decode_loop, drive_inline
+from sessionstore.sessions.turn_loop import decode_loop, drive_inline
 
 VOCAB = 11
 GATHER_S = 0.3  # the tests' jobs are all submitted well within it: they start together

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from sessionstore.service.errors import ApiError
-from sessionstore.service.jsonbody import MAX_JSON_DEPTH, json_depth, read_json_body
+from sessionstore.service.http.jsonbody import MAX_JSON_DEPTH, json_depth, read_json_body
 from tests.service.serverkit import ServerProc
 
 KEY = "sekrit"

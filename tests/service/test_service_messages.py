@@ -16,8 +16,8 @@ import pytest
 from kernels.model.text import load_text
 from sessionstore.service.messages import READ_ATTEMPTS, judge, read_messages
 from sessionstore.sessions import SessionStore
-from sessionstore.sessions.conversation import ConversationRecord, OpenTurn, tokens_digest, write_record
 from sessionstore.sessions.conversation_chat import Conversation
+from sessionstore.sessions.conversation_file import ConversationRecord, OpenTurn, tokens_digest, write_record
 from tests.service.serverkit import ServerProc, sse_events
 from tests.support.conversation_cut import Crash, respond_until_crash
 

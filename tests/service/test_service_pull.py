@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kernels.model.sampling import Sampler
-from sessionstore.service.bundle_pull import PullPolicy, origin_of
 from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet.bundle_pull import PullPolicy, origin_of
 from sessionstore.sessions import reference_turns
 from tests.service.serverkit import ServerProc
 
@@ -93,3 +93,49 @@ def test_a_bad_pull_flag_is_one_error_line(tmp_path: Path, flags: list[str]) -> 
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "pull" in out.stderr, out.stderr
+
+
+def _one_answer_peer(answer: bytes) -> tuple[str, Any]:
+    """A peer on loopback that answers one request with ``answer`` and closes; (origin, its thread)."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", thread
+
+
+@pytest.mark.parametrize(("answer", "status", "code"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1400\r\n\r\n" + b"x" * 10, 502, "bundle_invalid"),  # cut short
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 502, "bad_peer"),  # no length
+    (b"HTTP/1.1 409 Conflict\r\nContent-Length: 38\r\n\r\n" + b'{"error": {"message": "it is in use"}}',
+     409, "peer_busy"),
+    (b"SSH-2.0-not-http\r\n\r\n", 502, "bad_peer"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n", 413, "body_too_large"),  # over the limit, unread
+])
+def test_a_peer_that_misbehaves_is_one_error_and_leaves_nothing(tmp_path: Path, answer: bytes, status: int,
+                                                                 code: str) -> None:
+    from sessionstore.service.fleet.bundle_pull import fetch_bundle
+    from sessionstore.service.fleet.bundle_upload import BundleHost
+    from sessionstore.sessions import SessionStore
+
+    store = SessionStore(tmp_path / "r")
+    origin, thread = _one_answer_peer(answer)
+    policy = PullPolicy.of([origin], "k", read_timeout_s=5)
+    with pytest.raises(ApiError) as info:
+        fetch_bundle(BundleHost(store, "tiny", None), "s", origin, policy, limit=1500)  # type: ignore[arg-type]
+    assert (info.value.status, info.value.code) == (status, code), info.value
+    assert "Traceback" not in str(info.value) and str(tmp_path) not in str(info.value)
+    tmp = store.root / "tmp"
+    assert not tmp.exists() or not list(tmp.iterdir())
+    thread.join(5)

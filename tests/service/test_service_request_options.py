@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sessionstore.sessions import read_manifest
-from sessionstore.sessions.conversation import read_record
+from sessionstore.sessions.conversation_file import read_record
 from tests.service.serverkit import ServerProc, sse_events
 
 MAX = 24

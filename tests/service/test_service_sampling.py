@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from kernels.model.logits import TurnDraw, log_softmax
 from kernels.model.sampling import Sampler
-from sessionstore.sessions.conversation import read_record
-from sessionstore.sessions.turns import feed_chunk, run_turn
+from sessionstore.sessions.conversation_file import read_record
+from sessionstore.sessions.turn_loop import feed_chunk, run_turn
 from tests.service.serverkit import ServerProc, sse_events
 
 MAX = 12

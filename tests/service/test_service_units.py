@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kernels.errors import FormatError, LimitError, LockedError, ModelMismatchError, NotFoundError
 from sessionstore.service import ServiceLimits, api_error_of, check_bind, is_loopback_host, parse_bind
-from sessionstore.service.streams import Event, LoopOutbox
+from sessionstore.service.fleet.loop_outbox import LoopOutbox
+from sessionstore.service.http.streams import Event
 from sessionstore.sessions.output import OutputProcessor, StopStrings, TurnStop
 
 

@@ -18,13 +18,13 @@ import pytest
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
-from sessionstore.service.auth import BearerAuth
-from sessionstore.service.webpage import ASSETS, CSP, WithPage, read_asset
+from sessionstore.service.http.auth import BearerAuth
+from sessionstore.service.http.webpage import ASSETS, CSP, WithPage, read_asset
 from tests.service.serverkit import REPO, ServerProc
 from tests.service.webkit import MAX_TOKENS, MODEL, Tab, browser  # noqa: F401 (browser: a fixture)
 from tests.support.conversation_cut import respond_until_crash
 
-WEB_DIR = REPO / "sessionstore" / "service" / "web"
+WEB_DIR = REPO / "sessionstore" / "service" / "http" / "web"
 
 
 # ---- no browser ---------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_page_is_csp_clean_and_ships_as_package_data() -> None:
             assert sink not in code, f"{js.name} uses {sink}"
     globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sessionstore"]
     for name, _ in ASSETS.values():
-        assert any(fnmatch.fnmatch(f"service/web/{name}", g) for g in globs), f"web/{name} is not package data"
+        assert any(fnmatch.fnmatch(f"service/http/web/{name}", g) for g in globs), f"web/{name} is not package data"
 
 
 # ---- in Chromium ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from tests.service.serverkit import REPO, ServerProc
 from tests.service.webkit import MODEL, Tab, browser  # noqa: F401 (browser: a fixture)
 
-MARKDOWN_JS = REPO / "sessionstore" / "service" / "web" / "markdown.js"
+MARKDOWN_JS = REPO / "sessionstore" / "service" / "http" / "web" / "markdown.js"
 ARTEFACTS = REPO / "artefacts" / "web"
 SYSTEM = "You are a terse assistant who answers in one line."
 # markup that runs if it is ever parsed as HTML (window.pwned set), in every markdown context

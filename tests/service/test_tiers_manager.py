@@ -16,7 +16,7 @@ import pytest
 
 from sessionstore.migration import RemoteStore
 from sessionstore.service.errors import ApiError
-from sessionstore.service.fleet import SessionHome
+from sessionstore.service.fleet import FleetHome
 from sessionstore.service.metrics import EngineMetrics
 from sessionstore.service.tiers import STUB_NAMES, TierManager
 from sessionstore.sessions import SessionStore
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 class Engine:
     """What the tier manager reads of the service's engine (no model: nothing is ever open)."""
 
-    def __init__(self, store: SessionStore, home: SessionHome | None) -> None:
+    def __init__(self, store: SessionStore, home: FleetHome | None) -> None:
         self.store, self.home = store, home
         self.metrics = EngineMetrics()
         self.last_use: dict[str, float] = {}
@@ -73,7 +73,7 @@ def test_offload_leaves_a_stub_and_restore_brings_back_the_same_files(
     write_tier(store.session_dir("a"), TierRecord(600, False))
     before = session_files(store, "a")
     size = os.path.getsize(store.kv_path("a"))
-    manager = TierManager(Engine(store, SessionHome(remote)))
+    manager = TierManager(Engine(store, FleetHome(remote)))
 
     assert manager.offload("a")
     d = store.session_dir("a")
@@ -101,7 +101,7 @@ def test_pinned_busy_or_held_elsewhere_is_never_offloaded(fleet: tuple[SessionSt
     store, remote = fleet
     for sid in ("pin", "busy", "theirs"):
         make_session(store, sid, 8)
-    engine = Engine(store, SessionHome(remote))
+    engine = Engine(store, FleetHome(remote))
     manager = TierManager(engine)
     manager.change("pin", TierChange(pinned=True))
     engine.busy.add("busy")
@@ -116,14 +116,14 @@ def test_a_stub_whose_files_were_not_removed_yet_restores(fleet: tuple[SessionSt
     store, remote = fleet
     make_session(store, "a", 12, seed=5)
     before = session_files(store, "a")
-    manager = TierManager(Engine(store, SessionHome(remote)))
+    manager = TierManager(Engine(store, FleetHome(remote)))
     assert manager.offload("a")
     record = read_tier(store.session_dir("a"))
     assert record.offloaded is not None
     # as if killed between the mark and the unlinks: the mark is there, so are (stale) files
     (store.session_dir("a") / KV_NAME).write_bytes(b"stale")
     assert store.catalogue.refresh() in ("fresh", "reconciled")
-    fresh = TierManager(Engine(store, SessionHome(remote)))  # a restarted server knows nothing of it
+    fresh = TierManager(Engine(store, FleetHome(remote)))  # a restarted server knows nothing of it
     fresh.restore("a", record)
     assert session_files(store, "a") == before
 
@@ -131,7 +131,7 @@ def test_a_stub_whose_files_were_not_removed_yet_restores(fleet: tuple[SessionSt
 def test_expiry_deletes_a_stub_and_its_bundles(fleet: tuple[SessionStore, RemoteStore]) -> None:
     store, remote = fleet
     make_session(store, "a", 6)
-    manager = TierManager(Engine(store, SessionHome(remote)))
+    manager = TierManager(Engine(store, FleetHome(remote)))
     assert manager.offload("a") and bundles(remote, "a")
     assert manager.expire("a")
     assert not store.exists("a") and remote.lease("a") is None and bundles(remote, "a") == []
@@ -167,7 +167,7 @@ def test_the_lru_order_comes_from_the_files_so_it_survives_a_restart(
     manifest = store.read_manifest("a")
     write_manifest(store.session_dir("a") / "manifest.json", manifest)
     store.note_session(store.read_manifest("a"), resident=False)
-    restarted = TierManager(Engine(SessionStore(store.root), SessionHome(remote)), max_disk_bytes=3 * size)
+    restarted = TierManager(Engine(SessionStore(store.root), FleetHome(remote)), max_disk_bytes=3 * size)
     restarted.make_room(size, keep="new")  # room for one more: the least recently used goes
     assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b"]
     restarted.make_room(2 * size, keep="new")

@@ -123,7 +123,7 @@ def _records_of(root: Path, sid: str) -> tuple[bytes, int]:
 @pytest.fixture(scope="module")
 def stream(tiny) -> list[int]:  # noqa: ANN001
     """The uninterrupted run: the prompt, then 24 sampled tokens."""
-    from sessionstore.sessions.turns import reference_turns
+    from sessionstore.sessions.turn_loop import reference_turns
 
     return PROMPT + reference_turns(tiny, "fp8", [(PROMPT, 24)], SAMPLER)[0]
 

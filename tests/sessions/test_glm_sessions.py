@@ -21,7 +21,7 @@ from sessionstore.kvfile import convert_file, open_kv
 from sessionstore.migration import export_session, migrate
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.session_util import run_child, spawn_child
 
 PROMPT = list(b"The indexer picks the rows that matter most.")  # 44 tokens > index_topk 16

@@ -21,7 +21,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.recovery import DEFERRED
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 
 PROMPT = list(b"Lazy logits resume")
 SAMPLED = Sampler(0.9, 40, 0.95, 77)

@@ -11,7 +11,7 @@ import pytest
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.session_util import REPO
 from tools.cmd_sessions import session_generate
 from tools.coli_kv import main

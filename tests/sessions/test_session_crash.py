@@ -21,7 +21,7 @@ from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME
 from sessionstore.sessions.snapshot import verify_session_dir
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.session_util import run_child, spawn_child
 
 PROMPT = list(b"Once upon a time")

@@ -18,7 +18,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.session_util import run_child, write_tiny_checkpoint
 
 PROMPT = list(b"The quick brown fox")

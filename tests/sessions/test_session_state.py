@@ -17,7 +17,7 @@ from kernels.errors import FormatError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.mapping import wait_for_unmaps
 from sessionstore.kvfile.reader import open_kv
-from sessionstore.sessions.commit_state import (
+from sessionstore.sessions.commit_state_page import (
     STATE_BYTES,
     StateWriter,
     decode_state,
@@ -29,7 +29,7 @@ from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import reference_turns
+from sessionstore.sessions.turn_loop import reference_turns
 
 PROMPT = list(b"State pages")
 SAMPLED = Sampler(0.9, 50, 0.95, 77)

@@ -14,7 +14,7 @@ from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.sessions.slots import export_slot, import_slot, slot_path
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import feed_chunk, reference_turns
+from sessionstore.sessions.turn_loop import feed_chunk, reference_turns
 from tests.support.session_util import write_tiny_checkpoint
 from tools.coli_kv import main
 

@@ -17,7 +17,7 @@ from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, InvalidSessionIdError
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.sessions.turn_loop import common_prefix
 
 PROMPT = list(b"Hello, store")
 

@@ -21,7 +21,7 @@ from kernels.model import load_model
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.store import SessionStore
-from sessionstore.sessions.turns import common_prefix
+from sessionstore.sessions.turn_loop import common_prefix
 
 IDS = st.sampled_from(["a", "b", "c"])
 TOKENS = st.lists(st.integers(0, 259), min_size=1, max_size=5)

@@ -80,7 +80,7 @@ if __name__ == "__main__":
         from sessionstore.service.core_process import main as core_main
 
         sys.exit(core_main())
-    from sessionstore.service import core_client
+    from sessionstore.service.http import core_client
     from tools.coli_kv import main
 
     os.environ["COLI_TEST_EIO_ROLE"] = "core"  # the core process this server starts runs this module too

@@ -57,7 +57,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     store = SessionStore(spec["root"])
     kill_manifest = spec.get("kill_at_manifest_write")  # SIGKILL at the n-th manifest write
     if kill_manifest is not None:  # (a whole manifest, or a commit's state page)
-        from sessionstore.sessions.commit_state import StateWriter
+        from sessionstore.sessions.commit_state_page import StateWriter
 
         real, real_state = session_mod.write_manifest, StateWriter.write_page
         calls = {"n": 0}

@@ -21,14 +21,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 import msgspec
 
 from kernels.errors import CorruptionError
 from sessionstore.log import get_logger
-from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.core_client import CoreClient
+from sessionstore.migration import ReceivedBundle, receive_bundle
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import SessionStore
 
@@ -145,6 +144,14 @@ def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return fut
 
 
+class CoreCalls(Protocol):
+    """What a bundle's receiver asks of the engine core: one of its named operations
+    (:data:`sessionstore.service.core_ops.OPERATIONS`), by the API process's
+    :class:`~sessionstore.service.http.core_client.CoreClient`."""
+
+    async def call(self, op: str, **args: Any) -> Any: ...
+
+
 @dataclass(frozen=True)
 class BundleHost:
     """Where a bundle is received (the store's tmp/, for ``model_source``'s sessions) and the core
@@ -152,7 +159,7 @@ class BundleHost:
 
     store: SessionStore
     model_source: str
-    core: CoreClient
+    core: CoreCalls
 
     async def check_target(self, session_id: str, replace: bool) -> None:
         """Refuse an upload over a taken id without ``replace`` (409 session_exists) or over a
@@ -237,4 +244,4 @@ async def put_bundle(host: BundleHost, session_id: str, body: AsyncIterator[byte
     return await host.install(session_id, received, replace)
 
 
-__all__ = ["BodyPipe", "BundleHost", "PIPE_HIGH_WATER", "in_thread", "put_bundle", "receive_upload"]
+__all__ = ["BodyPipe", "BundleHost", "CoreCalls", "PIPE_HIGH_WATER", "in_thread", "put_bundle", "receive_upload"]

@@ -1,5 +1,5 @@
 """Running the service: the bind rule, the engine core's process (:mod:`sessionstore.service.core_process`,
-started and supervised by :class:`~sessionstore.service.core_client.CoreClient`), uvicorn on a socket
+started and supervised by :class:`~sessionstore.service.http.core_client.CoreClient`), uvicorn on a socket
 we bound, and the shutdown order (SIGTERM/SIGINT: stop accepting, cut running turns at a token
 boundary, then the core commits and suspends every session and exits; exit 0)."""
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.service.app import ServerContext, build_app
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
-from sessionstore.service.bundle_pull import PullPolicy
-from sessionstore.service.core_client import CoreClient
-from sessionstore.service.fleet_proxy import FleetProxy
+from sessionstore.service.fleet.bundle_pull import PullPolicy
+from sessionstore.service.fleet.proxy import FleetProxy
+from sessionstore.service.http.app import ServerContext, build_app
+from sessionstore.service.http.core_client import CoreClient
+from sessionstore.service.http.metrics import HttpMetrics
+from sessionstore.service.http.slow_clients import guarded_protocol
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import HttpMetrics
 from sessionstore.service.prompts import load_tokenizer
-from sessionstore.service.slow_clients import guarded_protocol
 from sessionstore.service.tiers import DEFAULT_SWEEP_INTERVAL_S
 from sessionstore.sessions import SessionStore
 

@@ -3,7 +3,7 @@
 Commit = (1) the kv commit (records + sidecar entries, fsync, commit word, fsync): THE commit
 point; then (2) the manifest's dynamic fields (``committed``, ``pending``, ``last_logits``,
 ``updated_at``) written in place to the commit state page (``manifest.json.state``, see
-:mod:`sessionstore.sessions.commit_state`); (2) never starts before (1) returned. The new page is
+:mod:`sessionstore.sessions.commit_state_page`); (2) never starts before (1) returned. The new page is
 encoded on a helper thread while (1) waits in its data barrier; only its 4 KiB ``pwrite``
 follows the commit point.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from kernels.errors import CorruptionError
 from sessionstore.kvfile import KVWriter
 from sessionstore.log import get_logger
-from sessionstore.sessions.commit_state import StateWriter, encode_state
+from sessionstore.sessions.commit_state_page import StateWriter, encode_state
 from sessionstore.sessions.digest import LogitsDigest, make_digest
 from sessionstore.sessions.manifest import Manifest, utc_now
 

@@ -1,25 +1,25 @@
 """This server as one host of a fleet sharing an object store (``serve --http --remote
 s3://bucket/prefix``, FORMAT.md 6.4 and 7): the fleet, not the local store, is every session's home.
 
-:class:`SessionHome` is what the engine asks before and after a session lives here:
+:class:`FleetHome` is what the engine asks before and after a session lives here:
 
-- :meth:`SessionHome.check_out` before a session that is not resident opens: refused (409
+- :meth:`FleetHome.check_out` before a session that is not resident opens: refused (409
   ``session_held``, naming the holder) while another host holds its lease live; otherwise the
   lease is taken and, unless the local copy is known to equal the fleet's current bundle, that
   bundle is pulled over it. A session the fleet has no bundle of is created or continued here
   under a conditional create of its lease (of two hosts creating one id, one wins).
-- :meth:`SessionHome.keep` once it is open: a LeaseKeeper renews the lease while it stays
+- :meth:`FleetHome.keep` once it is open: a LeaseKeeper renews the lease while it stays
   resident and fences its commits (a lost lease: every further commit is refused).
-- :meth:`SessionHome.check_in` after it was suspended, evicted or closed: push a new bundle and
+- :meth:`FleetHome.check_in` after it was suspended, evicted or closed: push a new bundle and
   release the lease. A failed push keeps the local commit and the lease as it was; the next
-  check-in (at the latest the server's shutdown, :meth:`SessionHome.close`) pushes again.
-- :meth:`SessionHome.forget` before a session is deleted here: it is deleted from the fleet too.
+  check-in (at the latest the server's shutdown, :meth:`FleetHome.close`) pushes again.
+- :meth:`FleetHome.forget` before a session is deleted here: it is deleted from the fleet too.
 
 A resident session whose lease was lost (another host took it over after it expired, or the
 store stayed unreachable past the TTL) is dropped uncommitted at its next request, which then
 checks the session out afresh: 409 while the new owner holds it live, 503 while the store cannot
 be reached, else the fleet's copy is pulled (never pushed over). Every method runs as a job
-on the engine loop, one at a time; the listing (:meth:`SessionHome.listing`) may run beside.
+on the engine loop, one at a time; the listing (:meth:`FleetHome.listing`) may run beside.
 """
 from __future__ import annotations
 
@@ -29,15 +29,14 @@ from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
-from sessionstore.migration import Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
-from sessionstore.migration.lease import HeldElsewhereError
+from sessionstore.migration import HeldElsewhereError, Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, is_offloaded
 
 log = get_logger("fleet")
 
 
-class SessionHome:
+class FleetHome:
     """The fleet's side of this server's sessions: leases held, bundles pushed and pulled."""
 
     def __init__(self, remote: RemoteStore, *, model: str | None = None, ship: bool = True,
@@ -292,4 +291,4 @@ class SessionHome:
             raise ApiError(503, str(exc), code="fleet_unavailable") from None
 
 
-__all__ = ["SessionHome"]
+__all__ = ["FleetHome"]

@@ -25,12 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionstore.service.core_client import CoreClient, CoreStream
 from sessionstore.service.errors import ApiError, Places, api_error_of
+from sessionstore.service.http.core_client import CoreClient, CoreStream
+from sessionstore.service.http.metrics import HttpMetrics, TurnClock
+from sessionstore.service.http.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
+from sessionstore.service.http.streams import Event
 from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import HttpMetrics, TurnClock
-from sessionstore.service.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
 from sessionstore.service.response_records import (
     ResponseRecord,
     ResponseRecords,
@@ -40,7 +41,6 @@ from sessionstore.service.response_records import (
     new_response_id,
     parse_record,
 )
-from sessionstore.service.streams import Event
 from sessionstore.service.turns import TurnSpec
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
@@ -49,7 +49,7 @@ MAX_METADATA_VALUE = 512
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text"})
 
 class TurnHost(Protocol):
-    """What the routes use of the API they are part of (:class:`sessionstore.service.app.Api`)."""
+    """What the routes use of the API they are part of (:class:`sessionstore.service.http.app.Api`)."""
 
     @property
     def core(self) -> CoreClient: ...

@@ -17,7 +17,7 @@ from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
 from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PROCESSING
 from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
-from sessionstore.service.jsonbody import read_json_body
+from sessionstore.service.http.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]

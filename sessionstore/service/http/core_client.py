@@ -31,6 +31,7 @@ import zmq.asyncio
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.errors import ApiError
+from sessionstore.service.http.streams import Event
 from sessionstore.service.ipc import (
     Call,
     Cancel,
@@ -50,7 +51,6 @@ from sessionstore.service.ipc import (
     encode,
     socket_paths,
 )
-from sessionstore.service.streams import Event
 from sessionstore.service.turns import TurnSpec
 
 log = get_logger("service.client")

@@ -1,4 +1,4 @@
-"""The service's web page: ``GET /`` and its assets, shipped in ``sessionstore/service/web/``.
+"""The service's web page: ``GET /`` and its assets, shipped in ``sessionstore/service/http/web/``.
 
 They are served without auth (they hold no data; every API call the page makes carries the key),
 with ``Cache-Control: no-cache`` and a Content-Security-Policy that allows only this origin.
@@ -26,7 +26,7 @@ PAGE_METHODS = frozenset({"GET", "HEAD"})
 
 def read_asset(name: str) -> bytes:
     """The bytes of ``web/<name>`` inside the installed package."""
-    return resources.files("sessionstore.service").joinpath("web", name).read_bytes()
+    return resources.files("sessionstore.service.http").joinpath("web", name).read_bytes()
 
 
 def asset_route(path: str, name: str, media_type: str) -> Route:

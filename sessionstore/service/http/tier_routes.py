@@ -1,6 +1,6 @@
 """The HTTP side of a session's tier (FORMAT.md 7, 5.10): ``retention_seconds`` and ``pinned``
-beside ``session`` in a turn's body, ``PATCH /v1/sessions/{id}``, and the tier fields of a
-session's description (``state`` ``offloaded``, ``retention_seconds``, ``pinned``)."""
+beside ``session`` in a turn's body and ``PATCH /v1/sessions/{id}``. The tier fields of a session's
+description are built in the engine core (:mod:`sessionstore.service.tier_fields`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response
 
 from kernels.errors import ColiError
 from sessionstore.service.errors import ApiError
-from sessionstore.service.protocol import parse_body
-from sessionstore.sessions import MAX_RETENTION_S, CatalogueEntry, TierChange, check_retention, read_tier
+from sessionstore.service.http.protocol import parse_body
+from sessionstore.sessions import MAX_RETENTION_S, TierChange, check_retention
 
 
 class SessionPatch(BaseModel):
@@ -42,26 +42,6 @@ def tier_change_of(req: BaseModel, session: str | None) -> TierChange | None:
     return TierChange("retention_seconds" in given, retention, getattr(req, "pinned", None))
 
 
-def entry_tier_fields(entry: CatalogueEntry) -> dict[str, Any]:
-    """The tier fields of a listed session (from its catalogue row)."""
-    out: dict[str, Any] = {"retention_seconds": entry.retention_s, "pinned": entry.pinned}
-    if entry.state == "offloaded":
-        out.update(state="offloaded", location=entry.location)
-    return out
-
-
-def session_tier_fields(engine: Any, sid: str) -> dict[str, Any]:
-    """The tier fields of one session (from its tier record)."""
-    try:
-        record = read_tier(engine.store.session_dir(sid))
-    except ColiError:
-        return {}
-    out: dict[str, Any] = {"retention_seconds": record.retention_seconds, "pinned": record.pinned}
-    if record.offloaded is not None:
-        out.update(state="offloaded", location=record.offloaded.location, bytes=record.offloaded.bytes)
-    return out
-
-
 async def patch_session(api: Any, request: Request) -> Response:
     """``PATCH /v1/sessions/{id}`` with ``retention_seconds`` and/or ``pinned``: the session's
     description after the change (404: no such session; 409 while a request holds it)."""
@@ -73,4 +53,4 @@ async def patch_session(api: Any, request: Request) -> Response:
     return JSONResponse(await api.core.call("tier_change", sid=sid, change=msgspec.to_builtins(change)))
 
 
-__all__ = ["SessionPatch", "entry_tier_fields", "patch_session", "session_tier_fields", "tier_change_of"]
+__all__ = ["SessionPatch", "patch_session", "tier_change_of"]

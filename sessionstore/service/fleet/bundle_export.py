@@ -1,6 +1,6 @@
 """Bundles over HTTP, the export side: ``GET /v1/sessions/{id}/bundle`` streams an export of the
 session's last commit (FORMAT.md 6, written by ``migration.PreparedExport`` in a thread of its own,
-no decoder needed). The upload side (``PUT``) is :mod:`sessionstore.service.bundle_upload`.
+no decoder needed). The upload side (``PUT``) is :mod:`sessionstore.service.fleet.bundle_upload`.
 
 Compression (``?compress=auto|none|1..22``): without the parameter a client on a loopback address
 gets ``none`` (a zstd pass costs more than the loopback link it would save) and every other client
@@ -18,10 +18,10 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any, BinaryIO, cast
 
-from sessionstore.migration.exporting import PreparedExport
+from sessionstore.migration import PreparedExport
 from sessionstore.service.bind import is_loopback_address
 from sessionstore.service.errors import ApiError
-from sessionstore.service.streams import outbox_of
+from sessionstore.service.fleet.loop_outbox import outbox_of
 from sessionstore.sessions import SessionStore
 
 QUEUE_CHUNKS = 8  # writes buffered between the exporting thread and a slow client

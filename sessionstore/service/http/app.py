@@ -2,7 +2,7 @@
 the sessions API, health and metrics.
 
 Handlers validate the request, render and tokenise its prompt, send its work to the engine core
-(:class:`~sessionstore.service.core_client.CoreClient`) and stream what comes back; every refusal
+(:class:`~sessionstore.service.http.core_client.CoreClient`) and stream what comes back; every refusal
 is an OpenAI-shaped error (:mod:`sessionstore.service.errors`). Nothing here touches a session's
 files but a bundle's transfer (read for an export, received into the store's tmp/ for an import,
 whose install the core does).
@@ -27,19 +27,14 @@ from starlette.routing import Route
 
 from kernels.model.logits import TokenLogprob
 from kernels.model.text import ChatTokenizer
-from sessionstore.service import bundle_pull, bundle_upload
-from sessionstore.service.auth import BearerAuth
-from sessionstore.service.bundle_pull import PullPolicy
-from sessionstore.service.bundles import export_compression, export_stream
-from sessionstore.service.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
-from sessionstore.service.fleet_proxy import FleetProxy
-from sessionstore.service.ipc import ResponseJob
-from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.listing import page_query
-from sessionstore.service.metrics import HttpMetrics, TurnClock
-from sessionstore.service.prompts import PromptRenderer
-from sessionstore.service.protocol import (
+from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
+from sessionstore.service.fleet.bundle_pull import PullPolicy
+from sessionstore.service.fleet.proxy import FleetProxy
+from sessionstore.service.http.auth import BearerAuth
+from sessionstore.service.http.core_client import CoreClient, CoreStream, HeldElsewhere
+from sessionstore.service.http.metrics import HttpMetrics, TurnClock
+from sessionstore.service.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ForkRequest,
@@ -55,11 +50,15 @@ from sessionstore.service.protocol import (
     usage,
     usage_chunk,
 )
-from sessionstore.service.responses import ResponsesRoutes
-from sessionstore.service.streams import Event, merged
-from sessionstore.service.tier_routes import patch_session, tier_change_of
+from sessionstore.service.http.responses import ResponsesRoutes
+from sessionstore.service.http.streams import Event, merged
+from sessionstore.service.http.tier_routes import patch_session, tier_change_of
+from sessionstore.service.http.webpage import WithPage
+from sessionstore.service.ipc import ResponseJob
+from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.listing import page_query
+from sessionstore.service.prompts import PromptRenderer
 from sessionstore.service.turns import TurnOutcome, TurnSpec
-from sessionstore.service.webpage import WithPage
 from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]

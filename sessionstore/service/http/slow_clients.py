@@ -4,7 +4,7 @@ A connection must send a request's headers within ``HEADER_TIMEOUT_S`` of connec
 first byte of its next request), and while its body arrives no gap between pieces may pass
 ``BODY_IDLE_TIMEOUT_S``; past either, the connection is closed (the handler reading the body sees
 the client gone). A JSON body must also arrive whole within ``BODY_READ_TIMEOUT_S`` (a 408 from
-the handler, :meth:`sessionstore.service.app.Api.body`), so a client trickling a byte a second is
+the handler, :meth:`sessionstore.service.http.app.Api.body`), so a client trickling a byte a second is
 cut; a bundle upload (gigabytes, legitimately slow) is bound by the idle gap only. Other clients
 are unaffected: each timer is its connection's.
 """

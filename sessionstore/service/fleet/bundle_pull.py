@@ -1,7 +1,8 @@
 """Bundles over HTTP, the pull side: ``POST /v1/sessions/{id}/pull {"from": ORIGIN}`` makes this
 server fetch session ``id`` from another server (its ``GET /v1/sessions/{id}/bundle?compress=none``)
-and import it as it streams. The receiving thread reads the peer's socket itself, into one large
-buffer per read: no event loop and no per-piece ASGI messages stand between the wire and the
+and import it as it streams. The receiving thread reads the peer's response itself, through one
+httpx client (the HTTP client of every bundle transfer, as :mod:`sessionstore.migration.http_transport`'s),
+as it arrives: no event loop and no per-piece ASGI messages stand between the wire and the
 verified import (``migration.receive_bundle``: every chunk checked before it is written, then the
 digests, trailer, sidecar, fsync), which is installed under the session's claim like an upload.
 
@@ -15,20 +16,19 @@ from __future__ import annotations
 
 import io
 import json
-import socket
-import ssl
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 from urllib.parse import quote, urlsplit
 
-from kernels.errors import CorruptionError
-from sessionstore.migration.migrate import ReceivedBundle, receive_bundle
-from sessionstore.service.bundle_upload import BundleHost, in_thread, too_large
-from sessionstore.service.errors import ApiError
+import httpx
 
-HEAD_LIMIT = 64 << 10  # bytes of a peer's status line and headers at most
+from kernels.errors import CorruptionError
+from sessionstore.migration import ReceivedBundle, receive_bundle
+from sessionstore.service.errors import ApiError
+from sessionstore.service.fleet.bundle_upload import BundleHost, in_thread, too_large
+
 ERROR_BODY_LIMIT = 64 << 10  # bytes of a peer's error body read for its message
-READ_BYTES = 4 << 20  # one socket read at most
 
 
 def origin_of(url: str) -> str:
@@ -72,82 +72,60 @@ class PullPolicy:
 
 
 class PeerBody(io.RawIOBase):
-    """A response body of exactly ``length`` bytes read straight from ``sock`` (``first``: the bytes
-    that came with the headers); a peer that closes early is a cut bundle."""
+    """A response body of exactly ``length`` bytes, read from the peer's raw stream (``pieces``:
+    the body as it arrives, nothing decoded); a peer that closes early is a cut bundle."""
 
-    def __init__(self, sock: socket.socket, length: int, first: bytes, where: str) -> None:
+    def __init__(self, pieces: Iterator[bytes], length: int, where: str) -> None:
         super().__init__()
-        self.sock, self.remaining, self.first, self.where = sock, length, first, where
+        self.pieces, self.remaining, self.where = pieces, length, where
         self.length = length
+        self.left = memoryview(b"")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b: Any) -> int:
         out = memoryview(b).cast("B")
-        want = min(len(out), self.remaining, READ_BYTES)
+        want = min(len(out), self.remaining)
         if want == 0:
             return 0
-        if self.first:
-            n = min(want, len(self.first))
-            out[:n] = self.first[:n]
-            self.first = self.first[n:]
-        else:
-            n = self.sock.recv_into(out[:want])
-            if n == 0:
+        while not self.left:
+            try:
+                self.left = memoryview(next(self.pieces))
+            except (StopIteration, httpx.RemoteProtocolError):  # closed before Content-Length bytes came
                 raise CorruptionError(f"{self.where}: the peer closed the bundle after "
-                                      f"{self.length - self.remaining} of {self.length} bytes")
+                                      f"{self.length - self.remaining} of {self.length} bytes") from None
+        n = min(want, len(self.left))
+        out[:n] = self.left[:n]
+        self.left = self.left[n:]
         self.remaining -= n
         return n
 
 
-def _connect(origin: str, policy: PullPolicy) -> socket.socket:
-    parts = urlsplit(origin)
-    assert parts.hostname is not None and parts.port is not None  # origin_of made it
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=policy.connect_timeout_s)
-    sock.settimeout(policy.read_timeout_s)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    if parts.scheme == "https":
-        return ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
-    return sock
+def peer_client(policy: PullPolicy) -> httpx.Client:
+    """The client of one pull: ``policy``'s key and timeouts, no redirect followed, no proxy
+    from the environment (only the listed origin is contacted, directly)."""
+    headers = {"Authorization": f"Bearer {policy.key}"} if policy.key else {}
+    timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
+    return httpx.Client(headers=headers, timeout=timeout, follow_redirects=False, trust_env=False)
 
 
-def _read_head(sock: socket.socket, where: str) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers with lower-case names, the body bytes read with them)."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        if len(got) > HEAD_LIMIT:
-            raise ApiError(502, f"{where}: the peer's response headers exceed {HEAD_LIMIT} bytes", code="bad_peer")
-        more = sock.recv(65536)
-        if not more:
-            raise ApiError(502, f"{where}: the peer closed the connection before answering", code="bad_peer")
-        got += more
-    head, rest = got.split(b"\r\n\r\n", 1)
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split()[1])
-    except (IndexError, ValueError):
-        raise ApiError(502, f"{where}: not an HTTP response: {lines[0][:80]!r}", code="bad_peer") from None
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    return status, headers, rest
-
-
-def _peer_refusal(where: str, status: int, sock: socket.socket, rest: bytes) -> ApiError:
+def _peer_refusal(where: str, response: httpx.Response) -> ApiError:
     """The peer's error as ours: its message, and 404/409 passed on; anything else is a 502."""
-    body = rest
-    while len(body) < ERROR_BODY_LIMIT:
-        try:
-            more = sock.recv(65536)
-        except OSError:
-            break
-        if not more:
-            break
-        body += more
+    body = b""
+    try:
+        for piece in response.iter_raw():
+            body += piece
+            if len(body) >= ERROR_BODY_LIMIT:
+                break
+    except httpx.HTTPError:
+        pass
     message = body[:ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
     try:
         message = str(json.loads(message)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = message[:300]
+    status = response.status_code
     passed = {404: ("session_not_found", 404), 409: ("peer_busy", 409)}.get(status)
     code, ours = passed if passed is not None else ("bad_peer", 502)
     return ApiError(ours, f"{where}: the peer answered {status}: {message}", code=code)
@@ -156,39 +134,40 @@ def _peer_refusal(where: str, status: int, sock: socket.socket, rest: bytes) -> 
 def fetch_bundle(host: BundleHost, session_id: str, origin: str, policy: PullPolicy, limit: int) -> ReceivedBundle:
     """(a thread) Session ``session_id``'s bundle from ``origin``, verified into a temp directory."""
     where = f"{origin}/v1/sessions/{session_id}/bundle"
-    try:
-        sock = _connect(origin, policy)
-    except OSError as exc:
-        raise ApiError(502, f"{origin}: could not reach the peer: {exc}", code="peer_unreachable") from None
-    try:
-        netloc = urlsplit(origin).netloc
-        auth = f"Authorization: Bearer {policy.key}\r\n" if policy.key else ""
-        sock.sendall((f"GET /v1/sessions/{quote(session_id)}/bundle?compress=none HTTP/1.1\r\nHost: {netloc}\r\n"
-                      f"{auth}Connection: close\r\n\r\n").encode())
-        status, headers, rest = _read_head(sock, where)
-        if status != 200:
-            raise _peer_refusal(where, status, sock, rest)
-        declared = headers.get("content-length", "")
-        if not declared.isdigit():
-            raise ApiError(502, f"{where}: the peer sent no Content-Length for an uncompressed bundle",
-                           code="bad_peer")
-        if int(declared) > limit:
-            raise too_large(limit, declared)
-        body = PeerBody(sock, int(declared), rest, where)
+    url = f"{origin}/v1/sessions/{quote(session_id, safe='')}/bundle?compress=none"
+    with peer_client(policy) as client:
         try:
-            received = receive_bundle(host.store, cast(BinaryIO, body), source_name=where, replace=True,
-                                      model=host.model_source, as_id=session_id)
-        except CorruptionError as exc:  # the peer's bundle, not our store
-            raise ApiError(502, f"the bundle pulled from {where} failed verification: {exc}",
-                           code="bundle_invalid") from None
-        if body.remaining:
-            received.discard()
-            raise ApiError(502, f"{where}: {body.remaining} bytes follow the bundle's end", code="bad_peer")
-        return received
-    except OSError as exc:  # a reset or a silent peer (socket timeout)
-        raise ApiError(502, f"{where}: {type(exc).__name__}: {exc}", code="peer_unreachable") from None
-    finally:
-        sock.close()
+            response = client.send(client.build_request("GET", url), stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ApiError(502, f"{origin}: could not reach the peer: {exc}", code="peer_unreachable") from None
+        except httpx.RemoteProtocolError as exc:  # closed before answering, or not HTTP (headers past h11's limit)
+            raise ApiError(502, f"{where}: not an HTTP response: {exc}", code="bad_peer") from None
+        except httpx.HTTPError as exc:  # a reset or a silent peer before the answer
+            raise ApiError(502, f"{where}: {type(exc).__name__}: {exc}", code="peer_unreachable") from None
+        try:
+            if response.status_code != 200:
+                raise _peer_refusal(where, response)
+            declared = response.headers.get("content-length", "")
+            if not declared.isdigit():
+                raise ApiError(502, f"{where}: the peer sent no Content-Length for an uncompressed bundle",
+                               code="bad_peer")
+            if int(declared) > limit:
+                raise too_large(limit, declared)
+            body = PeerBody(response.iter_raw(), int(declared), where)  # the pieces as read, none copied twice
+            try:
+                received = receive_bundle(host.store, cast(BinaryIO, body), source_name=where, replace=True,
+                                          model=host.model_source, as_id=session_id)
+            except CorruptionError as exc:  # the peer's bundle, not our store
+                raise ApiError(502, f"the bundle pulled from {where} failed verification: {exc}",
+                               code="bundle_invalid") from None
+            if body.remaining:
+                received.discard()
+                raise ApiError(502, f"{where}: {body.remaining} bytes follow the bundle's end", code="bad_peer")
+            return received
+        except httpx.HTTPError as exc:  # a reset or a silent peer (read timeout) mid-body
+            raise ApiError(502, f"{where}: {type(exc).__name__}: {exc}", code="peer_unreachable") from None
+        finally:
+            response.close()
 
 
 async def pull_bundle(host: BundleHost, session_id: str, asked: object, policy: PullPolicy | None, *,
@@ -203,4 +182,4 @@ async def pull_bundle(host: BundleHost, session_id: str, asked: object, policy: 
     return await host.install(session_id, received, replace)
 
 
-__all__ = ["PeerBody", "PullPolicy", "fetch_bundle", "origin_of", "pull_bundle"]
+__all__ = ["PeerBody", "PullPolicy", "fetch_bundle", "origin_of", "peer_client", "pull_bundle"]
