@@ -260,9 +260,7 @@ class TurnShipper:
             chain = self._chains.get(session_id)
             if chain is None or chain.generation != lease.generation or session_id in self._prepared:
                 return "skipped"
-        cur = self.remote.lease(session_id)
-        if cur is None or cur.owner != self.remote.host_id or cur.generation != lease.generation or not cur.live():
-            log.info("ship.compaction_skipped", id=session_id, reason="this host does not hold the lease")
+        if not self._holds(session_id, lease):
             return "fenced"
         name, key = self.remote.bundles.new_key(session_id, lease)
         with self.objects.failing(f"compaction (uploading base bundle {name})", session_id), \
@@ -271,6 +269,9 @@ class TurnShipper:
                           storage_options=self.objects.storage_options) as (sink, _):
             result = export.write(sink, compression=self.remote.compression)
             base = PreparedBase(key, result.tokens, export.snap.epoch, lease.generation)
+        if not self._holds(session_id, lease):  # lost while it uploaded (the head's If-Match guards too)
+            self.objects.delete(key)
+            return "fenced"
         with self._lock:
             chain = self._chains.get(session_id)
             if chain is None or chain.generation != base.generation or self._epochs.get(session_id) != base.epoch:
@@ -296,6 +297,14 @@ class TurnShipper:
         log.info("ship.compacted", id=session_id, nrec=base.nrec, segments=chain.count, bytes=result.stored_bytes)
         self._delete_replaced(chain, written)
         return "compacted"
+
+    def _holds(self, session_id: str, lease: Lease) -> bool:
+        """Whether the store's lease is ``lease``'s generation, held live by this host."""
+        cur = self.remote.lease(session_id)
+        if cur is None or cur.owner != self.remote.host_id or cur.generation != lease.generation or not cur.live():
+            log.info("ship.compaction_skipped", id=session_id, reason="this host does not hold the lease")
+            return False
+        return True
 
     def _delete_replaced(self, old: Head, new: Head) -> None:
         """Delete what the chain ``old`` held that ``new`` (restarted from a compaction's base) does

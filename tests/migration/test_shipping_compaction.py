@@ -5,6 +5,7 @@ host without the lease never compacts and a claim by another host wins over it; 
 SIGKILL mid-compaction leaves the previous chain whole."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -191,6 +192,31 @@ def test_a_claim_during_a_compaction_wins_and_its_bundle_is_deleted(hosts, short
     assert head.owner == "host-b" and head.count == 1  # B's claimed chain, untouched
     assert bundle_keys(a, "conv") == bundles  # A's compacted bundle deleted
     assert session_files(b.store, "conv") == expected
+
+
+def test_a_head_rewritten_during_a_compaction_is_never_replaced(hosts, monkeypatch):
+    a, _ = hosts
+    make_session(a.store, "conv", 20)
+    held = a.acquire("conv")
+    ship_a = TurnShipper(a, background=False)
+    ship_a.ship("conv", held)
+    grow(a.store, "conv", 2, seed=1)
+    ship_a.ship("conv", held)
+    bundles = bundle_keys(a, "conv")
+
+    class HeadMovedDuringUpload(PreparedExport):
+        def write(self, sink, **kw):  # another writer's head lands before the lease shows it
+            out = super().write(sink, **kw)
+            head = ship_a.read_head("conv")
+            other = dataclasses.replace(head, owner="host-b", generation=head.generation + 1)
+            a.objects.call("put_object", Key=ship_a.head_key("conv"), Body=other.body(), IfMatch=head.etag)
+            return out
+
+    monkeypatch.setattr(shipping, "PreparedExport", HeadMovedDuringUpload)
+    assert ship_a.compact("conv", held) == "fenced"  # its If-Match refused: the bundle is deleted
+    head = ship_a.read_head("conv")
+    assert head.owner == "host-b" and head.count == 1
+    assert bundle_keys(a, "conv") == bundles
 
 
 def test_a_failure_mid_compaction_leaves_the_chain_whole(hosts, monkeypatch):
