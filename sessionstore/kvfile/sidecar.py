@@ -38,6 +38,12 @@ CHECK_STRUCT = struct.Struct("<Q")
 assert SIDECAR_STRUCT.size == 56
 assert SIDECAR_STRUCT.size + CHECK_STRUCT.size == SIDECAR_HEADER_SIZE
 HEADROOM_ENTRIES = 4096  # zero-filled entries (32 KiB) the kv writer's sidecar grows by
+
+
+def sidecar_bound(records: int) -> int:
+    """The most the kv writer's sidecar of a file of ``records`` records takes: its header, one
+    entry per record and the zero-filled headroom it grows by, page-rounded (:meth:`SidecarWriter.append`)."""
+    return SIDECAR_HEADER_SIZE + (records + HEADROOM_ENTRIES) * ENTRY_SIZE + 4096
 CHECK_CHUNK_RECORDS = 4096  # records hashed per comparison chunk
 
 log = get_logger("sidecar")
@@ -314,7 +320,7 @@ def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
 
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
-    "sidecar_path", "record_checksum", "static_hash", "load_sidecar", "hash_records",
+    "sidecar_bound", "sidecar_path", "record_checksum", "static_hash", "load_sidecar", "hash_records",
     "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
     "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]

@@ -7,9 +7,12 @@ as one *segment* object, and the session's *head* object names the chain (base b
   claimed the chain (a takeover): the segment is deleted and the chain forgotten here
   (LockedError). Cost: O(new records) plus the head (a fixed few hundred bytes: each segment
   names its predecessor, the head only the last one).
-- A chain that would grow past 1,024 segments, or whose segments outweigh its base, is compacted:
-  the whole commit is uploaded as a new base bundle and the head restarts from it (amortised
-  O(1) per shipped byte, since the base at least doubles between compactions).
+- A chain of 512 segments, or whose segments outweigh its base, is compacted in the background
+  (:meth:`TurnShipper.compact` on the :class:`Compactor`'s thread; the turn's ship only asks):
+  the whole commit is uploaded as a new base bundle, then the head restarts from it with a
+  conditional write, or, when turns shipped meanwhile, the next ship starts its segment on it
+  (amortised O(1) per shipped byte, since the base at least doubles between compactions). Only
+  a chain of 1,024 segments (the most a head lists; the worker fell behind) is rebased inline.
 - :meth:`TurnShipper.take_over` on a host that just took the lease: a head that extends the
   lease's bundle pointer is *claimed* (rewritten with the new generation, ``If-Match``), so the
   former holder's later head writes fail; then the chain is fetched and installed
@@ -20,8 +23,10 @@ as one *segment* object, and the session's *head* object names the chain (base b
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,7 +34,8 @@ from kernels.errors import ColiError, LockedError
 from sessionstore.kvfile import SIDECAR_HEADER_SIZE
 from sessionstore.log import get_logger
 from sessionstore.migration.chain_reader import assemble
-from sessionstore.migration.exporting import ExportSource, export_session, kv_info
+from sessionstore.migration.compaction import Compactor, PreparedBase
+from sessionstore.migration.exporting import ExportSource, PreparedExport, export_session, kv_info
 from sessionstore.migration.lease import Lease, utc_stamp
 from sessionstore.migration.object_store import RemoteStoreError, is_conflict
 from sessionstore.migration.remote import RemoteStore
@@ -48,6 +54,8 @@ log = get_logger("remote")
 
 SEGMENT_SUFFIX = ".colisegment"
 COMPACT_MIN_BYTES = 4 << 20  # segments below this total never trigger a compaction by size
+COMPACT_SEGMENTS = MAX_CHAIN_SEGMENTS // 2  # a chain this long is compacted in the background
+_SEGMENT_NAME = re.compile(r"g(\d{8})-r\d{12}-[0-9a-f]+" + re.escape(SEGMENT_SUFFIX))
 
 
 @dataclass(frozen=True)
@@ -70,14 +78,24 @@ class ShipReport:
 class TurnShipper:
     """The chains of the sessions this host ships; one call at a time (the engine loop's jobs)."""
 
-    def __init__(self, remote: RemoteStore) -> None:
+    def __init__(self, remote: RemoteStore, *, background: bool = True) -> None:
+        """``background``: compact on a :class:`Compactor` thread (else inline, in the ship that
+        finds the chain due, as before the worker existed)."""
         self.remote = remote
         self.objects = remote.objects
         self._chains: dict[str, Head] = {}  # the head as this host last wrote (or claimed) it
         self._epochs: dict[str, int] = {}  # the manifest epoch the chain's records belong to
         self._manifests: dict[str, bytes] = {}  # the manifest.json the chain's last ship carried
+        self._written: dict[str, set[str]] = {}  # segments this host added to the chain since its base
+        self._prepared: dict[str, PreparedBase] = {}  # a compaction's base the next ship starts on
         self._lock = threading.RLock()  # a turn's end and a commit inside another turn may ship at once
+        self.compactor = Compactor() if background else None
         self.last: dict[str, ShipReport] = {}
+
+    def close(self) -> None:
+        """Let the background compactions queued so far finish, then stop the worker."""
+        if self.compactor is not None:
+            self.compactor.stop()
 
     # ---- keys and the head ----------------------------------------------------------------
     def head_key(self, session_id: str) -> str:
@@ -118,10 +136,12 @@ class TurnShipper:
         if lease.bundle is None:
             return
         stored = self.read_head(session_id)
-        self._chains[session_id] = Head(session_id, lease.generation, self.remote.host_id, lease.bundle,
-                                        lease.bundle, lease.bundle_tokens, lease.bundle_tokens,
-                                        updated_utc=utc_stamp(), etag="" if stored is None else stored.etag)
-        self._epochs[session_id] = epoch
+        with self._lock:  # a background compaction reads the chain too
+            self._forget_chain(session_id)
+            self._chains[session_id] = Head(session_id, lease.generation, self.remote.host_id, lease.bundle,
+                                            lease.bundle, lease.bundle_tokens, lease.bundle_tokens,
+                                            updated_utc=utc_stamp(), etag="" if stored is None else stored.etag)
+            self._epochs[session_id] = epoch
 
     def ship(self, session_id: str, lease: Lease) -> ShipReport:
         """Ship the session's last commit: a segment of the records since the chain's end, or a
@@ -135,17 +155,18 @@ class TurnShipper:
         store = self.remote.store
         snap = store.snapshot(session_id)
         chain = self._chains.get(session_id)
+        rec = snap.header.record_bytes
         if chain is None or chain.generation != lease.generation or \
                 self._epochs.get(session_id) != snap.epoch or snap.committed < chain.nrec or \
-                self._due(chain, snap.header.record_bytes):
+                chain.count >= MAX_CHAIN_SEGMENTS or (self.compactor is None and self._due(chain, rec)):
             return self._rebase(session_id, lease, snap.epoch, chain)
         source = ExportSource(snap, 4 << 20)
         try:
             if source.entries is None:  # no sidecar to ship entries from: ship the whole commit
                 return self._rebase(session_id, lease, snap.epoch, chain)
-            start, n = chain.nrec, snap.committed
-            rec = snap.header.record_bytes
-            if n == start and self._manifests.get(session_id) == source.manifest_json:
+            prepared = self._prepared_for(session_id, lease, snap.epoch, snap.committed)
+            start, n = chain.nrec if prepared is None else prepared.nrec, snap.committed
+            if prepared is None and n == start and self._manifests.get(session_id) == source.manifest_json:
                 return ShipReport(session_id, "unchanged", start, n, 0, 0, 0)
             records = bytes(source.reader.records_bytes_view(start, n)) if n > start else b""
             parts: dict[str, bytes | memoryview] = {
@@ -157,7 +178,8 @@ class TurnShipper:
             if source.responses is not None:
                 parts["responses.json"] = source.responses
             check_records(records, source.entries[start:n], start, rec, snap.kv_path)
-            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, chain.last)
+            prev = chain.last if prepared is None else None  # on a prepared base: the first segment
+            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, prev)
         finally:
             source.close()
         name = f"g{lease.generation:08d}-r{n:012d}-{secrets.token_hex(4)}{SEGMENT_SUFFIX}"
@@ -165,26 +187,151 @@ class TurnShipper:
         with self.objects.failing(f"ship (uploading segment {name})", session_id):
             self.objects.call("put_object", Key=key, Body=data)
         ref = SegmentRef(name, start, n, len(data), digest_of(data))
-        new = replace(chain, last=ref, count=chain.count + 1, segment_bytes=chain.segment_bytes + len(data),
-                      nrec=n, updated_utc=utc_stamp())
+        if prepared is None:
+            new = replace(chain, last=ref, count=chain.count + 1, segment_bytes=chain.segment_bytes + len(data),
+                          nrec=n, updated_utc=utc_stamp())
+        else:
+            new = Head(session_id, lease.generation, self.remote.host_id, chain.lease_bundle, prepared.key,
+                       prepared.nrec, n, ref, 1, len(data), updated_utc=utc_stamp())
         try:
             written, head_bytes = self._write_head(new, self._expect(session_id, chain), "ship (moving the head)")
-        except BaseException:
+        except BaseException as exc:
             self.objects.delete(key)
+            if prepared is not None and isinstance(exc, LockedError):  # refused: nothing names it
+                self.objects.delete(prepared.key)
             self._forget_chain(session_id)
             raise
         self._chains[session_id] = written
         self._manifests[session_id] = bytes(parts["manifest.json"])
+        if prepared is None:
+            self._written.setdefault(session_id, set()).add(name)
+        else:
+            self._written[session_id] = {name}
+            self._in_background(f"{session_id} cleanup", lambda: self._delete_replaced(chain, written))
         report = ShipReport(session_id, "segment", start, n, len(data), head_bytes, (n - start) * rec)
         self.last[session_id] = report
-        log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes)
+        log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes,
+                 on_compacted_base=prepared is not None)
+        if self.compactor is not None and self._due(written, rec):
+            self._in_background(session_id, lambda: self.compact(session_id, lease))
         return report
 
     @staticmethod
     def _due(chain: Head, record_bytes: int) -> bool:
-        """Compaction: the chain is as long as a head lists, or its segments outweigh its base."""
-        return chain.count >= MAX_CHAIN_SEGMENTS or (
+        """Compaction: the chain is long, or its segments outweigh its base."""
+        return chain.count >= COMPACT_SEGMENTS or (
             chain.segment_bytes >= COMPACT_MIN_BYTES and chain.segment_bytes >= chain.base_tokens * record_bytes)
+
+    def _in_background(self, key: str, job: Callable[[], object]) -> None:
+        """Hand ``job`` to the compactor (inline when this shipper has none)."""
+        if self.compactor is None:
+            job()
+        else:
+            self.compactor.request(key, job)
+
+    def _prepared_for(self, session_id: str, lease: Lease, epoch: int, committed: int) -> PreparedBase | None:
+        """The prepared base the next segment starts on, when it still belongs to this chain's
+        lease generation and records (a truncate or a takeover since: deleted, never used)."""
+        prepared = self._prepared.pop(session_id, None)
+        if prepared is None:
+            return None
+        if prepared.generation == lease.generation and prepared.epoch == epoch and prepared.nrec <= committed:
+            return prepared
+        self.objects.delete(prepared.key)
+        return None
+
+    # ---- background compaction (FORMAT.md 6.7.3) ---------------------------------------------------
+    def compact(self, session_id: str, lease: Lease) -> str:
+        """Upload the session's last commit as a whole bundle and restart the chain from it.
+        Runs on the compactor's thread, never under a turn. Returns what happened:
+
+        - ``skipped``: the chain changed hands or was replaced since it was asked for, or a base
+          is already prepared; ``fenced``: this host does not hold the lease now (it never
+          compacts then), or another host claimed the head first (the bundle is deleted);
+        - ``compacted``: the head names the new bundle alone (If-Match the head this host wrote:
+          a head it did not write is never replaced), the replaced chain deleted;
+        - ``prepared``: turns shipped while it was written (or a commit is not shipped yet): the
+          next ship starts its segment at the bundle's end (:class:`PreparedBase`);
+        - ``dropped``: the records were truncated meanwhile; the bundle is deleted.
+
+        The head moves last and only to a complete, uploaded bundle, so a reader (a takeover)
+        always finds a whole chain; a failure or a kill before that leaves the old one."""
+        with self._lock:
+            chain = self._chains.get(session_id)
+            if chain is None or chain.generation != lease.generation or session_id in self._prepared:
+                return "skipped"
+        if not self._holds(session_id, lease):
+            return "fenced"
+        name, key = self.remote.bundles.new_key(session_id, lease)
+        with self.objects.failing(f"compaction (uploading base bundle {name})", session_id), \
+                PreparedExport(self.remote.store, session_id) as export, \
+                open_sink(self.objects.url_of(key), overwrite=True,
+                          storage_options=self.objects.storage_options) as (sink, _):
+            result = export.write(sink, compression=self.remote.compression)
+            base = PreparedBase(key, result.tokens, export.snap.epoch, lease.generation)
+        if not self._holds(session_id, lease):  # lost while it uploaded (the head's If-Match guards too)
+            self.objects.delete(key)
+            return "fenced"
+        with self._lock:
+            chain = self._chains.get(session_id)
+            if chain is None or chain.generation != base.generation or self._epochs.get(session_id) != base.epoch:
+                self.objects.delete(key)
+                return "dropped"
+            if chain.nrec != base.nrec:
+                self._prepared[session_id] = base
+                log.info("ship.compaction_prepared", id=session_id, nrec=base.nrec, chain_nrec=chain.nrec)
+                return "prepared"
+            new = Head(session_id, lease.generation, self.remote.host_id, chain.lease_bundle, key, base.nrec,
+                       base.nrec, updated_utc=utc_stamp())
+            try:
+                written, _ = self._write_head(new, self._expect(session_id, chain), "compaction (moving the head)")
+            except LockedError:
+                self.objects.delete(key)
+                self._forget_chain(session_id)
+                return "fenced"
+            except BaseException:  # the store failed: the head may name it now, so it stays
+                self._forget_chain(session_id)
+                raise
+            self._chains[session_id], self._written[session_id] = written, set()
+            self._manifests.pop(session_id, None)
+        log.info("ship.compacted", id=session_id, nrec=base.nrec, segments=chain.count, bytes=result.stored_bytes)
+        self._delete_replaced(chain, written)
+        return "compacted"
+
+    def _holds(self, session_id: str, lease: Lease) -> bool:
+        """Whether the store's lease is ``lease``'s generation, held live by this host."""
+        cur = self.remote.lease(session_id)
+        if cur is None or cur.owner != self.remote.host_id or cur.generation != lease.generation or not cur.live():
+            log.info("ship.compaction_skipped", id=session_id, reason="this host does not hold the lease")
+            return False
+        return True
+
+    def _delete_replaced(self, old: Head, new: Head) -> None:
+        """Delete what the chain ``old`` held that ``new`` (restarted from a compaction's base) does
+        not: its base (unless the lease's bundle) and its segments, i.e. every segment of this
+        lease generation or older that this host did not add to ``new``; stops once ``new`` is no
+        longer this host's chain. A later generation's segments (a takeover's) are never touched."""
+        if old.base is not None and old.base not in (old.lease_bundle, new.base):
+            self.objects.delete(old.base)
+        prefix = self.segment_key(old.session_id, "")
+        try:
+            page: dict[str, Any] = {"IsTruncated": True}
+            while page.get("IsTruncated"):
+                more = {"ContinuationToken": page["NextContinuationToken"]} \
+                    if page.get("NextContinuationToken") else {}
+                page = self.objects.call("list_objects_v2", Prefix=prefix, **more)
+                for obj in page.get("Contents", []):
+                    key = str(obj["Key"])
+                    found = _SEGMENT_NAME.fullmatch(key.rsplit("/", 1)[-1])
+                    with self._lock:
+                        mine = self._chains.get(old.session_id)
+                        if mine is None or (mine.base, mine.generation) != (new.base, new.generation):
+                            return  # replaced again (a rebase, a takeover): that one deletes its own
+                        live = key.rsplit("/", 1)[-1] in self._written.get(old.session_id, ())
+                    if found is not None and int(found.group(1)) <= new.generation and not live:
+                        self.objects.delete(key)
+        except Exception as exc:  # noqa: BLE001 - a store failure: leftovers are never read
+            log.info("ship.segments_delete_failed", id=old.session_id, error=str(exc))
 
     def _expect(self, session_id: str, chain: Head | None) -> Head | None:
         """The head a write must replace: the one this host wrote, or the stored one it read."""
@@ -211,8 +358,11 @@ class TurnShipper:
             self.objects.delete(key)
             self._forget_chain(session_id)
             raise
-        self._chains[session_id], self._epochs[session_id] = written, epoch
+        self._chains[session_id], self._epochs[session_id], self._written[session_id] = written, epoch, set()
         self._manifests.pop(session_id, None)
+        prepared = self._prepared.pop(session_id, None)
+        if prepared is not None:
+            self.objects.delete(prepared.key)
         if stored is not None:
             self._delete_chain(stored, keep=(lease.bundle, key))
         report = ShipReport(session_id, "base", 0, result.tokens, result.stored_bytes, head_bytes, 0)
@@ -250,8 +400,12 @@ class TurnShipper:
                 except ColiError as exc:
                     raise RemoteStoreError(f"remote object store {self.objects.url}: takeover of session "
                                            f"{session_id!r} could not assemble its chain: {exc}") from None
-            self._chains[session_id] = written
-            self._epochs[session_id] = self.remote.store.snapshot(session_id).epoch
+            with self._lock:  # a background compaction reads the chain (its head write is If-Match)
+                self._chains[session_id] = written
+                self._epochs[session_id] = self.remote.store.snapshot(session_id).epoch
+                self._prepared.pop(session_id, None)
+                if not current:
+                    self._written[session_id] = set()  # another host's segments: not this host's to delete
             log.info("ship.takeover", id=session_id, host=self.remote.host_id, nrec=written.nrec,
                      segments=written.count, fetched=not current)
             return not current
@@ -260,7 +414,9 @@ class TurnShipper:
     # ---- after a whole-bundle push, and a delete -------------------------------------------------
     def pushed(self, session_id: str, lease: Lease) -> None:
         """A push moved the lease's pointer to ``lease.bundle``: the chain is stale; delete it."""
-        chain = self._chains.pop(session_id, None)
+        with self._lock:
+            chain = self._chains.get(session_id)
+            self._forget_chain(session_id)  # a prepared base is of this generation: the push's sweep deletes it
         stored = chain if chain is not None and chain.etag else self.read_head_quietly(session_id)
         if stored is None or stored.lease_bundle == lease.bundle:
             return
@@ -281,7 +437,11 @@ class TurnShipper:
     def forget(self, session_id: str) -> None:
         """Delete the session's head, its base bundle and every segment (the session is deleted
         from the fleet)."""
-        self._forget_chain(session_id)
+        with self._lock:
+            prepared = self._prepared.get(session_id)
+            self._forget_chain(session_id)
+        if prepared is not None:
+            self.objects.delete(prepared.key)
         head = self.read_head_quietly(session_id)
         self.objects.delete(self.head_key(session_id))
         if head is not None and head.base is not None:
@@ -292,6 +452,8 @@ class TurnShipper:
         self._chains.pop(session_id, None)
         self._epochs.pop(session_id, None)
         self._manifests.pop(session_id, None)
+        self._written.pop(session_id, None)
+        self._prepared.pop(session_id, None)  # unnamed, or named by a head this host may not touch now
 
     def _delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:
         """Delete a replaced chain's segments and its base (unless ``keep`` names it). The chain
@@ -329,4 +491,4 @@ def check_records(records: bytes, entries: Any, start: int, record_bytes: int, p
                                   f"{int(entries[i]):#018x}; refusing to ship it")
 
 
-__all__ = ["COMPACT_MIN_BYTES", "SEGMENT_SUFFIX", "ShipReport", "TurnShipper"]
+__all__ = ["COMPACT_MIN_BYTES", "COMPACT_SEGMENTS", "SEGMENT_SUFFIX", "ShipReport", "TurnShipper"]

@@ -234,11 +234,11 @@ def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | N
     if remote_url is None:
         return None
     from sessionstore.migration import LEASE_TTL_S, RemoteStore
-    from sessionstore.service.fleet import FleetHome as SessionHome  # alias: engine rewrite in flight
+    from sessionstore.service.fleet import FleetHome
 
     ttl = LEASE_TTL_S if lease_ttl is None else lease_ttl
     remote = RemoteStore(store, remote_url, host_id=host_id, lease_ttl=ttl, advertise_url=advertise_url)
-    home = SessionHome(remote, model=model_source, ship_every_commit=ship_every_commit)
+    home = FleetHome(remote, model=model_source, ship_every_commit=ship_every_commit)
     home.probe()
     return home
 

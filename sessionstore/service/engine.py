@@ -42,7 +42,7 @@ class Engine:
                  metrics: EngineMetrics | None = None, session_options: dict[str, Any] | None = None,
                  max_kv_bytes: int | None = None, home: Any = None) -> None:
         self.store = store
-        self.home = home  # fleet hook: a fleet.SessionHome (serve --remote), else None
+        self.home = home  # fleet hook: a fleet.FleetHome (serve --remote), else None
         self.tiers: Any = None  # tiers hook: a tiers.TierManager (disk budget, offload, retention), else None
         self.model_source = model_source
         self.limits = limits or ServiceLimits()

@@ -30,13 +30,24 @@ from prometheus_client import Counter, Gauge
 
 from kernels.errors import ColiError
 from kernels.rows import KV_FORMAT_OF_DTYPE
-from sessionstore.kvfile import HEADER_SIZE, PAGE, Dims, WriterLock, default_headroom, fsync_directory, record_bytes
+from sessionstore.kvfile import (
+    HEADER_SIZE,
+    PAGE,
+    Dims,
+    WriterLock,
+    default_headroom,
+    fsync_directory,
+    record_bytes,
+    sidecar_bound,
+)
 from sessionstore.log import get_logger
 from sessionstore.service.errors import ApiError
 from sessionstore.service.turns import TurnSpec, max_new_for
 from sessionstore.sessions import (
+    KV_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
+    SIDECAR_NAME,
     TIER_NAME,
     Offloaded,
     SessionUse,
@@ -46,6 +57,7 @@ from sessionstore.sessions import (
     epoch_of,
     plan_tiers,
     read_tier,
+    session_disk_bytes,
     utc_now,
     write_tier,
 )
@@ -67,7 +79,7 @@ class TierMetrics:
                                 registry=registry)
         self.expiries = Counter("coli_tier_expiries", "sessions deleted past their retention_seconds",
                                 registry=registry)
-        self.bytes = Gauge("coli_tier_bytes", "bytes per tier: resident (KV in memory), local (kv files on this "
+        self.bytes = Gauge("coli_tier_bytes", "bytes per tier: resident (KV in memory), local (session files on this "
                            "disk), object_store (kv bytes of sessions offloaded from here)", ["tier"],
                            registry=registry)
 
@@ -119,18 +131,22 @@ class TierManager:
 
     # ---- the disk budget --------------------------------------------------------------------------
     def turn_need(self, spec: TurnSpec, sid: str, record: TierRecord) -> tuple[int, int]:
-        """(bytes the turn may add to this disk, the bound of the kv file's size during it): the
-        size after a turn of the prompt's tokens and ``max_tokens`` new ones (an upper bound:
-        records never pass prompt + new; plus the writer's headroom) less its size now (an
-        offloaded session's is 0 here)."""
+        """(bytes the turn may add to this disk, the bound of the session's files during it): the
+        kv file's and sidecar's sizes after a turn of the prompt's tokens and ``max_tokens`` new
+        ones (an upper bound: records never pass prompt + new; plus the writers' headroom), its
+        other files at their size now, less the session's size now (an offloaded one's is 0 here)."""
         runner = self.engine.runner
         prompt = runner.prompt_ids(spec)  # the same 400 the turn would give, before anything moves
         max_new = max_new_for(spec, len(prompt), runner.context, runner.default_max_tokens)
-        now_bytes, per_record = 0, self._record_bytes_of(sid)
+        now_bytes, others, per_record = 0, 0, self._record_bytes_of(sid)
         if record.offloaded is None and self.store.exists(sid):
-            now_bytes = os.lstat(self.store.kv_path(sid)).st_size
+            d = self.store.session_dir(sid)
+            now_bytes = session_disk_bytes(d)
+            others = now_bytes - sum(os.lstat(d / n).st_size for n in (KV_NAME, SIDECAR_NAME) if os.path.lexists(d / n))
         # the writer's headroom ends on a page boundary (FORMAT.md 3.4.1): one page more bounds it
-        after = HEADER_SIZE + (len(prompt) + max_new) * per_record + default_headroom(per_record) + PAGE
+        records = len(prompt) + max_new
+        after = HEADER_SIZE + records * per_record + default_headroom(per_record) + PAGE
+        after += sidecar_bound(records) + others
         if record.offloaded is not None:
             after = max(after, record.offloaded.bytes)  # it comes back whole first
         return max(0, after - now_bytes), max(after, now_bytes)
@@ -247,7 +263,7 @@ class TierManager:
             _, cur = remote.push(sid, release=True)
             home.shipped(sid, cur)
         bundle = self._verified(sid, cur.bundle)
-        size = os.lstat(store.kv_path(sid)).st_size
+        size = sum(os.lstat(d / n).st_size for n in os.listdir(d) if n not in STUB_NAMES and not n.startswith("."))
         mark = Offloaded(remote.url, bundle, size, cur.bundle_tokens, utc_now())
         with WriterLock(store.kv_path(sid)), store.catalogue.changing(sid):
             write_tier(d, TierRecord(record.retention_seconds, record.pinned, mark))  # first: the stub says where

@@ -13,6 +13,7 @@ from sessionstore.sessions.conversation_file import (
 )
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.directory import MAX_PAGE, ORDERS, SessionInfo
+from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.durable_text import DURABLE_STREAM, held_until_committed
 from sessionstore.sessions.fence import Fence, SessionFencedError, reopen_fenced
 from sessionstore.sessions.fingerprint import TINY_NAME, fingerprint_tiny, model_fingerprint
@@ -107,6 +108,7 @@ __all__ = [
     "fingerprint_tiny",
     "held_until_committed",
     "import_slot",
+    "session_disk_bytes",
     "is_offloaded",
     "logits_hash",
     "make_digest",

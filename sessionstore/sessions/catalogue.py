@@ -28,12 +28,13 @@ from pathlib import Path
 from kernels.errors import ColiError, FormatError, NotFoundError
 from sessionstore.kvfile import current_owner, owner_of
 from sessionstore.log import get_logger
+from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id
 from sessionstore.sessions.tier_record import TierRecord, read_tier
 
 CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
-CATALOGUE_FORMAT = 2  # PRAGMA user_version; another value: rebuilt (2: the pinned column)
+CATALOGUE_FORMAT = 3  # PRAGMA user_version; another value: rebuilt (2: pinned; 3: bytes of the whole directory)
 RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
 WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
 BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
@@ -68,7 +69,7 @@ class CatalogueEntry:
     kv_dtype: str
     committed: int  # committed records
     tokens: int  # committed records + pending tokens
-    bytes: int  # the kv file's size on disk (offloaded: the size its removal freed)
+    bytes: int  # the session's files on disk (disk_usage; offloaded: the size its removal freed)
     state: str  # one of STATES
     holder: str | None  # owner token of the process holding it resident (state "resident")
     last_use: str  # ISO-8601 UTC: the manifest's updated_at (the last commit or whole write)
@@ -100,13 +101,13 @@ _NOTED = ", ".join(f"{f.name} = excluded.{f.name}" for f in fields(CatalogueEntr
 _PLACEHOLDERS = ", ".join("?" for _ in fields(CatalogueEntry))
 
 
-def entry_of_manifest(manifest: Manifest, kv_bytes: int, *, state: str = "suspended",
+def entry_of_manifest(manifest: Manifest, disk_bytes: int, *, state: str = "suspended",
                       holder: str | None = None, tier: TierRecord | None = None) -> CatalogueEntry:
-    """The entry of a session whose manifest is ``manifest``, kv file ``kv_bytes`` long and
+    """The entry of a session whose manifest is ``manifest``, whose files take ``disk_bytes`` and
     tier record ``tier`` (None: the defaults; :meth:`Catalogue.note` keeps the row's)."""
     tier = tier or TierRecord()
     return CatalogueEntry(manifest.id, manifest.model.name, manifest.model.fingerprint, manifest.kv_dtype,
-                          manifest.committed, manifest.committed + len(manifest.pending), kv_bytes, state,
+                          manifest.committed, manifest.committed + len(manifest.pending), disk_bytes, state,
                           holder, manifest.updated_at, tier.retention_seconds, tier.pinned,
                           LOCAL if tier.offloaded is None else tier.offloaded.location, None)
 
@@ -132,7 +133,8 @@ def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | N
         tier = read_tier(d)
         if tier.offloaded is not None:
             return entry_of_manifest(manifest, tier.offloaded.bytes, state="offloaded", tier=tier)
-        size = os.lstat(d / KV_NAME).st_size
+        os.lstat(d / KV_NAME)  # a session without its kv file is missing
+        size = session_disk_bytes(d)
     except (NotFoundError, FileNotFoundError) as exc:
         if not os.path.lexists(d):
             return None

@@ -42,6 +42,7 @@ from sessionstore.kvfile import (
 from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue import Catalogue, CataloguePage, SessionFilesMissingError
 from sessionstore.sessions.commit_state_page import STATE_SUFFIX
+from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import (
     KV_NAME,
@@ -71,7 +72,7 @@ class SessionInfo:
     pending: list[int]
     kv_dtype: str
     kv_path: str
-    bytes: int  # the kv file on disk
+    bytes: int  # the session's files on disk (disk_usage.session_disk_bytes)
     model: str
     fingerprint: str
     updated_at: str
@@ -213,10 +214,7 @@ class StoreDirectory:
     def info(self, session_id: str) -> SessionInfo:
         manifest = self.read_manifest(session_id)
         kv = self.kv_path(session_id)
-        try:
-            size = os.lstat(kv).st_size
-        except FileNotFoundError:
-            size = 0
+        size = session_disk_bytes(self.session_dir(session_id))
         return SessionInfo(manifest.id, manifest.committed, list(manifest.pending), manifest.kv_dtype,
                            str(kv), size, manifest.model.name, manifest.model.fingerprint,
                            manifest.updated_at)

@@ -21,6 +21,7 @@ from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_
 from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue import entry_of_manifest
 from sessionstore.sessions.directory import SessionInfo, StoreDirectory
+from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency_budget import Residency
@@ -181,11 +182,12 @@ class SessionStore(StoreDirectory):
 
     def note_session(self, manifest: Manifest, *, resident: bool) -> None:
         """Record a live session's last commit in the catalogue (a resume, a commit, a release):
-        its manifest's fields and the kv file's size; ``resident``: held by this process."""
+        its manifest's fields and its files' size on disk; ``resident``: held by this process."""
         try:
-            size = os.lstat(self.kv_path(manifest.id)).st_size
+            os.lstat(self.kv_path(manifest.id))
         except OSError:
             return  # its files went away: the catalogue reports it when listed
+        size = session_disk_bytes(self.session_dir(manifest.id))
         self.catalogue.note(entry_of_manifest(manifest, size, state="resident" if resident else "suspended",
                                               holder=current_owner().token if resident else None))
 

@@ -20,6 +20,7 @@ from sessionstore.service.fleet import FleetHome
 from sessionstore.service.metrics import EngineMetrics
 from sessionstore.service.tiers import STUB_NAMES, TierManager
 from sessionstore.sessions import SessionStore
+from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import write_manifest
 from sessionstore.sessions.paths import KV_NAME
 from sessionstore.sessions.tier_record import Offloaded, TierChange, TierRecord, read_tier, write_tier
@@ -72,7 +73,9 @@ def test_offload_leaves_a_stub_and_restore_brings_back_the_same_files(
     make_session(store, "a", 40, seed=3)
     write_tier(store.session_dir("a"), TierRecord(600, False))
     before = session_files(store, "a")
-    size = os.path.getsize(store.kv_path("a"))
+    d = store.session_dir("a")
+    size = sum(os.path.getsize(d / n) for n in os.listdir(d) if n not in STUB_NAMES)  # what offloading frees
+    assert size > os.path.getsize(store.kv_path("a"))  # the sidecar and the rest count too
     manager = TierManager(Engine(store, FleetHome(remote)))
 
     assert manager.offload("a")
@@ -162,7 +165,7 @@ def test_the_lru_order_comes_from_the_files_so_it_survives_a_restart(
     for sid in ("b", "a", "c"):  # made in this order: b is the least recently used, then a, then c
         make_session(store, sid, 8)
         time.sleep(0.01)
-    size = os.path.getsize(store.kv_path("a"))
+    size = session_disk_bytes(store.session_dir("a"))  # each session's files (the same sizes for all three)
     # "a" is used again: its manifest's updated_at (what a commit writes) moves past c's
     manifest = store.read_manifest("a")
     write_manifest(store.session_dir("a") / "manifest.json", manifest)
@@ -172,3 +175,21 @@ def test_the_lru_order_comes_from_the_files_so_it_survives_a_restart(
     assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b"]
     restarted.make_room(2 * size, keep="new")
     assert [sid for sid in "abc" if read_tier(store.session_dir(sid)).offloaded is not None] == ["b", "c"]
+
+
+def test_the_budget_counts_every_file_of_a_session_not_its_kv_file_alone(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "host")
+    for sid in ("a", "b"):
+        make_session(store, sid, 8)
+    kv_only = sum(os.path.getsize(store.kv_path(sid)) for sid in "ab")
+    (store.session_dir("b") / "conversation.json").write_bytes(b"x" * 50_000)  # b's records, grown by a turn
+    store.note_session(store.read_manifest("b"), resident=False)  # what its commit records
+    files = sum(session_disk_bytes(store.session_dir(sid)) for sid in "ab")
+    assert files > kv_only + 50_000  # sidecars, manifests, state pages and b's records on top of the kv files
+    assert store.catalogue.bytes_by_state() == {"suspended": files}
+    manager: Any = TierManager(Engine(store, None), max_disk_bytes=kv_only + 20_000)
+    assert manager.local_bytes() == files
+    with pytest.raises(ApiError) as err:  # the kv files alone would leave room for it
+        manager.make_room(10_000, keep="c")
+    assert err.value.status == 507 and f"holds {files} of its" in err.value.message
+    TierManager(Engine(store, None), max_disk_bytes=files + 10_000).make_room(10_000, keep="c")  # it fits

@@ -206,6 +206,8 @@ class FleetHome:
         """Check in every session still checked out (the server stops)."""
         for session_id in list(self._held):
             self.check_in(session_id)
+        if self.shipper is not None:
+            self.shipper.close()  # background compactions finish (or are left: the chains stay whole)
 
     def forget(self, session_id: str) -> bool:
         """Delete the session from the fleet (its lease, then its bundles) before it is deleted
