@@ -5,8 +5,8 @@ leases, and answers requests that arrive as data (:mod:`sessionstore.service.ipc
 It reads its :class:`~sessionstore.service.ipc.CoreConfig` (JSON) on stdin, builds the
 :class:`Engine`, connects to the API process's two sockets and prints one JSON line on stdout:
 ``Ready`` or ``StartFailed``. Then its main thread receives requests and hands them to the engine
-loop as jobs (:mod:`sessionstore.service.engine_loop`);
-one sender thread sends the engine's events back, every event queued meanwhile in one message.
+loop as jobs (:mod:`sessionstore.service.engine_loop`); the loop sends the events of each of its
+passes as one message, and a sender thread those put by other threads (:class:`Outbox`).
 
 It stops (commit and suspend every session, exit 0) on ``Drain(shutdown=True)``, on SIGTERM, and
 when its parent is gone; should the engine loop's thread die (a bug), it exits 1 and its API
@@ -19,11 +19,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import queue
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -78,38 +78,52 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 class Outbox:
-    """Events for the API process, put from any thread; one sender thread owns the socket and
-    sends whatever queued meanwhile as one message (a batched step's pieces travel together)."""
+    """Events for the API process, put from any thread, sent in order over one socket as few
+    messages as possible. An event put on the engine loop's thread (a turn's text and its end) waits
+    for the loop's :meth:`flush` at the end of its pass, so a batched step's pieces travel as one
+    message and the loop never hands the GIL to a sender thread per piece; an event put elsewhere (a
+    reader's result, a durable-stream piece released by a commit thread) wakes the sender thread.
+    Every send takes whatever is queued, in the order it was put, under one lock: the two senders
+    never reorder a request's events."""
 
-    def __init__(self, socket: zmq.Socket[bytes]) -> None:
-        self._socket = socket
-        self._queue: queue.SimpleQueue[FromCore | None] = queue.SimpleQueue()
+    def __init__(self, socket: zmq.Socket[bytes], on_loop: Callable[[], bool]) -> None:
+        self._socket, self._on_loop = socket, on_loop
+        self._cond = threading.Condition()  # guards the queue, the socket and the closed flag
+        self._events: list[FromCore] = []
+        self._closed = False
         self._thread = threading.Thread(target=self._send, name="coli-core-outbox", daemon=True)
         self._thread.start()
 
     def put(self, event: FromCore) -> None:
-        self._queue.put(event)
+        with self._cond:
+            self._events.append(event)
+            if not self._on_loop():
+                self._cond.notify()
+
+    def flush(self) -> None:
+        """Send what is queued now (the engine loop, at the end of each pass)."""
+        with self._cond:
+            self._send_queued()
+
+    def _send_queued(self) -> None:
+        if self._events:
+            batch, self._events = self._events, []
+            self._socket.send(encode(batch))
 
     def _send(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
+        with self._cond:
             while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._socket.send(encode(batch))
+                while not self._events and not self._closed:
+                    self._cond.wait()
+                self._send_queued()
+                if self._closed:
                     return
-                batch.append(item)
-            self._socket.send(encode(batch))
 
     def close(self) -> None:
         """Send what is queued, then stop the sender."""
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
         self._thread.join(timeout=10)
 
 
@@ -291,7 +305,8 @@ def main() -> int:
     requests.connect(config.requests)
     events.connect(config.events)
     start_hash_helper()
-    outbox = Outbox(events)
+    outbox = Outbox(events, on_loop=lambda: threading.current_thread() is engine.loop.thread)
+    engine.loop.after_pass = outbox.flush
     core = Core(engine, outbox)
     sweeper = Sweeper(engine.tiers, config.sweep_interval).start()  # retention, the disk budget
     say(Ready(engine.model_ref.name, int(engine.model.config.vocab_size),

@@ -140,6 +140,7 @@ class EngineLoop:
         self.max_prefill_tokens = max_prefill_tokens
         self.pacer = PrefillPacer(max_prefill_tokens, prefill_step_ratio)
         self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
+        self.after_pass: Callable[[], None] | None = None  # called at the end of each pass (e.g. send its events)
         self.steps = 0
         self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass
         self._cond = threading.Condition()  # guards _arrived, the counts and _stopped
@@ -315,6 +316,8 @@ class EngineLoop:
                 if self._queue:
                     batch, self._queue = self._plan(self._queue)
                     self._step(batch)
+                if self.after_pass is not None:
+                    self.after_pass()
         except BaseException as exc:  # a bug here would hang every job: log it; the process ends
             log.critical("service.engine_loop_failed", error=repr(exc))
             raise
