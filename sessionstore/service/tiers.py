@@ -163,11 +163,15 @@ class TierManager:
         version, tag = KV_FORMAT_OF_DTYPE[kv_dtype]
         return record_bytes(version, dims, tag)
 
-    def uses(self, keep: str | None = None) -> list[SessionUse]:
-        """Every listed session as the policy reads it (``keep``: busy, never moved)."""
+    def _drop_stale_reservations(self, keep: str | None) -> None:
         for sid in [sid for sid in self._reserved if sid != keep]:
             if self._idle(sid):  # its turn never opened it (refused): no turn holds the bound any more
                 del self._reserved[sid]
+
+    def uses(self, keep: str | None = None) -> list[SessionUse]:
+        """Every listed session as the policy reads it (``keep``: busy, never moved): a full scan
+        of the catalogue, for plans that move sessions (not for a turn that fits)."""
+        self._drop_stale_reservations(keep)
         out = []
         recent = self.engine.last_use
         for e in self.store.catalogue.entries():
@@ -180,14 +184,25 @@ class TierManager:
                                   busy=e.id == keep or reserved is not None))
         return out
 
-    def local_bytes(self) -> int:
-        """The local sessions' kv bytes as the catalogue has them, a running turn's at its bound."""
-        return sum(u.bytes for u in self.uses() if not u.offloaded)
+    def local_bytes(self, keep: str | None = None) -> int:
+        """The local sessions' bytes as the catalogue has them, a running turn's at its bound: the
+        catalogue's running totals, plus each reservation over its row (O(running turns))."""
+        self._drop_stale_reservations(keep)
+        by_state = self.store.catalogue.bytes_by_state()
+        total = by_state.get("resident", 0) + by_state.get("suspended", 0)
+        for sid, bound in self._reserved.items():
+            row = self.store.catalogue.get(sid)
+            listed = row.bytes if row is not None and row.state in ("resident", "suspended") else 0
+            total += max(0, bound - listed)  # max(row bytes, bound); without a local row (a new session
+            # before its row, an offloaded one coming back) the whole bound: never less than a plan counts
+        return total
 
     def make_room(self, needed: int, *, keep: str) -> None:
         """Expire what is due and offload until ``needed`` more bytes fit the budget; 507 (and
         nothing moved) when no plan fits, or when offloading fell short."""
         assert self.budget is not None
+        if self.local_bytes(keep) + needed <= self.budget:  # it fits as it is: no plan, no scan
+            return  # (sessions past their retention are the sweeper's then)
         stuck: set[str] = set()  # sessions an offload or expiry skipped (a request holds them): planned without
         for _ in range(MAX_ROUNDS):
             uses = [replace(u, busy=True) if u.id in stuck else u for u in self.uses(keep)]

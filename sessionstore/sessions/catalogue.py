@@ -34,7 +34,8 @@ from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_sessi
 from sessionstore.sessions.tier_record import TierRecord, read_tier
 
 CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
-CATALOGUE_FORMAT = 3  # PRAGMA user_version; another value: rebuilt (2: pinned; 3: bytes of the whole directory)
+CATALOGUE_FORMAT = 4  # PRAGMA user_version; another value: rebuilt (2: pinned; 3: bytes of the whole directory)
+UPGRADED_IN_PLACE = (0, 3)  # an empty file, or format 3: given the totals (4) from its rows, once
 RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
 WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
 BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
@@ -52,7 +53,22 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS intents (id TEXT NOT NULL, owner TEXT NOT NULL,
     PRIMARY KEY (id, owner)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS totals (state TEXT PRIMARY KEY, sessions INTEGER NOT NULL,
+    bytes INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS totals_insert AFTER INSERT ON sessions BEGIN
+    UPDATE totals SET sessions = sessions + 1, bytes = bytes + NEW.bytes WHERE state = NEW.state; END;
+CREATE TRIGGER IF NOT EXISTS totals_delete AFTER DELETE ON sessions BEGIN
+    UPDATE totals SET sessions = sessions - 1, bytes = bytes - OLD.bytes WHERE state = OLD.state; END;
+CREATE TRIGGER IF NOT EXISTS totals_update AFTER UPDATE OF state, bytes ON sessions BEGIN
+    UPDATE totals SET sessions = sessions - 1, bytes = bytes - OLD.bytes WHERE state = OLD.state;
+    UPDATE totals SET sessions = sessions + 1, bytes = bytes + NEW.bytes WHERE state = NEW.state; END;
 """
+_TOTALS_FROM_ROWS = """
+DELETE FROM totals;
+INSERT INTO totals (state, sessions, bytes) SELECT state, count(*), sum(bytes) FROM sessions GROUP BY state;
+"""
+_ZERO_TOTALS = "".join(f"INSERT OR IGNORE INTO totals (state, sessions, bytes) VALUES ('{state}', 0, 0);"
+                       for state in STATES)
 
 
 class SessionFilesMissingError(NotFoundError):
@@ -200,11 +216,13 @@ class Catalogue:
                     raise sqlite3.OperationalError(f"journal_mode {mode}, WAL refused")
             db.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
             db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL shrinks back after a rebuild
+            db.execute("PRAGMA recursive_triggers = ON")  # INSERT OR REPLACE's delete keeps the totals too
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, CATALOGUE_FORMAT):
+            if version not in (*UPGRADED_IN_PLACE, CATALOGUE_FORMAT):
                 raise sqlite3.DatabaseError(f"catalogue format {version}, this reads {CATALOGUE_FORMAT}")
-            db.executescript(_SCHEMA)
-            db.execute(f"PRAGMA user_version = {CATALOGUE_FORMAT}")
+            if version != CATALOGUE_FORMAT:  # one transaction (idempotent: a second opener redoes it)
+                db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} {_TOTALS_FROM_ROWS} {_ZERO_TOTALS} "
+                                 f"PRAGMA user_version = {CATALOGUE_FORMAT}; COMMIT;")
         except sqlite3.Error:
             db.close()
             raise
@@ -394,11 +412,13 @@ class Catalogue:
             log.warning("catalogue.write_failed", id=session_id, error=str(exc), step="tier")
 
     def bytes_by_state(self) -> dict[str, int]:
-        """The ``bytes`` of every row summed by state (one aggregate query; resident and suspended
-        sessions' kv files are on this disk, offloaded ones' in the object store)."""
+        """The ``bytes`` of every row summed by state, for the states some row has (resident and
+        suspended sessions' files are on this disk, offloaded ones' in the object store). Read
+        from the running totals the ``sessions`` table's triggers keep: a few rows, whatever the
+        store holds."""
         with self._lock:
-            rows = self._db.execute("SELECT state, sum(bytes) FROM sessions GROUP BY state").fetchall()
-        return {str(state): int(total or 0) for state, total in rows}
+            rows = self._db.execute("SELECT state, bytes FROM totals WHERE sessions > 0").fetchall()
+        return {str(state): int(total) for state, total in rows}
 
     def forget(self, session_id: str) -> bool:
         """Drop the row of a session whose files are gone; True when there was one."""

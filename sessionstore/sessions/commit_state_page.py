@@ -143,16 +143,32 @@ class StateWriter:
             self._fd = -1
 
 
-def update_existing_state(manifest_path: str | os.PathLike[str], manifest: CommitFields) -> None:
+def update_existing_state(manifest_path: str | os.PathLike[str], manifest: CommitFields) -> bytes | None:
     """Before a whole manifest is replaced: give an existing state page the same values, so it
-    never overrides the new manifest with older ones (no page: nothing to do)."""
+    never overrides the new manifest with older ones. Returns the page's bytes as they were, for
+    :func:`put_back_state` should the replace fail (no page: nothing done, None)."""
     path = state_path(manifest_path)
     try:
         fd = _open_state(path, create=False)
     except FileNotFoundError:
-        return
+        return None
     try:
+        before = os.pread(fd, STATE_BYTES + 1, 0)
         pwrite_all(fd, encode_state(manifest), 0, str(path))
+    finally:
+        os.close(fd)
+    return before
+
+
+def put_back_state(manifest_path: str | os.PathLike[str], before: bytes) -> None:
+    """Give the state page the bytes :func:`update_existing_state` found (FORMAT.md 5.3.1: a
+    whole manifest write that failed before its rename leaves the page as it was). An overwrite
+    in place needs no new block, so a full disk does not refuse it."""
+    path = state_path(manifest_path)
+    fd = _open_state(path, create=False)
+    try:
+        pwrite_all(fd, before, 0, str(path))
+        os.ftruncate(fd, len(before))  # a page shorter than STATE_BYTES (torn, or never written) stays so
     finally:
         os.close(fd)
 
@@ -163,4 +179,5 @@ def _open_state(path: Path, *, create: bool) -> int:
 
 
 __all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "CommitFields", "state_path", "encode_state",
-           "decode_state", "read_state_page", "StateWriter", "update_existing_state"]
+           "decode_state", "read_state_page", "StateWriter", "update_existing_state",
+           "put_back_state"]

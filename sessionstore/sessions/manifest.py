@@ -26,7 +26,14 @@ from kernels.jsonfile import parse_json_bytes
 from kernels.model.sampling import Sampler
 from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
-from sessionstore.sessions.commit_state_page import decode_state, read_state_page, state_path, update_existing_state
+from sessionstore.log import get_logger
+from sessionstore.sessions.commit_state_page import (
+    decode_state,
+    put_back_state,
+    read_state_page,
+    state_path,
+    update_existing_state,
+)
 from sessionstore.sessions.digest import (
     LogitsDigest,
     digest_from_json,
@@ -39,6 +46,8 @@ SCHEMA_VERSION = 1
 SIDECAR_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
+log = get_logger("session")
+
 DIM_NAMES = ("n_layers", "kv_lora", "qk_rope", "index_head_dim", "n_index_layers", "vocab")
 
 
@@ -181,12 +190,40 @@ def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Ma
 
 def write_manifest(path: str | os.PathLike[str], manifest: Manifest, *, durable: bool = True) -> None:
     """Replace ``path`` atomically: temp file -> fsync -> os.replace -> fsync dir (``durable``).
-    A commit state page beside it is first given the same dynamic fields."""
+    A commit state page beside it is first given the same dynamic fields; should the replace fail
+    before its rename (a full disk has no room for the temp file), the page gets its previous
+    bytes back, so readers keep seeing the last commit (FORMAT.md 5.3.1), and the error is raised."""
     path = Path(path)
     manifest.updated_at = utc_now()
     data = manifest.encode()
-    update_existing_state(path, manifest)  # a state page must never override it with older values
-    atomic_replace(path, data, make_temp=readable_temp(".manifest-"), durable=durable)
+    before = update_existing_state(path, manifest)  # a state page must never override it with older values
+    try:
+        atomic_replace(path, data, make_temp=readable_temp(".manifest-"), durable=durable)
+    except BaseException:
+        if before is not None and not _holds(path, data):  # not renamed: the old manifest is in place
+            _put_back_page(path, before)
+        raise
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """True when the file at ``path`` is exactly ``data`` (read as :func:`read_manifest` reads)."""
+    try:
+        fd = open_regular(path, os.O_RDONLY | os.O_NONBLOCK, what="manifest")
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+
+
+def _put_back_page(path: Path, before: bytes) -> None:
+    """Best effort (the disk is failing): a page left with the new fields is ignored by readers
+    when the epochs differ, and recovery (FORMAT.md 5.5) rewrites it on the next open."""
+    try:
+        put_back_state(path, before)
+    except OSError as exc:
+        log.warning("manifest.state_not_put_back", path=str(path), error=str(exc))
 
 
 __all__ = [

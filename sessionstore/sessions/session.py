@@ -21,6 +21,7 @@ position F-1 (:mod:`sessionstore.sessions.recovery`).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -291,8 +292,9 @@ class Session:
         self.ensure_resident()
         self.residency.touch(self)
         if sampler is not None and keep_sampler and settings_of(sampler) != self.manifest.sampler:
-            self.manifest.sampler = settings_of(sampler)
-            write_manifest(self.directory / MANIFEST_NAME, self.manifest)  # durable: rare
+            changed = dataclasses.replace(self.manifest, sampler=settings_of(sampler))
+            write_manifest(self.directory / MANIFEST_NAME, changed)  # durable: rare; a failed one changes nothing
+            self.manifest = changed
         turn_sampler = self.manifest.sampler if sampler is None else sampler
         result = TurnResult()
         feed: list[int] | None
@@ -450,13 +452,13 @@ class Session:
         self.ensure_resident()
         n = max(0, min(int(n), self._files.live_cache.length))
         self.commit()  # the manifest must never claim records the file has not committed
-        self.manifest.epoch += 1
-        self.manifest.committed = n
-        self.manifest.pending, self.pending = [], []
-        self.manifest.last_logits = None
+        cut = dataclasses.replace(self.manifest, epoch=self.manifest.epoch + 1, committed=n, pending=[],
+                                  last_logits=None)
+        # a write that fails (ENOSPC: no room for the temp file) changes nothing, here or on disk
+        write_manifest(self.directory / MANIFEST_NAME, cut, durable=self.manifest_fsync)
+        self.manifest, self.pending = cut, []
         self._note_logits(None)
         self._deferred = False  # the position changes: no digest describes the new last one
-        write_manifest(self.directory / MANIFEST_NAME, self.manifest, durable=self.manifest_fsync)
         self._files.live_writer.truncate(n)
         self._files.live_cache.truncate(n)
         self.store.note_session(self.manifest, resident=True)

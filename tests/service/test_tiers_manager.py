@@ -8,7 +8,9 @@ bundles."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +195,46 @@ def test_the_budget_counts_every_file_of_a_session_not_its_kv_file_alone(tmp_pat
         manager.make_room(10_000, keep="c")
     assert err.value.status == 507 and f"holds {files} of its" in err.value.message
     TierManager(Engine(store, None), max_disk_bytes=files + 10_000).make_room(10_000, keep="c")  # it fits
+
+
+def _counting_catalogue_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """SQLite virtual-machine steps run on the catalogue's connection from now on ([0] counts
+    them): a scan's steps grow with the rows it reads, a lookup's do not."""
+    steps = [0]
+    real = sqlite3.connect
+
+    def connect(*args: Any, **kw: Any) -> sqlite3.Connection:
+        db = real(*args, **kw)
+
+        def step() -> int:
+            steps[0] += 1
+            return 0
+
+        db.set_progress_handler(step, 1)
+        return db
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    return steps
+
+
+@pytest.mark.parametrize("rows", [10, 2000])
+def test_a_budgeted_turn_that_fits_reads_no_more_of_the_catalogue_in_a_big_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    steps = _counting_catalogue_steps(monkeypatch)
+    store = SessionStore(tmp_path / "host")
+    make_session(store, "a", 4)
+    row = store.catalogue.get("a")
+    assert row is not None
+    for i in range(rows):  # rows as the catalogue lists them (their files are not read here)
+        store.catalogue.note(replace(row, id=f"r{i:05d}", bytes=1000 + i))
+    local = row.bytes + sum(1000 + i for i in range(rows))
+    manager: Any = TierManager(Engine(store, None), max_disk_bytes=local + 5000)
+    assert manager.local_bytes() == local  # exact: every row's bytes
+
+    before = steps[0]
+    manager.make_room(5000, keep="b")  # fits to the byte
+    per_turn = steps[0] - before
+    assert per_turn < 400, per_turn  # a few lookups, whatever the store holds (a scan of 10 rows is ~300)
+    with pytest.raises(ApiError) as err:
+        manager.make_room(5001, keep="b")  # one byte more: the full plan, which finds no room either
+    assert err.value.status == 507 and f"holds {local} of its" in err.value.message

@@ -422,3 +422,38 @@ def test_a_catalogue_busy_past_the_timeout_is_not_taken_for_damaged(tmp_path: Pa
         holder.close()
     assert again.catalogue.opened == "rebuilt" and again.catalogue.entries() == before
     assert not (tmp_path / "root" / (CATALOGUE_NAME + ".damaged")).exists()
+
+
+def _summed(store: SessionStore) -> dict[str, int]:
+    """The bytes by state summed over every row (the full scan the running totals replace)."""
+    out: dict[str, int] = {}
+    for e in store.catalogue.entries():
+        out[e.state] = out.get(e.state, 0) + e.bytes
+    return out
+
+
+def test_the_running_totals_follow_every_change_and_a_format_3_catalogue_gets_them_in_place(tmp_path: Path) -> None:
+    store = _store_with(tmp_path / "root", 4)
+    assert store.catalogue.bytes_by_state() == _summed(store) and _summed(store)
+    s = store.open("f001")  # resident (an upsert), a commit's note, a truncate, a release
+    s.generate(PROMPT + [7], 3)
+    assert store.catalogue.bytes_by_state() == _summed(store)
+    s.close()
+    store.delete("f002")  # a row deleted; a fork inserted through an intent and INSERT OR REPLACE
+    store.fork("base", "late")
+    shutil.rmtree(store.session_dir("f000"))  # missing: a reconcile's UPDATE
+    store.catalogue.reconcile()
+    assert store.catalogue.bytes_by_state() == _summed(store)
+    assert "missing" in store.catalogue.bytes_by_state()  # moved by the UPDATE, off the local states
+    store.catalogue.rebuild()
+    assert store.catalogue.bytes_by_state() == _summed(store)
+
+    expected = _summed(store)
+    store.catalogue.close()
+    db = sqlite3.connect(tmp_path / "root" / CATALOGUE_NAME)  # the format before the totals
+    db.executescript("DROP TRIGGER totals_insert; DROP TRIGGER totals_delete; DROP TRIGGER totals_update; "
+                     "DROP TABLE totals; PRAGMA user_version = 3;")
+    db.close()
+    again = SessionStore(tmp_path / "root")
+    assert again.catalogue.bytes_by_state() == expected == _summed(again)
+    assert not (tmp_path / "root" / (CATALOGUE_NAME + ".damaged")).exists()  # upgraded, not moved aside
