@@ -130,7 +130,7 @@ class ChatLoop:
             self.core.adopt_store_model(self.store, model)
         options = {**self.options, **self.core.session_options}
 
-        def open_conversation() -> tuple[Any, Any]:
+        def open_conversation() -> None:  # kept here at once: a Ctrl-C meanwhile still finds it to close
             if not created:
                 session = self.store.open(session_id, model, **options)
             else:
@@ -145,10 +145,10 @@ class ChatLoop:
             except BaseException:
                 session.close()
                 raise
-            return session, conv
+            self.session, self.conv, self.tok = session, conv, tok
 
-        session, conv = self.core.call(open_conversation)
-        self.session, self.conv, self.tok = session, conv, tok
+        self.core.call(open_conversation)
+        session, conv = self.session, self.conv
         self.emit({"event": "open", "session": session_id, "created": created, "messages": len(conv.messages),
                    "tokens": len(session.history()), "recovered": conv.recovered},
                   None if created else f"[session {session_id}: {len(conv.messages)} messages"

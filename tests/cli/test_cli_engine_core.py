@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +25,10 @@ import pytest
 
 from kernels.model import Sampler, generate, load_model
 from kernels.model.decoder import MLADecoder
-from sessionstore.sessions import Session, reference_turns
+from sessionstore.sessions import Session, SessionStore, reference_turns
 from tools.coli_kv import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 LOOP_THREAD = "coli-engine"  # EngineLoop's thread
 COMMIT_THREADS = ("coli-engine-io", "coli-commit")  # its I/O threads, and GroupCommit's pool
@@ -134,3 +140,28 @@ def test_chat_replies_run_on_the_loop(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [r["tokens"] for r in replies] == [first, first]  # /regenerate draws the same greedy reply
     watch.check_on_loop(commits=True)
     assert watch.decode_steps() >= 2 * (len(first) - 1)
+
+
+def test_ctrl_c_while_waiting_for_input_ends_the_chat(tmp_path: Path) -> None:
+    """A real process: SIGINT at the prompt ends the chat at once, exit 0, the loop stopped (no
+    hang on its threads), the reply before it committed."""
+    pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
+    from tests.kernels.model.text.textkit import write_text_model
+
+    model_dir = write_text_model(tmp_path / "model", "glm")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.Popen([sys.executable, "-m", "tools.coli_kv", "chat", "--root", str(tmp_path / "store"),
+                             "--session", "c", "--model", str(model_dir), "--json", "--max-new", "8"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            env=env, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["event"] == "open"
+    proc.stdin.write("Hello there\n")
+    proc.stdin.flush()
+    while "reply" not in (event := json.loads(proc.stdout.readline())):
+        pass
+    proc.send_signal(signal.SIGINT)  # waiting for the next line now
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    reply = event["reply"]
+    assert len(SessionStore(tmp_path / "store").history("c")) == reply["prompt_tokens"] + len(reply["tokens"])
