@@ -2,7 +2,7 @@
 after a turn, the verify line, and the store a command creates (and removes again on failure).
 
 Command modules import these from here, never from each other. The session layer is imported
-only by the helpers that need it, so ``coli-kv generate`` without a session never loads it.
+only by the helpers that need it (and the engine loop every turn runs on, :mod:`tools._core`).
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from kernels.errors import ColiError, FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model import Sampler, load_model, resolve_model
 from sessionstore.sessions import OutputProcessor, TurnStop
+from tools._core import InProcessCore
 
 if TYPE_CHECKING:  # the text extra (tokenizers, jinja2) is imported only by commands that use text
     from kernels.model.text import ChatTokenizer
@@ -76,8 +77,6 @@ def prompt_ids(tok: ChatTokenizer, kind: str, value: Any) -> list[int]:
 
 def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Sampler, max_new: int) -> int:
     """``generate --prompt/--messages`` without a session: an in-memory cache."""
-    from kernels.model import generate
-
     if not args.model:
         raise FormatError("--model is required (a checkpoint directory or 'glm-mini') unless --root/--session"
                           " is given")
@@ -90,10 +89,12 @@ def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Samp
     cache = model.new_cache(kv, backend=args.backend)
     output = OutputProcessor(eos=frozenset(tok.eos_ids) if args.stop_at_eos else frozenset())
     t0 = time.perf_counter()
-    try:
-        generate(model, cache, ids, max_new, sampler, on_token=output.on_token)
-    except TurnStop:
-        pass
+    with InProcessCore() as core:  # the turn runs on the engine loop, as a served stateless turn
+        core.adopt_decoder(model)
+        try:
+            core.stateless_turn(cache, ids, max_new, sampler, on_token=output.on_token)
+        except TurnStop:
+            pass
     tokens, stopped = output.tokens, output.reason == "eos"
     text = tok.decode(tokens)
     print(text)

@@ -6,6 +6,9 @@ so far; Ctrl-C while waiting for input (or end of input, or ``/quit``) suspends 
 exits. Commands: ``/history``, ``/regenerate``, ``/edit N TEXT`` (replace user message N, answer
 again from there), ``/fork NEW`` (continue in a copy), ``/suspend``, ``/quit``. A later ``chat``
 on the same session continues the conversation token-exact.
+
+The session's work runs as jobs on the engine core in this process (:mod:`tools._core`): a reply
+takes the path a served turn takes (the loop's batched steps, its decode driver and commit runner).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
 from sessionstore.sessions import DURABLE_STREAM, held_until_committed
 from tools._common import check_backend, fresh_store
+from tools._core import InProcessCore
 from tools._text import set_sampler, tokenizer_for
 
 DEFAULT_MAX_NEW = 256
@@ -80,11 +84,14 @@ class _Interrupt:
 
 
 class ChatLoop:
-    """One chat: the store, the current session and its conversation, and the output."""
+    """One chat: the store, the current session and its conversation, and the output. Whatever
+    touches the session runs as a job on ``core``'s loop; this thread reads input, installs the
+    Ctrl-C handler and waits."""
 
-    def __init__(self, args: argparse.Namespace, store: Any) -> None:
+    def __init__(self, args: argparse.Namespace, store: Any, core: InProcessCore) -> None:
         self.args = args
         self.store = store
+        self.core = core
         self.options = {"commit_every": args.commit_every, "backend": args.backend,
                         "durable_stream": args.durable_stream}
         self.session: Any = None
@@ -110,28 +117,38 @@ class ChatLoop:
     def open(self, session_id: str) -> None:
         from sessionstore.sessions.conversation_chat import Conversation
 
-        if self.store.exists(session_id):
+        created = not self.store.exists(session_id)
+        if not created:
             source = self.args.model or self.store.read_manifest(session_id).model.path
             tok = tokenizer_for(source)
-            session = self.store.open(session_id, resolve_model(self.args.model) if self.args.model else None,
-                                      **self.options)
-            created = False
+            model = resolve_model(self.args.model) if self.args.model else None
+            self.core.adopt_store_model(self.store, model or source)
         else:
-            model = self.args.model or GLM_MINI_NAME
-            tok = tokenizer_for(model)
-            session = self.store.create(session_id, resolve_model(model), kv_dtype=self.args.kv,
-                                        sampler=self.sampler(None), **self.options)
-            created = True
-            self.created.add(session_id)
-        try:
-            conv = Conversation.open(session, tok)
-            wanted = self.sampler(session.manifest.sampler)
-            if wanted != session.manifest.sampler:
-                set_sampler(session, wanted)
-        except BaseException:
-            session.close()
-            raise
-        self.session, self.conv, self.tok = session, conv, tok
+            name = self.args.model or GLM_MINI_NAME
+            tok = tokenizer_for(name)
+            model = resolve_model(name)
+            self.core.adopt_store_model(self.store, model)
+        options = {**self.options, **self.core.session_options}
+
+        def open_conversation() -> None:  # kept here at once: a Ctrl-C meanwhile still finds it to close
+            if not created:
+                session = self.store.open(session_id, model, **options)
+            else:
+                session = self.store.create(session_id, model, kv_dtype=self.args.kv, sampler=self.sampler(None),
+                                            **options)
+                self.created.add(session_id)
+            try:
+                conv = Conversation.open(session, tok)
+                wanted = self.sampler(session.manifest.sampler)
+                if wanted != session.manifest.sampler:
+                    set_sampler(session, wanted)
+            except BaseException:
+                session.close()
+                raise
+            self.session, self.conv, self.tok = session, conv, tok
+
+        self.core.call(open_conversation)
+        session, conv = self.session, self.conv
         self.emit({"event": "open", "session": session_id, "created": created, "messages": len(conv.messages),
                    "tokens": len(session.history()), "recovered": conv.recovered},
                   None if created else f"[session {session_id}: {len(conv.messages)} messages"
@@ -148,11 +165,15 @@ class ChatLoop:
 
     def close(self) -> None:
         if self.session is not None:
-            sid, empty = self.session.id, not self.session.history()
-            self.session.close()
-            self.session = None
-            if empty and sid in self.created:  # nothing was said: leave no trace
-                self.store.delete(sid)
+            session, self.session = self.session, None
+
+            def close_session() -> None:
+                sid, empty = session.id, not session.history()
+                session.close()
+                if empty and sid in self.created:  # nothing was said: leave no trace
+                    self.store.delete(sid)
+
+            self.core.call(close_session)
 
     # ---- turns -----------------------------------------------------------------------------
     def reply(self, turn: Callable[..., Any]) -> None:
@@ -161,7 +182,8 @@ class ChatLoop:
             sys.stdout.write("assistant> ")
             sys.stdout.flush()
         with _Interrupt() as interrupt, held_until_committed(self.session, self.piece) as on_text:
-            r = turn(self.args.max_new, on_text=on_text, should_stop=interrupt)  # --durable-stream: once committed
+            # a job on the loop; the handler (this thread) sets the flag it reads at each token
+            r = self.core.call(lambda: turn(self.args.max_new, on_text=on_text, should_stop=interrupt))
         if not self.args.json:
             print("" if r.stopped != "interrupted" else " [interrupted]", flush=True)
         self.emit({"reply": r.to_json(), "session": self.session.id})
@@ -178,7 +200,7 @@ class ChatLoop:
         if name == "/quit":
             return False
         if name == "/suspend":
-            self.session.suspend()
+            self.core.call(self.session.suspend)
             self.emit({"event": "suspended", "session": self.session.id}, f"[session {self.session.id} suspended]")
         elif name == "/history":
             for i, m in enumerate(self.conv.messages):
@@ -194,7 +216,7 @@ class ChatLoop:
             new_id = rest.strip()
             if not new_id:
                 raise FormatError("usage: /fork NEW")
-            self.conv.fork(new_id)
+            self.core.call(lambda: self.conv.fork(new_id))
             old = self.session.id
             self.close()
             self.open(new_id)
@@ -243,13 +265,13 @@ def handle(args: argparse.Namespace) -> int:
     if args.max_new < 0 or args.commit_every < 0:
         raise FormatError("--max-new and --commit-every must be >= 0")
     check_backend(args.backend)
-    with fresh_store(args.root) as store:  # a store this chat created goes again if it fails to start
-        loop = ChatLoop(args, store)
+    with fresh_store(args.root) as store, InProcessCore() as core:  # a store this chat created goes again
+        chat = ChatLoop(args, store, core)  # if it fails to start; the core's loop stops whatever ends the chat
         try:
-            loop.open(args.session)
-            return loop.run(sys.stdin)
+            chat.open(args.session)
+            return chat.run(sys.stdin)
         finally:
-            loop.close()
+            chat.close()
 
 
 __all__ = ["ChatLoop", "handle", "register"]

@@ -1,6 +1,7 @@
 """``coli-kv generate``: run the reference decoder on prompt token ids and print the generated ids.
 
-Without ``--root``/``--session`` the cache lives in memory only. With either of them the whole
+Every turn runs on the engine core in this process (:mod:`tools._core`), the loop ``serve --http``
+runs its turns on. Without ``--root``/``--session`` the cache lives in memory only. With either of them the whole
 command is handed to the session layer (``tools.cmd_sessions.session_generate``), which keeps
 the rows in a ``.coli_kv`` file and commits every ``--commit-every`` positions.
 """
@@ -12,9 +13,10 @@ import time
 from typing import Any
 
 from kernels.errors import ColiError, FormatError
-from kernels.model import Sampler, generate, load_model
+from kernels.model import Sampler, load_model
 from kernels.rows import KV_DTYPES
 from tools._common import check_backend, parse_ids
+from tools._core import InProcessCore
 from tools._text import generate_text, text_input
 
 DEFAULT_MAX_NEW = 16
@@ -103,17 +105,19 @@ def handle(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     cache = model.new_cache(kv, backend=args.backend)
     t0 = time.perf_counter()
-    result = generate(model, cache, ids, max_new, sampler, stop_at_eos=args.stop_at_eos)
+    with InProcessCore() as core:  # the turn runs on the engine loop, as a served stateless turn
+        core.adopt_decoder(model)
+        tokens, stopped_at_eos = core.stateless_turn(cache, ids, max_new, sampler, stop_at_eos=args.stop_at_eos)
     seconds = time.perf_counter() - t0
-    print(" ".join(str(t) for t in result.tokens))
+    print(" ".join(str(t) for t in tokens))
     if args.json:
         print(json.dumps({
-            "tokens": result.tokens,
+            "tokens": tokens,
             "model": model.source,
             "kv": kv,
             "backend": args.backend,
             "prompt_tokens": len(ids),
-            "stopped_at_eos": result.stopped_at_eos,
+            "stopped_at_eos": stopped_at_eos,
             "sampler": sampler.to_dict(),
             "seconds": round(seconds, 6),
         }))

@@ -14,6 +14,7 @@ from kernels.model import resolve_model
 from kernels.model.sampling import Sampler
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, MAX_PAGE, ORDERS, SessionFilesMissingError, SessionStore
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
+from tools._core import InProcessCore
 from tools._text import session_text_turn, text_input, tokenizer_for
 
 
@@ -188,6 +189,17 @@ def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
                        lease_ttl=LEASE_TTL_S if ttl is None else ttl)
 
 
+def _model_source(store: SessionStore, args: argparse.Namespace) -> str | None:
+    """The model the session decodes with: ``--model``, else the session's own (None while neither
+    is known here: a new session without --model, or one the fleet has not pulled yet)."""
+    model = _opt(args, "model")
+    if model:
+        return resolve_model(model)
+    if store.exists(args.session):
+        return store.read_manifest(args.session).model.path
+    return None
+
+
 def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
                     options: dict[str, Any]) -> tuple[Any, bool]:
     """(session, created): resume ``args.session``, or create it when absent."""
@@ -236,24 +248,33 @@ def session_generate(args: argparse.Namespace) -> int:
     created = leasing = ok = False
     remote = None
     push_error: ColiError | None = None
+    core = InProcessCore()  # the turn is a job on the engine loop, as a served one
     try:
         remote = _remote(store, args)
-        if remote is not None:  # the lease first (pulled unless held here), a keeper renews it
-            session, created = remote.begin_turn(
-                args.session, lambda: _open_or_create(store, args, prompt, options),
-                _opt(args, "model") or None, **options)
-            leasing = True
-        else:
-            session, created = _open_or_create(store, args, prompt, options)
-        try:
-            tokens, summary = _run_turn(session, args, prompt, max_new, created)
-        finally:
-            session.close()
+        core.adopt_store_model(store, _model_source(store, args))
+        options.update(core.session_options)
+
+        def turn() -> tuple[list[int], dict[str, Any]]:
+            nonlocal created, leasing
+            if remote is not None:  # the lease first (pulled unless held here), a keeper renews it
+                session, created = remote.begin_turn(
+                    args.session, lambda: _open_or_create(store, args, prompt, options),
+                    _opt(args, "model") or None, **options)
+                leasing = True
+            else:
+                session, created = _open_or_create(store, args, prompt, options)
+            try:
+                return _run_turn(session, args, prompt, max_new, created)
+            finally:
+                session.close()
+
+        tokens, summary = core.call(turn)
         ok = True
         if remote is not None:  # the turn is committed here; now the fleet gets it
             summary["remote"], push_error = push_turn(remote, args.session,
                                                       bool(_opt(args, "keep_lease")))
     finally:
+        core.stop()
         if not ok:
             if leasing:  # the fleet keeps its last pushed bundle; another host may take it now
                 _release_quietly(remote, args.session)
@@ -287,26 +308,37 @@ def session_generate_text(args: argparse.Namespace, kind: str, value: Any) -> in
     fresh_root = not os.path.lexists(args.root)
     store = SessionStore(args.root)
     created = ok = False
+    core = InProcessCore()  # the turn is a job on the engine loop, as a served one
     try:
         if store.exists(args.session):
             source = _opt(args, "model") or store.read_manifest(args.session).model.path
             tok = tokenizer_for(source)
-            model = _opt(args, "model")
-            session = store.open(args.session, resolve_model(model) if model else None, **options)
+        elif not _opt(args, "model"):
+            raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
         else:
-            if not _opt(args, "model"):
-                raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
             tok = tokenizer_for(args.model)
-            session = store.create(args.session, resolve_model(args.model), kv_dtype=_opt(args, "kv") or "fp8",
-                                   sampler=_sampler(args, Sampler()), **options)
-            created = True
-        try:
-            summary = session_text_turn(session, args, kind, value, tok, max_new,
-                                        _sampler(args, session.manifest.sampler))
-        finally:
-            session.close()
+        core.adopt_store_model(store, _model_source(store, args))
+        options.update(core.session_options)
+
+        def turn() -> dict[str, Any]:
+            nonlocal created
+            if store.exists(args.session):
+                model = _opt(args, "model")
+                session = store.open(args.session, resolve_model(model) if model else None, **options)
+            else:
+                session = store.create(args.session, resolve_model(args.model), kv_dtype=_opt(args, "kv") or "fp8",
+                                       sampler=_sampler(args, Sampler()), **options)
+                created = True
+            try:
+                return session_text_turn(session, args, kind, value, tok, max_new,
+                                         _sampler(args, session.manifest.sampler))
+            finally:
+                session.close()
+
+        summary = core.call(turn)
         ok = True
     finally:
+        core.stop()
         if not ok:
             if created:
                 _discard_if_empty(store, args.session)

@@ -54,7 +54,7 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
-from sessionstore.sessions.turn_loop import TurnResult, common_prefix, reference_turns
+from sessionstore.sessions.turn_loop import TurnResult, common_prefix, reference_turns, run_turn
 
 __all__ = [
     "CATALOGUE_NAME",
@@ -123,6 +123,7 @@ __all__ = [
     "remove_record",
     "reopen_fenced",
     "response_list_bytes",
+    "run_turn",
     "tokens_digest",
     "utc_now",
     "validate_session_id",

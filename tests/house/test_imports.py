@@ -10,6 +10,8 @@ each test also breaks its rule in a scratch copy of the sources and sees it fail
   ``__init__``), except a module the surface leaves out because it needs an optional extra
   (:data:`BEHIND_AN_EXTRA`); the room surfaces import none (but ``http``'s, the API process, whose
   room is the ``service`` extra), and each names its public names in ``__all__``;
+- one named CLI module (:data:`IN_PROCESS_CORE`: the engine core ``chat`` and ``generate`` run in
+  process) imports the engine loop by its own name, and none of the service's web and IPC extras;
 - every name imported from the module that defines it (:mod:`tests.house.reexports`);
 - tests use production code's public surface, not its private names (:mod:`tests.house.private_names`).
 """
@@ -41,6 +43,11 @@ BEHIND_AN_EXTRA = {
     "sessionstore.service.fleet.bundle_upload": "service",  # msgspec
     "sessionstore.service.fleet.proxy": "service",  # starlette, httpx
 }
+# Engine-core modules one named CLI module imports by their own name: the engine room's surface
+# imports the service extra (pyzmq, msgspec, prometheus_client), and `coli-kv chat` and `generate`
+# run their turns on the engine loop in process (issue 23 part 3) with the loop alone (greenlet).
+IN_PROCESS_CORE = {"sessionstore.service.engine_loop": "tools._core"}  # module -> the one module importing it
+SERVICE_EXTRAS = ("starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "zmq", "msgspec")
 # The service's rooms, lowest first: each imports only its own level and those below. fleet/ and http/
 # are packages; the engine core's modules are still flat in service/ (the engine-core rewrite moves
 # them to engine/), so a flat module is the engine's unless it is one of the floor's.
@@ -221,6 +228,8 @@ def surface_breaches(edges: dict[str, set[str]]) -> set[str]:
         for target in targets:
             if target in BEHIND_AN_EXTRA or target in room_packages(target)[-1:]:
                 continue
+            if IN_PROCESS_CORE.get(target) == name:
+                continue
             if any(room not in holding_name for room in room_packages(target)):
                 bad.add(f"{name} imports {target}")
     return bad
@@ -306,6 +315,25 @@ def test_reaching_into_a_room_fails(scratch: Path) -> None:
     found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
     assert found == ["new: sessionstore.service.metrics imports sessionstore.sessions.paths",
                      "new: tools.cmd_verify imports sessionstore.kvfile.sidecar_check"]
+
+
+def test_only_the_in_process_core_reaches_the_engine_loop(scratch: Path) -> None:
+    """The exception is for ``tools._core`` alone: another command reaching the loop is a breach."""
+    _append(scratch, "tools/cmd_verify.py", "\nfrom sessionstore.service.engine_loop import EngineLoop  # noqa\n")
+    found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
+    assert found == ["new: tools.cmd_verify imports sessionstore.service.engine_loop"]
+
+
+def test_the_in_process_core_imports_no_service_extra() -> None:
+    """``coli-kv chat`` and ``generate`` run the engine loop without the API process's stack."""
+    modules = ["tools.cmd_chat", "tools.cmd_generate", "tools.cmd_sessions", *IN_PROCESS_CORE.values(),
+               *IN_PROCESS_CORE]
+    code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+            f"print(sorted({{n.split('.')[0] for n in sys.modules}} & set({list(SERVICE_EXTRAS)!r})))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_service_rooms_import_only_downward() -> None:
