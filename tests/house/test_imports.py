@@ -41,14 +41,14 @@ BEHIND_AN_EXTRA = {
     "sessionstore.service.fleet.bundle_upload": "service",  # msgspec
     "sessionstore.service.fleet.proxy": "service",  # starlette, httpx
 }
-# The service's rooms, lowest first: each imports only its own level and those below. fleet/ and http/
-# are packages; the engine core's modules are still flat in service/ (the engine-core rewrite moves
-# them to engine/), so a flat module is the engine's unless it is one of the floor's.
+# The service's rooms, lowest first: each imports only its own level and those below. The floor is
+# the flat modules of service/ (its package surface among them); fleet/, engine/ and http/ are packages.
 SERVICE_LEVELS = ("floor", "fleet", "engine", "http")
 SERVICE_FLOOR = frozenset({"sessionstore.service", "sessionstore.service.bind", "sessionstore.service.errors",
                            "sessionstore.service.limits"})
 SERVICE_ROOMS = ("fleet", "engine", "http")  # the service's rooms that are (or will be) packages
-EXTRA_ROOMS = {"sessionstore.service.http": "service"}  # a room whose surface is an extra's by design
+# Rooms whose surface is an extra's by design: the API process, and the engine core (greenlet, pyzmq, msgspec).
+EXTRA_ROOMS = {"sessionstore.service.http": "service", "sessionstore.service.engine": "service"}
 
 EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "torch")
 
@@ -56,16 +56,16 @@ EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheu
 # (http/, engine/, fleet/) by the engine-core work, and these imports follow the names there. The
 # list may only shrink: a breach not listed fails, and so does a listed one that is gone.
 KNOWN_SURFACE_BREACHES = frozenset({
-    "sessionstore.service.engine_loop imports sessionstore.sessions.turn_loop",
-    "sessionstore.service.engine imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.listing imports sessionstore.sessions.catalogue",
-    "sessionstore.service.listing imports sessionstore.sessions.directory",
-    "sessionstore.service.listing imports sessionstore.sessions.paths",
-    "sessionstore.service.messages imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.response_records imports sessionstore.sessions.paths",
-    "sessionstore.service.turns imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.turns imports sessionstore.sessions.output",
-    "sessionstore.service.turns imports sessionstore.sessions.turn_loop",
+    "sessionstore.service.engine.loop imports sessionstore.sessions.turn_loop",
+    "sessionstore.service.engine.engine imports sessionstore.sessions.conversation_file",
+    "sessionstore.service.engine.listing imports sessionstore.sessions.catalogue",
+    "sessionstore.service.engine.listing imports sessionstore.sessions.directory",
+    "sessionstore.service.engine.listing imports sessionstore.sessions.paths",
+    "sessionstore.service.engine.messages imports sessionstore.sessions.conversation_file",
+    "sessionstore.service.engine.response_records imports sessionstore.sessions.paths",
+    "sessionstore.service.engine.turns imports sessionstore.sessions.conversation_file",
+    "sessionstore.service.engine.turns imports sessionstore.sessions.output",
+    "sessionstore.service.engine.turns imports sessionstore.sessions.turn_loop",
 })
 
 
@@ -253,7 +253,7 @@ def test_the_graph_is_read() -> None:
     edges = graph()
     assert "sessionstore.kvfile" in edges["sessionstore.sessions.session"]
     assert "sessionstore.kvfile.reader" in edges["sessionstore.kvfile.writer"]
-    assert "sessionstore.sessions" in edges["sessionstore.service.engine"]
+    assert "sessionstore.sessions" in edges["sessionstore.service.engine.engine"]
 
 
 def test_cycle_finder_finds_a_cycle() -> None:
@@ -302,9 +302,9 @@ def test_outside_a_room_import_its_surface() -> None:
 
 def test_reaching_into_a_room_fails(scratch: Path) -> None:
     _append(scratch, "tools/cmd_verify.py", "\nfrom sessionstore.kvfile.sidecar_check import check_records  # noqa\n")
-    _append(scratch, "sessionstore/service/metrics.py", "\nfrom sessionstore.sessions import paths  # noqa\n")
+    _append(scratch, "sessionstore/service/engine/metrics.py", "\nfrom sessionstore.sessions import paths  # noqa\n")
     found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
-    assert found == ["new: sessionstore.service.metrics imports sessionstore.sessions.paths",
+    assert found == ["new: sessionstore.service.engine.metrics imports sessionstore.sessions.paths",
                      "new: tools.cmd_verify imports sessionstore.kvfile.sidecar_check"]
 
 
@@ -316,18 +316,18 @@ def test_a_service_room_importing_upward_fails(scratch: Path) -> None:
     """The floor may not import the fleet, the fleet not the engine core, the core not http."""
     service = "sessionstore/service"
     _append(scratch, f"{service}/errors.py", "\nfrom sessionstore.service.fleet import FleetHome  # noqa\n")
-    _append(scratch, f"{service}/fleet/home.py", "\nfrom sessionstore.service.tiers import TierManager  # noqa\n")
-    _append(scratch, f"{service}/tiers.py", "\nfrom sessionstore.service.http import ServeConfig  # noqa\n")
-    assert service_downward_breaches(graph(scratch)) == [
+    _append(scratch, f"{service}/fleet/home.py", "\nfrom sessionstore.service.engine import TierManager  # noqa\n")
+    _append(scratch, f"{service}/engine/tiers.py", "\nfrom sessionstore.service.http import ServeConfig  # noqa\n")
+    assert sorted(service_downward_breaches(graph(scratch))) == [
+        "sessionstore.service.engine.tiers imports sessionstore.service.http",
         "sessionstore.service.errors imports sessionstore.service.fleet",
-        "sessionstore.service.fleet.home imports sessionstore.service.tiers",
-        "sessionstore.service.tiers imports sessionstore.service.http",
+        "sessionstore.service.fleet.home imports sessionstore.service.engine",
     ]
 
 
 def test_the_service_levels_are_read() -> None:
     assert [service_level(m) for m in ("sessionstore.service", "sessionstore.service.errors",
-                                       "sessionstore.service.fleet.home", "sessionstore.service.engine",
+                                       "sessionstore.service.fleet.home", "sessionstore.service.engine.engine",
                                        "sessionstore.service.http.app", "sessionstore.sessions.store")] == [
         "floor", "floor", "fleet", "engine", "http", None]
 
@@ -335,11 +335,11 @@ def test_the_service_levels_are_read() -> None:
 def test_reaching_into_a_service_room_fails(scratch: Path) -> None:
     """Outside fleet/ or http/ (elsewhere in the service too), a module imports the room's surface."""
     reach = "\nfrom sessionstore.service.fleet.home import FleetHome  # noqa\n"
-    _append(scratch, "sessionstore/service/tiers.py", reach)
+    _append(scratch, "sessionstore/service/engine/tiers.py", reach)
     _append(scratch, "sessionstore/service/fleet/proxy.py", reach)
     _append(scratch, "tools/cmd_serve.py", "\nfrom sessionstore.service.http.server import serve_http  # noqa\n")
     found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
-    assert found == ["new: sessionstore.service.tiers imports sessionstore.service.fleet.home",
+    assert found == ["new: sessionstore.service.engine.tiers imports sessionstore.service.fleet.home",
                      "new: tools.cmd_serve imports sessionstore.service.http.server"]  # proxy is inside fleet
 
 

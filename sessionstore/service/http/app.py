@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from kernels.model.logits import TokenLogprob
 from kernels.model.text import ChatTokenizer
+from sessionstore.service.engine import PromptRenderer, ResponseJob, TurnOutcome, TurnSpec, page_query
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
 from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
 from sessionstore.service.fleet.bundle_pull import PullPolicy
@@ -54,11 +55,7 @@ from sessionstore.service.http.responses import ResponsesRoutes
 from sessionstore.service.http.streams import Event, merged
 from sessionstore.service.http.tier_routes import patch_session, tier_change_of
 from sessionstore.service.http.webpage import WithPage
-from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.listing import page_query
-from sessionstore.service.prompts import PromptRenderer
-from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -1,5 +1,5 @@
 """The engine: the decoder and every open session, owned by the engine loop
-(:mod:`sessionstore.service.engine_loop`), and what a request may ask of them.
+(:mod:`sessionstore.service.engine.loop`), and what a request may ask of them.
 
 A request's work (a turn, a session operation) is a job the loop runs on its own thread: the jobs
 run one at a time and touch the sessions without a lock; the loop batches every waiting session's
@@ -21,12 +21,12 @@ from typing import Any
 
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
-from sessionstore.service.engine_loop import EngineLoop, LoopDecoder
+from sessionstore.service.engine.fencing import FencedSessions
+from sessionstore.service.engine.loop import EngineLoop, LoopDecoder
+from sessionstore.service.engine.metrics import EngineMetrics
+from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.service.errors import ApiError
-from sessionstore.service.fencing import FencedSessions
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import EngineMetrics
-from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.sessions import Session, SessionStore, validate_session_id
 from sessionstore.sessions.conversation_file import read_record, write_record
 

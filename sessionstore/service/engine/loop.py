@@ -47,7 +47,7 @@ import greenlet
 import numpy as np
 
 from sessionstore.log import get_logger
-from sessionstore.service.group_commit import GroupCommit
+from sessionstore.service.engine.group_commit import GroupCommit
 from sessionstore.sessions.turn_loop import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
