@@ -27,8 +27,7 @@ from sessionstore.service.engine.metrics import EngineMetrics
 from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.sessions import Session, SessionStore, validate_session_id
-from sessionstore.sessions.conversation_file import read_record, write_record
+from sessionstore.sessions import Session, SessionStore, read_record, validate_session_id, write_record
 
 log = get_logger("service")
 

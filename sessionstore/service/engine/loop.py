@@ -48,7 +48,7 @@ import numpy as np
 
 from sessionstore.log import get_logger
 from sessionstore.service.engine.group_commit import GroupCommit
-from sessionstore.sessions.turn_loop import DecodeLoop, TurnEnd, drive_inline
+from sessionstore.sessions import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
 

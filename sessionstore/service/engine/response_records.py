@@ -28,8 +28,7 @@ from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 from sessionstore.migration import ObjectPrefix, ObjectRecords
 from sessionstore.service.engine.turns import TurnOutcome
-from sessionstore.sessions import read_response_list, write_response_list
-from sessionstore.sessions.paths import confined
+from sessionstore.sessions import confined, read_response_list, write_response_list
 
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"
