@@ -20,7 +20,8 @@ import pytest
 
 from kernels.errors import FormatError
 from sessionstore.service.engine.group_commit import GroupCommit
-from sessionstore.service.engine.loop import MAX_PREFILL_TOKENS, EngineLoop, PrefillPacer
+from sessionstore.service.engine.loop import EngineLoop
+from sessionstore.service.engine.prefill_pacer import MAX_PREFILL_TOKENS, PrefillPacer
 from sessionstore.sessions.turn_loop import decode_loop, drive_inline
 
 VOCAB = 11

@@ -2,7 +2,8 @@
 the decoder and every resident session and runs each request's work as a job on one loop.
 
 - ``engine`` (:class:`Engine`: the open sessions, which of them are resident, and what a request
-  may ask of them), ``loop`` (the loop's one thread: jobs, the batched step, the prefill pacer),
+  may ask of them), ``loop`` (the loop's one thread and its jobs), ``batched_step`` (one
+  ``model.step`` of every waiting forward), ``prefill_pacer`` (how much prompt a step carries),
   ``group_commit`` (a step's mid-turn commits, started together), ``turns`` (:class:`TurnSpec`,
   :class:`TurnRunner`: one turn, prompt to reply), ``durable_stream`` (text held back until the
   commit covering it);
