@@ -59,6 +59,11 @@ class BodyPipe(io.RawIOBase):
         self._room = asyncio.Event()
         self.received = 0  # bytes fed so far
 
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet read: what the high-water mark bounds (the feeder waits above it)."""
+        return self._buffered
     def readable(self) -> bool:
         return True
 
