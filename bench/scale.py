@@ -95,7 +95,7 @@ class _Engine:
     store and fleet home, metrics, last uses; no request ever holds a session here."""
 
     def __init__(self, store: Any, home: Any) -> None:
-        from sessionstore.service.metrics import EngineMetrics
+        from sessionstore.service.engine import EngineMetrics
 
         self.store, self.home = store, home
         self.metrics = EngineMetrics()
@@ -125,8 +125,8 @@ def raw_read(url: str) -> int:
 def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """``restore_offloaded_over_raw_read``: see the module."""
     from sessionstore.migration import RemoteStore
+    from sessionstore.service.engine import TierManager
     from sessionstore.service.fleet import FleetHome
-    from sessionstore.service.tiers import TierManager
     from sessionstore.sessions import SessionStore
     from sessionstore.sessions.tier_record import read_tier
 

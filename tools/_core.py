@@ -1,9 +1,9 @@
 """The engine core in this process, for one ``coli-kv chat`` or ``generate`` command: the same
-engine loop as ``serve --http`` (:class:`~sessionstore.service.engine_loop.EngineLoop`), without
+engine loop as ``serve --http`` (:class:`~sessionstore.service.steps.loop.EngineLoop`), without
 the API process, its IPC or the service's other extras.
 
 The command's model is loaded once and the loop started over it; the store's sessions decode
-through a :class:`~sessionstore.service.engine_loop.LoopDecoder` and are opened with the loop's
+through a :class:`~sessionstore.service.steps.loop.LoopDecoder` and are opened with the loop's
 ``decode_driver`` and ``commit_runner`` (:attr:`InProcessCore.session_options`), as the
 service's ``Engine`` opens them. The command's session work runs as jobs on the loop
 (:meth:`InProcessCore.call`): its forwards are the loop's batched steps, its decode loop is run by
@@ -40,7 +40,7 @@ class InProcessCore:
     def adopt_decoder(self, decoder: Any) -> Any:
         """Start the loop over ``decoder`` (a loaded model); the model jobs decode through
         (a :class:`LoopDecoder`, every forward a part of the loop's batched steps)."""
-        from sessionstore.service.engine_loop import EngineLoop, LoopDecoder  # greenlet: jobs are continuations
+        from sessionstore.service.steps import EngineLoop, LoopDecoder  # greenlet: jobs are continuations
 
         if self.loop is not None:
             if decoder is not self._decoder and decoder is not self.model:

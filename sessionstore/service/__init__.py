@@ -2,22 +2,21 @@
 
 - ``http/``: the API process: the OpenAI-compatible API, the sessions API, auth, the web page,
   metrics; renders and tokenises each prompt once and sends the work to the engine core as data.
-- The engine core, its own process (``python -m sessionstore.service.core_process``): the decoder,
-  the scheduler, batched steps, commits and the resident sessions. Today its modules are the flat
-  ones here (``engine``, ``batcher``, ``scheduler``, ``group_commit``, ``core_process``, ``core_ops``,
-  ``response_job``, ``turns``, ``durable_stream``, and beside them the modules only the core runs:
-  ``fencing``, ``tiers``, ``messages``, ``listing``, ``tier_fields``, ``response_records``,
-  ``metrics``); they move into ``engine/`` with the engine-core rewrite. ``ipc`` (the messages
-  between the two processes, built on the core's request types in ``turns``) and ``prompts`` (the
-  template renderer and tokenizer both processes load) sit with the core; ``http`` imports them.
+- ``engine/``: the engine core, its own process (``python -m sessionstore.service.engine.process``):
+  the decoder (run on the ``steps`` loop), commits and the resident
+  sessions, tiers and response records. ``ipc`` (the messages between the two processes, built on
+  the core's request types) and ``prompts`` (the template renderer and tokenizer both processes
+  load) sit in it; ``http`` imports them through the engine's surface.
+- ``steps/``: the engine loop (each request's work a job on one thread, batched steps, prefill
+  pacing, group commit); no optional extra: ``coli-kv chat`` and ``generate`` run on it in process.
 - ``fleet/``: leases and this host's place in a fleet, ``--fleet-proxy``, bundles in transfer.
 - The floor, this package's surface: where to listen (``bind``), errors in OpenAI's shape
   (``errors``), the named limits (``limits``).
 
-Each imports only downward: floor < ``fleet`` < the engine core < ``http``; below them all, the
+Each imports only downward: floor < ``steps`` < ``fleet`` < the engine core < ``http``; below them all, the
 rooms of sessionstore (kvfile, sessions, migration) and kernels; nothing below imports the service.
 This package itself imports no optional extra; ``http`` imports the web stack (the ``service``
-extra) and so does the core (zmq, msgspec).
+extra) and ``engine`` the core's part of it (greenlet, pyzmq, msgspec, prometheus_client).
 """
 from sessionstore.service.bind import (
            API_KEY_ENV,

@@ -6,10 +6,12 @@ from kernels.rows import KV_VERSION_OF_DTYPE
 from sessionstore.sessions.catalogue import CATALOGUE_NAME, CatalogueEntry, SessionFilesMissingError
 from sessionstore.sessions.conversation_file import (
     CONVERSATION_NAME,
+    ConversationRecord,
     check_messages,
     read_record,
     remove_record,
     tokens_digest,
+    write_record,
 )
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.directory import MAX_PAGE, ORDERS, SessionInfo
@@ -27,7 +29,14 @@ from sessionstore.sessions.manifest import (
     write_manifest,
 )
 from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, check_component, validate_session_id
+from sessionstore.sessions.paths import (
+    KV_NAME,
+    LOCK_NAME,
+    SIDECAR_NAME,
+    check_component,
+    confined,
+    validate_session_id,
+)
 from sessionstore.sessions.recovery import ResumeCheck, ResumeTarget, check_resume
 from sessionstore.sessions.residency_budget import Residency, Resident
 from sessionstore.sessions.response_list import (
@@ -54,14 +63,27 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
-from sessionstore.sessions.turn_loop import TurnResult, common_prefix, reference_turns, run_turn
+from sessionstore.sessions.turn_loop import (
+    DecodeDriver,
+    DecodeLoop,
+    TurnEnd,
+    TurnResult,
+    common_prefix,
+    drive_inline,
+    feed_chunk,
+    reference_turns,
+    run_turn,
+)
 
 __all__ = [
     "CATALOGUE_NAME",
     "CONVERSATION_NAME",
     "CatalogueEntry",
+    "ConversationRecord",
     "DEFAULT_COMMIT_EVERY",
     "DURABLE_STREAM",
+    "DecodeDriver",
+    "DecodeLoop",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -96,6 +118,7 @@ __all__ = [
     "TierChange",
     "TierPlan",
     "TierRecord",
+    "TurnEnd",
     "TurnResult",
     "TurnStop",
     "check_component",
@@ -103,12 +126,14 @@ __all__ = [
     "check_resume",
     "check_retention",
     "common_prefix",
+    "confined",
+    "drive_inline",
     "epoch_of",
     "export_slot",
+    "feed_chunk",
     "fingerprint_tiny",
     "held_until_committed",
     "import_slot",
-    "session_disk_bytes",
     "is_offloaded",
     "logits_hash",
     "make_digest",
@@ -124,11 +149,13 @@ __all__ = [
     "reopen_fenced",
     "response_list_bytes",
     "run_turn",
+    "session_disk_bytes",
     "tokens_digest",
     "utc_now",
     "validate_session_id",
     "verify_session_dir",
     "write_manifest",
+    "write_record",
     "write_response_list",
     "write_tier",
 ]

@@ -11,7 +11,7 @@ that commit has returned) sends every piece up to that mark, in order. A commit 
 sends nothing: the client never sees text the store does not hold.
 
 In a server the commits of one decode step run together, beside the next step
-(:mod:`sessionstore.service.group_commit`), so a stream waits one commit per step, not one per
+(:mod:`sessionstore.service.steps.group_commit`), so a stream waits one commit per step, not one per
 token, and the text of step k goes out while step k+1 computes.
 """
 from __future__ import annotations

@@ -112,7 +112,7 @@ class Session:
         self.write_behind = write_behind  # the writer's mode from the next resume on
         self.lazy_logits = lazy_logits  # defer the last position's recompute until its logits are used
         # runs generate's commits every commit_every tokens, now or before the next token is fed (a
-        # server commits sessions that are due in the same step together: service.group_commit)
+        # server commits sessions that are due in the same step together: service.steps.group_commit)
         self.commit_runner = commit_runner
         # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
         self.decode_driver = decode_driver

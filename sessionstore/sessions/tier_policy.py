@@ -1,6 +1,6 @@
 """The tier policy (FORMAT.md 5.10): which sessions to expire and which to offload, given their
 sizes, last uses, retentions and pins. Pure: no files, no clock, no store; the service's tier
-manager (:mod:`sessionstore.service.tiers`) feeds it the catalogue's rows and acts on its plan.
+manager (:mod:`sessionstore.service.engine.tiers`) feeds it the catalogue's rows and acts on its plan.
 
 Rules:
 

@@ -39,10 +39,6 @@ KNOWN_PRIVATE_USES: frozenset[str] = frozenset({
     "tests.migration.test_bundle_codec: policy._measured",
     "tests.migration.test_remote: live._guard",
     "tests.migration.test_remote_faults: live._guard",
-    # service/ is being restructured (the engine-core work): its tests follow there
-    "tests.service.test_bundle_pipe: from sessionstore.service.fleet.bundle_export import _Gone",
-    "tests.service.test_bundle_pipe: pipe._buffered",
-    "tests.service.test_service_units: box._drain",
 })
 
 

@@ -4,14 +4,16 @@ each test also breaks its rule in a scratch copy of the sources and sees it fail
 - no circle between modules;
 - the rooms of sessionstore (kvfile < sessions < migration < service) import only the rooms below
   them, and the kvfile room imports nothing of the rooms above it or of tools;
-- inside the service, its rooms (:data:`SERVICE_LEVELS`: the floor < fleet < the engine core < http)
-  import only their own level and those below;
+- every module of the service is in one of its rooms (:data:`SERVICE_LEVELS`: the floor, the flat
+  modules :data:`SERVICE_FLOOR` names, < steps/ < fleet/ < engine/ < http/), and each room imports only its
+  own level and those below;
 - outside a room (a room of sessionstore or of the service), import its surface (its package
   ``__init__``), except a module the surface leaves out because it needs an optional extra
-  (:data:`BEHIND_AN_EXTRA`); the room surfaces import none (but ``http``'s, the API process, whose
-  room is the ``service`` extra), and each names its public names in ``__all__``;
-- one named CLI module (:data:`IN_PROCESS_CORE`: the engine core ``chat`` and ``generate`` run in
-  process) imports the engine loop by its own name, and none of the service's web and IPC extras;
+  (:data:`BEHIND_AN_EXTRA`); the room surfaces import none (but those of :data:`EXTRA_ROOMS`:
+  ``http``, the API process, and ``engine``, the core's), and each names its public names in
+  ``__all__``; a module run with ``python -m`` (the core's process) is left out of its surface;
+- the engine loop's room (``steps``, which ``chat`` and ``generate`` run in process) and the CLI
+  modules that use it import none of the service's web and IPC extras;
 - every name imported from the module that defines it (:mod:`tests.house.reexports`);
 - tests use production code's public surface, not its private names (:mod:`tests.house.private_names`).
 """
@@ -43,37 +45,21 @@ BEHIND_AN_EXTRA = {
     "sessionstore.service.fleet.bundle_upload": "service",  # msgspec
     "sessionstore.service.fleet.proxy": "service",  # starlette, httpx
 }
-# Engine-core modules one named CLI module imports by their own name: the engine room's surface
-# imports the service extra (pyzmq, msgspec, prometheus_client), and `coli-kv chat` and `generate`
-# run their turns on the engine loop in process (issue 23 part 3) with the loop alone (greenlet).
-IN_PROCESS_CORE = {"sessionstore.service.engine_loop": "tools._core"}  # module -> the one module importing it
+# `coli-kv chat` and `generate` run their turns on the engine loop in process (issue 23 part 3):
+# these modules, the loop's room among them, import none of the service's web and IPC extras.
+IN_PROCESS_CORE = ("tools.cmd_chat", "tools.cmd_generate", "tools.cmd_sessions", "tools._core",
+                   "sessionstore.service.steps")
 SERVICE_EXTRAS = ("starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "zmq", "msgspec")
-# The service's rooms, lowest first: each imports only its own level and those below. fleet/ and http/
-# are packages; the engine core's modules are still flat in service/ (the engine-core rewrite moves
-# them to engine/), so a flat module is the engine's unless it is one of the floor's.
-SERVICE_LEVELS = ("floor", "fleet", "engine", "http")
+# The service's rooms, lowest first: each imports only its own level and those below. The floor is
+# the flat modules of service/ (its package surface among them); fleet/, engine/ and http/ are packages.
+SERVICE_LEVELS = ("floor", "steps", "fleet", "engine", "http")
 SERVICE_FLOOR = frozenset({"sessionstore.service", "sessionstore.service.bind", "sessionstore.service.errors",
                            "sessionstore.service.limits"})
-SERVICE_ROOMS = ("fleet", "engine", "http")  # the service's rooms that are (or will be) packages
-EXTRA_ROOMS = {"sessionstore.service.http": "service"}  # a room whose surface is an extra's by design
+SERVICE_ROOMS = ("steps", "fleet", "engine", "http")  # the service's rooms that are (or will be) packages
+# Rooms whose surface is an extra's by design: the API process, and the engine core (greenlet, pyzmq, msgspec).
+EXTRA_ROOMS = {"sessionstore.service.http": "service", "sessionstore.service.engine": "service"}
 
 EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "torch")
-
-# service/ reaches into sessions/ and migration/ modules: it is being split into its own rooms
-# (http/, engine/, fleet/) by the engine-core work, and these imports follow the names there. The
-# list may only shrink: a breach not listed fails, and so does a listed one that is gone.
-KNOWN_SURFACE_BREACHES = frozenset({
-    "sessionstore.service.engine_loop imports sessionstore.sessions.turn_loop",
-    "sessionstore.service.engine imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.listing imports sessionstore.sessions.catalogue",
-    "sessionstore.service.listing imports sessionstore.sessions.directory",
-    "sessionstore.service.listing imports sessionstore.sessions.paths",
-    "sessionstore.service.messages imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.response_records imports sessionstore.sessions.paths",
-    "sessionstore.service.turns imports sessionstore.sessions.conversation_file",
-    "sessionstore.service.turns imports sessionstore.sessions.output",
-    "sessionstore.service.turns imports sessionstore.sessions.turn_loop",
-})
 
 
 # --- reading the source --------------------------------------------------------------------------
@@ -185,13 +171,20 @@ def kvfile_breaches(edges: dict[str, set[str]]) -> list[str]:
 
 
 def service_level(module: str) -> str | None:
-    """The service room ``module`` belongs to (one of :data:`SERVICE_LEVELS`); None outside the service."""
+    """The service room ``module`` belongs to (one of :data:`SERVICE_LEVELS`), ``"unplaced"`` for a
+    module of the service in none of them; None outside the service."""
     parts = module.split(".")
     if parts[:2] != ["sessionstore", "service"]:
         return None
     if module in SERVICE_FLOOR:
         return "floor"
-    return parts[2] if len(parts) > 2 and parts[2] in SERVICE_ROOMS else "engine"
+    return parts[2] if len(parts) > 2 and parts[2] in SERVICE_ROOMS else "unplaced"
+
+
+def unplaced_service_modules(edges: dict[str, set[str]]) -> list[str]:
+    """The service's modules in none of its rooms: a flat module the floor does not name, or one in a
+    package that is no room."""
+    return sorted(name for name in edges if service_level(name) == "unplaced")
 
 
 def service_downward_breaches(edges: dict[str, set[str]]) -> list[str]:
@@ -199,7 +192,7 @@ def service_downward_breaches(edges: dict[str, set[str]]) -> list[str]:
     bad = []
     for name, targets in edges.items():
         level = service_level(name)
-        if level is None:
+        if level not in SERVICE_LEVELS:  # outside the service, or unplaced (a rule of its own)
             continue
         allowed = SERVICE_LEVELS[: SERVICE_LEVELS.index(level) + 1]
         bad += [f"{name} imports {t}" for t in sorted(targets) if service_level(t) not in (None, *allowed)]
@@ -228,11 +221,15 @@ def surface_breaches(edges: dict[str, set[str]]) -> set[str]:
         for target in targets:
             if target in BEHIND_AN_EXTRA or target in room_packages(target)[-1:]:
                 continue
-            if IN_PROCESS_CORE.get(target) == name:
-                continue
             if any(room not in holding_name for room in room_packages(target)):
                 bad.add(f"{name} imports {target}")
     return bad
+
+
+def surface_imports_its_main(edges: dict[str, set[str]], main: str) -> bool:
+    """Whether the package holding ``main`` (a module run with ``python -m``) imports it: ``runpy``
+    would then run a second copy of a module already imported."""
+    return main in edges[main.rpartition(".")[0]]
 
 
 def unexpected(found: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -262,7 +259,7 @@ def test_the_graph_is_read() -> None:
     edges = graph()
     assert "sessionstore.kvfile" in edges["sessionstore.sessions.session"]
     assert "sessionstore.kvfile.reader" in edges["sessionstore.kvfile.writer"]
-    assert "sessionstore.sessions" in edges["sessionstore.service.engine"]
+    assert "sessionstore.sessions" in edges["sessionstore.service.engine.engine"]
 
 
 def test_cycle_finder_finds_a_cycle() -> None:
@@ -306,28 +303,26 @@ def test_the_kvfile_room_importing_tools_fails(scratch: Path) -> None:
 
 
 def test_outside_a_room_import_its_surface() -> None:
-    assert unexpected(surface_breaches(graph()), KNOWN_SURFACE_BREACHES) == []
+    assert sorted(surface_breaches(graph())) == []
 
 
 def test_reaching_into_a_room_fails(scratch: Path) -> None:
     _append(scratch, "tools/cmd_verify.py", "\nfrom sessionstore.kvfile.sidecar_check import check_records  # noqa\n")
-    _append(scratch, "sessionstore/service/metrics.py", "\nfrom sessionstore.sessions import paths  # noqa\n")
-    found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
-    assert found == ["new: sessionstore.service.metrics imports sessionstore.sessions.paths",
-                     "new: tools.cmd_verify imports sessionstore.kvfile.sidecar_check"]
+    _append(scratch, "sessionstore/service/engine/metrics.py", "\nfrom sessionstore.sessions import paths  # noqa\n")
+    assert sorted(surface_breaches(graph(scratch))) == [
+        "sessionstore.service.engine.metrics imports sessionstore.sessions.paths",
+        "tools.cmd_verify imports sessionstore.kvfile.sidecar_check"]
 
 
-def test_only_the_in_process_core_reaches_the_engine_loop(scratch: Path) -> None:
-    """The exception is for ``tools._core`` alone: another command reaching the loop is a breach."""
-    _append(scratch, "tools/cmd_verify.py", "\nfrom sessionstore.service.engine_loop import EngineLoop  # noqa\n")
-    found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
-    assert found == ["new: tools.cmd_verify imports sessionstore.service.engine_loop"]
+def test_reaching_into_the_engine_loops_room_fails(scratch: Path) -> None:
+    """The CLI's in-process core takes the loop from its room's surface, as the engine does."""
+    _append(scratch, "tools/cmd_verify.py", "\nfrom sessionstore.service.steps.loop import EngineLoop  # noqa\n")
+    assert sorted(surface_breaches(graph(scratch))) == ["tools.cmd_verify imports sessionstore.service.steps.loop"]
 
 
 def test_the_in_process_core_imports_no_service_extra() -> None:
     """``coli-kv chat`` and ``generate`` run the engine loop without the API process's stack."""
-    modules = ["tools.cmd_chat", "tools.cmd_generate", "tools.cmd_sessions", *IN_PROCESS_CORE.values(),
-               *IN_PROCESS_CORE]
+    modules = list(IN_PROCESS_CORE)
     code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
             f"print(sorted({{n.split('.')[0] for n in sys.modules}} & set({list(SERVICE_EXTRAS)!r})))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -344,31 +339,71 @@ def test_a_service_room_importing_upward_fails(scratch: Path) -> None:
     """The floor may not import the fleet, the fleet not the engine core, the core not http."""
     service = "sessionstore/service"
     _append(scratch, f"{service}/errors.py", "\nfrom sessionstore.service.fleet import FleetHome  # noqa\n")
-    _append(scratch, f"{service}/fleet/home.py", "\nfrom sessionstore.service.tiers import TierManager  # noqa\n")
-    _append(scratch, f"{service}/tiers.py", "\nfrom sessionstore.service.http import ServeConfig  # noqa\n")
-    assert service_downward_breaches(graph(scratch)) == [
+    _append(scratch, f"{service}/fleet/home.py", "\nfrom sessionstore.service.engine import TierManager  # noqa\n")
+    _append(scratch, f"{service}/engine/tiers.py", "\nfrom sessionstore.service.http import ServeConfig  # noqa\n")
+    assert sorted(service_downward_breaches(graph(scratch))) == [
+        "sessionstore.service.engine.tiers imports sessionstore.service.http",
         "sessionstore.service.errors imports sessionstore.service.fleet",
-        "sessionstore.service.fleet.home imports sessionstore.service.tiers",
-        "sessionstore.service.tiers imports sessionstore.service.http",
+        "sessionstore.service.fleet.home imports sessionstore.service.engine",
     ]
 
 
 def test_the_service_levels_are_read() -> None:
     assert [service_level(m) for m in ("sessionstore.service", "sessionstore.service.errors",
                                        "sessionstore.service.fleet.home", "sessionstore.service.engine",
-                                       "sessionstore.service.http.app", "sessionstore.sessions.store")] == [
-        "floor", "floor", "fleet", "engine", "http", None]
+                                       "sessionstore.service.steps.loop", "sessionstore.service.http.app",
+                                       "sessionstore.service.stray", "sessionstore.sessions.store")] == [
+        "floor", "floor", "fleet", "engine", "steps", "http", "unplaced", None]
+
+
+def test_every_service_module_is_in_a_room() -> None:
+    assert unplaced_service_modules(graph()) == []
+
+
+def test_a_service_module_outside_the_rooms_fails(scratch: Path) -> None:
+    """A new flat module the floor does not name, or a package that is no room, is in no room (and so
+    under no rule of the service's rooms) until it is placed."""
+    service = scratch / "sessionstore" / "service"
+    (service / "stray.py").write_text('"""A module left flat in service/."""\n')
+    (service / "queueing").mkdir()
+    (service / "queueing" / "__init__.py").write_text('"""A package that is no room."""\n')
+    (service / "queueing" / "worker.py").write_text("from sessionstore.service.http import ServeConfig  # noqa\n")
+    assert unplaced_service_modules(graph(scratch)) == ["sessionstore.service.queueing",
+                                                        "sessionstore.service.queueing.worker",
+                                                        "sessionstore.service.stray"]
 
 
 def test_reaching_into_a_service_room_fails(scratch: Path) -> None:
-    """Outside fleet/ or http/ (elsewhere in the service too), a module imports the room's surface."""
+    """Outside fleet/, engine/ or http/ (in another room of the service too), a module imports the
+    room's surface: http imports ``sessionstore.service.engine``, not the engine's modules."""
     reach = "\nfrom sessionstore.service.fleet.home import FleetHome  # noqa\n"
-    _append(scratch, "sessionstore/service/tiers.py", reach)
+    _append(scratch, "sessionstore/service/engine/tiers.py", reach)
     _append(scratch, "sessionstore/service/fleet/proxy.py", reach)
+    _append(scratch, "sessionstore/service/http/server.py",
+            "\nfrom sessionstore.service.engine.tiers import Sweeper  # noqa\n")
+    _append(scratch, "sessionstore/service/engine/turns.py",
+            "\nfrom sessionstore.service.engine.tiers import Sweeper  # noqa\n")
     _append(scratch, "tools/cmd_serve.py", "\nfrom sessionstore.service.http.server import serve_http  # noqa\n")
-    found = unexpected(surface_breaches(graph(scratch)), KNOWN_SURFACE_BREACHES)
-    assert found == ["new: sessionstore.service.tiers imports sessionstore.service.fleet.home",
-                     "new: tools.cmd_serve imports sessionstore.service.http.server"]  # proxy is inside fleet
+    assert sorted(surface_breaches(graph(scratch))) == [
+        "sessionstore.service.engine.tiers imports sessionstore.service.fleet.home",
+        "sessionstore.service.http.server imports sessionstore.service.engine.tiers",
+        "tools.cmd_serve imports sessionstore.service.http.server"]  # proxy is inside fleet, turns inside engine
+
+
+def _core_main() -> str:
+    """The engine core's process module, as the API process runs it (``python -m``)."""
+    from sessionstore.service.http.core_client import CORE_MODULE  # the service extra: the test env has it
+    return CORE_MODULE
+
+
+def test_a_module_run_as_main_is_not_on_its_surface() -> None:
+    assert not surface_imports_its_main(graph(), _core_main())
+
+
+def test_a_surface_importing_its_main_fails(scratch: Path) -> None:
+    _append(scratch, "sessionstore/service/engine/__init__.py",
+            "\nfrom sessionstore.service.engine.process import main  # noqa\n")
+    assert surface_imports_its_main(graph(scratch), _core_main())
 
 
 def _room_surfaces(root: Path) -> list[Path]:
@@ -406,8 +441,11 @@ def test_a_surface_without_all_or_with_a_private_name_fails(scratch: Path) -> No
     path = scratch / "sessionstore" / "service" / "fleet" / "__init__.py"
     path.write_text(path.read_text().replace('__all__ = ["FleetHome"', '__all__ = ["_hidden", "FleetHome"'))
     (scratch / "sessionstore" / "service" / "http" / "__init__.py").write_text('"""No list."""\n')
+    path = scratch / "sessionstore" / "service" / "engine" / "__init__.py"
+    path.write_text(path.read_text().replace('__all__ = ["Call"', '__all__ = ["main", "Call"'))
     assert surface_problems(scratch) == ["sessionstore.service.fleet: _hidden is private",
                                          "sessionstore.service.fleet: _hidden is not imported there",
+                                         "sessionstore.service.engine: main is not imported there",
                                          "sessionstore.service.http: no __all__"]
 
 

@@ -39,7 +39,7 @@ def test_the_pipe_hands_over_every_byte_in_order_under_backpressure() -> None:
         asyncio.get_running_loop().call_later(0.05, gate.set)
         for piece in pieces:
             await pipe.feed(piece)
-            most = max(most, pipe._buffered)
+            most = max(most, pipe.buffered)
         pipe.end()
         return await got, most
 
@@ -73,7 +73,7 @@ def test_an_abandoned_pipe_drops_what_is_fed_and_wakes_a_waiting_feeder() -> Non
         await in_thread(pipe.abandon)
         await asyncio.wait_for(waiting, 5)
         await pipe.feed(b"z" * 100)
-        return pipe._buffered
+        return pipe.buffered
 
     assert asyncio.run(main()) == 0
 
@@ -98,7 +98,7 @@ def test_the_download_compression_choice() -> None:
 
 
 def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
-    from sessionstore.service.fleet.bundle_export import JOIN_BYTES, ChunkHandoff, QueueSink, _Gone
+    from sessionstore.service.fleet.bundle_export import JOIN_BYTES, ChunkHandoff, QueueSink, ReaderGone
 
     async def main() -> None:
         out = ChunkHandoff(asyncio.get_running_loop(), capacity=8)
@@ -119,7 +119,7 @@ def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
         sink.write(big)
         assert await next_item() == big
         out.close()
-        with pytest.raises(_Gone):
+        with pytest.raises(ReaderGone):
             sink.write(big)
 
     asyncio.run(main())
@@ -128,7 +128,7 @@ def test_the_export_sink_joins_small_writes_to_the_next_large_one() -> None:
 def test_an_export_whose_reader_left_gives_up_and_strands_no_thread() -> None:
     """The exporting thread waits for room while its reader is slow, and gives up once the
     reader closes the handoff (no thread of the loop's executor is involved either way)."""
-    from sessionstore.service.fleet.bundle_export import GONE_POLL_S, ChunkHandoff, _Gone
+    from sessionstore.service.fleet.bundle_export import GONE_POLL_S, ChunkHandoff, ReaderGone
 
     async def main() -> None:
         out = ChunkHandoff(asyncio.get_running_loop(), capacity=2)
@@ -139,7 +139,7 @@ def test_an_export_whose_reader_left_gives_up_and_strands_no_thread() -> None:
                 for _ in range(100):
                     out.put(b"x" * 1000)
                 outcome.append("finished")
-            except _Gone:
+            except ReaderGone:
                 outcome.append("gave up")
 
         writer = threading.Thread(target=export)

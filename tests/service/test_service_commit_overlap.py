@@ -12,8 +12,8 @@ import pytest
 
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
-from sessionstore.service.engine import Engine
-from sessionstore.service.turns import TurnSpec
+from sessionstore.service.engine.engine import Engine
+from sessionstore.service.engine.turns import TurnSpec
 from sessionstore.sessions import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
 from tests.service.test_service_units import Sink

@@ -14,8 +14,8 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
 from sessionstore.kvfile.durability import Durability
-from sessionstore.service.engine import Engine
-from sessionstore.service.turns import TurnSpec
+from sessionstore.service.engine.engine import Engine
+from sessionstore.service.engine.turns import TurnSpec
 from sessionstore.sessions import SessionStore, reference_turns
 
 MAX_NEW = 40

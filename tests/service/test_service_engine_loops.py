@@ -1,4 +1,4 @@
-"""The engine loop (:mod:`sessionstore.service.engine_loop`): every request's work is a job, a
+"""The engine loop (:mod:`sessionstore.service.steps.loop`): every request's work is a job, a
 greenlet on the loop's one thread, never a thread of its own. The loop runs each turn's decode loop
 between its batched steps itself (the tokens are the ones the decode loop gives run inline, and the
 job runs on once per decode loop, not once per token); the mid-turn commits that decode loops ask
@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from kernels.errors import FormatError
-from sessionstore.service.engine_loop import MAX_PREFILL_TOKENS, EngineLoop, PrefillPacer
-from sessionstore.service.group_commit import GroupCommit
+from sessionstore.service.steps.group_commit import GroupCommit
+from sessionstore.service.steps.loop import EngineLoop
+from sessionstore.service.steps.prefill_pacer import MAX_PREFILL_TOKENS, PrefillPacer
 from sessionstore.sessions.turn_loop import decode_loop, drive_inline
 
 VOCAB = 11

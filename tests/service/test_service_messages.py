@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kernels.model.text import load_text
-from sessionstore.service.messages import READ_ATTEMPTS, judge, read_messages
+from sessionstore.service.engine.messages import READ_ATTEMPTS, judge, read_messages
 from sessionstore.sessions import SessionStore
 from sessionstore.sessions.conversation_chat import Conversation
 from sessionstore.sessions.conversation_file import ConversationRecord, OpenTurn, tokens_digest, write_record

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from sessionstore.migration import RemoteStore
+from sessionstore.service.engine.metrics import EngineMetrics
+from sessionstore.service.engine.tiers import STUB_NAMES, TierManager
 from sessionstore.service.errors import ApiError
 from sessionstore.service.fleet import FleetHome
-from sessionstore.service.metrics import EngineMetrics
-from sessionstore.service.tiers import STUB_NAMES, TierManager
 from sessionstore.sessions import SessionStore
 from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import write_manifest

@@ -77,7 +77,7 @@ Durability.fsync = fsync  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     if os.environ.get("COLI_TEST_EIO_ROLE") == "core":  # the engine core, where the commits run
-        from sessionstore.service.core_process import main as core_main
+        from sessionstore.service.engine.process import main as core_main
 
         sys.exit(core_main())
     from sessionstore.service.http import core_client

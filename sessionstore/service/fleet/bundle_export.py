@@ -31,7 +31,7 @@ END = b""
 MAX_ZSTD_LEVEL = 22
 
 
-class _Gone(Exception):
+class ReaderGone(Exception):
     """The client stopped reading: the export is abandoned."""
 
 
@@ -39,7 +39,7 @@ class ChunkHandoff:
     """The exporting thread's writes to the response's coroutine on ``loop``: at most ``capacity``
     in flight (backpressure on the export), delivered through the loop's outbox, so no executor
     thread ever waits on a queue for an export that a vanished client abandoned. Once closed (the
-    client gone, or the loop stopped), a ``put`` raises :class:`_Gone` within
+    client gone, or the loop stopped), a ``put`` raises :class:`ReaderGone` within
     :data:`GONE_POLL_S`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int = QUEUE_CHUNKS) -> None:
@@ -52,9 +52,9 @@ class ChunkHandoff:
         """(the exporting thread) Hand ``item`` over, waiting while ``capacity`` items are unread."""
         while not self._room.acquire(timeout=GONE_POLL_S):
             if self._gone.is_set() or self._loop.is_closed():
-                raise _Gone()
+                raise ReaderGone()
         if self._gone.is_set() or not self._outbox.put(self._items, item):
-            raise _Gone()
+            raise ReaderGone()
 
     async def get(self) -> bytes | BaseException:
         """(the loop) The next item, in order."""
@@ -137,10 +137,10 @@ async def export_stream(store: SessionStore, session_id: str, compression: str |
         try:
             export.write(cast(BinaryIO, QueueSink(handoff)), compression=compression)
             handoff.put(END)
-        except _Gone:
+        except ReaderGone:
             return
         except BaseException as exc:  # handed to the response, which ends early
-            with contextlib.suppress(_Gone):
+            with contextlib.suppress(ReaderGone):
                 handoff.put(exc)
         finally:
             export.close()
@@ -166,4 +166,4 @@ async def export_stream(store: SessionStore, session_id: str, compression: str |
     return stream, headers
 
 
-__all__ = ["ChunkHandoff", "QueueSink", "export_compression", "export_stream"]
+__all__ = ["ChunkHandoff", "QueueSink", "ReaderGone", "export_compression", "export_stream"]

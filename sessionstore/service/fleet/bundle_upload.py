@@ -4,7 +4,7 @@ temp directory under ``<root>/tmp/`` (``migration.receive_bundle``: every chunk 
 is written, then the file digests, trailer, header, sidecar, fsync), while the event loop feeds the
 pipe and counts the bytes against ``max_bundle_bytes``. Only a bundle that verified whole is
 installed, by one rename under the session's claim (refused while the session is resident): the
-engine core's ``install`` operation (:func:`sessionstore.service.core_ops.op_install`).
+engine core's ``install`` operation (:func:`sessionstore.service.engine.operations.op_install`).
 
 A body over the limit is refused with 413 as soon as the limit is passed; a cut upload (the
 client vanished) or one the receiver refused leaves no session and no temp directory: the
@@ -59,6 +59,11 @@ class BodyPipe(io.RawIOBase):
         self._room = asyncio.Event()
         self.received = 0  # bytes fed so far
 
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet read: what the high-water mark bounds (the feeder waits above it)."""
+        return self._buffered
     def readable(self) -> bool:
         return True
 
@@ -146,7 +151,7 @@ def in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
 
 class CoreCalls(Protocol):
     """What a bundle's receiver asks of the engine core: one of its named operations
-    (:data:`sessionstore.service.core_ops.OPERATIONS`), by the API process's
+    (:data:`sessionstore.service.engine.operations.OPERATIONS`), by the API process's
     :class:`~sessionstore.service.http.core_client.CoreClient`."""
 
     async def call(self, op: str, **args: Any) -> Any: ...

@@ -21,6 +21,7 @@ class LoopOutbox:
         self._lock = threading.Lock()
         self._items: deque[tuple[asyncio.Queue[Any], Any]] = deque()
         self._scheduled = False
+        self.drains = 0  # drains run on the loop so far: one per burst of puts, not one per put
 
     def put(self, queue: asyncio.Queue[T], event: T) -> bool:
         """Queue ``event`` (an export's chunk) for ``queue``; False once
@@ -39,6 +40,7 @@ class LoopOutbox:
         return True
 
     def _drain(self) -> None:
+        self.drains += 1
         with self._lock:
             items, self._items, self._scheduled = self._items, deque(), False
         for queue, event in items:

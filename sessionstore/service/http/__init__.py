@@ -7,9 +7,9 @@ to the handlers). Handlers validate, render and tokenise a prompt once, send the
 and stream what comes back; they never touch a session's files (a bundle's bytes in transfer are
 the fleet room's).
 
-The top room of the service: it imports the engine core's request types (``turns``, ``ipc``), the
-fleet room and the service's floor; nothing imports it but the CLI. Importing it imports the web
-stack (the ``service`` extra).
+The top room of the service: it imports the engine core's surface (its request types, the IPC
+messages, the prompt renderer), the fleet room and the service's floor; nothing imports it but the
+CLI. Importing it imports the web stack (the ``service`` extra).
 """
 from sessionstore.service.http.server import ServeConfig, serve_http
 

@@ -2,10 +2,11 @@
 the sessions API, health and metrics.
 
 Handlers validate the request, render and tokenise its prompt, send its work to the engine core
-(:class:`~sessionstore.service.http.core_client.CoreClient`) and stream what comes back; every refusal
-is an OpenAI-shaped error (:mod:`sessionstore.service.errors`). Nothing here touches a session's
-files but a bundle's transfer (read for an export, received into the store's tmp/ for an import,
-whose install the core does).
+(:class:`~sessionstore.service.http.core_client.CoreClient`) and stream what comes back
+(:mod:`.completion_output` shapes it); every refusal is an OpenAI-shaped error
+(:mod:`sessionstore.service.errors`). The sessions API's routes are :mod:`.session_routes`', the
+Responses API's :mod:`.responses`'; :func:`build_app` puts them all on one application. Nothing
+here touches a session's files (a bundle's transfer is the fleet room's, its install the core's).
 """
 from __future__ import annotations
 
@@ -25,40 +26,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kernels.model.logits import TokenLogprob
 from kernels.model.text import ChatTokenizer
+from sessionstore.service.engine import PromptRenderer, ResponseJob, TurnOutcome, TurnSpec
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
-from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
 from sessionstore.service.http.auth import BearerAuth
+from sessionstore.service.http.completion_output import CompletionOutput, StreamHead
 from sessionstore.service.http.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ForkRequest,
-    PullRequest,
     TurnFields,
-    chat_chunk,
-    chat_logprobs,
-    completion_chunk,
-    completion_logprobs,
     now,
     parse_body,
-    sse,
-    usage,
-    usage_chunk,
 )
 from sessionstore.service.http.responses import ResponsesRoutes
-from sessionstore.service.http.streams import Event, merged
+from sessionstore.service.http.session_routes import SessionRoutes
+from sessionstore.service.http.streams import Event
 from sessionstore.service.http.tier_routes import patch_session, tier_change_of
 from sessionstore.service.http.webpage import WithPage
-from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.listing import page_query
-from sessionstore.service.prompts import PromptRenderer
-from sessionstore.service.turns import TurnOutcome, TurnSpec
 from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -88,20 +77,6 @@ def holder_redirect(exc: HeldElsewhere, request: Request, places: Places) -> Res
     query = f"?{request.url.query}" if request.url.query else ""
     body = ApiError(307, f"{exc}; redirected to the holder", code="session_elsewhere").body(places)
     return JSONResponse(body, status_code=307, headers={"location": exc.holder_url + request.url.path + query})
-
-
-@dataclass(frozen=True)
-class StreamHead:
-    """What every chunk of one streamed turn shares."""
-
-    kind: str  # "chat" | "completion"
-    rid: str
-    created: int
-    include_usage: bool
-
-    @property
-    def chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
 def error_response(err: ApiError, places: Places = ()) -> JSONResponse:
@@ -138,11 +113,13 @@ class Api:
         self.limits = ctx.limits
         self.model_id = ctx.model_id
         self.tok = ctx.tokenizer
+        self.model_source = ctx.model_source
         self.renderer = PromptRenderer(ctx.tokenizer)
         self.body_read_timeout_s = float(ctx.limits.read_timeout_s)
         tok = ctx.tokenizer
         self.places = server_places({"<model dir>": ctx.model_source, "<store root>": str(ctx.store.root),
                                      "<tokenizer dir>": None if tok is None else tok.source})
+        self.output = CompletionOutput(ctx.model_id, ctx.tokenizer, self.places)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def route(self, name: str, fn: Handler) -> Handler:
@@ -275,35 +252,6 @@ class Api:
             clock.done(len(out.tokens), out.prompt_tokens, out.reused_prefix)
         return event
 
-    def logprobs_of(self, kind: str, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-        """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
-        ``offset``: the completion text's length before these tokens (the legacy ``text_offset``)."""
-        if entries is None:
-            return None
-        tok = self.tok
-        return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
-
-    def usage_of(self, outcomes: list[TurnOutcome]) -> dict[str, Any]:
-        """The request's usage: the prompt (and its cached part) once, the tokens of every choice."""
-        first = outcomes[0]
-        return usage(first.prompt_tokens, sum(len(out.tokens) for out in outcomes), first.reused_prefix)
-
-    def choice_of(self, kind: str, index: int, out: TurnOutcome) -> dict[str, Any]:
-        """One choice of an unstreamed response."""
-        logprobs = self.logprobs_of(kind, out.logprobs)
-        if kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": out.text},
-                    "finish_reason": out.finish, "logprobs": logprobs, "token_ids": out.tokens}
-        return {"index": index, "text": out.text, "finish_reason": out.finish, "logprobs": logprobs,
-                "token_ids": out.tokens}
-
-    def session_fields(self, spec: TurnSpec, out: TurnOutcome) -> dict[str, Any]:
-        """The ``session`` extension of a response (nothing for a stateless turn)."""
-        if spec.session is None:
-            return {}
-        return {"session": {"id": spec.session, "created": out.created, "reused_prefix": out.reused_prefix,
-                            "committed": out.committed}}
-
     async def turn(self, request: Request, kind: str) -> Response:
         clock = TurnClock(self.metrics, time.perf_counter())
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -313,16 +261,11 @@ class Api:
         turns = await self.start_turns(spec, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
-        if not req.stream:
-            outcomes = await self.outcomes(turns, clock)
-            choices = [self.choice_of(kind, i, out) for i, out in enumerate(outcomes)]
-            obj = "chat.completion" if kind == "chat" else "text_completion"
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                 "choices": choices, "usage": self.usage_of(outcomes),
-                                 **self.session_fields(spec, outcomes[0])})
         head = StreamHead(kind, rid, created, req.include_usage())
-        return StreamingResponse(self.events(head, spec, turns, clock), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        if not req.stream:
+            return JSONResponse(self.output.whole(head, spec, await self.outcomes(turns, clock)))
+        events = self.output.events(head, spec, turns, lambda i, s: self.receive(s, clock if i == 0 else None))
+        return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     async def outcomes(self, turns: list[tuple[CoreStream, Event]], clock: TurnClock) -> list[TurnOutcome]:
         """Every choice's outcome, in index order (an error is raised, the other choices cancelled)."""
@@ -339,60 +282,6 @@ class Api:
                 stream.cancel()
             raise
         return outcomes
-
-    async def events(self, head: StreamHead, spec: TurnSpec, turns: list[tuple[CoreStream, Event]],
-                     clock: TurnClock) -> AsyncIterator[bytes]:
-        """The turn's SSE: (chat: a role chunk per choice,) a chunk per piece of text (``index``: its
-        choice; the choices' chunks interleave as they come), each choice's final chunk with
-        ``finish_reason`` and ``token_ids`` when it ends (choice 0's with the session); with
-        ``include_usage`` one more chunk with ``choices: []`` and ``usage`` once every choice has
-        ended (every other chunk then has ``usage: null``, as OpenAI's). With log-probabilities
-        each chunk carries those of its choice's tokens drawn since its chunk before (the final one
-        those of the tokens whose text never went out: eos, a stop string's)."""
-        kind, rid, created = head.kind, head.rid, head.created
-        no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
-        sent = [0] * spec.n  # per choice: log-probabilities sent so far
-        offset = [0] * spec.n  # per choice: the length of their tokens' texts (the legacy text_offset)
-
-        def piece(index: int, text: str, finish: str | None = None, tokens: list[int] | None = None,
-                  entries: list[TokenLogprob] | None = None, **extra: Any) -> bytes:
-            logprobs = self.logprobs_of(kind, entries, offset[index])
-            if entries is not None and logprobs is not None:
-                sent[index] += len(entries)
-                offset[index] += sum(len(t) for t in logprobs["tokens"]) if kind != "chat" else 0
-            if kind == "chat":
-                return sse(chat_chunk(rid, self.model_id, created, {"content": text} if text or not finish else {},
-                                      finish, tokens, logprobs, index, **extra, **no_usage))
-            return sse(completion_chunk(rid, self.model_id, created, text, finish, tokens, logprobs, index, **extra,
-                                        **no_usage))
-
-        try:
-            if kind == "chat":
-                for index in range(spec.n):
-                    yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""},
-                                         index=index, **no_usage))
-            ended: dict[int, TurnOutcome] = {}  # choice -> its outcome
-            failed = False
-            async for index, event in merged(turns, lambda i, s: self.receive(s, clock if i == 0 else None)):
-                if event.kind == "text":
-                    yield piece(index, event.value, entries=event.logprobs)
-                elif event.kind == "done":
-                    out: TurnOutcome = event.value
-                    ended[index] = out
-                    rest = None if out.logprobs is None else out.logprobs[sent[index]:]
-                    yield piece(index, "", out.finish, out.tokens, rest,
-                                **(self.session_fields(spec, out) if index == 0 else {}))
-                else:
-                    yield sse(api_error_of(event.value).body(self.places))
-                    failed = True
-                    break
-            if head.include_usage and not failed:
-                outcomes = [ended[i] for i in range(len(turns))]
-                yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(outcomes)))
-            yield sse("[DONE]")
-        finally:
-            for stream, _ in turns:
-                stream.cancel()  # a vanished client ends its turns at the next token (choice 0 commits)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.turn(request, "chat")
@@ -427,63 +316,6 @@ class Api:
             text += await self.core.call("metrics")
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    # ---- sessions ------------------------------------------------------------------------------
-    async def list_sessions(self, request: Request) -> Response:
-        """One page from the store's catalogue (``?limit=N&after=ID&order=asc|desc``, FORMAT.md 7)."""
-        query = page_query(request.query_params)
-        return JSONResponse(await self.core.call("list", limit=query.limit, after=query.after, order=query.order))
-
-    async def describe(self, sid: str) -> dict[str, Any]:
-        described: dict[str, Any] = await self.core.call("describe", sid=sid)
-        return described
-
-    async def get_session(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        flags = {k: request.query_params.get(k) in ("1", "true") for k in ("history", "messages")}
-        return JSONResponse(await self.core.call("describe", sid=sid, **flags))
-
-    async def delete_session(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        await self.core.call("delete", sid=sid)
-        return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
-
-    async def fork_session(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        req: ForkRequest = parse_body(await self.body(request), ForkRequest)
-        validate_session_id(req.new)
-        return JSONResponse(await self.core.call("fork", sid=sid, new=req.new, at=req.at))
-
-    async def get_bundle(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        if not self.store.exists(sid):
-            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
-        compression = export_compression(request.query_params.get("compress"),
-                                         request.client.host if request.client else None)
-        body, headers = await export_stream(self.store, sid, compression)
-        return StreamingResponse(body, media_type="application/octet-stream", headers=headers)
-
-    async def pull_bundle(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        req: PullRequest = parse_body(await self.body(request), PullRequest)
-        result = await bundle_pull.pull_bundle(self.bundle_host, sid, req.source, self.pull,
-                                               limit=self.limits.max_bundle_bytes, replace=req.replace)
-        return JSONResponse({**await self.describe(sid), "imported": result})
-
-    async def put_bundle(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        replace = request.query_params.get("replace", "1") not in ("0", "false")  # ?replace=0: refuse a taken id
-        result = await bundle_upload.put_bundle(self.bundle_host, sid, request.stream(),
-                                                limit=self.limits.max_bundle_bytes,
-                                                declared=request.headers.get("content-length"), replace=replace)
-        return JSONResponse({**await self.describe(sid), "imported": result})
-
-    @property
-    def bundle_host(self) -> bundle_upload.BundleHost:
-        return bundle_upload.BundleHost(self.store, self.ctx.model_source, self.core)
-
-    async def suspend_session(self, request: Request) -> Response:
-        sid = self.session_id(request)
-        return JSONResponse(await self.core.call("suspend", sid=sid))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -497,6 +329,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
     page at ``/`` is served without it). Its lifespan starts receiving from the engine core."""
     api = Api(ctx)
     responses = ResponsesRoutes(api)
+    sessions = SessionRoutes(api)
     r = api.route
     routes = [
         Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
@@ -509,15 +342,15 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
         Route("/v1/responses/{rid}", r("response_delete", responses.delete), methods=["DELETE"]),
         Route("/v1/responses/{rid}/input_items", r("response_input_items", responses.input_items),
               methods=["GET"]),
-        Route("/v1/sessions", r("sessions", api.list_sessions), methods=["GET"]),
-        Route("/v1/sessions/{sid}", r("session", api.get_session), methods=["GET"]),
-        Route("/v1/sessions/{sid}", r("session_delete", api.delete_session), methods=["DELETE"]),
+        Route("/v1/sessions", r("sessions", sessions.list_sessions), methods=["GET"]),
+        Route("/v1/sessions/{sid}", r("session", sessions.get_session), methods=["GET"]),
+        Route("/v1/sessions/{sid}", r("session_delete", sessions.delete_session), methods=["DELETE"]),
         Route("/v1/sessions/{sid}", r("session_patch", lambda req: patch_session(api, req)), methods=["PATCH"]),
-        Route("/v1/sessions/{sid}/fork", r("session_fork", api.fork_session), methods=["POST"]),
-        Route("/v1/sessions/{sid}/bundle", r("bundle_get", api.get_bundle), methods=["GET"]),
-        Route("/v1/sessions/{sid}/bundle", r("bundle_put", api.put_bundle), methods=["PUT"]),
-        Route("/v1/sessions/{sid}/pull", r("bundle_pull", api.pull_bundle), methods=["POST"]),
-        Route("/v1/sessions/{sid}/suspend", r("session_suspend", api.suspend_session), methods=["POST"]),
+        Route("/v1/sessions/{sid}/fork", r("session_fork", sessions.fork_session), methods=["POST"]),
+        Route("/v1/sessions/{sid}/bundle", r("bundle_get", sessions.get_bundle), methods=["GET"]),
+        Route("/v1/sessions/{sid}/bundle", r("bundle_put", sessions.put_bundle), methods=["PUT"]),
+        Route("/v1/sessions/{sid}/pull", r("bundle_pull", sessions.pull_bundle), methods=["POST"]),
+        Route("/v1/sessions/{sid}/suspend", r("session_suspend", sessions.suspend_session), methods=["POST"]),
     ]
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

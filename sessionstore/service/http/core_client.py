@@ -30,9 +30,7 @@ import zmq.asyncio
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.service.errors import ApiError
-from sessionstore.service.http.streams import Event
-from sessionstore.service.ipc import (
+from sessionstore.service.engine import (
     Call,
     Cancel,
     CoreConfig,
@@ -47,15 +45,17 @@ from sessionstore.service.ipc import (
     ToCore,
     TurnCall,
     TurnDone,
+    TurnSpec,
     decode_from_core,
-    encode,
+    encode_message,
     socket_paths,
 )
-from sessionstore.service.turns import TurnSpec
+from sessionstore.service.errors import ApiError
+from sessionstore.service.http.streams import Event
 
 log = get_logger("service.client")
 
-CORE_MODULE = "sessionstore.service.core_process"  # run as ``python -m`` (a fault-injecting test launcher swaps it)
+CORE_MODULE = "sessionstore.service.engine.process"  # run as ``python -m`` (a fault-injecting test launcher swaps it)
 START_TIMEOUT_S = 600.0  # loading a big checkpoint can take minutes
 STOP_TIMEOUT_S = 120.0  # the core commits and suspends every session before it exits
 WATCH_S = 0.1  # how often the watcher looks at the core's process
@@ -281,7 +281,7 @@ class CoreClient:
 
     # ---- requests --------------------------------------------------------------------------------
     def _send(self, message: ToCore) -> None:
-        self._push.send(encode(message))
+        self._push.send(encode_message(message))
 
     def _check(self) -> None:
         if self.stopping:
@@ -302,7 +302,7 @@ class CoreClient:
             self._send(Cancel(rid))
 
     async def call(self, op: str, **args: Any) -> Any:
-        """One of the core's operations (:data:`sessionstore.service.core_ops.OPERATIONS`); its value."""
+        """One of the core's operations (:data:`sessionstore.service.engine.operations.OPERATIONS`); its value."""
         self._check()
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -1,7 +1,7 @@
 """The API process's Prometheus metrics: requests by outcome and what a client sees of each turn
 (:class:`HttpMetrics`, :class:`TurnClock`: time to first token, the gaps between tokens, prompt and
 cached tokens) and the engine process's restarts. ``GET /metrics`` renders them after the engine
-core's (:class:`sessionstore.service.metrics.EngineMetrics`, fetched from the core at each scrape)."""
+core's (:class:`sessionstore.service.engine.metrics.EngineMetrics`, fetched from the core at each scrape)."""
 from __future__ import annotations
 
 import time

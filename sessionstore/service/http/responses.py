@@ -25,23 +25,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from sessionstore.service.engine import (
+    ResponseJob,
+    ResponseRecord,
+    ResponseRecords,
+    TurnSpec,
+    chain_session_id,
+    finish_record,
+    is_response_id,
+    new_response_id,
+    parse_record,
+)
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
 from sessionstore.service.http.streams import Event
-from sessionstore.service.ipc import ResponseJob
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.response_records import (
-    ResponseRecord,
-    ResponseRecords,
-    chain_session_id,
-    finish,
-    is_response_id,
-    new_response_id,
-    parse_record,
-)
-from sessionstore.service.turns import TurnSpec
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
 MAX_METADATA_KEY = 64
@@ -241,7 +241,7 @@ class ResponsesRoutes:
             event = await host.receive(stream, clock)
         if event.kind == "error":
             raise event.value
-        finish(record, event.value)
+        finish_record(record, event.value)
         return JSONResponse(response_object(record, req.store))
 
     # ---- streaming -------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class ResponsesRoutes:
                 error = api_error_of(ev.value).body(self.host.places)["error"]
                 yield event("error", code=error["code"], message=error["message"], param=error["param"])
                 return
-            finish(record, ev.value)
+            finish_record(record, ev.value)
             obj = response_object(record, store)
             done_item = obj["output"][0]
             yield event("response.output_text.done", **at, content_index=0, text=record.output_text, logprobs=[])

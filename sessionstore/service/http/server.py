@@ -1,4 +1,4 @@
-"""Running the service: the bind rule, the engine core's process (:mod:`sessionstore.service.core_process`,
+"""Running the service: the bind rule, the engine core's process (:mod:`sessionstore.service.engine.process`,
 started and supervised by :class:`~sessionstore.service.http.core_client.CoreClient`), uvicorn on a socket
 we bound, and the shutdown order (SIGTERM/SIGINT: stop accepting, cut running turns at a token
 boundary, then the core commits and suspends every session and exits; exit 0)."""
@@ -17,6 +17,7 @@ from typing import Any
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
+from sessionstore.service.engine import DEFAULT_SWEEP_INTERVAL_S, load_tokenizer
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
 from sessionstore.service.http.app import ServerContext, build_app
@@ -24,8 +25,6 @@ from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.metrics import HttpMetrics
 from sessionstore.service.http.slow_clients import guarded_protocol
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.prompts import load_tokenizer
-from sessionstore.service.tiers import DEFAULT_SWEEP_INTERVAL_S
 from sessionstore.sessions import SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -75,7 +74,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def core_settings(config: ServeConfig) -> dict[str, Any]:
-    """The engine core's settings (:class:`~sessionstore.service.ipc.CoreConfig` but its sockets)."""
+    """The engine core's settings (:class:`~sessionstore.service.engine.ipc.CoreConfig` but its sockets)."""
     return {"root": str(config.root), "model": config.model, "kv_dtype": config.kv_dtype,
             "limits": dict(config.limits.__dict__), "session_options": config.session_options,
             "max_kv_bytes": config.max_kv_bytes, "remote": config.remote, "host_id": config.host_id,

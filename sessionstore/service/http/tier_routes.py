@@ -1,6 +1,6 @@
 """The HTTP side of a session's tier (FORMAT.md 7, 5.10): ``retention_seconds`` and ``pinned``
 beside ``session`` in a turn's body and ``PATCH /v1/sessions/{id}``. The tier fields of a session's
-description are built in the engine core (:mod:`sessionstore.service.tier_fields`)."""
+description are built in the engine core (:mod:`sessionstore.service.engine.tier_fields`)."""
 from __future__ import annotations
 
 from typing import Any

@@ -6,7 +6,7 @@ own thread, switched to by the loop only, so exactly one piece of work touches t
 time and no lock guards them. A job runs until it needs the model or a wait, and then hands the
 loop what it waits for, as data:
 
-- ``forward`` (a prompt, or one token): a :class:`_Work` queued for the next batched step;
+- ``forward`` (a prompt, or one token): a :class:`~.batched_step.Forward` queued for the next batched step;
 - ``drive_decode`` (a turn's sampling loop, :func:`sessionstore.sessions.turn_loop.decode_loop`): the
   loop itself sends the generator each step's logits and steps the token it yields (sampling,
   streaming and the turn's mid-turn commits run on the loop), and switches back to the job once the
@@ -31,7 +31,8 @@ get alone, whoever shares the step and however its prompt was cut into chunks. A
 would fail (a token outside the vocabulary, a full context) fails alone: it is checked before it
 joins, and should the batched step raise, its members are stepped one by one (bitwise the same).
 The mid-turn commits that the loops ask for in one pass start together at its end and run while
-the next step computes (:mod:`.group_commit`).
+the next step computes (:mod:`.group_commit`). The step itself is :mod:`.batched_step`'s, and how
+much prompt it carries :mod:`.prefill_pacer`'s; this module runs the jobs around it.
 """
 from __future__ import annotations
 
@@ -47,17 +48,15 @@ import greenlet
 import numpy as np
 
 from sessionstore.log import get_logger
-from sessionstore.service.group_commit import GroupCommit
-from sessionstore.sessions.turn_loop import DecodeLoop, TurnEnd, drive_inline
+from sessionstore.service.steps.batched_step import BatchedStep, Forward
+from sessionstore.service.steps.group_commit import GroupCommit
+from sessionstore.service.steps.prefill_pacer import MAX_PREFILL_TOKENS, PREFILL_STEP_RATIO, PrefillPacer
+from sessionstore.sessions import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
 
 GATHER_S = 0.004  # how long an idle loop woken by a job waits for the jobs arriving right after it
-MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
-IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
 IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off)
-PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions is sized to take at
-# most this many times their decode-only step (so a running stream's longest gap stays near it)
 
 Resume = Callable[[], Any]  # what a parked job is switched back with: returns its value or raises its error
 
@@ -71,85 +70,26 @@ class _Job:
     glet: greenlet.greenlet | None = None
 
 
-@dataclass(eq=False)  # compared by identity (the queue holds each once)
-class _Work:
-    """One forward asked for (or a decode loop's next token), and its outcome: the logits, the
-    loop's end or the error, set by the loop before its asker runs on (a job: made runnable; a
-    caller on another thread: its ``done`` event)."""
-
-    tokens: np.ndarray  # [S] i32
-    cache: Any
-    fed: int = 0  # tokens of ``tokens`` already stepped (a prompt admitted chunk by chunk)
-    job: _Job | None = None  # the job that waits for it
-    done: threading.Event | None = None  # a caller outside the jobs (a test, a tool) waits on it
-    loop: DecodeLoop | None = None  # a turn's sampling loop, run on by the loop after each step
-    result: Any = None  # the logits [S, V] f32, or the loop's TurnEnd
-    error: BaseException | None = None
-    settled: bool = False
-
-    def settle(self, result: Any, error: BaseException | None = None) -> None:
-        self.result, self.error, self.settled = result, error, True
-
-    def outcome(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        assert self.settled  # settled before the asker ran on
-        return self.result
-
-
-class PrefillPacer:
-    """How many prompt tokens a step may carry beside decoding sessions: at most ``cap``, and as
-    many as keep the step within ``ratio`` times a decode-only step of those sessions, by what the
-    loop's steps measured (a token of prompt costs more the further into a long prompt it is, and
-    more than a decode row on a CPU: each position is computed as its own decode step would be)."""
-
-    SMOOTH = 0.3  # weight of the newest measurement in the running estimates
-
-    def __init__(self, cap: int, ratio: float = PREFILL_STEP_RATIO) -> None:
-        self.cap, self.ratio = cap, ratio  # ratio 0: no pacing, the cap alone
-        self.decode_row_s: float | None = None  # a decode-only step's seconds per session
-        self.prompt_token_s: float | None = None  # seconds per prompt token beside (or without) decoding
-
-    def budget(self, decoding: int) -> int:
-        """Prompt tokens for a step in which ``decoding`` sessions decode (>= 1)."""
-        if not self.ratio or self.decode_row_s is None or not self.prompt_token_s:  # off, unmeasured, or
-            return self.cap  # too cheap to tell
-        room = (self.ratio - 1.0) * decoding * self.decode_row_s
-        return max(1, min(self.cap, int(room / self.prompt_token_s)))
-
-    def observe(self, decoding: int, prompt_tokens: int, seconds: float) -> None:
-        """One step's size and time."""
-        if prompt_tokens == 0:
-            self.decode_row_s = self._blend(self.decode_row_s, seconds / max(decoding, 1))
-            return
-        decode_part = decoding * (self.decode_row_s or 0.0)
-        self.prompt_token_s = self._blend(self.prompt_token_s, max(seconds - decode_part, 0.0) / prompt_tokens)
-
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTH * (new - old)
-
-
 class EngineLoop:
     """The loop's thread, its jobs and its queue of forwards."""
 
     def __init__(self, model: Any, *, max_batch: int = 64, gather_s: float = GATHER_S,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, prefill_step_ratio: float = PREFILL_STEP_RATIO,
                  on_forward: Callable[[str, int, float], None] | None = None) -> None:
-        self.model = model
-        self.max_batch, self.gather_s = max_batch, gather_s
-        self.max_prefill_tokens = max_prefill_tokens
-        self.pacer = PrefillPacer(max_prefill_tokens, prefill_step_ratio)
-        self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
+        self.model, self.gather_s = model, gather_s
         self.after_pass: Callable[[], None] | None = None  # called at the end of each pass (e.g. send its events)
-        self.steps = 0
         self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass
+        # the step, its queue of forwards and its count of steps; on_forward is called with
+        # ("step" | "prefill", sessions, seconds) of each forward
+        self.batch = BatchedStep(model, self.commits, PrefillPacer(max_prefill_tokens, prefill_step_ratio),
+                                 max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
+                                 on_settled=self._run_on_after, on_forward=on_forward)
         self._cond = threading.Condition()  # guards _arrived, the counts and _stopped
-        self._arrived: deque[tuple[_Job, Resume | None] | _Work] = deque()  # from other threads
+        self._arrived: deque[tuple[_Job, Resume | None] | Forward] = deque()  # from other threads
         self._in_flight = 0  # jobs submitted and not ended
         self._submitted = self._gathered = 0  # jobs submitted; of them, taken by the loop
         self._stopped = False
         self._runnable: deque[tuple[_Job, Resume | None]] = deque()  # the loop's thread only
-        self._queue: list[_Work] = []  # forwards waiting for a step; the loop's thread only
         self._current: _Job | None = None  # the job running now (the loop's thread only)
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="coli-engine-io")
         self.thread = threading.Thread(target=self._run, name="coli-engine", daemon=True)
@@ -198,13 +138,13 @@ class EngineLoop:
         from another thread it waits for the loop."""
         job = self._job_here()
         if job is not None:
-            self._queue.append(_Work(np.asarray(tokens), cache, job=job))
+            self.batch.queue.append(Forward(np.asarray(tokens), cache, job=job))
             logits: np.ndarray = self._park()
             return logits
         if self._on_loop_thread() or self._stopped:
             out: np.ndarray = self.model.forward(tokens, cache)[-1:]  # [1, V] f32
             return out
-        work = _Work(np.asarray(tokens), cache, done=threading.Event())
+        work = Forward(np.asarray(tokens), cache, done=threading.Event())
         with self._cond:
             self._arrived.append(work)
             self._cond.notify_all()
@@ -225,7 +165,7 @@ class EngineLoop:
         except StopIteration as done:
             end: TurnEnd = done.value
             return end
-        self._queue.append(_Work(np.asarray([token], dtype="<i4"), cache, job=job, loop=loop))
+        self.batch.queue.append(Forward(np.asarray([token], dtype="<i4"), cache, job=job, loop=loop))
         end = self._park()
         return end
 
@@ -308,14 +248,20 @@ class EngineLoop:
                 job.glet.switch(resume)
             self._current = None
 
+    def _run_on_after(self, work: Forward) -> None:
+        """``work`` is settled: its job runs on, or the caller on another thread is woken."""
+        if work.job is not None:
+            self._runnable.append((work.job, work.outcome))
+        elif work.done is not None:
+            work.done.set()
+
     # ---- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while self._take_arrived():
                 self._run_jobs()
-                if self._queue:
-                    batch, self._queue = self._plan(self._queue)
-                    self._step(batch)
+                if self.batch.queue:
+                    self.batch.run()
                 if self.after_pass is not None:
                     self.after_pass()
         except BaseException as exc:  # a bug here would hang every job: log it; the process ends
@@ -327,7 +273,7 @@ class EngineLoop:
         has nothing to do (then ``gather_s`` more for the jobs that follow the first). False once
         stopped with nothing left to run."""
         with self._cond:
-            idle = not self._runnable and not self._queue
+            idle = not self._runnable and not self.batch.queue
             if idle:
                 while not self._arrived and not (self._stopped and self._in_flight == 0):
                     self._cond.wait()
@@ -343,138 +289,11 @@ class EngineLoop:
             self._gathered = self._submitted
             arrived, self._arrived = self._arrived, deque()
         for item in arrived:
-            if isinstance(item, _Work):
-                self._queue.append(item)
+            if isinstance(item, Forward):
+                self.batch.queue.append(item)
             else:
                 self._runnable.append(item)
         return True
-
-    def _plan(self, taken: list[_Work]) -> tuple[list[tuple[_Work, int]], list[_Work]]:
-        """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and
-        what waits for a later step: at most ``max_batch`` members, prompts in arrival order, and
-        while any member decodes at most the :class:`PrefillPacer`'s budget of prompt tokens (at
-        most ``max_prefill_tokens``; the budget keeps the running streams flowing); a step with no
-        one decoding takes up to ``IDLE_PREFILL_TOKENS``."""
-        batch: list[tuple[_Work, int]] = []
-        later: list[_Work] = []
-        decoding = sum(work.tokens.shape[0] - work.fed == 1 for work in taken)
-        budget = self.pacer.budget(decoding) if decoding else max(self.max_prefill_tokens, IDLE_PREFILL_TOKENS)
-        for work in taken:
-            want = work.tokens.shape[0] - work.fed
-            take = 1 if want == 1 else min(want, budget)
-            if take < 1 or len(batch) >= self.max_batch:
-                later.append(work)
-                continue
-            if want > 1:
-                budget -= take
-            batch.append((work, take))
-        return batch, later
-
-    def _step(self, batch: list[tuple[_Work, int]]) -> None:
-        ready: list[tuple[_Work, int]] = []
-        for work, count in batch:  # a request that cannot run fails alone, before the step
-            try:
-                if work.fed == 0:
-                    self.model.check_tokens(work.tokens)
-                    self.model.check_room(work.cache, work.tokens.shape[0])
-            except BaseException as exc:
-                work.settle(None, exc)
-                self._admit(work)
-            else:
-                ready.append((work, count))
-        if not ready:
-            return
-        counts = [count for _, count in ready]
-        tokens = np.concatenate([w.tokens[w.fed : w.fed + c] for w, c in ready])  # [N] i32
-        try:
-            t0 = time.perf_counter()
-            logits = self.model.step([w.cache for w, _ in ready], tokens, counts)  # [B, V] f32
-            took = time.perf_counter() - t0
-        except BaseException as exc:
-            log.warning("service.step_failed", batch=len(ready), error=str(exc))
-            for work, count in ready:
-                self._solo(work, count)
-            return
-        self.steps += 1
-        rows = sum(1 for work, _ in ready if work.tokens.shape[0] - work.fed == 1)  # single-token members
-        self.pacer.observe(rows, sum(counts) - rows, took)
-        self._observe("step" if min(counts) == 1 else "prefill", len(ready), took)
-        self._stepped(ready, logits)
-
-    def _solo(self, work: _Work, count: int) -> None:
-        """Step ``work``'s next ``count`` tokens alone (a batched step that raised)."""
-        try:
-            t0 = time.perf_counter()
-            logits = self.model.step([work.cache], work.tokens[work.fed : work.fed + count], [count])
-            self._observe("step" if count == 1 else "prefill", 1, time.perf_counter() - t0)
-        except BaseException as exc:  # the job that asked re-raises it
-            work.settle(None, exc)
-            self._admit(work)
-            return
-        self._stepped([(work, count)], logits)
-
-    def _stepped(self, ready: list[tuple[_Work, int]], logits: np.ndarray) -> None:
-        """After a step: a prompt with chunks left waits for the next step (first in line); every
-        other member gets its row of ``logits`` [B, V]: a plain forward is settled and its asker
-        runs on; a decode loop is run on to its next token (queued for the next step) or its end."""
-        done: list[tuple[_Work, int]] = []
-        unfinished: list[_Work] = []
-        for b, (work, count) in enumerate(ready):
-            work.fed += count
-            if work.fed < work.tokens.shape[0]:
-                unfinished.append(work)
-            else:
-                done.append((work, b))
-        self._queue[:0] = unfinished
-        admitted: list[_Work] = []
-        for work, b in done:
-            if work.loop is None:
-                work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
-            else:
-                with self.commits.collecting(work):
-                    if self._run_on(work, logits[b]):
-                        continue
-            admitted.append(work)
-        self.commits.start_all()  # they run while the next step computes; each loop waits for its own
-        for work in admitted:  # in batch order
-            self._admit(work)
-
-    def _run_on(self, work: _Work, logits: np.ndarray) -> bool:
-        """Send a decode loop its logits [V]: True once it yielded its next token (queued for the
-        next step), False once it ended or raised (settled)."""
-        assert work.loop is not None
-        failed = self.commits.ready(work)  # the commit its last pass asked for, run beside this step
-        if failed is not None:  # its turn ends as it would have before the step: the step is undone
-            work.cache.truncate(work.cache.length - 1)
-            work.settle(None, failed)
-            return False
-        try:
-            token = work.loop.send(logits)
-        except StopIteration as ended:
-            work.settle(ended.value)
-            return False
-        except BaseException as exc:  # a stop, a commit's failure: its turn re-raises it
-            work.settle(None, exc)
-            return False
-        work.tokens, work.fed = np.asarray([token], dtype="<i4"), 0  # [1] i32
-        self._queue.append(work)
-        return True
-
-    def _admit(self, work: _Work) -> None:
-        """The forward is settled: its job runs on (in the order forwards finish), or the caller on
-        another thread is woken. A commit its decode loop asked for last is waited for first (its
-        failure is the turn's error): a turn never finds its commit unfinished."""
-        failed = self.commits.wait(work)
-        if failed is not None:
-            work.settle(None, failed)
-        if work.job is not None:
-            self._runnable.append((work.job, work.outcome))
-        elif work.done is not None:
-            work.done.set()
-
-    def _observe(self, kind: str, sessions: int, seconds: float) -> None:
-        if self.on_forward is not None:
-            self.on_forward(kind, sessions, seconds)
 
 
 class LoopDecoder:
@@ -492,5 +311,4 @@ class LoopDecoder:
         return getattr(self._model, name)
 
 
-__all__ = ["GATHER_S", "IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "EngineLoop", "LoopDecoder",
-           "PrefillPacer"]
+__all__ = ["GATHER_S", "IO_THREADS", "EngineLoop", "LoopDecoder"]

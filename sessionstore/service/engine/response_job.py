@@ -12,18 +12,18 @@ import msgspec
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.service.engine import Engine
-from sessionstore.service.errors import ApiError
-from sessionstore.service.ipc import ResponseJob
-from sessionstore.service.response_records import (
+from sessionstore.service.engine.engine import Engine
+from sessionstore.service.engine.ipc import ResponseJob
+from sessionstore.service.engine.response_records import (
     FleetResponses,
     ResponseRecord,
     ResponseRecords,
     chain_session_id,
-    finish,
+    finish_record,
     keep_with_session,
 )
-from sessionstore.service.turns import TurnOutcome, TurnSink, TurnSpec
+from sessionstore.service.engine.turns import TurnOutcome, TurnSink, TurnSpec
+from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, common_prefix, tokens_digest
 
 log = get_logger("service")
@@ -48,7 +48,7 @@ class StoredResponseTurn:
             session, _ = engine.open_session(spec.session, create=False)
             history = session.history()
             record = self.record
-            finish(record, out)
+            finish_record(record, out)
             record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
             record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
             self.records.write(record)

@@ -8,7 +8,7 @@ import threading
 
 from sessionstore.kvfile import Dims
 from sessionstore.log import get_logger
-from sessionstore.service.metrics import EngineMetrics
+from sessionstore.service.engine.metrics import EngineMetrics
 from sessionstore.sessions import Fence, SessionFencedError, SessionStore, reopen_fenced
 
 log = get_logger("service")

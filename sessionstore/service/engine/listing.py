@@ -10,9 +10,7 @@ from typing import Any
 
 from kernels.errors import ColiError
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions.catalogue import CatalogueEntry
-from sessionstore.sessions.directory import MAX_PAGE, ORDERS
-from sessionstore.sessions.paths import validate_session_id
+from sessionstore.sessions import MAX_PAGE, ORDERS, CatalogueEntry, validate_session_id
 
 DEFAULT_LIMIT = 100  # sessions per page when the query names no limit
 MAX_LIMIT_DIGITS = 9  # a longer "limit" is refused before it is converted

@@ -41,8 +41,8 @@ from sessionstore.kvfile import (
     sidecar_bound,
 )
 from sessionstore.log import get_logger
+from sessionstore.service.engine.turns import TurnSpec, max_new_for
 from sessionstore.service.errors import ApiError
-from sessionstore.service.turns import TurnSpec, max_new_for
 from sessionstore.sessions import (
     KV_NAME,
     LOCK_NAME,

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from kernels.model.logits import TokenLogprob
-from sessionstore.service.turns import TurnOutcome, TurnSpec
+from sessionstore.service.engine.turns import TurnOutcome, TurnSpec
 
 
 class CoreConfig(msgspec.Struct, frozen=True):
@@ -68,7 +68,7 @@ class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):
 # ---- API process -> core ------------------------------------------------------------------------
 class ResponseJob(msgspec.Struct, frozen=True):
     """A stored Responses turn: the record to write once the turn ends (a
-    :class:`~sessionstore.service.response_records.ResponseRecord` as a dict), the chain's messages,
+    :class:`~sessionstore.service.engine.response_records.ResponseRecord` as a dict), the chain's messages,
     and the record it continues (None: a new chain)."""
 
     record: dict[str, Any]
@@ -85,7 +85,7 @@ class TurnCall(msgspec.Struct, frozen=True, tag="turn"):
 
 
 class Call(msgspec.Struct, frozen=True, tag="call"):
-    """One named operation of the core (:data:`sessionstore.service.core_ops.OPERATIONS`); its
+    """One named operation of the core (:data:`sessionstore.service.engine.operations.OPERATIONS`); its
     :class:`Result` or :class:`Failed` comes back under ``rid``."""
 
     rid: int
@@ -152,7 +152,7 @@ _from_core = msgspec.msgpack.Decoder(list[FromCore])
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(message: ToCore | list[FromCore]) -> bytes:
+def encode_message(message: ToCore | list[FromCore]) -> bytes:
     return _encoder.encode(message)
 
 
@@ -173,4 +173,4 @@ def socket_paths() -> tuple[Path, str, str]:
 
 __all__ = ["Call", "Cancel", "CoreConfig", "Drain", "ErrorInfo", "Failed", "FromCore", "Piece", "Ready",
            "ResponseJob", "Result", "StartFailed", "ToCore", "TurnCall", "TurnDone", "decode_from_core",
-           "decode_to_core", "encode", "socket_paths"]
+           "decode_to_core", "encode_message", "socket_paths"]

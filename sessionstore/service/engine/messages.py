@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels.errors import FormatError, LimitError
-from sessionstore.sessions.conversation_file import ConversationRecord, read_record, tokens_digest
+from sessionstore.sessions import ConversationRecord, read_record, tokens_digest
 
 READ_ATTEMPTS = 4
 Decode = Callable[[list[int]], str]

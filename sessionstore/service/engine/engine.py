@@ -1,5 +1,5 @@
 """The engine: the decoder and every open session, owned by the engine loop
-(:mod:`sessionstore.service.engine_loop`), and what a request may ask of them.
+(:mod:`sessionstore.service.steps.loop`), and what a request may ask of them.
 
 A request's work (a turn, a session operation) is a job the loop runs on its own thread: the jobs
 run one at a time and touch the sessions without a lock; the loop batches every waiting session's
@@ -21,21 +21,24 @@ from typing import Any
 
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
-from sessionstore.service.engine_loop import EngineLoop, LoopDecoder
+from sessionstore.service.engine.fencing import FencedSessions
+from sessionstore.service.engine.metrics import EngineMetrics
+from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
 from sessionstore.service.errors import ApiError
-from sessionstore.service.fencing import FencedSessions
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.metrics import EngineMetrics
-from sessionstore.service.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
-from sessionstore.sessions import Session, SessionStore, validate_session_id
-from sessionstore.sessions.conversation_file import read_record, write_record
+from sessionstore.service.steps import EngineLoop, LoopDecoder
+from sessionstore.sessions import Session, SessionStore, read_record, validate_session_id, write_record
 
 log = get_logger("service")
 
 
 class Engine:
     """The engine loop (every request's work a job on its thread), the decoder behind it, the open
-    sessions and the residency limits."""
+    sessions and the residency limits.
+
+    Its 21 methods are one table's: the open sessions, which only the loop's thread touches (open,
+    turn, suspend, delete, fork, forget, fence, the residency that follows from them, and the
+    counts read of it); split, the halves would share that table and its claims."""
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
@@ -69,7 +72,7 @@ class Engine:
         self._lock = threading.Lock()  # the busy set
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
-                                   lambda: self.loop.steps)
+                                   lambda: self.loop.batch.steps)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:

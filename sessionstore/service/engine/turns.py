@@ -20,14 +20,21 @@ from kernels.model.logits import TokenLogprob, TurnDraw
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
 from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
-from sessionstore.service.durable_stream import durable_sink
+from sessionstore.service.engine.durable_stream import durable_sink
+from sessionstore.service.engine.prompts import PromptRenderer
 from sessionstore.service.errors import ApiError
-from sessionstore.service.prompts import PromptRenderer
-from sessionstore.sessions import Session, TierChange
+from sessionstore.sessions import (
+    DecodeDriver,
+    OutputProcessor,
+    Session,
+    TierChange,
+    TurnStop,
+    common_prefix,
+    feed_chunk,
+    remove_record,
+    run_turn,
+)
 from sessionstore.sessions.conversation_chat import Conversation, check_room
-from sessionstore.sessions.conversation_file import remove_record
-from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.turn_loop import DecodeDriver, common_prefix, feed_chunk, run_turn
 
 
 class TurnSink(Protocol):

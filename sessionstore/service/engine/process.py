@@ -1,11 +1,11 @@
-"""The engine core's process (``python -m sessionstore.service.core_process``, started by the API
+"""The engine core's process (``python -m sessionstore.service.engine.process``, started by the API
 process of ``coli-kv serve --http``): it owns the decoder, the store's sessions and the fleet's
-leases, and answers requests that arrive as data (:mod:`sessionstore.service.ipc`).
+leases, and answers requests that arrive as data (:mod:`sessionstore.service.engine.ipc`).
 
-It reads its :class:`~sessionstore.service.ipc.CoreConfig` (JSON) on stdin, builds the
+It reads its :class:`~sessionstore.service.engine.ipc.CoreConfig` (JSON) on stdin, builds the
 :class:`Engine`, connects to the API process's two sockets and prints one JSON line on stdout:
 ``Ready`` or ``StartFailed``. Then its main thread receives requests and hands them to the engine
-loop as jobs (:mod:`sessionstore.service.engine_loop`); the loop sends the events of each of its
+loop as jobs (:mod:`sessionstore.service.steps.loop`); the loop sends the events of each of its
 passes as one message, and a sender thread those put by other threads (:class:`Outbox`).
 
 It stops (commit and suspend every session, exit 0) on ``Drain(shutdown=True)``, on SIGTERM, and
@@ -33,10 +33,8 @@ import zmq
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.migration import HeldElsewhereError
-from sessionstore.service.core_ops import OPERATIONS, fleet_responses
-from sessionstore.service.engine import Engine
-from sessionstore.service.errors import api_error_of
-from sessionstore.service.ipc import (
+from sessionstore.service.engine.engine import Engine
+from sessionstore.service.engine.ipc import (
     Call,
     Cancel,
     CoreConfig,
@@ -51,13 +49,15 @@ from sessionstore.service.ipc import (
     TurnCall,
     TurnDone,
     decode_to_core,
-    encode,
+    encode_message,
 )
+from sessionstore.service.engine.operations import OPERATIONS, fleet_responses
+from sessionstore.service.engine.response_job import StoredResponseTurn
+from sessionstore.service.engine.response_records import ResponseRecords
+from sessionstore.service.engine.tiers import Sweeper, TierManager
+from sessionstore.service.engine.turns import TurnOutcome
+from sessionstore.service.errors import api_error_of
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.service.response_job import StoredResponseTurn
-from sessionstore.service.response_records import ResponseRecords
-from sessionstore.service.tiers import Sweeper, TierManager
-from sessionstore.service.turns import TurnOutcome
 from sessionstore.sessions import SessionStore
 
 log = get_logger("service.core")
@@ -108,7 +108,7 @@ class Outbox:
     def _send_queued(self) -> None:
         if self._events:
             batch, self._events = self._events, []
-            self._socket.send(encode(batch))
+            self._socket.send(encode_message(batch))
 
     def _send(self) -> None:
         with self._cond:
@@ -128,7 +128,7 @@ class Outbox:
 
 
 class CoreSink:
-    """One turn's :class:`~sessionstore.service.turns.TurnSink`: its text goes to the outbox; the
+    """One turn's :class:`~sessionstore.service.engine.turns.TurnSink`: its text goes to the outbox; the
     API process's :class:`Cancel` marks it cancelled."""
 
     def __init__(self, rid: int, outbox: Outbox) -> None:
@@ -260,7 +260,7 @@ def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | N
 def build_engine(config: CoreConfig) -> Engine:
     """The store, the fleet's side (``--remote``) and the engine, as ``serve --http`` configured them."""
     from kernels.model import resolve_model
-    from sessionstore.service.prompts import load_tokenizer
+    from sessionstore.service.engine.prompts import load_tokenizer
 
 
     source = resolve_model(config.model)

@@ -27,9 +27,8 @@ from kernels.errors import CorruptionError, FormatError
 from kernels.jsonfile import read_json_bounded
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 from sessionstore.migration import ObjectPrefix, ObjectRecords
-from sessionstore.service.turns import TurnOutcome
-from sessionstore.sessions import read_response_list, write_response_list
-from sessionstore.sessions.paths import confined
+from sessionstore.service.engine.turns import TurnOutcome
+from sessionstore.sessions import confined, read_response_list, write_response_list
 
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"
@@ -149,7 +148,7 @@ def chain_session_id() -> str:
     return f"chain-{secrets.token_hex(16)}"
 
 
-def finish(record: ResponseRecord, out: TurnOutcome) -> None:
+def finish_record(record: ResponseRecord, out: TurnOutcome) -> None:
     """Fill ``record`` with the finished turn ``out``: its text, tokens, status and usage."""
     record.output_text, record.output_tokens = out.text, list(out.tokens)
     record.status = "completed" if out.finish == "stop" else "incomplete"
@@ -209,5 +208,5 @@ def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
 
 
 __all__ = ["FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
-           "chain_session_id", "drop_from_session", "finish", "is_response_id", "keep_with_session",
+           "chain_session_id", "drop_from_session", "finish_record", "is_response_id", "keep_with_session",
            "new_response_id", "parse_record", "responses_usage", "session_records"]

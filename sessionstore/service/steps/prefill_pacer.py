@@ -1,0 +1,84 @@
+"""How much prompt a batched step carries (chunked prefill): :class:`PrefillPacer` sizes a step's
+prompt chunks by what the loop's steps measured, and :func:`plan_step` picks a step's members.
+
+A long prompt is admitted over several steps beside the sessions that decode, so their streams keep
+flowing; a step in which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` of prompt.
+"""
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode tokens (bench.serve measures the choice)
+IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
+PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions is sized to take at
+# most this many times their decode-only step (so a running stream's longest gap stays near it)
+
+
+class PrefillPacer:
+    """How many prompt tokens a step may carry beside decoding sessions: at most ``cap``, and as
+    many as keep the step within ``ratio`` times a decode-only step of those sessions, by what the
+    loop's steps measured (a token of prompt costs more the further into a long prompt it is, and
+    more than a decode row on a CPU: each position is computed as its own decode step would be)."""
+
+    SMOOTH = 0.3  # weight of the newest measurement in the running estimates
+
+    def __init__(self, cap: int, ratio: float = PREFILL_STEP_RATIO) -> None:
+        self.cap, self.ratio = cap, ratio  # ratio 0: no pacing, the cap alone
+        self.decode_row_s: float | None = None  # a decode-only step's seconds per session
+        self.prompt_token_s: float | None = None  # seconds per prompt token beside (or without) decoding
+
+    def budget(self, decoding: int) -> int:
+        """Prompt tokens for a step in which ``decoding`` sessions decode (>= 1)."""
+        if not self.ratio or self.decode_row_s is None or not self.prompt_token_s:  # off, unmeasured, or
+            return self.cap  # too cheap to tell
+        room = (self.ratio - 1.0) * decoding * self.decode_row_s
+        return max(1, min(self.cap, int(room / self.prompt_token_s)))
+
+    def observe(self, decoding: int, prompt_tokens: int, seconds: float) -> None:
+        """One step's size and time."""
+        if prompt_tokens == 0:
+            self.decode_row_s = self._blend(self.decode_row_s, seconds / max(decoding, 1))
+            return
+        decode_part = decoding * (self.decode_row_s or 0.0)
+        self.prompt_token_s = self._blend(self.prompt_token_s, max(seconds - decode_part, 0.0) / prompt_tokens)
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTH * (new - old)
+
+
+class Waiting(Protocol):
+    """A forward waiting for a step: its tokens [S] i32 and how many of them were stepped."""
+
+    tokens: np.ndarray
+    fed: int
+
+
+W = TypeVar("W", bound=Waiting)
+
+
+def plan_step(taken: list[W], pacer: PrefillPacer, max_batch: int,
+              max_prefill_tokens: int) -> tuple[list[tuple[W, int]], list[W]]:
+    """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and what
+    waits for a later step: at most ``max_batch`` members, prompts in arrival order, and while any
+    member decodes at most the pacer's budget of prompt tokens (at most ``max_prefill_tokens``; the
+    budget keeps the running streams flowing); a step with no one decoding takes up to
+    ``IDLE_PREFILL_TOKENS``."""
+    batch: list[tuple[W, int]] = []
+    later: list[W] = []
+    decoding = sum(work.tokens.shape[0] - work.fed == 1 for work in taken)
+    budget = pacer.budget(decoding) if decoding else max(max_prefill_tokens, IDLE_PREFILL_TOKENS)
+    for work in taken:
+        want = work.tokens.shape[0] - work.fed
+        take = 1 if want == 1 else min(want, budget)
+        if take < 1 or len(batch) >= max_batch:
+            later.append(work)
+            continue
+        if want > 1:
+            budget -= take
+        batch.append((work, take))
+    return batch, later
+
+
+__all__ = ["IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "PrefillPacer", "Waiting", "plan_step"]
