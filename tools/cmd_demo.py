@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -86,8 +87,8 @@ def _text_conversation(root: str, model_dir: str, kv: str, sampler: Sampler, max
         outs.append(out["reply"]["tokens"])
         texts.append(out["reply"]["text"])
     info = store.info(sid)
-    return {"outputs": outs, "texts": texts, "tokens": info.tokens, "bytes": info.bytes, "turn_s": turn_s,
-            "kv_path": info.kv_path}
+    return {"outputs": outs, "texts": texts, "tokens": info.tokens, "bytes": os.path.getsize(info.kv_path),
+            "turn_s": turn_s, "kv_path": info.kv_path}
 
 
 def _text_reference(model: Any, model_dir: str, kv: str, sampler: Sampler, max_new: int) -> list[list[int]]:
@@ -131,7 +132,7 @@ def _ids_conversation(root: str, kv: str, sampler: Sampler, max_new: int) -> dic
         outs.append(out["tokens"])
     info = store.info(sid)
     return {"outputs": outs, "texts": [_shown(o) for o in outs], "prompts": prompts, "tokens": info.tokens,
-            "bytes": info.bytes, "turn_s": turn_s, "kv_path": info.kv_path}
+            "bytes": os.path.getsize(info.kv_path), "turn_s": turn_s, "kv_path": info.kv_path}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,14 +165,14 @@ def run(args: argparse.Namespace) -> int:
     for i, (text, reply) in enumerate(zip(USER_TURNS, rows[first_kv]["texts"], strict=True)):
         print(f"  user {i + 1}: {text}\n  model : {reply.strip()}")
     print()
-    print(f"{'kv':<5} {'tokens':>6} {'bytes':>9} {'B/token':>8} {'turns (s)':>22} {'exact':>6}")
+    print(f"{'kv':<5} {'tokens':>6} {'kv bytes':>9} {'B/token':>8} {'turns (s)':>22} {'exact':>6}")
     for kv, r in rows.items():
         turns = "/".join(f"{t:.2f}" for t in r["turn_s"])
         print(f"{kv:<5} {r['tokens']:>6} {r['bytes']:>9} {r['bytes'] // max(r['tokens'], 1):>8} {turns:>22} "
               f"{'yes' if r['token_exact'] else 'NO':>6}")
     kinds = list(rows)
     ratio = rows[kinds[1]]["bytes"] / max(rows[kinds[0]]["bytes"], 1)
-    print(f"bytes {kinds[1]} / {kinds[0]}: {ratio:.2f}; turns 2-3 each ran in a new process resuming from disk")
+    print(f"kv file bytes {kinds[1]} / {kinds[0]}: {ratio:.2f}; turns 2-3 each ran in a new process resuming from disk")
     print(f"token-exact: {'yes' if exact else 'no'}")
     if args.json:
         print(json.dumps({"token_exact": exact, "model": args.model, "bytes_ratio": {f"{kinds[1]}/{kinds[0]}": ratio},
