@@ -21,7 +21,6 @@ NOT_YET_HELD = ("sessionstore/service/",)  # being split into its rooms (http/, 
 KNOWN_LONG_MODULES = frozenset({
     "sessionstore/sessions/catalogue.py",  # the store's catalogue: being reworked by another change
     "sessionstore/kvfile/writer.py",
-    "sessionstore/migration/shipping.py",
     "sessionstore/sessions/session.py",
 })
 
