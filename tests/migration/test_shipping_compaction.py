@@ -209,7 +209,8 @@ def test_a_head_rewritten_during_a_compaction_is_never_replaced(hosts, monkeypat
             out = super().write(sink, **kw)
             head = ship_a.read_head("conv")
             other = dataclasses.replace(head, owner="host-b", generation=head.generation + 1)
-            a.objects.call("put_object", Key=ship_a.chain_objects.head_key("conv"), Body=other.body(), IfMatch=head.etag)
+            key = ship_a.chain_objects.head_key("conv")
+            a.objects.call("put_object", Key=key, Body=other.body(), IfMatch=head.etag)
             return out
 
     monkeypatch.setattr(shipping, "PreparedExport", HeadMovedDuringUpload)
