@@ -52,6 +52,16 @@ def _check_shape(name: str, array: np.ndarray | None, shape: tuple[int, ...]) ->
     return array
 
 
+def check_tokens(rows: RecordRows, vocab: int, path: str) -> None:
+    """The rows' token ids are integers in [0, vocab) (FormatError naming ``path`` otherwise)."""
+    tokens = np.asarray(rows.tokens)  # [k] int
+    if tokens.dtype.kind not in "iu":
+        raise FormatError(f"{path}: tokens must be integers, found dtype {tokens.dtype}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise FormatError(f"{path}: token ids must lie in [0, {vocab}), found "
+                          f"[{int(tokens.min())}, {int(tokens.max())}]")
+
+
 def pack_records(version: int, dims: Dims, rows: RecordRows, tag: int | None = None) -> np.ndarray:
     """Pack k records into a structured array [k] of ``record_dtype`` (``.tobytes()`` = file bytes).
 
@@ -131,4 +141,4 @@ def sanitize_scales(scales: np.ndarray) -> np.ndarray:
     return np.where(usable_scales(scales), scales, np.float32(0)).astype(np.float32)
 
 
-__all__ = ["layer_dtype", "record_dtype", "pack_records", "sanitize_scales"]
+__all__ = ["check_tokens", "layer_dtype", "record_dtype", "pack_records", "sanitize_scales"]

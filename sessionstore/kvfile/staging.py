@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sessionstore.kvfile.durability import Durability
+from sessionstore.kvfile.header import Dims, Header
+from sessionstore.kvfile.layout import record_dtype
 from sessionstore.kvfile.sidecar import SidecarWriter
 
 BIG_BATCH_FRACTION = 8  # a batch of >= capacity / 8 records is staged as its own chunk
@@ -43,6 +45,11 @@ class Staging:
         self.entries_written = 0  # leading staged records whose sidecar entries are written
         self._chunks: list[_Chunk] = []
         self._spare: _Chunk | None = None
+
+    @classmethod
+    def for_file(cls, header: Header, dims: Dims, staging_bytes: int) -> Staging:
+        """An empty staging buffer of about ``staging_bytes`` for the records of ``header``'s file."""
+        return cls(record_dtype(header.version, dims, header.tag), staging_bytes // header.record_bytes)
 
     @property
     def count(self) -> int:

@@ -17,10 +17,8 @@ import os
 import stat
 from collections.abc import Callable
 
-import numpy as np
-
-from kernels.errors import ColiError, FormatError, LimitError
-from kernels.rows import KV_DTYPES, RecordRows
+from kernels.errors import ColiError, LimitError
+from kernels.rows import RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.durability import Durability, SharedDurability, wait_all
 from sessionstore.kvfile.header import (
@@ -35,7 +33,7 @@ from sessionstore.kvfile.header import (
 )
 from sessionstore.kvfile.headroom import Headroom
 from sessionstore.kvfile.integrity import Vouched, VouchedMapping
-from sessionstore.kvfile.layout import pack_records, record_dtype
+from sessionstore.kvfile.layout import check_tokens, pack_records
 from sessionstore.kvfile.lock import WriterLock
 from sessionstore.kvfile.opening import OpenedFile, open_locked, refuse_non_regular, target_header
 from sessionstore.kvfile.reader import KVReader, open_kv
@@ -49,7 +47,14 @@ log = get_logger("writer")
 
 
 class KVWriter:
-    """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`."""
+    """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`.
+
+    Why one class of 28 methods: 8 are read-only properties and 3 the context manager and repr;
+    the rest are the steps of one protocol (FORMAT.md 3: append, commit, truncate, upgrade, close)
+    over state that must change together (the descriptor, the committed count and the most the
+    commit word on disk may hold, the staging buffer, the sidecar): split, the invariant "nrec on
+    disk never past what was written and synced" would be held by several objects at once. What
+    stands apart lives beside it: opening, staging, headroom, durability, sidecar repair, upgrade."""
 
     def __init__(self, *, path: str, dims: Dims, options: WriterOptions, io: Durability, lock: WriterLock,
                  opened: OpenedFile, nrec: int) -> None:
@@ -65,7 +70,7 @@ class KVWriter:
         self._staging_bytes = options.staging_bytes
         self._checksums = options.checksums
         self._upgrade_chunk_bytes = options.upgrade_chunk_bytes
-        self._staging = self._new_staging()  # records [nrec, length), in order
+        self._staging = Staging.for_file(self._header, self.dims, self._staging_bytes)  # [nrec, length)
         self._write_behind = options.write_behind
         self._sidecar: SidecarWriter | None = None
         self._dir_sync_due = False
@@ -73,11 +78,6 @@ class KVWriter:
         self._file_end = opened.size  # the file's size as far as this writer knows (never shrinks)
         self._headroom = Headroom(options.preallocate)  # zero-filled headroom past the committed records
         self._vouch = VouchedMapping()  # what open(vouch=...) checked before any repair, and how
-
-    def _new_staging(self) -> Staging:
-        rec = self._header.record_bytes
-        return Staging(record_dtype(self._header.version, self.dims, self._header.tag),
-                       self._staging_bytes // rec)
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -103,18 +103,15 @@ class KVWriter:
         file, not a regular file, rows of another kv dtype), NotFoundError (absent, no create).
         """
         path = os.fspath(path)
-        if kv_dtype not in KV_DTYPES:
-            raise FormatError(f"{path}: kv_dtype {kv_dtype!r}, expected one of {', '.join(KV_DTYPES)}")
+        options = WriterOptions(kv_dtype=kv_dtype, staging_bytes=max(staging_bytes, 1), checksums=checksums,
+                                upgrade_chunk_bytes=upgrade_chunk_bytes, preallocate=preallocate,
+                                write_behind=write_behind)
+        options.check(path)
         validate_dims(dims, path)
         refuse_non_regular(path)  # before the lock: no lock file beside a device or a FIFO
-        if preallocate is not None and preallocate < 0:
-            raise LimitError(f"{path}: preallocate must be >= 0 bytes, found {preallocate}")
         io = durability if durability is not None else SharedDurability()
         lock = WriterLock(path).acquire()
         try:
-            options = WriterOptions(kv_dtype=kv_dtype, staging_bytes=max(staging_bytes, 1), checksums=checksums,
-                                    upgrade_chunk_bytes=upgrade_chunk_bytes, preallocate=preallocate,
-                                    write_behind=write_behind)
             writer = cls._open_locked(path, dims, options, create=create, io=io, lock=lock, vouch=vouch)
         except BaseException:
             lock.release()
@@ -216,12 +213,7 @@ class KVWriter:
             return self.length
         if self.length + k > MAX_NREC:
             raise LimitError(f"{self.path}: {self.length} + {k} records exceed the limit {MAX_NREC}")
-        tokens = np.asarray(rows.tokens)  # [k] int
-        if tokens.dtype.kind not in "iu":
-            raise FormatError(f"{self.path}: tokens must be integers, found dtype {tokens.dtype}")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.dims.vocab):
-            raise FormatError(f"{self.path}: token ids must lie in [0, {self.dims.vocab}), found "
-                              f"[{int(tokens.min())}, {int(tokens.max())}]")
+        check_tokens(rows, self.dims.vocab, self.path)
         packed = pack_records(self.version, self.dims, rows, self._header.tag)  # [k] records
         self._staging.add(packed)
         self._flush_full_chunks()
@@ -365,7 +357,7 @@ class KVWriter:
         self._file_end = int(os.fstat(self._fd).st_size)
         self._header = result.header
         self._nrec = self._disk_nrec_max = keep
-        self._staging = self._new_staging()
+        self._staging = Staging.for_file(self._header, self.dims, self._staging_bytes)
         self._sidecar = result.sidecar
         if self._sidecar is not None and self._headroom.enabled:
             self._sidecar.headroom_entries = HEADROOM_ENTRIES

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kernels.errors import FormatError, LimitError
+from kernels.rows import KV_DTYPES
 from sessionstore.kvfile.upgrade import DEFAULT_CHUNK_BYTES
 
 
@@ -24,6 +26,13 @@ class WriterOptions:
     upgrade_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     preallocate: int | None = 0
     write_behind: bool = False
+
+    def check(self, path: str) -> None:
+        """Refuse, naming ``path``, a kv dtype we do not know or negative headroom."""
+        if self.kv_dtype not in KV_DTYPES:
+            raise FormatError(f"{path}: kv_dtype {self.kv_dtype!r}, expected one of {', '.join(KV_DTYPES)}")
+        if self.preallocate is not None and self.preallocate < 0:
+            raise LimitError(f"{path}: preallocate must be >= 0 bytes, found {self.preallocate}")
 
 
 __all__ = ["WriterOptions"]

@@ -1,5 +1,6 @@
 """Background work of the write-through shipper (FORMAT.md 6.7.3): compacting a chain into a whole
-base bundle, and deleting what a compaction replaced, off the turn's path.
+base bundle, and deleting what a compaction replaced, off the turn's path; and when a chain is due
+for it (:func:`compaction_due`).
 
 :class:`Compactor` is one daemon thread over a bounded queue of jobs, at most one queued per key
 (a session): a turn's ship only *requests* a compaction (it never waits for one), and a request
@@ -15,10 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sessionstore.log import get_logger
+from sessionstore.migration.segment_format import MAX_CHAIN_SEGMENTS, Head
 
+COMPACT_MIN_BYTES = 4 << 20  # segments below this total never trigger a compaction by size
+COMPACT_SEGMENTS = MAX_CHAIN_SEGMENTS // 2  # a chain this long is compacted in the background
 MAX_QUEUED = 64  # sessions waiting for background work; more requests are dropped until it drains
 
 log = get_logger("remote")
+
+
+def compaction_due(chain: Head, record_bytes: int) -> bool:
+    """Compaction: the chain is long, or its segments outweigh its base."""
+    return chain.count >= COMPACT_SEGMENTS or (
+        chain.segment_bytes >= COMPACT_MIN_BYTES and chain.segment_bytes >= chain.base_tokens * record_bytes)
 
 
 @dataclass(frozen=True)
@@ -94,4 +104,4 @@ class Compactor:
             thread.join(timeout)
 
 
-__all__ = ["MAX_QUEUED", "Compactor", "PreparedBase"]
+__all__ = ["COMPACT_MIN_BYTES", "COMPACT_SEGMENTS", "MAX_QUEUED", "Compactor", "PreparedBase", "compaction_due"]

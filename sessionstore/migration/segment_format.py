@@ -11,8 +11,10 @@ entries, the kv and sidecar headers as they read after the turn, and the session
 
 Each segment names the one before it (``prev``: name, records, size, whole-object digest; null
 for the first after the base), so the segments form a chain whose *head* (``heads/<id>.json``, a
-fixed few hundred bytes) names the base bundle (or none) and the last segment. This module only encodes and parses; the
-object store side is :mod:`sessionstore.migration.shipping`.
+fixed few hundred bytes) names the base bundle (or none) and the last segment. This module encodes
+and parses (and checks a segment's records against their sidecar entries before it is encoded,
+:func:`check_records`); the object store side is :mod:`sessionstore.migration.chain_objects` and
+:mod:`sessionstore.migration.shipping`.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.kvfile import ENTRY_SIZE, HEADER_SIZE, SIDECAR_HEADER_SIZE
+from sessionstore.kvfile import ENTRY_SIZE, HEADER_SIZE, SIDECAR_HEADER_SIZE, record_checksum
 from sessionstore.migration.bundle_format import (
     MAX_CONVERSATION_BYTES,
     MAX_RESPONSES_BYTES,
@@ -240,6 +242,17 @@ def parse_head(raw: bytes, etag: str, where: str) -> Head:
     return head
 
 
+def check_records(records: bytes, entries: Any, start: int, record_bytes: int, path: Any) -> None:
+    """Every record against its sidecar entry before it is shipped (FORMAT.md 4.4)."""
+    view = memoryview(records)
+    for i in range(len(entries)):  # [count] u64
+        p = start + i
+        found = record_checksum(view[i * record_bytes:(i + 1) * record_bytes], p)
+        if found != int(entries[i]):
+            raise CorruptionError(f"{path}: record {p} hashes {found:#018x}, the sidecar vouches for "
+                                  f"{int(entries[i]):#018x}; refusing to ship it")
+
+
 __all__ = [
     "HEAD_FORMAT",
     "META_PREFIX_BYTES",
@@ -250,6 +263,7 @@ __all__ = [
     "Head",
     "Segment",
     "SegmentRef",
+    "check_records",
     "digest_of",
     "encode_segment",
     "parse_head",

@@ -23,39 +23,32 @@ as one *segment* object, and the session's *head* object names the chain (base b
 from __future__ import annotations
 
 import os
-import re
-import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.kvfile import SIDECAR_HEADER_SIZE
 from sessionstore.log import get_logger
+from sessionstore.migration.chain_objects import ChainObjects, segment_generation, segment_name
 from sessionstore.migration.chain_reader import assemble
-from sessionstore.migration.compaction import Compactor, PreparedBase
+from sessionstore.migration.compaction import Compactor, PreparedBase, compaction_due
 from sessionstore.migration.exporting import ExportSource, PreparedExport, export_session, kv_info
 from sessionstore.migration.lease import Lease, utc_stamp
-from sessionstore.migration.object_store import RemoteStoreError, is_conflict
+from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.segment_format import (
     MAX_CHAIN_SEGMENTS,
-    MAX_HEAD_BYTES,
     Head,
     SegmentRef,
+    check_records,
     digest_of,
     encode_segment,
-    parse_head,
 )
 from sessionstore.migration.transport import open_sink
 
 log = get_logger("remote")
 
-SEGMENT_SUFFIX = ".colisegment"
-COMPACT_MIN_BYTES = 4 << 20  # segments below this total never trigger a compaction by size
-COMPACT_SEGMENTS = MAX_CHAIN_SEGMENTS // 2  # a chain this long is compacted in the background
-_SEGMENT_NAME = re.compile(r"g(\d{8})-r\d{12}-[0-9a-f]+" + re.escape(SEGMENT_SUFFIX))
 
 
 @dataclass(frozen=True)
@@ -83,6 +76,7 @@ class TurnShipper:
         finds the chain due, as before the worker existed)."""
         self.remote = remote
         self.objects = remote.objects
+        self.chain_objects = ChainObjects(remote.objects, remote.host_id)  # heads and segments
         self._chains: dict[str, Head] = {}  # the head as this host last wrote (or claimed) it
         self._epochs: dict[str, int] = {}  # the manifest epoch the chain's records belong to
         self._manifests: dict[str, bytes] = {}  # the manifest.json the chain's last ship carried
@@ -97,38 +91,13 @@ class TurnShipper:
         if self.compactor is not None:
             self.compactor.stop()
 
-    # ---- keys and the head ----------------------------------------------------------------
-    def head_key(self, session_id: str) -> str:
-        return self.objects.key("heads", f"{session_id}.json")
-
-    def segment_key(self, session_id: str, name: str) -> str:
-        return self.objects.key("segments", session_id, name)
-
+    # ---- the chain's objects --------------------------------------------------------------------
     def read_head(self, session_id: str) -> Head | None:
         """The head as stored now (None: no chain)."""
-        key = self.head_key(session_id)
-        with self.objects.failing("reading the head", session_id):
-            found = self.objects.read_small(key, MAX_HEAD_BYTES)
-        if found is None:
-            return None
-        raw, etag = found
-        return parse_head(raw, etag, self.objects.url_of(key))
+        return self.chain_objects.read_head(session_id)
 
-    def _write_head(self, head: Head, expect: Head | None, what: str) -> tuple[Head, int]:
-        """Conditionally write ``head`` over ``expect`` (None: must not exist); (as written, its
-        bytes). LockedError: another host's head write came first (a takeover claimed it)."""
-        body = head.body()
-        cond = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect.etag}
-        with self.objects.failing(what, head.session_id):
-            try:
-                resp = self.objects.call("put_object", Key=self.head_key(head.session_id), Body=body, **cond)
-            except Exception as exc:
-                if is_conflict(exc):
-                    raise LockedError(f"session {head.session_id!r}: its head was rewritten by another "
-                                      "host (the chain was taken over); nothing more is shipped from "
-                                      f"host {self.remote.host_id!r}") from None
-                raise
-        return replace(head, etag=str(resp.get("ETag", ""))), len(body)
+    def segment_key(self, session_id: str, name: str) -> str:
+        return self.chain_objects.segment_key(session_id, name)
 
     # ---- a host that holds the lease ------------------------------------------------------------
     def start_from(self, session_id: str, lease: Lease, epoch: int) -> None:
@@ -158,7 +127,7 @@ class TurnShipper:
         rec = snap.header.record_bytes
         if chain is None or chain.generation != lease.generation or \
                 self._epochs.get(session_id) != snap.epoch or snap.committed < chain.nrec or \
-                chain.count >= MAX_CHAIN_SEGMENTS or (self.compactor is None and self._due(chain, rec)):
+                chain.count >= MAX_CHAIN_SEGMENTS or (self.compactor is None and compaction_due(chain, rec)):
             return self._rebase(session_id, lease, snap.epoch, chain)
         source = ExportSource(snap, 4 << 20)
         try:
@@ -182,7 +151,7 @@ class TurnShipper:
             data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, prev)
         finally:
             source.close()
-        name = f"g{lease.generation:08d}-r{n:012d}-{secrets.token_hex(4)}{SEGMENT_SUFFIX}"
+        name = segment_name(lease.generation, n)
         key = self.segment_key(session_id, name)
         with self.objects.failing(f"ship (uploading segment {name})", session_id):
             self.objects.call("put_object", Key=key, Body=data)
@@ -194,7 +163,7 @@ class TurnShipper:
             new = Head(session_id, lease.generation, self.remote.host_id, chain.lease_bundle, prepared.key,
                        prepared.nrec, n, ref, 1, len(data), updated_utc=utc_stamp())
         try:
-            written, head_bytes = self._write_head(new, self._expect(session_id, chain), "ship (moving the head)")
+            written, head_bytes = self.chain_objects.write_head(new, chain, "ship (moving the head)")
         except BaseException as exc:
             self.objects.delete(key)
             if prepared is not None and isinstance(exc, LockedError):  # refused: nothing names it
@@ -212,15 +181,9 @@ class TurnShipper:
         self.last[session_id] = report
         log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes,
                  on_compacted_base=prepared is not None)
-        if self.compactor is not None and self._due(written, rec):
+        if self.compactor is not None and compaction_due(written, rec):
             self._in_background(session_id, lambda: self.compact(session_id, lease))
         return report
-
-    @staticmethod
-    def _due(chain: Head, record_bytes: int) -> bool:
-        """Compaction: the chain is long, or its segments outweigh its base."""
-        return chain.count >= COMPACT_SEGMENTS or (
-            chain.segment_bytes >= COMPACT_MIN_BYTES and chain.segment_bytes >= chain.base_tokens * record_bytes)
 
     def _in_background(self, key: str, job: Callable[[], object]) -> None:
         """Hand ``job`` to the compactor (inline when this shipper has none)."""
@@ -284,7 +247,7 @@ class TurnShipper:
             new = Head(session_id, lease.generation, self.remote.host_id, chain.lease_bundle, key, base.nrec,
                        base.nrec, updated_utc=utc_stamp())
             try:
-                written, _ = self._write_head(new, self._expect(session_id, chain), "compaction (moving the head)")
+                written, _ = self.chain_objects.write_head(new, chain, "compaction (moving the head)")
             except LockedError:
                 self.objects.delete(key)
                 self._forget_chain(session_id)
@@ -313,31 +276,18 @@ class TurnShipper:
         longer this host's chain. A later generation's segments (a takeover's) are never touched."""
         if old.base is not None and old.base not in (old.lease_bundle, new.base):
             self.objects.delete(old.base)
-        prefix = self.segment_key(old.session_id, "")
         try:
-            page: dict[str, Any] = {"IsTruncated": True}
-            while page.get("IsTruncated"):
-                more = {"ContinuationToken": page["NextContinuationToken"]} \
-                    if page.get("NextContinuationToken") else {}
-                page = self.objects.call("list_objects_v2", Prefix=prefix, **more)
-                for obj in page.get("Contents", []):
-                    key = str(obj["Key"])
-                    found = _SEGMENT_NAME.fullmatch(key.rsplit("/", 1)[-1])
-                    with self._lock:
-                        mine = self._chains.get(old.session_id)
-                        if mine is None or (mine.base, mine.generation) != (new.base, new.generation):
-                            return  # replaced again (a rebase, a takeover): that one deletes its own
-                        live = key.rsplit("/", 1)[-1] in self._written.get(old.session_id, ())
-                    if found is not None and int(found.group(1)) <= new.generation and not live:
-                        self.objects.delete(key)
+            for key in self.chain_objects.segment_keys(old.session_id):
+                generation = segment_generation(key)
+                with self._lock:
+                    mine = self._chains.get(old.session_id)
+                    if mine is None or (mine.base, mine.generation) != (new.base, new.generation):
+                        return  # replaced again (a rebase, a takeover): that one deletes its own
+                    live = key.rsplit("/", 1)[-1] in self._written.get(old.session_id, ())
+                if generation is not None and generation <= new.generation and not live:
+                    self.objects.delete(key)
         except Exception as exc:  # noqa: BLE001 - a store failure: leftovers are never read
             log.info("ship.segments_delete_failed", id=old.session_id, error=str(exc))
-
-    def _expect(self, session_id: str, chain: Head | None) -> Head | None:
-        """The head a write must replace: the one this host wrote, or the stored one it read."""
-        if chain is None or not chain.etag:
-            return None
-        return chain
 
     def _rebase(self, session_id: str, lease: Lease, epoch: int, chain: Head | None) -> ShipReport:
         """Upload the whole commit as a new base bundle; the head restarts from it."""
@@ -353,7 +303,7 @@ class TurnShipper:
         new = Head(session_id, lease.generation, self.remote.host_id, lease.bundle, key, result.tokens,
                    result.tokens, updated_utc=utc_stamp())
         try:
-            written, head_bytes = self._write_head(new, self._expect(session_id, stored), "ship (restarting the chain)")
+            written, head_bytes = self.chain_objects.write_head(new, stored, "ship (restarting the chain)")
         except BaseException:
             self.objects.delete(key)
             self._forget_chain(session_id)
@@ -364,7 +314,7 @@ class TurnShipper:
         if prepared is not None:
             self.objects.delete(prepared.key)
         if stored is not None:
-            self._delete_chain(stored, keep=(lease.bundle, key))
+            self.chain_objects.delete_chain(stored, keep=(lease.bundle, key))
         report = ShipReport(session_id, "base", 0, result.tokens, result.stored_bytes, head_bytes, 0)
         self.last[session_id] = report
         log.info("ship.base", id=session_id, nrec=result.tokens, bytes=result.stored_bytes)
@@ -389,7 +339,7 @@ class TurnShipper:
             current = local_current and mine is not None and mine.etag == head.etag
             claimed = replace(head, generation=lease.generation, owner=self.remote.host_id, updated_utc=utc_stamp())
             try:
-                written, _ = self._write_head(claimed, head, "takeover (claiming the head)")
+                written, _ = self.chain_objects.write_head(claimed, head, "takeover (claiming the head)")
             except LockedError:
                 continue  # the former holder shipped one more turn meanwhile: read it again
             if not current:
@@ -417,22 +367,11 @@ class TurnShipper:
         with self._lock:
             chain = self._chains.get(session_id)
             self._forget_chain(session_id)  # a prepared base is of this generation: the push's sweep deletes it
-        stored = chain if chain is not None and chain.etag else self.read_head_quietly(session_id)
+        stored = chain if chain is not None and chain.etag else self.chain_objects.read_head_quietly(session_id)
         if stored is None or stored.lease_bundle == lease.bundle:
             return
-        try:
-            self.objects.call("delete_object", Key=self.head_key(session_id), IfMatch=stored.etag)
-        except Exception as exc:  # noqa: BLE001 - a stale head is ignored by readers; best effort
-            log.info("ship.head_delete_failed", id=session_id, error=str(exc))
-            return
-        self._delete_chain(stored, keep=(lease.bundle,))
-
-    def read_head_quietly(self, session_id: str) -> Head | None:
-        try:
-            return self.read_head(session_id)
-        except ColiError as exc:
-            log.info("ship.head_read_failed", id=session_id, error=str(exc))
-            return None
+        if self.chain_objects.delete_head(stored):
+            self.chain_objects.delete_chain(stored, keep=(lease.bundle,))
 
     def forget(self, session_id: str) -> None:
         """Delete the session's head, its base bundle and every segment (the session is deleted
@@ -442,11 +381,11 @@ class TurnShipper:
             self._forget_chain(session_id)
         if prepared is not None:
             self.objects.delete(prepared.key)
-        head = self.read_head_quietly(session_id)
-        self.objects.delete(self.head_key(session_id))
+        head = self.chain_objects.read_head_quietly(session_id)
+        self.objects.delete(self.chain_objects.head_key(session_id))
         if head is not None and head.base is not None:
             self.objects.delete(head.base)
-        self._delete_segments(session_id)
+        self.chain_objects.delete_segments(session_id)
 
     def _forget_chain(self, session_id: str) -> None:
         self._chains.pop(session_id, None)
@@ -455,40 +394,5 @@ class TurnShipper:
         self._written.pop(session_id, None)
         self._prepared.pop(session_id, None)  # unnamed, or named by a head this host may not touch now
 
-    def _delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:
-        """Delete a replaced chain's segments and its base (unless ``keep`` names it). The chain
-        that replaced it has no segment yet (a base or a pushed bundle): every segment goes."""
-        self._delete_segments(head.session_id)
-        if head.base is not None and head.base not in keep:
-            self.objects.delete(head.base)
 
-    def _delete_segments(self, session_id: str) -> None:
-        """Delete every object under ``segments/<id>/`` (best effort: leftovers are never read)."""
-        prefix = self.segment_key(session_id, "")
-        try:
-            page: dict[str, Any] = {"IsTruncated": True}
-            while page.get("IsTruncated"):
-                more = {"ContinuationToken": page["NextContinuationToken"]} \
-                    if page.get("NextContinuationToken") else {}
-                page = self.objects.call("list_objects_v2", Prefix=prefix, **more)
-                for obj in page.get("Contents", []):
-                    self.objects.delete(str(obj["Key"]))
-        except Exception as exc:  # noqa: BLE001 - a store failure: the next delete retries
-            log.info("ship.segments_delete_failed", id=session_id, error=str(exc))
-
-
-def check_records(records: bytes, entries: Any, start: int, record_bytes: int, path: Any) -> None:
-    """Every record against its sidecar entry before it is shipped (FORMAT.md 4.4)."""
-    from kernels.errors import CorruptionError
-    from sessionstore.kvfile import record_checksum
-
-    view = memoryview(records)
-    for i in range(len(entries)):  # [count] u64
-        p = start + i
-        found = record_checksum(view[i * record_bytes:(i + 1) * record_bytes], p)
-        if found != int(entries[i]):
-            raise CorruptionError(f"{path}: record {p} hashes {found:#018x}, the sidecar vouches for "
-                                  f"{int(entries[i]):#018x}; refusing to ship it")
-
-
-__all__ = ["COMPACT_MIN_BYTES", "COMPACT_SEGMENTS", "SEGMENT_SUFFIX", "ShipReport", "TurnShipper"]
+__all__ = ["ShipReport", "TurnShipper"]

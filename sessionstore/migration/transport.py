@@ -13,7 +13,7 @@ Endpoint and credentials of object stores come from fsspec/botocore's usual sour
 or ``storage_options`` passed through.
 
 ``http(s)://HOST:PORT/ID`` names a session on a ``coli-kv serve --http`` server
-(http_transport.py): a sink PUTs the bundle there, a source GETs it.
+(http_upload.py, http_transport.py): a sink PUTs the bundle there, a source GETs it.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from kernels.errors import ColiError, FormatError, NotFoundError
 from sessionstore.kvfile import fsync_parent, sweep_beside, temp_beside
 from sessionstore.log import get_logger
 from sessionstore.migration.bundle_io import WritebackFile
-from sessionstore.migration.http_transport import HttpOptions, http_sink, http_source, is_http
+from sessionstore.migration.http_transport import HttpOptions, http_source, is_http
+from sessionstore.migration.http_upload import http_sink
 
 log = get_logger("transport")
 

@@ -46,7 +46,8 @@ from sessionstore.sessions.response_list import (
     response_list_bytes,
     write_response_list,
 )
-from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session, SessionHome
+from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session
+from sessionstore.sessions.session_home import SessionHome
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.store import SessionStore

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import CorruptionError
-from sessionstore.migration import shipping
+from sessionstore.migration import compaction, shipping
 from sessionstore.migration.exporting import PreparedExport
 from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
@@ -40,7 +40,7 @@ def hosts(tmp_path, s3_endpoint, request):
 @pytest.fixture
 def short_chains(monkeypatch):
     """A chain of 3 segments is due for compaction (the rule's other half stays: 4 MiB)."""
-    monkeypatch.setattr(shipping, "COMPACT_SEGMENTS", 3)
+    monkeypatch.setattr(compaction, "COMPACT_SEGMENTS", 3)
 
 
 def segment_names(remote: RemoteStore, sid: str) -> set[str]:
@@ -209,7 +209,8 @@ def test_a_head_rewritten_during_a_compaction_is_never_replaced(hosts, monkeypat
             out = super().write(sink, **kw)
             head = ship_a.read_head("conv")
             other = dataclasses.replace(head, owner="host-b", generation=head.generation + 1)
-            a.objects.call("put_object", Key=ship_a.head_key("conv"), Body=other.body(), IfMatch=head.etag)
+            key = ship_a.chain_objects.head_key("conv")
+            a.objects.call("put_object", Key=key, Body=other.body(), IfMatch=head.etag)
             return out
 
     monkeypatch.setattr(shipping, "PreparedExport", HeadMovedDuringUpload)
@@ -244,7 +245,7 @@ def test_a_failure_mid_compaction_leaves_the_chain_whole(hosts, monkeypatch):
     real_call = ship_a.objects.call
 
     def head_write_fails(op, **kw):  # the bundle is up; the head write fails (the store drops it)
-        if op == "put_object" and kw.get("Key") == ship_a.head_key("conv"):
+        if op == "put_object" and kw.get("Key") == ship_a.chain_objects.head_key("conv"):
             raise ConnectionResetError("connection reset by peer")
         return real_call(op, **kw)
 
@@ -259,14 +260,14 @@ def test_a_failure_mid_compaction_leaves_the_chain_whole(hosts, monkeypatch):
 
 KILLED_COMPACTION = """
 import os, signal, sys
-from sessionstore.migration import shipping
+from sessionstore.migration import compaction, shipping
 from sessionstore.migration.exporting import PreparedExport
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.sessions.store import SessionStore
 from tests.migration.test_shipping import grow
 from tests.support.migrate import make_session
 
-shipping.COMPACT_SEGMENTS = 2
+compaction.COMPACT_SEGMENTS = 2
 a = RemoteStore(SessionStore(sys.argv[2]), sys.argv[1], host_id="host-a", lease_ttl=1.0)
 make_session(a.store, "conv", 25)
 held = a.acquire("conv")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import sessionstore.sessions.recovery as recovery
-import sessionstore.sessions.session as session_mod
+import sessionstore.sessions.session_resume as resume_mod
 from kernels.errors import CorruptionError
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
@@ -38,7 +38,7 @@ def recomputes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         return real(model, blocks_of, tokens, kv_dtype, index_rows)
 
     monkeypatch.setattr(recovery, "recompute_last", counting)
-    monkeypatch.setattr(session_mod, "recompute_last", counting)
+    monkeypatch.setattr(resume_mod, "recompute_last", counting)
     yield calls
 
 

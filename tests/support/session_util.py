@@ -50,7 +50,7 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from kernels.model.sampling import Sampler
     from sessionstore.sessions import recovery as recovery_mod
-    from sessionstore.sessions import session as session_mod
+    from sessionstore.sessions import session_turns as turns_mod
     from sessionstore.sessions import store as store_mod
     from sessionstore.sessions.store import SessionStore
 
@@ -59,7 +59,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if kill_manifest is not None:  # (a whole manifest, or a commit's state page)
         from sessionstore.sessions.commit_state_page import StateWriter
 
-        real, real_state = session_mod.write_manifest, StateWriter.write_page
+        real, real_state = turns_mod.write_manifest, StateWriter.write_page
         calls = {"n": 0}
 
         def dying() -> None:
@@ -76,7 +76,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             real_state(self, page, **kw)
 
         # a session's whole manifest writes: creation (store), recovery, sampler change and truncate
-        for mod in (session_mod, store_mod, recovery_mod):
+        for mod in (turns_mod, store_mod, recovery_mod):
             mod.write_manifest = dying_write  # type: ignore[attr-defined]
         StateWriter.write_page = dying_state  # type: ignore[method-assign]
     if spec.get("kill_at_kv_truncate"):  # SIGKILL after the manifest's epoch bump, before the cut

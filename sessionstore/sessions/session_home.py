@@ -1,0 +1,39 @@
+"""What a session needs of the things around it, as Protocols: of its store (:class:`SessionHome`,
+a :class:`~sessionstore.sessions.store.SessionStore` is one) and of a server that runs its commits
+(:class:`CommitRunner`, a server's engine loop is one). The session takes them as arguments; the
+sessions room never imports the store's users.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from kernels.model.sampling import Sampler
+from sessionstore.kvfile import Dims
+from sessionstore.sessions.manifest import Manifest, ModelRef
+from sessionstore.sessions.residency_budget import Residency
+
+
+class SessionHome(Protocol):
+    """What a session needs of its store (a :class:`SessionStore` is one): its paths and
+    manifest, the creation of its files, forks, and the residency budget it reports to."""
+
+    @property
+    def residency(self) -> Residency[Any]: ...  # Residency[Session]
+    def session_dir(self, session_id: str) -> Path: ...
+    def read_manifest(self, session_id: str) -> Manifest: ...
+    def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
+                      sampler: Sampler | None = None) -> Manifest: ...
+    def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> Any: ...
+    def note_session(self, manifest: Manifest, *, resident: bool) -> None: ...
+
+
+class CommitRunner(Protocol):
+    """Runs the rest of a turn's commit (:meth:`Session.begin_commit`'s callable), now or beside
+    the next batched step; ``overlap``: the turn's loop may run on before it has returned."""
+
+    def __call__(self, commit: Callable[[], object], *, overlap: bool = False) -> None: ...
+
+
+__all__ = ["CommitRunner", "SessionHome"]

@@ -1,0 +1,149 @@
+"""Bringing a session back resident, and releasing it (:class:`SessionResume`, a base of
+:class:`~sessionstore.sessions.session.Session`): the writer lock taken, the manifest re-read under it,
+the committed rows mapped and handed to the decoder, the last position checked (now, or with
+``lazy_logits`` at the first turn that samples from it: :mod:`sessionstore.sessions.recovery`); and
+the release of all of it (the session is then suspended, on disk only).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels.errors import ColiError, ModelMismatchError
+from kernels.model.protocols import Decoder
+from sessionstore.kvfile import Dims, KVWriter, Vouched
+from sessionstore.log import get_logger
+from sessionstore.sessions.fence import (
+    SessionFencedError,
+    read_fence,
+    reopen_fenced,
+)
+from sessionstore.sessions.manifest import Manifest, ModelRef
+from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
+from sessionstore.sessions.residency_budget import Residency
+from sessionstore.sessions.session_commits import SessionCommits
+from sessionstore.sessions.turn_loop import recompute_last
+
+log = get_logger("session")
+
+
+class SessionResume(SessionCommits):
+    """Resume and release; the commit path below them (:class:`SessionCommits`)."""
+
+    # what resuming reads of its session, beside the commit path's (set by Session.__init__)
+    residency: Residency[Any]
+    model: Decoder[Any]
+    model_ref: ModelRef
+    kv_path: Path
+    backend: str
+    durability: Any
+    verify: bool
+    write_behind: bool
+    lazy_logits: bool
+    resume_report: dict[str, Any]
+
+    def ensure_resident(self) -> None:
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
+        if self.state == "closed":
+            raise ColiError(f"session {self.id!r} is closed")
+        if self.state != "resident":
+            self.resume()
+
+    def resume(self) -> dict[str, Any]:
+        """Take the lock, recover to the last commit, map the rows, verify; returns a report."""
+        if self.state == "resident":
+            return self.resume_report
+        t0 = time.perf_counter()
+        verified = read_fence(self.directory)  # fenced by a failed commit: from its verified records only
+        if verified is not None:
+            fenced = self.store.read_manifest(self.id)
+            reopen_fenced(self.directory, self.directory / fenced.kv_file, Dims(**fenced.dims), fenced.kv_dtype,
+                          verified)
+        self.manifest = manifest = self.store.read_manifest(self.id)
+        writer = self._open_writer(manifest)
+        for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
+            manifest = self.store.read_manifest(self.id)
+            if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
+                break
+            writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
+            self.manifest = manifest
+            writer = self._open_writer(manifest)
+        else:
+            writer.close(commit=False)
+            raise ColiError(f"session {self.id!r} keeps changing under us; try again")
+        self.manifest, self.pending = manifest, list(manifest.pending)
+        if manifest.model.fingerprint != self.model_ref.fingerprint:
+            writer.close(commit=False)
+            raise ModelMismatchError(
+                f"session {self.id!r} belongs to model {manifest.model.name!r} "
+                f"({manifest.model.fingerprint}), not to {self.model_ref.name!r} "
+                f"({self.model_ref.fingerprint})")
+        try:
+            self._files.map(writer, self.manifest, self.model, self.backend)
+            self._committer.page.open()  # the commit state page, overwritten in place by every commit
+            self.state = "resident"
+            ready = time.perf_counter()
+            try:  # may recover self.manifest in place
+                check = check_resume(self._target(writer.vouched), verify=self.verify, defer=self.lazy_logits)
+            finally:
+                self.pending = list(self.manifest.pending)
+            self._note_logits(check.logits)
+            self._deferred = check.deferred
+        except BaseException:
+            self._release()
+            raise
+        report = check.report
+        report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._files.live_cache.length)
+        self.resume_report = report
+        self.store.note_session(self.manifest, resident=True)  # the catalogue (FORMAT.md 5.9)
+        self.residency.register(self)
+        self.residency.enforce_budget(keep=self)
+        log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
+        return report
+
+    def _target(self, vouched: Vouched | None) -> ResumeTarget:
+        return ResumeTarget(self.id, self.model, self._files.live_cache, self._files.live_reader, vouched,
+                            self.manifest, self.directory, self.kv_path, self.manifest_fsync)
+
+    def _last_logits(self) -> np.ndarray:
+        """The logits of the last committed position, recomputed (a single-token step). After a
+        deferred resume this is the resume's check of that position (FORMAT.md 5.5): a mismatch
+        releases the session and raises CorruptionError, as a failed resume does."""
+        cache = self._files.live_cache
+        if not self._deferred:
+            return recompute_last(self.model, cache.blocks, cache.tokens, self.manifest.kv_dtype,
+                                  cache.index_rows())[0]
+        try:
+            logits, found = verify_last(self._target(self._files.live_writer.vouched))
+        except BaseException:
+            self._release()
+            raise
+        self._deferred = False
+        self.resume_report.update(found)
+        log.info("session.last_verified", id=self.id, verified=found["verified"], rows_exact=found["rows_exact"])
+        return logits
+
+    def _open_writer(self, manifest: Manifest) -> KVWriter:
+        return self._files.open_writer(manifest, durability=self.durability, write_behind=self.write_behind)
+
+    def _release(self) -> None:
+        """Release the writer's descriptors and lock now, the cache and the mapping in the
+        background (:meth:`ResidentFiles.release`); the session is suspended after it."""
+        self._note_logits(None)
+        self._deferred = False
+        if self._guard is not None:  # resume it through RemoteStore.resume again
+            self._guard.stop()
+            self._guard = None
+        self._committer.page.close()
+        self._files.release()
+        if self.state == "resident":
+            self.state = "suspended"
+            self.store.note_session(self.manifest, resident=False)
+        self.residency.unregister(self)
+
+
+__all__ = ["SessionResume"]
