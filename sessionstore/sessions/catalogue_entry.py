@@ -54,7 +54,7 @@ def entry_of_row(row: tuple[object, ...] | sqlite3.Row) -> CatalogueEntry:
     return replace(entry, pinned=bool(entry.pinned))
 
 
-COLUMNS = ", ".join(f.name for f in fields(CatalogueEntry))
+COLUMNS = ", ".join(f.name for f in fields(CatalogueEntry))  # the sessions table's columns, in field order
 PLACEHOLDERS = ", ".join("?" for _ in fields(CatalogueEntry))
 
 
