@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sessionstore.sessions.catalogue import CATALOGUE_NAME, RACY_S
+from sessionstore.sessions.catalogue import RACY_S
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME

@@ -3,7 +3,9 @@ digest, the model fingerprint, a session's life cycle (suspend, resume), its rec
 and its residency budget, snapshots, engine slots.
 Imports the kvfile room below it, never migration."""
 from kernels.rows import KV_VERSION_OF_DTYPE
-from sessionstore.sessions.catalogue import CATALOGUE_NAME, CatalogueEntry, SessionFilesMissingError
+from sessionstore.sessions.catalogue import SessionFilesMissingError
+from sessionstore.sessions.catalogue_entry import CatalogueEntry
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.conversation_file import (
     CONVERSATION_NAME,
     ConversationRecord,

@@ -25,139 +25,33 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
-from kernels.errors import ColiError, FormatError, NotFoundError
+from kernels.errors import FormatError, NotFoundError
 from sessionstore.kvfile import current_owner, owner_of
 from sessionstore.log import get_logger
-from sessionstore.sessions.disk_usage import session_disk_bytes
-from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
-from sessionstore.sessions.paths import KV_NAME, check_component, is_valid_session_id
-from sessionstore.sessions.tier_record import TierRecord, read_tier
+from sessionstore.sessions.catalogue_entry import (
+    COLUMNS,
+    PLACEHOLDERS,
+    CatalogueEntry,
+    entry_from_files,
+    entry_of_row,
+    problem_entry,
+)
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME, check_catalogue_paths, connect_catalogue
+from sessionstore.sessions.paths import is_valid_session_id
+from sessionstore.sessions.tier_record import TierRecord
 
-CATALOGUE_NAME = "catalogue.sqlite3"  # <root>/catalogue.sqlite3 (+ -wal, -shm while open)
-CATALOGUE_FORMAT = 4  # PRAGMA user_version; another value: rebuilt (2: pinned; 3: bytes of the whole directory)
-UPGRADED_IN_PLACE = (0, 3)  # an empty file, or format 3: given the totals (4) from its rows, once
 RACY_S = 2.0  # a stamp recorded less than this after the mtime it holds cannot vouch for it
-WAL_LIMIT_BYTES = 4 << 20  # the WAL file is cut back to this after a checkpoint
-BUSY_TIMEOUT_MS = 10_000  # another process's write transaction is waited for this long
-STATES = ("resident", "suspended", "offloaded", "missing", "unreadable")
-LOCAL = "local"  # the location of a session whose files are in this store's sessions/
 
 log = get_logger("catalogue")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, model TEXT NOT NULL, fingerprint TEXT NOT NULL, kv_dtype TEXT NOT NULL,
-    committed INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL,
-    state TEXT NOT NULL, holder TEXT, last_use TEXT NOT NULL, retention_s INTEGER,
-    pinned INTEGER NOT NULL, location TEXT NOT NULL, error TEXT) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS intents (id TEXT NOT NULL, owner TEXT NOT NULL,
-    PRIMARY KEY (id, owner)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS totals (state TEXT PRIMARY KEY, sessions INTEGER NOT NULL,
-    bytes INTEGER NOT NULL) WITHOUT ROWID;
-CREATE TRIGGER IF NOT EXISTS totals_insert AFTER INSERT ON sessions BEGIN
-    UPDATE totals SET sessions = sessions + 1, bytes = bytes + NEW.bytes WHERE state = NEW.state; END;
-CREATE TRIGGER IF NOT EXISTS totals_delete AFTER DELETE ON sessions BEGIN
-    UPDATE totals SET sessions = sessions - 1, bytes = bytes - OLD.bytes WHERE state = OLD.state; END;
-CREATE TRIGGER IF NOT EXISTS totals_update AFTER UPDATE OF state, bytes ON sessions BEGIN
-    UPDATE totals SET sessions = sessions - 1, bytes = bytes - OLD.bytes WHERE state = OLD.state;
-    UPDATE totals SET sessions = sessions + 1, bytes = bytes + NEW.bytes WHERE state = NEW.state; END;
-"""
-_TOTALS_FROM_ROWS = """
-DELETE FROM totals;
-INSERT INTO totals (state, sessions, bytes) SELECT state, count(*), sum(bytes) FROM sessions GROUP BY state;
-"""
-_ZERO_TOTALS = "".join(f"INSERT OR IGNORE INTO totals (state, sessions, bytes) VALUES ('{state}', 0, 0);"
-                       for state in STATES)
 
 
 class SessionFilesMissingError(NotFoundError):
     """The catalogue lists the session but its files are gone: it is reported, never served."""
 
 
-@dataclass(frozen=True)
-class CatalogueEntry:
-    """One session as the catalogue lists it (one row of ``sessions``)."""
-
-    id: str
-    model: str  # display name ("" when the manifest cannot be read)
-    fingerprint: str
-    kv_dtype: str
-    committed: int  # committed records
-    tokens: int  # committed records + pending tokens
-    bytes: int  # the session's files on disk (disk_usage; offloaded: the size its removal freed)
-    state: str  # one of STATES
-    holder: str | None  # owner token of the process holding it resident (state "resident")
-    last_use: str  # ISO-8601 UTC: the manifest's updated_at (the last commit or whole write)
-    retention_s: int | None  # seconds kept after last use (None: kept until deleted; tier.json)
-    pinned: bool  # never offloaded or expired (tier.json)
-    location: str  # LOCAL, or where an offloaded session's bundle lies (s3://bucket/key, tier.json)
-    error: str | None  # why the state is "missing" or "unreadable"
-
-    def same_files(self, other: CatalogueEntry) -> bool:
-        """Whether both describe the same files (the fields a rebuild reads from them)."""
-        return _file_fields(self) == _file_fields(other)
-
-
-def _file_fields(e: CatalogueEntry) -> tuple[object, ...]:
-    return (e.id, e.model, e.fingerprint, e.kv_dtype, e.committed, e.tokens, e.bytes, e.last_use, e.error,
-            e.state in ("missing", "unreadable", "offloaded"), e.retention_s, bool(e.pinned), e.location)
-
-
-def _entry(row: tuple[object, ...] | sqlite3.Row) -> CatalogueEntry:
-    """A row of ``sessions`` as an entry (SQLite keeps ``pinned`` as 0 or 1)."""
-    entry = CatalogueEntry(*row)  # type: ignore[arg-type]
-    return replace(entry, pinned=bool(entry.pinned))
-
-
-_COLUMNS = ", ".join(f.name for f in fields(CatalogueEntry))
 _TIER_COLUMNS = ("retention_s", "pinned", "location")  # from the tier record: a commit's note keeps them
 _NOTED = ", ".join(f"{f.name} = excluded.{f.name}" for f in fields(CatalogueEntry)
                    if f.name not in ("id", *_TIER_COLUMNS))
-_PLACEHOLDERS = ", ".join("?" for _ in fields(CatalogueEntry))
-
-
-def entry_of_manifest(manifest: Manifest, disk_bytes: int, *, state: str = "suspended",
-                      holder: str | None = None, tier: TierRecord | None = None) -> CatalogueEntry:
-    """The entry of a session whose manifest is ``manifest``, whose files take ``disk_bytes`` and
-    tier record ``tier`` (None: the defaults; :meth:`Catalogue.note` keeps the row's)."""
-    tier = tier or TierRecord()
-    return CatalogueEntry(manifest.id, manifest.model.name, manifest.model.fingerprint, manifest.kv_dtype,
-                          manifest.committed, manifest.committed + len(manifest.pending), disk_bytes, state,
-                          holder, manifest.updated_at, tier.retention_seconds, tier.pinned,
-                          LOCAL if tier.offloaded is None else tier.offloaded.location, None)
-
-
-def problem_entry(session_id: str, state: str, error: str) -> CatalogueEntry:
-    """The entry of a session whose files are gone (``missing``) or cannot be read (``unreadable``)."""
-    return CatalogueEntry(session_id, "", "", "", 0, 0, 0, state, None, "", None, False, LOCAL, error)
-
-
-def entry_from_files(sessions_root: Path, session_id: str) -> CatalogueEntry | None:
-    """The entry ``sessions/<id>`` describes now (manifest with its state page, kv size, tier
-    record); None when the directory is absent; state ``offloaded`` when its tier record says so
-    (FORMAT.md 5.10: its kv file may be gone), ``missing`` when its manifest or kv file is,
-    ``unreadable`` when its manifest or tier record fails FORMAT.md 5.3 / 5.10 or the directory is
-    a symlink (not followed)."""
-    d = sessions_root / session_id
-    try:
-        if not check_component(d, want="dir"):  # a symlink is refused (FormatError), never followed
-            return None
-        manifest = read_manifest(d / MANIFEST_NAME)
-        if manifest.id != session_id:
-            raise ColiError(f"{d / MANIFEST_NAME}: manifest id {manifest.id!r}, expected {session_id!r}")
-        tier = read_tier(d)
-        if tier.offloaded is not None:
-            return entry_of_manifest(manifest, tier.offloaded.bytes, state="offloaded", tier=tier)
-        os.lstat(d / KV_NAME)  # a session without its kv file is missing
-        size = session_disk_bytes(d)
-    except (NotFoundError, FileNotFoundError) as exc:
-        if not os.path.lexists(d):
-            return None
-        return problem_entry(session_id, "missing", str(exc))
-    except (ColiError, OSError) as exc:
-        return problem_entry(session_id, "unreadable", str(exc))
-    return entry_of_manifest(manifest, size, tier=tier)
 
 
 @dataclass(frozen=True)
@@ -183,11 +77,11 @@ class Catalogue:
         self.opened = "fresh"
         self.replayed: list[str] = []  # the sessions whose intents the last refresh replayed
         try:
-            self._check_paths()
-            self._db = self._connect(str(self.path))
+            check_catalogue_paths(self.path)
+            self._db = connect_catalogue(str(self.path))
         except (sqlite3.OperationalError, FormatError) as exc:  # cannot be opened or written here
             log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
-            self._db = self._connect(":memory:")
+            self._db = connect_catalogue(":memory:")
             self.opened = "rebuilt"
             self.rebuild()
             return
@@ -198,35 +92,6 @@ class Catalogue:
             return
         self.refresh()
 
-    def _check_paths(self) -> None:
-        """Refuse (FormatError) a catalogue, WAL or shared-memory file that is a symlink or not a
-        regular file: SQLite would follow it out of the store (FORMAT.md 5.1)."""
-        for suffix in ("", "-wal", "-shm"):
-            check_component(Path(str(self.path) + suffix), want="file")
-
-    @staticmethod
-    def _connect(where: str) -> sqlite3.Connection:
-        db = sqlite3.connect(where, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                             check_same_thread=False)
-        try:
-            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            if where != ":memory:":
-                mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-                if str(mode).lower() != "wal":
-                    raise sqlite3.OperationalError(f"journal_mode {mode}, WAL refused")
-            db.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
-            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")  # the WAL shrinks back after a rebuild
-            db.execute("PRAGMA recursive_triggers = ON")  # INSERT OR REPLACE's delete keeps the totals too
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (*UPGRADED_IN_PLACE, CATALOGUE_FORMAT):
-                raise sqlite3.DatabaseError(f"catalogue format {version}, this reads {CATALOGUE_FORMAT}")
-            if version != CATALOGUE_FORMAT:  # one transaction (idempotent: a second opener redoes it)
-                db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} {_TOTALS_FROM_ROWS} {_ZERO_TOTALS} "
-                                 f"PRAGMA user_version = {CATALOGUE_FORMAT}; COMMIT;")
-        except sqlite3.Error:
-            db.close()
-            raise
-        return db
 
     def close(self) -> None:
         with self._lock:
@@ -243,7 +108,7 @@ class Catalogue:
             log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
             with self._lock:
                 self._db.close()
-                self._db = self._connect(":memory:")
+                self._db = connect_catalogue(":memory:")
                 self.rebuild()
             self.opened = "rebuilt"
         except sqlite3.DatabaseError as exc:  # damaged: it is a cache, made again from the files
@@ -288,7 +153,7 @@ class Catalogue:
                 os.replace(self.path, str(self.path) + ".damaged")
             except FileNotFoundError:
                 pass
-            self._db = self._connect(str(self.path))
+            self._db = connect_catalogue(str(self.path))
             self.rebuild()
 
     def _dir_mtime_ns(self) -> int:
@@ -323,7 +188,7 @@ class Catalogue:
         with self._transaction() as db:
             db.execute("DELETE FROM sessions")
             db.execute("DELETE FROM intents")
-            db.executemany(f"INSERT INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})", map(astuple, entries))
+            db.executemany(f"INSERT INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})", map(astuple, entries))
             self._stamp(mtime, at)
         log.info("catalogue.rebuilt", path=str(self.path), sessions=len(entries))
         return len(entries)
@@ -340,7 +205,7 @@ class Catalogue:
                if e is not None]
         gone = [sid for sid, state in listed.items() if sid not in names and state != "missing"]
         with self._transaction() as db:  # a change in flight meanwhile writes its own row after this
-            db.executemany(f"INSERT OR IGNORE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+            db.executemany(f"INSERT OR IGNORE INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                            [astuple(e) for e in new if os.path.lexists(self.sessions_root / e.id)])
             db.executemany("UPDATE sessions SET state = 'missing', holder = NULL, error = ? WHERE id = ?",
                            [(_gone(self.sessions_root, sid), sid) for sid in gone])
@@ -383,7 +248,7 @@ class Catalogue:
             if entry is None:
                 db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             else:
-                db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                db.execute(f"INSERT OR REPLACE INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                            astuple(entry))
             db.execute("DELETE FROM intents WHERE id = ? AND owner = ?", intent_done)
             if stamp_if is not None and self._meta("sessions_mtime_ns") == str(stamp_if):
@@ -396,7 +261,7 @@ class Catalogue:
         session's tier record (:meth:`note_tier`, or a change of its files). Failures are logged only."""
         try:
             with self._transaction() as db:
-                db.execute(f"INSERT INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS}) ON CONFLICT(id) DO UPDATE "
+                db.execute(f"INSERT INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS}) ON CONFLICT(id) DO UPDATE "
                            f"SET {_NOTED}", astuple(entry))
         except sqlite3.Error as exc:
             log.warning("catalogue.write_failed", id=entry.id, error=str(exc), step="note")
@@ -429,8 +294,8 @@ class Catalogue:
     def get(self, session_id: str) -> CatalogueEntry | None:
         """The row of ``session_id`` as recorded (None when not listed)."""
         with self._lock:
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
-        return None if row is None else _entry(row)
+            row = self._db.execute(f"SELECT {COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        return None if row is None else entry_of_row(row)
 
     def count(self) -> int:
         with self._lock:
@@ -439,7 +304,7 @@ class Catalogue:
     def entries(self) -> list[CatalogueEntry]:
         """Every row, by id (a full scan: for tests and tools, not for serving)."""
         with self._lock:
-            return [_entry(row) for row in self._db.execute(f"SELECT {_COLUMNS} FROM sessions ORDER BY id")]
+            return [entry_of_row(row) for row in self._db.execute(f"SELECT {COLUMNS} FROM sessions ORDER BY id")]
 
     def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
         """Up to ``limit`` sessions after the cursor ``after`` (any id: it need not be listed, so
@@ -456,9 +321,9 @@ class Catalogue:
         if moved:
             self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
         with self._lock:
-            rows = self._db.execute(f"SELECT {_COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
+            rows = self._db.execute(f"SELECT {COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
-        listed = [_entry(row) for row in rows[:limit]]
+        listed = [entry_of_row(row) for row in rows[:limit]]
         out: list[CatalogueEntry] = []
         changed: list[tuple[CatalogueEntry, CatalogueEntry]] = []
         for old in listed:
@@ -481,9 +346,9 @@ class Catalogue:
         try:
             with self._transaction() as db:
                 for old, new in changed:
-                    row = db.execute(f"SELECT {_COLUMNS} FROM sessions WHERE id = ?", (old.id,)).fetchone()
+                    row = db.execute(f"SELECT {COLUMNS} FROM sessions WHERE id = ?", (old.id,)).fetchone()
                     if row is not None and tuple(row) == astuple(old):
-                        db.execute(f"INSERT OR REPLACE INTO sessions ({_COLUMNS}) VALUES ({_PLACEHOLDERS})",
+                        db.execute(f"INSERT OR REPLACE INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                                    astuple(new))
         except sqlite3.Error as exc:
             log.warning("catalogue.write_failed", error=str(exc), step="page")
@@ -511,5 +376,4 @@ def _alive(entry: CatalogueEntry) -> CatalogueEntry:
     return entry
 
 
-__all__ = ["CATALOGUE_FORMAT", "CATALOGUE_NAME", "LOCAL", "RACY_S", "STATES", "Catalogue", "CatalogueEntry",
-           "CataloguePage", "SessionFilesMissingError", "entry_from_files", "entry_of_manifest", "problem_entry"]
+__all__ = ["RACY_S", "Catalogue", "CataloguePage", "SessionFilesMissingError"]

@@ -19,7 +19,7 @@ from kernels.errors import FormatError, LockedError, NotFoundError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv
 from sessionstore.log import get_logger
-from sessionstore.sessions.catalogue import entry_of_manifest
+from sessionstore.sessions.catalogue_entry import entry_of_manifest
 from sessionstore.sessions.directory import SessionInfo, StoreDirectory
 from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest

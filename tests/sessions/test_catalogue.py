@@ -17,13 +17,9 @@ import pytest
 
 from kernels.errors import FormatError, LimitError
 from sessionstore.kvfile.sweep import current_owner
-from sessionstore.sessions.catalogue import (
-    CATALOGUE_NAME,
-    RACY_S,
-    Catalogue,
-    SessionFilesMissingError,
-    entry_from_files,
-)
+from sessionstore.sessions.catalogue import RACY_S, Catalogue, SessionFilesMissingError
+from sessionstore.sessions.catalogue_entry import entry_from_files
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.paths import InvalidSessionIdError
 from sessionstore.sessions.store import SessionStore
 from tests.support.session_util import REPO
@@ -310,12 +306,12 @@ def test_a_fresh_open_and_a_page_read_no_more_than_the_page(tmp_path: Path, monk
     reads no manifest; a page reads its own sessions' manifests only."""
     store = _store_with(tmp_path / "root", 30)
     _age_stamp(store)
-    import sessionstore.sessions.catalogue as catalogue_module
+    import sessionstore.sessions.catalogue_entry as entry_module  # where the rows are read from the files
 
     reads: list[str] = []
     listdirs: list[str] = []
-    real_read, real_listdir = catalogue_module.read_manifest, os.listdir
-    monkeypatch.setattr(catalogue_module, "read_manifest", lambda p: reads.append(str(p)) or real_read(p))
+    real_read, real_listdir = entry_module.read_manifest, os.listdir
+    monkeypatch.setattr(entry_module, "read_manifest", lambda p: reads.append(str(p)) or real_read(p))
     monkeypatch.setattr(os, "listdir", lambda p=".": listdirs.append(str(p)) or real_listdir(p))
     again = SessionStore(tmp_path / "root", sweep=False)
     assert again.catalogue.opened == "fresh" and reads == [] and str(again.sessions_root) not in listdirs
@@ -389,7 +385,7 @@ def test_a_page_never_resurrects_a_session_deleted_while_it_was_read(tmp_path: P
     store = _store_with(tmp_path / "root", 2)
     import sessionstore.sessions.catalogue as catalogue_module
 
-    real = catalogue_module.entry_from_files
+    real = entry_from_files
 
     def racing(sessions_root: Path, session_id: str):  # noqa: ANN202 - CatalogueEntry | None
         if session_id == "f001":
@@ -407,11 +403,11 @@ def test_a_page_never_resurrects_a_session_deleted_while_it_was_read(tmp_path: P
 def test_a_catalogue_busy_past_the_timeout_is_not_taken_for_damaged(tmp_path: Path, monkeypatch) -> None:
     """Another process holding the write lock past the busy timeout: the store opens with an
     in-memory catalogue built from the files; the file is not moved aside."""
-    import sessionstore.sessions.catalogue as catalogue_module
+    import sessionstore.sessions.catalogue_schema as schema_module  # where the connection is made
 
     store = _store_with(tmp_path / "root", 2)
     before = store.catalogue.entries()
-    monkeypatch.setattr(catalogue_module, "BUSY_TIMEOUT_MS", 200)
+    monkeypatch.setattr(schema_module, "BUSY_TIMEOUT_MS", 200)
     holder = sqlite3.connect(store.root / CATALOGUE_NAME, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # the write lock, held
     try:

@@ -10,7 +10,8 @@ import pytest
 
 from kernels.errors import FormatError, LimitError
 from sessionstore.sessions import SessionStore
-from sessionstore.sessions.catalogue import CATALOGUE_NAME, Catalogue
+from sessionstore.sessions.catalogue import Catalogue
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.paths import KV_NAME
 from sessionstore.sessions.tier_record import (
     TIER_NAME,

@@ -16,7 +16,7 @@ from kernels.rows import RecordRows
 from sessionstore.kvfile.header import Dims
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
-from sessionstore.sessions.catalogue import CATALOGUE_NAME
+from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.digest import make_digest
 from sessionstore.sessions.manifest import Manifest, ModelRef, write_manifest
 from sessionstore.sessions.store import SessionStore
