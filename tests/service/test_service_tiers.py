@@ -65,7 +65,13 @@ def session_bytes_on_disk(root: Path) -> int:
     records alike (what --max-disk-bytes bounds; an offloaded stub's few small files are not)."""
     total = 0
     for d in (root / "sessions").iterdir():
-        files = {f.name: f.stat().st_size for f in d.iterdir() if f.is_file() and not f.is_symlink()}
+        files: dict[str, int] = {}
+        try:
+            for f in d.iterdir():
+                if f.is_file() and not f.is_symlink():
+                    files[f.name] = f.stat().st_size
+        except FileNotFoundError:  # a temporary file renamed, or the directory replaced, while read:
+            continue  # the server's writes go on beside this watcher; the next look counts it
         if "kv.coli_kv" in files:  # else an offloaded stub, or a directory being replaced
             total += sum(files.values())
     return total
