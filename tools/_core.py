@@ -4,7 +4,7 @@ the API process, its IPC or the service's other extras.
 
 The command's model is loaded once and the loop started over it; the store's sessions decode
 through a :class:`~sessionstore.service.steps.loop.LoopDecoder` and are opened with the loop's
-``decode_driver`` and ``commit_runner`` (:attr:`InProcessCore.session_options`), as the
+``decode_driver`` and ``commit_runner`` (:meth:`InProcessCore.session_options`), as the
 service's ``Engine`` opens them. The command's session work runs as jobs on the loop
 (:meth:`InProcessCore.call`): its forwards are the loop's batched steps, its decode loop is run by
 the loop between steps, its commits go through the loop's commit runner. A served turn and a CLI
@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from kernels.errors import FormatError, LimitError, NotFoundError
+
+if TYPE_CHECKING:  # the store's classes load with the model, on first use
+    from sessionstore.sessions import SessionOptions
 
 T = TypeVar("T")
 
@@ -63,13 +67,12 @@ class InProcessCore:
             return
         store.adopt_model(source, self.adopt_decoder(decoder))
 
-    @property
-    def session_options(self) -> dict[str, Any]:
-        """What a session opened for the loop's jobs is given: the loop's decode driver and commit
-        runner (none before a model is adopted: the session then decodes inline, as before)."""
+    def session_options(self, options: SessionOptions) -> SessionOptions:
+        """``options`` for a session opened for the loop's jobs: with the loop's decode driver and
+        commit runner (unchanged before a model is adopted: the session then decodes inline, as before)."""
         if self.loop is None:
-            return {}
-        return {"decode_driver": self.loop.drive_decode, "commit_runner": self.loop.run_commit}
+            return options
+        return replace(options, decode_driver=self.loop.drive_decode, commit_runner=self.loop.run_commit)
 
     # ---- jobs -------------------------------------------------------------------------------------
     def call(self, fn: Callable[[], T]) -> T:

@@ -25,7 +25,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import GLM_MINI_NAME, resolve_model
 from kernels.rows import KV_DTYPES
-from sessionstore.sessions import DURABLE_STREAM, held_until_committed
+from sessionstore.sessions import DURABLE_STREAM, SessionOptions, held_until_committed
 from tools._common import check_backend, fresh_store
 from tools._core import InProcessCore
 from tools._text import set_sampler, tokenizer_for
@@ -92,8 +92,8 @@ class ChatLoop:
         self.args = args
         self.store = store
         self.core = core
-        self.options = {"commit_every": args.commit_every, "backend": args.backend,
-                        "durable_stream": args.durable_stream}
+        self.options = SessionOptions(commit_every=args.commit_every, backend=args.backend,
+                                      durable_stream=args.durable_stream)
         self.session: Any = None
         self.conv: Any = None
         self.tok: Any = None
@@ -128,14 +128,14 @@ class ChatLoop:
             tok = tokenizer_for(name)
             model = resolve_model(name)
             self.core.adopt_store_model(self.store, model)
-        options = {**self.options, **self.core.session_options}
+        options = self.core.session_options(self.options)
 
         def open_conversation() -> None:  # kept here at once: a Ctrl-C meanwhile still finds it to close
             if not created:
-                session = self.store.open(session_id, model, **options)
+                session = self.store.open(session_id, model, options)
             else:
                 session = self.store.create(session_id, model, kv_dtype=self.args.kv, sampler=self.sampler(None),
-                                            **options)
+                                            options=options)
                 self.created.add(session_id)
             try:
                 conv = Conversation.open(session, tok)

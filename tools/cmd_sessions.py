@@ -12,7 +12,14 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import resolve_model
 from kernels.model.sampling import Sampler
-from sessionstore.sessions import DEFAULT_COMMIT_EVERY, MAX_PAGE, ORDERS, SessionFilesMissingError, SessionStore
+from sessionstore.sessions import (
+    DEFAULT_COMMIT_EVERY,
+    MAX_PAGE,
+    ORDERS,
+    SessionFilesMissingError,
+    SessionOptions,
+    SessionStore,
+)
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._core import InProcessCore
 from tools._text import session_text_turn, text_input, tokenizer_for
@@ -162,7 +169,7 @@ def _release_quietly(remote: Any, session_id: str) -> None:
         pass
 
 
-def _turn_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+def _turn_options(args: argparse.Namespace) -> tuple[int, SessionOptions]:
     """(max_new, session options) from the flags, every one checked before the store is touched."""
     commit_every = _opt(args, "commit_every")
     commit_every = DEFAULT_COMMIT_EVERY if commit_every is None else int(commit_every)
@@ -174,7 +181,7 @@ def _turn_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         raise FormatError(f"--max-new: max_new must be an integer >= 0, found {max_new}")
     backend = _opt(args, "backend") or "cpu"
     check_backend(backend)
-    return max_new, {"commit_every": commit_every, "backend": backend}
+    return max_new, SessionOptions(commit_every=commit_every, backend=backend)
 
 
 def _remote(store: SessionStore, args: argparse.Namespace) -> Any:
@@ -201,18 +208,18 @@ def _model_source(store: SessionStore, args: argparse.Namespace) -> str | None:
 
 
 def _open_or_create(store: SessionStore, args: argparse.Namespace, prompt: list[int] | None,
-                    options: dict[str, Any]) -> tuple[Any, bool]:
+                    options: SessionOptions) -> tuple[Any, bool]:
     """(session, created): resume ``args.session``, or create it when absent."""
     model = _opt(args, "model")
     model = resolve_model(model) if model else None  # "glm-mini": the shipped checkpoint directory
     if store.exists(args.session):
-        return store.open(args.session, model, **options), False
+        return store.open(args.session, model, options), False
     if not model:
         raise FormatError(f"session {args.session!r} does not exist: --model is needed to create it")
     if prompt is None:
         raise FormatError(f"session {args.session!r} is new: --prompt-ids is needed")
     session = store.create(args.session, model, kv_dtype=_opt(args, "kv") or "fp8",
-                           sampler=_sampler(args, Sampler()), **options)
+                           sampler=_sampler(args, Sampler()), options=options)
     return session, True
 
 
@@ -252,14 +259,14 @@ def session_generate(args: argparse.Namespace) -> int:
     try:
         remote = _remote(store, args)
         core.adopt_store_model(store, _model_source(store, args))
-        options.update(core.session_options)
+        options = core.session_options(options)
 
         def turn() -> tuple[list[int], dict[str, Any]]:
             nonlocal created, leasing
             if remote is not None:  # the lease first (pulled unless held here), a keeper renews it
                 session, created = remote.begin_turn(
                     args.session, lambda: _open_or_create(store, args, prompt, options),
-                    _opt(args, "model") or None, **options)
+                    _opt(args, "model") or None, options)
                 leasing = True
             else:
                 session, created = _open_or_create(store, args, prompt, options)
@@ -318,16 +325,16 @@ def session_generate_text(args: argparse.Namespace, kind: str, value: Any) -> in
         else:
             tok = tokenizer_for(args.model)
         core.adopt_store_model(store, _model_source(store, args))
-        options.update(core.session_options)
+        options = core.session_options(options)
 
         def turn() -> dict[str, Any]:
             nonlocal created
             if store.exists(args.session):
                 model = _opt(args, "model")
-                session = store.open(args.session, resolve_model(model) if model else None, **options)
+                session = store.open(args.session, resolve_model(model) if model else None, options)
             else:
                 session = store.create(args.session, resolve_model(args.model), kv_dtype=_opt(args, "kv") or "fp8",
-                                       sampler=_sampler(args, Sampler()), **options)
+                                       sampler=_sampler(args, Sampler()), options=options)
                 created = True
             try:
                 return session_text_turn(session, args, kind, value, tok, max_new,

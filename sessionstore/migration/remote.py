@@ -44,7 +44,7 @@ from sessionstore.migration.lease_table import LeaseTable
 from sessionstore.migration.migrate import import_bundle
 from sessionstore.migration.object_store import ObjectPrefix
 from sessionstore.migration.transport import open_sink, open_source
-from sessionstore.sessions import SessionStore
+from sessionstore.sessions import DEFAULT_SESSION_OPTIONS, SessionOptions, SessionStore
 
 log = get_logger("remote")
 
@@ -191,7 +191,7 @@ class RemoteStore:
         return result, held
 
     def resume(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
-               **session_options: Any) -> Any:
+               options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Any:
         """Open the session live on this host: pull it unless this host already holds it (or
         the fleet has no bundle of it and the local copy is the only one).
 
@@ -207,11 +207,11 @@ class RemoteStore:
             held = self.acquire(session_id)
         else:
             _, held = self.pull(session_id, replace=True)
-        return self._keep(self.store.open(session_id, model_source, **session_options), held)
+        return self._keep(self.store.open(session_id, model_source, options), held)
 
     def begin_turn(self, session_id: str, open_local: Callable[[], tuple[Any, bool]],
                    model_source: str | os.PathLike[str] | None = None,
-                   **session_options: Any) -> tuple[Any, bool]:
+                   options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> tuple[Any, bool]:
         """(session, created) for one turn through the fleet, its lease held and kept.
 
         A session the fleet has a bundle of is resumed (:meth:`resume`). Otherwise this host
@@ -220,11 +220,11 @@ class RemoteStore:
         copy or creates the session; a failure there deletes the lease again."""
         cur = self.lease(session_id)
         if cur is not None and cur.bundle is not None:
-            return self.resume(session_id, model_source, **session_options), False
+            return self.resume(session_id, model_source, options), False
         held = self.acquire(session_id)
         if held.bundle is not None:  # another host pushed it meanwhile: continue from its bundle
             _, held = self.pull(session_id, replace=True)
-            return self._keep(self.store.open(session_id, model_source, **session_options),
+            return self._keep(self.store.open(session_id, model_source, options),
                               held), False
         try:
             session, created = open_local()

@@ -48,8 +48,9 @@ from sessionstore.sessions.response_list import (
     response_list_bytes,
     write_response_list,
 )
-from sessionstore.sessions.session import DEFAULT_COMMIT_EVERY, Session
+from sessionstore.sessions.session import Session
 from sessionstore.sessions.session_home import SessionHome
+from sessionstore.sessions.session_options import DEFAULT_COMMIT_EVERY, DEFAULT_SESSION_OPTIONS, SessionOptions
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.store import SessionStore
@@ -84,6 +85,7 @@ __all__ = [
     "CatalogueEntry",
     "ConversationRecord",
     "DEFAULT_COMMIT_EVERY",
+    "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
     "DecodeLoop",
@@ -113,6 +115,7 @@ __all__ = [
     "SessionHome",
     "SessionInfo",
     "SessionOffloadedError",
+    "SessionOptions",
     "SessionSnapshot",
     "SessionStore",
     "SessionUse",

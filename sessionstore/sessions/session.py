@@ -36,13 +36,9 @@ from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import Fence
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef
 from sessionstore.sessions.resident_files import ResidentFiles
-from sessionstore.sessions.session_home import CommitRunner, SessionHome
+from sessionstore.sessions.session_home import SessionHome
+from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
 from sessionstore.sessions.session_turns import SessionTurns
-from sessionstore.sessions.turn_loop import DecodeDriver
-
-DEFAULT_COMMIT_EVERY = 64
-WRITE_BEHIND = True  # default: decoded records (and their sidecar entries) go to the file as they
-# are handed over, write-back started: a commit finds the bytes on disk and waits only for the barriers
 
 log = get_logger("session")
 
@@ -56,33 +52,31 @@ class Session(SessionTurns):
     the state it reads, which :meth:`__init__` sets."""
 
     def __init__(self, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
-                 manifest: Manifest, *, commit_every: int | None = DEFAULT_COMMIT_EVERY,
-                 backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
-                 verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
-                 commit_runner: CommitRunner | None = None, decode_driver: DecodeDriver | None = None,
-                 durable_stream: bool = False) -> None:
+                 manifest: Manifest, options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
         self.model = model
         self.model_ref = model_ref
         self.manifest = manifest
-        self.commit_every = commit_every
-        self.backend = backend
-        self.durability = durability
-        self.manifest_fsync = manifest_fsync
-        self.verify = verify
-        self.write_behind = write_behind  # the writer's mode from the next resume on
-        self.lazy_logits = lazy_logits  # defer the last position's recompute until its logits are used
+        # the options, each a field of its own (SessionOptions): a server sets commit_runner on a
+        # session it adopts, a benchmark turns verify off between phases
+        self.commit_every = options.commit_every
+        self.backend = options.backend
+        self.durability = options.durability
+        self.manifest_fsync = options.manifest_fsync
+        self.verify = options.verify
+        self.write_behind = options.write_behind  # the writer's mode from the next resume on
+        self.lazy_logits = options.lazy_logits  # defer the last position's recompute until its logits are used
         # runs generate's commits every commit_every tokens, now or before the next token is fed (a
         # server commits sessions that are due in the same step together: service.steps.group_commit)
-        self.commit_runner = commit_runner
+        self.commit_runner = options.commit_runner
         # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
-        self.decode_driver = decode_driver
+        self.decode_driver = options.decode_driver
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
         # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
         # hears what each commit covers once it has returned
-        self.durable_stream = durable_stream
+        self.durable_stream = options.durable_stream
         self.commit_watch: CommitWatch | None = None
         self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
         self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
@@ -101,21 +95,22 @@ class Session(SessionTurns):
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def create(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef, *,
-               kv_dtype: str = "fp8", sampler: Sampler | None = None, **options: Any) -> Session:
+               kv_dtype: str = "fp8", sampler: Sampler | None = None,
+               options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
         """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
         dims = Dims(*model.dims_for_file())
         manifest = store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
                                        sampler=sampler or Sampler())
         log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
-        session = cls(store, session_id, model, model_ref, manifest, **options)
+        session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()
         return session
 
     @classmethod
     def open(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
-             **options: Any) -> Session:
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
         manifest = store.read_manifest(session_id)
-        session = cls(store, session_id, model, model_ref, manifest, **options)
+        session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()
         return session
 
@@ -206,4 +201,4 @@ class Session(SessionTurns):
         return f"Session({self.id!r}, {self.state}, committed={self.committed}, pending={self.pending})"
 
 
-__all__ = ["Session", "DEFAULT_COMMIT_EVERY"]
+__all__ = ["Session"]

@@ -26,6 +26,7 @@ from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, re
 from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.session import Session
+from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.tier_record import refuse_offloaded
 
@@ -76,7 +77,7 @@ class SessionStore(StoreDirectory):
 
     # ---- sessions --------------------------------------------------------------------------
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
-               sampler: Sampler | None = None, **session_options: Any) -> Session:
+               sampler: Sampler | None = None, options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
         """A new, empty session for the model at ``model_source``; returned open (lock held)."""
         validate_session_id(session_id)
         if self.exists(session_id):
@@ -84,10 +85,10 @@ class SessionStore(StoreDirectory):
         self.refuse_listed(session_id)  # its files are gone: reported, never silently made anew
         model, ref = self.load_model(model_source)
         return Session.create(self, session_id, model, ref, kv_dtype=kv_dtype,
-                              sampler=sampler or Sampler(), **session_options)
+                              sampler=sampler or Sampler(), options=options)
 
     def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
-             **session_options: Any) -> Session:
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
         """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint."""
         manifest = self.read_manifest(session_id)
         source = manifest.model.path if model_source is None else model_source
@@ -97,7 +98,7 @@ class SessionStore(StoreDirectory):
             raise NotFoundError(
                 f"session {session_id!r}: its model {manifest.model.name!r} ({source}) cannot be "
                 f"loaded: {exc}; pass --model") from None
-        return Session.open(self, session_id, model, ref, **session_options)
+        return Session.open(self, session_id, model, ref, options)
 
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:

@@ -16,7 +16,10 @@ from sessionstore.migration import (
     export_session,
     migrate,  # noqa: E402
 )
-from sessionstore.sessions import SessionStore  # noqa: E402
+from sessionstore.sessions import (
+    SessionOptions,
+    SessionStore,  # noqa: E402
+)
 from sessionstore.sessions.conversation_chat import Conversation, ReferenceChat  # noqa: E402
 from sessionstore.sessions.conversation_file import ConversationRecord, read_record  # noqa: E402
 from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
@@ -28,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _chat(store: SessionStore, sid: str, model_dir: Path) -> tuple[Conversation, list[int]]:
-    s = store.create(sid, str(model_dir), kv_dtype="fp8", commit_every=3)
+    s = store.create(sid, str(model_dir), kv_dtype="fp8", options=SessionOptions(commit_every=3))
     conv = Conversation.open(s, load_text(model_dir))
     first = conv.say("Hello there", 8).tokens
     return conv, first

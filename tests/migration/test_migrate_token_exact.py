@@ -18,6 +18,7 @@ import pytest
 
 from kernels.model.sampling import Sampler
 from sessionstore.migration import export_session, migrate
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401
@@ -66,7 +67,7 @@ def _move(a: SessionStore, b: SessionStore, sid: str, transport: str) -> None:
 def test_migrated_session_continues_token_exact(tmp_path, tiny, kv, sampler, transport):
     expected = _reference(tiny, kv, sampler)
     a, b = SessionStore(tmp_path / "hostA"), SessionStore(tmp_path / "hostB")
-    session = a.create("m", "tiny", kv_dtype=kv, sampler=sampler, commit_every=4)
+    session = a.create("m", "tiny", kv_dtype=kv, sampler=sampler, options=SessionOptions(commit_every=4))
     first = session.generate(PROMPT, FIRST).tokens
     session.suspend()
     session.close()
@@ -84,7 +85,7 @@ def test_export_of_a_live_session_continues_token_exact(tmp_path, tiny, kv):
     """Host A keeps the session open (live, lock held) while it is exported."""
     expected = _reference(tiny, kv, SAMPLED)
     a, b = SessionStore(tmp_path / "hostA"), SessionStore(tmp_path / "hostB")
-    session = a.create("live", "tiny", kv_dtype=kv, sampler=SAMPLED, commit_every=0)
+    session = a.create("live", "tiny", kv_dtype=kv, sampler=SAMPLED, options=SessionOptions(commit_every=0))
     try:
         first = session.generate(PROMPT, FIRST).tokens  # committed at the end of the turn
         sink = io.BytesIO()

@@ -8,6 +8,7 @@ import pytest
 
 from kernels.errors import ColiError, LockedError, NotFoundError
 from sessionstore.migration.remote import RemoteStore
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import (  # noqa: F401
     make_session,
@@ -212,7 +213,7 @@ def test_a_lost_lease_fences_the_old_holders_commits(hosts):
     a, b = hosts
     _push_a_chat(a)
     slow_b = _remote(b, "host-b", lease_ttl=0.6, renew_interval=60)  # it will not renew in time
-    live = slow_b.resume("chat", commit_every=1)
+    live = slow_b.resume("chat", options=SessionOptions(commit_every=1))
     committed = live.committed
     time.sleep(0.8)
     a.pull("chat", replace=True)  # B's lease expired: A takes the session over

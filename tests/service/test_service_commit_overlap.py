@@ -14,7 +14,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.turns import TurnSpec
-from sessionstore.sessions import SessionStore
+from sessionstore.sessions import SessionOptions, SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
 from tests.service.test_service_units import Sink
 
@@ -44,7 +44,7 @@ def _failing_second_commit_of(monkeypatch: pytest.MonkeyPatch, session_id: str) 
 def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_continues_exactly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SessionStore(tmp_path)
-    engine = Engine(store, MODEL, session_options={"commit_every": COMMIT_EVERY})
+    engine = Engine(store, MODEL, session_options=SessionOptions(commit_every=COMMIT_EVERY, lazy_logits=True))
     sampler = Sampler()
     want = reference_turns(engine.loop.model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
     seen = _failing_second_commit_of(monkeypatch, "a")

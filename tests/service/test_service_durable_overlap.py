@@ -16,7 +16,7 @@ from sessionstore.kvfile import KVWriter
 from sessionstore.kvfile.durability import Durability
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.turns import TurnSpec
-from sessionstore.sessions import SessionStore, reference_turns
+from sessionstore.sessions import SessionOptions, SessionStore, reference_turns
 
 MAX_NEW = 40
 SLOW_FSYNC_S = 0.02
@@ -70,7 +70,8 @@ def test_each_piece_is_durable_before_it_is_sent_and_slow_commits_coalesce(
     monkeypatch.setattr(KVWriter, "commit", counting_commit)
     store = SessionStore(tmp_path)
     engine = Engine(store, str(text_model_dir), tokenizer=tok,
-                    session_options={"commit_every": 16, "durable_stream": True})
+                    session_options=SessionOptions(commit_every=16, durable_stream=True,
+                                                   lazy_logits=True))
     sampling = {"temperature": 0.8, "top_p": 0.9}
     try:
         sinks = {f"s{i}": CheckingSink(store, f"s{i}", tok, len(_prompt(i))) for i in range(3)}

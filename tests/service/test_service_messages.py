@@ -15,7 +15,7 @@ import pytest
 
 from kernels.model.text import load_text
 from sessionstore.service.engine.messages import READ_ATTEMPTS, judge, read_messages
-from sessionstore.sessions import SessionStore
+from sessionstore.sessions import SessionOptions, SessionStore
 from sessionstore.sessions.conversation_chat import Conversation
 from sessionstore.sessions.conversation_file import ConversationRecord, OpenTurn, tokens_digest, write_record
 from tests.service.serverkit import ServerProc, sse_events
@@ -128,7 +128,7 @@ def _reader(store: SessionStore, sid: str, tok: Any) -> Any:
 def test_every_piece_of_a_running_turn_reads_its_committed_prefix(tmp_path: Path, text_model_dir: Path) -> None:
     tok = load_text(text_model_dir)
     store = SessionStore(tmp_path)
-    s = store.create("a", str(text_model_dir), kv_dtype="fp8", commit_every=2)
+    s = store.create("a", str(text_model_dir), kv_dtype="fp8", options=SessionOptions(commit_every=2))
     conv = Conversation.open(s, tok)
     first = conv.say("Hello there", 6)
     before = conv.messages
@@ -157,7 +157,7 @@ def test_after_a_crash_the_read_is_what_recovery_writes(tmp_path: Path, text_mod
                                                         state: str | None) -> None:
     tok = load_text(text_model_dir)
     store = SessionStore(tmp_path)
-    s = store.create("c", str(text_model_dir), kv_dtype="fp8", commit_every=2)
+    s = store.create("c", str(text_model_dir), kv_dtype="fp8", options=SessionOptions(commit_every=2))
     conv = Conversation.open(s, tok)
     conv.say("Hello there", 6)
     second = [*conv.messages, _user("Caf\u00e9?")]

@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 
 from sessionstore.service.http.auth import BearerAuth
 from sessionstore.service.http.webpage import ASSETS, CSP, WithPage, read_asset
+from sessionstore.sessions import SessionOptions
 from tests.service.serverkit import REPO, ServerProc
 from tests.service.webkit import MAX_TOKENS, MODEL, Tab, browser  # noqa: F401 (browser: a fixture)
 from tests.support.conversation_cut import respond_until_crash
@@ -233,7 +234,7 @@ def _session_cut_mid_reply(root: Path) -> list[dict[str, str]]:
 
     source = resolve_model(MODEL)
     store = SessionStore(root)
-    session = store.create("cut", source, kv_dtype="fp8", commit_every=2)
+    session = store.create("cut", source, kv_dtype="fp8", options=SessionOptions(commit_every=2))
     conv = Conversation.open(session, load_text(source))
     conv.say("Tell me a story about a cat.", 12)
     sent = [*conv.messages, {"role": "user", "content": "And then?"}]

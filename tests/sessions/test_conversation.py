@@ -14,7 +14,10 @@ pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the
 from kernels.errors import FormatError, LimitError  # noqa: E402
 from kernels.model.sampling import Sampler
 from kernels.model.text import load_text  # noqa: E402
-from sessionstore.sessions import SessionStore  # noqa: E402
+from sessionstore.sessions import (
+    SessionOptions,
+    SessionStore,  # noqa: E402
+)
 from sessionstore.sessions.commit_state_page import state_path  # noqa: E402
 from sessionstore.sessions.conversation_chat import (  # noqa: E402
     Conversation,
@@ -39,9 +42,9 @@ def _user(text: str) -> dict[str, str]:
 def _open(root: Path, sid: str, model_dir: Path, kv: str = "fp8", every: int = 3) -> tuple[Any, Conversation]:
     store = SessionStore(root)
     if store.exists(sid):
-        s = store.open(sid, commit_every=every)
+        s = store.open(sid, options=SessionOptions(commit_every=every))
     else:
-        s = store.create(sid, str(model_dir), kv_dtype=kv, commit_every=every)
+        s = store.create(sid, str(model_dir), kv_dtype=kv, options=SessionOptions(commit_every=every))
     try:
         return s, Conversation.open(s, load_text(model_dir))
     except BaseException:
@@ -56,7 +59,8 @@ def test_turns_exact_across_suspend_regenerate_edit_fork(tmp_path: Path, kv: str
     model_dir = write_text_model(tmp_path / "model", style)
     tok = load_text(model_dir)
     sampler = Sampler(temperature=0.8, top_k=40, top_p=0.95, seed=99) if sampled else Sampler()
-    s = SessionStore(tmp_path).create("a", str(model_dir), kv_dtype=kv, sampler=sampler, commit_every=3)
+    s = SessionStore(tmp_path).create("a", str(model_dir), kv_dtype=kv, sampler=sampler,
+                                      options=SessionOptions(commit_every=3))
     conv = Conversation.open(s, tok)
     ref = ReferenceChat(s.model, tok, kv, sampler)
     msgs: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]

@@ -24,6 +24,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.store import SessionStore
 from tests.support.crash_explore import Exploration, explore, last_ack, record
 from tests.support.crash_states import CrashPoint
@@ -132,7 +133,8 @@ def _setup_session(tiny, commit_every: int):  # noqa: ANN001, ANN202
     def setup(root: str) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
-        s = store.create("s", "tiny", kv_dtype="fp8", sampler=SAMPLER, commit_every=commit_every)
+        s = store.create("s", "tiny", kv_dtype="fp8", sampler=SAMPLER,
+                         options=SessionOptions(commit_every=commit_every))
         s.generate(PROMPT, 4)
         s.close()
     return setup
@@ -142,7 +144,7 @@ def _decode_and_suspend(tiny, commit_every: int):  # noqa: ANN001, ANN202
     def protocol(root: str, rec: Recorder) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
-        s = store.open("s", "tiny", commit_every=commit_every)
+        s = store.open("s", "tiny", options=SessionOptions(commit_every=commit_every))
         s.generate(None, 20)  # commits every ``commit_every`` tokens (write-behind, headroom)
         rec.mark("ack", s.committed)
         s.suspend()
@@ -167,7 +169,7 @@ def _create_and_turn(tiny):  # noqa: ANN001, ANN202
     def protocol(root: str, rec: Recorder) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
-        s = store.create("n", "tiny", kv_dtype="fp8", sampler=SAMPLER, commit_every=3)
+        s = store.create("n", "tiny", kv_dtype="fp8", sampler=SAMPLER, options=SessionOptions(commit_every=3))
         rec.mark("ack", 0)
         s.generate(PROMPT, 8)
         rec.mark("ack", s.committed)

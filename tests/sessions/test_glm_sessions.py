@@ -19,6 +19,7 @@ from kernels.model import load_model
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import convert_file, open_kv
 from sessionstore.migration import export_session, migrate
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
@@ -100,7 +101,7 @@ def _index_rows(store: SessionStore, sid: str) -> np.ndarray:
 def test_every_mover_carries_the_indexer_rows(tmp_path: Path, glm, tiny_glm_dir: Path, kv: str) -> None:
     sampler = Sampler(*SAMPLERS["sampled"])
     store = SessionStore(tmp_path / "a")
-    src = store.create("src", tiny_glm_dir, kv_dtype=kv, sampler=sampler, commit_every=4)
+    src = store.create("src", tiny_glm_dir, kv_dtype=kv, sampler=sampler, options=SessionOptions(commit_every=4))
     full = src.generate(PROMPT, 12).tokens
     n = len(PROMPT) + 5
     src.fork("f", at=n)

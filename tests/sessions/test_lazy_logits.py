@@ -18,6 +18,7 @@ import sessionstore.sessions.recovery as recovery
 import sessionstore.sessions.session_resume as resume_mod
 from kernels.errors import CorruptionError
 from kernels.model.sampling import Sampler
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.recovery import DEFERRED
 from sessionstore.sessions.store import SessionStore
@@ -52,7 +53,7 @@ def _make(root: Path, model: str, kv: str, first: tuple[list[int], int]) -> list
 @pytest.mark.parametrize("kv", ["f32", "fp8", "int4"])
 def test_resume_then_new_prompt_never_recomputes(tmp_path, tiny, recomputes, kv) -> None:
     first = _make(tmp_path, "tiny", kv, (PROMPT, 6))
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.resume_report["verified"] == DEFERRED
     assert s.resume_report["last_position"] == "deferred" and s.resume_report["not_covered"] == 0
     assert s.resume_report["checksums"] == f"{s.committed} record(s) match their checksums"
@@ -67,7 +68,7 @@ def test_resume_then_new_prompt_never_recomputes(tmp_path, tiny, recomputes, kv)
 
 def test_resume_then_continue_with_pending_feeds_it_and_never_recomputes(tmp_path, tiny, recomputes) -> None:
     _make(tmp_path, "tiny", "fp8", (PROMPT, 4))
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.pending  # the last sampled token, fed first
     got = s.generate(None, 7).tokens
     s.close()
@@ -78,7 +79,7 @@ def test_resume_then_continue_with_pending_feeds_it_and_never_recomputes(tmp_pat
 @pytest.mark.parametrize("kv", ["f32", "fp8", "int4"])
 def test_resume_then_continue_with_nothing_to_feed_recomputes_exactly(tmp_path, tiny, recomputes, kv) -> None:
     assert _make(tmp_path, "tiny", kv, (PROMPT, 0)) == []  # prompt ingested, nothing sampled or pending
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.pending == [] and s.resume_report["last_position"] == "deferred"
     n = s.committed
     got = s.generate(None, 6).tokens
@@ -108,7 +109,7 @@ def test_a_wrong_digest_is_caught_when_the_deferred_logits_are_used(tmp_path, ti
     bad.last_logits = type(bad.last_logits)(bad.last_logits.position, bad.last_logits.top_ids,
                                             [v + 1.0 for v in bad.last_logits.top_values], "0" * 32)
     write_manifest(mpath, bad)
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.resume_report["last_position"] == "deferred"
     with pytest.raises(CorruptionError, match=r"session 's'.*logits at position"):
         s.generate(None, 4)
@@ -122,7 +123,7 @@ def test_records_no_sidecar_covers_are_recomputed_at_resume(tmp_path, tiny, reco
     _make(tmp_path, "tiny", "fp8", (PROMPT, 3))
     kv = SessionStore(tmp_path).kv_path("s")
     Path(str(kv) + ".colisum").unlink()
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     report = s.resume_report
     assert report["not_covered"] == s.committed > 0 and report["last_position"] == "recomputed"
     assert "not covered by a sidecar" in report["verified"] and recomputes == [s.committed]
@@ -136,7 +137,7 @@ def test_a_manifest_behind_the_file_recovers_at_resume(tmp_path, tiny, recompute
     n = behind.committed
     behind.committed, behind.pending, behind.last_logits = n - 2, [], None
     write_manifest(mpath, behind)
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.resume_report["recovered"] is True and recomputes == [n]
     got = s.generate(None, 4).tokens
     s.close()
@@ -149,7 +150,7 @@ def test_glm_dsa_session_defers_and_continues_exactly(tmp_path, tiny_glm_dir, re
     model = load_model(str(tiny_glm_dir))
     prompt = [3, 17, 22, 5, 9, 40, 11, 2, 8]
     assert _make(tmp_path, str(tiny_glm_dir), "fp8", (prompt, 0)) == []
-    s = SessionStore(tmp_path).open("s", lazy_logits=True)
+    s = SessionStore(tmp_path).open("s", options=SessionOptions(lazy_logits=True))
     assert s.resume_report["last_position"] == "deferred"
     got = s.generate(None, 5).tokens
     s.close()

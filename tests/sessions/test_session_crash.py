@@ -17,6 +17,7 @@ import pytest
 
 from kernels.errors import LockedError
 from kernels.model.sampling import Sampler
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME
 from sessionstore.sessions.snapshot import verify_session_dir
@@ -122,7 +123,7 @@ def test_lost_unsynced_manifest(tmp_path, tiny) -> None:
     """An OS crash may lose manifest updates (they are not fsynced): an older one still resumes exactly."""
     sampler = Sampler(*SAMPLERS["greedy"])
     store = SessionStore(tmp_path)
-    s = store.create("s", "tiny", kv_dtype="fp8", sampler=sampler, commit_every=64)
+    s = store.create("s", "tiny", kv_dtype="fp8", sampler=sampler, options=SessionOptions(commit_every=64))
     s.generate(PROMPT, 5)
     s.close()
     names = (MANIFEST_NAME, STATE_NAME)  # the manifest and its commit state page (per commit)
@@ -137,7 +138,8 @@ def test_lost_unsynced_manifest(tmp_path, tiny) -> None:
             shutil.copy(tmp_path / f"old-{name}", store.session_dir("s") / name)
 
     lose_updates()
-    quick = SessionStore(tmp_path).open("s", verify=False)  # skipping verification never skips recovery
+    # skipping verification never skips recovery
+    quick = SessionStore(tmp_path).open("s", options=SessionOptions(verify=False))
     assert quick.resume_report["recovered"] is True
     quick.abandon()
     lose_updates()

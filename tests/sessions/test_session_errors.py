@@ -9,6 +9,7 @@ import pytest
 from kernels.errors import CorruptionError, FormatError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.store import SessionStore
 from tools.coli_kv import main
@@ -47,7 +48,7 @@ def test_an_already_bad_manifest_gives_one_clear_error(tmp_path, capsys) -> None
 
 def test_resume_names_the_session_file_and_the_corrupt_record(tmp_path) -> None:
     store = SessionStore(tmp_path)
-    s = store.create("chat-1", "tiny", kv_dtype="fp8", commit_every=64)
+    s = store.create("chat-1", "tiny", kv_dtype="fp8", options=SessionOptions(commit_every=64))
     s.generate(PROMPT, 6)
     s.close()
     kv = store.kv_path("chat-1")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kernels.errors import CorruptionError, ModelMismatchError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
@@ -85,7 +86,7 @@ def test_any_split_is_token_exact(tmp_path_factory, tiny, kv, sampled, seed, pro
     turns: list[tuple[list[int] | None, int]] = [(prompt, 3)]
     root = tmp_path_factory.mktemp("store")
     store = SessionStore(root)
-    s = store.create("s", "tiny", kv_dtype=kv, sampler=sampler, commit_every=commit_every)
+    s = store.create("s", "tiny", kv_dtype=kv, sampler=sampler, options=SessionOptions(commit_every=commit_every))
     got = [s.generate(prompt, 3).tokens]
     s.close()
     for kind, max_new in plan:
@@ -99,7 +100,7 @@ def test_any_split_is_token_exact(tmp_path_factory, tiny, kv, sampled, seed, pro
             turn = (history[:cut] + [9, 10, 11], max_new)
         turns.append(turn)
         fresh = SessionStore(root)  # a new store: no state shared with the previous turn
-        s = fresh.open("s", commit_every=commit_every)
+        s = fresh.open("s", options=SessionOptions(commit_every=commit_every))
         assert s.resume_report["verified"] in ("bit-identical", "recomputed (no digest to compare)")
         got.append(s.generate(turn[0], turn[1]).tokens)
         s.close()
@@ -111,7 +112,7 @@ def test_fork_continues_exactly(tmp_path, tiny, kv) -> None:
     """A fork at n inside the generated text re-generates the source's tokens after n."""
     sampler = Sampler(0.7, 0, 1.0, 99)
     store = SessionStore(tmp_path)
-    src = store.create("src", "tiny", kv_dtype=kv, sampler=sampler, commit_every=4)
+    src = store.create("src", "tiny", kv_dtype=kv, sampler=sampler, options=SessionOptions(commit_every=4))
     full = src.generate(PROMPT, 20).tokens
     n = len(PROMPT) + 6  # records 0..n-1 = prompt + first 6 generated; record n = 7th generated
     src.fork("f", at=n)
@@ -131,7 +132,7 @@ def test_fork_continues_exactly(tmp_path, tiny, kv) -> None:
 
 def test_resume_verification_catches_damage(tmp_path) -> None:
     store = SessionStore(tmp_path)
-    s = store.create("s", "tiny", kv_dtype="fp8", commit_every=64)
+    s = store.create("s", "tiny", kv_dtype="fp8", options=SessionOptions(commit_every=64))
     s.generate(PROMPT, 6)
     s.close()
     mpath = store.session_dir("s") / MANIFEST_NAME

@@ -17,6 +17,7 @@ from kernels.errors import FormatError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.mapping import wait_for_unmaps
 from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.commit_state_page import (
     STATE_BYTES,
     StateWriter,
@@ -160,7 +161,7 @@ def test_symlinked_state_page_is_never_followed(tmp_path) -> None:
 # -- sessions ----------------------------------------------------------------------------------------
 def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     store = SessionStore(tmp_path)
-    s = store.create("s", "tiny", kv_dtype="fp8", commit_every=2)
+    s = store.create("s", "tiny", kv_dtype="fp8", options=SessionOptions(commit_every=2))
     mpath = store.session_dir("s") / MANIFEST_NAME
     inode = mpath.stat().st_ino
     s.generate(PROMPT, 6)
@@ -183,7 +184,7 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
 @pytest.mark.parametrize("damage", ["torn", "lost"])
 def test_a_damaged_or_lost_page_recovers_exactly(tmp_path, tiny, damage) -> None:
     store = SessionStore(tmp_path)
-    s = store.create("s", "tiny", kv_dtype="fp8", sampler=SAMPLED, commit_every=3)
+    s = store.create("s", "tiny", kv_dtype="fp8", sampler=SAMPLED, options=SessionOptions(commit_every=3))
     s.generate(PROMPT, 9)
     s.close()
     page = state_path(store.session_dir("s") / MANIFEST_NAME)
@@ -208,7 +209,7 @@ def test_write_behind_and_staged_sessions_commit_the_same_bytes(tmp_path) -> Non
     out = []
     for write_behind in (True, False):
         store = SessionStore(tmp_path / str(write_behind))
-        s = store.create("s", "tiny", kv_dtype="fp8", commit_every=3, write_behind=write_behind)
+        s = store.create("s", "tiny", kv_dtype="fp8", options=SessionOptions(commit_every=3, write_behind=write_behind))
         tokens = s.generate(PROMPT, 9).tokens + s.generate([7, 8, 9], 4).tokens
         s.close()
         with open_kv(store.kv_path("s")) as r:

@@ -14,6 +14,7 @@ from sessionstore.kvfile import copying
 from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.sidecar import load_sidecar
 from sessionstore.kvfile.sidecar_check import check_records
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.directory import STATE_NAME
 from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, InvalidSessionIdError
@@ -152,7 +153,7 @@ def test_fork_detects_a_damaged_source(store) -> None:
 
 
 def test_snapshot_of_a_live_session_while_it_appends(store) -> None:
-    s = store.create("live", "tiny", kv_dtype="fp8", commit_every=1)
+    s = store.create("live", "tiny", kv_dtype="fp8", options=SessionOptions(commit_every=1))
     s.generate(PROMPT, 3)
     errors: list[BaseException] = []
     stop = threading.Event()

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kernels.model import load_model
 from kernels.model.sampling import Sampler
+from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import common_prefix
@@ -58,7 +59,7 @@ class StoreMachine(RuleBasedStateMachine):
     def _session(self, sid: str) -> Session:
         entry = self.model[sid]
         if entry.session is None or entry.session.state == "closed":
-            entry.session = self.store.open(sid, commit_every=3)
+            entry.session = self.store.open(sid, options=SessionOptions(commit_every=3))
         return entry.session
 
     # ---- rules ----------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class StoreMachine(RuleBasedStateMachine):
         if sid in self.model:
             return
         sampler = Sampler(0.9, 20, 0.9, 5) if sampled else Sampler()
-        s = self.store.create(sid, "tiny", kv_dtype=kv, sampler=sampler, commit_every=3)
+        s = self.store.create(sid, "tiny", kv_dtype=kv, sampler=sampler, options=SessionOptions(commit_every=3))
         entry = self.model[sid] = Entry(session=s)
         out = s.generate(prompt, max_new).tokens
         entry.records = prompt + out[:-1]

@@ -49,6 +49,7 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
     from kernels.model.sampling import Sampler
+    from sessionstore.sessions import SessionOptions
     from sessionstore.sessions import recovery as recovery_mod
     from sessionstore.sessions import session_turns as turns_mod
     from sessionstore.sessions import store as store_mod
@@ -85,13 +86,13 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         KVWriter.truncate = lambda self, n: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     results = {}
     for job in spec["jobs"]:
-        options = {"commit_every": job.get("commit_every", 64)}
+        options = SessionOptions(commit_every=job.get("commit_every", 64))
         if job.get("create"):
             c = job["create"]
             s = store.create(job["id"], c.get("model", "tiny"), kv_dtype=c["kv"],
-                             sampler=Sampler(*c.get("sampler", (0.0, 0, 1.0, 0))), **options)
+                             sampler=Sampler(*c.get("sampler", (0.0, 0, 1.0, 0))), options=options)
         else:
-            s = store.open(job["id"], job.get("model"), **options)
+            s = store.open(job["id"], job.get("model"), options)
         if spec.get("announce"):
             print("ready", flush=True)
         if spec.get("hold"):  # keep the session (and its writer lock) until stdin closes

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from kernels.model.text import ChatTokenizer
@@ -27,7 +28,7 @@ from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink,
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.steps import EngineLoop, LoopDecoder
-from sessionstore.sessions import Session, SessionStore, read_record, validate_session_id, write_record
+from sessionstore.sessions import Session, SessionOptions, SessionStore, read_record, validate_session_id, write_record
 
 log = get_logger("service")
 
@@ -42,7 +43,7 @@ class Engine:
 
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
-                 metrics: EngineMetrics | None = None, session_options: dict[str, Any] | None = None,
+                 metrics: EngineMetrics | None = None, session_options: SessionOptions | None = None,
                  max_kv_bytes: int | None = None, home: Any = None) -> None:
         self.store = store
         self.home = home  # fleet hook: a fleet.FleetHome (serve --remote), else None
@@ -60,10 +61,11 @@ class Engine:
         self.kv_dtype = kv_dtype
         self.runner = TurnRunner(self.model, tokenizer, kv_dtype, self.limits.default_max_tokens,
                                  drive=self.loop.drive_decode)
-        # lazy_logits: a request that feeds tokens resumes without recomputing the last position
-        # when the sidecar vouched for every record (FORMAT.md 5.5); one that continues checks it then
-        self.options = {"lazy_logits": True, "commit_runner": self.loop.run_commit,
-                        "decode_driver": self.loop.drive_decode, **(session_options or {})}
+        # lazy_logits (unless session_options say otherwise): a request that feeds tokens resumes
+        # without recomputing the last position when the sidecar vouched for every record (FORMAT.md
+        # 5.5); one that continues checks it then. The loop runs every session's commits and decoding.
+        self.options = replace(session_options or SessionOptions(lazy_logits=True),
+                               commit_runner=self.loop.run_commit, decode_driver=self.loop.drive_decode)
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
@@ -151,10 +153,11 @@ class Engine:
         created = False
         if session is None:
             if self.store.exists(session_id):
-                session = self.store.open(session_id, self.model_source, **self.options)
+                session = self.store.open(session_id, self.model_source, self.options)
                 self._observe_resume(session)
             elif create:
-                session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype, **self.options)
+                session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
+                                           options=self.options)
                 created = True
             else:
                 raise ApiError(404, f"no session {session_id!r}", code="session_not_found")

@@ -34,7 +34,8 @@ class CoreConfig(msgspec.Struct, frozen=True):
     model: str
     kv_dtype: str
     limits: dict[str, int]
-    session_options: dict[str, Any]
+    commit_every: int | None
+    durable_stream: bool
     max_kv_bytes: int | None
     remote: str | None
     host_id: str | None

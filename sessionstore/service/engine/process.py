@@ -58,7 +58,7 @@ from sessionstore.service.engine.tiers import Sweeper, TierManager
 from sessionstore.service.engine.turns import TurnOutcome
 from sessionstore.service.errors import api_error_of
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.sessions import SessionStore
+from sessionstore.sessions import SessionOptions, SessionStore
 
 log = get_logger("service.core")
 
@@ -268,7 +268,8 @@ def build_engine(config: CoreConfig) -> Engine:
     home = fleet_home(config.remote, config.host_id, config.lease_ttl, config.advertise_url, store, source,
                       config.ship_every_commit)
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
-                    limits=ServiceLimits(**config.limits), session_options=config.session_options,
+                    limits=ServiceLimits(**config.limits), session_options=SessionOptions(
+                        commit_every=config.commit_every, durable_stream=config.durable_stream, lazy_logits=True),
                     max_kv_bytes=config.max_kv_bytes, home=home)
     engine.tiers = TierManager(engine, max_disk_bytes=config.max_disk_bytes)  # FORMAT.md 5.10
     return engine

@@ -25,7 +25,7 @@ from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.metrics import HttpMetrics
 from sessionstore.service.http.slow_clients import guarded_protocol
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.sessions import SessionStore
+from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
 # The GIL hand-over interval while serving (CPython's default is 5 ms). The engine thread lets go of
@@ -47,7 +47,8 @@ class ServeConfig:
     api_key: str | None = None
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     max_kv_bytes: int | None = None
-    session_options: dict[str, Any] = field(default_factory=dict)
+    commit_every: int | None = DEFAULT_COMMIT_EVERY  # each session's (SessionOptions), as the core opens it
+    durable_stream: bool = False  # commit at every generated token (SessionOptions)
     remote: str | None = None  # s3://bucket/prefix: one host of a fleet (sessionstore.service.fleet)
     host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
@@ -76,7 +77,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def core_settings(config: ServeConfig) -> dict[str, Any]:
     """The engine core's settings (:class:`~sessionstore.service.engine.ipc.CoreConfig` but its sockets)."""
     return {"root": str(config.root), "model": config.model, "kv_dtype": config.kv_dtype,
-            "limits": dict(config.limits.__dict__), "session_options": config.session_options,
+            "limits": dict(config.limits.__dict__), "commit_every": config.commit_every,
+            "durable_stream": config.durable_stream,
             "max_kv_bytes": config.max_kv_bytes, "remote": config.remote, "host_id": config.host_id,
             "lease_ttl": config.lease_ttl, "advertise_url": config.advertise_url,
             "max_disk_bytes": config.max_disk_bytes, "sweep_interval": config.sweep_interval,
