@@ -53,7 +53,13 @@ def _resolve_backend(backend: str | Any) -> Any:
 
 class DecoderCache:
     """Latent rows of every layer for positions [0, length), plus the input token of each
-    (and, for a DSA model, the indexer key of each position in every full layer)."""
+    (and, for a DSA model, the indexer key of each position in every full layer).
+
+    Why 25 methods: every one reads or writes the same per-layer row storage and the lengths that
+    say how far each layer and indexer slot is written (the decoder's forward writes a layer at a
+    time, attention reads blocks of it, a commit takes the rows since the last one, truncate cuts
+    them all); split, two objects would share those arrays and lengths. Building it from a file's
+    blocks (``from_blocks``) and the row tables of the cuda backend are the only parts apart."""
 
     def __init__(
         self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu",

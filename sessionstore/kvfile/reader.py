@@ -46,7 +46,12 @@ def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, os.stat_result
 
 
 class KVReader:
-    """A read-only, memory-mapped view of the complete committed records of one file."""
+    """A read-only, memory-mapped view of the complete committed records of one file.
+
+    Why 21 methods: 5 are read-only properties of the header and 3 are close and the context
+    manager; the rest are views of the one mapping, each a different slice of a record (a layer's
+    rows, its scales, the indexer's keys, raw record bytes for a bundle); they share the mapping and
+    the header it was checked against (FORMAT.md 2), which is the whole of the class."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect: Dims | None = None,
                  fp8_enabled: bool = True, tq_tag: int | None = None) -> None:

@@ -49,7 +49,13 @@ class Session(SessionTurns):
     Its state and life cycle are here (construction, what it reports, suspend, close, fork); each
     phase's work is a base of its own, lowest first: the commit path (:class:`SessionCommits`),
     resume and release (:class:`SessionResume`), turns (:class:`SessionTurns`). Each base declares
-    the state it reads, which :meth:`__init__` sets."""
+    the state it reads, which :meth:`__init__` sets.
+
+    Why 33 methods: 15 are those bases' (each phase a module of its own, split by job already); of
+    its own 18, 5 are read-only properties, 2 the constructors (create, open) and 3 the context
+    manager and repr; what is left is the life cycle every caller holds one object for (suspend,
+    close, abandon, fork, guard). Split further, the halves would share the resident files, the
+    committer and the state they change together (resident, suspended, fenced)."""
 
     def __init__(self, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
                  manifest: Manifest, options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> None:

@@ -37,7 +37,7 @@ class Engine:
     """The engine loop (every request's work a job on its thread), the decoder behind it, the open
     sessions and the residency limits.
 
-    Its 21 methods are one table's: the open sessions, which only the loop's thread touches (open,
+    Why 21 methods: they are one table's, the open sessions, which only the loop's thread touches (open,
     turn, suspend, delete, fork, forget, fence, the residency that follows from them, and the
     counts read of it); split, the halves would share that table and its claims."""
 
