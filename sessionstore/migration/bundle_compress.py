@@ -47,10 +47,10 @@ class CompressionPolicy:
     sink_seconds: float = 0.0
     sink_bytes: int = 0
     _seen: int = 0  # chunks of at least MIN_MEASURED_BYTES
-    _measured: int = 0
+    measured: int = 0  # chunks whose compression was timed (each probe and each learning pack)
     _interval: int = 0
     _next_probe: int = 1
-    _cctx: Any = field(default=None, repr=False)
+    compressor: Any = field(default=None, repr=False)  # a zstd compressor (None: one at ``level``)
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, int) and not isinstance(self.mode, bool):
@@ -60,8 +60,9 @@ class CompressionPolicy:
         elif self.mode not in ("auto", "none"):
             raise FormatError(f"compression {self.mode!r}: expected auto, none or a level 1..22")
         self._interval = self.probe_every
-        self._cctx = zstandard.ZstdCompressor(level=self.level, write_checksum=False,
-                                              write_content_size=True)
+        if self.compressor is None:
+            self.compressor = zstandard.ZstdCompressor(level=self.level, write_checksum=False,
+                                                       write_content_size=True)
 
     def note_sink(self, seconds: float, nbytes: int) -> None:
         """Account one write to the sink (short writes measure call overhead, not bandwidth)."""
@@ -71,7 +72,7 @@ class CompressionPolicy:
 
     def pays(self) -> bool:
         """Whether compressing the next chunk is expected to save more time than it costs."""
-        if not self.sink_bytes or not self._measured:
+        if not self.sink_bytes or not self.measured:
             return False
         sink = self.sink_seconds / self.sink_bytes
         return self.saved_fraction * sink > self.compress_s_per_byte
@@ -108,15 +109,15 @@ class CompressionPolicy:
 
     def _compress(self, raw: bytes | bytearray | memoryview, learn: bool) -> bytes:
         start = time.perf_counter()
-        packed = self._cctx.compress(raw)
+        packed = self.compressor.compress(raw)
         elapsed = time.perf_counter() - start
         if not learn:
             return packed
         n = max(len(raw), 1)
-        weight = 0.5 if self._measured else 1.0
+        weight = 0.5 if self.measured else 1.0
         self.saved_fraction += weight * (max(0.0, 1.0 - len(packed) / n) - self.saved_fraction)
         self.compress_s_per_byte += weight * (elapsed / n - self.compress_s_per_byte)
-        self._measured += 1
+        self.measured += 1
         return packed
 
 

@@ -29,7 +29,7 @@ Buffer = bytes | bytearray | memoryview
 WRITEBACK_BYTES = 16 << 20  # start the disk's write-back after this many new bytes
 SYNC_AHEAD_BYTES = 64 << 20  # a received file's background fdatasync, every this many bytes
 
-_IO = Durability()  # the project's replaceable I/O steps; only its stateless calls are used
+DEFAULT_IO = Durability()  # the project's replaceable I/O steps; only its stateless calls are used
 
 
 class WritebackFile:
@@ -40,11 +40,14 @@ class WritebackFile:
     ``sync_ahead`` bytes; ``settle`` waits for that thread (raising its error); ``sync`` is the
     durability barrier (settle, then fdatasync); ``close`` closes the descriptor once the helper
     is done. ``flush`` is a no-op (nothing is buffered), so the object can stand wherever a
-    ``BinaryIO`` sink is expected.
+    ``BinaryIO`` sink is expected. ``io``: the write-back and fdatasync steps (a test passes one
+    that counts or fails them).
     """
 
-    def __init__(self, fd: int, name: str = "<file>", *, sync_ahead: int = 0) -> None:
+    def __init__(self, fd: int, name: str = "<file>", *, sync_ahead: int = 0,
+                 io: Durability = DEFAULT_IO) -> None:
         self._fd = fd
+        self._io = io
         self.name = name
         self.offset = 0  # bytes written so far
         self._kicked = 0  # write-back started for [0, _kicked)
@@ -55,10 +58,11 @@ class WritebackFile:
         self.closed = False
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], *, sync_ahead: int = 0) -> WritebackFile:
+    def create(cls, path: str | os.PathLike[str], *, sync_ahead: int = 0,
+               io: Durability = DEFAULT_IO) -> WritebackFile:
         """A new file: created exclusively, never through a symlink."""
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        return cls(fd, os.fspath(path), sync_ahead=sync_ahead)
+        return cls(fd, os.fspath(path), sync_ahead=sync_ahead, io=io)
 
     def fileno(self) -> int:
         return self._fd
@@ -67,7 +71,7 @@ class WritebackFile:
         total = write_all(self._fd, data)
         self.offset += total
         if self.offset - self._kicked >= WRITEBACK_BYTES:
-            _IO.start_writeback(self._fd, self._kicked, self.offset - self._kicked)
+            self._io.start_writeback(self._fd, self._kicked, self.offset - self._kicked)
             self._kicked = self.offset
         if self._sync_ahead and self.offset - self._synced >= self._sync_ahead:
             self._sync_in_background()
@@ -82,7 +86,7 @@ class WritebackFile:
 
         def run() -> None:
             try:
-                _IO.fsync(self._fd)
+                self._io.fsync(self._fd)
             except BaseException as exc:  # raised in the writing thread by settle()
                 self._helper_error = exc
 
@@ -104,7 +108,7 @@ class WritebackFile:
     def sync(self) -> None:
         """Make every byte written durable."""
         self.settle()
-        _IO.fsync(self._fd)
+        self._io.fsync(self._fd)
 
     def close(self) -> None:
         if not self.closed:
@@ -138,4 +142,4 @@ def read_exactly_into(source: BinaryIO, view: memoryview) -> int:
     return got
 
 
-__all__ = ["SYNC_AHEAD_BYTES", "WritebackFile", "WRITEBACK_BYTES", "read_exactly_into"]
+__all__ = ["DEFAULT_IO", "SYNC_AHEAD_BYTES", "WritebackFile", "WRITEBACK_BYTES", "read_exactly_into"]

@@ -51,8 +51,8 @@ class Session(SessionTurns):
     resume and release (:class:`SessionResume`), turns (:class:`SessionTurns`). Each base declares
     the state it reads, which :meth:`__init__` sets.
 
-    Why 33 methods: 15 are those bases' (each phase a module of its own, split by job already); of
-    its own 18, 5 are read-only properties, 2 the constructors (create, open) and 3 the context
+    Why 34 methods: 15 are those bases' (each phase a module of its own, split by job already); of
+    its own 19, 6 are read-only properties, 2 the constructors (create, open) and 3 the context
     manager and repr; what is left is the life cycle every caller holds one object for (suspend,
     close, abandon, fork, guard). Split further, the halves would share the resident files, the
     committer and the state they change together (resident, suspended, fenced)."""
@@ -174,6 +174,11 @@ class Session(SessionTurns):
             self._release()
         self.suspend_timing = {"commit_s": t1 - t0, "release_s": time.perf_counter() - t1}
         log.info("session.suspend", id=self.id, committed=self.manifest.committed)
+
+    @property
+    def guard(self) -> Any:
+        """The LeaseKeeper fencing this resident session's commits (:meth:`guard_with`), or None."""
+        return self._guard
 
     def guard_with(self, keeper: Any) -> None:
         """Fence this resident session's commits with ``keeper`` (a LeaseKeeper: its

@@ -16,30 +16,9 @@ from tests.house.reexports import REPO, _absolute, _dotted, modules
 PRODUCTION = ("kernels", "sessionstore", "tools", "bench")
 
 # Left, each with its reason; the list may only shrink (tests/house fails on a new one and on a
-# listed one that is gone).
-KNOWN_PRIVATE_USES: frozenset[str] = frozenset({
-    # fault and spy seams: a test replaces a private step to make it fail or count it (a failing
-    # fsync, a clone refused, a name collision planted, a compressor counted); each wants a seam
-    # passed in (a Durability, an opener) instead, which changes constructors: left for that work
-    "tests.kernels.test_attention_backend: monkeypatch.setattr(..., '_runner')",
-    "tests.kvfile.test_crash_states: self._fd",  # a KVWriter subclass that commits in the wrong order
-    "tests.kvfile.test_crash_states: self._io",
-    "tests.kvfile.test_writer_stateful: self.writer._io",  # a crash injected into a live writer
-    "tests.migration.test_bundle_codec: monkeypatch.setattr(..., '_cctx')",
-    "tests.migration.test_bundle_codec: policy._cctx",
-    "tests.migration.test_bundle_io: bundle_io._IO",
-    "tests.migration.test_bundle_io: migrate._receive",
-    "tests.migration.test_inbox_safety: monkeypatch.setattr(..., '_unique')",
-    "tests.sessions.test_session_manifest: fp._fingerprint_files",
-    "tests.sessions.test_session_manifest: monkeypatch.setattr(..., '_fingerprint_files')",
-    "tests.sessions.test_store: monkeypatch.setattr(..., '_clone')",
-    # state a test reads to see an internal decision (the measured sink, the lease renewals, the
-    # cache's owned arrays): each wants a read-only property that says what it promises
-    "tests.kernels.model.test_decoder_cache: cache._own",
-    "tests.migration.test_bundle_codec: policy._measured",
-    "tests.migration.test_remote: live._guard",
-    "tests.migration.test_remote_faults: live._guard",
-})
+# listed one that is gone). Empty: the fault seams are passed in (a Durability, a compressor) or
+# reached through the standard library the code calls; internal state is read through properties.
+KNOWN_PRIVATE_USES: frozenset[str] = frozenset()
 
 
 def _private(name: str) -> bool:

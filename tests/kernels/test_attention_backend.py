@@ -60,7 +60,7 @@ def test_cuda_without_a_device_raises_our_error(monkeypatch: pytest.MonkeyPatch)
         raise runtime.CUDARuntimeError(100)  # cudaErrorNoDevice
 
     monkeypatch.setattr(runtime, "getDeviceCount", no_device)
-    monkeypatch.setattr(device, "_runner", None)
+    device.forget_runner()
     with pytest.raises(BackendUnavailableError, match="no usable CUDA device"):
         get_backend("cuda")
     assert device.cuda_status()[0] is False

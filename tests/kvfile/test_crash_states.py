@@ -320,7 +320,11 @@ class _WordFirstWriter(KVWriter):
     """A broken commit: the commit word is written BEFORE the data barrier (3.4 steps 4 before 3)."""
 
     def _write_and_sync_records(self, beside) -> None:  # noqa: ANN001
-        self._io.pwrite(self._fd, pack_nrec(self.length), NREC_OFFSET)
+        fd = os.open(self.path, os.O_WRONLY)  # a descriptor of its own: the recorder sees the write all the same
+        try:
+            os.pwrite(fd, pack_nrec(self.length), NREC_OFFSET)
+        finally:
+            os.close(fd)
         super()._write_and_sync_records(beside)
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from sessionstore.kvfile import Buffer, Durability
+from sessionstore.kvfile.durability import SharedDurability
 from sessionstore.kvfile.layout import pack_records
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.testing import FaultyDurability, SimulatedCrash
@@ -26,6 +30,52 @@ from tests.support.writer import (
 )
 
 REC = record_size(2, DIMS)
+T = TypeVar("T")
+
+
+class SwitchedDurability(Durability):
+    """The writer's durability, passed in when it is opened: every step goes to ``inner``, which
+    the machine swaps for a crashing one to crash a live writer (a fault seam it owns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner: Durability = SharedDurability()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return self.inner.open(path, flags, mode)
+
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> None:
+        self.inner.pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> None:
+        self.inner.pwritev(fd, buffers, offset)
+
+    def fsync(self, fd: int) -> None:
+        self.inner.fsync(fd)
+
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        self.inner.start_writeback(fd, offset, length)
+
+    def begin(self, fn: Callable[..., T], *args: object) -> Callable[[], T]:
+        return self.inner.begin(fn, *args)
+
+    def fsync_begin(self, fd: int) -> Callable[[], None]:
+        return self.inner.fsync_begin(fd)
+
+    def fsync_all(self, fds: Sequence[int]) -> None:
+        self.inner.fsync_all(fds)
+
+    def replace(self, src: str, dst: str) -> None:
+        self.inner.replace(src, dst)
+
+    def fsync_dir(self, path: str) -> None:
+        self.inner.fsync_dir(path)
+
+    def unlink(self, path: str) -> None:
+        self.inner.unlink(path)
+
+    def release(self) -> None:
+        self.inner.release()
 
 
 def record_bytes(position: int, epoch: int) -> bytes:
@@ -42,8 +92,9 @@ class WriterMachine(RuleBasedStateMachine):
         self.epoch = 0
         self.committed: list[int] = []  # epoch of each committed record
         self.staged: list[int] = []  # epoch of each appended, uncommitted record
+        self.io = SwitchedDurability()
         self.writer: KVWriter | None = KVWriter.open(self.path, DIMS, staging_bytes=staging * REC,
-                                                     write_behind=write_behind)
+                                                     write_behind=write_behind, durability=self.io)
 
     def teardown(self) -> None:
         if getattr(self, "writer", None) is not None:
@@ -92,7 +143,7 @@ class WriterMachine(RuleBasedStateMachine):
         io = FaultyDurability(k, mode="crash", lose_unsynced=power_cut, seed=seed)
         before = list(self.committed)
         everything = self.committed + self.staged
-        self.writer._io = io
+        self.io.inner = io
         if truncate_to is None:
             after = everything
         else:
@@ -119,8 +170,9 @@ class WriterMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.writer is None)
     @rule()
     def reopen(self) -> None:
+        self.io = SwitchedDurability()
         self.writer = KVWriter.open(self.path, DIMS, staging_bytes=self.staging * REC,
-                                    write_behind=self.write_behind)
+                                    write_behind=self.write_behind, durability=self.io)
         assert self.writer.nrec == len(self.committed) and self.writer.length == self.writer.nrec
 
     @invariant()

@@ -85,9 +85,9 @@ def _encode_watching_probes(policy, chunk: bytes, n: int) -> tuple[list[int], li
     """(codecs, indices of the chunks that were probes) for n encodes of ``chunk``."""
     codecs, probes = [], []
     for i in range(n):
-        measured = policy._measured
+        measured = policy.measured
         codecs.append(policy.encode(chunk)[0])
-        if policy._measured > measured:
+        if policy.measured > measured:
             probes.append(i)
     return codecs, probes
 
@@ -101,11 +101,10 @@ def test_auto_policy_stays_raw_when_the_sink_is_faster_than_compression():
     assert policy.saved_fraction > 0.9  # zeros compress: it is the sink's speed that says no
 
 
-def test_a_probe_compresses_a_sample_not_the_whole_chunk(monkeypatch):
-    policy = CompressionPolicy("auto")
+def test_a_probe_compresses_a_sample_not_the_whole_chunk():
     seen = []
-    real = policy._cctx.compress
-    monkeypatch.setattr(policy, "_cctx", type("Spy", (), {
+    real = CompressionPolicy("auto").compressor.compress
+    policy = CompressionPolicy("auto", compressor=type("Spy", (), {
         "compress": staticmethod(lambda data: seen.append(len(data)) or real(data))})())
     policy.note_sink(1e-12, 1 << 30)
     assert policy.encode(bytes(4 << 20))[0] == CODEC_RAW

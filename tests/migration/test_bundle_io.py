@@ -6,17 +6,31 @@ import os
 
 import pytest
 
+from sessionstore.kvfile import Durability
 from sessionstore.migration import bundle_io
 from sessionstore.migration.bundle_io import WritebackFile, read_exactly_into
+
+
+class _Steps(Durability):
+    """The sink's write-back and fdatasync steps, passed in: each call goes to the test's function."""
+
+    def __init__(self, *, start_writeback=None, fsync=None) -> None:
+        super().__init__()
+        self._kick, self._sync = start_writeback, fsync
+
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        self._kick(fd, offset, length) if self._kick else super().start_writeback(fd, offset, length)
+
+    def fsync(self, fd: int) -> None:
+        self._sync(fd) if self._sync else super().fsync(fd)
 
 
 def test_writeback_file_writes_everything_and_starts_write_back_per_window(tmp_path, monkeypatch):
     kicks = []
     monkeypatch.setattr(bundle_io, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(bundle_io._IO, "start_writeback",
-                        lambda fd, offset, length: kicks.append((offset, length)))
+    steps = _Steps(start_writeback=lambda fd, offset, length: kicks.append((offset, length)))
     data = os.urandom(3500)
-    with WritebackFile.create(tmp_path / "f") as out:
+    with WritebackFile.create(tmp_path / "f", io=steps) as out:
         for i in range(0, len(data), 300):
             assert out.write(memoryview(data)[i:i + 300]) == len(data[i:i + 300])
         out.flush()
@@ -86,9 +100,8 @@ def test_writeback_file_syncs_ahead_in_the_background_one_at_a_time(tmp_path, mo
         if len(calls) == 1:
             gate.wait(5)  # the first background sync is still running while more bytes arrive
 
-    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
     data = os.urandom(5000)
-    with WritebackFile.create(tmp_path / "f", sync_ahead=1000) as out:
+    with WritebackFile.create(tmp_path / "f", sync_ahead=1000, io=_Steps(fsync=fsync)) as out:
         for i in range(0, 3000, 500):
             out.write(data[i:i + 500])
         assert [name for _, name in calls] == ["coli-sync-ahead"]  # one at a time: no second yet
@@ -108,8 +121,7 @@ def test_writeback_file_raises_a_failed_background_sync(tmp_path, monkeypatch):
     def fsync(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
-    with WritebackFile.create(tmp_path / "f", sync_ahead=100) as out:
+    with WritebackFile.create(tmp_path / "f", sync_ahead=100, io=_Steps(fsync=fsync)) as out:
         out.write(b"x" * 150)  # starts the background sync, which fails
         with pytest.raises(OSError, match="Input/output"):
             out.settle()
@@ -119,19 +131,28 @@ def test_writeback_file_raises_a_failed_background_sync(tmp_path, monkeypatch):
             out.sync()
 
 
-def test_receive_fails_when_a_background_sync_failed(tmp_path, monkeypatch):
-    from sessionstore.migration import migrate
+def test_import_fails_when_a_background_sync_failed(tmp_path, monkeypatch):
+    """A received file's background fdatasync fails (only that one: the disk answers every other
+    barrier): the import fails with it and the store gets no session."""
+    import threading
 
-    class Reader:
-        manifest = type("M", (), {"files": [type("F", (), {"name": "kv.coli_kv"})()]})()
+    from sessionstore.migration import export_session, migrate
+    from sessionstore.sessions import SessionStore
+    from tests.support.migrate import make_session
 
-        def iter_file(self, name: str, copy: bool = True):
-            yield b"z" * 300
+    a, b = SessionStore(tmp_path / "A"), SessionStore(tmp_path / "B")
+    make_session(a, "chat", 37, kv_dtype="fp8")
+    sink = io.BytesIO()
+    export_session(a, "chat", sink)
+    real = os.fdatasync
 
-    def fsync(fd: int) -> None:
-        raise OSError(5, "Input/output error")
+    def fdatasync(fd: int) -> None:
+        if threading.current_thread().name == "coli-sync-ahead":
+            raise OSError(5, "Input/output error")
+        real(fd)
 
     monkeypatch.setattr(migrate, "SYNC_AHEAD_BYTES", 100)
-    monkeypatch.setattr(bundle_io._IO, "fsync", fsync)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
     with pytest.raises(OSError, match="Input/output"):
-        migrate._receive(Reader(), tmp_path, None)  # type: ignore[arg-type]
+        migrate.import_bundle(b, io.BytesIO(sink.getvalue()))
+    assert not b.exists("chat")

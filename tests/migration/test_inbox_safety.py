@@ -3,6 +3,7 @@ safe create (O_CREAT|O_EXCL|O_NOFOLLOW); a planted symlink never redirects a wri
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,14 @@ def test_a_symlink_planted_at_the_chosen_name_is_refused_and_logged(
     raced = inbox.failed / NAME
     planted = Path(str(raced) + ".reason")
 
-    def unique_then_plant(path: Path) -> Path:  # the link lands after the name was chosen
-        planted.symlink_to(victim)
-        return raced
+    real_rename = os.rename
 
-    monkeypatch.setattr(inbox_mod, "_unique", unique_then_plant)
+    def rename_then_plant(src, dst, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        real_rename(src, dst, *args, **kwargs)
+        if Path(dst) == raced:  # the link lands after the name was chosen, before the reason is written
+            planted.symlink_to(victim)
+
+    monkeypatch.setattr(os, "rename", rename_then_plant)
     monkeypatch.setenv("COLI_LOG", "json")
     store_log.reconfigure()
     try:

@@ -1,6 +1,7 @@
 """SessionStore: layout, confinement, listing without locks, fork copies, adopt, snapshot, budget."""
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -117,7 +118,10 @@ def test_delete_refused_while_locked(store) -> None:
 @pytest.mark.parametrize("method", ["reflink-or-range", "plain-copy"])
 def test_fork_copies_only_the_committed_prefix(store, monkeypatch, method) -> None:
     if method == "plain-copy":
-        monkeypatch.setattr(copying, "_clone", lambda a, b: False)
+        def no_clone(*args: object) -> None:  # the file system has no reflinks
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+        monkeypatch.setattr(copying.fcntl, "ioctl", no_clone)
         monkeypatch.setattr(copying.os, "copy_file_range",
                             lambda *a: (_ for _ in ()).throw(OSError(18, "EXDEV")))
     _make(store, "src", n=6)

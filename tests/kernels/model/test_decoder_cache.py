@@ -125,9 +125,10 @@ def test_fp8_cache_stores_codes_and_scales_only(model) -> None:
     rec = cache.records_since(0)
     assert rec.is_fp8 and rec.lc is None and rec.rc is None
     assert rec.lc_codes.dtype == np.uint8 and rec.lc_scale.shape == (12, 3)
-    owned = [arr.dtype for own in cache._own for arr in own.arrays.values()]
+    owned = [arr.dtype for arrays in cache.owned_storage()[0] for arr in arrays.values()]
     assert set(owned) == {np.dtype(np.uint8), np.dtype(np.float32)}
-    assert all(arr.ndim == 1 for own in cache._own for name, arr in own.arrays.items() if arr.dtype == np.float32)
+    layers = cache.owned_storage()[0]
+    assert all(arr.ndim == 1 for arrays in layers for name, arr in arrays.items() if arr.dtype == np.float32)
 
 
 class SpyBackend:
