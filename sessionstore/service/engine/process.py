@@ -33,24 +33,8 @@ import zmq
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.migration import HeldElsewhereError
+from sessionstore.service.engine import ipc
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.ipc import (
-    Call,
-    Cancel,
-    CoreConfig,
-    Drain,
-    ErrorInfo,
-    Failed,
-    FromCore,
-    Piece,
-    Ready,
-    Result,
-    StartFailed,
-    TurnCall,
-    TurnDone,
-    decode_to_core,
-    encode_message,
-)
 from sessionstore.service.engine.operations import OPERATIONS, fleet_responses
 from sessionstore.service.engine.response_job import StoredResponseTurn
 from sessionstore.service.engine.response_records import ResponseRecords
@@ -67,14 +51,14 @@ READERS = 4  # threads for the operations that only read (listings, descriptions
 PR_SET_PDEATHSIG = 1
 
 
-def error_info(exc: BaseException) -> ErrorInfo:
+def error_info(exc: BaseException) -> ipc.ErrorInfo:
     """``exc`` as it crosses to the API process (an internal error is logged here with its traceback)."""
     if isinstance(exc, HeldElsewhereError):
-        return ErrorInfo(409, str(exc), code="session_held", holder_url=exc.holder_url, held=True)
+        return ipc.ErrorInfo(409, str(exc), code="session_held", holder_url=exc.holder_url, held=True)
     err = api_error_of(exc)
     if err.status >= 500 and err.code is None:
         log.error("core.internal_error", error=repr(exc), trace="".join(traceback.format_exception(exc)))
-    return ErrorInfo(err.status, err.message, code=err.code, param=err.param)
+    return ipc.ErrorInfo(err.status, err.message, code=err.code, param=err.param)
 
 
 class Outbox:
@@ -89,12 +73,12 @@ class Outbox:
     def __init__(self, socket: zmq.Socket[bytes], on_loop: Callable[[], bool]) -> None:
         self._socket, self._on_loop = socket, on_loop
         self._cond = threading.Condition()  # guards the queue, the socket and the closed flag
-        self._events: list[FromCore] = []
+        self._events: list[ipc.FromCore] = []
         self._closed = False
         self._thread = threading.Thread(target=self._send, name="coli-core-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, event: FromCore) -> None:
+    def put(self, event: ipc.FromCore) -> None:
         with self._cond:
             self._events.append(event)
             if not self._on_loop():
@@ -108,7 +92,7 @@ class Outbox:
     def _send_queued(self) -> None:
         if self._events:
             batch, self._events = self._events, []
-            self._socket.send(encode_message(batch))
+            self._socket.send(ipc.encode_message(batch))
 
     def _send(self) -> None:
         with self._cond:
@@ -136,7 +120,7 @@ class CoreSink:
         self._cancelled = threading.Event()
 
     def text(self, piece: str, logprobs: Any = None) -> None:
-        self._outbox.put(Piece(self.rid, piece, logprobs))
+        self._outbox.put(ipc.Piece(self.rid, piece, logprobs))
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
@@ -158,21 +142,21 @@ class Core:
 
     def handle(self, message: Any) -> bool:
         """Act on one request; False once the core should stop."""
-        if isinstance(message, TurnCall):
+        if isinstance(message, ipc.TurnCall):
             self.turn(message)
-        elif isinstance(message, Call):
+        elif isinstance(message, ipc.Call):
             self.call(message)
-        elif isinstance(message, Cancel):
+        elif isinstance(message, ipc.Cancel):
             with self._lock:
                 sink = self._sinks.get(message.rid)
             if sink is not None:
                 sink.cancel()
-        elif isinstance(message, Drain):
+        elif isinstance(message, ipc.Drain):
             self.engine.stopping.set()  # new turns refused; running ones end at their next token
             return not message.shutdown
         return True
 
-    def turn(self, call: TurnCall) -> None:
+    def turn(self, call: ipc.TurnCall) -> None:
         engine, metrics, rid = self.engine, self.engine.metrics, call.rid
         sink = CoreSink(rid, self.outbox)
         spec = call.spec
@@ -192,7 +176,7 @@ class Core:
             fut = engine.submit(run, session=spec.session, turn=True)
         except BaseException as exc:
             metrics.waiting.dec()
-            self.outbox.put(Failed(rid, error_info(exc)))
+            self.outbox.put(ipc.Failed(rid, error_info(exc)))
             return
         with self._lock:
             self._sinks[rid] = sink
@@ -201,14 +185,15 @@ class Core:
             with self._lock:
                 self._sinks.pop(rid, None)
             error = done.exception()
-            self.outbox.put(Failed(rid, error_info(error)) if error is not None else TurnDone(rid, done.result()))
+            self.outbox.put(ipc.Failed(rid, error_info(error)) if error is not None
+                            else ipc.TurnDone(rid, done.result()))
 
         fut.add_done_callback(deliver)
 
-    def call(self, call: Call) -> None:
+    def call(self, call: ipc.Call) -> None:
         operation = OPERATIONS.get(call.op)
         if operation is None:
-            self.outbox.put(Failed(call.rid, ErrorInfo(400, f"no operation {call.op!r}", code="invalid_value")))
+            self.outbox.put(ipc.Failed(call.rid, ipc.ErrorInfo(400, f"no operation {call.op!r}", code="invalid_value")))
             return
         engine, args = self.engine, call.args
         try:
@@ -219,13 +204,13 @@ class Core:
             else:
                 fut = self.readers.submit(operation.fn, engine, args)
         except BaseException as exc:
-            self.outbox.put(Failed(call.rid, error_info(exc)))
+            self.outbox.put(ipc.Failed(call.rid, error_info(exc)))
             return
 
         def deliver(done: Future[Any]) -> None:
             error = done.exception()
-            self.outbox.put(Failed(call.rid, error_info(error)) if error is not None
-                            else Result(call.rid, done.result()))
+            self.outbox.put(ipc.Failed(call.rid, error_info(error)) if error is not None
+                            else ipc.Result(call.rid, done.result()))
 
         fut.add_done_callback(deliver)
 
@@ -257,7 +242,7 @@ def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | N
     return home
 
 
-def build_engine(config: CoreConfig) -> Engine:
+def build_engine(config: ipc.CoreConfig) -> Engine:
     """The store, the fleet's side (``--remote``) and the engine, as ``serve --http`` configured them."""
     from kernels.model import resolve_model
     from sessionstore.service.engine.prompts import load_tokenizer
@@ -285,7 +270,7 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda _s, _f: stop.set())
     watch_parent()
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=CoreConfig)
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=ipc.CoreConfig)
     if os.getppid() != config.parent_pid:
         return 0  # the parent died before the death signal was asked for
     sys.setswitchinterval(0.0005)  # the engine thread's hand-over interval (see server.SWITCH_INTERVAL_S)
@@ -294,7 +279,7 @@ def main() -> int:
     try:
         engine = build_engine(config)
     except (ColiError, OSError, ValueError) as exc:
-        say(StartFailed(str(exc)))
+        say(ipc.StartFailed(str(exc)))
         return 1
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
@@ -310,7 +295,7 @@ def main() -> int:
     engine.loop.after_pass = outbox.flush
     core = Core(engine, outbox)
     sweeper = Sweeper(engine.tiers, config.sweep_interval).start()  # retention, the disk budget
-    say(Ready(engine.model_ref.name, int(engine.model.config.vocab_size),
+    say(ipc.Ready(engine.model_ref.name, int(engine.model.config.vocab_size),
               int(engine.model.config.max_position_embeddings), os.getpid(),
               None if engine.home is None else engine.home.url, None if engine.home is None else engine.home.host_id))
     os.dup2(2, 1)  # stdout carried the one line; anything printed later goes to stderr
@@ -325,7 +310,7 @@ def main() -> int:
                 continue
             data = requests.recv()
             try:
-                message = decode_to_core(data)
+                message = ipc.decode_to_core(data)
             except msgspec.ValidationError as exc:  # never from our API process: log, drop
                 log.error("core.bad_message", error=str(exc))
                 continue

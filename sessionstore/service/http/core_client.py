@@ -30,26 +30,7 @@ import zmq.asyncio
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.service.engine import (
-    Call,
-    Cancel,
-    CoreConfig,
-    Drain,
-    ErrorInfo,
-    Failed,
-    Piece,
-    Ready,
-    ResponseJob,
-    Result,
-    StartFailed,
-    ToCore,
-    TurnCall,
-    TurnDone,
-    TurnSpec,
-    decode_from_core,
-    encode_message,
-    socket_paths,
-)
+from sessionstore.service import engine
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.streams import Event
 
@@ -70,7 +51,7 @@ class HeldElsewhere(ApiError):
         self.holder_url = holder_url
 
 
-def error_of(info: ErrorInfo) -> ApiError:
+def error_of(info: engine.ErrorInfo) -> ApiError:
     if info.held:
         return HeldElsewhere(info.message, info.holder_url)
     return ApiError(info.status, info.message, param=info.param, code=info.code)
@@ -105,7 +86,7 @@ class CoreStream:
 class CoreProcess:
     """One started core: its process and the line it said when it came up."""
 
-    def __init__(self, config: CoreConfig) -> None:
+    def __init__(self, config: engine.CoreConfig) -> None:
         env = {**os.environ}
         self.proc = subprocess.Popen([sys.executable, "-m", CORE_MODULE],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -113,7 +94,7 @@ class CoreProcess:
         self.proc.stdin.write(msgspec.json.encode(config))
         self.proc.stdin.close()
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> Ready:
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> engine.Ready:
         """The core's :class:`Ready` (blocking); a ColiError with its one line if it failed."""
         assert self.proc.stdout is not None
         fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
@@ -130,8 +111,8 @@ class CoreProcess:
                     raise ColiError(f"the engine process exited ({code}) before it was ready")
                 buf += chunk
         self.proc.stdout.close()
-        said = msgspec.json.decode(buf.split(b"\n", 1)[0], type=Ready | StartFailed)
-        if isinstance(said, StartFailed):
+        said = msgspec.json.decode(buf.split(b"\n", 1)[0], type=engine.Ready | engine.StartFailed)
+        if isinstance(said, engine.StartFailed):
             self.proc.wait()
             raise ColiError(said.message)
         return said
@@ -147,8 +128,8 @@ class CoreClient:
 
     def __init__(self, config: dict[str, Any]) -> None:
         """``config``: :class:`CoreConfig`'s fields but the sockets and the parent's pid."""
-        self._dir, requests, events = socket_paths()
-        self.config = CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
+        self._dir, requests, events = engine.socket_paths()
+        self.config = engine.CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
         self._sync = zmq.Context()
         self._push = self._sync.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -163,13 +144,13 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.core: CoreProcess | None = None
-        self.ready: Ready | None = None  # the running core's; None while none is ready
+        self.ready: engine.Ready | None = None  # the running core's; None while none is ready
         self.stopping = False
         self.restarts = 0
         self.on_restart: list[Callable[[], object]] = []  # run when a new core is up
 
     # ---- life ------------------------------------------------------------------------------------
-    def start(self) -> Ready:
+    def start(self) -> engine.Ready:
         """Start the first core and wait until it is ready (blocking: before the server listens)."""
         self.core = CoreProcess(self.config)
         try:
@@ -224,34 +205,34 @@ class CoreClient:
     async def _receive(self) -> None:
         while True:
             data = await self._pull.recv()
-            for event in decode_from_core(data):
+            for event in engine.decode_from_core(data):
                 self._route(event)
 
-    def _route(self, event: Piece | TurnDone | Result | Failed) -> None:
+    def _route(self, event: engine.Piece | engine.TurnDone | engine.Result | engine.Failed) -> None:
         rid = event.rid
-        if isinstance(event, Piece):
+        if isinstance(event, engine.Piece):
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.queue.put_nowait(Event("text", event.text, event.logprobs))
             return
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, TurnDone)
-                                    else Event("error", error_of(event.error) if isinstance(event, Failed)
+            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, engine.TurnDone)
+                                    else Event("error", error_of(event.error) if isinstance(event, engine.Failed)
                                                else ApiError(500, "the engine answered a turn with a result")))
             return
         fut = self._calls.pop(rid, None)
         if fut is None or fut.done():
             return
-        if isinstance(event, Result):
+        if isinstance(event, engine.Result):
             fut.set_result(event.value)
-        elif isinstance(event, Failed):
+        elif isinstance(event, engine.Failed):
             fut.set_exception(error_of(event.error))
 
     def drain(self) -> None:
         """The server stops: the core refuses new work and ends running turns at their next token."""
         self.stopping = True
-        self._send(Drain(shutdown=False))
+        self._send(engine.Drain(shutdown=False))
 
     def stop(self) -> int | None:
         """Tell the core to commit everything and exit; wait for it (the API process's last step)."""
@@ -261,7 +242,7 @@ class CoreClient:
         code = None
         core = self.core
         if core is not None and core.proc.poll() is None:
-            self._send(Drain(shutdown=True))
+            self._send(engine.Drain(shutdown=True))
             try:
                 code = core.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -280,8 +261,8 @@ class CoreClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- requests --------------------------------------------------------------------------------
-    def _send(self, message: ToCore) -> None:
-        self._push.send(encode_message(message))
+    def _send(self, message: engine.ToCore) -> None:
+        self._push.send(engine.encode_message(message))
 
     def _check(self) -> None:
         if self.stopping:
@@ -289,17 +270,17 @@ class CoreClient:
         if self.ready is None:
             raise unavailable()
 
-    def turn(self, spec: TurnSpec, response: ResponseJob | None = None) -> CoreStream:
+    def turn(self, spec: engine.TurnSpec, response: engine.ResponseJob | None = None) -> CoreStream:
         """Queue one turn; the stream its events come on."""
         self._check()
         rid = next(self._ids)
         stream = self._streams[rid] = CoreStream(self, rid)
-        self._send(TurnCall(rid, spec, response))
+        self._send(engine.TurnCall(rid, spec, response))
         return stream
 
     def cancel(self, rid: int) -> None:
         if rid in self._streams and self.ready is not None:
-            self._send(Cancel(rid))
+            self._send(engine.Cancel(rid))
 
     async def call(self, op: str, **args: Any) -> Any:
         """One of the core's operations (:data:`sessionstore.service.engine.operations.OPERATIONS`); its value."""
@@ -307,7 +288,7 @@ class CoreClient:
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[rid] = fut
-        self._send(Call(rid, op, args))
+        self._send(engine.Call(rid, op, args))
         try:
             return await fut
         finally:

@@ -3,8 +3,6 @@ beside ``session`` in a turn's body and ``PATCH /v1/sessions/{id}``. The tier fi
 description are built in the engine core (:mod:`sessionstore.service.engine.tier_fields`)."""
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 from starlette.requests import Request
@@ -13,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from kernels.errors import ColiError
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.protocol import parse_body
+from sessionstore.service.http.session_routes import SessionHost
 from sessionstore.sessions import MAX_RETENTION_S, TierChange, check_retention
 
 
@@ -42,7 +41,7 @@ def tier_change_of(req: BaseModel, session: str | None) -> TierChange | None:
     return TierChange("retention_seconds" in given, retention, getattr(req, "pinned", None))
 
 
-async def patch_session(api: Any, request: Request) -> Response:
+async def patch_session(api: SessionHost, request: Request) -> Response:
     """``PATCH /v1/sessions/{id}`` with ``retention_seconds`` and/or ``pinned``: the session's
     description after the change (404: no such session; 409 while a request holds it)."""
     sid = api.session_id(request)
