@@ -19,7 +19,8 @@ state page (:mod:`sessionstore.sessions.committer`; the session's side: ``sessio
 On open, when the file's count F differs from the manifest's M, the session takes F and recomputes
 the pending token and the digest from position F-1 (:mod:`sessionstore.sessions.recovery`; the
 session's side: ``session_resume.py``). Turns (generate, append_tokens, truncate) are
-``session_turns.py``'s; what a session needs of its store, ``session_home.py``'s.
+``session_turns.py``'s; what a session needs of its store, ``session_home.py``'s; the options it runs with
+(:class:`~sessionstore.sessions.session_options.SessionOptions`), ``session_options.py``'s.
 """
 from __future__ import annotations
 
