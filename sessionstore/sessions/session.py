@@ -36,7 +36,7 @@ from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import Fence
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef
 from sessionstore.sessions.resident_files import ResidentFiles
-from sessionstore.sessions.session_home import CommitRunner, SessionHome
+from sessionstore.sessions.session_home import CommitRunner, IoRunner, SessionHome, run_here
 from sessionstore.sessions.session_turns import SessionTurns
 from sessionstore.sessions.turn_loop import DecodeDriver
 
@@ -60,7 +60,7 @@ class Session(SessionTurns):
                  backend: str = "cpu", durability: Any = None, manifest_fsync: bool = False,
                  verify: bool = True, write_behind: bool = WRITE_BEHIND, lazy_logits: bool = False,
                  commit_runner: CommitRunner | None = None, decode_driver: DecodeDriver | None = None,
-                 durable_stream: bool = False) -> None:
+                 durable_stream: bool = False, io_runner: IoRunner | None = None) -> None:
         self.store = store
         self.residency = store.residency  # where this session reports itself resident / used / released
         self.id = session_id
@@ -79,6 +79,8 @@ class Session(SessionTurns):
         self.commit_runner = commit_runner
         # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
         self.decode_driver = decode_driver
+        # runs the file work of its resumes (a server's I/O thread, while its loop steps the others)
+        self.io_runner: IoRunner = io_runner or run_here
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
         # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
         # hears what each commit covers once it has returned
@@ -102,10 +104,12 @@ class Session(SessionTurns):
     @classmethod
     def create(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef, *,
                kv_dtype: str = "fp8", sampler: Sampler | None = None, **options: Any) -> Session:
-        """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
+        """A new, empty session: the store installs its files (FORMAT.md 5.1; by ``io_runner``, when
+        the options give one, as its resume maps them); returned resident."""
         dims = Dims(*model.dims_for_file())
-        manifest = store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
-                                       sampler=sampler or Sampler())
+        run_io: IoRunner = options.get("io_runner") or run_here
+        manifest = run_io(lambda: store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
+                                                      sampler=sampler or Sampler()))
         log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
         session = cls(store, session_id, model, model_ref, manifest, **options)
         session.resume()

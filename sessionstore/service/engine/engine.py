@@ -62,8 +62,11 @@ class Engine:
                                  drive=self.loop.drive_decode)
         # lazy_logits: a request that feeds tokens resumes without recomputing the last position
         # when the sidecar vouched for every record (FORMAT.md 5.5); one that continues checks it then
+        # io_runner: a session's file work (its creation, a resume's opening and mapping, the
+        # catalogue's row) runs on the loop's I/O threads while the loop steps the other sessions
         self.options = {"lazy_logits": True, "commit_runner": self.loop.run_commit,
-                        "decode_driver": self.loop.drive_decode, **(session_options or {})}
+                        "decode_driver": self.loop.drive_decode, "io_runner": self.loop.wait_for,
+                        **(session_options or {})}
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
