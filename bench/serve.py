@@ -61,7 +61,7 @@ GOALS = {"batch16_step_speedup": (">=", 8.0), "served_over_step16": (">=", 0.95)
          "http_migrate_vs_durable_copy": (">=", 0.8)}
 KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1_all", "ttft16_all",
         "itl_max_during_long_prefill_over_median", "itl_max_during_long_prefill_s", "itl_median_during_long_prefill_s",
-        "long_prefill_ttft_s", "long_prompt_tokens", "itl_ratio_all", "max_prefill_tokens",
+        "long_prefill_ttft_s", "long_prompt_tokens", "itl_ratio_all", "max_prefill_tokens", "prefill_step_ratio",
         "batch16_speedup_glm52_layers", "glm52_step1_s", "glm52_step16_s", "glm52_experts", "glm52_weight_bytes",
         "batch16_speedup", "batch16_step_speedup", "step_solo_s", "step_batch16_s", "step_length",
         "batch16_share_of_step_speedup", "batch16_outside_step_s",
@@ -81,7 +81,8 @@ KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1
 
 
 def run_decode(root: Path, reps: int, max_tokens: int,
-               max_prefill_tokens: int = ServiceLimits.max_prefill_tokens) -> dict[str, Any]:
+               max_prefill_tokens: int = ServiceLimits.max_prefill_tokens,
+               prefill_step_ratio: int = ServiceLimits.prefill_step_ratio) -> dict[str, Any]:
     from kernels.model import load_model, resolve_model
     from kernels.model.text import load_text
 
@@ -90,7 +91,8 @@ def run_decode(root: Path, reps: int, max_tokens: int,
     prompt = load_text(source).encode(PROMPT, add_special_tokens=True)
     resident = str(CLIENTS * (3 * reps + 1) + 6 * reps + 2)  # every session of the figures stays resident
     with Server(root / "mini", "glm-mini", "--max-resident", resident,
-                "--max-prefill-tokens", str(max_prefill_tokens)) as server:
+                "--max-prefill-tokens", str(max_prefill_tokens),
+                "--prefill-step-ratio", str(prefill_step_ratio)) as server:
         res = bench_stream(server, model, prompt, max_tokens, reps, "fp8")
         res.update(bench_batch(server, prompt, max_tokens, reps))
         res.update(bench_ttft(server, prompt, reps))
@@ -98,7 +100,7 @@ def run_decode(root: Path, reps: int, max_tokens: int,
     res.update(step_speedup(model, prompt, len(prompt) + max_tokens // 2, "fp8", 5 * reps))
     res.update(outside_the_step(res))
     res["served_over_step16"] = res["batch16_tokens_per_s"] * res["step_batch16_s"] / CLIENTS
-    res["max_prefill_tokens"] = max_prefill_tokens
+    res["max_prefill_tokens"], res["prefill_step_ratio"] = max_prefill_tokens, prefill_step_ratio
     return res
 
 
@@ -162,7 +164,8 @@ def report(res: dict[str, Any]) -> None:
           f"{res['ttft1_all']} ms); goal {verdict('ttft16_over_ttft1', res['ttft16_over_ttft1'])}")
     print(f"  itl_max_during_long_prefill_over_median {res['itl_max_during_long_prefill_over_median']:.2f}  "
           f"4 streams while a {res['long_prompt_tokens']}-token prompt is admitted "
-          f"({res['max_prefill_tokens']} prompt tokens a step): longest gap "
+          f"(at most {res['max_prefill_tokens']} prompt tokens a step, paced to {res['prefill_step_ratio']} decode "
+          "steps): longest gap "
           f"{res['itl_max_during_long_prefill_s'] * ms:.1f} ms, median "
           f"{res['itl_median_during_long_prefill_s'] * ms:.2f} ms, the prompt's TTFT "
           f"{res['long_prefill_ttft_s'] * ms:.0f} ms (each rep: {res['itl_ratio_all']}); goal "
@@ -212,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prefill-tokens", type=int, default=ServiceLimits.max_prefill_tokens,
                     help="the glm-mini server's prompt tokens per step beside running streams "
                          f"(default {ServiceLimits.max_prefill_tokens}, the server's)")
+    ap.add_argument("--prefill-step-ratio", type=int, default=ServiceLimits.prefill_step_ratio,
+                    help="the glm-mini server's --prefill-step-ratio (default "
+                         f"{ServiceLimits.prefill_step_ratio}, the server's; 0: no pacing)")
     args = ap.parse_args(argv)
     tokens = args.tokens or (2048 if args.quick else 32768)
     reps = args.reps or (2 if args.quick else 5)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
-    if tokens < 2 or reps < 1 or max_tokens < 2 or args.max_prefill_tokens < 1:
-        ap.error("--tokens and --max-tokens must be >= 2, --reps and --max-prefill-tokens >= 1")
+    if tokens < 2 or reps < 1 or max_tokens < 2 or args.max_prefill_tokens < 1 or args.prefill_step_ratio < 0:
+        ap.error("--tokens and --max-tokens must be >= 2, --reps and --max-prefill-tokens >= 1, "
+                 "--prefill-step-ratio >= 0")
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="coli-bench-serve-", dir=args.dir))
     try:
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.only == "glm52":
             res = glm52_layers_speedup(max(3, reps))
         else:
-            res = run_decode(root, reps, max_tokens, args.max_prefill_tokens)
+            res = run_decode(root, reps, max_tokens, args.max_prefill_tokens, args.prefill_step_ratio)
             if args.only != "decode":
                 res.update(run_session(root, tokens, reps))
                 if not args.quick:  # ~1-2 minutes and 5 GiB: full runs only (or --only glm52)

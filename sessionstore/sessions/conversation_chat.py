@@ -20,6 +20,8 @@ open turn whose prompt never reached the file (H is still the complete messages'
 dropped; an open turn cut after its truncation (H a proper prefix of P) has P[len(H):] fed and
 committed, then closes with an empty reply. A closed conversation must agree with H exactly.
 So after any crash the messages on disk are the ones the committed tokens were rendered from.
+The conversation file is read and written by the session's ``run_io`` (a server's I/O thread, while
+its engine loop steps the other sessions; :class:`~sessionstore.sessions.session_home.IoRunner`).
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class Conversation:
         """The session's conversation, recovered to agree with its committed tokens."""
         tokenizer.check_vocab(session.model.config.vocab_size)
         session.ensure_resident()
-        record = read_record(session.directory)
+        record = session.run_io(lambda: read_record(session.directory))
         history = session.history()
         if record is None:  # no messages known: the next reply renders only its own messages
             return cls(session, tokenizer, ConversationRecord([], len(history), tokens_digest(history)))
@@ -113,7 +115,7 @@ class Conversation:
             self.recovered = {"action": "closed", "reply_tokens": history[n:]}
         elif self.record.agrees_with(history):
             self.record.turn = None  # the prompt never reached the kv file
-            write_record(self.session.directory, self.record)
+            self._write_record()
             self.recovered = {"action": "dropped", "reply_tokens": []}
         elif len(history) < n and history == prompt[:len(history)]:
             self.session.append_tokens(prompt[len(history):], commit=True)
@@ -130,8 +132,13 @@ class Conversation:
         history = self.session.history()
         self.record = ConversationRecord([*messages, {"role": "assistant", "content": text}], len(history),
                                          tokens_digest(history), None, sampler, response_format)
-        write_record(self.session.directory, self.record)
+        self._write_record()
         return text
+
+    def _write_record(self) -> None:
+        """The conversation file, durably (its fsyncs by the session's ``run_io``)."""
+        directory, record = self.session.directory, self.record
+        self.session.run_io(lambda: write_record(directory, record))
 
     # ---- turns -----------------------------------------------------------------------------
     @property
@@ -167,7 +174,7 @@ class Conversation:
         draw = session.manifest.sampler if sampler is None else sampler
         drawn_with = settings_of(draw)
         self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with, response_format)
-        write_record(session.directory, self.record)  # the turn is open before its prompt reaches the file
+        self._write_record()  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
             session.truncate(k)

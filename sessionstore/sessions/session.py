@@ -37,7 +37,7 @@ from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import Fence
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef
 from sessionstore.sessions.resident_files import ResidentFiles
-from sessionstore.sessions.session_home import SessionHome
+from sessionstore.sessions.session_home import IoRunner, SessionHome, run_here
 from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
 from sessionstore.sessions.session_turns import SessionTurns
 
@@ -52,7 +52,7 @@ class Session(SessionTurns):
     resume and release (:class:`SessionResume`), turns (:class:`SessionTurns`). Each base declares
     the state it reads, which :meth:`__init__` sets.
 
-    Why 34 methods: 15 are those bases' (each phase a module of its own, split by job already); of
+    Why 37 methods: 18 are those bases' (each phase a module of its own, split by job already); of
     its own 19, 6 are read-only properties, 2 the constructors (create, open) and 3 the context
     manager and repr; what is left is the life cycle every caller holds one object for (suspend,
     close, abandon, fork, guard). Split further, the halves would share the resident files, the
@@ -80,6 +80,8 @@ class Session(SessionTurns):
         self.commit_runner = options.commit_runner
         # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
         self.decode_driver = options.decode_driver
+        # runs the file work of its resumes (a server's I/O thread, while its loop steps the others)
+        self.io_runner: IoRunner = options.io_runner or run_here
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
         # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
         # hears what each commit covers once it has returned
@@ -104,10 +106,12 @@ class Session(SessionTurns):
     def create(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef, *,
                kv_dtype: str = "fp8", sampler: Sampler | None = None,
                options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
-        """A new, empty session: the store installs its files (FORMAT.md 5.1); returned resident."""
+        """A new, empty session: the store installs its files (FORMAT.md 5.1; by the options'
+        ``io_runner``, when they give one, as its resume maps them); returned resident."""
         dims = Dims(*model.dims_for_file())
-        manifest = store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
-                                       sampler=sampler or Sampler())
+        run_io: IoRunner = options.io_runner or run_here
+        manifest = run_io(lambda: store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
+                                                      sampler=sampler or Sampler()))
         log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
         session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()

@@ -1,18 +1,20 @@
 """What a session needs of the things around it, as Protocols: of its store (:class:`SessionHome`,
 a :class:`~sessionstore.sessions.store.SessionStore` is one) and of a server that runs its commits
-(:class:`CommitRunner`, a server's engine loop is one). The session takes them as arguments; the
-sessions room never imports the store's users.
+(:class:`CommitRunner`) and its file work (:class:`IoRunner`; a server's engine loop is both). The
+session takes them as arguments; the sessions room never imports the store's users.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims
 from sessionstore.sessions.manifest import Manifest, ModelRef
 from sessionstore.sessions.residency_budget import Residency
+
+T = TypeVar("T")
 
 
 class SessionHome(Protocol):
@@ -36,4 +38,20 @@ class CommitRunner(Protocol):
     def __call__(self, commit: Callable[[], object], *, overlap: bool = False) -> None: ...
 
 
-__all__ = ["CommitRunner", "SessionHome"]
+class IoRunner(Protocol):
+    """Runs a session's file work (creating its files, opening and mapping them, writing its
+    catalogue row; :meth:`SessionResume.run_io`) and returns ``fn()``'s value or raises its error:
+    now, or on a server's I/O thread while the caller waits and its engine loop steps the other
+    sessions. ``fn`` touches only the session's own files and objects and the store's thread-safe
+    parts (its catalogue, behind the catalogue's lock); never the store's residency, which the caller
+    updates on its own thread once ``fn`` has returned."""
+
+    def __call__(self, fn: Callable[[], T]) -> T: ...
+
+
+def run_here(fn: Callable[[], T]) -> T:
+    """The :class:`IoRunner` of a session with no server around it: ``fn()`` on this thread."""
+    return fn()
+
+
+__all__ = ["CommitRunner", "IoRunner", "SessionHome", "run_here"]

@@ -1,14 +1,14 @@
 """How a :class:`~sessionstore.sessions.session.Session` runs: the options chosen when it is created
 or opened, carried as one frozen object from the callers (the CLI, the engine, the fleet) through
 :class:`~sessionstore.sessions.store.SessionStore` and ``Session.create`` / ``Session.open`` into the
-session (python-zstandard's parameter objects), instead of ten keyword arguments passed down
+session (python-zstandard's parameter objects), instead of eleven keyword arguments passed down
 unchanged. Change one with :func:`dataclasses.replace`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from sessionstore.kvfile import Durability
-from sessionstore.sessions.session_home import CommitRunner
+from sessionstore.sessions.session_home import CommitRunner, IoRunner
 from sessionstore.sessions.turn_loop import DecodeDriver
 
 DEFAULT_COMMIT_EVERY = 64
@@ -27,7 +27,9 @@ class SessionOptions:
     ``write_behind``: the writer writes each record as it is handed over; ``lazy_logits``: defer
     that recompute until a turn samples from those logits (FORMAT.md 5.5); ``commit_runner``: runs
     a turn's commits (a server's engine loop; None: inline); ``decode_driver``: runs a turn's
-    sampling loop (None: inline); ``durable_stream``: commit at every generated token.
+    sampling loop (None: inline); ``durable_stream``: commit at every generated token;
+    ``io_runner``: runs the session's file work (its creation, a resume's opening and mapping; a
+    server's I/O threads; None: inline).
     """
 
     commit_every: int | None = DEFAULT_COMMIT_EVERY
@@ -40,6 +42,7 @@ class SessionOptions:
     commit_runner: CommitRunner | None = None
     decode_driver: DecodeDriver | None = None
     durable_stream: bool = False
+    io_runner: IoRunner | None = None
 
 
 DEFAULT_SESSION_OPTIONS = SessionOptions()  # what a session runs with when its opener names none

@@ -2,13 +2,16 @@
 :class:`~sessionstore.sessions.session.Session`): the writer lock taken, the manifest re-read under it,
 the committed rows mapped and handed to the decoder, the last position checked (now, or with
 ``lazy_logits`` at the first turn that samples from it: :mod:`sessionstore.sessions.recovery`); and
-the release of all of it (the session is then suspended, on disk only).
+the release of all of it (the session is then suspended, on disk only). The file work of a resume
+runs by the session's :class:`~sessionstore.sessions.session_home.IoRunner` (a server's I/O thread);
+joining the store's residency stays on the caller's thread.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,9 +28,12 @@ from sessionstore.sessions.manifest import Manifest, ModelRef
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.session_commits import SessionCommits
+from sessionstore.sessions.session_home import IoRunner
 from sessionstore.sessions.turn_loop import recompute_last
 
 log = get_logger("session")
+
+T = TypeVar("T")
 
 
 class SessionResume(SessionCommits):
@@ -44,6 +50,7 @@ class SessionResume(SessionCommits):
     write_behind: bool
     lazy_logits: bool
     resume_report: dict[str, Any]
+    io_runner: IoRunner
 
     def ensure_resident(self) -> None:
         if self.fence is not None:
@@ -53,10 +60,29 @@ class SessionResume(SessionCommits):
         if self.state != "resident":
             self.resume()
 
+    def run_io(self, fn: Callable[[], T]) -> T:
+        """``fn()`` by the session's :class:`~sessionstore.sessions.session_home.IoRunner` (a
+        server's I/O thread, while its loop steps the other sessions; else here): file work on this
+        session's own files, never the store's residency."""
+        return self.io_runner(fn)
+
     def resume(self) -> dict[str, Any]:
-        """Take the lock, recover to the last commit, map the rows, verify; returns a report."""
+        """Take the lock, recover to the last commit, map the rows, verify; returns a report. The
+        file work (:meth:`_resume_files`) runs by :meth:`run_io`; the session joins the store's
+        residency here, on the caller's thread, once it has returned."""
         if self.state == "resident":
             return self.resume_report
+        report = self.run_io(self._resume_files)
+        self.residency.register(self)
+        self.residency.enforce_budget(keep=self)
+        log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
+        return report
+
+    def _resume_files(self) -> dict[str, Any]:
+        """The part of :meth:`resume` that works on files: the lock, the manifest, the recovery,
+        the mapping, the check of the last position (a recompute asks the model, which a server's
+        loop computes while this waits), the catalogue's row. Touches this session and its files
+        only (the catalogue behind its own lock); a failure releases them again."""
         t0 = time.perf_counter()
         verified = read_fence(self.directory)  # fenced by a failed commit: from its verified records only
         if verified is not None:
@@ -94,15 +120,12 @@ class SessionResume(SessionCommits):
             self._note_logits(check.logits)
             self._deferred = check.deferred
         except BaseException:
-            self._release()
+            self._release_files()  # never registered: the residency is the caller's to touch
             raise
         report = check.report
         report.update(ready_s=ready - t0, resume_s=time.perf_counter() - t0, committed=self._files.live_cache.length)
         self.resume_report = report
         self.store.note_session(self.manifest, resident=True)  # the catalogue (FORMAT.md 5.9)
-        self.residency.register(self)
-        self.residency.enforce_budget(keep=self)
-        log.info("session.resume", id=self.id, **{k: v for k, v in report.items() if k != "detail"})
         return report
 
     def _target(self, vouched: Vouched | None) -> ResumeTarget:
@@ -132,7 +155,13 @@ class SessionResume(SessionCommits):
 
     def _release(self) -> None:
         """Release the writer's descriptors and lock now, the cache and the mapping in the
-        background (:meth:`ResidentFiles.release`); the session is suspended after it."""
+        background (:meth:`ResidentFiles.release`); the session is suspended after it and out of
+        the store's residency."""
+        self._release_files()
+        self.residency.unregister(self)
+
+    def _release_files(self) -> None:
+        """:meth:`_release` but for the residency (what a failed :meth:`_resume_files` undoes)."""
         self._note_logits(None)
         self._deferred = False
         if self._guard is not None:  # resume it through RemoteStore.resume again
@@ -143,7 +172,6 @@ class SessionResume(SessionCommits):
         if self.state == "resident":
             self.state = "suspended"
             self.store.note_session(self.manifest, resident=False)
-        self.residency.unregister(self)
 
 
 __all__ = ["SessionResume"]

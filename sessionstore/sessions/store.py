@@ -82,11 +82,9 @@ class SessionStore(StoreDirectory):
     # ---- sessions --------------------------------------------------------------------------
     def create(self, session_id: str, model_source: str | os.PathLike[str], *, kv_dtype: str = "fp8",
                sampler: Sampler | None = None, options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
-        """A new, empty session for the model at ``model_source``; returned open (lock held)."""
+        """A new, empty session for the model at ``model_source``; returned open (lock held).
+        Refused when ``session_id`` is taken (:meth:`install_empty`)."""
         validate_session_id(session_id)
-        if self.exists(session_id):
-            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
-        self.refuse_listed(session_id)  # its files are gone: reported, never silently made anew
         model, ref = self.load_model(model_source)
         return Session.create(self, session_id, model, ref, kv_dtype=kv_dtype,
                               sampler=sampler or Sampler(), options=options)
@@ -140,7 +138,13 @@ class SessionStore(StoreDirectory):
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
                       sampler: Sampler | None = None) -> Manifest:
         """Install a new, empty session (kv file + manifest, prepared under ``tmp/``, FORMAT.md
-        5.1) as ``session_id``; returns its manifest. :meth:`Session.create` opens it."""
+        5.1) as ``session_id``; returns its manifest. :meth:`Session.create` opens it. Refused
+        (FormatError) when ``session_id`` exists, and when the catalogue lists it though its files
+        are gone (SessionFilesMissingError: reported, never silently made anew). File work and the
+        catalogue only (a server runs it on an I/O thread: :class:`IoRunner`)."""
+        if self.exists(session_id):
+            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        self.refuse_listed(session_id)
         tmp = self.tmp_dir()
         try:
             KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()

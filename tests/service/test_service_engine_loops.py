@@ -21,7 +21,7 @@ import pytest
 from kernels.errors import FormatError
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.loop import EngineLoop
-from sessionstore.service.steps.prefill_pacer import MAX_PREFILL_TOKENS, PrefillPacer
+from sessionstore.service.steps.prefill_pacer import GROWTH, MAX_PREFILL_TOKENS, PROBE_TOKENS, PrefillPacer
 from sessionstore.sessions.turn_loop import decode_loop, drive_inline
 
 VOCAB = 11
@@ -421,18 +421,64 @@ def test_a_caller_outside_the_jobs_gets_its_logits_or_its_own_error() -> None:
 
 def test_the_prefill_pacer_sizes_chunks_to_keep_a_step_within_its_ratio_of_a_decode_step() -> None:
     pacer = PrefillPacer(cap=32, ratio=3.0)
-    assert pacer.budget(4) == 32  # nothing measured yet: the cap
     pacer.observe(4, 0, 0.012)  # a decode-only step of 4 sessions: 3 ms a session
     pacer.observe(4, 32, 0.060)  # 4 sessions and 32 prompt tokens: (60 - 12) / 32 = 1.5 ms a token
     assert pacer.budget(4) == 16  # (3 - 1) x 12 ms of room / 1.5 ms
     assert pacer.budget(1) == 4
     pacer.observe(4, 16, 0.012 + 16 * 0.010)  # deep into a long prompt a token costs more
     assert 1 <= pacer.budget(4) < 16
-    assert PrefillPacer(cap=8).budget(64) == 8 and PrefillPacer(cap=8, ratio=3.0).budget(1) == 8
+    assert PrefillPacer(cap=8).budget(64) == PROBE_TOKENS  # unmeasured: a probe, whatever the batch
+    assert PrefillPacer(cap=2).budget(64) == 2  # never past the cap
     slow = PrefillPacer(cap=32)
     slow.observe(1, 0, 0.001)
-    slow.observe(0, 10, 10.0)  # a prompt token far dearer than a decode row: still one token a step
+    slow.observe(1, 10, 10.0)  # a prompt token far dearer than a decode row: still one token a step
     assert slow.budget(1) == 1
+
+
+def test_the_pacers_first_chunk_beside_decoding_sessions_is_a_probe_and_it_grows_only_from_measurement() -> None:
+    pacer = PrefillPacer(cap=32, ratio=3.0)
+    assert pacer.budget(4) == PROBE_TOKENS  # nothing measured: not the cap
+    pacer.observe(4, 0, 0.012)  # decode-only steps measured
+    pacer.observe(0, 2048, 0.5)  # an idle prefill (no one decoding, cheap per token): says nothing of a step
+    assert pacer.budget(4) == PROBE_TOKENS  # beside decoding sessions, so still the probe
+    sizes = []
+    for _ in range(6):  # prompt tokens nearly free beside 4 rows: the budget grows GROWTH-fold a step
+        sizes.append(pacer.budget(4))
+        pacer.observe(4, sizes[-1], 0.012 + sizes[-1] * 1e-6)
+    assert sizes == [min(32, PROBE_TOKENS * GROWTH**k) for k in range(6)]
+    pacer.observe(4, 32, 0.012 + 32 * 0.003)  # dear ones (a long prompt's deep end): paced down
+    assert pacer.budget(4) < 32
+
+
+def test_a_long_prompts_first_chunk_beside_running_loops_is_the_probe_even_after_an_idle_prefill() -> None:
+    """The loops' own prompts were prefilled with no one decoding (measured, but not beside decoding
+    sessions); a long prompt arriving beside them starts with a probe, then grows at most GROWTH-fold."""
+    prompt_len = 200
+    asked: list[Any] = []
+
+    def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
+        if i == 0 and position == 5:
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+
+    model = _CountsModel()
+    loop = EngineLoop(model, gather_s=0.0)
+
+    def turn(i: int) -> Any:
+        cache = _Cache(i)
+        step = lambda tok, pos, lg: on_step(loop, i, tok, pos, lg)  # noqa: E731
+        return loop.drive_decode(decode_loop(cache, _start(i), 300, _greedy, frozenset(), None, step), cache)
+
+    try:  # an idle prefill first: the pacer has measured prompt tokens, none beside decoding sessions
+        loop.submit(lambda: loop.forward(np.arange(50, dtype=np.int32), _Cache(8))).result(10)
+        assert loop.batch.pacer.prompt_token_s is None
+        for fut in [loop.submit(lambda i=i: turn(i)) for i in range(2)]:
+            fut.result(20)
+        assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
+    finally:
+        loop.stop()
+    beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]
+    assert beside[0] <= PROBE_TOKENS, beside
+    assert all(b <= max(PROBE_TOKENS, GROWTH * a) for a, b in zip(beside, beside[1:], strict=False)), beside
 
 
 def test_chunks_beside_running_loops_follow_the_pacer() -> None:

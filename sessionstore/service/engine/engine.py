@@ -63,9 +63,12 @@ class Engine:
                                  drive=self.loop.drive_decode)
         # lazy_logits (unless session_options say otherwise): a request that feeds tokens resumes
         # without recomputing the last position when the sidecar vouched for every record (FORMAT.md
-        # 5.5); one that continues checks it then. The loop runs every session's commits and decoding.
+        # 5.5); one that continues checks it then. The loop runs every session's commits and
+        # decoding, and its file work (its creation, a resume's opening and mapping, the catalogue's
+        # row) on the loop's I/O threads while the loop steps the other sessions.
         self.options = replace(session_options or SessionOptions(lazy_logits=True),
-                               commit_runner=self.loop.run_commit, decode_driver=self.loop.drive_decode)
+                               commit_runner=self.loop.run_commit, decode_driver=self.loop.drive_decode,
+                               io_runner=self.loop.wait_for)
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import greenlet
 import numpy as np
@@ -56,8 +56,9 @@ from sessionstore.sessions import DecodeLoop, TurnEnd, drive_inline
 log = get_logger("service")
 
 GATHER_S = 0.004  # how long an idle loop woken by a job waits for the jobs arriving right after it
-IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off)
+IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off, sessions' file work)
 
+T = TypeVar("T")
 Resume = Callable[[], Any]  # what a parked job is switched back with: returns its value or raises its error
 
 
@@ -182,15 +183,18 @@ class EngineLoop:
             return
         self.wait_for(commit)
 
-    def wait_for(self, fn: Callable[[], Any]) -> Any:
+    def wait_for(self, fn: Callable[[], T]) -> T:
         """From a job: ``fn()`` run by an I/O thread while the job waits (the loop steps on); its
-        value, or its error raised here. Elsewhere: ``fn()`` here."""
+        value, or its error raised here. Elsewhere (the loop itself, another thread): ``fn()`` here.
+        A session's :class:`~sessionstore.sessions.session_home.IoRunner` (its creation's and its
+        resumes' file work) and the commits no pass put off run so."""
         job = self._job_here()
         if job is None:
             return fn()
         future = self._io.submit(fn)
         future.add_done_callback(lambda done: self._wake(job, done.result))
-        return self._park()
+        value: T = self._park()
+        return value
 
     # ---- the jobs' side, on the loop's thread ----------------------------------------------------
     def _on_loop_thread(self) -> bool:

@@ -14,35 +14,53 @@ MAX_PREFILL_TOKENS = 32  # prompt tokens one step carries beside the decode toke
 IDLE_PREFILL_TOKENS = 2048  # prompt tokens one step carries when no session in it decodes: no stream to keep flowing
 PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions is sized to take at
 # most this many times their decode-only step (so a running stream's longest gap stays near it)
+PROBE_TOKENS = 4  # prompt tokens of a step beside decoding sessions before a prompt token has been measured
+# beside them: a probe that costs about what 4 decode rows do, whatever the prompt's length
+GROWTH = 2  # a step's prompt tokens beside decoding sessions are at most this many times the last measured
 
 
 class PrefillPacer:
     """How many prompt tokens a step may carry beside decoding sessions: at most ``cap``, and as
     many as keep the step within ``ratio`` times a decode-only step of those sessions, by what the
     loop's steps measured (a token of prompt costs more the further into a long prompt it is, and
-    more than a decode row on a CPU: each position is computed as its own decode step would be)."""
+    more than a decode row on a CPU: each position is computed as its own decode step would be).
+
+    Nothing is guessed: until a step has measured prompt tokens beside decoding sessions (a step
+    with no one decoding, all prompt, does not tell what one beside them costs), the budget is a
+    probe of ``PROBE_TOKENS``; from there it grows at most ``GROWTH`` times a step, as fast as the
+    measurements allow, so no chunk can take many decode steps before its cost is known."""
 
     SMOOTH = 0.3  # weight of the newest measurement in the running estimates
 
     def __init__(self, cap: int, ratio: float = PREFILL_STEP_RATIO) -> None:
         self.cap, self.ratio = cap, ratio  # ratio 0: no pacing, the cap alone
         self.decode_row_s: float | None = None  # a decode-only step's seconds per session
-        self.prompt_token_s: float | None = None  # seconds per prompt token beside (or without) decoding
+        self.prompt_token_s: float | None = None  # seconds per prompt token beside decoding sessions
+        self.last_prompt = 0  # prompt tokens of the last step measured beside decoding sessions
 
     def budget(self, decoding: int) -> int:
         """Prompt tokens for a step in which ``decoding`` sessions decode (>= 1)."""
-        if not self.ratio or self.decode_row_s is None or not self.prompt_token_s:  # off, unmeasured, or
-            return self.cap  # too cheap to tell
+        if not self.ratio:  # off: the cap alone
+            return self.cap
+        probe = min(self.cap, PROBE_TOKENS)
+        if self.decode_row_s is None or self.prompt_token_s is None:  # unmeasured: a probe
+            return probe
+        grown = min(self.cap, max(probe, GROWTH * self.last_prompt))
+        if not self.prompt_token_s:  # too cheap to tell
+            return grown
         room = (self.ratio - 1.0) * decoding * self.decode_row_s
-        return max(1, min(self.cap, int(room / self.prompt_token_s)))
+        return max(1, min(grown, int(room / self.prompt_token_s)))
 
     def observe(self, decoding: int, prompt_tokens: int, seconds: float) -> None:
         """One step's size and time."""
         if prompt_tokens == 0:
             self.decode_row_s = self._blend(self.decode_row_s, seconds / max(decoding, 1))
             return
+        if decoding == 0:  # all prompt: not what a step beside decoding sessions costs
+            return
         decode_part = decoding * (self.decode_row_s or 0.0)
         self.prompt_token_s = self._blend(self.prompt_token_s, max(seconds - decode_part, 0.0) / prompt_tokens)
+        self.last_prompt = prompt_tokens
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.SMOOTH * (new - old)
@@ -81,4 +99,5 @@ def plan_step(taken: list[W], pacer: PrefillPacer, max_batch: int,
     return batch, later
 
 
-__all__ = ["IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "PrefillPacer", "Waiting", "plan_step"]
+__all__ = ["GROWTH", "IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "PROBE_TOKENS", "PrefillPacer",
+           "Waiting", "plan_step"]
