@@ -27,6 +27,7 @@ from sessionstore.sessions.turn_loop import (
 
 APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
 # hand-over per token cost ~0.7 ms of per-token work that a batched decode step cannot share
+IO_ROWS = 64  # a hand-over of at least this many rows (a prompt's) runs by the session's io_runner
 
 log = get_logger("session")
 
@@ -107,6 +108,16 @@ class SessionTurns(SessionResume):
         if self._in_flight:  # a commit is writing from the writer: the rows wait for the next one
             return
         if self._files.live_cache.length - self._files.live_writer.length >= APPEND_RUN:
+            self._hand_over_rows()
+
+    def _hand_over_rows(self) -> None:
+        """The cache's rows past the writer's length, handed to it: a prompt's many rows (at least
+        ``IO_ROWS``: their packing, writes and checksums) by :meth:`run_io`, on a server's I/O thread
+        while its loop steps the other sessions (nothing else touches this session's cache or writer
+        meanwhile); a decode run's few here."""
+        if self._files.live_cache.length - self._files.live_writer.length >= IO_ROWS:
+            self.run_io(self._files.append_rows)
+        else:
             self._files.append_rows()
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
@@ -117,13 +128,13 @@ class SessionTurns(SessionResume):
         """
         self.ensure_resident()
         toks = [int(t) for t in self.model.check_tokens(np.asarray(list(tokens), dtype=np.int64))]
-        logits = feed_chunk(self.model, self._files.live_cache, toks, self._files.append_rows)
+        logits = feed_chunk(self.model, self._files.live_cache, toks, self._hand_over_rows)
         self.pending = []
         self._note_logits(logits)
         writer = self._files.live_writer
         due = bool(self.commit_every) and writer.length - writer.nrec >= (self.commit_every or 0)
         if commit or (commit is None and due):
-            self.commit()
+            self.run_io(self.begin_commit())  # the kv commit's writes and fsyncs by run_io (:meth:`commit`)
         return logits
 
     def truncate(self, n: int) -> int:
@@ -145,4 +156,4 @@ class SessionTurns(SessionResume):
         return n
 
 
-__all__ = ["APPEND_RUN", "SessionTurns"]
+__all__ = ["APPEND_RUN", "IO_ROWS", "SessionTurns"]
