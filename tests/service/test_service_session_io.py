@@ -17,7 +17,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile.durability import Durability
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.turns import TurnSpec
-from sessionstore.sessions import SessionStore, reference_turns
+from sessionstore.sessions import SessionOptions, SessionStore, reference_turns
 
 SLOW_S = 0.4  # each slowed disk call under the new session: many decode steps' worth
 RUNNING_TOKENS = 400  # the running stream's length: it is still running when the new session is made
@@ -75,7 +75,8 @@ def test_a_slow_disk_under_a_new_session_does_not_stall_a_running_stream(
 
     monkeypatch.setattr(Durability, step, slowed)
     store = SessionStore(tmp_path)
-    engine = Engine(store, str(text_model_dir), tokenizer=tok, session_options={"commit_every": 4096})
+    engine = Engine(store, str(text_model_dir), tokenizer=tok,
+                    session_options=SessionOptions(commit_every=4096, lazy_logits=True))
     running, new = TimedSink(after=5), TimedSink(on_first=slow.clear)  # its first token: the slow part is over
     run_spec = TurnSpec("completion", "run", prompt=[7, 40, 41, 200, 9], max_tokens=RUNNING_TOKENS, ignore_eos=True,
                         sampling={"seed": 1})
