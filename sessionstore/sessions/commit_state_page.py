@@ -195,7 +195,8 @@ def _seq_of(page: bytes) -> int | None:
     try:
         magic, version, length = _HEAD.unpack_from(page)
         (check,) = _CHECK.unpack_from(page, _HEAD.size + length)
-        if magic != STATE_MAGIC or length > MAX_PAYLOAD or check != xxhash.xxh3_64_intdigest(page[:_HEAD.size + length]):
+        end = _HEAD.size + length
+        if magic != STATE_MAGIC or length > MAX_PAYLOAD or check != xxhash.xxh3_64_intdigest(page[:end]):
             return None
         seq = json.loads(page[_HEAD.size:_HEAD.size + length]).get("seq", 0)
     except (struct.error, ValueError, AttributeError):

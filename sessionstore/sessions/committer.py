@@ -95,15 +95,26 @@ class Committer:
                        "state_write_s": time.perf_counter() - t2}
         return manifest
 
-    @staticmethod
-    def _prepare(manifest: Manifest, pending: list[int], n: int, logits: np.ndarray | None,
+    def commit_tail(self, manifest: Manifest, tail: list[int]) -> Manifest:
+        """A durable stream's tail commit (:mod:`sessionstore.sessions.durable_text`): the state
+        page alone, ``committed`` and ``last_logits`` those of the last kv commit (``manifest``'s),
+        ``pending`` = ``tail`` (every token after the committed records); one ``pwrite`` and one
+        fdatasync. Returns the manifest after it."""
+        t0 = time.perf_counter()
+        new = dataclasses.replace(manifest, pending=list(tail), updated_at=utc_now())
+        self.page.write_page(encode_state(new, self.page.seq), durable=True)
+        self.commits += 1
+        self.timing = {"kv_commit_s": 0.0, "state_wait_s": 0.0, "state_write_s": time.perf_counter() - t0}
+        return new
+
+    def _prepare(self, manifest: Manifest, pending: list[int], n: int, logits: np.ndarray | None,
                  digest: LogitsDigest | None) -> tuple[Manifest, bytes] | None:
         """The manifest after a commit of ``n`` records and its state page; None if unchanged."""
         new = manifest_after_commit(manifest, n, pending, logits, digest)
         if new is None:
             return None
         new.updated_at = utc_now()
-        return new, encode_state(new)
+        return new, encode_state(new, self.page.seq)
 
 
 __all__ = ["Committer", "manifest_after_commit"]

@@ -85,7 +85,6 @@ class Session(SessionTurns):
         self.durable_stream = durable_stream
         self.commit_watch: CommitWatch | None = None
         self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
-        self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
         self.fence: Fence | None = None  # set when a commit failed with an I/O error (sessions.fence)
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)

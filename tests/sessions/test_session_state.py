@@ -27,6 +27,7 @@ from sessionstore.sessions.commit_state_page import (
 )
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.directory import STATE_NAME
+from sessionstore.sessions.fields import MAX_PENDING
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
@@ -214,7 +215,8 @@ def test_a_damaged_or_lost_page_recovers_exactly(tmp_path, tiny, damage) -> None
     page = state_path(store.session_dir("s") / MANIFEST_NAME)
     if damage == "torn":
         raw = bytearray(page.read_bytes())
-        raw[40] ^= 0xFF
+        raw[40] ^= 0xFF  # both slots: the one of the last commit and the one before it
+        raw[STATE_BYTES + 40] ^= 0xFF
         page.write_bytes(bytes(raw))
     else:
         page.unlink()
@@ -239,3 +241,14 @@ def test_write_behind_and_staged_sessions_commit_the_same_bytes(tmp_path) -> Non
         with open_kv(store.kv_path("s")) as r:
             out.append((tokens, r.nrec, r.records_bytes_view(0, r.nrec).tobytes()))
     assert out[0] == out[1]
+
+
+def test_a_page_holds_max_pending_ids_of_any_vocab_with_a_digest() -> None:
+    """A durable stream's tail commit puts up to MAX_PENDING ids on the page (a longer tail is a
+    kv commit instead): they fit with the longest digest, counts and timestamp."""
+    big = (1 << 31) - 1
+    logits = np.full(64, -3.4028234663852886e38, dtype=np.float32)  # the longest decimals
+    m = _manifest(committed=big, epoch=(1 << 63) - 1, pending=[big - 1] * MAX_PENDING,
+                  last_logits=make_digest(logits, big - 1), updated_at="2026-12-03T18:00:00.000000Z")
+    page = encode_state(m, (1 << 63) - 1)
+    assert decode_state(page, big, "p")["pending"] == [big - 1] * MAX_PENDING

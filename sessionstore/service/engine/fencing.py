@@ -49,7 +49,7 @@ class FencedSessions:
         directory = store.session_dir(session_id)
         try:
             cut = reopen_fenced(directory, directory / manifest.kv_file, Dims(**manifest.dims), manifest.kv_dtype,
-                                fence.verified)
+                                fence.verified, fence.pending)
         except OSError as exc:
             log.error("service.reopen_failed", id=session_id, error=str(exc))
             raise SessionFencedError(fence) from exc
