@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -144,8 +145,9 @@ class StateWriter:
     """Overwrites the state pages of one manifest in place, the two slots in turn (one
     descriptor, kept open). Its pages are numbered on from the largest ``seq`` it found."""
 
-    def __init__(self, manifest_path: str | os.PathLike[str]) -> None:
+    def __init__(self, manifest_path: str | os.PathLike[str], sync: Callable[[int], None] = os.fdatasync) -> None:
         self.path = state_path(manifest_path)
+        self._sync = sync  # the barrier (a durability seam's ``fsync``: fdatasync; tests inject faults)
         self._fd = -1
         self._seq = 0  # the number of the last page written (or found)
         self._slot = 0  # the slot the next page goes to: never the one holding the newest
@@ -182,7 +184,7 @@ class StateWriter:
         self._seq += 1  # written (a failed barrier fences the session: nothing is written after it)
         self._slot = (self._slot + 1) % STATE_SLOTS
         if durable:
-            os.fdatasync(self._fd)
+            self._sync(self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:

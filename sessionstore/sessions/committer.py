@@ -10,7 +10,9 @@ follows the commit point.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +47,11 @@ class Committer:
     """Commits one session's appended records (its state page kept open while it is resident)
     and holds the logits of its last appended position, digested as they were produced."""
 
-    def __init__(self, session_id: str, manifest_path: Path, kv_path: Path) -> None:
+    def __init__(self, session_id: str, manifest_path: Path, kv_path: Path,
+                 sync: Callable[[int], None] = os.fdatasync) -> None:
         self.session_id = session_id
         self.kv_path = kv_path
-        self.page = StateWriter(manifest_path)  # per-commit fields, in place
+        self.page = StateWriter(manifest_path, sync)  # per-commit fields, in place; ``sync``: its barrier
         self.logits: np.ndarray | None = None  # [vocab] f32 of the last appended position
         self.digest: LogitsDigest | None = None  # their digest, when already taken (else at the commit)
         self.commits = 0  # commits that changed the manifest's dynamic fields

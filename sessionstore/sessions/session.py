@@ -29,7 +29,7 @@ from typing import Any
 from kernels.errors import ColiError
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
-from sessionstore.kvfile import Dims, open_kv
+from sessionstore.kvfile import Dims, Durability, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.committer import Committer
 from sessionstore.sessions.durable_text import CommitWatch
@@ -93,7 +93,8 @@ class Session(SessionTurns):
         self.pending: list[int] = list(manifest.pending)
         self.resume_report: dict[str, Any] = {}
         self._files = ResidentFiles(session_id, self.kv_path)  # writer, mapping, cache: while resident
-        self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path)
+        self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path,
+                                    (durability or Durability()).fsync)  # the page's barrier: the seam's
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 
