@@ -5,7 +5,8 @@ point; then (2) the manifest's dynamic fields (``committed``, ``pending``, ``las
 ``updated_at``) written in place to the commit state page (``manifest.json.state``, see
 :mod:`sessionstore.sessions.commit_state_page`); (2) never starts before (1) returned. The new page is
 encoded on a helper thread while (1) waits in its data barrier; only its 4 KiB ``pwrite``
-follows the commit point.
+follows the commit point. A durable stream's tail commit (:meth:`Committer.commit_tail`) is (2)
+alone, made durable, with the tokens after the committed records as ``pending``.
 """
 from __future__ import annotations
 

@@ -16,6 +16,10 @@ that feeds tokens never does) whenever the sidecar vouched for every committed r
 
 Commit = (1) the kv commit, THE commit point, (2) the manifest's dynamic fields on the commit
 state page (:mod:`sessionstore.sessions.committer`; the session's side: ``session_commits.py``).
+In durable-stream mode the commits between kv commits are tail commits, the page alone with every
+token after the committed records as ``pending`` (:mod:`sessionstore.sessions.durable_text`), so
+``pending`` may hold many tokens: ``history()`` is the records, then ``pending``, and a turn
+without a prompt feeds all of it first.
 On open, when the file's count F differs from the manifest's M, the session takes F and recomputes
 the pending token and the digest from position F-1 (:mod:`sessionstore.sessions.recovery`; the
 session's side: ``session_resume.py``). Turns (generate, append_tokens, truncate) are
@@ -80,8 +84,9 @@ class Session(SessionTurns):
         # runs generate's sampling loops (a server's engine thread, between its batched steps); None: inline
         self.decode_driver = decode_driver
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
-        # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
-        # hears what each commit covers once it has returned
+        # token (a tail commit: the state page alone, fdatasync'ed; a kv commit when due);
+        # ``commit_watch`` (set by a turn that holds its text) hears what each commit covers once
+        # it has returned
         self.durable_stream = durable_stream
         self.commit_watch: CommitWatch | None = None
         self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
