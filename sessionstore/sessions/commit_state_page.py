@@ -159,6 +159,11 @@ class StateWriter:
             self._fd = _open_state(self.path, create=True)
             self._seq, newest = 0, 1
             data = os.pread(self._fd, STATE_SLOTS * STATE_BYTES, 0)
+            if len(data) < STATE_SLOTS * STATE_BYTES:  # both slots' blocks now: a page written later
+                try:  # then overwrites in place, and a full disk cannot refuse it (zeros: no page)
+                    pwrite_all(self._fd, bytes(STATE_SLOTS * STATE_BYTES - len(data)), len(data), str(self.path))
+                except OSError:
+                    pass  # a full disk: the slot is written (and its block taken) by a later page
             for slot in range(STATE_SLOTS):
                 seq = _seq_of(data[slot * STATE_BYTES:(slot + 1) * STATE_BYTES])
                 if seq is not None and seq >= self._seq:
