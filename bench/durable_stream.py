@@ -8,7 +8,7 @@ requests against a server without it (the baseline) and one with it, alternated 
   where every stream decodes, bench.serve_decode.aggregate_rate). Goal >= 0.85.
 - ``itl_p50_s`` / ``itl_p99_s`` with and without it, at 8 and 16 streams: the gaps between two
   text events of a stream, over every stream of a rep (the median of the reps).
-- ``cpu_per_token_ratio_8`` / ``_16``: the server process's CPU seconds (every thread, from
+- ``cpu_per_token_ratio_8`` / ``_16``: the server's CPU seconds (its processes, every thread, from
   /proc) per token streamed, with the flag / without it: what it costs, less moved by other load
   on the machine than the rates are.
 
@@ -46,10 +46,20 @@ def _gaps(streams: list[Streamed]) -> list[float]:
 
 
 def cpu_seconds(server: Server) -> float:
-    """The server process's CPU time so far (user + system, every thread), from /proc."""
+    """The server's CPU time so far (user + system, every thread) from /proc: its process and
+    every process below it (the engine core runs in a process of its own)."""
     assert server.proc is not None
-    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0, [server.proc.pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except OSError:  # ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def one_rep(server: Server, prompt: list[int], width: int, max_tokens: int, tag: str) -> dict[str, Any]:

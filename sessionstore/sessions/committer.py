@@ -5,12 +5,15 @@ point; then (2) the manifest's dynamic fields (``committed``, ``pending``, ``las
 ``updated_at``) written in place to the commit state page (``manifest.json.state``, see
 :mod:`sessionstore.sessions.commit_state_page`); (2) never starts before (1) returned. The new page is
 encoded on a helper thread while (1) waits in its data barrier; only its 4 KiB ``pwrite``
-follows the commit point.
+follows the commit point. A durable stream's tail commit (:meth:`Committer.commit_tail`) is (2)
+alone, made durable, with the tokens after the committed records as ``pending``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +48,11 @@ class Committer:
     """Commits one session's appended records (its state page kept open while it is resident)
     and holds the logits of its last appended position, digested as they were produced."""
 
-    def __init__(self, session_id: str, manifest_path: Path, kv_path: Path) -> None:
+    def __init__(self, session_id: str, manifest_path: Path, kv_path: Path,
+                 sync: Callable[[int], None] = os.fdatasync) -> None:
         self.session_id = session_id
         self.kv_path = kv_path
-        self.page = StateWriter(manifest_path)  # per-commit fields, in place
+        self.page = StateWriter(manifest_path, sync)  # per-commit fields, in place; ``sync``: its barrier
         self.logits: np.ndarray | None = None  # [vocab] f32 of the last appended position
         self.digest: LogitsDigest | None = None  # their digest, when already taken (else at the commit)
         self.commits = 0  # commits that changed the manifest's dynamic fields
@@ -95,15 +99,26 @@ class Committer:
                        "state_write_s": time.perf_counter() - t2}
         return manifest
 
-    @staticmethod
-    def _prepare(manifest: Manifest, pending: list[int], n: int, logits: np.ndarray | None,
+    def commit_tail(self, manifest: Manifest, tail: list[int]) -> Manifest:
+        """A durable stream's tail commit (:mod:`sessionstore.sessions.durable_text`): the state
+        page alone, ``committed`` and ``last_logits`` those of the last kv commit (``manifest``'s),
+        ``pending`` = ``tail`` (every token after the committed records); one ``pwrite`` and one
+        fdatasync. Returns the manifest after it."""
+        t0 = time.perf_counter()
+        new = dataclasses.replace(manifest, pending=list(tail), updated_at=utc_now())
+        self.page.write_page(encode_state(new, self.page.seq), durable=True)
+        self.commits += 1
+        self.timing = {"kv_commit_s": 0.0, "state_wait_s": 0.0, "state_write_s": time.perf_counter() - t0}
+        return new
+
+    def _prepare(self, manifest: Manifest, pending: list[int], n: int, logits: np.ndarray | None,
                  digest: LogitsDigest | None) -> tuple[Manifest, bytes] | None:
         """The manifest after a commit of ``n`` records and its state page; None if unchanged."""
         new = manifest_after_commit(manifest, n, pending, logits, digest)
         if new is None:
             return None
         new.updated_at = utc_now()
-        return new, encode_state(new)
+        return new, encode_state(new, self.page.seq)
 
 
 __all__ = ["Committer", "manifest_after_commit"]

@@ -4,7 +4,7 @@ installation and removal of whole session directories.
 Layout::
 
     <root>/sessions/<id>/manifest.json        the session's manifest (atomic JSON)
-    <root>/sessions/<id>/manifest.json.state  its last commit's dynamic fields (one page)
+    <root>/sessions/<id>/manifest.json.state  its last commits' dynamic fields (two page slots)
     <root>/sessions/<id>/kv.coli_kv           the latent KV, engine-compatible bytes
     <root>/sessions/<id>/kv.coli_kv.colisum   checksums of the committed records (sidecar)
     <root>/sessions/<id>/kv.coli_kv.lock      the single-writer lock file

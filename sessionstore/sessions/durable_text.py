@@ -1,14 +1,23 @@
 """Durable streaming (``--durable-stream``): a turn's text is held until the commit that covers
 its tokens has returned, so nothing a client was sent can be lost by a crash.
 
-A session in durable-stream mode commits at every token (:meth:`Session.generate`) with its
-commit state page made durable too (the pending token is the one just drawn, and the client
-sees its text). The text of a token is emitted by the turn's output processor while the token
-is drawn, before its commit; :class:`HeldText` sits between that processor and the client:
-each piece is held, :meth:`HeldText.mark` (taken by the session when a commit's first part fixes
-what it covers) counts the pieces emitted so far, and :meth:`HeldText.committed` (called once
-that commit has returned) sends every piece up to that mark, in order. A commit that fails
-sends nothing: the client never sees text the store does not hold.
+A session in durable-stream mode commits at every token (:meth:`Session.generate`, unless a
+commit is in flight: the next one covers the tokens drawn meanwhile). Its kv file is committed as
+without it, every ``commit_every`` records (records, commit word, state page, each made durable);
+every other such commit is a **tail commit** (:meth:`SessionCommits.begin_tail_commit`): the
+commit state page alone, one ``pwrite`` and one fdatasync, with ``committed`` and ``last_logits``
+those of the last kv commit and ``pending`` the tail, every token after its records (the ones fed
+since, then the one just drawn). A token is durable once its id is: chunked prefill is bitwise
+invariant, so a reopen feeds the whole tail and continues exactly (FORMAT.md 5.5). A tail longer
+than ``MAX_PENDING`` is a kv commit instead; the page's two slots keep the last tail readable when
+a crash tears the next one (FORMAT.md 5.3.1).
+
+The text of a token is emitted by the turn's output processor while the token is drawn, before its
+commit; :class:`HeldText` sits between that processor and the client: each piece is held,
+:meth:`HeldText.mark` (taken by the session when a commit's first part fixes what it covers) counts
+the pieces emitted so far, and :meth:`HeldText.committed` (called once that commit has returned)
+sends every piece up to that mark, in order. A commit that fails sends nothing: the client never
+sees text the store does not hold.
 
 In a server the commits of one decode step run together, beside the next step
 (:mod:`sessionstore.service.steps.group_commit`), so a stream waits one commit per step, not one per

@@ -18,6 +18,7 @@ committed changed, and the next commit rewrites every staged record (FORMAT.md 3
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -28,10 +29,11 @@ from pathlib import Path
 from kernels.errors import ColiError, FormatError
 from sessionstore.kvfile import Dims, KVWriter, atomic_replace, read_json_bounded, readable_temp, unlink_durably
 from sessionstore.log import get_logger
+from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest, write_manifest
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 FENCE_NAME = "fence.json"  # beside a fenced session's files until it is reopened (FORMAT.md 5.1)
-MAX_FENCE_BYTES = 4096
+MAX_FENCE_BYTES = 8192  # a failed tail commit's fence holds up to MAX_PENDING token ids
 
 log = get_logger("session")
 
@@ -44,9 +46,16 @@ class Fence:
     verified: int  # records committed with every barrier returned: what a reopen starts from
     error: str  # the OS error's name, e.g. "EIO"
     at: float  # time.time() of the failure
+    # a failed tail commit (a durable stream's state page alone): the tail of the last one that
+    # returned, which the reopen puts back on the page (the failed page may be in the page cache)
+    pending: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, object]:
-        return {"id": self.session_id, "verified": self.verified, "error": self.error, "at": self.at}
+        out: dict[str, object] = {"id": self.session_id, "verified": self.verified, "error": self.error,
+                                  "at": self.at}
+        if self.pending is not None:
+            out["pending"] = list(self.pending)
+        return out
 
 
 class SessionFencedError(ColiError):
@@ -64,9 +73,10 @@ def fences(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno not in DISK_FULL
 
 
-def fence_of(session_id: str, verified: int, exc: OSError) -> Fence:
+def fence_of(session_id: str, verified: int, exc: OSError, pending: list[int] | None = None) -> Fence:
+    """The fence of a commit that failed with ``exc``; ``pending``: a failed tail commit's."""
     name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-    return Fence(session_id, int(verified), name, time.time())
+    return Fence(session_id, int(verified), name, time.time(), None if pending is None else tuple(pending))
 
 
 def cut_back(kv_path: str | os.PathLike[str], dims: Dims, kv_dtype: str, verified: int) -> int:
@@ -108,11 +118,32 @@ def read_fence(directory: str | os.PathLike[str]) -> int | None:
     return verified
 
 
+def _fence_pending(directory: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """The ``pending`` a ``fence.json`` holds (a failed tail commit's), else None."""
+    try:
+        data = read_json_bounded(Path(directory) / FENCE_NAME, MAX_FENCE_BYTES, what="fence")
+    except (FileNotFoundError, FormatError):
+        return None
+    pending = data.get("pending") if isinstance(data, dict) else None
+    if not isinstance(pending, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in pending):
+        return None
+    return tuple(pending)
+
+
 def reopen_fenced(directory: str | os.PathLike[str], kv_path: str | os.PathLike[str], dims: Dims, kv_dtype: str,
-                  verified: int) -> int:
+                  verified: int, pending: tuple[int, ...] | None = None) -> int:
     """Before a fenced session opens again: its kv file cut back to ``verified`` records
-    (:func:`cut_back`), then ``fence.json`` removed; returns the records cut."""
+    (:func:`cut_back`); after a failed tail commit (``pending``, else ``fence.json``'s) the state
+    page given the tail of the last one that returned (a whole manifest write, durable); then
+    ``fence.json`` removed. Returns the records cut."""
     cut = cut_back(kv_path, dims, kv_dtype, verified)
+    pending = _fence_pending(directory) if pending is None else pending
+    if pending is not None:
+        path = Path(directory) / MANIFEST_NAME
+        manifest = read_manifest(path)
+        if manifest.committed == verified and manifest.pending != list(pending):
+            write_manifest(path, dataclasses.replace(manifest, pending=list(pending)))
     unlink_durably(Path(directory) / FENCE_NAME)
     log.warning("session.reopened_fenced", path=str(directory), verified=verified, records_cut=cut)
     return cut

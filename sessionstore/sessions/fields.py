@@ -10,7 +10,8 @@ from typing import Any
 
 from kernels.errors import FormatError, LimitError
 
-MAX_PENDING = 16
+MAX_PENDING = 256  # a durable stream's tail (FORMAT.md 5.5): the tokens after the last kv commit;
+# the commit state page's payload holds this many ids of any vocab with a digest (tests assert it)
 
 
 def need(obj: dict, key: str, kind: type | tuple, where: str) -> Any:
@@ -40,7 +41,7 @@ def need_float(obj: dict, key: str, where: str) -> float:
 
 
 def pending_from_json(data: dict, vocab: int, where: str) -> list[int]:
-    """The validated ``pending`` field (0..16 token ids in [0, vocab))."""
+    """The validated ``pending`` field (0..MAX_PENDING token ids in [0, vocab))."""
     pending = need(data, "pending", list, where)
     if len(pending) > MAX_PENDING:
         raise LimitError(f"{where}: {len(pending)} pending tokens exceed the limit {MAX_PENDING}")

@@ -28,7 +28,7 @@ from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
 from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit_state_page import (
-    decode_state,
+    newest_state,
     put_back_state,
     read_state_page,
     state_path,
@@ -179,10 +179,8 @@ def apply_state(manifest: Manifest, manifest_path: str | os.PathLike[str]) -> Ma
         page = read_state_page(manifest_path)
         if page is None:
             return manifest
-        state = decode_state(page, manifest.dims["vocab"], str(state_path(manifest_path)))
-    except FormatError:
-        return manifest  # a cache only: torn by a concurrent write, or damaged
-    if state["epoch"] != manifest.epoch:
+        state = newest_state(page, manifest.dims["vocab"], str(state_path(manifest_path)), manifest.epoch)
+    except FormatError:  # no sound slot of this epoch: torn by a concurrent write, or damaged, or
         return manifest  # written before a truncate, or a truncate's manifest not yet in place
     return dataclasses.replace(manifest, committed=state["committed"], pending=state["pending"],
                                last_logits=state["last_logits"], updated_at=state["updated_at"])

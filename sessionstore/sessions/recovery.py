@@ -202,15 +202,34 @@ def _plain(sampler: Sampler | None, response_format: object) -> bool:
     return sampler is not None and not sampler.processing and response_format is None
 
 
+def rest_of_tail(target: ResumeTarget, n: int, m: int) -> list[int]:
+    """A file ahead of its page (``n`` records, the page's ``m``: a kv commit's commit word
+    landed, its page not): the page's tail (a durable stream's pending tokens, FORMAT.md 5.5)
+    that the file's extra records do not cover. Those records must be the tail's first tokens;
+    when they differ the file's records win as the committed prefix (said in the log) and
+    nothing of the tail is kept. Empty when the records cover the whole tail."""
+    tail = list(target.manifest.pending)
+    if n <= m or not tail:
+        return []
+    extra = [int(t) for t in target.cache.tokens[m:n]]
+    k = min(len(extra), len(tail))
+    if extra[:k] != tail[:k]:
+        log.warning("session.tail_differs", id=target.session_id, file_committed=n, page_committed=m,
+                    tail=tail, records=extra, kept="the file's records, a committed prefix")
+        return []
+    return tail[len(extra):]
+
+
 def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | None) -> None:
-    """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``
-    (the pending token drawn again at (seed, n) from ``logits`` by :func:`pending_token`, the
-    digest of position n-1)."""
+    """The file's commit word is the truth: rebuild the manifest's dynamic fields at ``n``: the
+    digest of position n-1, and as pending the rest of the page's tail past the file's records
+    (:func:`rest_of_tail`), or, when nothing of it is left, the pending token drawn again at
+    (seed, n) from ``logits`` by :func:`pending_token`."""
     manifest = target.manifest
     old_pending = list(manifest.pending)
     pending: list[int] = []
     if logits is not None:
-        pending = [pending_token(target, n, logits)]
+        pending = rest_of_tail(target, n, m) or [pending_token(target, n, logits)]
         manifest.last_logits = make_digest(logits, n - 1)
     else:
         manifest.last_logits = None
@@ -222,4 +241,4 @@ def recover_manifest(target: ResumeTarget, n: int, m: int, logits: np.ndarray | 
 
 
 __all__ = ["DEFERRED", "ResumeTarget", "ResumeCheck", "check_resume", "may_defer", "verify_and_recover",
-           "verify_last", "explain_mismatch", "pending_token", "recover_manifest"]
+           "verify_last", "explain_mismatch", "pending_token", "rest_of_tail", "recover_manifest"]

@@ -16,6 +16,10 @@ that feeds tokens never does) whenever the sidecar vouched for every committed r
 
 Commit = (1) the kv commit, THE commit point, (2) the manifest's dynamic fields on the commit
 state page (:mod:`sessionstore.sessions.committer`; the session's side: ``session_commits.py``).
+In durable-stream mode the commits between kv commits are tail commits, the page alone with every
+token after the committed records as ``pending`` (:mod:`sessionstore.sessions.durable_text`), so
+``pending`` may hold many tokens: ``history()`` is the records, then ``pending``, and a turn
+without a prompt feeds all of it first.
 On open, when the file's count F differs from the manifest's M, the session takes F and recomputes
 the pending token and the digest from position F-1 (:mod:`sessionstore.sessions.recovery`; the
 session's side: ``session_resume.py``). Turns (generate, append_tokens, truncate) are
@@ -30,7 +34,7 @@ from typing import Any
 from kernels.errors import ColiError
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
-from sessionstore.kvfile import Dims, open_kv
+from sessionstore.kvfile import Dims, Durability, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.committer import Committer
 from sessionstore.sessions.durable_text import CommitWatch
@@ -83,12 +87,12 @@ class Session(SessionTurns):
         # runs the file work of its resumes (a server's I/O thread, while its loop steps the others)
         self.io_runner: IoRunner = options.io_runner or run_here
         # durable streaming (:mod:`sessionstore.sessions.durable_text`): generate commits at every
-        # token, the state page fdatasync'ed; ``commit_watch`` (set by a turn that holds its text)
-        # hears what each commit covers once it has returned
+        # token (a tail commit: the state page alone, fdatasync'ed; a kv commit when due);
+        # ``commit_watch`` (set by a turn that holds its text) hears what each commit covers once
+        # it has returned
         self.durable_stream = options.durable_stream
         self.commit_watch: CommitWatch | None = None
         self._in_flight = False  # a durable-stream commit handed to the runner has not returned yet
-        self._uncatalogued = 0  # durable-stream commits since the catalogue's row was last rewritten
         self.fence: Fence | None = None  # set when a commit failed with an I/O error (sessions.fence)
         self._deferred = False  # resumed with that recompute still to do (recovery.verify_last)
         self.directory = store.session_dir(session_id)
@@ -97,7 +101,8 @@ class Session(SessionTurns):
         self.pending: list[int] = list(manifest.pending)
         self.resume_report: dict[str, Any] = {}
         self._files = ResidentFiles(session_id, self.kv_path)  # writer, mapping, cache: while resident
-        self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path)
+        self._committer = Committer(session_id, self.directory / MANIFEST_NAME, self.kv_path,
+                                    (options.durability or Durability()).fsync)  # the page's barrier: the seam's
         self._guard: Any = None  # a LeaseKeeper while the object-store tier keeps this host's lease
         self.suspend_timing: dict[str, float] = {}  # the last suspend: commit + release
 

@@ -22,6 +22,7 @@ from sessionstore.sessions.fence import (
     fences,
     record_fence,
 )
+from sessionstore.sessions.fields import MAX_PENDING
 from sessionstore.sessions.manifest import Manifest
 from sessionstore.sessions.resident_files import ResidentFiles
 from sessionstore.sessions.session_home import CommitRunner, SessionHome
@@ -48,7 +49,6 @@ class SessionCommits:
     _committer: Committer
     _guard: Any
     _in_flight: bool
-    _uncatalogued: int
     _deferred: bool
 
     def commit(self) -> int:
@@ -89,7 +89,6 @@ class SessionCommits:
                     raise
                 self._fence(exc, writer.nrec)
             if self.manifest is not before and catalogue:  # the catalogue's row follows (FORMAT.md 5.9)
-                self._uncatalogued = 0
                 self.store.note_session(self.manifest, resident=True)
             if watch is not None:  # returned: the text of the tokens it covers may go out
                 watch.committed(mark)
@@ -97,19 +96,56 @@ class SessionCommits:
 
         return finish
 
-    def _fence(self, exc: OSError, verified: int) -> NoReturn:
+    def begin_tail_commit(self) -> Callable[[], int] | None:
+        """A durable stream's tail commit (:mod:`sessionstore.sessions.durable_text`), split like
+        :meth:`begin_commit`: fixed now, its callable writes the state page alone (one
+        ``pwrite``, one fdatasync) with ``committed`` and ``last_logits`` those of the last kv
+        commit and ``pending`` = every token after its records (the ones fed since, then the
+        ones drawn and not fed). None when it must be a kv commit instead: the tail would exceed
+        ``MAX_PENDING`` (the page's payload limit holds that many), or the manifest does not
+        describe the writer's committed records."""
+        if self.state != "resident":
+            return None
+        if self.fence is not None:
+            raise SessionFencedError(self.fence)
+        if self._guard is not None:
+            self._guard.check()  # LockedError once another host owns the session
+        n, base, cache = self._files.live_writer.nrec, self.manifest, self._files.live_cache
+        tail = [*cache.tokens[n:cache.length].tolist(), *self.pending]
+        if len(tail) > MAX_PENDING or base.committed != n:
+            return None
+        watch = self.commit_watch
+        mark = watch.mark() if watch is not None else 0  # the text this commit covers
+
+        def finish() -> int:
+            try:
+                self.manifest = self._committer.commit_tail(base, tail)
+            except OSError as exc:
+                if not fences(exc):
+                    raise
+                self._fence(exc, n, pending=base.pending)  # reopened with the last tail that returned
+            if watch is not None:
+                watch.committed(mark)
+            return n
+
+        return finish
+
+    def _fence(self, exc: OSError, verified: int, *, pending: list[int] | None = None) -> NoReturn:
         """A commit failed with an I/O error: nothing more is written for this session; it is
         reopened from its ``verified`` records only (:mod:`sessionstore.sessions.fence`)."""
-        self.fence = fence_of(self.id, verified, exc)
+        self.fence = fence_of(self.id, verified, exc, pending)
         log.error("session.fenced", id=self.id, verified=verified, error=self.fence.error, message=str(exc))
         record_fence(self.directory, self.fence)  # a later process cuts it back the same way first
         raise SessionFencedError(self.fence) from exc
 
-    def _commit_through_runner(self, *, catalogue: bool = True) -> None:
+    def _commit_through_runner(self, *, catalogue: bool = True, tail: bool = False) -> None:
         """A turn's commit: its first part here, the rest by ``commit_runner`` when there is one
         (a server's engine runs it beside its next batched step, or lets the turn run it without
-        holding the other sessions back), else here."""
-        finish = self.begin_commit(catalogue=catalogue)
+        holding the other sessions back), else here. ``tail``: a tail commit when it can be one
+        (:meth:`begin_tail_commit`), else a kv commit."""
+        finish = self.begin_tail_commit() if tail else None
+        if finish is None:
+            finish = self.begin_commit(catalogue=catalogue)
         if self.commit_runner is None:
             finish()
         elif not self.durable_stream:

@@ -79,11 +79,11 @@ class SessionTurns(SessionResume):
             if on_token is not None:
                 on_token(token, position)
             every, writer = self.commit_every, self._files.live_writer
+            due = bool(every) and self._files.live_cache.length - writer.nrec >= (every or 0)
             if self.durable_stream:  # every token (its text is held until then), unless one is in flight:
-                if not self._in_flight:  # the next one covers this token too
-                    self._uncatalogued += 1  # the catalogue's row every commit_every of these (FORMAT.md 5.9)
-                    self._commit_through_runner(catalogue=self._uncatalogued >= (every or 1))
-            elif every and self._files.live_cache.length - writer.nrec >= every:
+                if not self._in_flight:  # the next one covers this token too; a kv commit when due,
+                    self._commit_through_runner(tail=not due)  # else a tail commit (the page alone)
+            elif due:
                 self._commit_through_runner()
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,

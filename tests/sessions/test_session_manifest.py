@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 from kernels.errors import CorruptionError, FormatError, LimitError, NotFoundError
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.digest import make_digest
+from sessionstore.sessions.fields import MAX_PENDING
 from sessionstore.sessions.fingerprint import fingerprint_dir, fingerprint_tiny
 from sessionstore.sessions.manifest import Manifest, ModelRef, read_manifest, write_manifest
 
@@ -49,7 +50,7 @@ def test_round_trip_and_atomic_replace(tmp_path) -> None:
     (lambda d: d.update(committed=-1), FormatError),
     (lambda d: d.update(committed=True), FormatError),
     (lambda d: d.update(pending=[64]), FormatError),
-    (lambda d: d.update(pending=list(range(17))), LimitError),
+    (lambda d: d.update(pending=[0] * (MAX_PENDING + 1)), LimitError),
     (lambda d: d.update(kv_file="../../etc/passwd"), FormatError),
     (lambda d: d["sampler"].update(temperature="hot"), FormatError),
     (lambda d: d["sampler"].update(temperature=-0.5), FormatError),

@@ -28,6 +28,7 @@ from sessionstore.sessions.commit_state_page import (
 )
 from sessionstore.sessions.digest import LogitsDigest, logits_hash, make_digest
 from sessionstore.sessions.directory import STATE_NAME
+from sessionstore.sessions.fields import MAX_PENDING
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
@@ -100,7 +101,8 @@ def test_state_page_round_trip_and_layout() -> None:
     assert len(page) == STATE_BYTES and page[:8] == b"COLIMST1"
     state = decode_state(page, 64, "p")
     assert state == {"epoch": 2, "committed": 7, "pending": [1, 2], "last_logits": m.last_logits,
-                     "updated_at": m.updated_at}
+                     "updated_at": m.updated_at, "seq": 0}
+    assert decode_state(encode_state(m, 5), 64, "p")["seq"] == 5
     flipped = bytearray(page)
     flipped[30] ^= 1
     with pytest.raises(FormatError, match="check"):
@@ -123,12 +125,14 @@ def test_read_manifest_applies_a_sound_page_of_the_same_epoch_only(tmp_path) -> 
     got = read_manifest(path)
     assert (got.committed, got.pending, got.updated_at) == (9, [5], "later")
     assert json.loads(path.read_bytes())["committed"] == 3  # the manifest file itself unchanged
-    StateWriter(path).write(_manifest(committed=9, epoch=0))  # written before a truncate
+    StateWriter(path).write(_manifest(committed=11, epoch=0))  # written before a truncate: ignored
+    assert read_manifest(path).committed == 9  # the other slot, of this epoch
+    StateWriter(path).write(_manifest(committed=12, epoch=0))  # both slots of another epoch
     assert read_manifest(path).committed == 3
     StateWriter(path).write(newer)
     page = bytearray(state_path(path).read_bytes())
-    page[20] ^= 0x10  # torn or damaged: ignored, the manifest's own (older) values are used
-    state_path(path).write_bytes(bytes(page))
+    page[STATE_BYTES + 20] ^= 0x10  # slot 1 (this epoch's) torn or damaged: ignored; slot 0 is of
+    state_path(path).write_bytes(bytes(page))  # epoch 0: the manifest's own (older) values are used
     assert read_manifest(path).committed == 3
     state_path(path).write_bytes(b"")  # created, never written
     assert read_manifest(path).committed == 3
@@ -143,6 +147,28 @@ def test_a_whole_manifest_write_updates_an_existing_page(tmp_path) -> None:
     got = read_manifest(path)
     assert (got.committed, got.pending) == (4, [])
     assert decode_state(read_state_page(path), 64, "p")["committed"] == 4
+
+
+def test_a_torn_page_leaves_the_other_slot_in_effect(tmp_path) -> None:
+    """Pages go to the two slots in turn, numbered: a write torn by a crash damages only its own
+    slot, so the page written before it (a durable stream's tail, the only copy of tokens a
+    client saw) is read instead (FORMAT.md 5.3.1)."""
+    path = tmp_path / MANIFEST_NAME
+    write_manifest(path, _manifest(committed=3))
+    writer = StateWriter(path)
+    for k in range(3):
+        writer.write(_manifest(committed=3, pending=[1] * (k + 1)))
+    assert read_manifest(path).pending == [1, 1, 1]  # seq 3, in slot 0
+    raw = bytearray(state_path(path).read_bytes())
+    assert len(raw) == 2 * STATE_BYTES
+    raw[20] ^= 1  # slot 0 (the newest) torn
+    state_path(path).write_bytes(bytes(raw))
+    assert read_manifest(path).pending == [1, 1]  # slot 1, seq 2
+    again = StateWriter(path)  # a new writer numbers on and never overwrites the newest sound slot
+    again.write(_manifest(committed=3, pending=[2]))
+    assert read_manifest(path).pending == [2] and again.seq == 4
+    writer.close()
+    again.close()
 
 
 def test_symlinked_state_page_is_never_followed(tmp_path) -> None:
@@ -190,7 +216,8 @@ def test_a_damaged_or_lost_page_recovers_exactly(tmp_path, tiny, damage) -> None
     page = state_path(store.session_dir("s") / MANIFEST_NAME)
     if damage == "torn":
         raw = bytearray(page.read_bytes())
-        raw[40] ^= 0xFF
+        raw[40] ^= 0xFF  # both slots: the one of the last commit and the one before it
+        raw[STATE_BYTES + 40] ^= 0xFF
         page.write_bytes(bytes(raw))
     else:
         page.unlink()
@@ -215,3 +242,14 @@ def test_write_behind_and_staged_sessions_commit_the_same_bytes(tmp_path) -> Non
         with open_kv(store.kv_path("s")) as r:
             out.append((tokens, r.nrec, r.records_bytes_view(0, r.nrec).tobytes()))
     assert out[0] == out[1]
+
+
+def test_a_page_holds_max_pending_ids_of_any_vocab_with_a_digest() -> None:
+    """A durable stream's tail commit puts up to MAX_PENDING ids on the page (a longer tail is a
+    kv commit instead): they fit with the longest digest, counts and timestamp."""
+    big = (1 << 31) - 1
+    logits = np.full(64, -3.4028234663852886e38, dtype=np.float32)  # the longest decimals
+    m = _manifest(committed=big, epoch=(1 << 63) - 1, pending=[big - 1] * MAX_PENDING,
+                  last_logits=make_digest(logits, big - 1), updated_at="2026-12-03T18:00:00.000000Z")
+    page = encode_state(m, (1 << 63) - 1)
+    assert decode_state(page, big, "p")["pending"] == [big - 1] * MAX_PENDING

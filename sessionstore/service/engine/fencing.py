@@ -33,9 +33,10 @@ class FencedSessions:
         log.error("service.session_fenced", id=fence.session_id, verified=fence.verified, error=fence.error)
 
     def listed(self) -> list[dict[str, object]]:
-        """The fenced sessions, for ``/healthz``."""
+        """The fenced sessions, for ``/healthz`` (FORMAT.md 7.1: id, verified, error, at; never a
+        failed tail commit's token ids)."""
         with self._lock:
-            return [fence.to_json() for fence in self._fences.values()]
+            return [{k: v for k, v in fence.to_json().items() if k != "pending"} for fence in self._fences.values()]
 
     def reopen(self, store: SessionStore, session_id: str) -> None:
         """Before ``session_id`` is opened again: when it is fenced, its kv file's commit word is
@@ -49,7 +50,7 @@ class FencedSessions:
         directory = store.session_dir(session_id)
         try:
             cut = reopen_fenced(directory, directory / manifest.kv_file, Dims(**manifest.dims), manifest.kv_dtype,
-                                fence.verified)
+                                fence.verified, fence.pending)
         except OSError as exc:
             log.error("service.reopen_failed", id=session_id, error=str(exc))
             raise SessionFencedError(fence) from exc
