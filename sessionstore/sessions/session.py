@@ -56,7 +56,7 @@ class Session(SessionTurns):
     resume and release (:class:`SessionResume`), turns (:class:`SessionTurns`). Each base declares
     the state it reads, which :meth:`__init__` sets.
 
-    Why 38 methods: 19 are those bases' (each phase a module of its own, split by job already); of
+    Why 39 methods: 20 are those bases' (each phase a module of its own, split by job already); of
     its own 19, 6 are read-only properties, 2 the constructors (create, open) and 3 the context
     manager and repr; what is left is the life cycle every caller holds one object for (suspend,
     close, abandon, fork, guard). Split further, the halves would share the resident files, the
