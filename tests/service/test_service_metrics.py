@@ -17,7 +17,7 @@ from tests.service.serverkit import ServerProc, sse_events
 TYPES = {"coli_time_to_first_token_seconds": "histogram", "coli_inter_token_latency_seconds": "histogram",
          "coli_turn_seconds": "histogram", "coli_prompt_tokens": "counter", "coli_cached_prompt_tokens": "counter",
          "coli_tokens_generated": "counter", "coli_decode_steps": "counter", "coli_requests_waiting": "gauge",
-         "coli_requests_running": "gauge", "coli_requests": "counter"}
+         "coli_requests_running": "gauge", "coli_requests": "counter", "coli_commits_in_flight": "gauge"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,7 @@ def test_running_while_a_turn_streams_then_not(server: ServerProc) -> None:
         time.sleep(0.05)
     families = _scrape(server)
     assert _value(families, "coli_requests_running") == 0 and _value(families, "coli_requests_waiting") == 0
+    assert _value(families, "coli_commits_in_flight") == 0  # the turn's last commit was waited for
 
 
 def test_values_follow_the_turns_usage(server: ServerProc) -> None:

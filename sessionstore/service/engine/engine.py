@@ -77,7 +77,7 @@ class Engine:
         self._lock = threading.Lock()  # the busy set
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
-                                   lambda: self.loop.batch.steps)
+                                   lambda: self.loop.batch.steps, self.loop.commits.in_flight)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:

@@ -29,7 +29,8 @@ class FunctionCounter(Collector):
 
 class EngineMetrics:
     """The engine core's: generated tokens, turns waiting and running, sessions and their resident
-    bytes, evictions, commit / resume / turn latency, decode steps and their batch sizes."""
+    bytes, evictions, commit / resume / turn latency, decode steps and their batch sizes, group
+    commits in flight."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -54,6 +55,9 @@ class EngineMetrics:
                                       buckets=TURN_BUCKETS)
         self.waiting = Gauge("coli_requests_waiting", "turns accepted and waiting for the engine", registry=r)
         self.running = Gauge("coli_requests_running", "turns the engine is running", registry=r)
+        self.commits_in_flight = Gauge("coli_commits_in_flight", "sessions whose group commit runs beside the "
+                                       "engine's steps (started at the end of a pass, not yet waited for)",
+                                       registry=r)
         self.fenced = Gauge("coli_sessions_fenced", "sessions fenced after a commit failed with an I/O error "
                             "(nothing more written; reopened from their last verified commit on their next request)",
                             registry=r)
@@ -61,9 +65,11 @@ class EngineMetrics:
                               registry=r)
 
     def bind_sessions(self, resident: Callable[[], int], suspended: Callable[[], int],
-                      resident_bytes: Callable[[], int], steps: Callable[[], int]) -> None:
+                      resident_bytes: Callable[[], int], steps: Callable[[], int],
+                      commits_in_flight: Callable[[], int]) -> None:
         """Gauges (and the steps counter) read at scrape time."""
         self.steps.read = steps
+        self.commits_in_flight.set_function(commits_in_flight)
         self.resident.set_function(resident)
         self.suspended.set_function(suspended)
         self.resident_bytes.set_function(resident_bytes)

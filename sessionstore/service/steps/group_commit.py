@@ -92,7 +92,9 @@ class GroupCommit:
         return next((e for e in errors if e is not None), None)
 
     def in_flight(self) -> int:
-        """Owners whose commits were started and not waited for."""
+        """Owners whose commits were started and not waited for (the engine's
+        ``coli_commits_in_flight`` gauge, read at scrape time from another thread: one ``len`` of a
+        dict, a single atomic read under the GIL)."""
         return len(self._running)
 
     def close(self) -> None:
