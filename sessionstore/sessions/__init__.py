@@ -6,6 +6,7 @@ from kernels.rows import KV_VERSION_OF_DTYPE
 from sessionstore.sessions.catalogue import SessionFilesMissingError
 from sessionstore.sessions.catalogue_entry import CatalogueEntry
 from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
+from sessionstore.sessions.commit_state_page import STATE_BYTES, STATE_SLOTS, state_path
 from sessionstore.sessions.conversation_file import (
     CONVERSATION_NAME,
     ConversationRecord,
@@ -80,6 +81,8 @@ from sessionstore.sessions.turn_loop import (
 )
 
 __all__ = [
+    "STATE_BYTES",
+    "STATE_SLOTS",
     "CATALOGUE_NAME",
     "CONVERSATION_NAME",
     "CatalogueEntry",
@@ -156,6 +159,7 @@ __all__ = [
     "response_list_bytes",
     "run_turn",
     "session_disk_bytes",
+    "state_path",
     "tokens_digest",
     "utc_now",
     "validate_session_id",

@@ -48,6 +48,8 @@ from sessionstore.sessions import (
     LOCK_NAME,
     MANIFEST_NAME,
     SIDECAR_NAME,
+    STATE_BYTES,
+    STATE_SLOTS,
     TIER_NAME,
     Offloaded,
     SessionUse,
@@ -58,6 +60,7 @@ from sessionstore.sessions import (
     plan_tiers,
     read_tier,
     session_disk_bytes,
+    state_path,
     utc_now,
     write_tier,
 )
@@ -67,6 +70,8 @@ DEFAULT_SWEEP_INTERVAL_S = 30.0
 MAX_ROUNDS = 8  # plans a turn's room is made in (each round skips what the one before could not move)
 
 log = get_logger("tiers")
+NEW_SESSION_SMALL_FILES = STATE_SLOTS * STATE_BYTES + 2 * PAGE  # a new session's commit state page
+# file (both slots) and a bound of its manifest and lock file, which a turn's bound counts before they exist
 
 
 class TierMetrics:
@@ -143,6 +148,10 @@ class TierManager:
             d = self.store.session_dir(sid)
             now_bytes = session_disk_bytes(d)
             others = now_bytes - sum(os.lstat(d / n).st_size for n in (KV_NAME, SIDECAR_NAME) if os.path.lexists(d / n))
+            state = state_path(d / MANIFEST_NAME)  # a one-slot page file grows to both slots when opened
+            others += max(0, STATE_SLOTS * STATE_BYTES - (os.lstat(state).st_size if os.path.lexists(state) else 0))
+        elif record.offloaded is None:  # a new session: the small files it installs (FORMAT.md 5.1)
+            others = NEW_SESSION_SMALL_FILES
         # the writer's headroom ends on a page boundary (FORMAT.md 3.4.1): one page more bounds it
         records = len(prompt) + max_new
         after = HEADER_SIZE + records * per_record + default_headroom(per_record) + PAGE
