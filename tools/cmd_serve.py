@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from kernels.errors import FormatError
+from kernels.errors import ColiError, FormatError
 from kernels.rows import KV_DTYPES
 from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
@@ -134,8 +134,13 @@ def run_http(args: argparse.Namespace) -> int:
     host, port = parse_bind(args.http)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_bind(host, api_key)
-    from sessionstore.service.fleet.bundle_pull import PullPolicy  # the service extra: imported here only
-    from sessionstore.service.http import ServeConfig, serve_http
+    try:  # the service extra: imported here only (the README's install leaves it out)
+        import uvicorn  # noqa: F401 - serve_http imports it when it starts listening
+
+        from sessionstore.service.fleet.bundle_pull import PullPolicy
+        from sessionstore.service.http import ServeConfig, serve_http
+    except ImportError as exc:
+        raise missing_extra(exc) from None
 
     try:
         if args.pull_timeout <= 0:
@@ -169,6 +174,19 @@ def run_http(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         watcher.join()
+
+
+OUR_PACKAGES = ("kernels", "sessionstore", "tools")
+SERVICE_INSTALL = 'pip install -e ".[service]"'
+
+
+def missing_extra(exc: ImportError) -> ColiError:
+    """The one-line error for ``--http`` without the ``service`` extra (a module of ours that fails
+    to import is a bug: its error is raised as it is)."""
+    missing = (exc.name or "").partition(".")[0]
+    if not missing or missing in OUR_PACKAGES:
+        raise exc
+    return ColiError(f"--http needs the service extra ({missing} is not installed): {SERVICE_INSTALL}")
 
 
 def run_inbox(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ import pytest
 
 from kernels.cuda.device import cuda_status
 from sessionstore.sessions.store import SessionStore
+from tests.house.test_imports import SERVICE_EXTRAS
+from tests.support.extras import without_modules
 from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - a fixture
 from tools.coli_kv import main
 
@@ -219,3 +221,24 @@ def test_real_process_failures_are_one_line(tmp_path) -> None:
     for value in ("inf", "nan", "abc", "0"):
         proc = cli("export", "--root", str(root), "s", str(tmp_path / "b.colib"), "--chunk-mib", value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--chunk-mib" in proc.stderr
+
+
+# the service extra's modules (pyproject.toml's ``service`` list, by their import names)
+SERVICE_EXTRA_MODULES = (*SERVICE_EXTRAS, "httptools", "uvloop", "llguidance")
+
+
+def test_serve_http_without_the_service_extra_says_which_extra(tmp_path) -> None:
+    """After the README's install (``.[text]``, no ``service``), ``serve --http`` says in one line
+    which extra to install and exits 2: no traceback (it was ``ModuleNotFoundError: httpx``)."""
+    env = without_modules(tmp_path / "site", SERVICE_EXTRA_MODULES, {**os.environ, "PYTHONPATH": str(REPO)})
+    probe = subprocess.run([sys.executable, "-c", "import httpx"], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert probe.returncode == 1 and "No module named 'httpx'" in probe.stderr  # the blocker holds
+    done = subprocess.run([sys.executable, "-m", "tools.coli_kv", "serve", "--http", "0", "--root",
+                           str(tmp_path / "root"), "--model", "tiny"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, (done.returncode, done.stderr)
+    assert lines[0].startswith("coli-kv serve: error: --http needs the service extra")
+    assert 'pip install -e ".[service]"' in lines[0] and "Traceback" not in done.stderr
+    assert not (tmp_path / "root").exists()  # nothing left behind
