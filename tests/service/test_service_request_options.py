@@ -160,3 +160,63 @@ def test_cached_tokens_are_the_prompt_tokens_reused_from_the_session(server: Ser
             "stream_options": {"include_usage": True}}
     last = _raw_stream(server, "/v1/completions", body)[-1]
     assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == len(history) + 1  # up to where it differs
+
+
+# ---- one session key: session, session_id (SGLang's name), X-Session-Id ---------------------------
+def _turn_body(server: ServerProc, path: str, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": _name(server), "max_tokens": 3, **extra}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "Keys name sessions."}]
+    elif path == "/v1/completions":
+        body["prompt"] = "Keys name sessions."
+    else:
+        body["input"] = "Keys name sessions."
+        body["max_output_tokens"] = body.pop("max_tokens")
+    return body
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_session_id_is_the_session_key_on_every_turn_endpoint(server: ServerProc, path: str) -> None:
+    sid = "key-" + path.rsplit("/", 1)[-1]
+    done = server.post(path, json=_turn_body(server, path, session_id=sid))
+    assert done.status_code == 200, done.text
+    assert server.get(f"/v1/sessions/{sid}").status_code == 200  # the turn ran on the session it named
+    tokens = server.get(f"/v1/sessions/{sid}").json()["tokens"]
+    # one meaning: the three keys naming the same session agree
+    same = server.post(path, json=_turn_body(server, path, session=sid, session_id=sid), headers={"X-Session-Id": sid})
+    assert same.status_code == 200, same.text
+    assert server.get(f"/v1/sessions/{sid}").json()["tokens"] >= tokens
+    if path != "/v1/responses":
+        assert same.json()["session"]["id"] == sid
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_conflicting_session_keys_are_a_400_naming_both(server: ServerProc, path: str) -> None:
+    cases = [({"session": "left", "session_id": "right"}, {}, ("session", "session_id")),
+             ({"session_id": "left"}, {"X-Session-Id": "right"}, ("session_id", "X-Session-Id")),
+             ({"session": "left"}, {"X-Session-Id": "right"}, ("session", "X-Session-Id"))]
+    for fields, headers, named in cases:
+        done = server.post(path, json=_turn_body(server, path, **fields), headers=headers)
+        assert done.status_code == 400, (fields, headers, done.text)
+        error = done.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["code"] == "session_mismatch" and error["param"] == named[1]
+        assert all(n in error["message"] for n in named) and "'left'" in error["message"], error
+    for sid in ("left", "right"):
+        assert server.get(f"/v1/sessions/{sid}").status_code == 404  # nothing was created
+
+
+def test_a_responses_chain_keeps_its_session_key(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    first = client.responses.create(model=name, input="A chain on a named session.", max_output_tokens=4,
+                                    extra_body={"session_id": "chain-key"})
+    before = server.get("/v1/sessions/chain-key").json()["tokens"]
+    follow = client.responses.create(model=name, input="Go on.", max_output_tokens=4, previous_response_id=first.id,
+                                     extra_headers={"X-Session-Id": "chain-key"})
+    assert server.get("/v1/sessions/chain-key").json()["tokens"] > before  # continued in place
+    other = server.post("/v1/responses", json={"model": name, "input": "x", "previous_response_id": follow.id,
+                                               "session_id": "another"})
+    assert other.status_code == 400 and other.json()["error"]["code"] == "session_mismatch", other.text
+    assert "'another'" in other.json()["error"]["message"] and "'chain-key'" in other.json()["error"]["message"]
+    stateless = server.post("/v1/responses", json={"model": name, "input": "x", "store": False, "session": "s"})
+    assert stateless.status_code == 400 and stateless.json()["error"]["param"] == "store", stateless.text

@@ -36,11 +36,13 @@ from sessionstore.service.http.completion_output import CompletionOutput, Stream
 from sessionstore.service.http.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.protocol import (
+    SESSION_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     TurnFields,
     now,
     parse_body,
+    session_of,
 )
 from sessionstore.service.http.responses import ResponsesRoutes
 from sessionstore.service.http.session_routes import SessionRoutes
@@ -51,21 +53,6 @@ from sessionstore.service.limits import ServiceLimits
 from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-SESSION_HEADER = "x-session-id"  # names a turn's session beside the body's "session" (FORMAT.md 7.2)
-
-
-def session_of(body: str | None, header: str | None) -> str | None:
-    """The session a turn names: the body's ``session`` or the ``X-Session-Id`` header, checked;
-    both given and different is a 400."""
-    if header is not None and body is not None and header != body:
-        raise ApiError(400, "the X-Session-Id header and the body's session field name different sessions",
-                       param="session", code="session_mismatch")
-    session = body if body is not None else header
-    if session is not None:
-        validate_session_id(session)
-    return session
 
 
 def holder_redirect(exc: HeldElsewhere, request: Request, places: Places) -> Response:
@@ -176,7 +163,7 @@ class Api:
         """The turn a request asks for; its session is the body's ``session`` or the
         ``X-Session-Id`` header (the one a load balancer routes on; both given and different: 400)."""
         self.check_model(req.model)
-        session = session_of(req.session, header_session)
+        session = session_of({"session": req.session, "session_id": req.session_id}, header_session)
         spec = TurnSpec("chat" if kind == "chat" else "completion", session, max_tokens=req.max_tokens,
                         sampling=req.sampling(), stops=req.stops())
         spec.ignore_eos = req.ignore_eos

@@ -19,6 +19,7 @@ from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.jsonbody import read_json_body
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.sessions import validate_session_id
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -97,6 +98,7 @@ class TurnFields(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     session: str | None = None  # the conversation this turn continues (created if absent)
+    session_id: str | None = None  # the same, by SGLang's name (both given: the same id, else a 400)
     ignore_eos: bool = False  # extension (vLLM's name): keep sampling past eos ids
     retention_seconds: StrictInt | None = None  # extension: the session's retention (FORMAT.md 5.10; null clears)
     pinned: StrictBool | None = None  # extension: the session is never offloaded or expired (FORMAT.md 5.10)
@@ -258,6 +260,28 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
 
 
+SESSION_HEADER = "x-session-id"  # names a turn's session beside the body's "session" (FORMAT.md 7.2)
+
+
+def session_of(body: dict[str, str | None], header: str | None) -> str | None:
+    """The session a turn names, checked: the body's keys (``session``, ``session_id``: SGLang's
+    name; one meaning) or the ``X-Session-Id`` header. Two of them naming different sessions is a
+    400 naming both."""
+    named = [(f"the body's {field}", field, value) for field, value in body.items() if value is not None]
+    if header is not None:
+        named.append(("the X-Session-Id header", "X-Session-Id", header))
+    if not named:
+        return None
+    first, _, session = named[0]
+    for label, param, value in named[1:]:
+        if value != session:
+            raise ApiError(400, f"{first} and {label} name different sessions ({session[:80]!r} and "
+                           f"{value[:80]!r}); give one of them, or the same id", param=param,
+                           code="session_mismatch")
+    validate_session_id(session)
+    return session
+
+
 # ---- responses ------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session (its
@@ -354,7 +378,7 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["LOGPROB_FLOOR", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs", "check_logit_bias",
-           "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed", "now", "parse_body",
-           "sse", "text_part", "token_text", "usage", "usage_chunk"]
+__all__ = ["LOGPROB_FLOOR", "SESSION_HEADER", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage",
+           "CompletionRequest", "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs",
+           "check_logit_bias", "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed", "now",
+           "parse_body", "session_of", "sse", "text_part", "token_text", "usage", "usage_chunk"]

@@ -39,7 +39,15 @@ from sessionstore.service.engine import (
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
-from sessionstore.service.http.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
+from sessionstore.service.http.protocol import (
+    SESSION_HEADER,
+    TEXT_PART_SEPARATOR,
+    fresh_seed,
+    now,
+    parse_body,
+    session_of,
+    sse,
+)
 from sessionstore.service.http.streams import Event
 from sessionstore.service.limits import ServiceLimits
 
@@ -116,6 +124,8 @@ class ResponseRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
+    session: str | None = None  # extension: the session the chain's first response runs on (else a new one)
+    session_id: str | None = None  # the same, by SGLang's name
 
     def check(self, limits: ServiceLimits) -> None:
         if self.tools:
@@ -186,6 +196,22 @@ def response_object(record: ResponseRecord, store: bool, *, status: str | None =
     }
 
 
+def check_chain_key(key: str | None, store: bool, prev: ResponseRecord | None) -> None:
+    """A session key (``session``, ``session_id``, ``X-Session-Id``) on a response names the session
+    its chain runs on: it needs ``store`` (a stateless response has none), and beside
+    ``previous_response_id`` it must name that response's session (one meaning: a router may send
+    the key with every turn of the chain)."""
+    if key is None:
+        return
+    if not store:
+        raise ApiError(400, "a session key (session, session_id or X-Session-Id) needs store: true; a response "
+                       "with store: false runs on no session", param="store", code="invalid_value")
+    if prev is not None and prev.session != key:
+        raise ApiError(400, f"previous_response_id continues session {prev.session[:80]!r} and the session key "
+                       f"names {key[:80]!r}; give one of them, or the same id", param="previous_response_id",
+                       code="session_mismatch")
+
+
 def response_not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"no response {response_id[:80]!r} (unknown, deleted, or created with store: false)",
                     param=param, code="response_not_found")
@@ -213,6 +239,8 @@ class ResponsesRoutes:
             if prev.model != req.model:
                 raise ApiError(409, f"response {prev.id!r} was made by model {prev.model!r}, not {req.model!r}",
                                param="previous_response_id", code="model_mismatch")
+        key = session_of({"session": req.session, "session_id": req.session_id}, request.headers.get(SESSION_HEADER))
+        check_chain_key(key, req.store, prev)
         items, added = req.items()
         chain = [*(prev.messages if prev else []), *added]
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -229,7 +257,7 @@ class ResponsesRoutes:
         host.render(spec)
         job = None
         if req.store:  # the core places the turn on the chain's session and writes the record
-            spec.session = prev.session if prev is not None else chain_session_id()
+            spec.session = prev.session if prev is not None else key or chain_session_id()
             job = ResponseJob(msgspec.to_builtins(record), chain,
                               None if prev is None else msgspec.to_builtins(prev))
         stream, first = await host.start_turn(spec, clock, job)
@@ -341,4 +369,5 @@ class ResponsesRoutes:
                 "input_items": self.input_items}
 
 
-__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "message_item", "response_object"]
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_chain_key", "message_item",
+           "response_object"]

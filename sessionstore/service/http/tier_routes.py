@@ -30,7 +30,8 @@ def tier_change_of(req: BaseModel, session: str | None) -> TierChange | None:
     if not given:
         return None
     if session is None:
-        raise ApiError(400, f"{sorted(given)[0]} applies to a session: give session (or X-Session-Id) too",
+        raise ApiError(400, f"{sorted(given)[0]} applies to a session: give session (or session_id, or "
+                       "X-Session-Id) too",
                        param=sorted(given)[0], code="invalid_value")
     retention = getattr(req, "retention_seconds", None)
     try:
