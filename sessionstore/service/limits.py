@@ -17,6 +17,7 @@ class ServiceLimits:
     max_stop: int = 4  # stop strings per request: 400
     max_stop_chars: int = 256  # characters in one stop string: 400
     max_choices: int = 8  # choices (n) one request may ask for: 400
+    max_prompts: int = 32  # prompts in one completion request (a choice of each, n of each): 400
     max_bundle_bytes: int = 1 << 36  # a bundle uploaded with PUT .../bundle larger than this: 413
     max_queued_turns: int = 256  # turns waiting for the engine; past it new ones get 503
     max_resident: int = 8  # sessions resident at once; the least recently used idle one is suspended

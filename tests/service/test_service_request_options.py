@@ -220,3 +220,81 @@ def test_a_responses_chain_keeps_its_session_key(server: ServerProc) -> None:
     assert "'another'" in other.json()["error"]["message"] and "'chain-key'" in other.json()["error"]["message"]
     stateless = server.post("/v1/responses", json={"model": name, "input": "x", "store": False, "session": "s"})
     assert stateless.status_code == 400 and stateless.json()["error"]["param"] == "store", stateless.text
+
+
+# ---- /v1/completions: OpenAI's four prompt shapes --------------------------------------------------
+def test_completions_take_a_list_of_prompts_one_choice_each_in_order(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    texts = ["The fox", "A scope is", "Hello there"]
+    alone = [client.completions.create(model=name, prompt=t, max_tokens=5, extra_body={"ignore_eos": True})
+             for t in texts]
+    batch = client.completions.create(model=name, prompt=texts, max_tokens=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.token_ids for c in batch.choices] == [a.choices[0].token_ids for a in alone]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 15
+    # token-id lists: one prompt, or a list of them
+    ids = [[72, 105, 33], [5, 6, 7, 8]]
+    one = client.completions.create(model=name, prompt=ids[1], max_tokens=4, extra_body={"ignore_eos": True})
+    both = client.completions.create(model=name, prompt=ids, max_tokens=4, extra_body={"ignore_eos": True})
+    assert len(both.choices) == 2 and both.choices[1].token_ids == one.choices[0].token_ids
+
+
+def test_n_multiplies_the_prompts_choice_index_is_prompt_times_n_plus_j(server: ServerProc) -> None:
+    name = _name(server)
+    texts = ["The fox", "A scope is"]
+    body = {"model": name, "max_tokens": 4, "temperature": 1.0, "seed": 11, "n": 3, "ignore_eos": True}
+    batch = server.post("/v1/completions", json={**body, "prompt": texts}).json()
+    assert [c["index"] for c in batch["choices"]] == list(range(6))
+    for p, text in enumerate(texts):  # prompt p's choices are what it gives alone, in order
+        alone = server.post("/v1/completions", json={**body, "prompt": text}).json()
+        assert [c["token_ids"] for c in batch["choices"][p * 3:p * 3 + 3]] == \
+            [c["token_ids"] for c in alone["choices"]]
+    streamed = _raw_stream(server, "/v1/completions", {**body, "prompt": texts, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+    finals = {c["choices"][0]["index"]: c["choices"][0]["token_ids"] for c in streamed[:-1]
+              if c["choices"][0]["finish_reason"]}
+    assert finals == {c["index"]: c["token_ids"] for c in batch["choices"]}
+    assert streamed[-1]["usage"] == batch["usage"]
+
+
+@pytest.mark.parametrize("prompt", [5, {"text": "x"}, [1, "a"], [[1, 2], "a"], [[1, -2]], [1.5], [[1], [2.5]],
+                                    [True, 2], None])
+def test_a_bad_prompt_is_a_400_naming_the_shapes_not_the_validator(server: ServerProc, prompt: Any) -> None:
+    done = server.post("/v1/completions", json={"model": _name(server), "prompt": prompt, "max_tokens": 2})
+    assert done.status_code == 400, done.text
+    error = done.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith(
+        "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"), error
+    assert ".str" not in error["message"] and "list[" not in error["message"]
+
+
+def test_empty_prompts_and_a_session_with_several_prompts_are_400s(server: ServerProc) -> None:
+    name = _name(server)
+    for prompt, param in (([], "prompt"), ("", "prompt"), (["a", ""], "prompt.1"), ([[1], []], "prompt.1")):
+        done = server.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 2})
+        assert done.status_code == 400 and done.json()["error"]["param"] == param, (prompt, done.text)
+    done = server.post("/v1/completions", json={"model": name, "prompt": ["a", "b"], "session": "two"})
+    assert done.status_code == 400 and "one prompt" in done.json()["error"]["message"], done.text
+    many = server.post("/v1/completions", json={"model": name, "prompt": ["a"] * 33, "max_tokens": 1})
+    assert many.status_code == 400 and many.json()["error"]["code"] == "limit_exceeded", many.text
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content: must be a string, a list of content parts or null"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": 5},
+     "stop: must be a string or a list of strings"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "session_id": 5}, "session_id: "),
+    ("/v1/responses", {"input": 5}, "input: must be a string or a list of message items"),
+    ("/v1/responses", {"input": [{"role": "user", "content": 7}]},
+     "input.0.content: must be a string or a list of content parts"),
+])
+def test_validation_errors_name_the_body_path_only(server: ServerProc, path: str, body: dict[str, Any],
+                                                   message: str) -> None:
+    done = server.post(path, json={"model": _name(server), **body})
+    assert done.status_code == 400, done.text
+    error = done.json()["error"]
+    assert error["message"].startswith(message), error
+    assert not any(tag in error["message"] for tag in (".str", ".list[", "function-", "constrained", "union")), error

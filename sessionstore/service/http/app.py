@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,9 +179,21 @@ class Api:
         if isinstance(req, ChatCompletionRequest):
             spec.messages = req.message_dicts()
         elif isinstance(req, CompletionRequest):
-            spec.prompt = req.prompt
+            spec.prompt = req.prompts(self.limits)[0]
         self.render(spec)
         return spec
+
+    def specs_of(self, req: TurnFields, kind: str, header_session: str | None = None) -> list[TurnSpec]:
+        """The turns a request asks for, one per prompt (a completion request may give several; each
+        turn's ``n`` choices are queued beside it)."""
+        spec = self.spec_of(req, kind, header_session)
+        specs = [spec]
+        if isinstance(req, CompletionRequest):
+            for prompt in req.prompts(self.limits)[1:]:
+                more = replace(spec, prompt=prompt, prompt_ids=None)
+                self.render(more)
+                specs.append(more)
+        return specs
 
     @property
     def records_root(self) -> Path:
@@ -201,15 +213,17 @@ class Api:
             raise first.value
         return stream, first
 
-    async def start_turns(self, spec: TurnSpec, clock: TurnClock) -> list[tuple[CoreStream, Event]]:
-        """Queue the request's choices: choice 0 is ``spec`` (on its session), choices 1..n-1 its
-        stateless copies (:meth:`TurnSpec.choice`), all queued before any is awaited so that the
-        engine steps them together; their streams and first events. An error before any text (of
-        any choice) is raised, every other choice cancelled. ``clock`` times choice 0 only."""
+    async def start_turns(self, specs: list[TurnSpec], clock: TurnClock) -> list[tuple[CoreStream, Event]]:
+        """Queue the request's choices: of each prompt's ``spec``, ``spec`` itself (the first on its
+        session) and its stateless copies (:meth:`TurnSpec.choice`), choice ``p * n + j`` being copy
+        j of prompt p (OpenAI's order), all queued before any is awaited so that the engine steps
+        them together; their streams and first events. An error before any text (of any choice) is
+        raised, every other choice cancelled. ``clock`` times choice 0 only."""
         streams: list[CoreStream] = []
         try:
-            for i in range(spec.n):
-                streams.append(self.queue_turn(spec if i == 0 else spec.choice(i)))
+            for spec in specs:
+                for j in range(spec.n):
+                    streams.append(self.queue_turn(spec if j == 0 else spec.choice(j)))
             firsts: list[Event] = []
             for i, stream in enumerate(streams):
                 event = await self.receive(stream, clock if i == 0 else None)
@@ -244,8 +258,9 @@ class Api:
         model = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await self.body(request), model)
         req.check(self.limits)
-        spec = self.spec_of(req, kind, request.headers.get(SESSION_HEADER))
-        turns = await self.start_turns(spec, clock)
+        specs = self.specs_of(req, kind, request.headers.get(SESSION_HEADER))
+        spec = specs[0]
+        turns = await self.start_turns(specs, clock)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         created = now()
         head = StreamHead(kind, rid, created, req.include_usage())

@@ -54,7 +54,7 @@ class CompletionOutput:
         choices = [self.choice_of(kind, i, out) for i, out in enumerate(outcomes)]
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return {"id": head.rid, "object": obj, "created": head.created, "model": self.model_id, "choices": choices,
-                "usage": self.usage_of(outcomes), **self.session_fields(spec, outcomes[0])}
+                "usage": self.usage_of(outcomes, spec.n), **self.session_fields(spec, outcomes[0])}
 
     def logprobs_of(self, kind: str, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
         """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when not asked for.
@@ -64,10 +64,12 @@ class CompletionOutput:
         tok = self.tokenizer
         return chat_logprobs(entries, tok) if kind == "chat" else completion_logprobs(entries, tok, offset)
 
-    def usage_of(self, outcomes: list[TurnOutcome]) -> dict[str, Any]:
-        """The request's usage: the prompt (and its cached part) once, the tokens of every choice."""
-        first = outcomes[0]
-        return usage(first.prompt_tokens, sum(len(out.tokens) for out in outcomes), first.reused_prefix)
+    def usage_of(self, outcomes: list[TurnOutcome], n: int) -> dict[str, Any]:
+        """The request's usage: each prompt (and its cached part) once (the first of its ``n``
+        choices), the tokens of every choice."""
+        prompts = outcomes[::n]
+        return usage(sum(out.prompt_tokens for out in prompts), sum(len(out.tokens) for out in outcomes),
+                     sum(out.reused_prefix for out in prompts))
 
     def choice_of(self, kind: str, index: int, out: TurnOutcome) -> dict[str, Any]:
         """One choice of an unstreamed response."""
@@ -97,8 +99,8 @@ class CompletionOutput:
         next event (its index, its stream)."""
         kind, rid, created = head.kind, head.rid, head.created
         no_usage: dict[str, Any] = {"usage": None} if head.include_usage else {}
-        sent = [0] * spec.n  # per choice: log-probabilities sent so far
-        offset = [0] * spec.n  # per choice: the length of their tokens' texts (the legacy text_offset)
+        sent = [0] * len(turns)  # per choice: log-probabilities sent so far
+        offset = [0] * len(turns)  # per choice: the length of their tokens' texts (the legacy text_offset)
 
         def piece(index: int, text: str, finish: str | None = None, tokens: list[int] | None = None,
                   entries: list[TokenLogprob] | None = None, **extra: Any) -> bytes:
@@ -114,7 +116,7 @@ class CompletionOutput:
 
         try:
             if kind == "chat":
-                for index in range(spec.n):
+                for index in range(len(turns)):
                     yield sse(chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""},
                                          index=index, **no_usage))
             ended: dict[int, TurnOutcome] = {}  # choice -> its outcome
@@ -134,7 +136,7 @@ class CompletionOutput:
                     break
             if head.include_usage and not failed:
                 outcomes = [ended[i] for i in range(len(turns))]
-                yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(outcomes)))
+                yield sse(usage_chunk(rid, head.chunk_object, self.model_id, created, self.usage_of(outcomes, spec.n)))
             yield sse("[DONE]")
         finally:
             for stream, _ in turns:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -82,6 +82,8 @@ class TurnFields(BaseModel):
     """What chat and text completions share."""
 
     model_config = ConfigDict(extra="ignore")
+    shapes: ClassVar[dict[str, str]] = {"stop": "a string or a list of strings",
+                                        "messages.*.content": "a string, a list of content parts or null"}
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -209,11 +211,12 @@ class ChatCompletionRequest(TurnFields):
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
 
-TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]  # an id of any vocabulary (the model checks its own size)
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+Prompt = str | list[int]  # one prompt: text, or token ids
 
 
 class CompletionRequest(TurnFields):
-    prompt: str | list[TokenId]
+    prompt: Any  # checked by :meth:`prompts` (one message for every shape OpenAI accepts)
     echo: bool = False
     logprobs: StrictInt | None = None  # the legacy API's: how many alternatives per token (0: the token's own only)
 
@@ -223,14 +226,50 @@ class CompletionRequest(TurnFields):
             check_top_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        if isinstance(self.prompt, list) and len(self.prompt) > limits.max_prompt_ids:
-            raise ApiError(400, f"the prompt's {len(self.prompt)} token ids exceed the limit of "
-                           f"{limits.max_prompt_ids}", param="prompt", code="limit_exceeded")
-        if not self.prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
+        prompts = self.prompts(limits)
+        if len(prompts) > 1 and (self.session is not None or self.session_id is not None):
+            raise ApiError(400, f"a session continues one prompt; this request gives {len(prompts)}",
+                           param="prompt", code="invalid_value")
+
+    def prompts(self, limits: ServiceLimits) -> list[Prompt]:
+        """The request's prompts, in order: a string, a list of strings, a list of token ids or a
+        list of token-id lists (OpenAI's four shapes); anything else is a 400 naming the shapes."""
+        given = self.prompt
+        if isinstance(given, str):
+            prompts: list[Prompt] = [given]
+        elif not isinstance(given, list) or not given:
+            if isinstance(given, list):
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            raise ApiError(400, f"prompt: must be {PROMPT_SHAPES}", param="prompt", code="invalid_type")
+        elif all(isinstance(p, str) for p in given):
+            prompts = list(given)
+        elif all(is_token_id(t) for t in given):
+            prompts = [list(given)]
+        elif all(isinstance(p, list) and all(is_token_id(t) for t in p) for p in given):
+            prompts = [list(p) for p in given]
+        else:
+            raise ApiError(400, f"prompt: must be {PROMPT_SHAPES} (token ids: integers in [0, 2^31))",
+                           param="prompt", code="invalid_type")
+        if len(prompts) > limits.max_prompts:
+            raise ApiError(400, f"{len(prompts)} prompts exceed the limit of {limits.max_prompts}", param="prompt",
+                           code="limit_exceeded")
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            if not prompt:
+                raise ApiError(400, "the prompt is empty" if len(prompts) == 1 else f"{where} is empty",
+                               param=where)
+            if isinstance(prompt, list) and len(prompt) > limits.max_prompt_ids:
+                raise ApiError(400, f"the prompt's {len(prompt)} token ids exceed the limit of "
+                               f"{limits.max_prompt_ids}", param=where, code="limit_exceeded")
+        return prompts
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer id of any vocabulary (the model checks its own size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 
 class ForkRequest(BaseModel):
@@ -248,16 +287,44 @@ class PullRequest(BaseModel):
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field."""
+    """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field by its
+    path in the body (never the validation library's names for the types it tried)."""
     obj = read_json_body(raw)
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+        found = [(body_path(obj, e["loc"], e["type"] == "missing"), e) for e in exc.errors()]
+        (path, tagged), first = max(found, key=lambda f: len(f[0][0]))  # the deepest: the union member that fit
+        where = ".".join(str(p) for p in path) or None
+        shapes: dict[str, str] = getattr(model, "shapes", {})
+        shape = shapes.get(".".join("*" if isinstance(p, int) else str(p) for p in path))
+        if shape is not None:
+            message = f"must be {shape}"
+        elif tagged:  # a field of several types, none of which fits
+            message = "has the wrong type"
+        else:
+            message = str(first["msg"])
+            message = message[:1].lower() + message[1:]
+        raise ApiError(400, f"{where}: {message}" if where else message, param=where) from None
+
+
+def body_path(obj: Any, loc: tuple[int | str, ...], missing: bool) -> tuple[list[int | str], bool]:
+    """The path in the body ``obj`` of a validation error at ``loc``: the keys and indexes the body
+    holds, without the names of the union members tried (``prompt.str``); whether any was left out."""
+    path: list[int | str] = []
+    here, tagged = obj, False
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(here, list) and 0 <= part < len(here):
+            path.append(part)
+            here = here[part]
+        elif isinstance(part, str) and isinstance(here, dict) and (part in here or (missing and i == len(loc) - 1)):
+            path.append(part)
+            here = here.get(part)
+        else:
+            tagged = True  # a union member's name: not in the body
+    return path, tagged
 
 
 SESSION_HEADER = "x-session-id"  # names a turn's session beside the body's "session" (FORMAT.md 7.2)

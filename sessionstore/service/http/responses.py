@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,6 +112,8 @@ class ResponseRequest(BaseModel):
     """``POST /v1/responses``. Unknown fields are ignored; tools are refused by name."""
 
     model_config = ConfigDict(extra="ignore")
+    shapes: ClassVar[dict[str, str]] = {"input": "a string or a list of message items",
+                                        "input.*.content": "a string or a list of content parts"}
     model: str
     input: str | list[InputMessage]
     instructions: str | None = None
