@@ -431,3 +431,110 @@ def test_n_choices_are_stepped_together(server: ServerProc) -> None:
                                                    temperature=1.0, seed=6, extra_body={"ignore_eos": True})
     assert len(many.choices) == 4
     assert _batched_steps(server) - before >= MAX // 2  # the choices were queued together, not one after another
+
+
+# ---- strict schemas refused as OpenAI refuses them ------------------------------------------------
+LOOSE_ADDRESS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _strict_cases() -> list[tuple[dict[str, Any], str]]:
+    """Schemas that break a strict rule, and the place in the schema the 400 names."""
+    ok_address = {**LOOSE_ADDRESS, "additionalProperties": False}
+    return [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}, ""),
+        ({"type": "object", "additionalProperties": False, "properties": {"a": {"type": "string"},
+                                                                          "b": {"type": "integer"}},
+          "required": ["a"]}, ".required"),
+        ({"type": "object", "additionalProperties": False, "required": ["address"],
+          "properties": {"address": LOOSE_ADDRESS}}, ".properties.address"),
+        ({"type": "object", "additionalProperties": False, "required": ["places"],
+          "properties": {"places": {"type": "array", "items": LOOSE_ADDRESS}}}, ".properties.places.items"),
+        ({"type": "object", "additionalProperties": False, "required": ["x"],
+          "properties": {"x": {"anyOf": [{"type": "string"}, LOOSE_ADDRESS]}}}, ".properties.x.anyOf.1"),
+        ({"type": "object", "additionalProperties": False, "required": ["x"], "$defs": {"addr": LOOSE_ADDRESS},
+          "properties": {"x": {"$ref": "#/$defs/addr"}}}, ".$defs.addr"),
+        ({"type": "object", "additionalProperties": False, "required": ["address"],
+          "properties": {"address": {**ok_address, "properties": {"city": {"type": "string"},
+                                                                  "zip": {"type": "string"}}}}},
+         ".properties.address.required"),
+        ({"type": "array", "items": {"type": "string"}}, ""),
+    ]
+
+
+@pytest.mark.parametrize(("schema", "place"), _strict_cases())
+def test_strict_schemas_are_refused_as_openai_refuses_them(server: ServerProc, schema: dict[str, Any],
+                                                           place: str) -> None:
+    name = _name(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    chat = server.post("/v1/chat/completions", json={"model": name, "messages": MSGS, "max_tokens": 4,
+                                                     "response_format": fmt})
+    assert chat.status_code == 400, chat.text
+    error = chat.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema" + place and error["code"] == "invalid_schema"
+    assert error["message"].startswith(error["param"] + ": a strict schema"), error
+    text = {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    resp = server.post("/v1/responses", json={"model": name, "input": "hi", "max_output_tokens": 4, "text": text})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "text.format.schema" + place, resp.text
+
+
+def test_the_same_schemas_without_strict_are_served(server: ServerProc) -> None:
+    name = _name(server)
+    schema = {"type": "object", "properties": {"address": LOOSE_ADDRESS}, "required": ["address"]}
+    for strict in (False, None):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+        done = server.post("/v1/chat/completions", json={"model": name, "messages": MSGS, "max_tokens": 4,
+                                                         "response_format": fmt})
+        assert done.status_code == 200, done.text
+
+
+# ---- the Responses API's text.format: the same grammar as chat's response_format --------------------
+@needs_grammar
+def test_responses_text_format_json_schema_is_enforced_and_echoed(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    fmt = {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+    resp = client.responses.create(model=name, input=MSGS[0]["content"], max_output_tokens=200, temperature=1.0,
+                                   text={"format": fmt}, extra_body={"seed": 5})
+    assert resp.status == "completed" and _matches(json.loads(resp.output_text)), resp.output_text
+    echoed = resp.text.format
+    assert (echoed.type, echoed.name, echoed.strict, echoed.schema_) == ("json_schema", "person", True, SCHEMA)
+    stored = server.get(f"/v1/responses/{resp.id}").json()["text"]["format"]
+    assert stored == {**fmt, "description": None}  # the echo survives in the stored record
+    chat = client.chat.completions.create(model=name, messages=MSGS, max_tokens=200, temperature=1.0, seed=5,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "person", "schema": SCHEMA, "strict": True}})
+    assert chat.choices[0].token_ids == resp.output[0].content[0].token_ids  # the same draw under the same grammar
+    # continued on the chain under another format, and streamed
+    body = {"model": name, "input": "Another one.", "previous_response_id": resp.id, "max_output_tokens": 200,
+            "stream": True, "text": {"format": {"type": "json_object"}}}
+    events = _raw_stream(server, "/v1/responses", body)
+    done = events[-1]["response"]
+    assert done["text"]["format"] == {"type": "json_object"}
+    streamed = done["output"][0]["content"][0]["text"]
+    if events[-1]["type"] == "response.completed":  # ended by the grammar: a whole object
+        assert isinstance(json.loads(streamed), dict), streamed
+    else:  # cut by max_output_tokens: still a prefix of an object
+        assert events[-1]["type"] == "response.incomplete" and streamed.startswith("{"), streamed
+
+
+@needs_grammar
+def test_responses_text_format_json_object_and_text(server: ServerProc) -> None:
+    client, name = server.openai(), _name(server)
+    obj = client.responses.create(model=name, input="Give me JSON.", max_output_tokens=300, store=False,
+                                  text={"format": {"type": "json_object"}})
+    assert obj.text.format.type == "json_object" and isinstance(json.loads(obj.output_text), dict)
+    plain = client.responses.create(model=name, input="Hello.", max_output_tokens=4, text={"format": {"type": "text"}})
+    assert plain.text.format.type == "text"
+
+
+@pytest.mark.parametrize(("text", "param"), [
+    ({"format": {"type": "yaml"}}, "text.format.type"),
+    ({"format": {"type": "json_schema", "schema": SCHEMA}}, "text.format.name"),
+    ({"format": {"type": "json_schema", "name": "x"}}, "text.format.schema"),
+    ({"format": {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": "yes"}}, "text.format.strict"),
+    ("json", "text"),
+    ({"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}}}}, "text.format"),
+])
+def test_bad_text_formats_are_400(server: ServerProc, text: Any, param: str) -> None:
+    done = server.post("/v1/responses", json={"model": _name(server), "input": "hi", "text": text,
+                                              "max_output_tokens": 4})
+    assert done.status_code == 400 and done.json()["error"]["param"] == param, done.text

@@ -18,6 +18,7 @@ from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PR
 from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.jsonbody import read_json_body
+from sessionstore.service.http.structured import check_response_format
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.sessions import validate_session_id
 
@@ -133,6 +134,7 @@ class TurnFields(BaseModel):
         if self.logit_bias is not None:
             check_logit_bias(self.logit_bias)
         if self.structured():
+            check_response_format(self.response_format or {})
             clash = "ignore_eos" if self.ignore_eos else "min_tokens" if self.min_tokens else None
             if clash is not None:  # both would hold off the eos id that ends the JSON value
                 raise ApiError(400, f"response_format {self.structured()} cannot be combined with {clash}",

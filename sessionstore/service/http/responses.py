@@ -49,6 +49,7 @@ from sessionstore.service.http.protocol import (
     sse,
 )
 from sessionstore.service.http.streams import Event
+from sessionstore.service.http.structured import response_format_of, text_format_of
 from sessionstore.service.limits import ServiceLimits
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
@@ -126,6 +127,7 @@ class ResponseRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
+    text: Any = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}} (structured.py checks it)
     session: str | None = None  # extension: the session the chain's first response runs on (else a new one)
     session_id: str | None = None  # the same, by SGLang's name
 
@@ -192,7 +194,8 @@ def response_object(record: ResponseRecord, store: bool, *, status: str | None =
         "parallel_tool_calls": False, "previous_response_id": record.previous_response_id,
         "reasoning": {"effort": None, "summary": None}, "store": store,
         "temperature": params.get("temperature"), "top_p": params.get("top_p"),
-        "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
+        "text": {"format": params.get("text_format") or {"type": "text"}},  # as asked (structured.py)
+        "tool_choice": "none", "tools": [], "truncation": "disabled",
         "usage": record.usage if done else None, "user": None, "metadata": record.metadata,
         "seed": params.get("seed"),  # extension: the seed the reply was drawn with
     }
@@ -246,8 +249,9 @@ class ResponsesRoutes:
         items, added = req.items()
         chain = [*(prev.messages if prev else []), *added]
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        text_format = text_format_of(req.text)
         spec = TurnSpec("chat", None, messages=[*system, *chain], max_tokens=req.max_output_tokens,
-                        sampling=req.sampling())
+                        sampling=req.sampling(), response_format=response_format_of(text_format))
         sampler = spec.sampling
         record = ResponseRecord(
             id=new_response_id(), model=host.model_id, created_at=now(), session="", tokens=0,
@@ -255,14 +259,21 @@ class ResponsesRoutes:
             incomplete_reason=None, usage={}, instructions=req.instructions,
             previous_response_id=req.previous_response_id, metadata=dict(req.metadata or {}),
             params={"temperature": sampler.get("temperature", 0.0), "top_p": sampler.get("top_p", 1.0),
-                    "seed": sampler["seed"], "max_output_tokens": req.max_output_tokens})
+                    "seed": sampler["seed"], "max_output_tokens": req.max_output_tokens,
+                    **({} if text_format["type"] == "text" else {"text_format": text_format})})
         host.render(spec)
         job = None
         if req.store:  # the core places the turn on the chain's session and writes the record
             spec.session = prev.session if prev is not None else key or chain_session_id()
             job = ResponseJob(msgspec.to_builtins(record), chain,
                               None if prev is None else msgspec.to_builtins(prev))
-        stream, first = await host.start_turn(spec, clock, job)
+        try:
+            stream, first = await host.start_turn(spec, clock, job)
+        except ApiError as exc:  # the grammar compiler names chat's field: here it is text.format
+            if exc.param != "response_format":
+                raise
+            raise ApiError(exc.status, exc.message.replace("response_format", "text.format", 1), param="text.format",
+                           code=exc.code) from None
         if req.stream:
             return StreamingResponse(self.events(record, req.store, stream, first, clock),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
