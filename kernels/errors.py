@@ -18,6 +18,14 @@ class CorruptionError(ColiError):
     exit_code = 3
 
 
+class ChecksumMismatchError(CorruptionError):
+    """Records that fail the checksums vouching for them (a sidecar's): refused, never used."""
+
+    def __init__(self, message: str, records: int) -> None:
+        super().__init__(message)
+        self.records = records  # how many records failed their checksums
+
+
 class LimitError(ColiError, ValueError):
     """A declared size or count exceeds a named limit; refused before any allocation."""
 

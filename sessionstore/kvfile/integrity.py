@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.errors import CorruptionError
+from kernels.errors import ChecksumMismatchError, CorruptionError
 from sessionstore.kvfile.hash_helper import HELPER_SHARE, MIN_SHARED_BYTES, active_hash_helper
 from sessionstore.kvfile.header import HEADER_SIZE
 from sessionstore.kvfile.reader import KVReader
@@ -155,10 +155,10 @@ def _raise_mismatch(reader: KVReader, entries: np.ndarray, first: int, found: in
         total += int(np.count_nonzero(hash_records(reader, start, stop) != entries[start:stop]))
     rec = reader.record_bytes
     others = f"; {total} of {vouched} vouched records fail" if total > 1 else ""
-    raise CorruptionError(
+    raise ChecksumMismatchError(
         f"{reader.path}: the record at position {first} (byte {HEADER_SIZE + first * rec}) fails "
         f"its checksum in the sidecar (hashes {found:#018x}, vouched {int(entries[first]):#018x})"
-        f"{others}; refusing to use its rows (`coli-kv verify` reports the damage)")
+        f"{others}; refusing to use its rows (`coli-kv verify` reports the damage)", total)
 
 
 class VouchedMapping:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.errors import ColiError, CorruptionError
+from kernels.errors import ChecksumMismatchError, ColiError, CorruptionError
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import HEADER_SIZE, KVReader, Vouched, check_records, load_sidecar
@@ -154,6 +154,7 @@ def explain_mismatch(target: ResumeTarget, n: int, exc: CorruptionError) -> Corr
     sidecar check runs only here (after the mismatch), never on a sound resume."""
     cause = ""
     reader = target.reader
+    report = None
     try:
         sidecar = load_sidecar(target.kv_path)
         report = check_records(reader, sidecar) if sidecar is not None else None
@@ -172,8 +173,11 @@ def explain_mismatch(target: ResumeTarget, n: int, exc: CorruptionError) -> Corr
                          f"at positions {where}{more}")
         elif report is not None and report.status == "corrupt":
             cause = "; " + "; ".join(report.messages)
-    return CorruptionError(f"session {target.session_id!r}: resume of {target.kv_path} failed "
-                           f"verification ({n} committed records): {exc}{cause}")
+    message = (f"session {target.session_id!r}: resume of {target.kv_path} failed verification ({n} committed "
+               f"records): {exc}{cause}")
+    if report is not None and report.mismatched:  # the sidecar's checksums refuse these records
+        return ChecksumMismatchError(message, report.mismatched)
+    return CorruptionError(message)
 
 
 def pending_token(target: ResumeTarget, n: int, logits: np.ndarray) -> int:

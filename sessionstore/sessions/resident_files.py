@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import CorruptionError, FormatError
+from kernels.errors import ChecksumMismatchError, CorruptionError, FormatError
 from kernels.model.protocols import Decoder, LatentCache
 from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
 from sessionstore.log import get_logger
@@ -42,7 +42,10 @@ class ResidentFiles:
                                  write_behind=write_behind, vouch=manifest.committed)
         except CorruptionError as exc:
             log.info("session.resume_refused", id=self.session_id, path=str(self.kv_path), error=str(exc))
-            raise CorruptionError(f"session {self.session_id!r}: resume of {self.kv_path} refused: {exc}") from None
+            message = f"session {self.session_id!r}: resume of {self.kv_path} refused: {exc}"
+            if isinstance(exc, ChecksumMismatchError):  # how many records were refused travels with it
+                raise ChecksumMismatchError(message, exc.records) from None
+            raise CorruptionError(message) from None
 
     def map(self, writer: KVWriter, manifest: Manifest, model: Decoder[Any], backend: str) -> None:
         """Hold ``writer``, map its committed rows and build the decoder cache over them."""

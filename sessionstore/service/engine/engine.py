@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+from kernels.errors import ChecksumMismatchError
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
@@ -154,20 +155,24 @@ class Engine:
             self.forget(session_id)  # fleet hook: the fleet's newer copy was pulled over it: reopen
             session = None
         created = False
-        if session is None:
-            if self.store.exists(session_id):
-                session = self.store.open(session_id, self.model_source, self.options)
+        try:
+            if session is None:
+                if self.store.exists(session_id):
+                    session = self.store.open(session_id, self.model_source, self.options)
+                    self._observe_resume(session)
+                elif create:
+                    session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
+                                               options=self.options)
+                    created = True
+                else:
+                    raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
+                self._sessions[session_id] = session
+            elif session.state != "resident":
+                session.ensure_resident()
                 self._observe_resume(session)
-            elif create:
-                session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
-                                           options=self.options)
-                created = True
-            else:
-                raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
-            self._sessions[session_id] = session
-        elif session.state != "resident":
-            session.ensure_resident()
-            self._observe_resume(session)
+        except ChecksumMismatchError as exc:  # refused: nothing is served from those rows
+            self.metrics.records_refused.inc(exc.records)
+            raise
         if self.home is not None:  # fleet hook: renew the lease while resident, fence commits
             self.home.keep(session)
         self.last_use[session_id] = time.time()
@@ -231,6 +236,7 @@ class Engine:
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)
         self.metrics.tokens.inc(len(outcome.tokens))
+        self.metrics.observe_prompt(outcome.prompt_tokens, outcome.reused_prefix)
         self.metrics.turn_seconds.observe(time.perf_counter() - t0)
         return outcome
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+PROMPT_SOURCES = ("stored_kv", "computed")  # coli_prompt_tokens_served's source label
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # a turn can run for many minutes
@@ -61,6 +62,16 @@ class EngineMetrics:
         self.fenced = Gauge("coli_sessions_fenced", "sessions fenced after a commit failed with an I/O error "
                             "(nothing more written; reopened from their last verified commit on their next request)",
                             registry=r)
+        self.records_refused = Counter(
+            "coli_records_refused", "records of sessions' kv files refused by their checksums (the sidecar's, "
+            "checked before a session's rows are used: a resume that found them damaged fails, nothing is served "
+            "from them)", registry=r)
+        self.prompt_tokens_served = Counter(
+            "coli_prompt_tokens_served", "prompt tokens of the engine's turns (every choice) by where their KV came "
+            "from: source=stored_kv, the session's stored rows reused; source=computed, a forward computed them",
+            ["source"], registry=r)
+        for source in PROMPT_SOURCES:
+            self.prompt_tokens_served.labels(source=source)  # both series shown from the start, at 0
         self.fences = Counter("coli_session_fences", "sessions fenced after a failed commit (EIO from fsync, ...)",
                               registry=r)
 
@@ -81,8 +92,14 @@ class EngineMetrics:
         if kind == "step":
             self.batch_size.observe(sessions)
 
+    def observe_prompt(self, prompt_tokens: int, reused: int) -> None:
+        """One turn's prompt: ``reused`` of its ``prompt_tokens`` served from the session's stored KV,
+        the rest computed."""
+        self.prompt_tokens_served.labels(source="stored_kv").inc(reused)
+        self.prompt_tokens_served.labels(source="computed").inc(max(prompt_tokens - reused, 0))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS", "TURN_BUCKETS", "EngineMetrics", "FunctionCounter"]
+__all__ = ["BATCH_BUCKETS", "LATENCY_BUCKETS", "PROMPT_SOURCES", "TURN_BUCKETS", "EngineMetrics", "FunctionCounter"]
