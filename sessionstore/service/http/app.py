@@ -35,16 +35,15 @@ from sessionstore.service.http.auth import BearerAuth
 from sessionstore.service.http.completion_output import CompletionOutput, StreamHead
 from sessionstore.service.http.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
+from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.protocol import (
-    SESSION_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     TurnFields,
     now,
-    parse_body,
-    session_of,
 )
 from sessionstore.service.http.responses import ResponsesRoutes
+from sessionstore.service.http.session_key import SESSION_HEADER, session_of
 from sessionstore.service.http.session_routes import SessionRoutes
 from sessionstore.service.http.streams import Event
 from sessionstore.service.http.tier_routes import patch_session, tier_change_of

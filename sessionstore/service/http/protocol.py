@@ -11,16 +11,14 @@ import secrets
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
 from kernels.model.sampling import BIAS_RANGE, MAX_LOGIT_BIAS, PENALTY_RANGE, PROCESSING
 from kernels.model.text import ChatTokenizer
 from sessionstore.service.errors import ApiError
-from sessionstore.service.http.jsonbody import read_json_body
 from sessionstore.service.http.structured import check_response_format
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.sessions import validate_session_id
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -288,69 +286,6 @@ class PullRequest(BaseModel):
     replace: bool = True
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """A request body as ``model``: malformed JSON and wrong fields are 400s naming the field by its
-    path in the body (never the validation library's names for the types it tried)."""
-    obj = read_json_body(raw)
-    if not isinstance(obj, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        found = [(body_path(obj, e["loc"], e["type"] == "missing"), e) for e in exc.errors()]
-        (path, tagged), first = max(found, key=lambda f: len(f[0][0]))  # the deepest: the union member that fit
-        where = ".".join(str(p) for p in path) or None
-        shapes: dict[str, str] = getattr(model, "shapes", {})
-        shape = shapes.get(".".join("*" if isinstance(p, int) else str(p) for p in path))
-        if shape is not None:
-            message = f"must be {shape}"
-        elif tagged:  # a field of several types, none of which fits
-            message = "has the wrong type"
-        else:
-            message = str(first["msg"])
-            message = message[:1].lower() + message[1:]
-        raise ApiError(400, f"{where}: {message}" if where else message, param=where) from None
-
-
-def body_path(obj: Any, loc: tuple[int | str, ...], missing: bool) -> tuple[list[int | str], bool]:
-    """The path in the body ``obj`` of a validation error at ``loc``: the keys and indexes the body
-    holds, without the names of the union members tried (``prompt.str``); whether any was left out."""
-    path: list[int | str] = []
-    here, tagged = obj, False
-    for i, part in enumerate(loc):
-        if isinstance(part, int) and isinstance(here, list) and 0 <= part < len(here):
-            path.append(part)
-            here = here[part]
-        elif isinstance(part, str) and isinstance(here, dict) and (part in here or (missing and i == len(loc) - 1)):
-            path.append(part)
-            here = here.get(part)
-        else:
-            tagged = True  # a union member's name: not in the body
-    return path, tagged
-
-
-SESSION_HEADER = "x-session-id"  # names a turn's session beside the body's "session" (FORMAT.md 7.2)
-
-
-def session_of(body: dict[str, str | None], header: str | None) -> str | None:
-    """The session a turn names, checked: the body's keys (``session``, ``session_id``: SGLang's
-    name; one meaning) or the ``X-Session-Id`` header. Two of them naming different sessions is a
-    400 naming both."""
-    named = [(f"the body's {field}", field, value) for field, value in body.items() if value is not None]
-    if header is not None:
-        named.append(("the X-Session-Id header", "X-Session-Id", header))
-    if not named:
-        return None
-    first, _, session = named[0]
-    for label, param, value in named[1:]:
-        if value != session:
-            raise ApiError(400, f"{first} and {label} name different sessions ({session[:80]!r} and "
-                           f"{value[:80]!r}); give one of them, or the same id", param=param,
-                           code="session_mismatch")
-    validate_session_id(session)
-    return session
-
-
 # ---- responses ------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's ``usage``; ``cached_tokens``: the prompt's tokens reused from the session (its
@@ -447,7 +382,7 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-__all__ = ["LOGPROB_FLOOR", "SESSION_HEADER", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage",
-           "CompletionRequest", "ForkRequest", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs",
-           "check_logit_bias", "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed", "now",
-           "parse_body", "session_of", "sse", "text_part", "token_text", "usage", "usage_chunk"]
+__all__ = ["LOGPROB_FLOOR", "PROMPT_SHAPES", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage",
+           "CompletionRequest", "ForkRequest", "Prompt", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs",
+           "check_logit_bias", "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed",
+           "is_token_id", "now", "sse", "text_part", "token_text", "usage", "usage_chunk"]

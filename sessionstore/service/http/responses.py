@@ -39,15 +39,14 @@ from sessionstore.service.engine import (
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
+from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.protocol import (
-    SESSION_HEADER,
     TEXT_PART_SEPARATOR,
     fresh_seed,
     now,
-    parse_body,
-    session_of,
     sse,
 )
+from sessionstore.service.http.session_key import SESSION_HEADER, session_of
 from sessionstore.service.http.streams import Event
 from sessionstore.service.http.structured import response_format_of, text_format_of
 from sessionstore.service.limits import ServiceLimits

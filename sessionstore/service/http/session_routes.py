@@ -14,7 +14,8 @@ from sessionstore.service.errors import ApiError
 from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.http.core_client import CoreClient
-from sessionstore.service.http.protocol import ForkRequest, PullRequest, parse_body
+from sessionstore.service.http.model_body import parse_body
+from sessionstore.service.http.protocol import ForkRequest, PullRequest
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.sessions import SessionStore, validate_session_id
 

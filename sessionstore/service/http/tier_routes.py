@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from kernels.errors import ColiError
 from sessionstore.service.errors import ApiError
-from sessionstore.service.http.protocol import parse_body
+from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.session_routes import SessionHost
 from sessionstore.sessions import MAX_RETENTION_S, TierChange, check_retention
 
