@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -31,8 +31,10 @@ from sessionstore.service.engine import (
     ResponseRecords,
     TurnSpec,
     chain_session_id,
+    conversation_not_found,
     finish_record,
     is_response_id,
+    is_session_id,
     new_response_id,
     parse_record,
 )
@@ -116,8 +118,12 @@ class ResponseRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
+    conversation: str | dict[str, Any] | None = None  # FORMAT.md 7.7: the conversation the turn continues
 
     def check(self, limits: ServiceLimits) -> None:
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise ApiError(400, "conversation and previous_response_id cannot be used together",
+                           param="conversation", code="invalid_value")
         if self.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         n = self.max_output_tokens
@@ -130,11 +136,7 @@ class ResponseRequest(BaseModel):
             if len(self.input) > limits.max_messages:
                 raise ApiError(400, f"{len(self.input)} input items exceed the limit of {limits.max_messages}",
                                param="input", code="limit_exceeded")
-        meta = self.metadata or {}
-        if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                                                 for k, v in meta.items()):
-            raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} "
-                           f"and values of at most {MAX_METADATA_VALUE} characters", param="metadata")
+        check_metadata(self.metadata)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields given, and the seed (a fresh random one when none is given)."""
@@ -144,14 +146,29 @@ class ResponseRequest(BaseModel):
     def items(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the input items as OpenAI lists them, the messages they add for the chat template)."""
         given = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        items, messages = [], []
-        for i, m in enumerate(given):
-            text = m.text(f"input.{i}")
-            part = "output_text" if m.role == "assistant" else "input_text"
-            items.append({"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": m.role,
-                          "status": "completed", "content": [{"type": part, "text": text}]})
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        return items, messages
+        return input_items(given, "input")
+
+
+def input_items(given: list[InputMessage], where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the messages ``given`` as OpenAI's items, each with a fresh id, the messages they add for the
+    chat template); ``where`` names the list in a 400."""
+    items, messages = [], []
+    for i, m in enumerate(given):
+        text = m.text(f"{where}.{i}")
+        part = "output_text" if m.role == "assistant" else "input_text"
+        items.append({"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": m.role,
+                      "status": "completed", "content": [{"type": part, "text": text}]})
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return items, messages
+
+
+def check_metadata(meta: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata``; a 400 past them."""
+    meta = meta or {}
+    if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                             for k, v in meta.items()):
+        raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} "
+                       f"and values of at most {MAX_METADATA_VALUE} characters", param="metadata")
 
 
 # ---- the response object ---------------------------------------------------------------------
@@ -183,12 +200,45 @@ def response_object(record: ResponseRecord, store: bool, *, status: str | None =
         "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "truncation": "disabled",
         "usage": record.usage if done else None, "user": None, "metadata": record.metadata,
         "seed": params.get("seed"),  # extension: the seed the reply was drawn with
+        "conversation": None if record.conversation is None else {"id": record.conversation},
     }
 
 
 def response_not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"no response {response_id[:80]!r} (unknown, deleted, or created with store: false)",
                     param=param, code="response_not_found")
+
+
+def item_page(items: list[dict[str, Any]], q: Mapping[str, str], where: str) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI lists them (``order`` desc by default, ``limit`` 1-100 (20),
+    ``after`` an item id; ``where`` names the list in the 404 for an unknown ``after``)."""
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
+    raw = q.get("limit", "20")
+    if not (raw.isdigit() and len(raw) <= 3 and 1 <= int(raw) <= 100):
+        raise ApiError(400, "limit must be an integer in [1, 100]", param="limit")
+    items = items if order == "asc" else items[::-1]
+    after = q.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ApiError(404, f"no item {after[:80]!r} {where}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(raw)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def conversation_of(value: str | dict[str, Any] | None) -> str | None:
+    """The conversation id ``conversation`` names (a string, or ``{"id": ...}``); else a 400."""
+    if value is None or isinstance(value, str):
+        return value
+    cid = value.get("id")
+    if not isinstance(cid, str):
+        raise ApiError(400, "conversation must be a conversation id or an object with a string 'id'",
+                       param="conversation", code="invalid_value")
+    return cid
 
 
 # ---- the routes -------------------------------------------------------------------------------
@@ -228,7 +278,13 @@ class ResponsesRoutes:
                     "seed": sampler["seed"], "max_output_tokens": req.max_output_tokens})
         host.render(spec)
         job = None
-        if req.store:  # the core places the turn on the chain's session and writes the record
+        conversation = conversation_of(req.conversation)
+        if conversation is not None:  # the core puts the conversation's items first (FORMAT.md 7.7)
+            if not is_session_id(conversation):
+                raise conversation_not_found(conversation)
+            spec.session = record.conversation = conversation
+            job = ResponseJob(msgspec.to_builtins(record), chain, None, conversation=conversation, store=req.store)
+        elif req.store:  # the core places the turn on the chain's session and writes the record
             spec.session = prev.session if prev is not None else chain_session_id()
             job = ResponseJob(msgspec.to_builtins(record), chain,
                               None if prev is None else msgspec.to_builtins(prev))
@@ -318,27 +374,12 @@ class ResponsesRoutes:
         """The input items the response added, as OpenAI's list (``order`` desc by default,
         ``limit`` 1-100 (20), ``after`` an item id)."""
         record = await self.stored(request)
-        q = request.query_params
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-        raw = q.get("limit", "20")
-        if not (raw.isdigit() and 1 <= int(raw) <= 100):
-            raise ApiError(400, "limit must be an integer in [1, 100]", param="limit")
-        items = record.input if order == "asc" else record.input[::-1]
-        after = q.get("after")
-        if after is not None:
-            ids = [item.get("id") for item in items]
-            if after not in ids:
-                raise ApiError(404, f"no input item {after[:80]!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:int(raw)]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+        return JSONResponse(item_page(record.input, request.query_params, "in this response"))
 
     def handlers(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
         return {"create": self.create, "retrieve": self.retrieve, "delete": self.delete,
                 "input_items": self.input_items}
 
 
-__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "message_item", "response_object"]
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_metadata", "conversation_of",
+           "input_items", "item_page", "message_item", "response_object"]
