@@ -1,5 +1,5 @@
 """OpenAI's Conversations API over the real server and the official ``openai`` client (FORMAT.md
-7.7): a conversation is a session; created with items, listed a page at a time in either order; a
+7.5): a conversation is a session; created with items, listed a page at a time in either order; a
 Responses turn with ``conversation`` appends its input and output items and runs on the session,
 resuming its KV token-exact after a server restart (the same tokens as a stateless chat completion
 over the same messages); deleting an item the KV consumed truncates the session; unknown ids are
@@ -196,3 +196,29 @@ def test_unknown_ids_and_bad_bodies(server: ServerProc) -> None:
         assert server.get(f"/v1/conversations/{conv.id}/items", params=query).status_code == 400, query
     assert server.get(f"/v1/conversations/{conv.id}/items", params={"after": "msg_none"}).status_code == 404
     assert len(client.conversations.items.list(conv.id).data) == 2  # nothing above changed it
+
+
+def test_a_bundle_carries_the_conversation_and_a_fork_is_a_plain_session(server: ServerProc) -> None:
+    client = server.openai()
+    model = _model(client)
+    conv = client.conversations.create(items=[{"type": "message", "role": "user", "content": "hello there"}],
+                                       metadata={"k": "v"})
+    first = _respond(client, model, "go on", conv.id, max_tokens=6)
+    bundle = server.get(f"/v1/sessions/{conv.id}/bundle")
+    assert bundle.status_code == 200
+    put = httpx.put(server.url + "/v1/sessions/conv-copy/bundle", content=bundle.content, timeout=120)
+    assert put.status_code == 200, put.text
+    copy = client.conversations.retrieve("conv-copy")  # the installed id names the conversation
+    assert copy.metadata == {"k": "v"}
+    assert _texts(client.conversations.items.list("conv-copy", order="asc").data) == _texts(
+        client.conversations.items.list(conv.id, order="asc").data)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    again = _respond(client, model, "more", "conv-copy", max_tokens=4)
+    assert again.usage.input_tokens_details.cached_tokens > 0  # the KV came with it
+    assert len(client.conversations.items.list(conv.id).data) == 3  # the original is untouched
+
+    fork = server.post(f"/v1/sessions/{conv.id}/fork", json={"new": "conv-fork"})
+    assert fork.status_code == 200, fork.text
+    assert server.get("/v1/sessions/conv-fork", params={"messages": 1}).json()["messages"][-1]["content"] == \
+        first.output_text
+    assert server.get("/v1/conversations/conv-fork").status_code == 404

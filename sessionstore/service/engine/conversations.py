@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API in the engine core (FORMAT.md 7.7): a conversation IS a session.
+"""OpenAI's Conversations API in the engine core (FORMAT.md 7.5): a conversation IS a session.
 
 Its id is the session's id (``conv_`` and 48 hex digits when the API makes one); its items, its
 metadata and its creation time are one object (:class:`ConversationState`, schema

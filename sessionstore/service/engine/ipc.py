@@ -71,7 +71,7 @@ class ResponseJob(msgspec.Struct, frozen=True):
     """A stored Responses turn: the record to write once the turn ends (a
     :class:`~sessionstore.service.engine.response_records.ResponseRecord` as a dict), the chain's messages,
     and the record it continues (None: a new chain). ``conversation``: the conversation (session) the
-    turn continues, whose items come before ``chain`` (FORMAT.md 7.7); ``store`` False: no record is
+    turn continues, whose items come before ``chain`` (FORMAT.md 7.5); ``store`` False: no record is
     kept (a conversation's turn only)."""
 
     record: dict[str, Any]

@@ -253,7 +253,7 @@ OPERATIONS: dict[str, Operation] = {
     "delete_response": Operation(op_delete_response, True),
     "fetch_response": Operation(op_fetch_response, False),
     "tier_change": Operation(op_tier_change, True),
-    # the Conversations API (FORMAT.md 7.7): a conversation is a session
+    # the Conversations API (FORMAT.md 7.5): a conversation is a session
     "conversation_create": Operation(conversations.op_create, True),
     "conversation_read": Operation(conversations.op_read, False),
     "conversation_update": Operation(conversations.op_update, True),

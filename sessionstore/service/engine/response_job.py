@@ -42,7 +42,7 @@ class StoredResponseTurn:
         self.conversation, self.store = job.conversation, job.store
 
     def on_conversation(self, sid: str) -> None:
-        """Run on conversation ``sid``: its items come before the new input (rendered here, FORMAT.md 7.7)."""
+        """Run on conversation ``sid``: its items come before the new input (rendered here, FORMAT.md 7.5)."""
         prior = conversation_messages(read_state(self.engine, sid).items)
         instructions = self.record.instructions
         self.chain = [*prior, *self.chain]

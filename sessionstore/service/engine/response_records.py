@@ -33,7 +33,7 @@ from sessionstore.sessions import confined, read_response_list, write_response_l
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"
 SCHEMA_VERSION = 1
-CONVERSATION_SCHEMA = "coli-conversation"  # a conversation's object in its session's list (FORMAT.md 7.7)
+CONVERSATION_SCHEMA = "coli-conversation"  # a conversation's object in its session's list (FORMAT.md 7.5)
 MAX_RECORD_BYTES = 32 << 20
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}\Z")
 
@@ -68,7 +68,7 @@ class ResponseRecord:
     previous_response_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, max_output_tokens
-    conversation: str | None = None  # the conversation the response belongs to (FORMAT.md 7.7)
+    conversation: str | None = None  # the conversation the response belongs to (FORMAT.md 7.5)
 
     def to_json(self) -> dict[str, Any]:
         """The record's JSON object, as stored."""

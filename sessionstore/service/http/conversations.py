@@ -1,4 +1,4 @@
-"""OpenAI's Conversations API (FORMAT.md 7.7): ``POST /v1/conversations``, ``GET``, ``POST`` (its
+"""OpenAI's Conversations API (FORMAT.md 7.5): ``POST /v1/conversations``, ``GET``, ``POST`` (its
 metadata) and ``DELETE /v1/conversations/{id}``, ``GET`` and ``POST /v1/conversations/{id}/items``,
 ``GET`` and ``DELETE /v1/conversations/{id}/items/{item_id}``.
 
@@ -19,8 +19,9 @@ from starlette.responses import JSONResponse, Response
 from sessionstore.service.engine import conversation_not_found, is_session_id, new_conversation_id
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.core_client import CoreClient
+from sessionstore.service.http.items import item_page
 from sessionstore.service.http.protocol import now, parse_body
-from sessionstore.service.http.responses import InputMessage, check_metadata, input_items, item_page
+from sessionstore.service.http.responses import InputMessage, check_metadata, input_items
 from sessionstore.service.limits import ServiceLimits
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's bound on the items one create adds

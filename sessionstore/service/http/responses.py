@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -40,6 +40,7 @@ from sessionstore.service.engine import (
 )
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
+from sessionstore.service.http.items import conversation_of, item_page
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.protocol import TEXT_PART_SEPARATOR, fresh_seed, now, parse_body, sse
 from sessionstore.service.http.streams import Event
@@ -118,7 +119,7 @@ class ResponseRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
-    conversation: str | dict[str, Any] | None = None  # FORMAT.md 7.7: the conversation the turn continues
+    conversation: str | dict[str, Any] | None = None  # FORMAT.md 7.5: the conversation the turn continues
 
     def check(self, limits: ServiceLimits) -> None:
         if self.conversation is not None and self.previous_response_id is not None:
@@ -209,38 +210,6 @@ def response_not_found(response_id: str, param: str | None = None) -> ApiError:
                     param=param, code="response_not_found")
 
 
-def item_page(items: list[dict[str, Any]], q: Mapping[str, str], where: str) -> dict[str, Any]:
-    """One page of ``items`` as OpenAI lists them (``order`` desc by default, ``limit`` 1-100 (20),
-    ``after`` an item id; ``where`` names the list in the 404 for an unknown ``after``)."""
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-    raw = q.get("limit", "20")
-    if not (raw.isdigit() and len(raw) <= 3 and 1 <= int(raw) <= 100):
-        raise ApiError(400, "limit must be an integer in [1, 100]", param="limit")
-    items = items if order == "asc" else items[::-1]
-    after = q.get("after")
-    if after is not None:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise ApiError(404, f"no item {after[:80]!r} {where}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:int(raw)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
-
-
-def conversation_of(value: str | dict[str, Any] | None) -> str | None:
-    """The conversation id ``conversation`` names (a string, or ``{"id": ...}``); else a 400."""
-    if value is None or isinstance(value, str):
-        return value
-    cid = value.get("id")
-    if not isinstance(cid, str):
-        raise ApiError(400, "conversation must be a conversation id or an object with a string 'id'",
-                       param="conversation", code="invalid_value")
-    return cid
-
-
 # ---- the routes -------------------------------------------------------------------------------
 class ResponsesRoutes:
     """The Responses API's handlers over one :class:`TurnHost` and the store's responses directory."""
@@ -279,7 +248,7 @@ class ResponsesRoutes:
         host.render(spec)
         job = None
         conversation = conversation_of(req.conversation)
-        if conversation is not None:  # the core puts the conversation's items first (FORMAT.md 7.7)
+        if conversation is not None:  # the core puts the conversation's items first (FORMAT.md 7.5)
             if not is_session_id(conversation):
                 raise conversation_not_found(conversation)
             spec.session = record.conversation = conversation
@@ -381,5 +350,5 @@ class ResponsesRoutes:
                 "input_items": self.input_items}
 
 
-__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_metadata", "conversation_of",
-           "input_items", "item_page", "message_item", "response_object"]
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_metadata", "input_items",
+           "message_item", "response_object"]
