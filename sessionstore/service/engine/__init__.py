@@ -7,7 +7,8 @@ the decoder and every resident session and runs each request's work as a job on 
   commit covering it);
 - ``process`` (the process: sockets, the outbox, start-up) and ``operations`` (the named
   operations a :class:`~sessionstore.service.engine.ipc.Call` may ask), ``response_job`` (a
-  Responses API turn), and what only the core runs: ``tiers`` (the tier manager and sweeper),
+  Responses API turn), ``conversations`` (the Conversations API: a conversation is a session),
+  and what only the core runs: ``tiers`` (the tier manager and sweeper),
   ``fencing``, ``messages``, ``listing``, ``tier_fields``, ``response_records``, ``metrics``;
 - ``ipc`` (the messages between the API process and the core) and ``prompts`` (the template
   renderer and tokenizer). Both processes load them; they live here because the messages are built
@@ -19,6 +20,11 @@ This room sits above the floor (``sessionstore.service``), ``steps`` and ``fleet
 does too. It leaves out ``process``: that module is run with ``python -m``, and a package that
 imported that module before ``runpy`` ran it would hold two copies of it.
 """
+from sessionstore.service.engine.conversations import (
+    conversation_not_found,
+    is_session_id,
+    new_conversation_id,
+)
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.ipc import (
     Call,
@@ -59,6 +65,7 @@ from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink,
 __all__ = ["Call", "Cancel", "CoreConfig", "DEFAULT_SWEEP_INTERVAL_S", "Drain", "Engine", "EngineMetrics", "ErrorInfo",
            "Failed", "FromCore", "PageQuery", "Piece", "PromptRenderer", "Ready", "ResponseJob", "ResponseRecord",
            "ResponseRecords", "Result", "StartFailed", "Sweeper", "TierManager", "ToCore", "TurnCall", "TurnDone",
-           "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "chain_session_id", "decode_from_core",
-           "decode_to_core", "encode_message", "finish_record", "is_response_id", "load_tokenizer",
-           "new_response_id", "page_query", "parse_record", "socket_paths"]
+           "TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "chain_session_id", "conversation_not_found",
+           "decode_from_core",
+           "decode_to_core", "encode_message", "finish_record", "is_response_id", "is_session_id", "load_tokenizer",
+           "new_conversation_id", "new_response_id", "page_query", "parse_record", "socket_paths"]

@@ -70,11 +70,15 @@ class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):
 class ResponseJob(msgspec.Struct, frozen=True):
     """A stored Responses turn: the record to write once the turn ends (a
     :class:`~sessionstore.service.engine.response_records.ResponseRecord` as a dict), the chain's messages,
-    and the record it continues (None: a new chain)."""
+    and the record it continues (None: a new chain). ``conversation``: the conversation (session) the
+    turn continues, whose items come before ``chain`` (FORMAT.md 7.5); ``store`` False: no record is
+    kept (a conversation's turn only)."""
 
     record: dict[str, Any]
     chain: list[dict[str, Any]]
     previous: dict[str, Any] | None = None
+    conversation: str | None = None
+    store: bool = True
 
 
 class TurnCall(msgspec.Struct, frozen=True, tag="turn"):

@@ -17,10 +17,12 @@ from typing import Any
 import msgspec
 
 from sessionstore.migration import BundleStats, ReceivedBundle
+from sessionstore.service.engine import conversations
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.listing import in_window, list_object, problem_description
 from sessionstore.service.engine.messages import session_messages
 from sessionstore.service.engine.response_records import (
+    CONVERSATION_SCHEMA,
     FleetResponses,
     ResponseRecord,
     ResponseRecords,
@@ -29,7 +31,13 @@ from sessionstore.service.engine.response_records import (
 )
 from sessionstore.service.engine.tier_fields import entry_tier_fields, session_tier_fields
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import CatalogueEntry, TierChange, validate_session_id, write_response_list
+from sessionstore.sessions import (
+    CatalogueEntry,
+    TierChange,
+    read_response_list,
+    validate_session_id,
+    write_response_list,
+)
 
 
 def describe(engine: Engine, sid: str) -> dict[str, Any]:
@@ -173,7 +181,9 @@ def adopt_records(engine: Engine, sid: str, records: list[ResponseRecord]) -> No
     store = ResponseRecords(Path(engine.store.root))
     for record in records:
         store.write(record)
-    write_response_list(engine.store.session_dir(sid), [record.to_json() for record in records])
+    directory = engine.store.session_dir(sid)
+    kept = [obj for obj in read_response_list(directory) if obj.get("schema") == CONVERSATION_SCHEMA]
+    write_response_list(directory, [*kept, *(record.to_json() for record in records)])
 
 
 def fleet_responses(engine: Engine) -> FleetResponses | None:
@@ -243,6 +253,13 @@ OPERATIONS: dict[str, Operation] = {
     "delete_response": Operation(op_delete_response, True),
     "fetch_response": Operation(op_fetch_response, False),
     "tier_change": Operation(op_tier_change, True),
+    # the Conversations API (FORMAT.md 7.5): a conversation is a session
+    "conversation_create": Operation(conversations.op_create, True),
+    "conversation_read": Operation(conversations.op_read, False),
+    "conversation_update": Operation(conversations.op_update, True),
+    "conversation_delete": Operation(conversations.op_delete, True),
+    "conversation_add_items": Operation(conversations.op_add_items, True),
+    "conversation_delete_item": Operation(conversations.op_delete_item, True),
 }
 
 

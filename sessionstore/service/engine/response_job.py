@@ -12,6 +12,7 @@ import msgspec
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
+from sessionstore.service.engine.conversations import conversation_messages, read_state, save_turn
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.ipc import ResponseJob
 from sessionstore.service.engine.response_records import (
@@ -38,9 +39,21 @@ class StoredResponseTurn:
         self.record = msgspec.convert(job.record, ResponseRecord)
         self.chain = job.chain
         self.previous = None if job.previous is None else msgspec.convert(job.previous, ResponseRecord)
+        self.conversation, self.store = job.conversation, job.store
+
+    def on_conversation(self, sid: str) -> None:
+        """Run on conversation ``sid``: its items come before the new input (rendered here, FORMAT.md 7.5)."""
+        prior = conversation_messages(read_state(self.engine, sid).items)
+        instructions = self.record.instructions
+        self.chain = [*prior, *self.chain]
+        self.spec.messages = [*([{"role": "system", "content": instructions}] if instructions else []), *self.chain]
+        self.spec.session, self.spec.prompt_ids = sid, None
+        self.record.conversation = sid
 
     def run(self, sink: TurnSink) -> TurnOutcome:
         engine, spec = self.engine, self.spec
+        if self.conversation is not None:
+            self.on_conversation(self.conversation)
         extra = self.place(self.previous) if self.previous is not None else None
         try:
             out = engine.run_turn(spec, sink)
@@ -51,9 +64,13 @@ class StoredResponseTurn:
             finish_record(record, out)
             record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
             record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
-            self.records.write(record)
-            keep_with_session(engine.store.session_dir(spec.session), record)  # travels with its bundles
-            if self.fleet is not None:  # any host of the fleet can continue the chain
+            if self.store:
+                self.records.write(record)
+            if self.conversation is not None:  # its items and the record: one write, with its session
+                save_turn(engine, self.conversation, record, self.store)
+            else:
+                keep_with_session(engine.store.session_dir(spec.session), record)  # travels with its bundles
+            if self.fleet is not None and self.store:  # any host of the fleet can continue the chain
                 try:
                     self.fleet.put(record)
                 except ColiError as exc:
@@ -87,7 +104,8 @@ class StoredResponseTurn:
         session = self.previous_session(prev)
         if session is not None:
             history = session.history()
-            if len(history) == prev.tokens and tokens_digest(history) == prev.digest:
+            in_place = prev.conversation is None  # a conversation's session holds its items' tokens: fork
+            if in_place and len(history) == prev.tokens and tokens_digest(history) == prev.digest:
                 return None
             shared = common_prefix(history, engine.runner.prompt_ids(spec))
             if shared > 0:

@@ -33,6 +33,7 @@ from sessionstore.sessions import confined, read_response_list, write_response_l
 RESPONSES_DIR = "responses"
 SCHEMA = "coli-response"
 SCHEMA_VERSION = 1
+CONVERSATION_SCHEMA = "coli-conversation"  # a conversation's object in its session's list (FORMAT.md 7.5)
 MAX_RECORD_BYTES = 32 << 20
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}\Z")
 
@@ -67,6 +68,7 @@ class ResponseRecord:
     previous_response_id: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, max_output_tokens
+    conversation: str | None = None  # the conversation the response belongs to (FORMAT.md 7.5)
 
     def to_json(self) -> dict[str, Any]:
         """The record's JSON object, as stored."""
@@ -91,7 +93,7 @@ def parse_record(obj: Any, where: str) -> ResponseRecord:
         value = obj.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise FormatError(f"{where}: {name} must be a JSON {kind.__name__}")
-    for name in ("instructions", "previous_response_id", "incomplete_reason"):
+    for name in ("instructions", "previous_response_id", "incomplete_reason", "conversation"):
         if obj.get(name) is not None and not isinstance(obj.get(name), str):
             raise FormatError(f"{where}: {name} must be a string or null")
     fields: dict[str, Any] = {k: obj.get(k) for k in ResponseRecord.__dataclass_fields__}
@@ -201,12 +203,14 @@ def drop_from_session(directory: Path, response_id: str) -> None:
 def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
     """The records a received session's ``responses.json`` holds, each checked, pointed at
     ``session_id`` (the id the session was installed as); a bad one is a FormatError."""
-    records = [parse_record(item, f"{directory.name}/responses.json") for item in read_response_list(directory)]
+    records = [parse_record(item, f"{directory.name}/responses.json") for item in read_response_list(directory)
+               if item.get("schema") != CONVERSATION_SCHEMA]  # a conversation's object: not a record
     for record in records:
         record.session = session_id
     return records
 
 
-__all__ = ["FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID", "ResponseRecord", "ResponseRecords",
-           "chain_session_id", "drop_from_session", "finish_record", "is_response_id", "keep_with_session",
-           "new_response_id", "parse_record", "responses_usage", "session_records"]
+__all__ = ["CONVERSATION_SCHEMA", "FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID",
+           "ResponseRecord", "ResponseRecords", "chain_session_id", "drop_from_session", "finish_record",
+           "is_response_id", "keep_with_session", "new_response_id", "parse_record", "responses_usage",
+           "session_records"]

@@ -33,6 +33,7 @@ from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
 from sessionstore.service.http.auth import BearerAuth
 from sessionstore.service.http.completion_output import CompletionOutput, StreamHead
+from sessionstore.service.http.conversations import ConversationRoutes
 from sessionstore.service.http.core_client import CoreClient, CoreStream, HeldElsewhere
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.model_body import parse_body
@@ -331,6 +332,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
     api = Api(ctx)
     responses = ResponsesRoutes(api)
     sessions = SessionRoutes(api)
+    conversations = ConversationRoutes(api)
     r = api.route
     routes = [
         Route("/healthz", r("healthz", api.healthz), methods=["GET"]),
@@ -343,6 +345,17 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
         Route("/v1/responses/{rid}", r("response_delete", responses.delete), methods=["DELETE"]),
         Route("/v1/responses/{rid}/input_items", r("response_input_items", responses.input_items),
               methods=["GET"]),
+        Route("/v1/conversations", r("conversation_create", conversations.create), methods=["POST"]),
+        Route("/v1/conversations/{cid}", r("conversation", conversations.retrieve), methods=["GET"]),
+        Route("/v1/conversations/{cid}", r("conversation_update", conversations.update), methods=["POST"]),
+        Route("/v1/conversations/{cid}", r("conversation_delete", conversations.delete), methods=["DELETE"]),
+        Route("/v1/conversations/{cid}/items", r("conversation_items", conversations.list_items), methods=["GET"]),
+        Route("/v1/conversations/{cid}/items", r("conversation_items_add", conversations.add_items),
+              methods=["POST"]),
+        Route("/v1/conversations/{cid}/items/{item_id}", r("conversation_item", conversations.retrieve_item),
+              methods=["GET"]),
+        Route("/v1/conversations/{cid}/items/{item_id}", r("conversation_item_delete", conversations.delete_item),
+              methods=["DELETE"]),
         Route("/v1/sessions", r("sessions", sessions.list_sessions), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session", sessions.get_session), methods=["GET"]),
         Route("/v1/sessions/{sid}", r("session_delete", sessions.delete_session), methods=["DELETE"]),

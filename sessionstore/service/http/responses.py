@@ -31,13 +31,16 @@ from sessionstore.service.engine import (
     ResponseRecords,
     TurnSpec,
     chain_session_id,
+    conversation_not_found,
     finish_record,
     is_response_id,
+    is_session_id,
     new_response_id,
     parse_record,
 )
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
+from sessionstore.service.http.items import conversation_of, item_page
 from sessionstore.service.http.metrics import HttpMetrics, TurnClock
 from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.protocol import (
@@ -129,8 +132,12 @@ class ResponseRequest(BaseModel):
     text: Any = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}} (structured.py checks it)
     session: str | None = None  # extension: the session the chain's first response runs on (else a new one)
     session_id: str | None = None  # the same, by SGLang's name
+    conversation: str | dict[str, Any] | None = None  # FORMAT.md 7.5: the conversation the turn continues
 
     def check(self, limits: ServiceLimits) -> None:
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise ApiError(400, "conversation and previous_response_id cannot be used together",
+                           param="conversation", code="invalid_value")
         if self.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         n = self.max_output_tokens
@@ -143,11 +150,7 @@ class ResponseRequest(BaseModel):
             if len(self.input) > limits.max_messages:
                 raise ApiError(400, f"{len(self.input)} input items exceed the limit of {limits.max_messages}",
                                param="input", code="limit_exceeded")
-        meta = self.metadata or {}
-        if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                                                 for k, v in meta.items()):
-            raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} "
-                           f"and values of at most {MAX_METADATA_VALUE} characters", param="metadata")
+        check_metadata(self.metadata)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields given, and the seed (a fresh random one when none is given)."""
@@ -157,14 +160,29 @@ class ResponseRequest(BaseModel):
     def items(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the input items as OpenAI lists them, the messages they add for the chat template)."""
         given = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        items, messages = [], []
-        for i, m in enumerate(given):
-            text = m.text(f"input.{i}")
-            part = "output_text" if m.role == "assistant" else "input_text"
-            items.append({"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": m.role,
-                          "status": "completed", "content": [{"type": part, "text": text}]})
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        return items, messages
+        return input_items(given, "input")
+
+
+def input_items(given: list[InputMessage], where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the messages ``given`` as OpenAI's items, each with a fresh id, the messages they add for the
+    chat template); ``where`` names the list in a 400."""
+    items, messages = [], []
+    for i, m in enumerate(given):
+        text = m.text(f"{where}.{i}")
+        part = "output_text" if m.role == "assistant" else "input_text"
+        items.append({"id": f"msg_{secrets.token_hex(24)}", "type": "message", "role": m.role,
+                      "status": "completed", "content": [{"type": part, "text": text}]})
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return items, messages
+
+
+def check_metadata(meta: dict[str, str] | None) -> None:
+    """OpenAI's bounds on ``metadata``; a 400 past them."""
+    meta = meta or {}
+    if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                             for k, v in meta.items()):
+        raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} "
+                       f"and values of at most {MAX_METADATA_VALUE} characters", param="metadata")
 
 
 # ---- the response object ---------------------------------------------------------------------
@@ -197,6 +215,7 @@ def response_object(record: ResponseRecord, store: bool, *, status: str | None =
         "tool_choice": "none", "tools": [], "truncation": "disabled",
         "usage": record.usage if done else None, "user": None, "metadata": record.metadata,
         "seed": params.get("seed"),  # extension: the seed the reply was drawn with
+        "conversation": None if record.conversation is None else {"id": record.conversation},
     }
 
 
@@ -244,7 +263,7 @@ class ResponsesRoutes:
                 raise ApiError(409, f"response {prev.id!r} was made by model {prev.model!r}, not {req.model!r}",
                                param="previous_response_id", code="model_mismatch")
         key = session_of({"session": req.session, "session_id": req.session_id}, request.headers.get(SESSION_HEADER))
-        check_chain_key(key, req.store, prev)
+        check_chain_key(key, req.store or req.conversation is not None, prev)
         items, added = req.items()
         chain = [*(prev.messages if prev else []), *added]
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
@@ -262,7 +281,17 @@ class ResponsesRoutes:
                     **({} if text_format["type"] == "text" else {"text_format": text_format})})
         host.render(spec)
         job = None
-        if req.store:  # the core places the turn on the chain's session and writes the record
+        conversation = conversation_of(req.conversation)
+        if conversation is not None:  # the core puts the conversation's items first (FORMAT.md 7.5)
+            if not is_session_id(conversation):
+                raise conversation_not_found(conversation)
+            if key is not None and key != conversation:  # a conversation id is a session key: one meaning
+                raise ApiError(400, f"conversation names {conversation[:80]!r} and the session key names "
+                               f"{key[:80]!r}; give one of them, or the same id", param="conversation",
+                               code="session_mismatch")
+            spec.session = record.conversation = conversation
+            job = ResponseJob(msgspec.to_builtins(record), chain, None, conversation=conversation, store=req.store)
+        elif req.store:  # the core places the turn on the chain's session and writes the record
             spec.session = prev.session if prev is not None else key or chain_session_id()
             job = ResponseJob(msgspec.to_builtins(record), chain,
                               None if prev is None else msgspec.to_builtins(prev))
@@ -358,28 +387,12 @@ class ResponsesRoutes:
         """The input items the response added, as OpenAI's list (``order`` desc by default,
         ``limit`` 1-100 (20), ``after`` an item id)."""
         record = await self.stored(request)
-        q = request.query_params
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
-        raw = q.get("limit", "20")
-        if not (raw.isdigit() and 1 <= int(raw) <= 100):
-            raise ApiError(400, "limit must be an integer in [1, 100]", param="limit")
-        items = record.input if order == "asc" else record.input[::-1]
-        after = q.get("after")
-        if after is not None:
-            ids = [item.get("id") for item in items]
-            if after not in ids:
-                raise ApiError(404, f"no input item {after[:80]!r} in this response", param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:int(raw)]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+        return JSONResponse(item_page(record.input, request.query_params, "in this response"))
 
     def handlers(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
         return {"create": self.create, "retrieve": self.retrieve, "delete": self.delete,
                 "input_items": self.input_items}
 
 
-__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_chain_key", "message_item",
-           "response_object"]
+__all__ = ["InputMessage", "ResponseRequest", "ResponsesRoutes", "TurnHost", "check_chain_key", "check_metadata",
+           "input_items", "message_item", "response_object"]
