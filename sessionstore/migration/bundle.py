@@ -22,7 +22,6 @@ bytes (no bomb); the JSON is parsed, never executed.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
@@ -109,9 +108,9 @@ class BundleWriter:
         self._emit(data)
 
     def _emit(self, data: bytes | bytearray | memoryview) -> None:
-        start = time.perf_counter()
+        start = self.policy.clock()
         self._sink.write(data)
-        self.policy.note_sink(time.perf_counter() - start, len(data))
+        self.policy.note_sink(self.policy.clock() - start, len(data))
         self.stats.stored_bytes += len(data)
 
     def write_file(self, name: str, pieces: Iterable[bytes | bytearray | memoryview]) -> str:

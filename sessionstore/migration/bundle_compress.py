@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class CompressionPolicy:
     _interval: int = 0
     _next_probe: int = 1
     compressor: Any = field(default=None, repr=False)  # a zstd compressor (None: one at ``level``)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # times the sink and the compressor
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, int) and not isinstance(self.mode, bool):
@@ -108,9 +110,9 @@ class CompressionPolicy:
         return CODEC_ZSTD, packed
 
     def _compress(self, raw: bytes | bytearray | memoryview, learn: bool) -> bytes:
-        start = time.perf_counter()
+        start = self.clock()
         packed = self.compressor.compress(raw)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock() - start
         if not learn:
             return packed
         n = max(len(raw), 1)
@@ -121,4 +123,11 @@ class CompressionPolicy:
         return packed
 
 
-__all__ = ["CompressionPolicy", "MIN_MEASURED_BYTES", "MAX_PROBE_INTERVAL", "PROBE_SAMPLE_BYTES"]
+def policy_of(compression: str | int | CompressionPolicy) -> CompressionPolicy:
+    """A policy for ``compression``: a mode ("auto", "none", a level), or a policy given whole (its clock and
+    compressor seams set by the caller)."""
+    return compression if isinstance(compression, CompressionPolicy) else CompressionPolicy(compression)
+
+
+__all__ = ["CompressionPolicy", "MIN_MEASURED_BYTES", "MAX_PROBE_INTERVAL", "PROBE_SAMPLE_BYTES", "policy_of"]
+

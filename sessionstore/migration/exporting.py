@@ -29,7 +29,7 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.migration import bundle as B
-from sessionstore.migration.bundle_compress import CompressionPolicy
+from sessionstore.migration.bundle_compress import CompressionPolicy, policy_of
 from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, BundleFile, BundleManifest
 from sessionstore.sessions import (
     CONVERSATION_NAME,
@@ -195,13 +195,14 @@ class PreparedExport:
         """The bundle's exact size when written with ``compression="none"``."""
         return self.manifest.raw_bundle_bytes()
 
-    def write(self, sink: BinaryIO, *, compression: str | int = "auto", progress: bool = False) -> MigrateResult:
+    def write(self, sink: BinaryIO, *, compression: str | int | CompressionPolicy = "auto",
+              progress: bool = False) -> MigrateResult:
         """Write the bundle to ``sink`` in one pass over the committed bytes."""
         start = time.perf_counter()
         snap, source, session_id = self.snap, self.source, self.session_id
         bar = progress_bar(self.manifest.total_bytes, f"export {session_id}", progress)
         try:
-            writer = B.BundleWriter(sink, self.manifest, CompressionPolicy(compression), bar)
+            writer = B.BundleWriter(sink, self.manifest, policy_of(compression), bar)
             writer.write_file(MANIFEST_NAME, [source.manifest_json])
             try:
                 writer.write_file(KV_NAME, source.kv_chunks())
@@ -239,7 +240,7 @@ class PreparedExport:
 
 
 def export_session(store: SessionStore, session_id: str, sink: BinaryIO, *,
-                   compression: str | int = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   compression: str | int | CompressionPolicy = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                    progress: bool = False) -> MigrateResult:
     """Write ``session_id`` (its last commit) to ``sink`` as one bundle, in one pass."""
     with PreparedExport(store, session_id, chunk_bytes) as export:

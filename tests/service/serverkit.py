@@ -19,6 +19,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
+POLL_S = 0.02  # between readiness probes
 
 
 class ServerProc:
@@ -74,6 +75,7 @@ class ServerProc:
                 pass
             if time.monotonic() > deadline or self.proc is None or self.proc.poll() is not None:
                 raise AssertionError(f"server never became healthy: {self.stderr()}")
+            time.sleep(POLL_S)  # a poll, not a wait for time to pass: a busy loop here takes a core from the server
 
     def stderr(self) -> str:
         try:

@@ -60,10 +60,11 @@ class Conversation:
         return reference_turns(model, "fp8", self.turns, sampler)
 
 
-def session_bytes_on_disk(root: Path) -> int:
+def session_files_on_disk(root: Path) -> dict[str, dict[str, int]]:
     """Every file of the local sessions under ``root`` now, kv files, sidecars, manifests and
-    records alike (what --max-disk-bytes bounds; an offloaded stub's few small files are not)."""
-    total = 0
+    records alike (what --max-disk-bytes bounds; an offloaded stub's few small files are not), by
+    session and name."""
+    seen: dict[str, dict[str, int]] = {}
     for d in (root / "sessions").iterdir():
         files: dict[str, int] = {}
         try:
@@ -73,8 +74,12 @@ def session_bytes_on_disk(root: Path) -> int:
         except FileNotFoundError:  # a temporary file renamed, or the directory replaced, while read:
             continue  # the server's writes go on beside this watcher; the next look counts it
         if "kv.coli_kv" in files:  # else an offloaded stub, or a directory being replaced
-            total += sum(files.values())
-    return total
+            seen[d.name] = files
+    return seen
+
+
+def session_bytes_on_disk(root: Path) -> int:
+    return sum(sum(files.values()) for files in session_files_on_disk(root).values())
 
 
 def bundles_of(remote: RemoteStore, sid: str) -> list[str]:
@@ -107,17 +112,28 @@ def wait_for(predicate: Any, seconds: float, what: str) -> None:
 
 
 class DiskWatch:
-    """Samples the kv files' bytes under a store every few ms while running; ``peak`` the most seen."""
+    """Samples the session files' bytes under a store every few ms while running; ``peak`` the most seen.
+
+    A walk over the directories is not a snapshot: on a loaded machine it takes long enough that a
+    session counted early can be offloaded and another restored before the walk ends, and the sum
+    of the two instants overstates any one (it read 1,068,270 bytes against a 1,000,000 budget so).
+    A sample counts only when two walks in a row saw the same files at the same sizes: a state the
+    disk really held, whatever the machine's speed. ``samples`` counts them."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.peak = root, 0
+        self.root, self.peak, self.samples = root, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        last = session_files_on_disk(self.root)
         while not self._stop.is_set():
-            self.peak = max(self.peak, session_bytes_on_disk(self.root))
             time.sleep(0.005)
+            now = session_files_on_disk(self.root)
+            if now == last:
+                self.samples += 1
+                self.peak = max(self.peak, sum(sum(files.values()) for files in now.values()))
+            last = now
 
     def __enter__(self) -> DiskWatch:
         self._thread.start()
@@ -154,6 +170,7 @@ def test_disk_budget_held_under_load_offload_and_restore_exact_across_a_restart(
                 for t in threads:
                     t.join()
         assert not failures, failures
+        assert watch.samples >= 10 and watch.peak > BUDGET // 2, (watch.samples, watch.peak)  # it watched a load
         assert watch.peak <= BUDGET, f"the session files reached {watch.peak} bytes, over {BUDGET}"
         offloads, restores = metric(server, "coli_tier_offloads_total"), metric(server, "coli_tier_restores_total")
         assert offloads >= 3 and restores >= 2, (offloads, restores)
