@@ -30,7 +30,7 @@ STREAMS = 4
 KILLS = 50
 SLOW_KILLS = 300
 CAP = 240  # reply tokens a session grows to before a round starts it over from its prompt (a truncate)
-KILL_WINDOW_S = 0.25  # the kill comes at a uniform moment this long after every stream started
+KILL_WINDOW_S = 0.25  # a kill before any text comes at a uniform moment this long after the streams started
 
 
 def _prompt(i: int) -> list[int]:
@@ -75,17 +75,25 @@ def soak(root: Path, model_dir: Path, model: Any, tok: Any, kills: int, seed: in
                 return seen
             readers: dict[str, StreamReader] = {}
             asks: dict[str, list[int]] = {}
+            max_tokens: dict[str, int] = {}
             for sid in sids:
                 restart = len(history[sid]) - len(prompts[sid]) >= CAP  # start over: a truncate to the prompt
                 seen["restarts_from_prompt"] += restart
                 asks[sid] = list(prompts[sid]) if restart else history[sid]
+                max_tokens[sid] = rng.randint(4, 48)
                 readers[sid] = StreamReader(server, "/v1/completions", {
-                    "model": name, "prompt": asks[sid], "max_tokens": rng.randint(4, 48), "ignore_eos": True,
+                    "model": name, "prompt": asks[sid], "max_tokens": max_tokens[sid], "ignore_eos": True,
                     "stream": True, "session": sid, "temperature": 0})
-            if rng.random() < 0.8:  # most kills once every stream has text; some before any
+            if rng.random() < 0.8:  # most kills mid-stream: once the longest reply is part-way, counted in tokens
                 for reader in readers.values():
                     assert reader.started.wait(60)
-            time.sleep(rng.uniform(0.0, KILL_WINDOW_S))
+                longest = readers[max(sids, key=max_tokens.__getitem__)]
+                cut_at = rng.randint(1, max_tokens[max(sids, key=max_tokens.__getitem__)] // 2)
+                deadline = time.monotonic() + 60
+                while longest.events < cut_at and longest.tokens is None and time.monotonic() < deadline:
+                    time.sleep(0.002)  # a poll of the reader's count: the machine's speed moves no kill point
+            else:  # some before any text: at a random moment of the first quarter second
+                time.sleep(rng.uniform(0.0, KILL_WINDOW_S))
         finally:
             assert server.stop(signal.SIGKILL) in (-signal.SIGKILL, 0)
         seen["kills"] += 1

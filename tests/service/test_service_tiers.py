@@ -114,11 +114,12 @@ def wait_for(predicate: Any, seconds: float, what: str) -> None:
 class DiskWatch:
     """Samples the session files' bytes under a store every few ms while running; ``peak`` the most seen.
 
-    A walk over the directories is not a snapshot: on a loaded machine it takes long enough that a
-    session counted early can be offloaded and another restored before the walk ends, and the sum
-    of the two instants overstates any one (it read 1,068,270 bytes against a 1,000,000 budget so).
-    A sample counts only when two walks in a row saw the same files at the same sizes: a state the
-    disk really held, whatever the machine's speed. ``samples`` counts them."""
+    A walk over the directories is not a snapshot: on a loaded machine it can take long enough that
+    a session counted early is offloaded and another restored before the walk ends, and the sum of
+    two instants overstates either. A sample counts only when two walks in a row saw the same files
+    at the same sizes: a state the disk really held, whatever the machine's speed (a real overrun
+    holds still long enough: five new sessions' 1,068,225 bytes, before their turns' bounds were
+    kept until the catalogue listed what they wrote). ``samples`` counts them."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.peak, self.samples = root, 0, 0

@@ -22,11 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
-
-from prometheus_client import Counter, Gauge
 
 from kernels.errors import ColiError
 from kernels.rows import KV_FORMAT_OF_DTYPE
@@ -41,6 +38,8 @@ from sessionstore.kvfile import (
     sidecar_bound,
 )
 from sessionstore.log import get_logger
+from sessionstore.service.engine.tier_metrics import TierMetrics
+from sessionstore.service.engine.tier_reservations import Reservations
 from sessionstore.service.engine.turns import TurnSpec, max_new_for
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import (
@@ -74,25 +73,15 @@ NEW_SESSION_SMALL_FILES = STATE_SLOTS * STATE_BYTES + 2 * PAGE  # a new session'
 # file (both slots) and a bound of its manifest and lock file, which a turn's bound counts before they exist
 
 
-class TierMetrics:
-    """Offloads, restores, expiries (counters) and bytes per tier (gauges read at scrape time)."""
-
-    def __init__(self, registry: Any) -> None:
-        self.offloads = Counter("coli_tier_offloads", "sessions offloaded to the object store (local files removed)",
-                                registry=registry)
-        self.restores = Counter("coli_tier_restores", "offloaded sessions restored from the object store",
-                                registry=registry)
-        self.expiries = Counter("coli_tier_expiries", "sessions deleted past their retention_seconds",
-                                registry=registry)
-        self.bytes = Gauge("coli_tier_bytes", "bytes per tier: resident (KV in memory), local (session files on this "
-                           "disk), object_store (kv bytes of sessions offloaded from here)", ["tier"],
-                           registry=registry)
-
-    def bind(self, resident: Callable[[], int], by_state: Callable[[], dict[str, int]]) -> None:
-        self.bytes.labels(tier="resident").set_function(resident)
-        self.bytes.labels(tier="local").set_function(
-            lambda: sum(v for k, v in by_state().items() if k in ("resident", "suspended")))
-        self.bytes.labels(tier="object_store").set_function(lambda: by_state().get("offloaded", 0))
+def listed_whole(store: Any, sid: str) -> bool:
+    """Whether the catalogue counts every local byte of ``sid``: its row's bytes at least its files'
+    now; a session without local files (gone, offloaded) has none to count."""
+    row = store.catalogue.get(sid)
+    if row is None:
+        return not store.exists(sid)  # a new session's files before its first row count
+    if row.state not in ("resident", "suspended"):
+        return True
+    return row.bytes >= session_disk_bytes(store.session_dir(sid))
 
 
 class TierManager:
@@ -105,7 +94,7 @@ class TierManager:
         self.budget = max_disk_bytes
         self.metrics = TierMetrics(engine.metrics.registry)
         self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)
-        self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
+        self.reserved = Reservations()  # each running turn's bound on its session's files
 
     # ---- a turn's hooks (its job on the loop) --------------------------------------------------
     def before_turn(self, spec: TurnSpec) -> None:
@@ -119,14 +108,15 @@ class TierManager:
         if self.budget is not None:
             needed, bound = self.turn_need(spec, sid, record)
             self.make_room(needed, keep=sid)
-            self._reserved[sid] = bound  # counted for the session until the turn ends (after_turn)
+            self.reserved.hold(sid, bound)  # counted for the session until its turn's files are listed
         if record.offloaded is not None:
             self.restore(sid, record)
 
     def after_turn(self, spec: TurnSpec) -> None:
-        """The turn on ``spec.session`` ended: its file's size is counted as it is again."""
+        """The turn on ``spec.session`` ended: its files count as the catalogue lists them once its
+        row has caught up (:class:`Reservations`)."""
         if spec.session is not None:
-            self._reserved.pop(spec.session, None)
+            self.reserved.end(spec.session)
 
     def after_open(self, spec: TurnSpec) -> None:
         """Write the request's ``retention_seconds`` / ``pinned`` to the session's tier record."""
@@ -173,9 +163,7 @@ class TierManager:
         return record_bytes(version, dims, tag)
 
     def _drop_stale_reservations(self, keep: str | None) -> None:
-        for sid in [sid for sid in self._reserved if sid != keep]:
-            if self._idle(sid):  # its turn never opened it (refused): no turn holds the bound any more
-                del self._reserved[sid]
+        self.reserved.drop_stale(keep, self._idle, lambda sid: listed_whole(self.store, sid))
 
     def uses(self, keep: str | None = None) -> list[SessionUse]:
         """Every listed session as the policy reads it (``keep``: busy, never moved): a full scan
@@ -187,10 +175,10 @@ class TierManager:
             if e.state in ("missing", "unreadable"):
                 continue
             last = max(epoch_of(e.last_use), recent.get(e.id, 0.0))
-            reserved = self._reserved.get(e.id)
+            reserved = self.reserved.bound(e.id)
             size = e.bytes if reserved is None else max(e.bytes, reserved)
             out.append(SessionUse(e.id, size, last, e.retention_s, e.pinned, e.state == "offloaded",
-                                  busy=e.id == keep or reserved is not None))
+                                  busy=e.id == keep or self.reserved.running(e.id)))
         return out
 
     def local_bytes(self, keep: str | None = None) -> int:
@@ -199,7 +187,7 @@ class TierManager:
         self._drop_stale_reservations(keep)
         by_state = self.store.catalogue.bytes_by_state()
         total = by_state.get("resident", 0) + by_state.get("suspended", 0)
-        for sid, bound in self._reserved.items():
+        for sid, bound in self.reserved.items():
             row = self.store.catalogue.get(sid)
             listed = row.bytes if row is not None and row.state in ("resident", "suspended") else 0
             total += max(0, bound - listed)  # max(row bytes, bound); without a local row (a new session
@@ -394,4 +382,4 @@ class Sweeper:
             self._thread.join()
 
 
-__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Sweeper", "TierManager", "TierMetrics"]
+__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Sweeper", "TierManager"]
