@@ -45,10 +45,10 @@ def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a 
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a tests.support.seaweed.SeaweedS3
-    """ONE SeaweedFS (a real S3 server) for the whole run, on loopback, in a temporary directory,
+    """ONE SeaweedFS (a real S3 server, tools/_seaweed.py) for the whole run, on loopback, in a temporary directory,
     stopped and removed at the end. Its binary comes with the test extra: missing, the tests that
     need it fail with how to install it."""
-    from tests.support.seaweed import SeaweedMissing, start_seaweed
+    from tools._seaweed import SeaweedMissing, start_seaweed
 
     try:
         server = start_seaweed(tmp_path_factory.mktemp("seaweedfs"))
@@ -74,7 +74,8 @@ def s3_bucket(seaweed, seaweed_buckets, monkeypatch: pytest.MonkeyPatch):  # noq
     the test starts."""
     import s3fs
 
-    from tests.support.seaweed import Bucket, client_env
+    from tests.support.seaweed import Bucket
+    from tools._seaweed import client_env
 
     for name, value in client_env(seaweed.endpoint).items():
         monkeypatch.setenv(name, value)

@@ -16,7 +16,7 @@ from sessionstore.migration.remote import RemoteStore
 from sessionstore.sessions.store import SessionStore
 from tests.support.lease_race import race_host
 from tests.support.migrate import start_s3_server
-from tests.support.seaweed import ACCESS_KEY, SECRET_KEY
+from tools._seaweed import ACCESS_KEY, SECRET_KEY
 
 HOSTS = 8
 ROUNDS = 3
