@@ -41,3 +41,55 @@ def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a 
     from kernels.model.tiny_glm import write_tiny_glm
 
     return write_tiny_glm(tmp_path_factory.mktemp("tiny-glm"))
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a tests.support.seaweed.SeaweedS3
+    """ONE SeaweedFS (a real S3 server, tools/_seaweed.py) for the whole run, on loopback, in a temporary directory,
+    stopped and removed at the end. Its binary comes with the test extra: missing, the tests that
+    need it fail with how to install it."""
+    from tools._seaweed import SeaweedMissing, start_seaweed
+
+    try:
+        server = start_seaweed(tmp_path_factory.mktemp("seaweedfs"))
+    except SeaweedMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_buckets(seaweed):  # noqa: ANN201 - a tests.support.seaweed.BucketPool
+    from tests.support.seaweed import BucketPool
+
+    return BucketPool(seaweed)
+
+
+_seaweed_clients: list[object] = []  # the s3fs instances the last s3_bucket test left cached
+
+
+@pytest.fixture
+def s3_bucket(seaweed, seaweed_buckets, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """A fresh, empty bucket on the run's SeaweedFS for this test (a tests.support.seaweed.Bucket);
+    the AWS environment points at the server while the test runs, for s3fs here and the processes
+    the test starts.
+
+    s3fs caches its instances by their arguments, not by the environment, so a test that changes
+    the AWS environment clears them. Here the environment is the same for every test: the instances
+    the previous s3_bucket test left are kept when nothing else ran, created or cleared any since
+    (a new client costs ~0.1-0.25 s; one per test was a third of these tests' time)."""
+    import s3fs
+
+    from tests.support.seaweed import Bucket
+    from tools._seaweed import client_env
+
+    for name, value in client_env(seaweed.endpoint).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    cached = list(s3fs.S3FileSystem._cache.values())
+    if not cached or [id(fs) for fs in cached] != [id(fs) for fs in _seaweed_clients]:
+        s3fs.S3FileSystem.clear_instance_cache()
+    yield Bucket(seaweed_buckets.take(), seaweed.endpoint)
+    _seaweed_clients[:] = list(s3fs.S3FileSystem._cache.values())

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "tools.cmd_sessions",
     "tools.cmd_slots",
     "tools.cmd_demo",
+    "tools.cmd_fleet_demo",
     "tools.cmd_migrate",
     "tools.cmd_serve",
 )

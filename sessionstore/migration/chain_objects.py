@@ -77,7 +77,7 @@ class ChainObjects:
             try:
                 resp = self.objects.call("put_object", Key=self.head_key(head.session_id), Body=body, **cond)
             except Exception as exc:
-                if is_conflict(exc):
+                if is_conflict(exc, if_match="IfMatch" in cond):
                     raise LockedError(f"session {head.session_id!r}: its head was rewritten by another "
                                       "host (the chain was taken over); nothing more is shipped from "
                                       f"host {self.host_id!r}") from None

@@ -77,13 +77,13 @@ class LeaseTable:
                 if no_bucket(exc):
                     raise
                 return []
+        # in session-id order, whatever order the store lists in (FORMAT.md 6.4, "What stores answer")
+        bases = (name.rsplit("/", 1)[-1] for name in names)
         out = []
-        for name in sorted(names):
-            base = name.rsplit("/", 1)[-1]
-            if base.endswith(".json"):
-                lease = self.lease(base[:-5])
-                if lease is not None:
-                    out.append(lease)
+        for session_id in sorted(base[:-5] for base in bases if base.endswith(".json")):
+            lease = self.lease(session_id)
+            if lease is not None:
+                out.append(lease)
         return out
 
     # --- conditional writes ------------------------------------------------------------------
@@ -99,7 +99,7 @@ class LeaseTable:
                 stored, readable = self.stored(lease.session_id)
                 if stored is not None and stored.body() == lease.body():
                     return stored  # it landed: the answer was lost, or a retry of it got 412
-                if is_conflict(exc):
+                if is_conflict(exc, if_match=expect is not None):
                     raise self._refusal(lease.session_id, stored if readable else None) from None
                 raise
         written = lease.with_etag(str(resp.get("ETag", "")))
@@ -176,12 +176,14 @@ class LeaseTable:
         with self.objects.failing("deleting the bundle-less lease", lease.session_id):
             try:
                 self.objects.call("delete_object", Key=key, IfMatch=lease.etag)
-            except FileNotFoundError:
-                return
             except Exception as exc:
-                if is_conflict(exc):
-                    raise self._refusal(lease.session_id, self.stored(lease.session_id)[0]) from None
-                raise
+                if not is_conflict(exc, if_match=True):
+                    raise
+                # a lease already gone is answered 404 (AWS, moto) or 412 (SeaweedFS): read back
+                stored, readable = self.stored(lease.session_id)
+                if readable and stored is None:
+                    return
+                raise self._refusal(lease.session_id, stored) from None
 
 
 __all__ = ["LeaseTable"]

@@ -40,13 +40,21 @@ def error_code(exc: BaseException) -> tuple[str, str]:
     return "", ""
 
 
-def is_conflict(exc: BaseException) -> bool:
-    """Whether a failed request is the store refusing a conditional write (409/412)."""
+def is_conflict(exc: BaseException, *, if_match: bool = False) -> bool:
+    """Whether a failed request is the store refusing a conditional write or delete (409/412).
+
+    ``if_match``: the request was conditional on an object being there (``If-Match``). A store
+    that no longer has that object refuses it differently (FORMAT.md 6.4, "What stores answer"):
+    AWS and moto answer 404 ``NoSuchKey``, SeaweedFS 412; both mean the object we read is not
+    there any more, the same refusal."""
     if isinstance(exc, FileExistsError):
+        return True
+    if if_match and isinstance(exc, FileNotFoundError) and not no_bucket(exc):
         return True
     code, status = error_code(exc)
     if code or status:
-        return code in CONFLICT_CODES or status in ("409", "412")
+        return (code in CONFLICT_CODES or status in ("409", "412")
+                or (if_match and code == "NoSuchKey"))
     return "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower()
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from sessionstore.sessions.store import SessionStore
-from tests.support.migrate import make_session, s3_endpoint, tree_state  # noqa: F401
+from tests.support.migrate import make_session, tree_state
 from tools.coli_kv import main
 
 
@@ -95,8 +95,8 @@ def test_bad_compress_argument_is_a_usage_error(src_root, tmp_path):
         main(["export", "--root", str(src_root), "chat", str(tmp_path / "z"), "--compress", "99"])
 
 
-def test_lease_listing_release_and_refusal(tmp_path, src_root, s3_endpoint, capsys):
-    remote = "s3://fleet/cli-lease"
+def test_lease_listing_release_and_refusal(tmp_path, src_root, s3_bucket, capsys):
+    remote = s3_bucket.url("cli-lease")  # SeaweedFS, a real S3 server
     assert main(["push", "--root", str(src_root), "--remote", remote, "--host-id", "A", "chat",
                  "--keep-lease"]) == 0
     capsys.readouterr()
@@ -117,9 +117,8 @@ def _gen(root, *extra: str) -> list[str]:
     return ["generate", "--root", str(root), "--session", "s", "--json", *extra]
 
 
-def test_generate_through_the_fleet_continues_token_exact_on_another_host(tmp_path, s3_endpoint,
-                                                                          capsys):
-    remote = ["--remote", "s3://fleet/cli-generate"]
+def test_generate_through_the_fleet_continues_token_exact_on_another_host(tmp_path, s3_bucket, capsys):
+    remote = ["--remote", s3_bucket.url("cli-generate")]  # SeaweedFS, a real S3 server
     first = ["--model", "tiny", "--prompt-ids", "72,101,108,108,111", "--max-new", "6",
              "--temperature", "0.8", "--seed", "3"]
     assert main(_gen(tmp_path / "U", *first)) == 0  # the uninterrupted reference, no fleet

@@ -1,4 +1,5 @@
-"""The object-store tier against a real S3 API server (moto) on 127.0.0.1."""
+"""The object-store tier against a real S3 server (SeaweedFS, the run's one: tests/conftest.py) on
+127.0.0.1, each test in a bucket of its own."""
 from __future__ import annotations
 
 import threading
@@ -10,17 +11,12 @@ from kernels.errors import ColiError, LockedError, NotFoundError
 from sessionstore.migration.remote import RemoteStore
 from sessionstore.sessions import SessionOptions
 from sessionstore.sessions.store import SessionStore
-from tests.support.migrate import (  # noqa: F401
-    make_session,
-    s3_endpoint,
-    session_files,
-    tree_state,
-)
+from tests.support.migrate import make_session, session_files, stored_keys, tree_state
 
 
 @pytest.fixture
-def hosts(tmp_path, s3_endpoint, request):
-    url = f"s3://fleet/{request.node.name.replace('[', '-').replace(']', '')}"
+def hosts(tmp_path, s3_bucket):
+    url = s3_bucket.url("fleet")
     a = RemoteStore(SessionStore(tmp_path / "hostA"), url, host_id="host-a")
     b = RemoteStore(SessionStore(tmp_path / "hostB"), url, host_id="host-b")
     return a, b
@@ -63,8 +59,7 @@ def test_an_expired_lease_can_be_taken_and_the_old_holder_cannot_push_over_it(ho
     with pytest.raises(LockedError):
         short.push("conv")
     assert b.lease("conv").bundle == pointer and b.lease("conv").owner == "host-b"
-    bundles = a.fs.ls(f"fleet/{a.prefix}/bundles/conv", detail=False, refresh=True)
-    assert [name.rsplit("/", 1)[-1] for name in bundles] == [pointer.rsplit("/", 1)[-1]]
+    assert stored_keys(a, "bundles", "conv") == [pointer]
 
 
 def test_a_released_session_needs_a_pull_before_a_push(hosts):
@@ -116,7 +111,7 @@ def test_pull_of_a_corrupt_bundle_leaves_the_store_unchanged_and_gives_the_lease
     a, b = hosts
     make_session(a.store, "conv", 12)
     _, lease = a.push("conv")
-    path = f"fleet/{lease.bundle}"
+    path = f"{a.bucket}/{lease.bundle}"
     data = bytearray(a.fs.cat_file(path))
     data[len(data) // 2] ^= 0x01
     a.fs.pipe_file(path, bytes(data))
@@ -144,8 +139,7 @@ def test_list_and_only_the_latest_bundle_is_kept(hosts):
     a.push("two")
     listed = {lease.session_id: lease for lease in a.list()}
     assert set(listed) == {"one", "two"} and listed["two"].bundle_tokens == 4
-    names = a.fs.ls(f"fleet/{a.prefix}/bundles/two", detail=False, refresh=True)
-    assert len(names) == 1
+    assert len(stored_keys(a, "bundles", "two")) == 1
 
 
 def test_resume_refuses_while_another_host_holds_it(hosts):

@@ -1,4 +1,4 @@
-"""Write-through shipping (FORMAT.md 6.7) against a real S3 API server (moto) on 127.0.0.1: each
+"""Write-through shipping (FORMAT.md 6.7) against a real S3 server (SeaweedFS, tests/conftest.py) on 127.0.0.1: each
 turn ships a segment bounded by its own records; another host takes the chain over after the lease
 expires and installs exactly the files of the last shipped turn; the former holder is fenced; a
 damaged segment is refused and nothing is installed."""
@@ -19,8 +19,8 @@ from sessionstore.sessions.store import SessionStore
 from tests.support.migrate import (  # noqa: F401
     SMALL_DIMS,
     make_session,
-    s3_endpoint,
     session_files,
+    stored_keys,
     synthetic_rows,
 )
 
@@ -28,8 +28,8 @@ FIXED_BYTES = 4096  # the segment's framing, headers and small files, and the he
 
 
 @pytest.fixture
-def hosts(tmp_path, s3_endpoint, request):
-    url = f"s3://fleet/{request.node.name.replace('[', '-').replace(']', '')}"
+def hosts(tmp_path, s3_bucket):
+    url = s3_bucket.url("fleet")
     a = RemoteStore(SessionStore(tmp_path / "hostA"), url, host_id="host-a", lease_ttl=1.0)
     b = RemoteStore(SessionStore(tmp_path / "hostB"), url, host_id="host-b", lease_ttl=30.0)
     return a, b
@@ -111,7 +111,7 @@ def test_a_whole_bundle_push_retires_the_chain(hosts):
     ship_a.pushed("conv", lease)
     assert ship_a.read_head("conv") is None
     a.fs.invalidate_cache()
-    assert a.fs.find(f"{a.bucket}/{a.prefix}/segments") == []
+    assert stored_keys(a, "segments") == []
 
 
 def test_a_truncated_session_ships_a_new_base_and_the_chain_restarts(hosts):
@@ -133,7 +133,7 @@ def test_a_truncated_session_ships_a_new_base_and_the_chain_restarts(hosts):
     head = ship_a.read_head("conv")
     assert head.count == 0 and head.nrec == 75
     a.fs.invalidate_cache()
-    assert a.fs.find(f"{a.bucket}/{a.prefix}/segments") == []  # the replaced chain is deleted
+    assert stored_keys(a, "segments") == []  # the replaced chain is deleted
     grow(a.store, "conv", 3, seed=3)
     assert ship_a.ship("conv", held).kind == "segment"
     expected = vouched_files(a.store, "conv")

@@ -1,4 +1,4 @@
-"""Background compaction of shipped chains (FORMAT.md 6.7.3) against a real S3 API server (moto)
+"""Background compaction of shipped chains (FORMAT.md 6.7.3) against a real S3 server (SeaweedFS)
 on 127.0.0.1: a turn's ship only asks for it and returns; the compacted chain (a new base, no
 segments) reads back token-exact; turns shipped while it uploads land on it (a prepared base); a
 host without the lease never compacts and a claim by another host wins over it; a failure or a
@@ -24,14 +24,14 @@ from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.shipping import TurnShipper
 from sessionstore.sessions.store import SessionStore
 from tests.migration.test_shipping import grow
-from tests.support.migrate import make_session, s3_endpoint, session_files  # noqa: F401
+from tests.support.migrate import make_session, session_files, stored_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def hosts(tmp_path, s3_endpoint, request):
-    url = f"s3://fleet/{request.node.name.replace('[', '-').replace(']', '')}"
+def hosts(tmp_path, s3_bucket):
+    url = s3_bucket.url("fleet")
     a = RemoteStore(SessionStore(tmp_path / "hostA"), url, host_id="host-a", lease_ttl=1.0)
     b = RemoteStore(SessionStore(tmp_path / "hostB"), url, host_id="host-b", lease_ttl=30.0)
     return a, b
@@ -44,13 +44,11 @@ def short_chains(monkeypatch):
 
 
 def segment_names(remote: RemoteStore, sid: str) -> set[str]:
-    remote.fs.invalidate_cache()
-    return {p.rsplit("/", 1)[-1] for p in remote.fs.find(f"{remote.bucket}/{remote.prefix}/segments/{sid}")}
+    return {key.rsplit("/", 1)[-1] for key in stored_keys(remote, "segments", sid)}
 
 
 def bundle_keys(remote: RemoteStore, sid: str) -> set[str]:
-    remote.fs.invalidate_cache()
-    return {p.split("/", 1)[1] for p in remote.fs.find(f"{remote.bucket}/{remote.prefix}/bundles/{sid}")}
+    return set(stored_keys(remote, "bundles", sid))
 
 
 def take_over_files(b: RemoteStore, sid: str) -> dict[str, bytes]:

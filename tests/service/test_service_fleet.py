@@ -1,5 +1,6 @@
-"""Servers as hosts of one fleet (``serve --http --remote s3://...``) on a real S3 API server (moto)
-on loopback: alternating turns of one conversation on two servers are token-exact against one
+"""Servers as hosts of one fleet (``serve --http --remote s3://...``) on a real S3 server
+(SeaweedFS, the run's one: tests/conftest.py) on loopback: alternating turns of one conversation on
+two servers are token-exact against one
 uninterrupted run (the session leased and pulled before each turn, pushed back on suspend,
 eviction and shutdown); a request while another server holds the session live is 409 naming it;
 a lost lease (the store cut past the TTL, the session taken over) is 503 / 409 at the next turn
@@ -17,8 +18,9 @@ from kernels.model.sampling import Sampler
 from sessionstore.migration import RemoteStore
 from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
-from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - the moto fixture
+from tests.support.migrate import stored_keys
 from tests.support.s3_relay import Relay
+from tests.support.seaweed import Bucket
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,8 +28,9 @@ SAMPLING = {"temperature": 0.9, "top_k": 40, "seed": 11}  # every turn's own (th
 
 
 @pytest.fixture
-def fleet_url(s3_endpoint: str, request: pytest.FixtureRequest) -> str:  # noqa: F811 - the moto fixture
-    return f"s3://{S3_BUCKET}/{request.node.name}"
+def fleet_url(s3_bucket: Bucket) -> str:
+    """The fleet's prefix in this test's own bucket on SeaweedFS (the AWS environment names it)."""
+    return s3_bucket.url("fleet")
 
 
 def host(tmp_path: Path, name: str, model: Path, url: str, *args: str, env: dict[str, str] | None = None) -> ServerProc:
@@ -109,15 +112,14 @@ def test_two_servers_alternate_turns_token_exact(tmp_path: Path, text_model_dir:
     leases = {lease.session_id: lease for lease in remote.list()}
     assert set(leases) == {"conv", "other"} and all(lease.released for lease in leases.values())
     assert leases["conv"].owner == "host-b" and leases["conv"].bundle_tokens == len(conv.history) - 1
-    kept = remote.fs.ls(f"{S3_BUCKET}/{remote.prefix}/bundles/conv", detail=False, refresh=True)
-    assert [k.rsplit("/", 1)[-1] for k in kept] == [leases["conv"].bundle.rsplit("/", 1)[-1]]
+    assert stored_keys(remote, "bundles", "conv") == [leases["conv"].bundle]
 
 
 def test_a_lost_lease_is_refused_at_the_next_turn_and_never_pushed_over(
         tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], fleet_url: str,
-        s3_endpoint: str) -> None:  # noqa: F811 - the moto fixture
+        s3_bucket: Bucket) -> None:
     model, _ = text_model
-    relay = Relay(("127.0.0.1", int(s3_endpoint.rsplit(":", 1)[1])))
+    relay = Relay(("127.0.0.1", int(s3_bucket.endpoint.rsplit(":", 1)[1])))  # the real store, cut at will
     through = {"AWS_ENDPOINT_URL": relay.url, "AWS_MAX_ATTEMPTS": "2"}
     ttl = 3.0
     try:
@@ -171,8 +173,7 @@ def test_delete_on_a_fleet_server_deletes_from_the_fleet(tmp_path: Path, text_mo
         assert httpx.delete(a.url + "/v1/sessions/gone", timeout=60).status_code == 404
         assert a.stop() == 0 and b.stop() == 0
     assert remote.lease("gone") is None
-    remote.fs.invalidate_cache()
-    assert remote.fs.find(f"{S3_BUCKET}/{remote.prefix}") == []  # no lease, no bundle left
+    assert stored_keys(remote) == []  # no lease, no bundle left
 
 
 def test_serve_remote_refuses_an_unreachable_store_in_one_line(tmp_path: Path, text_model_dir: Path,

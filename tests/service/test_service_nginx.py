@@ -1,5 +1,5 @@
 """A fleet behind Debian's stock nginx with the shipped ``deploy/nginx.conf``: two servers on one
-object store (moto's S3 server), each started with ``--advertise-url``; clients name sessions in
+object store (SeaweedFS, a real S3 server), each started with ``--advertise-url``; clients name sessions in
 the ``X-Session-Id`` header only. nginx's consistent hash sends every turn of a session to one
 server, so no turn is refused and each session's turns are token-exact against one uninterrupted
 run; a request that reaches the other server directly is redirected (307) to the holder, and
@@ -21,7 +21,7 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.sessions import reference_turns
 from tests.service.serverkit import REPO, ServerProc, free_port
-from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - the moto fixture
+from tests.support.seaweed import Bucket
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(os.environ.get("COLI_NO_NGINX") == "1", reason="COLI_NO_NGINX=1: skipped on purpose")]
@@ -84,9 +84,9 @@ def _local(server: ServerProc) -> set[str]:
 
 def test_nginx_routes_each_session_to_one_server_and_the_other_redirects(
         tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any],
-        s3_endpoint: str) -> None:  # noqa: F811 - the moto fixture
+        s3_bucket: Bucket) -> None:
     model, _ = text_model
-    fleet = f"s3://{S3_BUCKET}/nginx"
+    fleet = s3_bucket.url("nginx")
     ports = [free_port(), free_port()]
     servers = [ServerProc(tmp_path / name, text_model_dir, "--remote", fleet, "--host-id", name,
                           "--advertise-url", f"http://127.0.0.1:{port}", log_dir=tmp_path, port=port)

@@ -1,5 +1,5 @@
-"""Write-through shipping through real servers (``serve --http --remote``) on a real S3 API
-(moto): host A runs turns of two sessions, each turn shipped as a segment before its answer; the
+"""Write-through shipping through real servers (``serve --http --remote``) on a real S3 server
+(SeaweedFS): host A runs turns of two sessions, each turn shipped as a segment before its answer; the
 whole host A (API process and engine core) is SIGKILLed in the middle of a stream; once A's lease
 expires host B continues every session from its last shipped turn, token-exact against one
 uninterrupted run, by fetching the chain (its prompts reuse every committed token: no re-prefill)."""
@@ -17,7 +17,6 @@ from sessionstore.migration import RemoteStore
 from sessionstore.migration.shipping import TurnShipper
 from sessionstore.sessions import SessionStore
 from tests.service.test_service_fleet import Conversation, fleet_url, host  # noqa: F401 - fixture
-from tests.support.migrate import S3_BUCKET, s3_endpoint  # noqa: F401 - the moto fixture
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""The tier manager (FORMAT.md 5.10) on a real S3 API server (moto) without a model: an offload
+"""The tier manager (FORMAT.md 5.10) on a real S3 server (SeaweedFS) without a model: an offload
 ships, verifies and leaves a stub (manifest, state page, tier record), listed offloaded; a restore
 brings back the very files (kv records, sidecar, manifest) and the tier record; a pinned session,
 or one another host holds live, is never offloaded; a stub whose mark landed but whose files were
@@ -26,7 +26,8 @@ from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import write_manifest
 from sessionstore.sessions.paths import KV_NAME
 from sessionstore.sessions.tier_record import Offloaded, TierChange, TierRecord, read_tier, write_tier
-from tests.support.migrate import S3_BUCKET, make_session, s3_endpoint, session_files  # noqa: F401 - fixture
+from tests.support.migrate import make_session, session_files, stored_keys
+from tests.support.seaweed import Bucket
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,16 +58,13 @@ class Engine:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, s3_endpoint: str, request: pytest.FixtureRequest) -> tuple[SessionStore, RemoteStore]:  # noqa: F811
+def fleet(tmp_path: Path, s3_bucket: Bucket) -> tuple[SessionStore, RemoteStore]:
     store = SessionStore(tmp_path / "host")
-    return store, RemoteStore(store, f"s3://{S3_BUCKET}/{request.node.name}", host_id="host-a")
+    return store, RemoteStore(store, s3_bucket.url("fleet"), host_id="host-a")
 
 
 def bundles(remote: RemoteStore, sid: str) -> list[str]:
-    try:
-        return list(remote.fs.ls(f"{S3_BUCKET}/{remote.prefix}/bundles/{sid}", detail=False, refresh=True))
-    except FileNotFoundError:
-        return []
+    return stored_keys(remote, "bundles", sid)
 
 
 def test_offload_leaves_a_stub_and_restore_brings_back_the_same_files(

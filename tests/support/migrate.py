@@ -151,3 +151,18 @@ def s3_endpoint():  # noqa: ANN201 - yields the endpoint URL
                 os.environ[k] = v
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+def stored_keys(remote, *parts: str) -> list[str]:  # noqa: ANN001 - a RemoteStore
+    """The keys of the objects under ``remote``'s prefix / ``parts``, listed flat (no delimiter),
+    as the tier lists them. Not s3fs's ``find``/``ls``: SeaweedFS keeps a prefix whose objects were
+    all deleted as an empty directory, which those report as an entry (FORMAT.md 6.4, "What
+    stores answer")."""
+    prefix = remote.objects.key(*parts) + "/"
+    keys: list[str] = []
+    page: dict = {"IsTruncated": True}
+    while page.get("IsTruncated"):
+        more = {"ContinuationToken": page["NextContinuationToken"]} if page.get("NextContinuationToken") else {}
+        page = remote.objects.call("list_objects_v2", Prefix=prefix, **more)
+        keys += [str(obj["Key"]) for obj in page.get("Contents", []) if not str(obj["Key"]).endswith("/")]
+    return sorted(keys)
