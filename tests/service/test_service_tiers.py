@@ -124,8 +124,8 @@ class DiskWatch:
     a session counted early is offloaded and another restored before the walk ends, and the sum of
     two instants overstates either. A sample counts only when two walks in a row saw the same files
     at the same sizes: a state the disk really held, whatever the machine's speed (a real overrun
-    holds still long enough: five new sessions' 1,068,225 bytes, before their turns' bounds were
-    kept until the catalogue listed what they wrote). ``samples`` counts them."""
+    holds still long enough: five new sessions' 1,068,225 bytes, when the tiers' plans left out a new
+    session's bound before its catalogue row existed). ``samples`` counts them."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.peak, self.samples = root, 0, 0

@@ -39,7 +39,6 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.service.engine.tier_metrics import TierMetrics
-from sessionstore.service.engine.tier_reservations import Reservations
 from sessionstore.service.engine.turns import TurnSpec, max_new_for
 from sessionstore.service.errors import ApiError
 from sessionstore.sessions import (
@@ -73,17 +72,6 @@ NEW_SESSION_SMALL_FILES = STATE_SLOTS * STATE_BYTES + 2 * PAGE  # a new session'
 # file (both slots) and a bound of its manifest and lock file, which a turn's bound counts before they exist
 
 
-def listed_whole(store: Any, sid: str) -> bool:
-    """Whether the catalogue counts every local byte of ``sid``: its row's bytes at least its files'
-    now; a session without local files (gone, offloaded) has none to count."""
-    row = store.catalogue.get(sid)
-    if row is None:
-        return not store.exists(sid)  # a new session's files before its first row count
-    if row.state not in ("resident", "suspended"):
-        return True
-    return row.bytes >= session_disk_bytes(store.session_dir(sid))
-
-
 class TierManager:
     """The engine's tiers: the disk budget, offload and restore, retention (see the module)."""
 
@@ -94,7 +82,7 @@ class TierManager:
         self.budget = max_disk_bytes
         self.metrics = TierMetrics(engine.metrics.registry)
         self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)
-        self.reserved = Reservations()  # each running turn's bound on its session's files
+        self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
 
     # ---- a turn's hooks (its job on the loop) --------------------------------------------------
     def before_turn(self, spec: TurnSpec) -> None:
@@ -108,15 +96,14 @@ class TierManager:
         if self.budget is not None:
             needed, bound = self.turn_need(spec, sid, record)
             self.make_room(needed, keep=sid)
-            self.reserved.hold(sid, bound)  # counted for the session until its turn's files are listed
+            self._reserved[sid] = bound  # counted for the session until the turn ends (after_turn)
         if record.offloaded is not None:
             self.restore(sid, record)
 
     def after_turn(self, spec: TurnSpec) -> None:
-        """The turn on ``spec.session`` ended: its files count as the catalogue lists them once its
-        row has caught up (:class:`Reservations`)."""
+        """The turn on ``spec.session`` ended: its file's size is counted as it is again."""
         if spec.session is not None:
-            self.reserved.end(spec.session)
+            self._reserved.pop(spec.session, None)
 
     def after_open(self, spec: TurnSpec) -> None:
         """Write the request's ``retention_seconds`` / ``pinned`` to the session's tier record."""
@@ -163,7 +150,9 @@ class TierManager:
         return record_bytes(version, dims, tag)
 
     def _drop_stale_reservations(self, keep: str | None) -> None:
-        self.reserved.drop_stale(keep, self._idle, lambda sid: listed_whole(self.store, sid))
+        for sid in [sid for sid in self._reserved if sid != keep]:
+            if self._idle(sid):  # its turn never opened it (refused): no turn holds the bound any more
+                del self._reserved[sid]
 
     def uses(self, keep: str | None = None) -> list[SessionUse]:
         """Every listed session as the policy reads it (``keep``: busy, never moved): a full scan
@@ -171,14 +160,20 @@ class TierManager:
         self._drop_stale_reservations(keep)
         out = []
         recent = self.engine.last_use
+        unlisted = dict(self._reserved)  # running turns' sessions without a row yet (new ones)
         for e in self.store.catalogue.entries():
             if e.state in ("missing", "unreadable"):
                 continue
             last = max(epoch_of(e.last_use), recent.get(e.id, 0.0))
-            reserved = self.reserved.bound(e.id)
+            reserved = unlisted.pop(e.id, None)
             size = e.bytes if reserved is None else max(e.bytes, reserved)
-            out.append(SessionUse(e.id, size, last, e.retention_s, e.pinned, e.state == "offloaded",
-                                  busy=e.id == keep or self.reserved.running(e.id)))
+            out.append(SessionUse(e.id, size, last, e.retention_s, e.pinned,
+                                  e.state == "offloaded" and reserved is None,  # a running turn restores it
+                                  busy=e.id == keep or reserved is not None))
+        # a plan counts what local_bytes counts: a new session's bound before its row exists (left out, two
+        # new sessions' turns were each planned as if the other's bytes were not there: five 214 KB sessions
+        # on a 1,000,000-byte disk)
+        out += [SessionUse(sid, bound, time.time(), busy=True) for sid, bound in unlisted.items()]
         return out
 
     def local_bytes(self, keep: str | None = None) -> int:
@@ -187,7 +182,7 @@ class TierManager:
         self._drop_stale_reservations(keep)
         by_state = self.store.catalogue.bytes_by_state()
         total = by_state.get("resident", 0) + by_state.get("suspended", 0)
-        for sid, bound in self.reserved.items():
+        for sid, bound in self._reserved.items():
             row = self.store.catalogue.get(sid)
             listed = row.bytes if row is not None and row.state in ("resident", "suspended") else 0
             total += max(0, bound - listed)  # max(row bytes, bound); without a local row (a new session
