@@ -1,11 +1,14 @@
 // CPU emulation of the little of CUDA the attention kernels use, for tests without a GPU.
 //
-// Every CUDA thread of a block is a fiber (ucontext) run by one OS thread; a fiber yields only at
-// __syncthreads() and at warp-collective points (shuffles, mma), so switching is cheap and the
-// run is deterministic. A barrier that can never complete (a thread exited or waits elsewhere)
+// Every CUDA thread of a block is a fiber run by one OS thread; a fiber yields only at
+// __syncthreads() and at warp-collective points (shuffles, mma), so the run is deterministic. A
+// fiber's stack is set up once by makecontext/setcontext; every switch after that is an
+// _setjmp/_longjmp pair, which saves no signal mask: swapcontext made two sigprocmask system calls
+// per switch, and the switches were most of an emulated launch's time. A barrier that can never complete (a thread exited or waits elsewhere)
 // is reported as a deadlock instead of hanging. Blocks run one after another, so __shared__
 // arrays can be function statics. mma.sync is emulated from the PTX ISA fragment layouts.
 #pragma once
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -45,14 +48,16 @@ namespace emu {
 enum Wait { RUN = 0, BLOCK_BAR = 1, WARP_BAR = 2, DONE = 3 };
 
 struct Fiber {
-    ucontext_t ctx;
+    ucontext_t ctx;  // its first start only
+    jmp_buf at;      // where it yielded
     std::unique_ptr<char[]> stack;
     int wait = RUN;
+    bool started = false;
 };
 
 struct Block {
     std::vector<Fiber> fibers;
-    ucontext_t sched;
+    jmp_buf sched;  // the scheduler, while a fiber runs
     int current = 0;
     bool deadlock = false;
     void (*body)(void*) = nullptr;
@@ -68,14 +73,26 @@ static inline void set_thread(int i) { threadIdx.x = (unsigned)i; threadIdx.y = 
 static inline void yield(int why) {
     Fiber& f = blk->fibers[blk->current];
     f.wait = why;
-    swapcontext(&f.ctx, &blk->sched);
+    if (_setjmp(f.at) == 0) _longjmp(blk->sched, 1);
     set_thread(blk->current);
 }
 
 static void fiber_entry() {
     blk->body(blk->closure);
     blk->fibers[blk->current].wait = DONE;
-    // returning resumes uc_link (the scheduler)
+    _longjmp(blk->sched, 1);  // never returns: its stack is dropped with the block
+}
+
+// Run fiber `i` until it yields or ends. Kept out of line so that no local of the scheduler's
+// loop lives across the _setjmp (their values would be indeterminate after the _longjmp back).
+static __attribute__((noinline)) void resume(Block& b, int i) {
+    Fiber& f = b.fibers[i];
+    if (_setjmp(b.sched) != 0) return;
+    if (!f.started) {
+        f.started = true;
+        setcontext(&f.ctx);  // onto its own stack, once
+    }
+    _longjmp(f.at, 1);
 }
 
 // Release a group of fibers when every member waits at the same barrier kind.
@@ -99,7 +116,7 @@ static bool run_block(int n, void (*body)(void*), void* closure) {
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack.get();
         f.ctx.uc_stack.ss_size = kStackBytes;
-        f.ctx.uc_link = &b.sched;
+        f.ctx.uc_link = nullptr;  // fiber_entry never returns
         makecontext(&f.ctx, fiber_entry, 0);
     }
     for (;;) {
@@ -108,7 +125,7 @@ static bool run_block(int n, void (*body)(void*), void* closure) {
             if (b.fibers[i].wait == RUN) {
                 b.current = i;
                 set_thread(i);
-                swapcontext(&b.sched, &b.fibers[i].ctx);
+                resume(b, i);
                 ran = true;
             }
             if (b.fibers[i].wait != DONE) all_done = false;

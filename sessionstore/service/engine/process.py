@@ -270,7 +270,10 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda _s, _f: stop.set())
     watch_parent()
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=ipc.CoreConfig)
+    data = sys.stdin.buffer.read()
+    if not data:  # started early and not taken (tools/_early_core.py: a refused argument, an error)
+        return 0
+    config = msgspec.json.decode(data, type=ipc.CoreConfig)
     if os.getppid() != config.parent_pid:
         return 0  # the parent died before the death signal was asked for
     sys.setswitchinterval(0.0005)  # the engine thread's hand-over interval (see server.SWITCH_INTERVAL_S)

@@ -86,10 +86,16 @@ class CoreStream:
 class CoreProcess:
     """One started core: its process and the line it said when it came up."""
 
-    def __init__(self, config: engine.CoreConfig) -> None:
-        env = {**os.environ}
-        self.proc = subprocess.Popen([sys.executable, "-m", CORE_MODULE],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    def __init__(self, config: engine.CoreConfig, started: subprocess.Popen[bytes] | None = None) -> None:
+        """``started``: the core's process already started (importing while it waits for its
+        configuration on stdin: ``coli-kv serve`` starts it first); used when it runs CORE_MODULE."""
+        if started is not None and started.args != [sys.executable, "-m", CORE_MODULE]:  # a launcher swapped it
+            assert started.stdin is not None
+            started.stdin.close()  # it exits without a configuration
+            started.wait()
+            started = None
+        self.proc = started or subprocess.Popen([sys.executable, "-m", CORE_MODULE], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, env={**os.environ})
         assert self.proc.stdin is not None
         self.proc.stdin.write(msgspec.json.encode(config))
         self.proc.stdin.close()
@@ -126,8 +132,10 @@ class CoreProcess:
 class CoreClient:
     """Starts, talks to and supervises the engine core of one server."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        """``config``: :class:`CoreConfig`'s fields but the sockets and the parent's pid."""
+    def __init__(self, config: dict[str, Any], started: subprocess.Popen[bytes] | None = None) -> None:
+        """``config``: :class:`CoreConfig`'s fields but the sockets and the parent's pid; ``started``:
+        the first core's process, already importing (:class:`CoreProcess`)."""
+        self._started = started
         self._dir, requests, events = engine.socket_paths()
         self.config = engine.CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
         self._sync = zmq.Context()
@@ -152,7 +160,8 @@ class CoreClient:
     # ---- life ------------------------------------------------------------------------------------
     def start(self) -> engine.Ready:
         """Start the first core and wait until it is ready (blocking: before the server listens)."""
-        self.core = CoreProcess(self.config)
+        self.core = CoreProcess(self.config, self._started)
+        self._started = None
         try:
             self.ready = self.core.wait_ready()
         except BaseException:

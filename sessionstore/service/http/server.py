@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,8 +86,10 @@ def core_settings(config: ServeConfig) -> dict[str, Any]:
             "ship_every_commit": config.ship_every_commit}
 
 
-def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns 0 once the core has committed every session."""
+def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None] | None = None,
+               core_process: subprocess.Popen[bytes] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns 0 once the core has committed every session.
+    ``core_process``: the engine core's process, started early (``coli-kv serve``), else one is started."""
     import uvicorn
 
     from kernels.model import resolve_model
@@ -95,7 +98,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     source = resolve_model(config.model)
     sock = bind_socket(config.host, config.port)
-    core = CoreClient(core_settings(config))
+    core = CoreClient(core_settings(config), core_process)
     try:
         ready_core = core.start()  # the store opened, the model loaded: or one line saying why not
     except BaseException:
