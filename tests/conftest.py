@@ -18,7 +18,20 @@ def _cuda_device_usable() -> bool:
         return False
 
 
+# Modules that take a minute or more: handed to the two workers first (pytest-xdist's loadfile takes modules
+# in collection order), so neither is left running one of them alone at the end of the run.
+LONG_MODULES = ("tests/service/test_service_kill_soak.py", "tests/kvfile/test_crash_states.py",
+                "tests/sessions/test_crash_states.py", "tests/kernels/test_fp8_exhaustive.py",
+                "tests/service/test_service_chunked_prefill.py", "tests/kvfile/test_crash_sigkill.py")
+
+
+def _long_first(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_long_first)  # stable: every module's tests stay together and in order
     if _cuda_device_usable():
         return
     skip_gpu = pytest.mark.skip(reason="no usable CUDA device (cupy absent or no GPU)")
