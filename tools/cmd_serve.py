@@ -25,7 +25,7 @@ from sessionstore.log import reconfigure
 from sessionstore.migration import Inbox
 from sessionstore.service import API_KEY_ENV, DEFAULT_HOST, PULL_KEY_ENV, ServiceLimits, check_bind, parse_bind
 from sessionstore.sessions import DURABLE_STREAM
-from tools import _early_core
+from tools import early_core
 from tools._common import fresh_store
 
 
@@ -164,14 +164,14 @@ def run_http(args: argparse.Namespace) -> int:
                          pull=pull if pull.origins else None, max_disk_bytes=args.max_disk_bytes,
                          sweep_interval=args.sweep_interval)
     if args.inbox is None:
-        return serve_http(config, core_process=_early_core.take())
+        return serve_http(config, core_process=early_core.take())
     stop = threading.Event()
     with fresh_store(args.root) as store:
         inbox = Inbox(store, args.inbox, replace=args.replace, model=args.model)
     watcher = threading.Thread(target=inbox.run, args=(stop,), name="coli-inbox", daemon=True)
     watcher.start()
     try:
-        return serve_http(config, core_process=_early_core.take())
+        return serve_http(config, core_process=early_core.take())
     finally:
         stop.set()
         watcher.join()

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tools import _early_core
+from tools import early_core
 
 # Sub-command modules, in help order. A module that is absent is skipped, so the CLI
 # works while the project grows.
@@ -66,12 +66,12 @@ def _remote_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(argv) if argv is not None else sys.argv[1:]
-    if _early_core.wants_core(args_in):  # before our imports: the core's run beside them (tools/_early_core.py)
-        _early_core.start()
+    if early_core.wants_core(args_in):  # before our imports: the core's run beside them (tools/early_core.py)
+        early_core.start()
     try:
         return _main(args_in)
     finally:
-        _early_core.discard()  # a core the server did not take (a refused argument, an error)
+        early_core.discard()  # a core the server did not take (a refused argument, an error)
 
 
 def _main(argv: list[str]) -> int:

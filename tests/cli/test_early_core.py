@@ -1,5 +1,5 @@
 """``coli-kv serve --http`` starts the engine core's process before it imports anything of ours
-(tools/_early_core.py), so the two processes import side by side; a process nobody takes exits."""
+(tools/early_core.py), so the two processes import side by side; a process nobody takes exits."""
 from __future__ import annotations
 
 import subprocess
@@ -10,12 +10,12 @@ import pytest
 
 from sessionstore.service.engine import CoreConfig
 from sessionstore.service.http import core_client
-from tools import _early_core
+from tools import early_core
 from tools.coli_kv import main
 
 
 def test_the_early_core_runs_the_servers_core_module() -> None:
-    assert _early_core.CORE_MODULE == core_client.CORE_MODULE
+    assert early_core.CORE_MODULE == core_client.CORE_MODULE
 
 
 @pytest.mark.parametrize(("argv", "wanted"), [
@@ -26,19 +26,19 @@ def test_the_early_core_runs_the_servers_core_module() -> None:
     ([], False),
 ])
 def test_only_an_http_serve_starts_it(argv: list[str], wanted: bool) -> None:
-    assert _early_core.wants_core(argv) is wanted
+    assert early_core.wants_core(argv) is wanted
 
 
 def test_a_refused_serve_ends_the_core_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     taken: list[subprocess.Popen[bytes] | None] = []
-    take = _early_core.take
-    monkeypatch.setattr(_early_core, "take", lambda: taken.append(take()) or taken[-1])
+    take = early_core.take
+    monkeypatch.setattr(early_core, "take", lambda: taken.append(take()) or taken[-1])
     assert main(["serve", "--http", "127.0.0.1:0", "--root", str(tmp_path / "root")]) == 2  # no --model
     assert "--model" in capsys.readouterr().err
     started = [p for p in taken if p is not None]
     assert len(started) == 1 and started[0].returncode == 0  # started, then given no configuration: exit 0
-    assert _early_core.take() is None
+    assert early_core.take() is None
 
 
 def test_a_started_core_is_used_and_a_swapped_module_is_not(monkeypatch: pytest.MonkeyPatch) -> None:

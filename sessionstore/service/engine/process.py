@@ -271,7 +271,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda _s, _f: stop.set())
     watch_parent()
     data = sys.stdin.buffer.read()
-    if not data:  # started early and not taken (tools/_early_core.py: a refused argument, an error)
+    if not data:  # started early and not taken (tools/early_core.py: a refused argument, an error)
         return 0
     config = msgspec.json.decode(data, type=ipc.CoreConfig)
     if os.getppid() != config.parent_pid:

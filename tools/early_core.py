@@ -12,6 +12,7 @@ Standard library only: importing any package of ours first would be the wait thi
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -21,9 +22,18 @@ CORE_MODULE = "sessionstore.service.engine.process"  # core_client.CORE_MODULE (
 _started: subprocess.Popen[bytes] | None = None
 
 
+SERVICE_MODULES = ("uvicorn", "starlette", "pydantic", "prometheus_client", "zmq", "msgspec", "httpx")
+
+
 def wants_core(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` (the CLI's, without the program) serves HTTP: ``serve ... --http ...``."""
-    return bool(argv) and argv[0] == "serve" and any(a == "--http" or a.startswith("--http=") for a in argv[1:])
+    """Whether ``argv`` (the CLI's, without the program) serves HTTP, ``serve ... --http ...``, with the
+    service extra installed (without it the server says so in one line, and no core may start)."""
+    if not (argv and argv[0] == "serve" and any(a == "--http" or a.startswith("--http=") for a in argv[1:])):
+        return False
+    try:  # found, not imported: a look at the path only
+        return all(importlib.util.find_spec(name) is not None for name in SERVICE_MODULES)
+    except (ImportError, ValueError):
+        return False
 
 
 def start() -> None:
@@ -56,4 +66,4 @@ def discard() -> None:
         proc.wait()
 
 
-__all__ = ["CORE_MODULE", "discard", "start", "take", "wants_core"]
+__all__ = ["CORE_MODULE", "SERVICE_MODULES", "discard", "start", "take", "wants_core"]
