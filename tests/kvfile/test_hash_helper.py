@@ -16,7 +16,8 @@ import pytest
 
 from kernels.errors import CorruptionError
 from sessionstore.kvfile import integrity
-from sessionstore.kvfile.hash_helper import hash_file_records, start_hash_helper, stop_hash_helper
+from sessionstore.kvfile.hash_helper import start_hash_helper, stop_hash_helper
+from sessionstore.kvfile.hash_worker import hash_file_records
 from sessionstore.kvfile.header import HEADER_SIZE, record_bytes
 from sessionstore.kvfile.integrity import require_vouched
 from sessionstore.kvfile.reader import open_kv
@@ -109,3 +110,35 @@ def _running(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_helper_imports_nothing_of_ours(tmp_path: Path) -> None:
+    """The helper is a small program: no numpy, numba or package of ours is imported by it."""
+    from sessionstore.kvfile.hash_helper import WORKER
+
+    done = subprocess.run([sys.executable, "-I", "-X", "importtime", str(WORKER)], input=b"", capture_output=True,
+                          timeout=60, check=True)
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.decode().splitlines()
+                if line.startswith("import time:")}
+    assert "xxhash" in imported
+    assert not imported & {"numpy", "numba", "sessionstore", "kernels"}, imported
+
+
+def test_answers_reach_the_threads_that_asked(tmp_path: Path, helper: None) -> None:
+    """Ranges asked from several threads at once each get their own checksums."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sessionstore.kvfile.hash_helper import active_hash_helper
+
+    path = _vouched_file(tmp_path)
+    running = active_hash_helper()
+    assert running is not None
+    with open_kv(path) as kv:
+        ranges = [(a, min(a + 1 + a % 5, NREC)) for a in range(0, NREC, 2)]
+
+        def ask(r: tuple[int, int]) -> bool:
+            found = running.submit(str(path), kv.identity, HEADER_SIZE, REC, *r)()
+            return found is not None and np.array_equal(found, hash_records(kv, *r))
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(ask, ranges * 4))
