@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
@@ -188,6 +189,23 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         expect(page.locator(".msg")).to_have_count(0)
         tab.item("web-1").click()
         expect(page.locator(".msg.assistant")).to_have_count(2)
+        expect(page.locator("#key-button")).to_be_hidden()  # this server wants no key
+        described = server.get("/v1/sessions/web-1").json()  # the size shown is what the session stored
+        assert 0 < described["stored_bytes"] < described["bytes"]
+        expect(tab.item("web-1").locator(".size")).to_have_text(page.evaluate(f"bytes({described['stored_bytes']})"))
+
+        # a Responses chain's session: listed apart, as a chain, and gone with its last response
+        made = server.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 4})
+        assert made.status_code == 200, made.text
+        chain, = [s["id"] for s in server.get("/v1/sessions").json()["data"] if s["id"].startswith("chain-")]
+        expect(page.locator("#api-group-title")).to_have_text("Responses API chains and conversations (1)")
+        expect(page.locator("#session-list").locator(f'li[data-id="{chain}"]')).to_have_count(0)
+        page.locator("#api-group-title").click()
+        expect(page.locator("#api-list").locator(f'li[data-id="{chain}"] .badge.made')).to_have_text("chain")
+        assert server.get(f"/v1/sessions/{chain}").status_code == 200
+        assert httpx.delete(f"{server.url}/v1/responses/{made.json()['id']}", timeout=60).status_code == 200
+        assert server.get(f"/v1/sessions/{chain}").status_code == 404
+        expect(page.locator("#api-group")).to_be_hidden()
         shot = tmp_path / "web-page.png"
         page.screenshot(path=str(shot))
         print(f"screenshot: {shot}")
@@ -198,11 +216,16 @@ def test_api_key_prompt(browser: Any, tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
     with ServerProc(tmp_path / "root", MODEL, "--api-key", "sesame") as server:
+        made = server.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "session": "there-before",
+                                                    "max_tokens": 2})
+        assert made.status_code == 200, made.text
         tab = Tab(browser, server.url)
         page = tab.page
         dialog = page.locator("#key-dialog")
         expect(dialog).to_be_visible()
         expect(page.locator("#key-reason")).to_contain_text("needs an API key")
+        expect(page.locator("#empty-list")).to_contain_text("needs an API key")  # not "no sessions"
+        expect(page.locator("#key-button")).to_be_visible()
         page.fill("#key-input", "wrong")
         page.click("#key-form button[type=submit]")
         expect(page.locator("#key-reason")).to_contain_text("refused")  # the 401 asked again
@@ -211,6 +234,8 @@ def test_api_key_prompt(browser: Any, tmp_path: Path) -> None:
         page.click("#key-form button[type=submit]")
         expect(dialog).to_be_hidden()
         expect(page.locator("#model")).to_have_text(MODEL)
+        expect(tab.item("there-before")).to_have_count(1)  # the list shows once the key is given
+        expect(page.locator("#empty-list")).to_be_hidden()
 
         tab.new_session("keyed")
         assert tab.send("Hello!").strip()

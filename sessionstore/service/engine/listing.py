@@ -53,7 +53,7 @@ def problem_description(entry: CatalogueEntry) -> dict[str, Any]:
     session fields null, ``state`` says which, ``error`` why."""
     code = "session_files_missing" if entry.state == "missing" else "session_unreadable"
     return {"id": entry.id, "object": "session", "tokens": None, "committed": None, "bytes": None,
-            "kv_dtype": None, "model": None, "state": entry.state, "last_use": None,
+            "stored_bytes": None, "kv_dtype": None, "model": None, "state": entry.state, "last_use": None,
             "error": {"message": entry.error, "code": code}}
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from kernels.rows import KV_FORMAT_OF_DTYPE
+from sessionstore.kvfile import HEADER_SIZE, Dims, record_bytes
 from sessionstore.migration import BundleStats, ReceivedBundle
 from sessionstore.service.engine import conversations
 from sessionstore.service.engine.engine import Engine
@@ -27,6 +29,7 @@ from sessionstore.service.engine.response_records import (
     ResponseRecord,
     ResponseRecords,
     drop_from_session,
+    is_chain_session,
     session_records,
 )
 from sessionstore.service.engine.tier_fields import entry_tier_fields, session_tier_fields
@@ -40,12 +43,25 @@ from sessionstore.sessions import (
 )
 
 
+def stored_bytes(engine: Engine, committed: int, kv_dtype: str, fingerprint: str) -> int | None:
+    """The bytes a session's committed records take in its ``.coli_kv`` file, header included: what
+    its user stored, without the headroom its writer keeps for the next tokens (``bytes`` counts
+    every file as it lies on disk). None for a session of another model than this server's."""
+    fmt = KV_FORMAT_OF_DTYPE.get(kv_dtype)
+    if fmt is None or fingerprint != engine.model_ref.fingerprint:
+        return None
+    n_layers, kv_lora, rope, index_dim, n_index, vocab = engine.model.dims_for_file()
+    dims = Dims(n_layers, kv_lora, rope, index_dim, n_index, vocab)
+    return HEADER_SIZE + committed * record_bytes(fmt[0], dims, fmt[1])
+
+
 def describe(engine: Engine, sid: str) -> dict[str, Any]:
     """One session as ``GET /v1/sessions/{id}`` shows it (FORMAT.md 7)."""
     info = engine.store.info(sid)
     last = engine.last_use.get(sid)
     return {"id": sid, "object": "session", "tokens": info.tokens + len(info.pending), "committed": info.tokens,
-            "bytes": info.bytes, "kv_dtype": info.kv_dtype, "model": info.model, "state": engine.state_of(sid),
+            "bytes": info.bytes, "stored_bytes": stored_bytes(engine, info.tokens, info.kv_dtype, info.fingerprint),
+            "kv_dtype": info.kv_dtype, "model": info.model, "state": engine.state_of(sid),
             "last_use": info.updated_at if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
             **session_tier_fields(engine, sid)}
 
@@ -56,7 +72,9 @@ def describe_listed(engine: Engine, entry: CatalogueEntry) -> dict[str, Any]:
         return problem_description(entry)
     last = engine.last_use.get(entry.id)
     return {"id": entry.id, "object": "session", "tokens": entry.tokens, "committed": entry.committed,
-            "bytes": entry.bytes, "kv_dtype": entry.kv_dtype, "model": entry.model,
+            "bytes": entry.bytes,
+            "stored_bytes": stored_bytes(engine, entry.committed, entry.kv_dtype, entry.fingerprint),
+            "kv_dtype": entry.kv_dtype, "model": entry.model,
             "state": engine.state_of(entry.id),
             "last_use": entry.last_use if last is None else datetime.fromtimestamp(last, UTC).isoformat(),
             **entry_tier_fields(entry)}
@@ -208,7 +226,9 @@ def op_fetch_response(engine: Engine, args: dict[str, Any]) -> dict[str, Any] | 
 
 def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
     """``{rid, sid}``: delete a stored response (its file, and its copy in its session's list); True if
-    it was there. Run holding its session (``sid``, the record's), whose turns write that list."""
+    it was there. Run holding its session (``sid``, the record's), whose turns write that list. A
+    session the Responses API made for the chain goes with the last response that continued it (a
+    client's own session, or a conversation, stays: they are deleted by name)."""
     rid = args.get("rid")
     if not isinstance(rid, str):
         raise ApiError(400, "rid: a response id is required", code="invalid_value")
@@ -216,12 +236,16 @@ def op_delete_response(engine: Engine, args: dict[str, Any]) -> bool:
     record = store.read(rid)
     if record is None:
         return False
+    left = None
     if engine.store.exists(record.session):
-        drop_from_session(engine.store.session_dir(record.session), rid)
+        left = drop_from_session(engine.store.session_dir(record.session), rid)
     fleet = fleet_responses(engine)
     if fleet is not None:
         fleet.delete(rid)
-    return store.delete(rid)
+    deleted = store.delete(rid)
+    if left == 0 and is_chain_session(record.session):
+        engine.delete(record.session)
+    return deleted
 
 
 def op_tier_change(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
@@ -263,4 +287,5 @@ OPERATIONS: dict[str, Operation] = {
 }
 
 
-__all__ = ["OPERATIONS", "Operation", "check_target", "describe", "describe_listed", "fleet_responses"]
+__all__ = ["OPERATIONS", "Operation", "check_target", "describe", "describe_listed", "fleet_responses",
+           "stored_bytes"]

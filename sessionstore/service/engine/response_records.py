@@ -145,9 +145,18 @@ def responses_usage(out: TurnOutcome) -> dict[str, Any]:
             "total_tokens": out.prompt_tokens + len(out.tokens)}
 
 
+CHAIN_PREFIX = "chain-"  # the ids of the sessions the Responses API makes for its chains
+
+
 def chain_session_id() -> str:
     """A fresh id for a session holding a chain (or a branch of one)."""
-    return f"chain-{secrets.token_hex(16)}"
+    return f"{CHAIN_PREFIX}{secrets.token_hex(16)}"
+
+
+def is_chain_session(session_id: str) -> bool:
+    """Whether ``session_id`` names a session the Responses API made for a chain (its
+    ``previous_response_id`` turns), not one a client named."""
+    return session_id.startswith(CHAIN_PREFIX) and len(session_id) == len(CHAIN_PREFIX) + 32
 
 
 def finish_record(record: ResponseRecord, out: TurnOutcome) -> None:
@@ -192,12 +201,14 @@ def keep_with_session(directory: Path, record: ResponseRecord) -> None:
     write_response_list(directory, [*items, record.to_json()])
 
 
-def drop_from_session(directory: Path, response_id: str) -> None:
-    """Take ``response_id`` out of its session's ``responses.json`` (a deleted response)."""
+def drop_from_session(directory: Path, response_id: str) -> int:
+    """Take ``response_id`` out of its session's ``responses.json`` (a deleted response); the
+    number of stored responses the session still holds."""
     items = read_response_list(directory)
     kept = [item for item in items if item.get("id") != response_id]
     if len(kept) != len(items):
         write_response_list(directory, kept)
+    return sum(1 for item in kept if item.get("schema") != CONVERSATION_SCHEMA)
 
 
 def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
@@ -210,7 +221,7 @@ def session_records(directory: Path, session_id: str) -> list[ResponseRecord]:
     return records
 
 
-__all__ = ["CONVERSATION_SCHEMA", "FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID",
+__all__ = ["CHAIN_PREFIX", "CONVERSATION_SCHEMA", "FleetResponses", "MAX_RECORD_BYTES", "RESPONSES_DIR", "RESPONSE_ID",
            "ResponseRecord", "ResponseRecords", "chain_session_id", "drop_from_session", "finish_record",
-           "is_response_id", "keep_with_session", "new_response_id", "parse_record", "responses_usage",
-           "session_records"]
+           "is_chain_session", "is_response_id", "keep_with_session", "new_response_id", "parse_record",
+           "responses_usage", "session_records"]

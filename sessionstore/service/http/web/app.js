@@ -14,6 +14,11 @@ const KEY_STORE = "coli.apiKey";
 const SELECTED_STORE = "coli.selected";
 const REFRESH_MS = 3000;
 const ID_RE = /^[A-Za-z0-9][A-Za-z0-9._-]*$/;
+// the sessions the APIs make for themselves: a Responses chain's (chain- + 32 hex) and a
+// conversation's (conv_ + 48 hex); listed apart, under their own heading
+const CHAIN_RE = /^chain-[0-9a-f]{32}$/;
+const CONVERSATION_RE = /^conv_[0-9a-f]{48}$/;
+const madeBy = (sid) => CHAIN_RE.test(sid) ? "chain" : CONVERSATION_RE.test(sid) ? "conversation" : null;
 
 const $ = (id) => document.getElementById(id);
 const state = {
@@ -30,6 +35,7 @@ const state = {
   armedDelete: null, // the session whose delete button asks "sure?"
   systemFor: null,   // the session whose system prompt the field was set from (or kept for: a draft)
   stats: new Map(),  // "sid\0index" -> {content, stats}: the figures of the replies streamed here
+  listed: false,     // whether a listing has come (until then the list says nothing, or why not)
 };
 
 function el(tag, cls, text) {
@@ -85,7 +91,10 @@ async function api(method, path, body, signal) {
     if (body !== undefined) headers["Content-Type"] = "application/json";
     const res = await fetch(path, { method, headers, signal, body: body === undefined ? undefined : JSON.stringify(body) });
     if (res.status === 401) {
-      await askKey(key ? "The server refused this key: enter it again." : "This server needs an API key.");
+      $("key-button").hidden = false;  // this server wants a key: it can be changed from now on
+      const asked = askKey(key ? "The server refused this key: enter it again." : "This server needs an API key.");
+      renderList();  // says why the list is empty meanwhile
+      await asked;
       continue;
     }
     if (!res.ok) throw new Error(await errorText(res));
@@ -148,6 +157,14 @@ function ago(iso) {
 }
 const findSession = (sid) => state.sessions.find((s) => s.id === sid);
 
+// what a session stored (its committed records), with what its files take on disk in the tooltip
+function size(s) {
+  const stored = s.stored_bytes === null || s.stored_bytes === undefined ? s.bytes : s.stored_bytes;
+  const node = el("span", "size", bytes(stored));
+  node.title = `${bytes(stored)} stored; its files take ${bytes(s.bytes)} on disk (with room kept for the next tokens)`;
+  return node;
+}
+
 // ---- the sessions list ------------------------------------------------------------------------
 const LIST_PAGES = 10;  // pages of 1,000 the list loads at most (the server pages its session catalogue)
 
@@ -168,6 +185,7 @@ async function listSessions() {
 
 async function refresh() {
   state.sessions = await listSessions();
+  state.listed = true;
   for (const s of state.sessions) state.drafts.delete(s.id);
   renderList();
   renderHead();
@@ -180,11 +198,23 @@ async function refresh() {
 function renderList() {
   const list = $("session-list");
   const items = [...[...state.drafts].map((id) => ({ id, draft: true })), ...state.sessions];
+  const mine = items.filter((s) => !madeBy(s.id));
+  const made = items.filter((s) => madeBy(s.id));
+  const hint = $("empty-list");
+  hint.textContent = !state.listed
+    ? (state.keyWait ? "This server needs an API key: its sessions show once the key is given." : "")
+    : mine.length ? "" : made.length ? "No sessions of your own yet: send a message to start one."
+      : "No sessions yet: send a message to start one.";
+  hint.hidden = !hint.textContent;
   const shown = JSON.stringify([items, state.selected, state.armedDelete, Math.floor(Date.now() / 10000)]);
   if (shown === list.dataset.shown) return;  // unchanged: keep the buttons under the pointer
   list.dataset.shown = shown;
-  list.replaceChildren(...items.map(sessionItem));
-  $("empty-list").hidden = items.length > 0;
+  list.replaceChildren(...mine.map(sessionItem));
+  const group = $("api-group");
+  group.hidden = made.length === 0;
+  $("api-group-title").textContent = `Responses API chains and conversations (${made.length})`;
+  if (made.some((s) => s.id === state.selected)) group.open = true;  // the open session is never hidden
+  $("api-list").replaceChildren(...made.map(sessionItem));
 }
 
 function sessionItem(s) {
@@ -195,6 +225,7 @@ function sessionItem(s) {
   const top = el("div", "row");
   top.append(el("span", "sid", s.id));
   top.append(el("span", `badge ${s.draft ? "draft" : s.state}`, s.draft ? "new" : s.state));
+  if (madeBy(s.id)) top.append(el("span", "badge made", madeBy(s.id)));
   li.append(top);
   if (s.draft) {
     li.append(el("div", "facts", "created by its first message"));
@@ -202,7 +233,7 @@ function sessionItem(s) {
   }
   const facts = el("div", "facts");
   const tokens = el("span", "tokens", String(s.tokens));
-  facts.append(tokens, ` tok · ${bytes(s.bytes)} · ${s.kv_dtype} · `);
+  facts.append(tokens, ` tok · `, size(s), ` · ${s.kv_dtype} · `);
   const when = el("span", "when", ago(s.last_use));
   when.title = s.last_use;
   facts.append(when);
@@ -307,10 +338,10 @@ function renderHead() {
   const sid = state.selected;
   const s = sid ? findSession(sid) : null;
   $("chat-title").textContent = sid || "no session";
-  $("chat-meta").textContent = s ? `${s.tokens} tokens · ${bytes(s.bytes)} · ${s.kv_dtype} · ${s.state}` : "";
+  $("chat-meta").replaceChildren(...(s ? [`${s.tokens} tokens · `, size(s), ` · ${s.kv_dtype} · ${s.state}`] : []));
   const view = sid ? state.views.get(sid) : null;
   const note = $("log-note");
-  note.textContent = !sid ? "Pick a session on the left, or start a new one."
+  note.textContent = !sid ? "Pick a session from the list, or start a new one."
     : !s ? ""
       : !view ? "Loading its messages…"
         : !view.messages
@@ -611,6 +642,7 @@ async function start() {
       $("composer").requestSubmit();
     }
   });
+  $("key-button").hidden = !sessionStorage.getItem(KEY_STORE);  // shown once a key is needed (a 401)
   const last = sessionStorage.getItem(SELECTED_STORE);
   select(null);
   await run(async () => {
