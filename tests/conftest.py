@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
-def tiny():  # noqa: ANN201 - an MLADecoder
+def tiny():  # an MLADecoder
     """The embedded tiny model (random weights, byte vocabulary), loaded once per test module."""
     from kernels.model import load_model
 
@@ -49,7 +49,7 @@ def tiny():  # noqa: ANN201 - an MLADecoder
 
 
 @pytest.fixture(scope="session")
-def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a pathlib.Path
+def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # a pathlib.Path
     """A tiny random glm_moe_dsa checkpoint directory (DSA indexer, shared layers), written with numpy."""
     from kernels.model.tiny_glm import write_tiny_glm
 
@@ -57,7 +57,7 @@ def tiny_glm_dir(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a 
 
 
 @pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a tests.support.seaweed.SeaweedS3
+def seaweed(tmp_path_factory: pytest.TempPathFactory):  # a tests.support.seaweed.SeaweedS3
     """ONE SeaweedFS (a real S3 server, tools/_seaweed.py) for the whole run, on loopback, in a temporary directory,
     stopped and removed at the end. Its binary comes with the test extra: missing, the tests that
     need it fail with how to install it."""
@@ -74,7 +74,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a tests
 
 
 @pytest.fixture(scope="session")
-def seaweed_buckets(seaweed):  # noqa: ANN201 - a tests.support.seaweed.BucketPool
+def seaweed_buckets(seaweed):  # a tests.support.seaweed.BucketPool
     from tests.support.seaweed import BucketPool
 
     return BucketPool(seaweed)
@@ -84,7 +84,7 @@ _seaweed_clients: list[object] = []  # the s3fs instances the last s3_bucket tes
 
 
 @pytest.fixture
-def s3_bucket(seaweed, seaweed_buckets, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def s3_bucket(seaweed, seaweed_buckets, monkeypatch: pytest.MonkeyPatch):
     """A fresh, empty bucket on the run's SeaweedFS for this test (a tests.support.seaweed.Bucket);
     the AWS environment points at the server while the test runs, for s3fs here and the processes
     the test starts.

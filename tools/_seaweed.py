@@ -178,7 +178,7 @@ def _wait_ready(server: SeaweedS3, timeout: float) -> None:
             client.delete_bucket(Bucket="ready-probe")
             server.started_s = time.monotonic() - spawned
             return
-        except Exception as exc:  # noqa: BLE001 - not up yet: connection refused, 5xx, 403 while IAM loads
+        except Exception as exc:  # not up yet: connection refused, 5xx, 403 while IAM loads
             last = f"{type(exc).__name__}: {exc}"
         time.sleep(0.05)
     raise _StartFailed(f"no landed write within {timeout:.0f} s (last: {last}); its log ends:\n"

@@ -165,7 +165,7 @@ def _release_quietly(remote: Any, session_id: str) -> None:
         lease = remote.lease(session_id)
         if lease is not None and lease.owner == remote.host_id and not lease.released:
             remote.release(session_id)
-    except Exception:  # noqa: BLE001 - the store may be unreachable: the first error is the one to show
+    except Exception:  # the store may be unreachable: the first error is the one to show
         pass
 
 

@@ -22,13 +22,13 @@ def cuda_status() -> tuple[bool, str]:
     try:
         import cupy  # noqa: F401
         from cupy.cuda import runtime
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA library: either way no backend
+    except Exception as exc:  # ImportError, or a broken CUDA library: either way no backend
         return False, f"cupy is not importable ({exc}); {INSTALL_HINT}"
     try:
         count = runtime.getDeviceCount()
     except runtime.CUDARuntimeError as exc:
         return False, f"no usable CUDA device ({exc})"
-    except Exception as exc:  # noqa: BLE001 - driver library missing entirely
+    except Exception as exc:  # driver library missing entirely
         return False, f"no usable CUDA device ({exc})"
     if count < 1:
         return False, "no CUDA device found"

@@ -175,7 +175,7 @@ def wait_all(waits: list[Callable[[], object]], *, quiet: bool = False) -> None:
     for wait in waits:
         try:
             wait()
-        except BaseException as exc:  # noqa: BLE001 - the others must still be waited for
+        except BaseException as exc:  # the others must still be waited for
             error = error or exc
     if error is not None and not quiet:
         raise error

@@ -88,7 +88,7 @@ class ChainObjects:
         """Delete the stored head if it is still ``head`` (If-Match); False when that failed."""
         try:
             self.objects.call("delete_object", Key=self.head_key(head.session_id), IfMatch=head.etag)
-        except Exception as exc:  # noqa: BLE001 - a stale head is ignored by readers; best effort
+        except Exception as exc:  # a stale head is ignored by readers; best effort
             log.info("ship.head_delete_failed", id=head.session_id, error=str(exc))
             return False
         return True
@@ -108,7 +108,7 @@ class ChainObjects:
         try:
             for key in self.segment_keys(session_id):
                 self.objects.delete(key)
-        except Exception as exc:  # noqa: BLE001 - a store failure: the next delete retries
+        except Exception as exc:  # a store failure: the next delete retries
             log.info("ship.segments_delete_failed", id=session_id, error=str(exc))
 
     def delete_chain(self, head: Head, keep: tuple[str | None, ...]) -> None:

@@ -44,8 +44,8 @@ class ChainFiles:
     """The session's files as the chain so far describes them: kv and sidecar in temp files."""
 
     def __init__(self, directory: str) -> None:
-        self.kv = open(os.path.join(directory, "kv"), "w+b")  # noqa: SIM115 - closed by close()
-        self.sidecar = open(os.path.join(directory, "sidecar"), "w+b")  # noqa: SIM115
+        self.kv = open(os.path.join(directory, "kv"), "w+b")  # closed by close()
+        self.sidecar = open(os.path.join(directory, "sidecar"), "w+b")
         self.small: dict[str, bytes] = {}
         self.kv_info: dict[str, Any] | None = None
         self.nrec = 0

@@ -91,7 +91,7 @@ class LeaseKeeper:
                 self._lost = str(exc)
                 log.info("lease.lost", id=self.session_id, host=self.remote.host_id, error=str(exc))
                 return
-            except Exception as exc:  # noqa: BLE001 - the store failing in any way: retry until expiry
+            except Exception as exc:  # the store failing in any way: retry until expiry
                 if self.lost is not None:
                     self._lost = f"{self._lost} (last renewal error: {_line(exc)})"
                     log.info("lease.lost", id=self.session_id, host=self.remote.host_id,

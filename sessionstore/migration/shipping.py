@@ -286,7 +286,7 @@ class TurnShipper:
                     live = key.rsplit("/", 1)[-1] in self._written.get(old.session_id, ())
                 if generation is not None and generation <= new.generation and not live:
                     self.objects.delete(key)
-        except Exception as exc:  # noqa: BLE001 - a store failure: leftovers are never read
+        except Exception as exc:  # a store failure: leftovers are never read
             log.info("ship.segments_delete_failed", id=old.session_id, error=str(exc))
 
     def _rebase(self, session_id: str, lease: Lease, epoch: int, chain: Head | None) -> ShipReport:

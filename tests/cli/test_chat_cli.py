@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
-from kernels.model import load_model  # noqa: E402
-from kernels.model.text import load_text  # noqa: E402
-from sessionstore.sessions import SessionStore  # noqa: E402
-from sessionstore.sessions.conversation_chat import ReferenceChat  # noqa: E402
-from sessionstore.sessions.conversation_file import read_record  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
+from kernels.model import load_model
+from kernels.model.text import load_text
+from sessionstore.sessions import SessionStore
+from sessionstore.sessions.conversation_chat import ReferenceChat
+from sessionstore.sessions.conversation_file import read_record
+from tests.kernels.model.text.textkit import write_text_model
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 120

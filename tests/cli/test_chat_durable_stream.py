@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
-from kernels.model import load_model  # noqa: E402
-from kernels.model.text import load_text  # noqa: E402
-from tests.cli.test_chat_cli import Chat, Reference, _kill  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
+from kernels.model import load_model
+from kernels.model.text import load_text
+from tests.cli.test_chat_cli import Chat, Reference, _kill
+from tests.kernels.model.text.textkit import write_text_model
 
 
 def _printed_and_recovered(tmp_path: Path, *flags: str) -> tuple[str, str]:

@@ -180,7 +180,7 @@ def test_serve_once_reports_failed_bundles(tmp_path, capsys, monkeypatch) -> Non
     assert not (tmp_path / "other").exists()
 
 
-def test_remote_reads_and_failed_pulls_create_no_store(tmp_path, capsys, s3_endpoint) -> None:  # noqa: F811
+def test_remote_reads_and_failed_pulls_create_no_store(tmp_path, capsys, s3_endpoint) -> None:
     root = tmp_path / "r"
     _one_error(capsys, main(["lease", "--root", str(root), "--remote", ""]), "no remote")
     remote = f"s3://{S3_BUCKET}/newuser"

@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
-from kernels.model import GLM_MINI_NAME, SHIPPED_MODELS_DIR  # noqa: E402
-from kernels.model.text import load_text  # noqa: E402
-from sessionstore.sessions import SessionStore  # noqa: E402
-from sessionstore.sessions.conversation_file import read_record  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
-from tools.coli_kv import main  # noqa: E402
+from kernels.model import GLM_MINI_NAME, SHIPPED_MODELS_DIR
+from kernels.model.text import load_text
+from sessionstore.sessions import SessionStore
+from sessionstore.sessions.conversation_file import read_record
+from tests.kernels.model.text.textkit import write_text_model
+from tools.coli_kv import main
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ class KVCheck:
     """The checks of one state of a kv file whose records are ``gen(position)`` packed as the
     file's version (``gen_f32`` rows for a v1 file, and for a v2 file upgraded from one)."""
 
-    def __init__(self, *, kv_dtype: str, gen, appended: int, cli_every: int = 0,  # noqa: ANN001
+    def __init__(self, *, kv_dtype: str, gen, appended: int, cli_every: int = 0,
                  histories: list[bytes] | None = None) -> None:
         self.kv_dtype = kv_dtype
         self.gen = gen
@@ -144,13 +144,13 @@ def _bound(directory: str) -> int:
         return 0
 
 
-def test_crash_state_append_commit(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_append_commit(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_fp8, _append_commit)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=148, cli_every=500)
     _report(explore("append + commit", rec, check, budget=BUDGET, bound=_bound))
 
 
-def test_crash_state_decode_loop(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_decode_loop(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_fp8, _decode_loop)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=23, cli_every=500)
     _report(explore("decode-loop commits", rec, check, budget=BUDGET, bound=_bound))
@@ -173,7 +173,7 @@ def _truncate(root: str, rec: Recorder) -> None:
             rec.mark("ack", w.commit())
 
 
-def test_crash_state_truncate(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_truncate(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_fp8, _truncate)
     old = expected_records(2, DIMS, 15)
     new = old[:10 * 356] + pack_records(2, DIMS, gen_fp8(DIMS, 10, 26, epoch=1)).tobytes()
@@ -208,7 +208,7 @@ def _recover_then_commit(root: str, rec: Recorder) -> None:
         rec.mark("ack", w.commit())
 
 
-def test_crash_state_recovery(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_recovery(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_needs_recovery, _recover_then_commit)
     old = expected_records(2, DIMS, 15)
     new = old + pack_records(2, DIMS, gen_fp8(DIMS, 15, 3, epoch=1)).tobytes()
@@ -233,7 +233,7 @@ def _upgrade(root: str, rec: Recorder, kv_dtype: str = "fp8") -> None:
 
 
 @pytest.mark.parametrize("kv_dtype, budget", [("fp8", BUDGET), ("int4", BUDGET // 4)])
-def test_crash_state_upgrade(tmp_path, kv_dtype: str, budget: int) -> None:  # noqa: ANN001
+def test_crash_state_upgrade(tmp_path, kv_dtype: str, budget: int) -> None:
     rec = record(str(tmp_path / "root"), _setup_v1, lambda root, r: _upgrade(root, r, kv_dtype))
     check = KVCheck(kv_dtype=kv_dtype, gen=gen_f32, appended=75, cli_every=500)
     target = "v2" if kv_dtype == "fp8" else f"v3 {kv_dtype}"
@@ -302,12 +302,12 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _done(ops, k: int) -> int:  # noqa: ANN001
+def _done(ops, k: int) -> int:
     marks = [op.value for op in ops[:k] if op.kind == "mark" and op.label == "converted"]
     return marks[-1] if marks else 0
 
 
-def test_crash_state_convert(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_convert(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_convert, _convert)
     start = CrashPoint(rec.snapshot, rec.ops, 0, 4096)
     check = ConvertCheck(str(tmp_path / "root"), start.tree(start.extreme(keep=False)))
@@ -319,7 +319,7 @@ def test_crash_state_convert(tmp_path) -> None:  # noqa: ANN001
 class _WordFirstWriter(KVWriter):
     """A broken commit: the commit word is written BEFORE the data barrier (3.4 steps 4 before 3)."""
 
-    def _write_and_sync_records(self, beside) -> None:  # noqa: ANN001
+    def _write_and_sync_records(self, beside) -> None:
         fd = os.open(self.path, os.O_WRONLY)  # a descriptor of its own: the recorder sees the write all the same
         try:
             os.pwrite(fd, pack_nrec(self.length), NREC_OFFSET)
@@ -334,7 +334,7 @@ def _broken_append_commit(root: str, rec: Recorder) -> None:
         rec.mark("ack", w.commit())
 
 
-def test_crash_state_checker_catches_word_before_barrier(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_checker_catches_word_before_barrier(tmp_path) -> None:
     rec = record(str(tmp_path / "root"), _setup_fp8, _broken_append_commit)
     check = KVCheck(kv_dtype="fp8", gen=gen_fp8, appended=8)
     result = explore("broken commit", rec, check, budget=BUDGET, bound=_bound, keep_failures=1)
@@ -358,7 +358,7 @@ def _replace(root: str, rec: Recorder, *, dir_fsync: bool) -> None:
 
 
 @pytest.mark.parametrize("dir_fsync", [False, True])
-def test_crash_state_checker_catches_rename_without_dir_fsync(tmp_path, dir_fsync: bool) -> None:  # noqa: ANN001
+def test_crash_state_checker_catches_rename_without_dir_fsync(tmp_path, dir_fsync: bool) -> None:
     """Without the directory fsync an acknowledged replace can be lost; with it, never."""
     def setup(root: str) -> None:
         with open(os.path.join(root, KV), "wb") as f:
@@ -376,7 +376,7 @@ def test_crash_state_checker_catches_rename_without_dir_fsync(tmp_path, dir_fsyn
 
 # -- the real command line on a sample -------------------------------------------------------------
 
-def test_crash_state_cli_sample(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_cli_sample(tmp_path) -> None:
     """``coli-kv verify`` and ``inspect --json`` as processes (``python -m tools``, this tree) on
     3 states of append + commit's crash point with the most choices, at 512 B sectors: everything
     pending dropped, everything kept, and the first with one choice flipped."""
@@ -407,7 +407,7 @@ def test_crash_state_cli_sample(tmp_path) -> None:  # noqa: ANN001
     assert len(trees) == 3
 
 
-def _bound_of(tree: Tree, tmp_path) -> int:  # noqa: ANN001
+def _bound_of(tree: Tree, tmp_path) -> int:
     from tests.support.crash_states import materialize
 
     where = str(tmp_path / "low")
@@ -415,7 +415,7 @@ def _bound_of(tree: Tree, tmp_path) -> int:  # noqa: ANN001
     return _bound(where)
 
 
-def test_crash_state_recorder_misses_nothing_silently(tmp_path) -> None:  # noqa: ANN001
+def test_crash_state_recorder_misses_nothing_silently(tmp_path) -> None:
     """A write that goes around the recorded calls (a builtin ``open().write``) fails the replay
     check, and so does a name made that way; recorded ones replay exactly."""
     rec = Recorder(tmp_path)

@@ -11,7 +11,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
-import numpy.ma  # noqa: F401  np.median (inspect's scale statistics) imports it lazily on first
+import numpy.ma  # np.median (inspect's scale statistics) imports it lazily on first
 
 # use, ~2.4 MB of module objects: loaded here so that one-time import never lands in a measured window
 from hypothesis import HealthCheck, given, settings

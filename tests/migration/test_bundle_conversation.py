@@ -10,19 +10,19 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
-from kernels.errors import FormatError  # noqa: E402
-from kernels.model.text import load_text  # noqa: E402
+from kernels.errors import FormatError
+from kernels.model.text import load_text
 from sessionstore.migration import (
     export_session,
-    migrate,  # noqa: E402
+    migrate,
 )
 from sessionstore.sessions import (
     SessionOptions,
-    SessionStore,  # noqa: E402
+    SessionStore,
 )
-from sessionstore.sessions.conversation_chat import Conversation, ReferenceChat  # noqa: E402
-from sessionstore.sessions.conversation_file import ConversationRecord, read_record  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
+from sessionstore.sessions.conversation_chat import Conversation, ReferenceChat
+from sessionstore.sessions.conversation_file import ConversationRecord, read_record
+from tests.kernels.model.text.textkit import write_text_model
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_a_symlink_planted_at_the_chosen_name_is_refused_and_logged(
 
     real_rename = os.rename
 
-    def rename_then_plant(src, dst, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def rename_then_plant(src, dst, *args, **kwargs) -> None:
         real_rename(src, dst, *args, **kwargs)
         if Path(dst) == raced:  # the link lands after the name was chosen, before the reason is written
             planted.symlink_to(victim)

@@ -32,7 +32,7 @@ SID = "s"
 
 
 @pytest.fixture
-def fleet(s3_endpoint, request):  # noqa: F811 - the moto fixture
+def fleet(s3_endpoint, request):  # the moto fixture
     """(s3 URL of this test's prefix, the relay in front of the store)."""
     prefix = request.node.name.replace("[", "-").replace("]", "")
     relay = Relay(("127.0.0.1", int(s3_endpoint.rsplit(":", 1)[1])))

@@ -16,7 +16,7 @@ from sessionstore.migration.remote import RemoteStore
 from sessionstore.migration.shipping import TurnShipper
 from sessionstore.sessions.manifest import write_manifest
 from sessionstore.sessions.store import SessionStore
-from tests.support.migrate import (  # noqa: F401
+from tests.support.migrate import (
     SMALL_DIMS,
     make_session,
     session_files,

@@ -143,7 +143,7 @@ def recorded_selections(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, np.n
     in one select_step call per full layer): (first query position, selection [S, k], scores [S, T])."""
     calls: list[tuple[int, np.ndarray, np.ndarray]] = []
 
-    def recording_step(qi, weights, key_blocks_of, k):  # noqa: ANN001, ANN202 - the step's selector
+    def recording_step(qi, weights, key_blocks_of, k):  # the step's selector
         sel = original_step(qi, weights, key_blocks_of, k)
         first = sum(int(blk.shape[0]) for blk in key_blocks_of[0]) - 1  # the first query's own position
         last_keys = key_blocks_of[-1]  # a forward's rows are consecutive positions of one cache
@@ -231,7 +231,7 @@ def hf_fp8_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' latent cache updates (Lc, k_rot) quantized before they are stored or attended."""
     original = cache_utils.DynamicIndexedLayer.update
 
-    def quantized_update(self, key_states, value_states, *args, **kwargs):  # noqa: ANN001, ANN202
+    def quantized_update(self, key_states, value_states, *args, **kwargs):
         return original(self, _qdq(key_states), _qdq(value_states), *args, **kwargs)
 
     monkeypatch.setattr(cache_utils.DynamicIndexedLayer, "update", quantized_update)

@@ -44,7 +44,7 @@ class Nginx:
         conf = conf.replace("server 127.0.0.1:8002;", f"server 127.0.0.1:{upstreams[1]};")
         prefix.mkdir(parents=True, exist_ok=True)
         (prefix / "nginx.conf").write_text(conf)
-        self.log = open(prefix / "nginx.stderr", "wb")  # noqa: SIM115 - closed in stop()
+        self.log = open(prefix / "nginx.stderr", "wb")  # closed in stop()
         self.proc = subprocess.Popen([binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf")],
                                      stdout=self.log, stderr=self.log)
         self.url = f"http://127.0.0.1:{listen}"

@@ -36,7 +36,7 @@ def fleet_url(s3_bucket: Bucket) -> str:
 
 
 @pytest.fixture
-def moto_fleet_url(s3_endpoint: str, request: pytest.FixtureRequest) -> str:  # noqa: F811 - the moto fixture
+def moto_fleet_url(s3_endpoint: str, request: pytest.FixtureRequest) -> str:  # the moto fixture
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()  # an s3_bucket test before this one left SeaweedFS's client cached

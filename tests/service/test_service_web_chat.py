@@ -87,7 +87,7 @@ RENDER = "s => { const o = document.getElementById('out'); o.replaceChildren(Mar
 
 
 @pytest.fixture
-def renderer(browser: Any) -> Iterator[Any]:  # noqa: F811 (the fixture, imported)
+def renderer(browser: Any) -> Iterator[Any]:  # the fixture, imported
     page = browser.new_page()
     page.set_content("<div id=out></div>")  # no CSP here: markup that got through would run
     page.add_script_tag(path=str(MARKDOWN_JS))
@@ -124,7 +124,7 @@ def test_markdown_never_makes_markup_from_text(renderer: Any) -> None:
 
 
 # ---- the page against the server ------------------------------------------------------------------
-def test_system_prompt_and_controls_reach_the_server(browser: Any, server: ServerProc) -> None:  # noqa: F811
+def test_system_prompt_and_controls_reach_the_server(browser: Any, server: ServerProc) -> None:
     from playwright.sync_api import expect
 
     tab = Tab(browser, server.url)
@@ -175,7 +175,7 @@ def test_system_prompt_and_controls_reach_the_server(browser: Any, server: Serve
     tab.close()
 
 
-def test_regenerate_gives_a_new_reply_on_the_same_session(browser: Any, server: ServerProc) -> None:  # noqa: F811
+def test_regenerate_gives_a_new_reply_on_the_same_session(browser: Any, server: ServerProc) -> None:
     from playwright.sync_api import expect
 
     tab = Tab(browser, server.url)
@@ -203,7 +203,7 @@ def test_regenerate_gives_a_new_reply_on_the_same_session(browser: Any, server: 
     tab.close()
 
 
-def test_edit_and_resend_truncates_the_session_at_the_first_changed_token(browser: Any,  # noqa: F811
+def test_edit_and_resend_truncates_the_session_at_the_first_changed_token(browser: Any,
                                                                           server: ServerProc) -> None:
     from playwright.sync_api import expect
 
@@ -243,7 +243,7 @@ def test_edit_and_resend_truncates_the_session_at_the_first_changed_token(browse
     tab.close()
 
 
-def test_html_in_replies_is_shown_as_text_never_run(browser: Any, server: ServerProc) -> None:  # noqa: F811
+def test_html_in_replies_is_shown_as_text_never_run(browser: Any, server: ServerProc) -> None:
     from playwright.sync_api import expect
 
     messages = [{"role": "user", "content": "Show me markup."}, {"role": "assistant", "content": HOSTILE},
@@ -300,7 +300,7 @@ LAYOUT = """() => {
 
 
 @pytest.mark.parametrize(("name", "width", "height"), [("desktop-1280", 1280, 800), ("phone-390", 390, 844)])
-def test_layout_and_screenshots(browser: Any, server: ServerProc, name: str, width: int,  # noqa: F811
+def test_layout_and_screenshots(browser: Any, server: ServerProc, name: str, width: int,
                                 height: int) -> None:
     from playwright.sync_api import expect
 

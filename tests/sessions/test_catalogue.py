@@ -387,7 +387,7 @@ def test_a_page_never_resurrects_a_session_deleted_while_it_was_read(tmp_path: P
 
     real = entry_from_files
 
-    def racing(sessions_root: Path, session_id: str):  # noqa: ANN202 - CatalogueEntry | None
+    def racing(sessions_root: Path, session_id: str):  # CatalogueEntry | None
         if session_id == "f001":
             store.delete("f001")  # rename and catalogue row, between the page's query and its read
         return real(sessions_root, session_id)

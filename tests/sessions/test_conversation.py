@@ -11,23 +11,23 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the text extra (tokenizers) builds the test tokenizer")
 
-from kernels.errors import FormatError, LimitError  # noqa: E402
+from kernels.errors import FormatError, LimitError
 from kernels.model.sampling import Sampler
-from kernels.model.text import load_text  # noqa: E402
+from kernels.model.text import load_text
 from sessionstore.sessions import (
     SessionOptions,
-    SessionStore,  # noqa: E402
+    SessionStore,
 )
-from sessionstore.sessions.commit_state_page import state_path  # noqa: E402
-from sessionstore.sessions.conversation_chat import (  # noqa: E402
+from sessionstore.sessions.commit_state_page import state_path
+from sessionstore.sessions.conversation_chat import (
     Conversation,
     ConversationMismatchError,
     ReferenceChat,
 )
-from sessionstore.sessions.conversation_file import CONVERSATION_NAME, read_record, tokens_digest  # noqa: E402
-from sessionstore.sessions.manifest import MANIFEST_NAME  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
-from tests.support.conversation_cut import Crash, respond_until_crash  # noqa: E402
+from sessionstore.sessions.conversation_file import CONVERSATION_NAME, read_record, tokens_digest
+from sessionstore.sessions.manifest import MANIFEST_NAME
+from tests.kernels.model.text.textkit import write_text_model
+from tests.support.conversation_cut import Crash, respond_until_crash
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ class TailCheck:
             s.close()
 
 
-def _setup(tiny: Any):  # noqa: ANN202
+def _setup(tiny: Any):
     def setup(root: str) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
@@ -90,7 +90,7 @@ def _setup(tiny: Any):  # noqa: ANN202
     return setup
 
 
-def _durable_decode(tiny: Any):  # noqa: ANN202
+def _durable_decode(tiny: Any):
     def protocol(root: str, rec: Recorder) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
@@ -102,7 +102,7 @@ def _durable_decode(tiny: Any):  # noqa: ANN202
     return protocol
 
 
-def test_crash_state_durable_stream_tail(tmp_path, tiny) -> None:  # noqa: ANN001
+def test_crash_state_durable_stream_tail(tmp_path, tiny) -> None:
     from sessionstore.sessions.turn_loop import reference_turns
 
     stream = PROMPT + reference_turns(tiny, "fp8", [(PROMPT, FIRST + DECODE + CONTINUE + 2)], SAMPLER)[0]

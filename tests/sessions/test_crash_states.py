@@ -45,7 +45,7 @@ class SessionCheck:
     """Checks session ``sid`` of a store at a state's directory against the uninterrupted
     run: its committed records (``records``, bytes) and its history (``stream``)."""
 
-    def __init__(self, tiny, sid: str, records: bytes, record_bytes: int, stream: list[int],  # noqa: ANN001
+    def __init__(self, tiny, sid: str, records: bytes, record_bytes: int, stream: list[int],
                  *, others: tuple[str, ...] = (), whole: bool = False) -> None:
         self.tiny = tiny
         self.sid = sid
@@ -102,7 +102,7 @@ def _exists(root: str, sid: str) -> bool:
     return os.path.isdir(os.path.join(root, "sessions", sid))
 
 
-def _bound(sid: str):  # noqa: ANN202
+def _bound(sid: str):
     """The records the all-dropped state's fsynced commit word holds; -1 when the session is
     not there (it may then be absent in every state)."""
     def bound(directory: str) -> int:
@@ -122,14 +122,14 @@ def _records_of(root: Path, sid: str) -> tuple[bytes, int]:
 # -- decode-loop commits, then suspend -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def stream(tiny) -> list[int]:  # noqa: ANN001
+def stream(tiny) -> list[int]:
     """The uninterrupted run: the prompt, then 24 sampled tokens."""
     from sessionstore.sessions.turn_loop import reference_turns
 
     return PROMPT + reference_turns(tiny, "fp8", [(PROMPT, 24)], SAMPLER)[0]
 
 
-def _setup_session(tiny, commit_every: int):  # noqa: ANN001, ANN202
+def _setup_session(tiny, commit_every: int):
     def setup(root: str) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
@@ -140,7 +140,7 @@ def _setup_session(tiny, commit_every: int):  # noqa: ANN001, ANN202
     return setup
 
 
-def _decode_and_suspend(tiny, commit_every: int):  # noqa: ANN001, ANN202
+def _decode_and_suspend(tiny, commit_every: int):
     def protocol(root: str, rec: Recorder) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
@@ -152,7 +152,7 @@ def _decode_and_suspend(tiny, commit_every: int):  # noqa: ANN001, ANN202
     return protocol
 
 
-def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:  # noqa: ANN001
+def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:
     rec = record(str(tmp_path / "root"), _setup_session(tiny, 3), _decode_and_suspend(tiny, 3))
     records, rec_bytes = _records_of(tmp_path / "root", "s")
     check = SessionCheck(tiny, "s", records, rec_bytes, stream)
@@ -165,7 +165,7 @@ def test_crash_state_decode_and_suspend(tmp_path, tiny, stream) -> None:  # noqa
 
 # -- create + first turn --------------------------------------------------------------------------
 
-def _create_and_turn(tiny):  # noqa: ANN001, ANN202
+def _create_and_turn(tiny):
     def protocol(root: str, rec: Recorder) -> None:
         store = SessionStore(root)
         store.adopt_model("tiny", tiny)
@@ -177,7 +177,7 @@ def _create_and_turn(tiny):  # noqa: ANN001, ANN202
     return protocol
 
 
-def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:  # noqa: ANN001
+def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:
     root = tmp_path / "root"
     rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_and_turn(tiny))
     records, rec_bytes = _records_of(root, "n")
@@ -196,18 +196,18 @@ def _fork(root: str, rec: Recorder) -> None:
     rec.mark("forked", 1)
 
 
-def _forked(ops, k: int) -> int:  # noqa: ANN001
+def _forked(ops, k: int) -> int:
     return 1 if any(op.kind == "mark" and op.label == "forked" for op in ops[:k]) else 0
 
 
-def test_crash_state_fork(tmp_path, tiny, stream) -> None:  # noqa: ANN001
+def test_crash_state_fork(tmp_path, tiny, stream) -> None:
     root = tmp_path / "root"
     rec = record(str(root), _setup_session(tiny, 3), _fork)
     records, rec_bytes = _records_of(root, "f")
     check = SessionCheck(tiny, "f", records, rec_bytes, stream, others=("s",), whole=True)
     n = len(records) // rec_bytes
 
-    def acked(ops, k: int) -> int:  # noqa: ANN001
+    def acked(ops, k: int) -> int:
         return n if _forked(ops, k) else -1
 
     result = explore("fork", rec, check, budget=BUDGET, acked=acked, strict_rename=True)
@@ -219,7 +219,7 @@ def test_crash_state_fork(tmp_path, tiny, stream) -> None:  # noqa: ANN001
 
 # -- bundle import -------------------------------------------------------------------------------
 
-def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN001
+def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:
     import io
 
     from sessionstore.migration.exporting import export_session
@@ -241,7 +241,7 @@ def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN
     check = SessionCheck(tiny, "b", records, rec_bytes, stream, others=("s",), whole=True)
     n = len(records) // rec_bytes
 
-    def acked(ops, k: int) -> int:  # noqa: ANN001
+    def acked(ops, k: int) -> int:
         return n if any(op.kind == "mark" and op.label == "imported" for op in ops[:k]) else -1
 
     result = explore("bundle import", rec, check, budget=BUDGET, acked=acked, strict_rename=True)
@@ -249,7 +249,7 @@ def test_crash_state_bundle_import(tmp_path, tiny, stream) -> None:  # noqa: ANN
     _report(result)
 
 
-def test_crash_state_install_needs_the_tmp_fsync(tmp_path, tiny, stream, monkeypatch) -> None:  # noqa: ANN001
+def test_crash_state_install_needs_the_tmp_fsync(tmp_path, tiny, stream, monkeypatch) -> None:
     """Without the fsync of ``tmp/`` after a session is renamed out of it (FORMAT.md 5.1), a fork
     acknowledged before a crash can be gone after it when a rename across directories needs both
     fsyncs: the explorer finds it (it did, before ``install_dir`` fsynced ``tmp/``)."""
@@ -257,7 +257,7 @@ def test_crash_state_install_needs_the_tmp_fsync(tmp_path, tiny, stream, monkeyp
 
     real = directory.fsync_directory
 
-    def skip_tmp(path) -> None:  # noqa: ANN001
+    def skip_tmp(path) -> None:
         if os.path.basename(os.fspath(path)) != "tmp":
             real(path)
 

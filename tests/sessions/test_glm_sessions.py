@@ -31,7 +31,7 @@ SAMPLERS = {"greedy": (0.0, 0, 1.0, 0), "sampled": (0.8, 40, 0.95, 777)}
 
 
 @pytest.fixture(scope="module")
-def glm(tiny_glm_dir: Path):  # noqa: ANN201 - a GLM decoder
+def glm(tiny_glm_dir: Path):  # a GLM decoder
     return load_model(tiny_glm_dir)
 
 

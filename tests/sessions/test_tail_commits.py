@@ -63,7 +63,7 @@ def _stream(tiny: Any, n: int) -> list[int]:
     return PROMPT + reference_turns(tiny, "fp8", [(PROMPT, n)], SAMPLER)[0]
 
 
-def test_tail_commits_write_one_page_and_a_reopen_continues_exactly(tmp_path, tiny) -> None:  # noqa: ANN001
+def test_tail_commits_write_one_page_and_a_reopen_continues_exactly(tmp_path, tiny) -> None:
     stream = _stream(tiny, 16)
     store = SessionStore(tmp_path)
     store.adopt_model("tiny", tiny)
@@ -89,7 +89,7 @@ def test_tail_commits_write_one_page_and_a_reopen_continues_exactly(tmp_path, ti
     again.close()
 
 
-def test_a_tail_past_max_pending_is_a_kv_commit(tmp_path, tiny, monkeypatch) -> None:  # noqa: ANN001
+def test_a_tail_past_max_pending_is_a_kv_commit(tmp_path, tiny, monkeypatch) -> None:
     from sessionstore.sessions import session_commits
 
     monkeypatch.setattr(session_commits, "MAX_PENDING", 3)
@@ -105,7 +105,7 @@ def test_a_tail_past_max_pending_is_a_kv_commit(tmp_path, tiny, monkeypatch) -> 
 
 
 @pytest.mark.parametrize("agree", [True, False])
-def test_a_file_ahead_of_its_page_keeps_the_rest_of_the_tail(tmp_path, tiny, agree: bool) -> None:  # noqa: ANN001
+def test_a_file_ahead_of_its_page_keeps_the_rest_of_the_tail(tmp_path, tiny, agree: bool) -> None:
     """A kv commit's word durable, its page not: the page's tail past the file's records stays
     pending; a tail that differs from the records is dropped, the file's records win."""
     stream = _stream(tiny, 12)
@@ -130,7 +130,7 @@ def test_a_file_ahead_of_its_page_keeps_the_rest_of_the_tail(tmp_path, tiny, agr
     s.close()
 
 
-def test_a_failed_tail_barrier_fences_and_the_reopen_keeps_the_last_tail_that_returned(tmp_path, tiny) -> None:  # noqa: ANN001
+def test_a_failed_tail_barrier_fences_and_the_reopen_keeps_the_last_tail_that_returned(tmp_path, tiny) -> None:
     stream = _stream(tiny, 12)
     store = SessionStore(tmp_path)
     store.adopt_model("tiny", tiny)

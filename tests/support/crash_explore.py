@@ -103,7 +103,7 @@ def _check_one(check: Check, tree: Tree, where: str, committed: int) -> str | No
     materialize(tree, where)
     try:
         check(where, committed)
-    except Exception as exc:  # noqa: BLE001 - every way a state fails is reported, with its tree
+    except Exception as exc:  # every way a state fails is reported, with its tree
         names = {p: (None if d is None else len(d)) for p, d in sorted(tree.items())}
         return f"{type(exc).__name__}: {exc} [tree: {names}]"
     return None

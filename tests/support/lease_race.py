@@ -31,7 +31,7 @@ def race_host(url: str, root: Path, host: str, session_ids: list[str], barrier: 
             out = {"won": True, "generation": held.generation, "bundle": held.bundle}
         except LockedError as exc:
             out = {"won": False, "error": str(exc), "kind": type(exc).__name__}
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        except Exception as exc:  # reported to the test, which fails on it
             out = {"won": False, "error": repr(exc), "kind": type(exc).__name__}
         out["local"] = remote.store.exists(session_id)
         answers.put((host, out))

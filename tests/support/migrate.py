@@ -111,7 +111,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_s3_server():  # noqa: ANN201 - moto's ThreadedMotoServer
+def start_s3_server():  # moto's ThreadedMotoServer
     """A real S3 API server (moto) on 127.0.0.1; returns (server, endpoint URL)."""
     from moto.server import ThreadedMotoServer
 
@@ -128,7 +128,7 @@ S3_BUCKET = "fleet"
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():  # noqa: ANN201 - yields the endpoint URL
+def s3_endpoint():  # yields the endpoint URL
     """A moto S3 server for the module; the AWS environment points at it (as AWS_ENDPOINT_URL),
     so s3fs in this process and in child processes finds it the standard way."""
     import s3fs
@@ -153,7 +153,7 @@ def s3_endpoint():  # noqa: ANN201 - yields the endpoint URL
         server.stop()
 
 
-def stored_keys(remote, *parts: str) -> list[str]:  # noqa: ANN001 - a RemoteStore
+def stored_keys(remote, *parts: str) -> list[str]:  # a RemoteStore
     """The keys of the objects under ``remote``'s prefix / ``parts``, listed flat (no delimiter),
     as the tier lists them. Not s3fs's ``find``/``ls``: SeaweedFS keeps a prefix whose objects were
     all deleted as an empty directory, which those report as an entry (FORMAT.md 6.4, "What

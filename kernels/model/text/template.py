@@ -44,7 +44,7 @@ class _GenerationBlock(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """``namespace(...)`` whose attribute names may not start with an underscore."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Namespace's own signature trick
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

@@ -40,7 +40,7 @@ class ChatTokenizer:
         where = str(files.directory / TOKENIZER_NAME)
         try:
             self._tok = Tokenizer.from_str(files.tokenizer_json)
-        except Exception as exc:  # noqa: BLE001 - the Rust parser raises plain Exception
+        except Exception as exc:  # the Rust parser raises plain Exception
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise FormatError(f"{where}: not a tokenizers tokenizer.json ({first})") from None
         self.files = files

@@ -40,11 +40,11 @@ class SpyBackend:
         if self.fail_at is not None and len(self.calls) == self.fail_at:
             raise RuntimeError("injected failure")
 
-    def absorbed_attention(self, q_abs, q_rope, blocks, softmax_scale, *, causal=True):  # noqa: ANN001, ANN201
+    def absorbed_attention(self, q_abs, q_rope, blocks, softmax_scale, *, causal=True):
         self._count("dense", None)
         return attention.absorbed_attention(q_abs, q_rope, blocks, softmax_scale, causal=causal)
 
-    def sparse_absorbed_attention(self, q_abs, q_rope, blocks, selection, softmax_scale):  # noqa: ANN001, ANN201
+    def sparse_absorbed_attention(self, q_abs, q_rope, blocks, selection, softmax_scale):
         self._count("sparse", selection)
         return attention.sparse_absorbed_attention(q_abs, q_rope, blocks, selection, softmax_scale)
 
@@ -225,7 +225,7 @@ def test_select_step_called_once_per_full_layer_per_forward(glm: GlmDecoder, mon
     calls: list[list[int]] = []
     original_step = glm_decoder.select_step
 
-    def counting_step(qi, w, keys_of, k):  # noqa: ANN001, ANN202
+    def counting_step(qi, w, keys_of, k):
         calls.append([sum(int(b.shape[0]) for b in keys) - 1 for keys in keys_of])  # each query's position
         return original_step(qi, w, keys_of, k)
 

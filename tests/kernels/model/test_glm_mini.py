@@ -43,7 +43,7 @@ def render(messages: list[dict[str, str]], add_generation_prompt: bool = True) -
                                            raise_exception=raise_exception))
 
 
-def tokenizer():  # noqa: ANN201
+def tokenizer():
     tokenizers = pytest.importorskip("tokenizers", reason="the text extra is not installed: pip install -e '.[text]'")
     return tokenizers.Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 

@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("llguidance", reason="the grammar extra (llguidance) enforces response_format")
 
-from kernels.model.logits import TurnDraw  # noqa: E402
-from kernels.model.sampling import Sampler  # noqa: E402
-from kernels.model.text import load_text  # noqa: E402
-from kernels.model.text.grammar import GrammarCompiler, GrammarError  # noqa: E402
-from tests.kernels.model.text.textkit import write_text_model  # noqa: E402
+from kernels.model.logits import TurnDraw
+from kernels.model.sampling import Sampler
+from kernels.model.text import load_text
+from kernels.model.text.grammar import GrammarCompiler, GrammarError
+from tests.kernels.model.text.textkit import write_text_model
 
 SCHEMA = {"type": "object", "required": ["n", "colour"], "additionalProperties": False,
           "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5},
