@@ -13,11 +13,37 @@ The public surface::
     from kernels import absorbed_attention, mla_attention, get_backend
     from kernels import F32Rows, Fp8Rows, RecordRows
 """
-from kernels.attention import absorbed_attention, mla_attention
-from kernels.backend import get_backend
-from kernels.errors import ColiError
-from kernels.fp8 import DECODE_TABLE, decode, dequantize_rows, encode, quantize_rows
-from kernels.rows import F32Rows, Fp8Rows, LatentRows, RecordRows
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the surface as a type checker sees it; at run time each name is imported on first use
+    from kernels.attention import absorbed_attention, mla_attention
+    from kernels.backend import get_backend
+    from kernels.errors import ColiError
+    from kernels.fp8 import DECODE_TABLE, decode, dequantize_rows, encode, quantize_rows
+    from kernels.rows import F32Rows, Fp8Rows, LatentRows, RecordRows
+
+# name -> the module that defines it. Imported on first use (PEP 562), so that ``import kernels.errors``
+# (every package of ours does) loads no compiled kernel: a process that never computes (the API
+# process of ``serve --http``, a CLI command over files) does not pay for numba and the kernels' cache.
+_HOMES = {
+    "absorbed_attention": "kernels.attention", "mla_attention": "kernels.attention", "get_backend": "kernels.backend",
+    "ColiError": "kernels.errors", "DECODE_TABLE": "kernels.fp8", "decode": "kernels.fp8",
+    "dequantize_rows": "kernels.fp8", "encode": "kernels.fp8", "quantize_rows": "kernels.fp8",
+    "F32Rows": "kernels.rows", "Fp8Rows": "kernels.rows", "LatentRows": "kernels.rows", "RecordRows": "kernels.rows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DECODE_TABLE",

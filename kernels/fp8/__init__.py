@@ -12,19 +12,27 @@ usable-scale rule) and ``blocks`` (the argument checks and block iteration they 
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from kernels.fp8.codec import decode, decode_into, encode, encode_into
-from kernels.fp8.row_quantizer import (
-    FP8_MAX,
-    USABLE_SCALE_BOUND,
-    dequantize_rows,
-    dequantize_rows_into,
-    quantize_rows,
-    quantize_rows_into,
-    usable_scales,
-)
+from kernels.fp8.scales import USABLE_SCALE_BOUND, usable_scales
 from kernels.fp8.tables import DECODE_TABLE, encode_reference, pair_table
+
+if TYPE_CHECKING:  # imported on first use at run time (the module __getattr__ below)
+    from kernels.fp8.row_quantizer import (
+        FP8_MAX,
+        dequantize_rows,
+        dequantize_rows_into,
+        quantize_rows,
+        quantize_rows_into,
+    )
+
+# the row quantizer is compiled (numba): loaded on first use, so a reader that only checks scales
+# (every file open, the API process of serve --http) loads no compiled kernel
+_COMPILED = ("FP8_MAX", "dequantize_rows", "dequantize_rows_into", "quantize_rows", "quantize_rows_into")
 
 __all__ = [
     "DECODE_TABLE",
@@ -47,7 +55,11 @@ __all__ = [
 PAIR_TABLE: np.ndarray  # declared only (no value): the module __getattr__ below builds it on first use
 
 
-def __getattr__(name: str) -> np.ndarray:  # PEP 562: PAIR_TABLE is built on first use
+def __getattr__(name: str) -> Any:  # PEP 562: PAIR_TABLE built, the row quantizer imported, on first use
     if name == "PAIR_TABLE":
         return pair_table()
+    if name in _COMPILED:
+        value = getattr(importlib.import_module("kernels.fp8.row_quantizer"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,20 +16,12 @@ from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError
 from kernels.fp8.blocks import as_codes, as_floats, blocks, check_out
 from kernels.fp8.codec import decode_flat
+from kernels.fp8.scales import USABLE_SCALE_BOUND, usable_scales
 from kernels.fp8.tables import ENCODE_TABLE
 
 FP8_MAX = 448.0
 _F448 = np.float32(448.0)
 _AMAX_MIN = np.float32(1e-35)  # the engine's 1e-35f: a row needs amax > this
-# The engine's 3.4e38f, the one home of this bound: a row whose amax is larger is a zero row, and a
-# stored scale is usable only when > 0 and below it (else the row is inert and reads as 0).
-USABLE_SCALE_BOUND = np.float32(3.4e38)
-
-
-def usable_scales(scales: Any) -> Any:
-    """The engine's test for a v2 row scale, the one mask every reader applies: 0 < scale <
-    3.4e38f (NaN and inf fail it). ``scales``: a numpy or cupy array; returns its bool mask."""
-    return (scales > 0) & (scales < USABLE_SCALE_BOUND)
 
 
 def _quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray,

@@ -8,21 +8,40 @@ Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"ti
 """
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernels.errors import NotFoundError
-from kernels.model.cache import DecoderCache
 from kernels.model.config import ModelConfig, load_config, parse_config
-from kernels.model.decoder import MLADecoder
-from kernels.model.generate import GenerateResult, generate
 from kernels.model.glm_config import GLM_MODEL_TYPE
-from kernels.model.glm_decoder import GlmDecoder
 from kernels.model.protocols import Decoder, DecoderConfig, LatentCache
 from kernels.model.sampling import Sampler, sample
 from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
 from kernels.model.weights import open_checkpoint
+
+if TYPE_CHECKING:  # imported on first use at run time (the module __getattr__ below)
+    from kernels.model.cache import DecoderCache
+    from kernels.model.decoder import MLADecoder
+    from kernels.model.generate import GenerateResult, generate
+    from kernels.model.glm_decoder import GlmDecoder
+
+# the decoders and their cache run compiled kernels (numba): imported on first use, so a process
+# that reads sessions without computing (the API process of serve --http, a CLI command over
+# files) loads none of them
+_COMPILED = {"DecoderCache": "kernels.model.cache", "MLADecoder": "kernels.model.decoder",
+             "GenerateResult": "kernels.model.generate", "generate": "kernels.model.generate",
+             "GlmDecoder": "kernels.model.glm_decoder"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _COMPILED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
 
 GLM_MINI_NAME = "glm-mini"  # the small trained GLM-5-architecture model shipped in the repository
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
@@ -44,6 +63,9 @@ def resolve_model(name: str | os.PathLike[str]) -> str:
 def load_model(path_or_tiny: str | os.PathLike[str]) -> MLADecoder:
     """Load ``"tiny"`` (the embedded model), ``"glm-mini"`` (the shipped trained model) or a
     checkpoint directory (config.json + *.safetensors)."""
+    from kernels.model.decoder import MLADecoder
+    from kernels.model.glm_decoder import GlmDecoder
+
     if os.fspath(path_or_tiny) == TINY_NAME:
         cfg, weights = tiny_checkpoint(TINY_SEED)
         return MLADecoder(cfg, weights, source=TINY_NAME)

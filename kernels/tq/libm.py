@@ -4,45 +4,19 @@ The engine encodes with libm's ``atan2f``/``hypotf`` and decodes angles with its
 numpy's own float32 kernels are not libm's: its sin/cos round differently for a share of inputs,
 and on AVX-512 machines its arctan2 is a SIMD approximation that differs from glibc's atan2f on
 ~40% of inputs (hypot happened to agree). So the encode calls ``atan2f``/``hypotf`` from a numba
-kernel (LLVM emits calls to the C library's symbols; no vector math library is linked in), and
-the (small) decode tables call ``cosf``/``sinf`` through ctypes. Without a loadable libm the
+kernel (:mod:`.libm_kernel`: LLVM emits calls to the C library's symbols; no vector math library
+is linked in), and the (small) decode tables call ``cosf``/``sinf`` through ctypes. Without a loadable libm the
 tables fall back to float64 cos/sin rounded to float32.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit, types, void
 
-from kernels.compile_notice import announce_if_cold
-
-__all__ = ["LIBM_SOURCE", "atan2_hypot_f32", "cos_sin_f32"]
-
-_BLOCK = types.Array(types.float32, 2, "A")  # [R, count] f32, any strides (the pairs' views)
-
-
-announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
-
-@njit(void(_BLOCK, _BLOCK, _BLOCK, _BLOCK), cache=True, nogil=True, boundscheck=False)
-def _atan2_hypot(y: np.ndarray, x: np.ndarray, angle: np.ndarray, radius: np.ndarray) -> None:  # pragma: no cover
-    """angle = atan2f(y, x), radius = hypotf(x, y), element by element (libm's, in float32)."""
-    for i in range(y.shape[0]):
-        for j in range(y.shape[1]):
-            angle[i, j] = math.atan2(y[i, j], x[i, j])
-            radius[i, j] = math.hypot(x[i, j], y[i, j])
-
-
-def atan2_hypot_f32(y: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(``atan2f(y, x)``, ``hypotf(x, y)``) of two [R, count] f32 blocks, by the C library."""
-    angle = np.empty(y.shape, np.float32)  # [R, count] f32
-    radius = np.empty(y.shape, np.float32)  # [R, count] f32
-    _atan2_hypot(y, x, angle, radius)
-    return angle, radius
-
+__all__ = ["LIBM_SOURCE", "cos_sin_f32"]
 
 def _load() -> tuple[Callable[[float], float], Callable[[float], float]] | None:
     name = ctypes.util.find_library("m") or "libm.so.6"

@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy as np
 
 from kernels.errors import FormatError
-from kernels.tq.libm import atan2_hypot_f32, cos_sin_f32
+from kernels.tq.libm import cos_sin_f32
 from kernels.tq.packing import FieldLayout, pack_fields, unpack_fields_t
 from kernels.tq.rotation import check_width, rotate
 
@@ -125,6 +125,8 @@ def polar_layout(n: int, bits: int) -> PolarLayout:
 
 def encode_rotated(x: np.ndarray, layout: PolarLayout) -> np.ndarray:
     """x [R, n] f32 (usable rows) -> packed codes [R, row_bytes] u8."""
+    from kernels.tq.libm_kernel import atan2_hypot_f32  # compiled: loaded by the first encode, not by a reader
+
     r = rotate(x)  # r: [R, n] f32
     codes = np.empty((x.shape[0], layout.n - 1), np.uint16)  # codes: [R, n-1] u16
     with np.errstate(invalid="ignore", over="ignore"):

@@ -13,7 +13,7 @@ from hypothesis.extra import numpy as hnp
 
 from kernels.errors import ColiError
 from kernels.tq import SIGNS, TqCodec, fwht, rotate, unrotate
-from kernels.tq.libm import atan2_hypot_f32
+from kernels.tq.libm_kernel import atan2_hypot_f32
 
 CODECS = [TqCodec("int4", 4), *(TqCodec("polar", b) for b in range(2, 7))]
 

@@ -114,5 +114,17 @@ def test_sigterm_drains_the_core_and_exits_0(tmp_path: Path, text_model_dir: Pat
     reply = server.post("/v1/completions", json={"model": name, "prompt": [5, 6, 7], "max_tokens": 4,
                                                  "session": "d1"})
     assert reply.status_code == 200
+    assert server.get("/v1/sessions/d1").status_code == 200
+    # the API process computes nothing: after serving a turn and a session's description it holds
+    # no compiled kernel (numba, llvmlite), only the engine core does
+    assert server.proc is not None
+    assert not _compiled_kernels(server.proc.pid)
+    assert _compiled_kernels(core_pid), "the check sees nothing: the core must hold numba's libraries"
     assert server.stop(signal.SIGTERM) == 0
     assert _wait(lambda: _gone(core_pid), 30)
+
+
+def _compiled_kernels(pid: int) -> set[str]:
+    """The numba and llvmlite shared objects process ``pid`` has mapped."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if "numba" in line or "llvmlite" in line}
