@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels.errors import LockedError
+from kernels.errors import CorruptionError, LockedError
 from sessionstore.kvfile import KVWriter
 from sessionstore.migration import compaction
+from sessionstore.migration.chain_reader import ChainFiles
 from sessionstore.migration.remote import RemoteStore
-from sessionstore.migration.segment_format import CUT_SEGMENT_VERSION, SEGMENT_VERSION, parse_segment
+from sessionstore.migration.segment_format import CUT_SEGMENT_VERSION, SEGMENT_VERSION, Segment, parse_segment
 from sessionstore.migration.segment_writing import cut_point
 from sessionstore.migration.shipping import TurnShipper
 from sessionstore.sessions.manifest import write_manifest
@@ -73,6 +74,28 @@ def test_cut_point_is_the_first_differing_entry():
     changed = np.arange(12, dtype="<u8")
     changed[7] = 99
     assert cut_point(shipped, changed) == 7
+
+
+def test_the_chain_reader_applies_a_cut_below_its_end_and_refuses_one_at_or_past_it(tmp_path):
+    files = ChainFiles(str(tmp_path))
+    try:
+        files.kv_info, files.nrec = {"record_bytes": 4, "nrec": 10}, 10
+
+        def seg(start: int, nrec: int, version: int) -> Segment:
+            parts = {"kv_header": b"h" * 40, "records": b"r" * 4 * (nrec - start), "sidecar_header": b"s" * 64,
+                     "entries": b"e" * 8 * (nrec - start), "manifest.json": b"{}"}
+            return Segment("conv", 1, start, nrec, 4, {"record_bytes": 4, "nrec": nrec}, parts, None, version)
+
+        with pytest.raises(CorruptionError, match="starts at record 6"):
+            files.apply(seg(6, 9, SEGMENT_VERSION), "v1")  # an append must start at the chain's end
+        with pytest.raises(CorruptionError, match="a cut at record 10"):
+            files.apply(seg(10, 12, CUT_SEGMENT_VERSION), "v2")  # a cut must lie below it
+        files.apply(seg(6, 8, CUT_SEGMENT_VERSION), "v2")
+        assert files.nrec == 8
+        files.kv.seek(40 + 6 * 4)
+        assert files.kv.read(8) == b"r" * 8
+    finally:
+        files.close()
 
 
 def test_a_cut_ships_its_new_records_and_another_host_installs_it_token_exact(hosts):
