@@ -124,6 +124,13 @@ def raw_read(url: str) -> int:
 
 def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """``restore_offloaded_over_raw_read``: see the module."""
+    with loopback_s3() as bucket_url:
+        return restore_on(args, work, bucket_url)
+
+
+def restore_on(args: argparse.Namespace, work: Path, bucket_url: str) -> dict[str, Any]:
+    """``restore_offloaded_over_raw_read`` on the S3 server of ``bucket_url`` (the AWS environment
+    pointing at it)."""
     from sessionstore.migration import RemoteStore
     from sessionstore.service.engine import TierManager
     from sessionstore.service.fleet import FleetHome
@@ -131,27 +138,26 @@ def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from sessionstore.sessions.tier_record import read_tier
 
     tokens = 256 if args.quick else 2048
-    with loopback_s3() as bucket_url:
-        store = SessionStore(work / "host")
-        build_session(store, "s", tokens)
-        kv_bytes = os.path.getsize(store.kv_path("s"))
-        remote = RemoteStore(store, f"{bucket_url}/restore", host_id="bench-host")
-        manager = TierManager(_Engine(store, FleetHome(remote)))
-        restores, reads = [], []
-        bundle_bytes = 0
-        for _ in range(args.reps):
-            if not manager.offload("s"):
-                raise RuntimeError("the session was not offloaded")
-            record = read_tier(store.session_dir("s"))
-            assert record.offloaded is not None
-            t = time.perf_counter()
-            bundle_bytes = raw_read(remote.objects.url_of(record.offloaded.bundle))
-            reads.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            manager.restore("s", record)
-            restores.append(time.perf_counter() - t)
-            assert read_tier(store.session_dir("s")).offloaded is None
-            assert store.read_manifest("s").committed == tokens
+    store = SessionStore(work / "host")
+    build_session(store, "s", tokens)
+    kv_bytes = os.path.getsize(store.kv_path("s"))
+    remote = RemoteStore(store, f"{bucket_url}/restore", host_id="bench-host")
+    manager = TierManager(_Engine(store, FleetHome(remote)))
+    restores, reads = [], []
+    bundle_bytes = 0
+    for _ in range(args.reps):
+        if not manager.offload("s"):
+            raise RuntimeError("the session was not offloaded")
+        record = read_tier(store.session_dir("s"))
+        assert record.offloaded is not None
+        t = time.perf_counter()
+        bundle_bytes = raw_read(remote.objects.url_of(record.offloaded.bundle))
+        reads.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        manager.restore("s", record)
+        restores.append(time.perf_counter() - t)
+        assert read_tier(store.session_dir("s")).offloaded is None
+        assert store.read_manifest("s").committed == tokens
     restore_s, read_s = statistics.median(restores), statistics.median(reads)
     return {"restore_offloaded_over_raw_read": restore_s / read_s, "restore_offloaded_s": restore_s,
             "raw_read_s": read_s, "restore_tokens": tokens, "restore_kv_bytes": kv_bytes,

@@ -4,7 +4,8 @@ segment of the chain (walked back from the head's last one), into ONE bundle tha
 The base bundle's files are read through :class:`BundleReader` (every chunk, file digest and the
 trailer checked); each segment is checked against the size and digest its successor (or the head)
 names and its own trailer
-(:func:`parse_segment`); its records must start exactly where the chain so far ends. The result is
+(:func:`parse_segment`); its records must start exactly where the chain so far ends, or, for a cut
+segment (version 2), below it: the cut's records replace the chain's from its ``start`` on. The result is
 re-framed as a bundle in a temporary file and handed to :func:`import_bundle`, so the install
 checks are the import's own (kv header, sidecar over every record, token ids, model fingerprint,
 one rename). Memory stays a few chunks plus one segment; the kv bytes live in a temporary file.
@@ -25,6 +26,7 @@ from sessionstore.migration.exporting import MigrateResult
 from sessionstore.migration.migrate import import_bundle
 from sessionstore.migration.object_store import ObjectPrefix
 from sessionstore.migration.segment_format import (
+    CUT_SEGMENT_VERSION,
     META_PREFIX_BYTES,
     Head,
     Segment,
@@ -72,8 +74,13 @@ class ChainFiles:
         self.nrec = int(self.kv_info["nrec"])
 
     def apply(self, seg: Segment, where: str) -> None:
-        """Records ``[seg.start, seg.nrec)`` appended, headers and small files replaced."""
-        if seg.start != self.nrec:
+        """Records ``[seg.start, seg.nrec)`` written over the chain's from ``seg.start`` (appended; a
+        cut segment's start lies below the chain's end, and the records past it are dropped),
+        headers and small files replaced."""
+        if seg.version == CUT_SEGMENT_VERSION:
+            if seg.start >= self.nrec:
+                raise CorruptionError(f"{where}: a cut at record {seg.start}, the chain so far ends at {self.nrec}")
+        elif seg.start != self.nrec:
             raise CorruptionError(f"{where}: starts at record {seg.start}, the chain so far ends at {self.nrec}")
         if self.kv_info is not None and int(self.kv_info["record_bytes"]) != seg.record_bytes:
             raise FormatError(f"{where}: records of {seg.record_bytes} bytes, the chain's are "

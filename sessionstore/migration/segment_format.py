@@ -4,13 +4,14 @@ A *segment* carries what one shipped turn added to a session: its new kv records
 entries, the kv and sidecar headers as they read after the turn, and the session's small files
 (manifest, conversation, responses) whole. Layout (little-endian)::
 
-    preamble   16 B   b"COLISEGM", u32 version (1), u32 flags (0)
+    preamble   16 B   b"COLISEGM", u32 version (1; 2 for a cut), u32 flags (0)
     meta       16 B   b"SGMT", u32 json_len, u64 xxh3_64(json)   + json_len bytes of UTF-8 JSON
     parts             the parts the JSON lists, in its order, back to back
     trailer    32 B   b"SGTR", u32 0, 16s xxh3_128(every byte before the trailer), b"COLISEND"
 
 Each segment names the one before it (``prev``: name, records, size, whole-object digest; null
-for the first after the base), so the segments form a chain whose *head* (``heads/<id>.json``, a
+for the first after the base), so the segments form a chain (a *cut* segment, version 2, starts
+below the chain's end: its records replace the chain's from ``start`` on) whose *head* (``heads/<id>.json``, a
 fixed few hundred bytes) names the base bundle (or none) and the last segment. This module encodes
 and parses (and checks a segment's records against their sidecar entries before it is encoded,
 :func:`check_records`); the object store side is :mod:`sessionstore.migration.chain_objects` and
@@ -36,7 +37,8 @@ from sessionstore.migration.bundle_format import (
 
 SEGMENT_MAGIC = b"COLISEGM"
 SEGMENT_END = b"COLISEND"
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 1  # a segment that appends: records [start, nrec) with start = the chain's end
+CUT_SEGMENT_VERSION = 2  # a cut: start below the chain's end, its records replace the chain's from there
 META_TAG = b"SGMT"
 TRAILER_TAG = b"SGTR"
 PREAMBLE = struct.Struct("<8sII")
@@ -70,6 +72,7 @@ class Segment:
     kv: dict[str, Any]  # the bundle manifest's kv member as it reads after the turn (FORMAT.md 6.1)
     parts: dict[str, bytes]  # PART_NAMES -> bytes (absent small files missing)
     prev: SegmentRef | None  # the segment before this one (None: the first after the base)
+    version: int = SEGMENT_VERSION  # CUT_SEGMENT_VERSION: a cut (``start`` below the chain's end)
 
     @property
     def count(self) -> int:
@@ -77,16 +80,19 @@ class Segment:
 
 
 def encode_segment(session_id: str, generation: int, start: int, kv: dict[str, Any],
-                   parts: dict[str, bytes | memoryview], prev: SegmentRef | None) -> bytes:
-    """The segment object's bytes (records ``[start, kv['nrec'])``); parts as PART_NAMES lists."""
+                   parts: dict[str, bytes | memoryview], prev: SegmentRef | None, *, cut: bool = False) -> bytes:
+    """The segment object's bytes (records ``[start, kv['nrec'])``); parts as PART_NAMES lists.
+    ``cut``: ``start`` lies below the chain's end (a version-2 segment, which a reader of version 1
+    refuses rather than misreads: FORMAT.md 6.7.1)."""
     rec, nrec = int(kv["record_bytes"]), int(kv["nrec"])
+    version = CUT_SEGMENT_VERSION if cut else SEGMENT_VERSION
     assert len(parts["records"]) == (nrec - start) * rec and len(parts["entries"]) == (nrec - start) * ENTRY_SIZE
     listed = [(name, len(parts[name])) for name in PART_NAMES if name in parts]
-    meta = json.dumps({"format": "coli-segment", "version": SEGMENT_VERSION, "session_id": session_id,
+    meta = json.dumps({"format": "coli-segment", "version": version, "session_id": session_id,
                        "generation": generation, "start": start, "kv": kv,
                        "prev": None if prev is None else asdict(prev),
                        "parts": [{"name": n, "size": s} for n, s in listed]}, sort_keys=True).encode()
-    out = bytearray(PREAMBLE.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0))
+    out = bytearray(PREAMBLE.pack(SEGMENT_MAGIC, version, 0))
     out += META_HEAD.pack(META_TAG, len(meta), xxhash.xxh3_64_intdigest(meta)) + meta
     for name, _ in listed:
         out += parts[name]
@@ -111,7 +117,7 @@ def parse_segment(data: bytes, where: str, *, session_id: str, digest: str) -> S
         raise CorruptionError(f"{where}: byte {len(data) - TRAILER.size}: no segment trailer")
     if whole != xxhash.xxh3_128_digest(data[:len(data) - TRAILER.size]):
         raise CorruptionError(f"{where}: the trailer's digest does not match the segment's bytes")
-    meta, json_len = _meta(data, where)
+    meta, json_len, version = _meta(data, where)
     body_at = PREAMBLE.size + META_HEAD.size
     try:
         if check_session_id(meta["session_id"], where) != session_id:
@@ -142,15 +148,15 @@ def parse_segment(data: bytes, where: str, *, session_id: str, digest: str) -> S
         at += size
     if at != len(data) - TRAILER.size:
         raise CorruptionError(f"{where}: byte {at}: {len(data) - TRAILER.size - at} stray bytes before the trailer")
-    return Segment(session_id, generation, start, nrec, rec, kv, parts, prev)
+    return Segment(session_id, generation, start, nrec, rec, kv, parts, prev, version)
 
 
-def _meta(data: bytes, where: str) -> tuple[dict[str, Any], int]:
-    """(the meta JSON, its length) of a segment's first bytes (preamble, meta frame)."""
+def _meta(data: bytes, where: str) -> tuple[dict[str, Any], int, int]:
+    """(the meta JSON, its length, the version) of a segment's first bytes (preamble, meta frame)."""
     magic, version, flags = PREAMBLE.unpack_from(data, 0)
-    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or flags != 0:
-        raise FormatError(f"{where}: not a version-{SEGMENT_VERSION} segment (magic {magic!r}, "
-                          f"version {version}, flags {flags})")
+    if magic != SEGMENT_MAGIC or version not in (SEGMENT_VERSION, CUT_SEGMENT_VERSION) or flags != 0:
+        raise FormatError(f"{where}: not a version-{SEGMENT_VERSION} or -{CUT_SEGMENT_VERSION} segment "
+                          f"(magic {magic!r}, version {version}, flags {flags})")
     tag, json_len, check = META_HEAD.unpack_from(data, PREAMBLE.size)
     body_at = PREAMBLE.size + META_HEAD.size
     if tag != META_TAG or not 1 <= json_len <= MAX_SEGMENT_META_BYTES or body_at + json_len > len(data):
@@ -159,9 +165,9 @@ def _meta(data: bytes, where: str) -> tuple[dict[str, Any], int]:
     if xxhash.xxh3_64_intdigest(meta_raw) != check:
         raise CorruptionError(f"{where}: the segment meta's checksum does not match")
     meta = parse_json(meta_raw, where)
-    if not isinstance(meta, dict) or meta.get("format") != "coli-segment" or meta.get("version") != SEGMENT_VERSION:
-        raise FormatError(f"{where}: not a coli-segment version {SEGMENT_VERSION}")
-    return meta, json_len
+    if not isinstance(meta, dict) or meta.get("format") != "coli-segment" or meta.get("version") != version:
+        raise FormatError(f"{where}: not a coli-segment version {version}")
+    return meta, json_len, version
 
 
 def _ref(doc: Any, where: str) -> SegmentRef | None:
@@ -179,7 +185,7 @@ META_PREFIX_BYTES = PREAMBLE.size + META_HEAD.size + MAX_SEGMENT_META_BYTES  # e
 def segment_prev(prefix: bytes, where: str) -> SegmentRef | None:
     """The ``prev`` reference from a segment's first bytes (at most META_PREFIX_BYTES); the
     whole object is checked later, before any of it is used."""
-    meta, _ = _meta(prefix, where)
+    meta, _, _ = _meta(prefix, where)
     try:
         return _ref(meta["prev"], where)
     except (KeyError, TypeError, ValueError) as exc:
@@ -254,12 +260,14 @@ def check_records(records: bytes, entries: Any, start: int, record_bytes: int, p
 
 
 __all__ = [
+    "CUT_SEGMENT_VERSION",
     "HEAD_FORMAT",
     "META_PREFIX_BYTES",
     "MAX_CHAIN_SEGMENTS",
     "MAX_HEAD_BYTES",
     "MAX_SEGMENT_BYTES",
     "PART_NAMES",
+    "SEGMENT_VERSION",
     "Head",
     "Segment",
     "SegmentRef",

@@ -6,7 +6,10 @@ as one *segment* object, and the session's *head* object names the chain (base b
   write (``If-Match`` the head this host wrote last). A head write that loses means another host
   claimed the chain (a takeover): the segment is deleted and the chain forgotten here
   (LockedError). Cost: O(new records) plus the head (a fixed few hundred bytes: each segment
-  names its predecessor, the head only the last one).
+  names its predecessor, the head only the last one). A turn that cut the history (a truncate:
+  regenerate, edit, a re-tokenized boundary; the manifest's epoch moved) ships a *cut* segment:
+  the records from the first whose sidecar entry differs from the chain's (kept here, 8 bytes a
+  record; :mod:`segment_writing`) replace the chain's from there, so a cut costs O(new records) too.
 - A chain of 512 segments, or whose segments outweigh its base, is compacted in the background
   (:meth:`TurnShipper.compact` on the :class:`Compactor`'s thread; the turn's ship only asks):
   the whole commit is uploaded as a new base bundle, then the head restarts from it with a
@@ -25,47 +28,24 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+import numpy as np
 
 from kernels.errors import ColiError, LockedError
-from sessionstore.kvfile import SIDECAR_HEADER_SIZE
 from sessionstore.log import get_logger
 from sessionstore.migration.chain_objects import ChainObjects, segment_generation, segment_name
 from sessionstore.migration.chain_reader import assemble
 from sessionstore.migration.compaction import Compactor, PreparedBase, compaction_due
-from sessionstore.migration.exporting import ExportSource, PreparedExport, export_session, kv_info
+from sessionstore.migration.exporting import ExportSource, PreparedExport, export_session
 from sessionstore.migration.lease import Lease, utc_stamp
 from sessionstore.migration.object_store import RemoteStoreError
 from sessionstore.migration.remote import RemoteStore
-from sessionstore.migration.segment_format import (
-    MAX_CHAIN_SEGMENTS,
-    Head,
-    SegmentRef,
-    check_records,
-    digest_of,
-    encode_segment,
-)
+from sessionstore.migration.segment_format import MAX_CHAIN_SEGMENTS, Head, SegmentRef, digest_of
+from sessionstore.migration.segment_writing import ShipReport, build_segment, committed_entries, cut_point
 from sessionstore.migration.transport import open_sink
 
 log = get_logger("remote")
-
-
-
-@dataclass(frozen=True)
-class ShipReport:
-    """What one ship uploaded: the segment (or base bundle) and head bytes, and the records it carried."""
-
-    session_id: str
-    kind: str  # "segment", "base" (a new chain, a rebase after a truncate, a compaction) or "unchanged"
-    start: int
-    nrec: int
-    object_bytes: int
-    head_bytes: int
-    record_bytes: int  # bytes of the records [start, nrec) themselves
-
-    @property
-    def shipped_bytes(self) -> int:
-        return self.object_bytes + self.head_bytes
 
 
 class TurnShipper:
@@ -79,6 +59,7 @@ class TurnShipper:
         self.chain_objects = ChainObjects(remote.objects, remote.host_id)  # heads and segments
         self._chains: dict[str, Head] = {}  # the head as this host last wrote (or claimed) it
         self._epochs: dict[str, int] = {}  # the manifest epoch the chain's records belong to
+        self._entries: dict[str, np.ndarray] = {}  # the chain's records' sidecar entries ([nrec] u64)
         self._manifests: dict[str, bytes] = {}  # the manifest.json the chain's last ship carried
         self._written: dict[str, set[str]] = {}  # segments this host added to the chain since its base
         self._prepared: dict[str, PreparedBase] = {}  # a compaction's base the next ship starts on
@@ -111,12 +92,23 @@ class TurnShipper:
                                             lease.bundle, lease.bundle_tokens, lease.bundle_tokens,
                                             updated_utc=utc_stamp(), etag="" if stored is None else stored.etag)
             self._epochs[session_id] = epoch
+            self._keep_entries(session_id, epoch, lease.bundle_tokens)
+
+    def _keep_entries(self, session_id: str, epoch: int, nrec: int) -> None:
+        """Remember the entries of the chain's records (the local copy's: it equals the chain),
+        so a later cut finds where it begins; unknown ones make the next truncate a rebase."""
+        entries = committed_entries(self.remote.store, session_id, epoch, nrec)
+        if entries is None:
+            self._entries.pop(session_id, None)
+        else:
+            self._entries[session_id] = entries
 
     def ship(self, session_id: str, lease: Lease) -> ShipReport:
-        """Ship the session's last commit: a segment of the records since the chain's end, or a
-        new base bundle when there is no chain here, the records were truncated, or the chain is
-        due for compaction; nothing when the chain already holds it. LockedError: fenced
-        (another host claimed the chain)."""
+        """Ship the session's last commit: a segment of the records since the chain's end (or,
+        after a truncate, from the first record that differs from the chain's: a cut), or a new
+        base bundle when there is no chain here, a truncate finds no known entries to cut against,
+        or the chain is due for compaction; nothing when the chain already holds it. LockedError:
+        fenced (another host claimed the chain)."""
         with self._lock:
             return self._ship(session_id, lease)
 
@@ -125,30 +117,27 @@ class TurnShipper:
         snap = store.snapshot(session_id)
         chain = self._chains.get(session_id)
         rec = snap.header.record_bytes
+        moved = chain is not None and self._epochs.get(session_id) != snap.epoch  # a truncate since
         if chain is None or chain.generation != lease.generation or \
-                self._epochs.get(session_id) != snap.epoch or snap.committed < chain.nrec or \
+                (moved and session_id not in self._entries) or (not moved and snap.committed < chain.nrec) or \
                 chain.count >= MAX_CHAIN_SEGMENTS or (self.compactor is None and compaction_due(chain, rec)):
             return self._rebase(session_id, lease, snap.epoch, chain)
         source = ExportSource(snap, 4 << 20)
         try:
             if source.entries is None:  # no sidecar to ship entries from: ship the whole commit
                 return self._rebase(session_id, lease, snap.epoch, chain)
-            prepared = self._prepared_for(session_id, lease, snap.epoch, snap.committed)
+            prepared = self._prepared_for(session_id, lease, snap.epoch, snap.committed, moved)
             start, n = chain.nrec if prepared is None else prepared.nrec, snap.committed
-            if prepared is None and n == start and self._manifests.get(session_id) == source.manifest_json:
+            if moved:  # a cut: the records from the first that differs from the chain's replace them
+                start = cut_point(self._entries[session_id], source.entries)
+            if prepared is None and n == start == chain.nrec and \
+                    self._manifests.get(session_id) == source.manifest_json:
+                self._epochs[session_id] = snap.epoch
                 return ShipReport(session_id, "unchanged", start, n, 0, 0, 0)
-            records = bytes(source.reader.records_bytes_view(start, n)) if n > start else b""
-            parts: dict[str, bytes | memoryview] = {
-                "kv_header": source.header_bytes, "records": records,
-                "sidecar_header": (source.sidecar or b"")[:SIDECAR_HEADER_SIZE],
-                "entries": source.entries[start:n].tobytes(), "manifest.json": source.manifest_json}
-            if source.conversation is not None:
-                parts["conversation.json"] = source.conversation
-            if source.responses is not None:
-                parts["responses.json"] = source.responses
-            check_records(records, source.entries[start:n], start, rec, snap.kv_path)
+            cut = prepared is None and start < chain.nrec  # a prepared base restarts the chain
             prev = chain.last if prepared is None else None  # on a prepared base: the first segment
-            data = encode_segment(session_id, lease.generation, start, kv_info(snap), parts, prev)
+            data, parts = build_segment(source, session_id, lease.generation, start, prev, cut=cut)
+            entries = source.entries
         finally:
             source.close()
         name = segment_name(lease.generation, n)
@@ -170,17 +159,18 @@ class TurnShipper:
                 self.objects.delete(prepared.key)
             self._forget_chain(session_id)
             raise
-        self._chains[session_id] = written
+        self._chains[session_id], self._epochs[session_id], self._entries[session_id] = written, snap.epoch, entries
         self._manifests[session_id] = bytes(parts["manifest.json"])
         if prepared is None:
             self._written.setdefault(session_id, set()).add(name)
         else:
             self._written[session_id] = {name}
             self._in_background(f"{session_id} cleanup", lambda: self._delete_replaced(chain, written))
-        report = ShipReport(session_id, "segment", start, n, len(data), head_bytes, (n - start) * rec)
+        report = ShipReport(session_id, "cut" if cut else "segment", start, n, len(data), head_bytes,
+                            (n - start) * rec)
         self.last[session_id] = report
         log.info("ship.segment", id=session_id, start=start, nrec=n, bytes=len(data), head_bytes=head_bytes,
-                 on_compacted_base=prepared is not None)
+                 on_compacted_base=prepared is not None, cut=cut)
         if self.compactor is not None and compaction_due(written, rec):
             self._in_background(session_id, lambda: self.compact(session_id, lease))
         return report
@@ -192,13 +182,15 @@ class TurnShipper:
         else:
             self.compactor.request(key, job)
 
-    def _prepared_for(self, session_id: str, lease: Lease, epoch: int, committed: int) -> PreparedBase | None:
+    def _prepared_for(self, session_id: str, lease: Lease, epoch: int, committed: int,
+                      moved: bool) -> PreparedBase | None:
         """The prepared base the next segment starts on, when it still belongs to this chain's
         lease generation and records (a truncate or a takeover since: deleted, never used)."""
         prepared = self._prepared.pop(session_id, None)
         if prepared is None:
             return None
-        if prepared.generation == lease.generation and prepared.epoch == epoch and prepared.nrec <= committed:
+        if not moved and prepared.generation == lease.generation and prepared.epoch == epoch and \
+                prepared.nrec <= committed:
             return prepared
         self.objects.delete(prepared.key)
         return None
@@ -310,6 +302,7 @@ class TurnShipper:
             raise
         self._chains[session_id], self._epochs[session_id], self._written[session_id] = written, epoch, set()
         self._manifests.pop(session_id, None)
+        self._keep_entries(session_id, epoch, result.tokens)
         prepared = self._prepared.pop(session_id, None)
         if prepared is not None:
             self.objects.delete(prepared.key)
@@ -352,7 +345,8 @@ class TurnShipper:
                                            f"{session_id!r} could not assemble its chain: {exc}") from None
             with self._lock:  # a background compaction reads the chain (its head write is If-Match)
                 self._chains[session_id] = written
-                self._epochs[session_id] = self.remote.store.snapshot(session_id).epoch
+                self._epochs[session_id] = epoch = self.remote.store.snapshot(session_id).epoch
+                self._keep_entries(session_id, epoch, written.nrec)
                 self._prepared.pop(session_id, None)
                 if not current:
                     self._written[session_id] = set()  # another host's segments: not this host's to delete
@@ -390,9 +384,10 @@ class TurnShipper:
     def _forget_chain(self, session_id: str) -> None:
         self._chains.pop(session_id, None)
         self._epochs.pop(session_id, None)
+        self._entries.pop(session_id, None)
         self._manifests.pop(session_id, None)
         self._written.pop(session_id, None)
         self._prepared.pop(session_id, None)  # unnamed, or named by a head this host may not touch now
 
 
-__all__ = ["ShipReport", "TurnShipper"]
+__all__ = ["TurnShipper"]

@@ -114,7 +114,7 @@ def test_a_whole_bundle_push_retires_the_chain(hosts):
     assert stored_keys(a, "segments") == []
 
 
-def test_a_truncated_session_ships_a_new_base_and_the_chain_restarts(hosts):
+def test_a_truncated_session_ships_a_cut_segment_not_a_new_base(hosts):
     a, b = hosts
     make_session(a.store, "conv", 60)
     held = a.acquire("conv")
@@ -128,12 +128,13 @@ def test_a_truncated_session_ships_a_new_base_and_the_chain_restarts(hosts):
     with KVWriter.open(a.store.kv_path("conv"), SMALL_DIMS, kv_dtype=manifest.kv_dtype) as writer:
         writer.truncate(40)
     grow(a.store, "conv", 35, seed=2)  # past the chain's 70 again, with records 40.. rewritten
+    bundles = stored_keys(a, "bundles")
     report = ship_a.ship("conv", held)
-    assert report.kind == "base" and report.nrec == 75  # segments only append: the epoch moved, a new base
+    assert (report.kind, report.start, report.nrec) == ("cut", 40, 75)  # the epoch moved: a cut, from 40
     head = ship_a.read_head("conv")
-    assert head.count == 0 and head.nrec == 75
+    assert head.count == 2 and head.nrec == 75
     a.fs.invalidate_cache()
-    assert stored_keys(a, "segments") == []  # the replaced chain is deleted
+    assert stored_keys(a, "bundles") == bundles  # no new base
     grow(a.store, "conv", 3, seed=3)
     assert ship_a.ship("conv", held).kind == "segment"
     expected = vouched_files(a.store, "conv")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from sessionstore.migration import RemoteStore
+from sessionstore.migration.segment_format import CUT_SEGMENT_VERSION, parse_segment
 from sessionstore.migration.shipping import TurnShipper
 from sessionstore.sessions import SessionStore
 from tests.service.test_service_fleet import Conversation, fleet_url, host  # noqa: F401 - fixture
@@ -120,3 +121,43 @@ def test_ship_every_commit_ships_inside_a_reply(tmp_path: Path, text_model_dir: 
 
     with open_kv(store.kv_path("one")) as kv:
         assert [int(t) for t in kv.tokens[:head.nrec]] == full[:head.nrec]
+
+
+def test_a_cut_turn_ships_a_cut_segment_and_a_takeover_continues_it_token_exact(
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], fleet_url: str) -> None:
+    """A completions turn whose prompt replaces the previous reply's last tokens (a re-tokenized
+    boundary, issue 38 part 2) ships a version-2 cut segment onto the same base, no new bundle;
+    host A is SIGKILLed and host B continues from the chain, token-exact."""
+    model, _ = text_model
+    a = host(tmp_path, "host-a", text_model_dir, fleet_url, "--lease-ttl", str(LEASE_TTL_S)).start()
+    reader = TurnShipper(RemoteStore(SessionStore(tmp_path / "reader"), fleet_url, host_id="reader"))
+    try:
+        conv = Conversation(a.get("/v1/models").json()["data"][0]["id"], "one")
+        got = [conv.turn(a, [9, 8, 7], 8), conv.turn(a, [6, 5], 8)]
+        before = reader.read_head("one")
+        assert before is not None and before.count >= 1
+        kept = len(conv.history) - 4  # the reply's last tokens come back re-tokenized
+        prompt = conv.history[:kept] + [t + 1 if t + 1 != conv.history[kept] else t + 2 for t in (3, 3)]
+        body = {**conv.body([], 6), "prompt": prompt}
+        response = a.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["session"]["reused_prefix"] == kept
+        got.append(response.json()["choices"][0]["token_ids"])
+        conv.turns.append((prompt, 6))
+        conv.history = prompt + got[-1]
+        head = reader.read_head("one")
+        assert head is not None and head.nrec == len(conv.history) - 1 and head.base == before.base
+        assert head.last is not None and head.last.start == kept < before.nrec  # a cut, from the reuse point
+        key = reader.segment_key("one", head.last.name)
+        data = reader.remote.fs.cat_file(f"{reader.remote.bucket}/{key}")
+        assert parse_segment(data, key, session_id="one", digest=head.last.digest).version == CUT_SEGMENT_VERSION
+        kill_host(a)
+    finally:
+        if a.proc is not None and a.proc.poll() is None:
+            a.stop(signal.SIGKILL)
+    with host(tmp_path, "host-b", text_model_dir, fleet_url) as b:
+        lease = reader.remote.lease("one")
+        assert lease is not None
+        time.sleep(max(0.0, lease.expires_at - time.time()))
+        got.append(conv.turn(b, [2, 1], 5))  # asserts every committed record was fetched, not re-run
+    assert got == conv.reference(model)
