@@ -316,6 +316,11 @@ class DecoderCache:
         own: GrowableRows | GrowableIndex = self._own[layer] if layer is not None else self._own_index[slot or 0]
         own.length = self.length - self._base_len + n
 
+    def mark_step_written(self, n: int) -> None:
+        """The ``n`` pending positions of every layer's rows and every full layer's keys were
+        written in place through the address tables (the compiled step writes them all at once)."""
+        self._set_own_length(self.length - self._base_len + n)
+
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
