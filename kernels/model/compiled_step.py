@@ -32,7 +32,7 @@ from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
 from kernels.model.packed_weights import PackedWeights
 from kernels.model.rowwise import heads_times, rows_times
-from kernels.model.step_math import layer_norm_rows, rms_norm_rows, rope_into, sigmoid_f32, silu_f32
+from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into, sigmoid_f32, silu_f32
 from kernels.model.step_tables import StepTables
 
 _F32 = np.float32
@@ -110,10 +110,13 @@ def _route(logits: np.ndarray, bias: np.ndarray, n_group: int, topk_group: int, 
             weights[j] = weights[j] / total
     for j in range(k):
         weights[j] = weights[j] * scale
-    order = np.argsort(chosen)  # ascending experts, as the reference adds them
-    sorted_c, sorted_w = chosen[order], weights[order]
-    chosen[:] = sorted_c
-    weights[:] = sorted_w
+    for j in range(1, k):  # ascending experts, as the reference adds them (insertion sort, k is small)
+        c, wj = chosen[j], weights[j]
+        i = j - 1
+        while i >= 0 and chosen[i] > c:
+            chosen[i + 1], weights[i + 1] = chosen[i], weights[i]
+            i -= 1
+        chosen[i + 1], weights[i + 1] = c, wj
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -176,7 +179,9 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     x, qa, ql, q, qn, qr, qabs, comp = x[:n], qa[:n], ql[:n], q[:n], qn[:n], qr[:n], qabs[:n], comp[:n]
     lc, rc, lc8, lsc, rc8, rsc, ctx, uv, ao = lc[:n], rc[:n], lc8[:n], lsc[:n], rc8[:n], rsc[:n], ctx[:n], uv[:n], ao[:n]
     kx, keys, qx, qi, wx, sel, counts = kx[:n], keys[:n], qx[:n], qi[:n], wx[:n], sel[:n], counts[:n]
-    scores_any = visible.max() > topk
+    scores_any = False  # some row sees more than index_topk positions: selection must score
+    for b in range(n):
+        scores_any = scores_any or visible[b] > topk
     for layer in range(dims[0]):
         rms_norm_rows(h, in_norm[layer], fdims[0], sq, x)
         rows_times(x, q_a_t[layer], qa, dims[16])
@@ -184,10 +189,14 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         rows_times(ql, q_b_t[layer], q, dims[17])
         for b in range(n):
             for hh in range(heads):
-                qn[b, hh, :] = q[b, hh * qk : hh * qk + nope]
+                for i in range(nope):
+                    qn[b, hh, i] = q[b, hh * qk + i]
         _rope_heads(q, heads, qk, nope, cos, sin, interleave, tmp, qr)
         rows_times(x, kv_a_t[layer], comp, dims[18])
-        rms_norm_rows(comp[:, :kv_lora], kv_a_norm[layer], fdims[1], sq, lc)
+        for b in range(n):
+            for i in range(kv_lora):
+                lc[b, i] = comp[b, i]
+        rms_norm_rows(lc, kv_a_norm[layer], fdims[1], sq, lc)  # in place: each element reads itself
         for b in range(n):
             rope_into(comp[b, kv_lora:], cos[b], sin[b], interleave, rc[b])
         heads_times(qn, w_uk[layer], qabs)
@@ -199,15 +208,18 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
             rows_times(x, wk_t[slot], kx, dims[25])
             layer_norm_rows(kx, kn_w[slot], kn_b[slot], fdims[6], sq, keys)
             for b in range(n):
-                tmp[:rope] = keys[b, :rope]
+                for i in range(rope):
+                    tmp[i] = keys[b, i]
                 rope_into(tmp[:rope], cos[b], sin[b], interleave, keys[b, :rope])
             write_keys(key_dst[slot], keys)
             if scores_any:
                 rows_times(ql, wq_b_t[slot], qx, dims[26])
                 for b in range(n):
                     for hh in range(nh):
-                        qi[b, hh, :] = qx[b, hh * hd : (hh + 1) * hd]
-                        tmp[:rope] = qx[b, hh * hd : hh * hd + rope]
+                        for i in range(hd):
+                            qi[b, hh, i] = qx[b, hh * hd + i]
+                        for i in range(rope):
+                            tmp[i] = qx[b, hh * hd + i]
                         rope_into(tmp[:rope], cos[b], sin[b], interleave, qi[b, hh, :rope])
                 rows_times(x, wp_t[slot], wx, dims[27])
                 for b in range(n):
@@ -232,7 +244,8 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     rms_norm_rows(h, head[0], fdims[0], sq, hf[:n])
     rows = last.shape[0]
     for j in range(rows):
-        hl[j, :] = hf[last[j]]
+        for i in range(h.shape[1]):
+            hl[j, i] = hf[last[j], i]
     rows_times(hl[:rows], head[1], logits, dims[28])
 
 
@@ -272,7 +285,7 @@ class StepScratch:
             f(cap, n_exp), f(n_exp), f(n_exp), f(n_group), np.zeros(k_exp, np.int64), f(k_exp),  # router
             f(moe_inter), f(moe_inter), f(hidden),  # eg eu ey: one expert's products
             f(cap, shared_inter), f(cap, shared_inter), f(cap, hidden),  # sg su so: the shared expert
-            f(max(hidden, q_lora, kv_lora, hd)), f(max(rope, 2)), f(cap, hidden), f(cap, hidden),  # sq tmp hf hl
+            f(max(hidden, q_lora, kv_lora, hd) + STACK), f(max(rope, 2)), f(cap, hidden), f(cap, hidden),  # sq tmp hf hl
             f(cap, inter), f(cap, inter),  # the dense MLP's gate and up
         )
 

@@ -116,45 +116,54 @@ def _block_sum(a: np.ndarray, start: int, n: int) -> np.float32:  # pragma: no c
     return res
 
 
-def _halving(inner: Any) -> Any:
-    """The pairwise sum of up to twice ``inner``'s reach: larger than 128 values, split in two
-    halves (the first a multiple of 8), each summed by ``inner``. (Levels instead of recursion:
-    numba's cache cannot link a recursive function into its callers.)"""
-
-    @njit(cache=True, nogil=True, boundscheck=False)
-    def level(a: np.ndarray, start: int, n: int) -> np.float32:  # pragma: no cover - compiled
-        if n <= 128:
-            return _block_sum(a, start, n)
-        half = n // 2
-        half -= half % 8
-        return inner(a, start, half) + inner(a, start + half, n - half)
-
-    return level
-
-
-PAIRWISE_LEVELS = 9  # sums of up to 128 * 2**9 = 65536 values (a row of any model this project loads)
-MAX_PAIRWISE = 128 << PAIRWISE_LEVELS
-_pairwise = _block_sum
-for _ in range(PAIRWISE_LEVELS):
-    _pairwise = _halving(_pairwise)
+STACK = 128  # f32 scratch of pairwise_sum's frames: 32 frames of 4, sums of up to 2**24 values
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def pairwise_sum(a: np.ndarray) -> np.float32:  # pragma: no cover - compiled
-    """``np.sum(a, dtype=np.float32)`` of a contiguous float32 vector a [n <= MAX_PAIRWISE], bitwise."""
-    return _ZERO + _pairwise(a, 0, a.shape[0])
+def pairwise_sum(a: np.ndarray, stack: np.ndarray) -> np.float32:  # pragma: no cover - compiled
+    """``np.sum(a, dtype=np.float32)`` of a contiguous float32 vector a [n < 2**24], bitwise.
+    ``stack`` [STACK] f32 is scratch: the halving's frames (start, n, phase, left sum), walked
+    without recursion (numba's cache cannot link a recursive function into its callers); every
+    integer it holds is below 2**24, exact in f32."""
+    n = a.shape[0]
+    if n <= 128:
+        return _ZERO + _block_sum(a, 0, n)
+    stack[0], stack[1], stack[2] = 0, n, 0
+    top = 0  # the frame on top starts at stack[4 * top]
+    ret = _ZERO
+    while top >= 0:
+        f = 4 * top
+        start, size, phase = int(stack[f]), int(stack[f + 1]), int(stack[f + 2])
+        if size <= 128:
+            ret = _block_sum(a, start, size)
+            top -= 1
+            continue
+        half = size // 2
+        half -= half % 8
+        if phase == 0:  # the first half
+            stack[f + 2] = 1
+            top += 1
+            stack[f + 4], stack[f + 5], stack[f + 6] = start, half, 0
+        elif phase == 1:  # the second half, the first's sum kept
+            stack[f + 2], stack[f + 3] = 2, ret
+            top += 1
+            stack[f + 4], stack[f + 5], stack[f + 6] = start + half, size - half, 0
+        else:
+            ret = stack[f + 3] + ret
+            top -= 1
+    return _ZERO + ret
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, sq: np.ndarray,
                   out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [n, D] = weight * (x * (1 / sqrt(mean(x^2) + eps))) per row of x [n, D], as
-    :func:`kernels.model.decoder.rms_norm`; ``sq`` [>= D] f32 is scratch."""
+    :func:`kernels.model.decoder.rms_norm`; ``sq`` [>= D + STACK] f32 is scratch."""
     width = x.shape[1]
     for b in range(x.shape[0]):
         for i in range(width):
             sq[i] = x[b, i] * x[b, i]
-        variance = pairwise_sum(sq[:width]) / _F32(width)
+        variance = pairwise_sum(sq[:width], sq[width : width + STACK]) / _F32(width)
         inv = _ONE / np.sqrt(variance + eps)
         for i in range(width):
             out[b, i] = weight[i] * (x[b, i] * inv)
@@ -164,16 +173,16 @@ def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, sq: np.nda
 def layer_norm_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: np.float32, sq: np.ndarray,
                     out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [n, D] = (x - mean) / sqrt(var + eps) * weight + bias per row (population variance), as
-    :func:`kernels.model.glm_indexer.layer_norm`; ``sq`` [>= D] f32 is scratch."""
+    :func:`kernels.model.glm_indexer.layer_norm`; ``sq`` [>= D + STACK] f32 is scratch."""
     width = x.shape[1]
     for b in range(x.shape[0]):
         for i in range(width):
             sq[i] = x[b, i]
-        mean = pairwise_sum(sq[:width]) / _F32(width)
+        mean = pairwise_sum(sq[:width], sq[width : width + STACK]) / _F32(width)
         for i in range(width):
             d = x[b, i] - mean
             sq[i] = d * d
-        var = pairwise_sum(sq[:width]) / _F32(width)
+        var = pairwise_sum(sq[:width], sq[width : width + STACK]) / _F32(width)
         inv = _ONE / np.sqrt(var + eps)
         for i in range(width):
             out[b, i] = (x[b, i] - mean) * inv * weight[i] + bias[i]
@@ -243,10 +252,11 @@ def mean_rows(x: np.ndarray) -> np.ndarray:
 @njit(cache=True, nogil=True, boundscheck=False)
 def _means(x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     out = np.empty(x.shape[0], np.float32)
+    stack = np.empty(STACK, np.float32)
     for b in range(x.shape[0]):
-        out[b] = pairwise_sum(x[b]) / _F32(x.shape[1])
+        out[b] = pairwise_sum(x[b], stack) / _F32(x.shape[1])
     return out
 
 
-__all__ = ["MAX_PAIRWISE", "exp_f32", "exp_rows", "fma_f32", "layer_norm_rows", "mean_rows", "numpy_exp_matches", "pairwise_sum",
+__all__ = ["STACK", "exp_f32", "exp_rows", "fma_f32", "layer_norm_rows", "mean_rows", "numpy_exp_matches", "pairwise_sum",
            "rms_norm_rows", "rope_into", "sigmoid_f32", "silu_f32"]
