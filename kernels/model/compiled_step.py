@@ -15,11 +15,12 @@ fp8 encoder, row writes, selection and attention kernels (kernels.attention.row_
 numpy's own float32 sums and exp (:mod:`kernels.model.step_math`). So each row is what that token
 alone gives, whoever shares the step (every loop over rows treats rows independently).
 
-The scratch (:class:`StepScratch`) is allocated once per decoder for the largest batch seen, and
-grown when a larger one comes.
+The scratch (:class:`StepScratch`) is allocated once per decoder (and thread) for the largest
+batch seen, and grown when a larger one comes.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -291,11 +292,12 @@ class StepScratch:
 
 
 class CompiledStep:
-    """A decoder's compiled step: its packed weights and scratch, run over a step's rows."""
+    """A decoder's compiled step: its packed weights, and a scratch per thread that steps it (two
+    threads may step one decoder's sessions at once: the kernels hold no GIL)."""
 
     def __init__(self, packed: PackedWeights) -> None:
         self.packed = packed
-        self.scratch = StepScratch(packed)
+        self._local = threading.local()
         p = packed
         self.weights = (p.dims, p.fdims, p.slot_of, p.mlp_of, p.attn, p.dense, p.moe, p.index, p.head)
 
@@ -305,7 +307,10 @@ class CompiledStep:
         [n, hidden] f32, logits [B, vocab] f32 of rows ``last`` [B]); writes every layer's rows
         and keys through ``tables`` and marks them written."""
         n = h.shape[0]
-        s = self.scratch.for_rows(n)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = StepScratch(self.packed)
+        s = scratch.for_rows(n)
         logits = np.empty((last.shape[0], self.packed.dim("vocab")), np.float32)  # [B, V] f32
         run_step(np.ascontiguousarray(h, np.float32), np.ascontiguousarray(cos, np.float32),
                  np.ascontiguousarray(sin, np.float32),
