@@ -55,7 +55,7 @@ class DecoderCache:
     """Latent rows of every layer for positions [0, length), plus the input token of each
     (and, for a DSA model, the indexer key of each position in every full layer).
 
-    Why 25 methods: every one reads or writes the same per-layer row storage and the lengths that
+    Why 26 methods: every one reads or writes the same per-layer row storage and the lengths that
     say how far each layer and indexer slot is written (the decoder's forward writes a layer at a
     time, attention reads blocks of it, a commit takes the rows since the last one, truncate cuts
     them all); split, two objects would share those arrays and lengths. Building it from a file's

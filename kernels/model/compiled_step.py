@@ -178,7 +178,8 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     rc8, rsc, ctx, uv, ao, kx, keys, qx, qi, wx, sel, counts = s[12:24]
     sq, tmp, hf, hl = s[36:40]
     x, qa, ql, q, qn, qr, qabs, comp = x[:n], qa[:n], ql[:n], q[:n], qn[:n], qr[:n], qabs[:n], comp[:n]
-    lc, rc, lc8, lsc, rc8, rsc, ctx, uv, ao = lc[:n], rc[:n], lc8[:n], lsc[:n], rc8[:n], rsc[:n], ctx[:n], uv[:n], ao[:n]
+    lc, rc, lc8, lsc, rc8, rsc = lc[:n], rc[:n], lc8[:n], lsc[:n], rc8[:n], rsc[:n]
+    ctx, uv, ao = ctx[:n], uv[:n], ao[:n]
     kx, keys, qx, qi, wx, sel, counts = kx[:n], keys[:n], qx[:n], qi[:n], wx[:n], sel[:n], counts[:n]
     scores_any = False  # some row sees more than index_topk positions: selection must score
     for b in range(n):
@@ -255,7 +256,8 @@ class StepScratch:
     by larger ones when a larger step comes (never per token)."""
 
     def __init__(self, packed: PackedWeights) -> None:
-        self.packed, self.capacity, self.arrays = packed, 0, ()
+        self.packed, self.capacity = packed, 0
+        self.arrays: tuple[np.ndarray, ...] = ()
 
     def for_rows(self, n: int) -> tuple[np.ndarray, ...]:
         """Scratch for a step of ``n`` rows (the held one when it is large enough)."""
@@ -286,7 +288,8 @@ class StepScratch:
             f(cap, n_exp), f(n_exp), f(n_exp), f(n_group), np.zeros(k_exp, np.int64), f(k_exp),  # router
             f(moe_inter), f(moe_inter), f(hidden),  # eg eu ey: one expert's products
             f(cap, shared_inter), f(cap, shared_inter), f(cap, hidden),  # sg su so: the shared expert
-            f(max(hidden, q_lora, kv_lora, hd) + STACK), f(max(rope, 2)), f(cap, hidden), f(cap, hidden),  # sq tmp hf hl
+            f(max(hidden, q_lora, kv_lora, hd) + STACK), f(max(rope, 2)),  # sq tmp: norms' and RoPE's
+            f(cap, hidden), f(cap, hidden),  # hf hl: the final-normed rows, those lm_head takes
             f(cap, inter), f(cap, inter),  # the dense MLP's gate and up
         )
 

@@ -111,6 +111,7 @@ def pack(decoder: Any) -> PackedWeights:
         _stack([_t(m.up) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
         _stack([_t(m.down) for m in dense_layers], (inter, hidden)),  # [Ld, I, D]
     )
+    shared = [m.shared for m in moe_layers if m.shared is not None]  # (packable: every MoE layer has one)
     n_exp, shared_inter = cfg.n_routed_experts, moe_inter * max(cfg.n_shared_experts, 1)
     moe = (
         _stack([_t(m.gate_w) for m in moe_layers], (hidden, n_exp)),  # [Lm, D, E]
@@ -118,9 +119,9 @@ def pack(decoder: Any) -> PackedWeights:
         _stack([np.stack([_t(e.gate) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
         _stack([np.stack([_t(e.up) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
         _stack([np.stack([_t(e.down) for e in m.experts]) for m in moe_layers], (n_exp, moe_inter, hidden)),
-        _stack([_t(m.shared.gate) for m in moe_layers], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.shared.up) for m in moe_layers], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.shared.down) for m in moe_layers], (shared_inter, hidden)),  # [Lm, Is, D]
+        _stack([_t(m.gate) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([_t(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([_t(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
     )
     idx = [decoder.indexers[i] for i in dsa.full_layers]
     index = (

@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -48,7 +48,7 @@ _ZERO, _ONE = _F32(0.0), _F32(1.0)
 
 
 @intrinsic
-def fma_f32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - compile-time
+def _fma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - compile-time
     """a * b + c rounded once (llvm.fma.f32), float32 operands."""
     if not all(isinstance(t, types.Float) and t.bitwidth == 32 for t in (a, b, c)):
         return None
@@ -56,11 +56,14 @@ def fma_f32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover 
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        fnty = ir.FunctionType(f32, [f32, f32, f32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f32")  # type: ignore[no-untyped-call]
         return builder.call(fn, args)
 
     return sig, codegen
 
+
+fma_f32: Any = _fma  # (a, b, c) -> a * b + c rounded once, callable from compiled code
 
 announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
@@ -110,10 +113,10 @@ def _block_sum(a: np.ndarray, start: int, n: int) -> np.float32:  # pragma: no c
         r5 = r5 + a[i + 5]
         r6 = r6 + a[i + 6]
         r7 = r7 + a[i + 7]
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    total: np.float32 = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     for i in range(start + full, start + n):
-        res = res + a[i]
-    return res
+        total = total + a[i]
+    return total
 
 
 STACK = 128  # f32 scratch of pairwise_sum's frames: 32 frames of 4, sums of up to 2**24 values
@@ -258,5 +261,5 @@ def _means(x: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     return out
 
 
-__all__ = ["STACK", "exp_f32", "exp_rows", "fma_f32", "layer_norm_rows", "mean_rows", "numpy_exp_matches", "pairwise_sum",
-           "rms_norm_rows", "rope_into", "sigmoid_f32", "silu_f32"]
+__all__ = ["STACK", "exp_f32", "exp_rows", "fma_f32", "layer_norm_rows", "mean_rows", "numpy_exp_matches",
+           "pairwise_sum", "rms_norm_rows", "rope_into", "sigmoid_f32", "silu_f32"]

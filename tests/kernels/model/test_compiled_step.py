@@ -98,7 +98,8 @@ def test_the_compiled_step_is_bitwise_the_reference(models: dict[str, MLADecoder
 
 def test_a_growing_batch_and_cache_keep_their_bits(models: dict[str, MLADecoder], compiled_calls: list[int]) -> None:
     model = models["glm-mini"]  # a step of 1, then of 9 (the scratch grows), past owned capacity (64 rows)
-    _both(model, lambda: _run(model, [(60, False), (62, True), (5, False)], [[1, 1, 1], [4, 1, 4], [1, 3, 70], [1] * 3]))
+    steps = [[1, 1, 1], [4, 1, 4], [1, 3, 70], [1] * 3]
+    _both(model, lambda: _run(model, [(60, False), (62, True), (5, False)], steps))
     assert max(compiled_calls) >= 74
 
 
