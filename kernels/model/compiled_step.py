@@ -133,11 +133,14 @@ def _mlp_rows(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.nd
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _moe_rows(x: np.ndarray, moe: Any, m: int, dims: np.ndarray, fdims: np.ndarray, s: Any, n: int,
+def _moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.ndarray, e_up: np.ndarray,
+              e_down: np.ndarray, sh_gate: np.ndarray, sh_up: np.ndarray, sh_down: np.ndarray, m: int,
+              dims: np.ndarray, fdims: np.ndarray, logits: np.ndarray, scores: np.ndarray, choice: np.ndarray,
+              group: np.ndarray, chosen: np.ndarray, weights: np.ndarray, eg: np.ndarray, eu: np.ndarray,
+              ey: np.ndarray, sg: np.ndarray, su: np.ndarray, so: np.ndarray, n: int,
               out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [n, D] = MoE layer m of rows x [n, D]: routed experts (ascending) plus the shared one."""
-    router_t, bias, e_gate, e_up, e_down, sh_gate, sh_up, sh_down = moe
-    logits, scores, choice, group, chosen, weights, eg, eu, ey, sg, su, so = s[24:36]
+    """out [n, D] = MoE layer m of rows x [n, D]: routed experts (ascending) plus the shared one
+    (weights: the packed ``moe`` tuple's; the rest: the scratch's router and expert arrays)."""
     rows_times(x, router_t[m], logits[:n], dims[22])
     for b in range(n):
         _route(logits[b], bias[m], dims[12], dims[13], dims[14] != 0, fdims[3], scores, choice, group, chosen,
@@ -239,7 +242,8 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         if m >= 0:
             _mlp_rows(x, dense[0][m], dense[1][m], dense[2][m], dims[20:22], s[40][:n], s[41][:n], ao)
         else:
-            _moe_rows(x, moe, -1 - m, dims, fdims, s, n, ao)
+            _moe_rows(x, moe[0], moe[1], moe[2], moe[3], moe[4], moe[5], moe[6], moe[7], -1 - m, dims, fdims,
+                      s[24], s[25], s[26], s[27], s[28], s[29], s[30], s[31], s[32], s[33], s[34], s[35], n, ao)
         for b in range(n):
             for i in range(h.shape[1]):
                 h[b, i] = h[b, i] + ao[b, i]
