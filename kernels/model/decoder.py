@@ -8,6 +8,9 @@ over the cache blocks (which it never copies), then applies W_UV and o_proj.
 Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
 decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
 piece, in chunks or token by token, and a session the same tokens whoever shares its steps.
+A GLM-5 model whose step's caches are all fp8 on the CPU runs the step as ONE compiled call
+(:mod:`kernels.model.compiled_step`, bitwise this path); every other model, kv dtype and backend
+runs the step here, which stays the reference the tests compare the compiled step with.
 """
 from __future__ import annotations
 
