@@ -10,7 +10,7 @@ caches, another backend, CUDA, weights past ``THREADED_BYTES``) keeps the refere
 :class:`kernels.model.decoder.MLADecoder`, which also stays as the reference the tests compare with.
 
 Bitwise the reference step: the same row-product kernels (:func:`kernels.model.rowwise.rows_times`,
-``heads_times``; an expert's products are the same k-ascending chains written inline), the same
+``heads_times``; the MLP and MoE in :mod:`kernels.model.compiled_moe`, the same chains), the same
 fp8 encoder, row writes, selection and attention kernels (kernels.attention.row_tables), and
 numpy's own float32 sums and exp (:mod:`kernels.model.step_math`). So each row is what that token
 alone gives, whoever shares the step (every loop over rows treats rows independently).
@@ -31,25 +31,13 @@ from kernels.attention.row_tables import attend_rows, select_rows, write_fp8_row
 from kernels.compile_notice import announce_if_cold
 from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
+from kernels.model.compiled_moe import mlp_rows, moe_rows
 from kernels.model.packed_weights import PackedWeights
 from kernels.model.rowwise import heads_times, rows_times
-from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into, sigmoid_f32, silu_f32
+from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
 
-_F32 = np.float32
-
-
 announce_if_cold(__file__)  # numba compiles the step below at its first call unless cached
-
-
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _vec_times(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [N] = x [K] @ w [K, N], k ascending from 0 per element (rows_times' chain for one row)."""
-    out[:] = 0
-    for k in range(w.shape[0]):
-        xv = x[k]
-        for n in range(w.shape[1]):
-            out[n] = out[n] + xv * w[k, n]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -63,103 +51,6 @@ def _rope_heads(src: np.ndarray, heads: int, width: int, offset: int, cos: np.nd
             for j in range(rope):
                 tmp[j] = src[b, base + j]
             rope_into(tmp, cos[b], sin[b], interleave, out[b, hh])
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _route(logits: np.ndarray, bias: np.ndarray, n_group: int, topk_group: int, norm: bool, scale: np.float32,
-           scores: np.ndarray, choice: np.ndarray, group: np.ndarray, chosen: np.ndarray,
-           weights: np.ndarray) -> None:  # pragma: no cover - compiled
-    """One row's router (:func:`kernels.model.moe.route`): logits [E] -> its experts ``chosen`` [k]
-    ascending and their ``weights`` [k] f32 in that order."""
-    n_exp, k = logits.shape[0], chosen.shape[0]
-    per = n_exp // n_group
-    for e in range(n_exp):
-        scores[e] = sigmoid_f32(logits[e])
-        choice[e] = scores[e] + bias[e]
-    for g in range(n_group):  # the sum of each group's two best (a sorted copy's first two)
-        t1, t2 = -np.inf, -np.inf
-        for e in range(g * per, g * per + per):
-            v = choice[e]
-            if v > t1:
-                t1, t2 = v, t1
-            elif v > t2:
-                t2 = v
-        group[g] = t1 + t2
-    for _ in range(topk_group):  # the best groups, ties to the lower index; a taken one becomes NaN
-        best = -1
-        for g in range(n_group):
-            if group[g] == group[g] and (best < 0 or group[g] > group[best]):
-                best = g
-        group[best] = np.nan
-    for e in range(n_exp):
-        if group[e // per] == group[e // per]:  # a group not taken
-            choice[e] = -np.inf
-    for j in range(k):  # the k best, ties to the lower index; a taken one becomes NaN
-        best = -1
-        for e in range(n_exp):
-            if choice[e] == choice[e] and (best < 0 or choice[e] > choice[best]):
-                best = e
-        chosen[j] = best
-        choice[best] = np.nan
-    total = _F32(0.0)
-    for j in range(k):
-        weights[j] = scores[chosen[j]]
-        total = total + weights[j]
-    if norm:
-        total = total + _F32(1e-20)
-        for j in range(k):
-            weights[j] = weights[j] / total
-    for j in range(k):
-        weights[j] = weights[j] * scale
-    for j in range(1, k):  # ascending experts, as the reference adds them (insertion sort, k is small)
-        c, wj = chosen[j], weights[j]
-        i = j - 1
-        while i >= 0 and chosen[i] > c:
-            chosen[i + 1], weights[i + 1] = chosen[i], weights[i]
-            i -= 1
-        chosen[i + 1], weights[i + 1] = c, wj
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _mlp_rows(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, blocks: np.ndarray,
-              g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [n, D] = down(silu(gate(x)) * up(x)) over rows x [n, D]; g, u [n, I] scratch."""
-    rows_times(x, gate_t, g, blocks[0])
-    rows_times(x, up_t, u, blocks[0])
-    for b in range(g.shape[0]):
-        for i in range(g.shape[1]):
-            g[b, i] = silu_f32(g[b, i]) * u[b, i]
-    rows_times(g, down_t, out, blocks[1])
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.ndarray, e_up: np.ndarray,
-              e_down: np.ndarray, sh_gate: np.ndarray, sh_up: np.ndarray, sh_down: np.ndarray, m: int,
-              dims: np.ndarray, fdims: np.ndarray, logits: np.ndarray, scores: np.ndarray, choice: np.ndarray,
-              group: np.ndarray, chosen: np.ndarray, weights: np.ndarray, eg: np.ndarray, eu: np.ndarray,
-              ey: np.ndarray, sg: np.ndarray, su: np.ndarray, so: np.ndarray, n: int,
-              out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [n, D] = MoE layer m of rows x [n, D]: routed experts (ascending) plus the shared one
-    (weights: the packed ``moe`` tuple's; the rest: the scratch's router and expert arrays)."""
-    rows_times(x, router_t[m], logits[:n], dims[22])
-    for b in range(n):
-        _route(logits[b], bias[m], dims[12], dims[13], dims[14] != 0, fdims[3], scores, choice, group, chosen,
-               weights)
-        out[b, :] = 0
-        for j in range(chosen.shape[0]):
-            e = chosen[j]
-            _vec_times(x[b], e_gate[m, e], eg)
-            _vec_times(x[b], e_up[m, e], eu)
-            for i in range(eg.shape[0]):
-                eg[i] = silu_f32(eg[i]) * eu[i]
-            _vec_times(eg, e_down[m, e], ey)
-            wj = weights[j]
-            for i in range(ey.shape[0]):
-                out[b, i] = out[b, i] + ey[i] * wj
-    _mlp_rows(x, sh_gate[m], sh_up[m], sh_down[m], dims[23:25], sg[:n], su[:n], so[:n])
-    for b in range(n):
-        for i in range(out.shape[1]):
-            out[b, i] = out[b, i] + so[b, i]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -240,10 +131,11 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         rms_norm_rows(h, post_norm[layer], fdims[0], sq, x)
         m = mlp_of[layer]
         if m >= 0:
-            _mlp_rows(x, dense[0][m], dense[1][m], dense[2][m], dims[20:22], s[40][:n], s[41][:n], ao)
+            mlp_rows(x, dense[0][m], dense[1][m], dense[2][m], dims[20:22], s[40][:n], s[41][:n], ao)
         else:
-            _moe_rows(x, moe[0], moe[1], moe[2], moe[3], moe[4], moe[5], moe[6], moe[7], -1 - m, dims, fdims,
-                      s[24], s[25], s[26], s[27], s[28], s[29], s[30], s[31], s[32], s[33], s[34], s[35], n, ao)
+            moe_rows(x, moe[0], moe[1], moe[2], moe[3], moe[4], moe[5], moe[6], moe[7], -1 - m, dims, fdims,
+                      s[24], s[25], s[26], s[27], s[28], s[29], s[30], s[31], s[32], s[33], s[34], s[35], s[42],
+                      s[43], s[44], n, ao)
         for b in range(n):
             for i in range(h.shape[1]):
                 h[b, i] = h[b, i] + ao[b, i]
@@ -290,11 +182,13 @@ class StepScratch:
             f(cap, hidden), f(cap, hd), f(cap, hd), f(cap, nh * hd), f(cap, nh, hd), f(cap, nh),  # ao kx keys qx qi wx
             np.zeros((cap, topk), np.int64), np.zeros(cap, np.int64),  # sel counts
             f(cap, n_exp), f(n_exp), f(n_exp), f(n_group), np.zeros(k_exp, np.int64), f(k_exp),  # router
-            f(moe_inter), f(moe_inter), f(hidden),  # eg eu ey: one expert's products
+            f(4, moe_inter), f(4, moe_inter), f(cap * k_exp, hidden),  # eg eu: 4 pairs' products; ey: every pair's
             f(cap, shared_inter), f(cap, shared_inter), f(cap, hidden),  # sg su so: the shared expert
             f(max(hidden, q_lora, kv_lora, hd) + STACK), f(max(rope, 2)),  # sq tmp: norms' and RoPE's
             f(cap, hidden), f(cap, hidden),  # hf hl: the final-normed rows, those lm_head takes
             f(cap, inter), f(cap, inter),  # the dense MLP's gate and up
+            np.zeros((cap, k_exp), np.int64), f(cap, k_exp),  # picked: each row's experts, and their weights
+            np.zeros(cap * k_exp, np.int64),  # pairs: one expert's (row, slot) pairs
         )
 
 
