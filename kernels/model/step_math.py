@@ -90,7 +90,10 @@ def exp_f32(x: np.float32) -> np.float32:  # pragma: no cover - compiled
     den = fma_f32(_Q2, r, _Q1)
     den = fma_f32(den, r, _Q0)
     poly = num / den
-    return _F32(math.ldexp(np.float64(poly), int(q)))
+    e = int(q)
+    if -120 < e < 128:  # a normal 2^e: times it exactly (the power built from its bits)
+        return poly * np.uint32((e + 127) << 23).view(np.float32)
+    return _F32(math.ldexp(np.float64(poly), e))  # near the ends: one rounding, as scalef
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
