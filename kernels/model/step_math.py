@@ -92,7 +92,8 @@ def exp_f32(x: np.float32) -> np.float32:  # pragma: no cover - compiled
     poly = num / den
     e = int(q)
     if -120 < e < 128:  # a normal 2^e: times it exactly (the power built from its bits)
-        return poly * np.uint32((e + 127) << 23).view(np.float32)
+        scaled: np.float32 = poly * np.uint32((e + 127) << 23).view(np.float32)
+        return scaled
     return _F32(math.ldexp(np.float64(poly), e))  # near the ends: one rounding, as scalef
 
 
