@@ -67,6 +67,8 @@ def _quantize_signature(readonly: bool) -> Any:
 announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 _QUANTIZE = {ro: njit(_quantize_signature(ro), cache=True, nogil=True, boundscheck=False)(_quantize_rows)
              for ro in (False, True)}
+quantize_rows_kernel = _QUANTIZE[False]  # (x [g, n] f32, codes [g, n] u8, scales [g] f32, ENCODE_TABLE): for
+# compiled callers (kernels.model.compiled_step), which encode inside their own kernel
 
 
 def _quantize_block(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> None:

@@ -55,7 +55,7 @@ class DecoderCache:
     """Latent rows of every layer for positions [0, length), plus the input token of each
     (and, for a DSA model, the indexer key of each position in every full layer).
 
-    Why 25 methods: every one reads or writes the same per-layer row storage and the lengths that
+    Why 26 methods: every one reads or writes the same per-layer row storage and the lengths that
     say how far each layer and indexer slot is written (the decoder's forward writes a layer at a
     time, attention reads blocks of it, a commit takes the rows since the last one, truncate cuts
     them all); split, two objects would share those arrays and lengths. Building it from a file's
@@ -315,6 +315,11 @@ class DecoderCache:
         written in place through the address tables."""
         own: GrowableRows | GrowableIndex = self._own[layer] if layer is not None else self._own_index[slot or 0]
         own.length = self.length - self._base_len + n
+
+    def mark_step_written(self, n: int) -> None:
+        """The ``n`` pending positions of every layer's rows and every full layer's keys were
+        written in place through the address tables (the compiled step writes them all at once)."""
+        self._set_own_length(self.length - self._base_len + n)
 
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""

@@ -8,6 +8,9 @@ over the cache blocks (which it never copies), then applies W_UV and o_proj.
 Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
 decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
 piece, in chunks or token by token, and a session the same tokens whoever shares its steps.
+A GLM-5 model whose step's caches are all fp8 on the CPU runs the step as ONE compiled call
+(:mod:`kernels.model.compiled_step`, bitwise this path); every other model, kv dtype and backend
+runs the step here, which stays the reference the tests compare the compiled step with.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import numpy as np
 
 from kernels.errors import FormatError, LimitError, ModelMismatchError
 from kernels.model.cache import DecoderCache
+from kernels.model.compiled_step import CompiledStep, last_rows
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
@@ -100,6 +104,9 @@ class MLADecoder:
         self.layers = [_load_layer(cfg, weights, i) for i in range(cfg.n_layers)]
         self.rotary = Rotary(cfg)
         self.softmax_scale = softmax_scale(cfg)
+        # the compiled step (kernels.model.compiled_step) where it applies; False: the reference step
+        # always (tests compare the two)
+        self.use_compiled = True
 
     def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
         """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
@@ -171,7 +178,7 @@ class MLADecoder:
         if n == 1:
             return self.decode_step([cache], toks)
         self.check_room(cache, n)
-        h = self._run_rows([cache], toks, [n])  # h: [S, hidden] f32, final-normed
+        h, _ = self._run_rows([cache], toks, [n])  # h: [S, hidden] f32, final-normed
         logits = np.empty((n, self.config.vocab_size), np.float32)  # logits: [S, V] f32
         np.matmul(h[:-1], self.lm_head.T, out=logits[:-1])
         logits[-1:] = rowwise_linear(h[-1:], self.lm_head)  # [1, V]: the step's arithmetic
@@ -205,18 +212,33 @@ class MLADecoder:
             raise FormatError("step: a cache appears twice in one batch")
         for cache, count in zip(caches, counts, strict=True):
             self.check_room(cache, count)
-        h = self._run_rows(caches, toks, counts)  # h: [N, hidden] f32, final-normed
-        last = np.cumsum(counts) - 1  # [B] each cache's last row
-        return rowwise_linear(h[last], self.lm_head)  # [B, V] f32
+        h, logits = self._run_rows(caches, toks, counts)  # h: [N, hidden] f32, final-normed
+        if logits is not None:  # the compiled step's (bitwise rowwise_linear's)
+            return logits
+        return rowwise_linear(h[last_rows(counts)], self.lm_head)  # [B, V] f32
 
-    def _run_rows(self, caches: Sequence[DecoderCache], toks: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    def compiled_step(self) -> CompiledStep | None:
+        """This model's compiled step (kernels.model.compiled_step), or None where it does not
+        apply: the DeepSeek-V3 decoder keeps the reference step (the GLM decoder overrides this)."""
+        return None
+
+    def _run_rows(self, caches: Sequence[DecoderCache], toks: np.ndarray,
+                  counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
         """Every layer over the step's rows (cache b's ``counts[b]`` tokens in order); commits them
-        to the caches, or discards every pending row if anything raises. h [N, hidden] f32, final-normed."""
+        to the caches, or discards every pending row if anything raises. (h [N, hidden] f32,
+        final-normed; the logits [B, vocab] f32 of each cache's last row when the compiled step
+        ran, else None.)"""
         rows = step_rows_of(caches, counts)
         positions = np.array([row.length for row in rows])  # [N]
         cos, sin = self.rotary.cos_sin(positions)  # [N, rope/2] f32 each
+        compiled = self.compiled_step() if self.use_compiled else None
+        logits = None
         try:
-            h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows)  # h: [N, hidden] f32
+            tables = StepTables.of(rows) if compiled is not None else None
+            if compiled is not None and tables is not None:  # every cache fp8 on the CPU: one compiled call
+                h, logits = compiled.run(self.embed[toks].astype(np.float32), cos, sin, tables, last_rows(counts))
+            else:
+                h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows)  # h: [N, hidden] f32
             start = 0
             for cache, count in zip(caches, counts, strict=True):
                 cache.commit_positions(toks[start : start + count])
@@ -225,7 +247,9 @@ class MLADecoder:
             for cache in caches:
                 cache.discard_pending()
             raise
-        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        if logits is not None:
+            return h, logits
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps), None
 
     def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow]) -> np.ndarray:

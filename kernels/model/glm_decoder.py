@@ -18,10 +18,12 @@ import numpy as np
 from kernels.attention.select_step import select_step
 from kernels.attention.tiles import cache_shape
 from kernels.errors import BackendUnavailableError, UnsupportedModelError
+from kernels.model.compiled_step import CompiledStep
 from kernels.model.config import ModelConfig
 from kernels.model.decoder import MLADecoder, Queries, Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
+from kernels.model.packed_weights import pack, packable
 from kernels.model.step_rows import StepRow
 from kernels.model.step_tables import StepTables
 
@@ -37,6 +39,17 @@ class GlmDecoder(MLADecoder):
         self.dsa: DsaConfig = config.dsa
         self.indexers = {i: _load_indexer(config, self.dsa, weights, i) for i in self.dsa.full_layers}
         self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
+        self._compiled: CompiledStep | None = None
+        self._compiled_why: str | None = None  # why the compiled step does not apply, once decided
+
+    def compiled_step(self) -> CompiledStep | None:
+        """The compiled step of this model (its weights packed on first use), or None where
+        :func:`~kernels.model.packed_weights.packable` refuses it."""
+        if self._compiled is None and self._compiled_why is None:
+            self._compiled_why = packable(self)
+            if self._compiled_why is None:
+                self._compiled = CompiledStep(pack(self))
+        return self._compiled
 
     def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow], step: dict[str, Any]) -> np.ndarray:

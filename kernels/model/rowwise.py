@@ -108,6 +108,9 @@ def _heads_times(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # prag
                     acc[n] = acc[n] + xv * w_row[n]
 
 
+rows_times = _rows_times  # the compiled step (kernels.model.compiled_step) calls these inside its own kernel
+heads_times = _heads_times
+
 PANEL = 16  # output columns of one panel: one 64-byte run of a weight row; a [K, 16] panel stays in L2
 THREADED_BYTES = 8 << 20  # weights larger than this repay the panel kernel's threads (smaller: thread wake-ups
 # dominate, and on a busy machine a parallel region waits for a core; measured on glm-mini's shapes)
@@ -242,5 +245,5 @@ def head_matmul(x: np.ndarray, w: np.ndarray, rowwise: bool, *, w_transposed: bo
     return out
 
 
-__all__ = ["COLUMN_BLOCK", "PANEL", "THREADED_BYTES", "column_block", "head_matmul", "paneled", "rowwise_linear",
-           "transposed"]
+__all__ = ["COLUMN_BLOCK", "PANEL", "THREADED_BYTES", "column_block", "head_matmul", "heads_times", "paneled",
+           "rows_times", "rowwise_linear", "transposed"]

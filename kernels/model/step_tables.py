@@ -81,6 +81,12 @@ class StepTables:
         for cache, n in self.caches:
             cache.mark_written(n, slot=slot)
 
+    def mark_all_written(self) -> None:
+        """Every layer's rows and every full layer's keys of the step were written (the compiled
+        step writes them all in one call)."""
+        for cache, n in self.caches:
+            cache.mark_step_written(n)
+
     def any_past(self, k: int) -> bool:
         """Whether some row's query sees more than ``k`` positions (so selection must score)."""
         return bool(self.visible.max() > k)

@@ -1,0 +1,172 @@
+"""The compiled step (kernels.model.compiled_step): one numba call per step of a GLM-5 model over
+fp8 caches on the CPU gives every logit, latent row and indexer key bitwise what the reference
+step gives (the numpy decoder, kept as the reference), for fresh and resumed caches, prefill
+chunks beside decode tokens, rows on both sides of ``index_topk``, batches that grow the scratch;
+each row is what that token alone gives (batch and chunk invariance); other kv dtypes and
+DeepSeek-V3 keep the reference step."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels.model import DecoderCache, GlmDecoder, MLADecoder, Sampler, generate, load_model, resolve_model
+from kernels.model.compiled_step import CompiledStep
+from kernels.model.packed_weights import packable
+from kernels.rows import Fp8Rows
+
+RECORD_FIELDS = ("tokens", "lc_codes", "lc_scale", "rc_codes", "rc_scale", "index")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_glm_dir: Path) -> dict[str, MLADecoder]:
+    return {"glm-mini": load_model(resolve_model("glm-mini")), "tiny-glm": load_model(tiny_glm_dir),
+            "deepseek": load_model("tiny")}
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of rows of each compiled step run (a spy on CompiledStep.run)."""
+    calls: list[int] = []
+    real = CompiledStep.run
+
+    def spy(self: CompiledStep, h: np.ndarray, *args: Any) -> Any:
+        calls.append(h.shape[0])
+        return real(self, h, *args)
+
+    monkeypatch.setattr(CompiledStep, "run", spy)
+    return calls
+
+
+def _tokens(model: MLADecoder, seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, model.config.vocab_size, n).astype(np.int32)  # [n] i32
+
+
+def _resumed(model: MLADecoder, cache: DecoderCache) -> DecoderCache:
+    """A cache over ``cache``'s rows as a file's records hold them: strided, read-only views."""
+    rec = cache.records_since(0)
+    for arr in (rec.lc_codes, rec.lc_scale, rec.rc_codes, rec.rc_scale, rec.index):
+        arr.setflags(write=False)
+    blocks = [[Fp8Rows(lc_codes=rec.lc_codes[:, i], lc_scale=rec.lc_scale[:, i],
+                       rc_codes=rec.rc_codes[:, i], rc_scale=rec.rc_scale[:, i])] for i in range(cache.n_layers)]
+    return model.cache_from_blocks(blocks, rec.tokens, kv_dtype="fp8", index_rows=rec.index)
+
+
+def _run(model: MLADecoder, lengths: list[tuple[int, bool]], steps: list[list[int]],
+         kv_dtype: str = "fp8") -> tuple[list[np.ndarray], list[Any]]:
+    """Sessions of the given (prompt length, resumed), then steps of the given token counts per
+    session: (each step's logits, each session's records)."""
+    caches = []
+    for i, (n, resumed) in enumerate(lengths):
+        cache = model.new_cache(kv_dtype)
+        model.forward(_tokens(model, 10 + i, n), cache)
+        caches.append(_resumed(model, cache) if resumed else cache)
+    logits = [model.step(caches, _tokens(model, 100 + s, sum(counts)), counts) for s, counts in enumerate(steps)]
+    return logits, [c.records_since(0) for c in caches]
+
+
+def _both(model: MLADecoder, run: Callable[[], tuple[list[np.ndarray], list[Any]]]) -> None:
+    """``run`` on the compiled step and on the reference step: bitwise equal logits and records."""
+    model.use_compiled = True
+    compiled = run()
+    model.use_compiled = False
+    try:
+        reference = run()
+    finally:
+        model.use_compiled = True
+    for a, b in zip(compiled[0], reference[0], strict=True):
+        assert np.array_equal(a, b)
+    for ra, rb in zip(compiled[1], reference[1], strict=True):
+        for name in RECORD_FIELDS:
+            assert np.array_equal(getattr(ra, name), getattr(rb, name)), name
+
+
+@pytest.mark.parametrize("name", ["glm-mini", "tiny-glm"])
+def test_the_compiled_step_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
+                                                    compiled_calls: list[int]) -> None:
+    model = models[name]
+    assert packable(model) is None
+    lengths = [(3, False), (15, False), (16, True), (31, False), (40, True), (23, False)]
+    steps = [[1] * 6, [1, 5, 1, 1, 3, 1], [2, 1, 1, 7, 1, 1], [1] * 6, [1, 1, 1, 1, 1, 40]]
+    _both(model, lambda: _run(model, lengths, steps))
+    assert len(compiled_calls) >= len(steps), "the compiled step did not run"
+
+
+def test_a_growing_batch_and_cache_keep_their_bits(models: dict[str, MLADecoder], compiled_calls: list[int]) -> None:
+    model = models["glm-mini"]  # a step of 1, then of 9 (the scratch grows), past owned capacity (64 rows)
+    steps = [[1, 1, 1], [4, 1, 4], [1, 3, 70], [1] * 3]
+    _both(model, lambda: _run(model, [(60, False), (62, True), (5, False)], steps))
+    assert max(compiled_calls) >= 74
+
+
+def test_each_row_is_what_its_token_alone_gives(models: dict[str, MLADecoder], compiled_calls: list[int]) -> None:
+    """Batch and chunk invariance on the compiled step: a session's logits and rows are the same
+    alone, beside others, prompt fed whole, in chunks or token by token."""
+    model = models["glm-mini"]
+    prompt = _tokens(model, 5, 45)  # crosses index_topk (32)
+    alone = model.new_cache("fp8")
+    whole = model.forward(prompt, alone)[-1]
+    chunked = model.new_cache("fp8")
+    for a, b in ((0, 7), (7, 8), (8, 33), (33, 45)):
+        last = model.forward(prompt[a:b], chunked)[-1]
+    assert np.array_equal(last, whole)
+    by_token = model.new_cache("fp8")
+    others = [model.new_cache("fp8") for _ in range(5)]
+    for o, n in zip(others, (1, 9, 33, 50, 2), strict=True):
+        model.forward(_tokens(model, n, n), o)
+    for i, token in enumerate(prompt):
+        batch = [*others[: i % 6], by_token]
+        logits = model.step(batch, np.array([*(_tokens(model, i, len(batch) - 1)), token], np.int32),
+                            [1] * len(batch))
+    assert np.array_equal(logits[-1], whole)
+    for x, y in ((alone, chunked), (alone, by_token)):
+        rx, ry = x.records_since(0), y.records_since(0)
+        for name in RECORD_FIELDS:
+            assert np.array_equal(getattr(rx, name), getattr(ry, name)), name
+    assert compiled_calls
+
+
+def test_greedy_tokens_are_the_references(models: dict[str, MLADecoder], compiled_calls: list[int]) -> None:
+    model = models["glm-mini"]
+    for seed in (1, 2, 3):
+        prompt = _tokens(model, 1000 + seed, 12 + 9 * seed)
+        outs = []
+        for use in (True, False):
+            model.use_compiled = use
+            outs.append(generate(model, model.new_cache("fp8"), prompt, 24, sampler=Sampler(temperature=0.0)).tokens)
+        model.use_compiled = True
+        assert list(outs[0]) == list(outs[1])
+    assert compiled_calls
+
+
+def test_other_caches_and_models_keep_the_reference_step(models: dict[str, MLADecoder],
+                                                         compiled_calls: list[int]) -> None:
+    glm = models["glm-mini"]
+    _both(glm, lambda: _run(glm, [(4, False), (36, False)], [[1, 1], [3, 1]], kv_dtype="f32"))
+    assert compiled_calls == [], "an f32 cache took the compiled step"
+    deepseek = models["deepseek"]
+    assert not isinstance(deepseek, GlmDecoder) and deepseek.compiled_step() is None
+    assert packable(deepseek) is not None
+
+
+def test_threads_stepping_one_model_keep_their_bits(models: dict[str, MLADecoder]) -> None:
+    """Two threads stepping their own sessions of one model at once (each has its own scratch)."""
+    model = models["glm-mini"]
+    want = _run(model, [(20, False), (35, False)], [[1, 1]] * 8)
+    got: list[Any] = [None, None]
+
+    def work(i: int) -> None:
+        got[i] = _run(model, [(20, False), (35, False)], [[1, 1]] * 8)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result in got:
+        for a, b in zip(result[0], want[0], strict=True):
+            assert np.array_equal(a, b)
