@@ -66,10 +66,11 @@ class Engine:
         # without recomputing the last position when the sidecar vouched for every record (FORMAT.md
         # 5.5); one that continues checks it then. The loop runs every session's commits and
         # decoding, and its file work (its creation, a resume's opening and mapping, the catalogue's
-        # row) on the loop's I/O threads while the loop steps the other sessions.
+        # row) on the loop's I/O threads while the loop steps the other sessions; a new session's
+        # files are made there while its first turn runs (io_start: its first commit waits for them).
         self.options = replace(session_options or SessionOptions(lazy_logits=True),
                                commit_runner=self.loop.run_commit, decode_driver=self.loop.drive_decode,
-                               io_runner=self.loop.wait_for)
+                               io_runner=self.loop.wait_for, io_start=self.loop.start_io)
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
