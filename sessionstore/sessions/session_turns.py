@@ -84,8 +84,8 @@ class SessionTurns(SessionResume):
             if self.durable_stream:  # every token (its text is held until then), unless one is in flight:
                 if not self._in_flight:  # the next one covers this token too; a kv commit when due,
                     self._commit_through_runner(tail=not due)  # else a tail commit (the page alone)
-            elif due:
-                self._commit_through_runner()
+            elif due and self._files.ready():  # a new session's files still being made: the commit
+                self._commit_through_runner()  # waits a token (a server's loop must not wait for them)
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        turn_sampler, stop_at_eos=stop_at_eos,

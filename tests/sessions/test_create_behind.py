@@ -113,3 +113,75 @@ def test_an_id_that_is_taken_is_refused_at_once(tmp_path: Path) -> None:
     store.create("n", "tiny").close()
     with pytest.raises(Exception, match="already exists"):
         store.create("n", "tiny", options=SessionOptions(io_start=DeferredStarter(on_poll=True)))
+
+
+@pytest.mark.parametrize("kv", ["fp8", "polar4"])
+def test_a_glm_session_made_behind_its_first_turn_is_token_exact(tmp_path: Path, tiny_glm_dir: Path,
+                                                                 kv: str) -> None:
+    """The DSA decoder (indexer rows beside the latent ones): the first turn runs on a fresh
+    cache, not one built over the file's blocks; the tokens are the reference's all the same,
+    and the reopened session continues them exactly."""
+    from kernels.model import load_model
+    from sessionstore.sessions.turn_loop import reference_turns
+
+    prompt = list(b"The indexer picks the rows that matter most.")  # 44 tokens > index_topk 16
+    store = SessionStore(tmp_path)
+    starter = HeldStarter(hold_s=0.0)
+    try:
+        s = store.create("g", tiny_glm_dir, kv_dtype=kv, sampler=SAMPLER,
+                         options=SessionOptions(commit_every=3, io_start=starter))
+        first = s.generate(prompt, 10).tokens
+        s.close()
+    finally:
+        starter.close()
+    again = store.open("g")
+    second = again.generate(None, 7).tokens
+    again.close()
+    assert [first, second] == reference_turns(load_model(tiny_glm_dir), kv, [(prompt, 10), (None, 7)], SAMPLER)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.3])
+def test_sigkill_while_a_new_session_is_made_loses_nothing_committed(tmp_path: Path, tiny: Any,
+                                                                     delay_s: float) -> None:
+    """A real SIGKILL during the first turn of a session whose files are made ``delay_s`` late
+    on a thread (before they exist, while they are made, after the first commits): the session
+    is absent only if no commit was acknowledged, and otherwise holds every acknowledged commit
+    and a prefix of the uninterrupted run."""
+    import random
+    import signal
+    import time
+
+    from sessionstore.sessions.turn_loop import reference_turns
+    from tests.support.session_util import spawn_child
+
+    rng = random.Random(f"behind-{delay_s}")
+    total, commit_every = 120, 4
+    stream = PROMPT + reference_turns(tiny, "fp8", [(PROMPT, total)], SAMPLER)[0]
+    for attempt in range(3):
+        root = str(tmp_path / f"r{attempt}")
+        job = {"id": "s", "max_new": total, "commit_every": commit_every, "prompt": PROMPT,
+               "create": {"kv": "fp8", "sampler": [0.9, 50, 0.95, 4242]}, "create_behind": {"delay_s": delay_s}}
+        proc = spawn_child({"root": root, "jobs": [job], "stream": True})
+        seen, made, after_made, stop_after = 0, False, 0, rng.randint(1, 30)
+        while seen < stop_after:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            seen += line.startswith("tok ")
+            after_made += made and line.startswith("tok ")
+            made = made or line.startswith("made")
+        time.sleep(rng.random() * 0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        store = SessionStore(root)
+        if not store.exists("s"):
+            assert not made, (seen, made)  # made: installed durably before it said so
+            continue
+        s = store.open("s")
+        history = s.history()
+        assert history == stream[:len(history)]
+        # the commits due while the files were made wait for them (never the loop): from the
+        # second token after they were attached on, line j printed means step j-1's commit returned
+        if after_made >= 3:
+            assert len(history) >= len(PROMPT) + seen - 1 - commit_every, (seen, after_made, len(history))
+        s.close()
