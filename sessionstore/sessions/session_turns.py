@@ -33,7 +33,11 @@ log = get_logger("session")
 
 
 class SessionTurns(SessionResume):
-    """Turns over a resident session; resume and the commit path below them."""
+    """Turns over a resident session; resume and the commit path below them.
+
+    Why 22 methods: 17 are its bases' (the commit path, resume and release, and a new session's
+    files made behind its first turn: :meth:`SessionResume.start_files` / ``await_files``); its own
+    5 are the turns (generate, append_tokens, truncate) and the rows' hand-over they share."""
 
     # what a turn reads of its session, beside resume's and the commit path's (set by Session.__init__)
     commit_every: int | None
