@@ -135,8 +135,10 @@ class Session(SessionTurns):
 
     @classmethod
     def open(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
-             options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
-        manifest = store.read_manifest(session_id)
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS, manifest: Manifest | None = None) -> Session:
+        """The session, resumed; ``manifest``: the one its caller has just read (read here if None;
+        the resume reads it again under the writer's lock, the one it trusts)."""
+        manifest = manifest if manifest is not None else store.read_manifest(session_id)
         session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()
         return session

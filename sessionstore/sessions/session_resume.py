@@ -92,11 +92,15 @@ class SessionResume(SessionCommits):
             fenced = self.store.read_manifest(self.id)
             reopen_fenced(self.directory, self.directory / fenced.kv_file, Dims(**fenced.dims), fenced.kv_dtype,
                           verified)
-        self.manifest = manifest = self.store.read_manifest(self.id)
+            self.manifest = self.store.read_manifest(self.id)
+        # the writer is opened with the manifest last seen (its dims and dtype; the read under the
+        # lock below is the truth, and a file replaced meanwhile is opened afresh): one read fewer
+        manifest = self.manifest
         writer = self._open_writer(manifest)
         for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
             manifest = self.store.read_manifest(self.id)
-            if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
+            if (manifest.dims, manifest.kv_dtype, manifest.committed) == (self.manifest.dims, self.manifest.kv_dtype,
+                                                                           self.manifest.committed):
                 break
             writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
             self.manifest = manifest

@@ -106,7 +106,7 @@ class SessionStore(StoreDirectory):
             raise NotFoundError(
                 f"session {session_id!r}: its model {manifest.model.name!r} ({source}) cannot be "
                 f"loaded: {exc}; pass --model") from None
-        return Session.open(self, session_id, model, ref, options)
+        return Session.open(self, session_id, model, ref, options, manifest)
 
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:
