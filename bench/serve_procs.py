@@ -22,10 +22,12 @@ START_TIMEOUT_S = 120.0
 
 class Server:
     """One server process over ``root`` serving ``model``; ``url`` once started. Its stderr
-    (JSON log lines with ``log_json``) goes to a file beside the store."""
+    (JSON log lines with ``log_json``) goes to a file beside the store. ``repo``: the checkout
+    whose code it runs (another one: a baseline measured in the same run)."""
 
-    def __init__(self, root: Path, model: str, *args: str, log_json: bool = False) -> None:
+    def __init__(self, root: Path, model: str, *args: str, log_json: bool = False, repo: Path = REPO) -> None:
         self.root, self.model, self.args, self.log_json = root, model, list(args), log_json
+        self.repo = repo
         self.stderr_path = root.parent / f"{root.name}.stderr"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
@@ -34,9 +36,9 @@ class Server:
     def start(self) -> Server:
         cmd = [sys.executable, "-m", "tools", "serve", "--http", "127.0.0.1:0", "--root", str(self.root),
                "--model", self.model, *self.args]
-        env = {**os.environ, "COLI_LOG": "json" if self.log_json else "off", "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "COLI_LOG": "json" if self.log_json else "off", "PYTHONPATH": str(self.repo)}
         with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, env=env)
+            self.proc = subprocess.Popen(cmd, cwd=self.repo, stdout=subprocess.PIPE, stderr=err, env=env)
         self.url = json.loads(self._first_line())["url"]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:  # ready by polling /healthz, never a fixed sleep

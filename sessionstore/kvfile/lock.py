@@ -17,6 +17,7 @@ from sessionstore.log import get_logger
 
 LOCK_SUFFIX = ".lock"
 MAX_PID_BYTES = 32
+PID_WIDTH = 10  # the pid, space-padded on its right to this many characters (pid_max <= 4,194,304)
 
 log = get_logger("lock")
 
@@ -58,8 +59,11 @@ class WriterLock:
                 raise LockedError(
                     f"{self.path}: another writer holds the lock {self.lock_path}{who}; "
                     "one writer at a time (readers are not blocked)") from None
-            os.ftruncate(fd, 0)
-            pwrite_all(fd, f"{os.getpid()}\n".encode(), 0, self.lock_path)
+            # the pid written in place, always PID_WIDTH + 1 bytes: no ftruncate (on ext4 a truncate
+            # to 0 and a rewrite cost ~3.6 ms at the close, its implicit flush; in place: ~5 us)
+            if os.fstat(fd).st_size > PID_WIDTH + 1:  # a longer file than ours ever writes
+                os.ftruncate(fd, 0)
+            pwrite_all(fd, f"{os.getpid():<{PID_WIDTH}}\n".encode(), 0, self.lock_path)
         except BaseException:
             os.close(fd)
             raise

@@ -90,7 +90,8 @@ class Conversation:
         """The session's conversation, recovered to agree with its committed tokens."""
         tokenizer.check_vocab(session.model.config.vocab_size)
         session.ensure_resident()
-        record = session.run_io(lambda: read_record(session.directory))
+        # a new session whose files are being made has no conversation file yet
+        record = None if session.files_pending else session.run_io(lambda: read_record(session.directory))
         history = session.history()
         if record is None:  # no messages known: the next reply renders only its own messages
             return cls(session, tokenizer, ConversationRecord([], len(history), tokens_digest(history)))
@@ -138,6 +139,7 @@ class Conversation:
     def _write_record(self) -> None:
         """The conversation file, durably (its fsyncs by the session's ``run_io``)."""
         directory, record = self.session.directory, self.record
+        self.session.await_files()  # a new session's directory must be there (made while its turn began)
         self.session.run_io(lambda: write_record(directory, record))
 
     # ---- turns -----------------------------------------------------------------------------

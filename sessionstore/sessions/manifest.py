@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from kernels.errors import FormatError, LimitError, NotFoundError
 from kernels.jsonfile import parse_json_bytes
 from kernels.model.sampling import Sampler
 from kernels.rows import KV_DTYPES, KV_FORMAT_OF_DTYPE, KV_VERSION_OF_DTYPE
-from sessionstore.kvfile import atomic_replace, open_regular, readable_temp
+from sessionstore.kvfile import Dims, atomic_replace, open_regular, readable_temp
 from sessionstore.log import get_logger
 from sessionstore.sessions.commit_state_page import (
     newest_state,
@@ -111,6 +111,12 @@ class Manifest:
         """Compact JSON (sorted keys, one line): the C encoder, a few microseconds."""
         return (json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True,
                            allow_nan=False) + "\n").encode()
+
+
+def empty_manifest(session_id: str, model_ref: ModelRef, dims: Dims, kv_dtype: str, sampler: Sampler) -> Manifest:
+    """The manifest of a new, empty session of ``dims``: no records yet."""
+    return Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
+                    dims={k: int(v) for k, v in asdict(dims).items()}, sampler=sampler)
 
 
 def manifest_from_json(data: Any, where: str) -> Manifest:
@@ -226,5 +232,5 @@ def _put_back_page(path: Path, before: bytes) -> None:
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "MANIFEST_NAME", "DIM_NAMES", "ModelRef", "Manifest", "manifest_from_json",
-    "apply_state", "read_manifest", "write_manifest", "utc_now",
+    "empty_manifest", "apply_state", "read_manifest", "write_manifest", "utc_now",
 ]

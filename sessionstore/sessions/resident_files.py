@@ -5,9 +5,15 @@ over that mapping with zero copy (FORMAT.md 5.2).
 Opening verifies every record the sidecar vouches for before anything is mapped; releasing closes
 the descriptors and the lock at once and hands the cache, the staging buffers and the mapping to
 the background thread (freeing and unmapping cost ~1 ms per GB of page tables).
+
+A new session may be resident before its files exist (:meth:`ResidentFiles.start_empty`): its
+decoder cache is an empty one and its writer is being made on an I/O thread (``making``); rows
+wait in the cache until the writer is attached (:meth:`ResidentFiles.ready`), which the first
+commit waits for. Until then nothing is committed, so a crash loses nothing committed.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,28 @@ class ResidentFiles:
         self.writer: KVWriter | None = None
         self.reader: KVReader | None = None
         self.cache: LatentCache | None = None
+        self.making: Future[tuple[KVWriter, KVReader]] | None = None  # a new session's files, being made
+
+    def start_empty(self, cache: LatentCache, making: Future[tuple[KVWriter, KVReader]]) -> None:
+        """Hold ``cache`` (empty) while ``making`` makes the files and opens their writer and mapping."""
+        self.cache, self.making = cache, making
+
+    def ready(self) -> bool:
+        """True once the writer is held: attached now if its making has ended (its error raised
+        here, ``making`` cleared either way); False while it is still being made."""
+        making = self.making
+        if making is None:
+            return True
+        if not making.done():
+            return False
+        self.making = None
+        self.writer, self.reader = making.result()
+        return True
+
+    @property
+    def nrec(self) -> int:
+        """The writer's committed records (0 while a new session's files are being made)."""
+        return self.writer.nrec if self.writer is not None else 0
 
     def open_writer(self, manifest: Manifest, *, durability: Any, write_behind: bool) -> KVWriter:
         """The writer, once every record the sidecar vouches for matched its checksum (the
@@ -92,6 +120,12 @@ class ResidentFiles:
     def release(self) -> None:
         """Close the writer's descriptors and lock now; the cache, the staging buffers and the
         mapping go to the background thread (nothing of ours reads them again)."""
+        making, self.making = self.making, None
+        if making is not None:  # released before its files were attached: attach them to release them
+            try:
+                self.writer, self.reader = making.result()
+            except Exception as exc:  # nothing made, nothing to release
+                log.info("session.files_not_made", id=self.session_id, error=str(exc))
         reader, writer = self.reader, self.writer
         garbage: list[Any] = [self.cache, writer, reader]  # freed by the background thread
         self.cache = self.reader = self.writer = None

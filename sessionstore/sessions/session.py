@@ -39,7 +39,7 @@ from sessionstore.log import get_logger
 from sessionstore.sessions.committer import Committer
 from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import Fence
-from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, empty_manifest
 from sessionstore.sessions.resident_files import ResidentFiles
 from sessionstore.sessions.session_home import IoRunner, SessionHome, run_here
 from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
@@ -56,8 +56,8 @@ class Session(SessionTurns):
     resume and release (:class:`SessionResume`), turns (:class:`SessionTurns`). Each base declares
     the state it reads, which :meth:`__init__` sets.
 
-    Why 39 methods: 20 are those bases' (each phase a module of its own, split by job already); of
-    its own 19, 6 are read-only properties, 2 the constructors (create, open) and 3 the context
+    Why 42 methods: 22 are those bases' (each phase a module of its own, split by job already); of
+    its own 20, 7 are read-only properties, 2 the constructors (create, open) and 3 the context
     manager and repr; what is left is the life cycle every caller holds one object for (suspend,
     close, abandon, fork, guard). Split further, the halves would share the resident files, the
     committer and the state they change together (resident, suspended, fenced)."""
@@ -112,20 +112,33 @@ class Session(SessionTurns):
                kv_dtype: str = "fp8", sampler: Sampler | None = None,
                options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
         """A new, empty session: the store installs its files (FORMAT.md 5.1; by the options'
-        ``io_runner``, when they give one, as its resume maps them); returned resident."""
+        ``io_runner``, when they give one, as its resume maps them); returned resident. With the
+        options' ``io_start`` (and no ``durable_stream``) it is returned resident at once over an
+        empty cache, its files made on that I/O thread meanwhile (:meth:`start_files`); its id is
+        checked here (:meth:`SessionHome.refuse_taken`)."""
         dims = Dims(*model.dims_for_file())
+        sampler = sampler or Sampler()
+        log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype,
+                 behind=options.io_start is not None and not options.durable_stream)
+        if options.io_start is not None and not options.durable_stream:
+            store.refuse_taken(session_id)
+            session = cls(store, session_id, model, model_ref,
+                          empty_manifest(session_id, model_ref, dims, kv_dtype, sampler), options)
+            session.start_files(options.io_start, sampler)
+            return session
         run_io: IoRunner = options.io_runner or run_here
         manifest = run_io(lambda: store.install_empty(session_id, model_ref, dims, kv_dtype=kv_dtype,
-                                                      sampler=sampler or Sampler()))
-        log.info("session.create", id=session_id, model=model_ref.name, kv_dtype=kv_dtype)
+                                                      sampler=sampler))
         session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()
         return session
 
     @classmethod
     def open(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
-             options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
-        manifest = store.read_manifest(session_id)
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS, manifest: Manifest | None = None) -> Session:
+        """The session, resumed; ``manifest``: the one its caller has just read (read here if None;
+        the resume reads it again under the writer's lock, the one it trusts)."""
+        manifest = manifest if manifest is not None else store.read_manifest(session_id)
         session = cls(store, session_id, model, model_ref, manifest, options)
         session.resume()
         return session
@@ -149,6 +162,12 @@ class Session(SessionTurns):
     def commit_timing(self) -> dict[str, float]:
         """The last commit: kv commit, state wait, state write (seconds)."""
         return self._committer.timing
+
+    @property
+    def files_pending(self) -> bool:
+        """True while a new session's files are being made or not yet attached (:meth:`start_files`):
+        nothing of it is on disk to read or remove yet (no conversation file, no records)."""
+        return self._files.making is not None
 
     @property
     def length(self) -> int:

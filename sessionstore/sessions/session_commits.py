@@ -50,6 +50,7 @@ class SessionCommits:
     _guard: Any
     _in_flight: bool
     _deferred: bool
+    await_files: Callable[[], None]  # a new session's files made, its writer held (SessionResume's)
 
     def commit(self) -> int:
         """kv commit (the commit point), then the manifest's dynamic fields; returns the count
@@ -71,6 +72,7 @@ class SessionCommits:
             raise SessionFencedError(self.fence)
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
+        self.await_files()  # a new session's first commit: its files made meanwhile (start_files)
         self._files.append_rows()  # the rows not handed to the writer yet (decode appends in runs)
         writer = self._files.live_writer
         n = writer.length  # what the commit makes durable (checked against the cache there)
@@ -110,6 +112,7 @@ class SessionCommits:
             raise SessionFencedError(self.fence)
         if self._guard is not None:
             self._guard.check()  # LockedError once another host owns the session
+        self.await_files()
         n, base, cache = self._files.live_writer.nrec, self.manifest, self._files.live_cache
         tail = [*cache.tokens[n:cache.length].tolist(), *self.pending]
         if len(tail) > MAX_PENDING or base.committed != n:

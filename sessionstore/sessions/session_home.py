@@ -1,11 +1,13 @@
 """What a session needs of the things around it, as Protocols: of its store (:class:`SessionHome`,
 a :class:`~sessionstore.sessions.store.SessionStore` is one) and of a server that runs its commits
-(:class:`CommitRunner`) and its file work (:class:`IoRunner`; a server's engine loop is both). The
+(:class:`CommitRunner`) and its file work (:class:`IoRunner`, waited for; :class:`IoStarter`, started
+and waited for later; a server's engine loop is all three). The
 session takes them as arguments; the sessions room never imports the store's users.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -26,7 +28,8 @@ class SessionHome(Protocol):
     def session_dir(self, session_id: str) -> Path: ...
     def read_manifest(self, session_id: str) -> Manifest: ...
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
-                      sampler: Sampler | None = None) -> Manifest: ...
+                      sampler: Sampler | None = None, manifest: Manifest | None = None) -> Manifest: ...
+    def refuse_taken(self, session_id: str) -> None: ...
     def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> Any: ...
     def note_session(self, manifest: Manifest, *, resident: bool) -> None: ...
 
@@ -49,9 +52,18 @@ class IoRunner(Protocol):
     def __call__(self, fn: Callable[[], T]) -> T: ...
 
 
+class IoStarter(Protocol):
+    """Starts a session's file work on a server's I/O thread and returns at once: ``fn()``'s
+    future, which the session waits for (by its :class:`IoRunner`) when it needs what ``fn`` made.
+    A new session's files are made so (:meth:`Session.create`) while its first turn's prompt is
+    prefilled and its first token drawn; the same rules as :class:`IoRunner`'s bind ``fn``."""
+
+    def __call__(self, fn: Callable[[], T]) -> Future[T]: ...
+
+
 def run_here(fn: Callable[[], T]) -> T:
     """The :class:`IoRunner` of a session with no server around it: ``fn()`` on this thread."""
     return fn()
 
 
-__all__ = ["CommitRunner", "IoRunner", "SessionHome", "run_here"]
+__all__ = ["CommitRunner", "IoRunner", "IoStarter", "SessionHome", "run_here"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sessionstore.kvfile import Durability
-from sessionstore.sessions.session_home import CommitRunner, IoRunner
+from sessionstore.sessions.session_home import CommitRunner, IoRunner, IoStarter
 from sessionstore.sessions.turn_loop import DecodeDriver
 
 DEFAULT_COMMIT_EVERY = 64
@@ -29,7 +29,11 @@ class SessionOptions:
     a turn's commits (a server's engine loop; None: inline); ``decode_driver``: runs a turn's
     sampling loop (None: inline); ``durable_stream``: commit at every generated token;
     ``io_runner``: runs the session's file work (its creation, a resume's opening and mapping; a
-    server's I/O threads; None: inline).
+    server's I/O threads; None: inline); ``io_start``: starts a new session's file work without
+    waiting for it (a server's I/O threads: its kv file, sidecar, manifest and catalogue row are
+    made while its first turn's prompt is prefilled and its first token drawn, and its first
+    commit waits for them; None, or with ``durable_stream``, whose every token commits: made
+    before the session is returned, by ``io_runner``).
     """
 
     commit_every: int | None = DEFAULT_COMMIT_EVERY
@@ -43,6 +47,7 @@ class SessionOptions:
     decode_driver: DecodeDriver | None = None
     durable_stream: bool = False
     io_runner: IoRunner | None = None
+    io_start: IoStarter | None = None
 
 
 DEFAULT_SESSION_OPTIONS = SessionOptions()  # what a session runs with when its opener names none

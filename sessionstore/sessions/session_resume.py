@@ -4,7 +4,9 @@ the committed rows mapped and handed to the decoder, the last position checked (
 ``lazy_logits`` at the first turn that samples from it: :mod:`sessionstore.sessions.recovery`); and
 the release of all of it (the session is then suspended, on disk only). The file work of a resume
 runs by the session's :class:`~sessionstore.sessions.session_home.IoRunner` (a server's I/O thread);
-joining the store's residency stays on the caller's thread.
+joining the store's residency stays on the caller's thread. A new session's files may be made while
+its first turn runs (:meth:`SessionResume.start_files`): whatever needs the writer waits for them
+(:meth:`SessionResume.await_files`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import numpy as np
 
 from kernels.errors import ColiError, ModelMismatchError
 from kernels.model.protocols import Decoder
-from sessionstore.kvfile import Dims, KVWriter, Vouched
+from kernels.model.sampling import Sampler
+from sessionstore.kvfile import Dims, KVReader, KVWriter, Vouched, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.fence import (
     SessionFencedError,
@@ -28,7 +31,7 @@ from sessionstore.sessions.manifest import Manifest, ModelRef
 from sessionstore.sessions.recovery import ResumeTarget, check_resume, verify_last
 from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.session_commits import SessionCommits
-from sessionstore.sessions.session_home import IoRunner
+from sessionstore.sessions.session_home import IoRunner, IoStarter
 from sessionstore.sessions.turn_loop import recompute_last
 
 log = get_logger("session")
@@ -89,11 +92,15 @@ class SessionResume(SessionCommits):
             fenced = self.store.read_manifest(self.id)
             reopen_fenced(self.directory, self.directory / fenced.kv_file, Dims(**fenced.dims), fenced.kv_dtype,
                           verified)
-        self.manifest = manifest = self.store.read_manifest(self.id)
+            self.manifest = self.store.read_manifest(self.id)
+        # the writer is opened with the manifest last seen (its dims and dtype; the read under the
+        # lock below is the truth, and a file replaced meanwhile is opened afresh): one read fewer
+        manifest = self.manifest
         writer = self._open_writer(manifest)
         for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
             manifest = self.store.read_manifest(self.id)
-            if (manifest.dims, manifest.kv_dtype) == (self.manifest.dims, self.manifest.kv_dtype):
+            if (manifest.dims, manifest.kv_dtype, manifest.committed) == (self.manifest.dims, self.manifest.kv_dtype,
+                                                                           self.manifest.committed):
                 break
             writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
             self.manifest = manifest
@@ -128,6 +135,52 @@ class SessionResume(SessionCommits):
         self.store.note_session(self.manifest, resident=True)  # the catalogue (FORMAT.md 5.9)
         return report
 
+    def start_files(self, start: IoStarter, sampler: Sampler) -> None:
+        """A new session, resident now over an empty decoder cache, its files (kv file, sidecar,
+        manifest, state page, catalogue row) made by ``start`` (a server's I/O thread) meanwhile:
+        its first turn's prompt is prefilled and its first token drawn while they are made, and
+        its first commit waits for them (:meth:`await_files`). Nothing is committed before then,
+        so a crash at any point of the making loses nothing committed (FORMAT.md 5.1: the
+        directory appears whole or not at all)."""
+        cache = self.model.new_cache(self.manifest.kv_dtype, self.backend)
+        manifest = self.manifest
+
+        def make() -> tuple[KVWriter, KVReader]:  # on the I/O thread: the session's own files only
+            self.store.install_empty(self.id, self.model_ref, Dims(**manifest.dims), kv_dtype=manifest.kv_dtype,
+                                     sampler=sampler, manifest=manifest)
+            writer = self._open_writer(manifest)
+            try:
+                reader = writer.take_vouched_reader() or open_kv(self.kv_path, expect=Dims(**manifest.dims))
+                self._committer.page.open()
+                self.store.note_session(manifest, resident=True)  # the catalogue (FORMAT.md 5.9)
+            except BaseException:
+                self._committer.page.close()
+                writer.close(commit=False)
+                raise
+            return writer, reader
+
+        self._files.start_empty(cache, start(make))
+        self.state = "resident"
+        self.resume_report = {"created": True, "committed": 0}
+        self.residency.register(self)
+        self.residency.enforce_budget(keep=self)
+
+    def await_files(self) -> None:
+        """Wait (by :meth:`run_io`: a server's loop steps the others meanwhile) until a new
+        session's files are made and attach their writer; at once when they are (or were never
+        being made). A failed making releases the session (nothing was committed) and raises."""
+        making = self._files.making
+        if making is None:
+            return
+        if not making.done():
+            self.run_io(lambda: making.exception())  # waits, raises nothing: ready() raises it below
+        try:
+            self._files.ready()
+        except BaseException:
+            log.error("session.create_failed", id=self.id)
+            self._release()
+            raise
+
     def _target(self, vouched: Vouched | None) -> ResumeTarget:
         return ResumeTarget(self.id, self.model, self._files.live_cache, self._files.live_reader, vouched,
                             self.manifest, self.directory, self.kv_path, self.manifest_fsync)
@@ -161,7 +214,11 @@ class SessionResume(SessionCommits):
         self.residency.unregister(self)
 
     def _release_files(self) -> None:
-        """:meth:`_release` but for the residency (what a failed :meth:`_resume_files` undoes)."""
+        """:meth:`_release` but for the residency (what a failed :meth:`_resume_files` undoes).
+        A new session's files still being made are waited for first (then released like any)."""
+        making = self._files.making
+        if making is not None:
+            making.exception()  # waits; a failed making leaves nothing to release
         self._note_logits(None)
         self._deferred = False
         if self._guard is not None:  # resume it through RemoteStore.resume again

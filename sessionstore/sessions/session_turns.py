@@ -33,7 +33,11 @@ log = get_logger("session")
 
 
 class SessionTurns(SessionResume):
-    """Turns over a resident session; resume and the commit path below them."""
+    """Turns over a resident session; resume and the commit path below them.
+
+    Why 22 methods: 17 are its bases' (the commit path, resume and release, and a new session's
+    files made behind its first turn: :meth:`SessionResume.start_files` / ``await_files``); its own
+    5 are the turns (generate, append_tokens, truncate) and the rows' hand-over they share."""
 
     # what a turn reads of its session, beside resume's and the commit path's (set by Session.__init__)
     commit_every: int | None
@@ -51,6 +55,7 @@ class SessionTurns(SessionResume):
         self.ensure_resident()
         self.residency.touch(self)
         if sampler is not None and keep_sampler and settings_of(sampler) != self.manifest.sampler:
+            self.await_files()  # the manifest on disk is rewritten: a new session's must be there
             changed = dataclasses.replace(self.manifest, sampler=settings_of(sampler))
             write_manifest(self.directory / MANIFEST_NAME, changed)  # durable: rare; a failed one changes nothing
             self.manifest = changed
@@ -78,13 +83,13 @@ class SessionTurns(SessionResume):
             self._note_logits(logits)
             if on_token is not None:
                 on_token(token, position)
-            every, writer = self.commit_every, self._files.live_writer
-            due = bool(every) and self._files.live_cache.length - writer.nrec >= (every or 0)
+            every = self.commit_every
+            due = bool(every) and self._files.live_cache.length - self._files.nrec >= (every or 0)
             if self.durable_stream:  # every token (its text is held until then), unless one is in flight:
                 if not self._in_flight:  # the next one covers this token too; a kv commit when due,
                     self._commit_through_runner(tail=not due)  # else a tail commit (the page alone)
-            elif due:
-                self._commit_through_runner()
+            elif due and self._files.ready():  # a new session's files still being made: the commit
+                self._commit_through_runner()  # waits a token (a server's loop must not wait for them)
 
         tokens, logits, eos = run_turn(self.model, self._files.live_cache, feed, self._committer.logits, max_new,
                                        turn_sampler, stop_at_eos=stop_at_eos,
@@ -105,8 +110,8 @@ class SessionTurns(SessionResume):
         """After a forward: hand the new rows to the writer once APPEND_RUN of them wait (a prefill
         at once; decode steps in runs, and every commit hands over the rest first). Rows not yet
         handed over are only uncommitted ones, which a crash loses either way."""
-        if self._in_flight:  # a commit is writing from the writer: the rows wait for the next one
-            return
+        if self._in_flight or not self._files.ready():  # a commit is writing from the writer, or a new
+            return  # session's files are being made: the rows wait for the next hand-over (or commit)
         if self._files.live_cache.length - self._files.live_writer.length >= APPEND_RUN:
             self._hand_over_rows()
 
@@ -114,7 +119,9 @@ class SessionTurns(SessionResume):
         """The cache's rows past the writer's length, handed to it: a prompt's many rows (at least
         ``IO_ROWS``: their packing, writes and checksums) by :meth:`run_io`, on a server's I/O thread
         while its loop steps the other sessions (nothing else touches this session's cache or writer
-        meanwhile); a decode run's few here."""
+        meanwhile); a decode run's few here. None while a new session's files are being made."""
+        if not self._files.ready():
+            return
         if self._files.live_cache.length - self._files.live_writer.length >= IO_ROWS:
             self.run_io(self._files.append_rows)
         else:
@@ -131,6 +138,7 @@ class SessionTurns(SessionResume):
         logits = feed_chunk(self.model, self._files.live_cache, toks, self._hand_over_rows)
         self.pending = []
         self._note_logits(logits)
+        self.await_files()
         writer = self._files.live_writer
         due = bool(self.commit_every) and writer.length - writer.nrec >= (self.commit_every or 0)
         if commit or (commit is None and due):

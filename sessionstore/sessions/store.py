@@ -11,7 +11,6 @@ import builtins
 import os
 import shutil
 import threading
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,14 @@ from sessionstore.log import get_logger
 from sessionstore.sessions.catalogue_entry import entry_of_manifest
 from sessionstore.sessions.directory import SessionInfo, StoreDirectory
 from sessionstore.sessions.disk_usage import session_disk_bytes
-from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
+from sessionstore.sessions.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ModelRef,
+    empty_manifest,
+    read_manifest,
+    write_manifest,
+)
 from sessionstore.sessions.paths import KV_NAME, check_component, validate_session_id
 from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.session import Session
@@ -39,8 +45,8 @@ class SessionStore(StoreDirectory):
     """A local directory of sessions (the embedded default): models, live sessions, forks,
     adoptions and the residency budget over the store's directory tree.
 
-    Why 34 methods: 19 are its base's, :class:`StoreDirectory` (the directory tree, split out by
-    job); of the 15 more of its own, four are the residency budget's one-line delegations to
+    Why 35 methods: 19 are its base's, :class:`StoreDirectory` (the directory tree, split out by
+    job); of the 16 more of its own, four are the residency budget's one-line delegations to
     :class:`Residency`, kept because the CLI, the service and the benchmarks ask the store."""
 
     def __init__(self, root: str | os.PathLike[str], *, memory_budget: int | None = None,
@@ -100,7 +106,7 @@ class SessionStore(StoreDirectory):
             raise NotFoundError(
                 f"session {session_id!r}: its model {manifest.model.name!r} ({source}) cannot be "
                 f"loaded: {exc}; pass --model") from None
-        return Session.open(self, session_id, model, ref, options)
+        return Session.open(self, session_id, model, ref, options, manifest)
 
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:
@@ -136,27 +142,32 @@ class SessionStore(StoreDirectory):
         raise LockedError(f"session {source_id!r} kept being truncated while forking; try again")
 
     def install_empty(self, session_id: str, model_ref: ModelRef, dims: Dims, *, kv_dtype: str = "fp8",
-                      sampler: Sampler | None = None) -> Manifest:
+                      sampler: Sampler | None = None, manifest: Manifest | None = None) -> Manifest:
         """Install a new, empty session (kv file + manifest, prepared under ``tmp/``, FORMAT.md
-        5.1) as ``session_id``; returns its manifest. :meth:`Session.create` opens it. Refused
-        (FormatError) when ``session_id`` exists, and when the catalogue lists it though its files
-        are gone (SessionFilesMissingError: reported, never silently made anew). File work and the
-        catalogue only (a server runs it on an I/O thread: :class:`IoRunner`)."""
-        if self.exists(session_id):
-            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
-        self.refuse_listed(session_id)
+        5.1) as ``session_id``; returns its manifest (``manifest`` when given: the one
+        :func:`empty_manifest` made for it beforehand). :meth:`Session.create` opens it. Refused
+        (:meth:`refuse_taken`). File work and the catalogue only (a server runs it on an I/O
+        thread: :class:`IoRunner`, or :class:`IoStarter` while the first turn runs)."""
+        self.refuse_taken(session_id)
         tmp = self.tmp_dir()
         try:
             KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
-            manifest = Manifest(id=session_id, model=model_ref, kv_dtype=kv_dtype,
-                                dims={k: int(v) for k, v in asdict(dims).items()},
-                                sampler=sampler or Sampler())
+            if manifest is None:
+                manifest = empty_manifest(session_id, model_ref, dims, kv_dtype, sampler or Sampler())
             write_manifest(tmp / MANIFEST_NAME, manifest)
             self.install_dir(tmp, session_id)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return manifest
+
+    def refuse_taken(self, session_id: str) -> None:
+        """Refuse a new session's id (FormatError) when ``session_id`` exists, and when the
+        catalogue lists it though its files are gone (SessionFilesMissingError: reported, never
+        silently made anew)."""
+        if self.exists(session_id):
+            raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
+        self.refuse_listed(session_id)
 
     def adopt_dir(self, tmp_dir: str | os.PathLike[str], session_id: str, *,
                   replace: bool = False) -> SessionInfo:

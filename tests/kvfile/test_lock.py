@@ -97,3 +97,23 @@ def test_symlinked_lock_file_refused(tmp_path):
     os.symlink(tmp_path / "elsewhere", path + ".lock")
     with pytest.raises(FormatError, match="symlink"):
         WriterLock(path).acquire()
+
+
+def test_the_pid_is_rewritten_in_place_eleven_bytes(kv):
+    """The next holder overwrites the pid in place (no truncate: on ext4 a truncate and rewrite
+    costs milliseconds at the close); a shorter earlier pid leaves nothing behind, a longer foreign
+    content is cut first."""
+    path = kv + ".lock"
+    with open(path, "w") as f:
+        f.write("7\n")
+    ino = os.stat(path).st_ino
+    with WriterLock(kv):
+        with open(path, "rb") as f:
+            data = f.read()
+        assert len(data) == 11 and data.endswith(b"\n") and data.decode().strip() == str(os.getpid())
+    assert os.stat(path).st_ino == ino
+    with open(path, "w") as f:
+        f.write("x" * 40 + "\n")
+    with WriterLock(kv):
+        with open(path) as f:
+            assert f.read().strip() == str(os.getpid()) and os.path.getsize(path) == 11

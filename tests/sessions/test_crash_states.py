@@ -29,6 +29,7 @@ from sessionstore.sessions.store import SessionStore
 from tests.support.crash_explore import Exploration, explore, last_ack, record
 from tests.support.crash_states import CrashPoint
 from tests.support.crash_trace import Recorder
+from tests.support.io_starters import DeferredStarter
 
 PROMPT = list(b"Once upon a time")
 SAMPLER = Sampler(0.9, 50, 0.95, 4242)
@@ -186,6 +187,37 @@ def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:
                      acked=lambda ops, k: last_ack(ops, k, before=-1), strict_rename=True)
     print(f"  opened with the model: {check.opened}")
     _report(result)
+
+
+# -- create behind its first turn (issue 36 part 3) ---------------------------------------------------
+
+def _create_behind_and_turn(tiny, on_poll: bool):  # noqa: ANN001, ANN202
+    """The files made while the first turn runs (``io_start``), on the session's own thread at a
+    fixed point so the recorder sees one order: right after the prompt's prefill (``on_poll``:
+    the first hand-over of rows asks whether they are there) or at the first commit (which waits
+    for them). Nothing is acknowledged before the turn's commit: the session may be absent until then."""
+    def protocol(root: str, rec: Recorder) -> None:
+        store = SessionStore(root)
+        store.adopt_model("tiny", tiny)
+        s = store.create("n", "tiny", kv_dtype="fp8", sampler=SAMPLER,
+                         options=SessionOptions(commit_every=3, io_start=DeferredStarter(on_poll=on_poll)))
+        s.generate(PROMPT, 8)
+        rec.mark("ack", s.committed)
+        s.close()
+    return protocol
+
+
+@pytest.mark.parametrize("on_poll", [True, False], ids=["made-after-prefill", "made-at-first-commit"])
+def test_crash_state_create_behind_and_first_turn(tmp_path, tiny, stream, on_poll: bool) -> None:  # noqa: ANN001
+    root = tmp_path / "root"
+    rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_behind_and_turn(tiny, on_poll))
+    records, rec_bytes = _records_of(root, "n")
+    check = SessionCheck(tiny, "n", records, rec_bytes, stream)
+    result = explore("session created behind its first turn", rec, check, budget=BUDGET, bound=_bound("n"),
+                     acked=lambda ops, k: last_ack(ops, k, before=-1), strict_rename=True)
+    print(f"  opened with the model: {check.opened}")
+    _report(result)
+    assert check.opened > 0
 
 
 # -- fork ----------------------------------------------------------------------------------------

@@ -6,11 +6,13 @@ tokens. Fault options make the child die for real (SIGKILL) at chosen points.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,25 @@ def spawn_child(spec: dict[str, Any]) -> subprocess.Popen:
                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "COLI_LOG": "off"})
+
+
+def _slow_starter(delay_s: float) -> Any:
+    """An io_start whose makings begin ``delay_s`` late on a thread (a slow disk), printing
+    ``made`` once the files are there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+
+    def start(fn: Any) -> Any:
+        def slow() -> Any:
+            time.sleep(delay_s)
+            made = fn()
+            print("made", flush=True)
+            return made
+
+        return pool.submit(slow)
+
+    return start
 
 
 def _child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +108,9 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for job in spec["jobs"]:
         options = SessionOptions(commit_every=job.get("commit_every", 64))
+        behind = job.get("create_behind")  # {"delay_s": s}: the files made on a thread, that much later
+        if behind is not None:
+            options = dataclasses.replace(options, io_start=_slow_starter(float(behind["delay_s"])))
         if job.get("create"):
             c = job["create"]
             s = store.create(job["id"], c.get("model", "tiny"), kv_dtype=c["kv"],

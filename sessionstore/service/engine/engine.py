@@ -66,10 +66,11 @@ class Engine:
         # without recomputing the last position when the sidecar vouched for every record (FORMAT.md
         # 5.5); one that continues checks it then. The loop runs every session's commits and
         # decoding, and its file work (its creation, a resume's opening and mapping, the catalogue's
-        # row) on the loop's I/O threads while the loop steps the other sessions.
+        # row) on the loop's I/O threads while the loop steps the other sessions; a new session's
+        # files are made there while its first turn runs (io_start: its first commit waits for them).
         self.options = replace(session_options or SessionOptions(lazy_logits=True),
                                commit_runner=self.loop.run_commit, decode_driver=self.loop.drive_decode,
-                               io_runner=self.loop.wait_for)
+                               io_runner=self.loop.wait_for, io_start=self.loop.start_io)
         self.max_kv_bytes = max_kv_bytes
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
@@ -144,8 +145,9 @@ class Engine:
             self.home.close()
 
     # ---- sessions (the loop's jobs) ------------------------------------------------------------
-    def open_session(self, session_id: str, *, create: bool) -> tuple[Session, bool]:
-        """The open session ``session_id``, resident (created if absent and ``create``)."""
+    def open_session(self, session_id: str, *, create: bool, behind: bool = False) -> tuple[Session, bool]:
+        """The open session ``session_id``, resident (created if absent and ``create``; with
+        ``behind``, a turn's, its files are still being made when it is returned: FORMAT.md 7)."""
         session = self._sessions.get(session_id)
         if session is not None and session.fence is not None:  # fenced: let go of, reopened below
             self.let_go_fenced(session)
@@ -164,6 +166,8 @@ class Engine:
                     session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
                                                options=self.options)
                     created = True
+                    if not behind:  # the caller writes into its directory next
+                        session.await_files()
                 else:
                     raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
                 self._sessions[session_id] = session
@@ -214,9 +218,11 @@ class Engine:
         else:
             if self.tiers is not None:  # tiers hook: room on the disk (else 507), an offloaded session restored
                 self.tiers.before_turn(spec)
-            session, created = self.open_session(spec.session, create=True)
+            session, created = self.open_session(spec.session, create=True, behind=True)
             try:
                 if self.tiers is not None:  # tiers hook: the request's retention_seconds / pinned
+                    if getattr(spec, "tier", None):
+                        session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token)
             except BaseException:

@@ -196,6 +196,12 @@ class EngineLoop:
         value: T = self._park()
         return value
 
+    def start_io(self, fn: Callable[[], T]) -> Future[T]:
+        """``fn()`` started on an I/O thread now, from anywhere; its future (a session's
+        :class:`~sessionstore.sessions.session_home.IoStarter`: a new session's files are made so
+        while its first turn runs, and :meth:`wait_for` waits for them at its first commit)."""
+        return self._io.submit(fn)
+
     # ---- the jobs' side, on the loop's thread ----------------------------------------------------
     def _on_loop_thread(self) -> bool:
         return threading.current_thread() is self.thread
