@@ -218,7 +218,8 @@ def commit_together(commits: Sequence[BarrierCommit]) -> list[BaseException | No
 
 def syncfs(fd: int) -> None:
     """``syncfs(2)``: every dirty page and inode of the file system holding ``fd`` written, and the
-    disk's write cache flushed (Linux; its errors reported since 5.8); OSError when it fails."""
+    disk's write cache flushed; OSError when it fails. Used on Linux 5.8 and later only: before, it
+    returned 0 even when writeback failed (an EIO would go unseen; then every page syncs alone)."""
     if _syncfs is None:
         raise OSError(38, "syncfs is not available here")
     if _syncfs(fd) != 0:
@@ -232,7 +233,7 @@ def syncfs_available() -> bool:
 
 
 def _load_syncfs() -> Any:  # the libc function, or None
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or _kernel() < (5, 8):  # before 5.8 it hid writeback errors
         return None
     try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syncfs
@@ -241,6 +242,15 @@ def _load_syncfs() -> Any:  # the libc function, or None
     fn.argtypes = [ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _kernel() -> tuple[int, int]:
+    """The running Linux kernel's (major, minor); (0, 0) when it cannot be read."""
+    try:
+        major, minor = os.uname().release.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return 0, 0
 
 
 def _is_real_fsync(sync: Callable[[int], None]) -> bool:
