@@ -160,7 +160,8 @@ def test_a_slow_shared_barrier_delays_the_text_not_the_steps(
     during = [s for s in steps if any(b0 < s[0] < b1 for b0, b1 in windows)]
     print(f"3 sessions x {MAX_NEW} tokens, {SLOW_BARRIER_S * 1e3:.0f} ms shared barriers: {took:.2f} s, "
           f"{tails} barriers, {len(steps)} steps, {len(during)} started while a barrier was in flight")
-    assert len(during) >= len(steps) // 2, "the steps waited for the barriers"
+    # steps waiting for the barriers would start none inside one; each 30 ms barrier spans many steps
+    assert len(during) >= 2 * len(windows), "the steps waited for the barriers"
     assert took < MAX_NEW * SLOW_BARRIER_S, f"{took:.2f} s: the steps waited for the barriers"
     assert tails < MAX_NEW, f"{tails} barriers for {MAX_NEW} tokens: not coalesced"
 
