@@ -11,6 +11,10 @@ requests against a server without it (the baseline) and one with it, alternated 
 - ``cpu_per_token_ratio_8`` / ``_16``: the server's CPU seconds (its processes, every thread, from
   /proc) per token streamed, with the flag / without it: what it costs, less moved by other load
   on the machine than the rates are.
+- ``durable_each_rate_ratio_8`` / ``_16`` (and its ``itl_*`` / ``cpu_*`` keys, side ``each``): a third
+  server with the flag whose tail commits each sync alone (``COLI_SHARED_BARRIER=0``: one fdatasync
+  per session per step) instead of one barrier per step for every session (the default); left out
+  with ``--no-each``.
 
 Every request is greedy with ``ignore_eos`` and ``max_tokens`` long, so both servers send the same
 bytes; the token ids of every stream are checked equal across the two. Each server's store lives
@@ -35,10 +39,11 @@ import numpy as np
 from bench.serve_decode import PROMPT, aggregate_rate, request
 from bench.serve_procs import Server, Streamed
 from bench.serve_sse import stream_all
+from sessionstore.service.steps.loop import SHARED_BARRIER_ENV
 
 GOAL = 0.85
 WIDTHS = (8, 16)
-SIDES = ("plain", "durable")
+SIDES = ("plain", "durable", "each")
 
 
 def _gaps(streams: list[Streamed]) -> list[float]:
@@ -74,27 +79,41 @@ def one_rep(server: Server, prompt: list[int], width: int, max_tokens: int, tag:
             "cpu_per_token": cpu / sum(len(s.tokens) for s in streams)}
 
 
-def run(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
+def _start(server: Server, env: dict[str, str]) -> None:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        server.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(root: Path, reps: int, max_tokens: int, sides: tuple[str, ...] = SIDES) -> dict[str, Any]:
     from kernels.model import resolve_model
     from kernels.model.text import load_text
 
     prompt = load_text(resolve_model("glm-mini")).encode(PROMPT, add_special_tokens=True)
     resident = str(sum(WIDTHS) * reps + 4)  # every session of the run stays resident
-    servers = {"plain": Server(root / "plain", "glm-mini", "--max-resident", resident, "--no-durable-stream"),
-               "durable": Server(root / "durable", "glm-mini", "--max-resident", resident, "--durable-stream")}
+    flag = {"plain": "--no-durable-stream", "durable": "--durable-stream", "each": "--durable-stream"}
+    servers = {side: Server(root / side, "glm-mini", "--max-resident", resident, flag[side]) for side in sides}
     rates: dict[tuple[str, int], list[float]] = {}
     p50: dict[tuple[str, int], list[float]] = {}
     p99: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}
     try:
-        for server in servers.values():
-            server.start()
+        for side, server in servers.items():
+            _start(server, {SHARED_BARRIER_ENV: "0" if side == "each" else "1"})
         for side, server in servers.items():  # warm-up: numba kernels compiled, files created once
             one_rep(server, prompt, 2, 8, f"warm-{side}")
         for rep in range(reps):
             for width in WIDTHS:
                 ids: dict[str, list[list[int]]] = {}
-                order = SIDES if rep % 2 == 0 else SIDES[::-1]
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]  # each side first in turn
+                order = order if rep % 2 == 0 else order[::-1]
                 for side in order:
                     got = one_rep(servers[side], prompt, width, max_tokens, f"r{rep}w{width}")
                     ids[side] = got["ids"]
@@ -102,21 +121,26 @@ def run(root: Path, reps: int, max_tokens: int) -> dict[str, Any]:
                     p50.setdefault((side, width), []).append(float(np.percentile(got["gaps"], 50)))
                     p99.setdefault((side, width), []).append(float(np.percentile(got["gaps"], 99)))
                     cpu.setdefault((side, width), []).append(got["cpu_per_token"])
-                if ids["plain"] != ids["durable"]:
+                if any(ids[side] != ids["plain"] for side in sides):
                     raise RuntimeError("the two servers streamed different tokens: the figures compare nothing")
     finally:
         for server in servers.values():
             server.stop()
     res: dict[str, Any] = {}
     for width in WIDTHS:
-        plain, durable = (statistics.median(rates[(side, width)]) for side in SIDES)
+        plain, durable = (statistics.median(rates[(side, width)]) for side in ("plain", "durable"))
         res[f"durable_stream_rate_ratio_{width}"] = durable / plain
         res[f"tokens_per_s_{width}_plain"], res[f"tokens_per_s_{width}_durable"] = plain, durable
         res[f"ratio_all_{width}"] = [round(d / p, 3) for p, d in zip(rates[("plain", width)],
                                                                        rates[("durable", width)], strict=True)]
         res[f"cpu_per_token_ratio_{width}"] = (statistics.median(cpu[("durable", width)])
                                                / statistics.median(cpu[("plain", width)]))
-        for side in SIDES:
+        if "each" in sides:
+            res[f"tokens_per_s_{width}_each"] = statistics.median(rates[("each", width)])
+            res[f"durable_each_rate_ratio_{width}"] = res[f"tokens_per_s_{width}_each"] / plain
+            res[f"cpu_per_token_ratio_{width}_each"] = (statistics.median(cpu[("each", width)])
+                                                        / statistics.median(cpu[("plain", width)]))
+        for side in sides:
             res[f"cpu_per_token_s_{width}_{side}"] = statistics.median(cpu[(side, width)])
             res[f"itl_p50_s_{width}_{side}"] = statistics.median(p50[(side, width)])
             res[f"itl_p99_s_{width}_{side}"] = statistics.median(p99[(side, width)])
@@ -135,6 +159,13 @@ def report(res: dict[str, Any]) -> None:
         print(f"  server CPU per token {res[f'cpu_per_token_s_{width}_durable'] * 1e3:.2f} ms durable vs "
               f"{res[f'cpu_per_token_s_{width}_plain'] * 1e3:.2f} ms plain: "
               f"{res[f'cpu_per_token_ratio_{width}']:.3f}x")
+        if f"durable_each_rate_ratio_{width}" in res:
+            each = {k: res[f"{k}_{width}_each"] * 1e3 for k in ("itl_p50_s", "itl_p99_s")}
+            print(f"  one fdatasync per session instead of one barrier per step: "
+                  f"{res[f'tokens_per_s_{width}_each']:.1f} tok/s, "
+                  f"ratio {res[f'durable_each_rate_ratio_{width}']:.3f}; "
+                  f"ITL p50 / p99 {each['itl_p50_s']:.1f} / {each['itl_p99_s']:.1f} ms; "
+                  f"CPU per token {res[f'cpu_per_token_ratio_{width}_each']:.3f}x plain")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where the two stores go (a real disk)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure (both sides each)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens each stream decodes")
+    ap.add_argument("--no-each", action="store_true",
+                    help="leave out the third server (durable, one fdatasync per session per step)")
     args = ap.parse_args(argv)
     reps = args.reps or (3 if args.quick else 5)
     max_tokens = args.max_tokens or (32 if args.quick else 64)
@@ -152,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="coli-bench-durable-", dir=args.dir))
     try:
-        res = run(root, reps, max_tokens)
+        res = run(root, reps, max_tokens, SIDES[:2] if args.no_each else SIDES)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     res.update(reps=reps, max_tokens=max_tokens, quick=args.quick, elapsed_s=time.perf_counter() - t0)

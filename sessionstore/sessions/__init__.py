@@ -7,6 +7,7 @@ from sessionstore.sessions.catalogue import SessionFilesMissingError
 from sessionstore.sessions.catalogue_entry import CatalogueEntry
 from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.commit_state_page import STATE_BYTES, STATE_SLOTS, state_path
+from sessionstore.sessions.committer import BarrierCommit, commit_together
 from sessionstore.sessions.conversation_file import (
     CONVERSATION_NAME,
     ConversationRecord,
@@ -81,6 +82,8 @@ from sessionstore.sessions.turn_loop import (
 )
 
 __all__ = [
+    "BarrierCommit",
+    "commit_together",
     "STATE_BYTES",
     "STATE_SLOTS",
     "CATALOGUE_NAME",

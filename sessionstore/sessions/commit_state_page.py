@@ -191,6 +191,18 @@ class StateWriter:
         if durable:
             self._sync(self._fd)
 
+    @property
+    def fd(self) -> int:
+        """The state file's descriptor (opened now if it was not)."""
+        self.open()
+        return self._fd
+
+    def sync(self) -> None:
+        """The page's own barrier (the seam's fdatasync of the state file): after a
+        :meth:`write_page` that was not ``durable``, unless one barrier covers several pages
+        (:func:`sessionstore.sessions.committer.commit_together`)."""
+        self._sync(self.fd)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from sessionstore.log import get_logger
-from sessionstore.sessions.committer import Committer
+from sessionstore.sessions.committer import BarrierCommit, Committer
 from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.fence import (
     Fence,
@@ -98,14 +98,15 @@ class SessionCommits:
 
         return finish
 
-    def begin_tail_commit(self) -> Callable[[], int] | None:
+    def begin_tail_commit(self) -> BarrierCommit | None:
         """A durable stream's tail commit (:mod:`sessionstore.sessions.durable_text`), split like
         :meth:`begin_commit`: fixed now, its callable writes the state page alone (one
         ``pwrite``, one fdatasync) with ``committed`` and ``last_logits`` those of the last kv
         commit and ``pending`` = every token after its records (the ones fed since, then the
-        ones drawn and not fed). None when it must be a kv commit instead: the tail would exceed
-        ``MAX_PENDING`` (the page's payload limit holds that many), or the manifest does not
-        describe the writer's committed records."""
+        ones drawn and not fed); split again at its barrier (a :class:`BarrierCommit`), so a
+        server may cover several sessions' pages with one. None when it must be a kv commit
+        instead: the tail would exceed ``MAX_PENDING`` (the page's payload limit holds that
+        many), or the manifest does not describe the writer's committed records."""
         if self.state != "resident":
             return None
         if self.fence is not None:
@@ -119,19 +120,23 @@ class SessionCommits:
             return None
         watch = self.commit_watch
         mark = watch.mark() if watch is not None else 0  # the text this commit covers
+        written: list[Manifest] = []
 
-        def finish() -> int:
-            try:
-                self.manifest = self._committer.commit_tail(base, tail)
-            except OSError as exc:
-                if not fences(exc):
-                    raise
-                self._fence(exc, n, pending=base.pending)  # reopened with the last tail that returned
+        def write() -> int:
+            written.append(self._committer.write_tail(base, tail))
+            return self._committer.page.fd
+
+        def settle(error: BaseException | None) -> int:
+            if error is not None:
+                if isinstance(error, OSError) and fences(error):  # reopened with the last tail that returned
+                    self._fence(error, n, pending=base.pending)
+                raise error
+            self.manifest = written[0]
             if watch is not None:
                 watch.committed(mark)
             return n
 
-        return finish
+        return BarrierCommit(write, self._committer.barrier, settle, self._committer.share_key())
 
     def _fence(self, exc: OSError, verified: int, *, pending: list[int] | None = None) -> NoReturn:
         """A commit failed with an I/O error: nothing more is written for this session; it is
@@ -146,7 +151,7 @@ class SessionCommits:
         (a server's engine runs it beside its next batched step, or lets the turn run it without
         holding the other sessions back), else here. ``tail``: a tail commit when it can be one
         (:meth:`begin_tail_commit`), else a kv commit."""
-        finish = self.begin_tail_commit() if tail else None
+        finish: Callable[[], int] | None = self.begin_tail_commit() if tail else None
         if finish is None:
             finish = self.begin_commit(catalogue=catalogue)
         if self.commit_runner is None:
@@ -154,14 +159,18 @@ class SessionCommits:
         elif not self.durable_stream:
             self.commit_runner(finish)
         else:  # the loop runs on while it is in flight (no rows handed over, no commit begun meanwhile)
+            def clear() -> None:
+                self._in_flight = False
+
             def finish_then_clear() -> int:
                 try:
                     return finish()
                 finally:
-                    self._in_flight = False
+                    clear()
 
-            self._in_flight = True
-            self.commit_runner(finish_then_clear, overlap=True)
+            self._in_flight = True  # a tail commit stays a BarrierCommit: one barrier may cover several
+            split = finish.then(clear) if isinstance(finish, BarrierCommit) else finish_then_clear
+            self.commit_runner(split, overlap=True)
 
     def _note_logits(self, logits: np.ndarray | None) -> None:
         """The logits of the last appended position, digested now (hot in cache)."""

@@ -15,10 +15,15 @@ continued by ``CONTINUE`` tokens, which must be the uninterrupted run's. Run wit
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
+
+import pytest
 
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions import committer as committer_module
+from sessionstore.sessions.committer import BarrierCommit, commit_together
 from sessionstore.sessions.session_options import SessionOptions
 from sessionstore.sessions.store import SessionStore
 from tests.support.crash_explore import Exploration, explore, record
@@ -114,4 +119,53 @@ def test_crash_state_durable_stream_tail(tmp_path, tiny) -> None:
     print(result.summary())
     print(f"  page writes {tails}, opened with the model and continued: {check.opened}")
     assert not result.failures, result.summary() + "\n" + "\n".join(result.failures)
+    assert check.opened > 0 and _shown(rec.ops, len(rec.ops)) >= len(PROMPT) + FIRST + DECODE
+
+
+def _shared_barrier_decode(tiny: Any):  # noqa: ANN202
+    """The same decode with every tail commit run as a server's group runs it (:func:`commit_together`:
+    the page written, ONE ``syncfs``, then settled), the syncfs recorded as the barrier of every
+    file and directory under the root."""
+    def protocol(root: str, rec: Recorder) -> None:
+        real = committer_module.syncfs
+
+        def runner(commit: Any, *, overlap: bool = False) -> None:
+            if isinstance(commit, BarrierCommit) and commit.share is not None:
+                errors = commit_together([commit])
+                if errors[0] is not None:
+                    raise errors[0]
+            else:
+                commit()
+
+        store = SessionStore(root)
+        store.adopt_model("tiny", tiny)
+        s = store.open("d", "tiny", options=replace(OPTIONS, commit_runner=runner))
+        s.commit_watch = Covered(s, rec)
+        committer_module.syncfs = lambda fd: rec.sync_filesystem(lambda: real(fd))
+        try:
+            s.generate(None, DECODE)
+        finally:
+            committer_module.syncfs = real
+        s.commit_watch = None
+        s.suspend()
+    return protocol
+
+
+def test_crash_state_durable_stream_tail_shared_barrier(tmp_path, tiny) -> None:  # noqa: ANN001
+    """Crash states of tail commits made durable by the shared barrier (issue 39): every state's
+    history holds every token a returned commit covered, as with a barrier per page."""
+    from sessionstore.sessions.turn_loop import reference_turns
+
+    if not committer_module.syncfs_available():
+        pytest.skip("no syncfs(2) on this system: tail commits are never shared")
+    stream = PROMPT + reference_turns(tiny, "fp8", [(PROMPT, FIRST + DECODE + CONTINUE + 2)], SAMPLER)[0]
+    rec = record(str(tmp_path / "root"), _setup(tiny), _shared_barrier_decode(tiny))
+    shared = sum(1 for op in rec.ops if op.kind == "dsync")
+    check = TailCheck(tiny, stream)
+    result: Exploration = explore("durable stream: tail commits under a shared barrier", rec, check,
+                                  budget=BUDGET, acked=_shown, strict_rename=True)
+    print(result.summary())
+    print(f"  directory barriers (from the syncfs) {shared}, opened with the model and continued: {check.opened}")
+    assert not result.failures, result.summary() + "\n" + "\n".join(result.failures)
+    assert shared > 0, "no tail commit went through the shared barrier"
     assert check.opened > 0 and _shown(rec.ops, len(rec.ops)) >= len(PROMPT) + FIRST + DECODE

@@ -16,7 +16,9 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.durability import Durability
 from sessionstore.kvfile.reader import open_kv
+from sessionstore.sessions import committer as committer_module
 from sessionstore.sessions.commit_state_page import StateWriter
+from sessionstore.sessions.committer import BarrierCommit, commit_together
 from sessionstore.sessions.fence import FENCE_NAME, SessionFencedError
 from sessionstore.sessions.manifest import MANIFEST_NAME
 from sessionstore.sessions.session_options import SessionOptions
@@ -153,5 +155,50 @@ def test_a_failed_tail_barrier_fences_and_the_reopen_keeps_the_last_tail_that_re
     again = store.open("d", "tiny")
     assert again.history() == PROMPT + last == stream[:len(PROMPT) + len(last)]
     assert not (store.session_dir("d") / FENCE_NAME).exists()
+    assert again.generate(None, 3).tokens == stream[len(PROMPT) + len(last):len(PROMPT) + len(last) + 3]
+    again.close()
+
+
+def test_a_failed_shared_barrier_fences_and_the_reopen_keeps_the_last_tail_that_returned(
+        tmp_path, tiny, monkeypatch) -> None:  # noqa: ANN001
+    """The same failure when the tail commits run under a shared barrier (:func:`commit_together`,
+    as a server's group runs them): the 4th ``syncfs`` fails, the session is fenced, that commit
+    released nothing, and the reopen keeps the last tail whose barrier returned."""
+    if not committer_module.syncfs_available():
+        pytest.skip("no syncfs(2) on this system: tail commits are never shared")
+    stream = _stream(tiny, 12)
+    store = SessionStore(tmp_path)
+    store.adopt_model("tiny", tiny)
+    s = store.create("d", "tiny", kv_dtype="fp8", sampler=SAMPLER, options=DURABLE)
+    s.generate(PROMPT, 1)
+    s.close()
+    real, barriers = committer_module.syncfs, []
+
+    def failing(fd: int) -> None:
+        barriers.append(fd)
+        if len(barriers) == 4:
+            raise OSError(errno.EIO, "injected")
+        real(fd)
+
+    monkeypatch.setattr(committer_module, "syncfs", failing)
+
+    def runner(commit: Any, *, overlap: bool = False) -> None:
+        assert isinstance(commit, BarrierCommit) and commit.share is not None  # every one a tail commit
+        error = commit_together([commit])[0]
+        if error is not None:
+            raise error
+
+    s = store.open("d", "tiny", options=replace(DURABLE, commit_runner=runner))
+    watch = Watch(store, "d")
+    s.commit_watch = watch
+    with pytest.raises(SessionFencedError):
+        s.generate(None, 8)
+    assert len(barriers) == 4 and len(watch.seen) == 3  # the 4th barrier failed: it released nothing
+    fence = json.loads((store.session_dir("d") / FENCE_NAME).read_text())
+    last = watch.seen[-1][1]
+    assert fence["pending"] == last and fence["verified"] == len(PROMPT)
+    s.abandon()
+    again = store.open("d", "tiny")
+    assert again.history() == PROMPT + last == stream[:len(PROMPT) + len(last)]
     assert again.generate(None, 3).tokens == stream[len(PROMPT) + len(last):len(PROMPT) + len(last) + 3]
     again.close()

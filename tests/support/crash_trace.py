@@ -356,6 +356,17 @@ class Recorder:
                     ops[i], ops[i + 1] = b, a
                     changed = True
 
+    def sync_filesystem(self, sync: Callable[[], None]) -> None:
+        """Run ``sync()``, a barrier of the whole file system (``syncfs``), and record it as what it
+        makes durable: every file and directory under the root (what was recorded before it started)."""
+        with self._lock:
+            start = len(self.ops)
+            inos = sorted(set(self._real_ino.values()))
+        sync()
+        with self._lock:
+            for ino in inos:
+                self._add(Op("dsync" if ino in self._names else "sync", ino=ino, covers=start))
+
     def mark(self, label: str, value: int = 0) -> None:
         """Note a protocol point (e.g. ``mark("ack", n)`` once a commit of n records returned)."""
         with self._lock:

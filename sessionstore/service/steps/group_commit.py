@@ -19,23 +19,32 @@ A commit put off with ``overlap`` (a durable-stream session's per-token commit,
 begun, while one is in flight; the next commit covers the tokens drawn meanwhile), so a commit
 slower than a step delays only the text it releases, never the steps. Its turn still waits for
 it before it is woken (:meth:`GroupCommit.wait`).
+
+The tail commits of one pass (:class:`sessionstore.sessions.BarrierCommit`, each a state page and
+its fdatasync) whose pages lie on one file system run as ONE task under ONE barrier
+(:func:`sessionstore.sessions.commit_together`: every page written, one ``syncfs``, each settled):
+one barrier and one thread hand-off per step instead of one per session (``share=False``: one
+each, as a kv commit always is).
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from sessionstore.sessions import BarrierCommit, commit_together
 
 
 class GroupCommit:
     """Commits put off while one thread runs loops on (:meth:`collecting`), started together
     (:meth:`start_all`) and awaited one owner at a time (:meth:`ready`, :meth:`wait`)."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, *, share: bool = True) -> None:
         self.workers = max(1, workers)
+        self.share = share  # tail commits of one pass on one file system: one barrier for them all
         self._pool: ThreadPoolExecutor | None = None
         self._collector: int | None = None  # the thread whose loops' commits are put off
         self._owner: Any = None  # the loop being run on: the owner of the commits it puts off
@@ -69,10 +78,23 @@ class GroupCommit:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="coli-commit")
+        groups: dict[Hashable, list[tuple[Any, BarrierCommit]]] = {}
         for owner, job in jobs.items():
-            running = self._running.setdefault(owner, [])
-            assert all(s.overlap for s in running)  # else waited for before its loop asked again
-            running.append(_Started(self._pool.submit(_run, job.commits), job.overlap))
+            assert all(s.overlap for s in self._running.get(owner, []))  # else waited for before it asked again
+            one = job.commits[0] if len(job.commits) == 1 else None
+            if self.share and job.overlap and isinstance(one, BarrierCommit) and one.share is not None:
+                groups.setdefault(one.share, []).append((owner, one))
+                continue
+            self._running.setdefault(owner, []).append(_Started(self._pool.submit(_run, job.commits), job.overlap))
+        for members in groups.values():  # one task, one barrier for the pages of every member
+            if len(members) == 1:
+                owner, commit = members[0]
+                self._running.setdefault(owner, []).append(_Started(self._pool.submit(_run, [commit]), True))
+                continue
+            futures: list[Future[BaseException | None]] = [Future() for _ in members]
+            for (owner, _), future in zip(members, futures, strict=True):
+                self._running.setdefault(owner, []).append(_Started(future, True))
+            self._pool.submit(_run_together, [c for _, c in members], futures)
 
     def ready(self, owner: Any) -> BaseException | None:
         """Before ``owner``'s loop runs on: its commits that ended are collected and the others
@@ -119,6 +141,17 @@ class _Job:
 class _Started:
     future: Future[BaseException | None]
     overlap: bool
+
+
+def _run_together(commits: list[BarrierCommit], futures: list[Future[BaseException | None]]) -> None:
+    """Several owners' tail commits under one barrier (:func:`commit_together`); each owner's
+    future gets its own commit's error (None: it returned)."""
+    try:
+        errors = commit_together(commits)
+    except BaseException as exc:  # a bug: every owner's turn re-raises it rather than hang
+        errors = [exc] * len(commits)
+    for future, error in zip(futures, errors, strict=True):
+        future.set_result(error)
 
 
 def _run(commits: list[Callable[[], object]]) -> BaseException | None:

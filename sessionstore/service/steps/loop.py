@@ -36,6 +36,7 @@ much prompt it carries :mod:`.prefill_pacer`'s; this module runs the jobs around
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -57,6 +58,9 @@ log = get_logger("service")
 
 GATHER_S = 0.004  # how long an idle loop woken by a job waits for the jobs arriving right after it
 IO_THREADS = 8  # threads for the waits jobs hand off (commits no pass put off, sessions' file work)
+# "0": every session's tail commit syncs alone (one fdatasync each), not one barrier per pass for all
+# (group_commit); bench.durable_stream measures the two
+SHARED_BARRIER_ENV = "COLI_SHARED_BARRIER"
 
 T = TypeVar("T")
 Resume = Callable[[], Any]  # what a parked job is switched back with: returns its value or raises its error
@@ -79,7 +83,8 @@ class EngineLoop:
                  on_forward: Callable[[str, int, float], None] | None = None) -> None:
         self.model, self.gather_s = model, gather_s
         self.after_pass: Callable[[], None] | None = None  # called at the end of each pass (e.g. send its events)
-        self.commits = GroupCommit(max_batch)  # the loops' mid-turn commits, one group per pass
+        self.commits = GroupCommit(max_batch, share=os.environ.get(SHARED_BARRIER_ENV, "1") != "0")
+        # the loops' mid-turn commits, one group per pass
         # the step, its queue of forwards and its count of steps; on_forward is called with
         # ("step" | "prefill", sessions, seconds) of each forward
         self.batch = BatchedStep(model, self.commits, PrefillPacer(max_prefill_tokens, prefill_step_ratio),
