@@ -122,7 +122,7 @@ def test_crash_state_durable_stream_tail(tmp_path, tiny) -> None:
     assert check.opened > 0 and _shown(rec.ops, len(rec.ops)) >= len(PROMPT) + FIRST + DECODE
 
 
-def _shared_barrier_decode(tiny: Any):  # noqa: ANN202
+def _shared_barrier_decode(tiny: Any):
     """The same decode with every tail commit run as a server's group runs it (:func:`commit_together`:
     the page written, ONE ``syncfs``, then settled), the syncfs recorded as the barrier of every
     file and directory under the root."""
@@ -151,7 +151,7 @@ def _shared_barrier_decode(tiny: Any):  # noqa: ANN202
     return protocol
 
 
-def test_crash_state_durable_stream_tail_shared_barrier(tmp_path, tiny) -> None:  # noqa: ANN001
+def test_crash_state_durable_stream_tail_shared_barrier(tmp_path, tiny) -> None:
     """Crash states of tail commits made durable by the shared barrier (issue 39): every state's
     history holds every token a returned commit covered, as with a barrier per page."""
     from sessionstore.sessions.turn_loop import reference_turns

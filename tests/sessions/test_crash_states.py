@@ -191,7 +191,7 @@ def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:
 
 # -- create behind its first turn (issue 36 part 3) ---------------------------------------------------
 
-def _create_behind_and_turn(tiny, on_poll: bool):  # noqa: ANN001, ANN202
+def _create_behind_and_turn(tiny, on_poll: bool):
     """The files made while the first turn runs (``io_start``), on the session's own thread at a
     fixed point so the recorder sees one order: right after the prompt's prefill (``on_poll``:
     the first hand-over of rows asks whether they are there) or at the first commit (which waits
@@ -208,7 +208,7 @@ def _create_behind_and_turn(tiny, on_poll: bool):  # noqa: ANN001, ANN202
 
 
 @pytest.mark.parametrize("on_poll", [True, False], ids=["made-after-prefill", "made-at-first-commit"])
-def test_crash_state_create_behind_and_first_turn(tmp_path, tiny, stream, on_poll: bool) -> None:  # noqa: ANN001
+def test_crash_state_create_behind_and_first_turn(tmp_path, tiny, stream, on_poll: bool) -> None:
     root = tmp_path / "root"
     rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_behind_and_turn(tiny, on_poll))
     records, rec_bytes = _records_of(root, "n")

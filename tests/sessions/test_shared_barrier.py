@@ -50,7 +50,7 @@ class Trace:
         return BarrierCommit(write, os.fdatasync, settle, os.fstat(fd).st_dev)
 
 
-def test_one_barrier_covers_every_page_and_each_settles_after_it_in_order(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_one_barrier_covers_every_page_and_each_settles_after_it_in_order(tmp_path, monkeypatch) -> None:
     trace = Trace(monkeypatch)
     commits = [trace.commit(tmp_path, f"s{i}") for i in range(4)]
     assert commit_together(commits) == [None] * 4
@@ -58,7 +58,7 @@ def test_one_barrier_covers_every_page_and_each_settles_after_it_in_order(tmp_pa
     assert all((tmp_path / f"s{i}").read_bytes() == f"s{i}".encode() for i in range(4))
 
 
-def test_a_failed_write_fails_its_commit_alone(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_failed_write_fails_its_commit_alone(tmp_path, monkeypatch) -> None:
     trace = Trace(monkeypatch)
     commits = [trace.commit(tmp_path, "a"), trace.commit(tmp_path, "b", fail_write=True), trace.commit(tmp_path, "c")]
     errors = commit_together(commits)
@@ -67,7 +67,7 @@ def test_a_failed_write_fails_its_commit_alone(tmp_path, monkeypatch) -> None:  
     assert trace.events == ["write a", "write c", "barrier", "settle a", "settle b OSError", "settle c"]
 
 
-def test_a_failed_barrier_fails_every_commit_and_releases_nothing(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_failed_barrier_fails_every_commit_and_releases_nothing(tmp_path, monkeypatch) -> None:
     trace = Trace(monkeypatch)
 
     def eio(fd: int) -> None:
@@ -80,7 +80,7 @@ def test_a_failed_barrier_fails_every_commit_and_releases_nothing(tmp_path, monk
     assert trace.events == ["write a", "write b", "barrier", "settle a OSError", "settle b OSError"]
 
 
-def test_commits_on_different_barriers_are_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_commits_on_different_barriers_are_refused(tmp_path, monkeypatch) -> None:
     trace = Trace(monkeypatch)
     a, b = trace.commit(tmp_path, "a"), trace.commit(tmp_path, "b")
     b.share = ("another", b.share)
@@ -92,7 +92,7 @@ def test_commits_on_different_barriers_are_refused(tmp_path, monkeypatch) -> Non
     assert trace.events == []
 
 
-def test_a_commit_called_alone_syncs_its_own_file(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_a_commit_called_alone_syncs_its_own_file(tmp_path, monkeypatch) -> None:
     trace = Trace(monkeypatch)
     synced: list[int] = []
     commit = trace.commit(tmp_path, "a")
@@ -102,7 +102,7 @@ def test_a_commit_called_alone_syncs_its_own_file(tmp_path, monkeypatch) -> None
     assert trace.events == ["write a", "settle a"] and len(synced) == 1 and after == ["cleared"]
 
 
-def test_only_the_real_barrier_is_shared(tmp_path) -> None:  # noqa: ANN001
+def test_only_the_real_barrier_is_shared(tmp_path) -> None:
     (tmp_path / "m").write_text("{}")
     real = Committer("s", tmp_path / "m", tmp_path / "kv", Durability().fsync)
     assert real.share_key() == os.stat(tmp_path).st_dev

@@ -160,7 +160,7 @@ def test_a_failed_tail_barrier_fences_and_the_reopen_keeps_the_last_tail_that_re
 
 
 def test_a_failed_shared_barrier_fences_and_the_reopen_keeps_the_last_tail_that_returned(
-        tmp_path, tiny, monkeypatch) -> None:  # noqa: ANN001
+        tmp_path, tiny, monkeypatch) -> None:
     """The same failure when the tail commits run under a shared barrier (:func:`commit_together`,
     as a server's group runs them): the 4th ``syncfs`` fails, the session is fenced, that commit
     released nothing, and the reopen keeps the last tail whose barrier returned."""
