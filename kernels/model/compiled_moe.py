@@ -13,14 +13,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kernels.compile_notice import announce_if_cold
 from kernels.model.rowwise import rows_times
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
 _F32 = np.float32
 
 
-announce_if_cold(__file__)  # numba compiles the kernels below at the step's first call unless cached
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -37,8 +37,6 @@ from kernels.model.rowwise import heads_times, rows_times
 from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
 
-announce_if_cold(__file__)  # numba compiles the step below at its first call unless cached
-
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _rope_heads(src: np.ndarray, heads: int, width: int, offset: int, cos: np.ndarray, sin: np.ndarray,
@@ -197,6 +195,7 @@ class CompiledStep:
     threads may step one decoder's sessions at once: the kernels hold no GIL)."""
 
     def __init__(self, packed: PackedWeights) -> None:
+        announce_if_cold(__file__)  # numba compiles the step at its first call unless cached (not at import)
         self.packed = packed
         self._local = threading.local()
         p = packed

@@ -1,5 +1,6 @@
-"""The first-run notice: on a fresh copy of the kernels (numba's cache empty) importing them says
-once on stderr that numba is compiling; the next import (cache warm) says nothing."""
+"""The first-run notice: on a fresh copy of the kernels (numba's cache empty) importing the compiled
+ones says once on stderr that numba is compiling; the next import (cache warm) says nothing. (The
+package's surface compiles nothing: its compiled members are imported on first use.)"""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def _import_fresh_copy(where: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_DISABLE_JIT")}
     env["PYTHONPATH"] = str(where)
-    code = "import kernels, sys; assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__"
+    code = ("import sys, kernels, kernels.attention, kernels.model.decoder, kernels.tq.libm_kernel\n"
+            "assert kernels.__file__.startswith(sys.argv[1]), kernels.__file__")
     done = subprocess.run([sys.executable, "-c", code, str(where)], env=env, cwd=where, capture_output=True,
                           text=True, timeout=900, check=True)
     return done.stderr

@@ -27,6 +27,7 @@ from tests.service.webkit import MAX_TOKENS, MODEL, Tab, browser  # noqa: F401 (
 from tests.support.conversation_cut import respond_until_crash
 
 WEB_DIR = REPO / "sessionstore" / "service" / "http" / "web"
+SLOW_LINK_BYTES_S = 4000  # a reply of ~48 SSE events (~10 KB) then takes a few seconds to arrive
 
 
 # ---- no browser ---------------------------------------------------------------------------------
@@ -110,7 +111,15 @@ def test_chat_streams_into_the_page_and_sessions_list(browser: Any, tmp_path: Pa
         page.evaluate(GROWTH_OBSERVER)
 
         first = "Tell me a story about a <b>cat</b>."
+        # a slow link (Chromium's own throttling): the reply's events arrive over many frames however
+        # fast the server streams them (a fast one can send a whole reply within one frame)
+        link = page.context.new_cdp_session(page)
+        link.send("Network.enable")
+        link.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "uploadThroughput": -1,
+                                                       "downloadThroughput": SLOW_LINK_BYTES_S})
         reply = tab.send(first)
+        link.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "uploadThroughput": -1,
+                                                       "downloadThroughput": -1})
         growth = page.evaluate("window.growth")
         print(f"reply rendered in {growth['pieces']} pieces over {len(set(growth['lengths']))} lengths")
         assert reply.strip(), "the page showed no reply"
