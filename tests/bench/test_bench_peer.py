@@ -8,12 +8,15 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.peer import main as peer_main
 from bench.peer_client import Late, PeerError, parse_reply, stream_many, stream_one
 from bench.peer_measure import RATIO_KEYS, first_difference, greedy_keys, measure, ratio_keys, stall_ratio
+from bench.peer_multiturn import aiperf_command, multiturn_keys, read_metrics
 from bench.peer_servers import Side
 
 TOKEN_S = 0.001  # the fake's time per token
@@ -145,3 +148,31 @@ def test_greedy_keys() -> None:
     keys = greedy_keys([[1], [2, 3]], [[5, 6], [7, 8]], [[5, 6], [7, 9]])
     assert keys["peer_greedy_equal"] == 1 and keys["peer_greedy_first_difference"] == [None, 1]
     assert keys["peer_greedy_prompt_lengths"] == [1, 2]
+
+
+def test_aiperf_export_and_multiturn_keys(tmp_path: Path) -> None:
+    def export(tok_s: float, ttft: float, itl: float) -> Path:
+        path = tmp_path / f"{tok_s}.json"
+        path.write_text(json.dumps({"output_token_throughput": {"unit": "tokens/sec", "avg": tok_s},
+                                    "time_to_first_token": {"unit": "ms", "avg": ttft, "p50": 1.0},
+                                    "inter_token_latency": {"unit": "ms", "avg": itl},
+                                    "request_count": {"avg": 64.0},
+                                    "error_summary": [{"count": 2, "error_details": {"code": 500}}]}))
+        return path
+
+    ours, theirs = read_metrics(export(300.0, 50.0, 8.0)), read_metrics(export(100.0, 200.0, 16.0))
+    assert ours == {"tok_s": 300.0, "ttft_ms": 50.0, "itl_ms": 8.0, "errors": 2.0, "requests": 64.0}
+    keys = multiturn_keys(ours, theirs)
+    assert (keys["peer_multiturn_tok_s_ratio"], keys["peer_multiturn_ttft_ratio"],
+            keys["peer_multiturn_itl_ratio"]) == (3.0, 0.25, 0.5)
+    cmd = aiperf_command("aiperf", "http://h:1", "m", tmp_path, tmp_path / "out")
+    assert cmd[cmd.index("--session-header") + 1] == "X-Session-Id"
+    assert cmd[cmd.index("--conversation-num") + 1] == "16" and cmd[cmd.index("--concurrency") + 1] == "16"
+
+
+def test_no_build_tools_is_one_line_and_a_nonzero_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cmake, no compiler, no git
+    assert peer_main(["--json", "--cache", str(tmp_path / "cache")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no cmake on PATH" in err and "Traceback" not in err
