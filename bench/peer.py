@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.peer_build import DEFAULT_CACHE, VERSION, Peer, PeerUnavailable, prepare
 from bench.peer_client import PeerError, stream_many, stream_one
 from bench.peer_measure import LONG, greedy_keys, greedy_prompts, measure, prompt_ids, ratio_keys
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_multiturn:
                 res.update(multiturn(starters(peer, args.model, scratch, ("fp8", "f16")), args.model, scratch,
                                      quick=args.quick))
-    except (PeerError, RuntimeError, OSError) as exc:
+    except (PeerError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench.peer: failed: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return 1

@@ -101,10 +101,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def greedy_keys(prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
     """``peer_greedy_equal`` (prompts whose continuations agree to the end) and, per prompt, its
-    length and the first differing token's index in the continuation (None: agreed)."""
+    length and the first differing token's index in the continuation and in the context (None: agreed)."""
     firsts = [first_difference(a, b) for a, b in zip(ours, theirs, strict=True)]
     return {"peer_greedy_equal": sum(f is None for f in firsts), "peer_greedy_prompts": len(prompts),
-            "peer_greedy_first_difference": firsts, "peer_greedy_prompt_lengths": [len(p) for p in prompts]}
+            "peer_greedy_first_difference": firsts, "peer_greedy_prompt_lengths": [len(p) for p in prompts],
+            "peer_greedy_first_difference_position": [None if f is None else len(p) + f  # in the context
+                                                      for p, f in zip(prompts, firsts, strict=True)]}
 
 
 __all__ = ["LONG", "RATIO_KEYS", "SHORT", "TOKENS", "first_difference", "greedy_keys", "greedy_prompts",

@@ -148,6 +148,7 @@ def test_greedy_keys() -> None:
     keys = greedy_keys([[1], [2, 3]], [[5, 6], [7, 8]], [[5, 6], [7, 9]])
     assert keys["peer_greedy_equal"] == 1 and keys["peer_greedy_first_difference"] == [None, 1]
     assert keys["peer_greedy_prompt_lengths"] == [1, 2]
+    assert keys["peer_greedy_first_difference_position"] == [None, 3]
 
 
 def test_aiperf_export_and_multiturn_keys(tmp_path: Path) -> None:
