@@ -47,8 +47,10 @@ class Reply:
         return self.n_tokens / (self.done - self.sent)
 
     def gaps(self) -> list[tuple[float, float]]:
-        """(start, end) of every gap between consecutive token events."""
-        return list(zip(self.token_times, self.token_times[1:], strict=False))
+        """(start, end) of every gap between consecutive arrivals of token events (events that came
+        in one read of the socket are one arrival)."""
+        arrivals = sorted(set(self.token_times))
+        return list(zip(arrivals, arrivals[1:], strict=False))
 
 
 def parse_reply(sent: float, events: list[tuple[float, bytes]]) -> Reply:
