@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             res = timed_reps(timing, reps, stall_reps)
             res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads)))
             if not args.no_multiturn:
-                res.update(multiturn(timing, args.model, scratch, quick=args.quick))
+                res.update(multiturn(timing, args.model, scratch))
     except (PeerError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench.peer: failed: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
               file=sys.stderr)

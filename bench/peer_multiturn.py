@@ -76,7 +76,7 @@ def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int)
     return read_metrics(exports[-1])
 
 
-def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path, *, quick: bool) -> dict[str, Any]:
+def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path) -> dict[str, Any]:
     """The workload against each side (ours first), or ``multiturn_skipped`` saying why not."""
     aiperf = find_aiperf()
     if aiperf is None:
