@@ -92,10 +92,11 @@ def table(res: dict[str, Any]) -> str:
     lines.append(f"| greedy, f32 KV: prompts equal to the end | | | {res['peer_greedy_equal']} of "
                  f"{res['peer_greedy_prompts']} (first differences {res['peer_greedy_first_difference']}) |")
     mt = res.get("multiturn", {})
-    for key in ("peer_multiturn_tok_s_ratio", "peer_multiturn_ttft_ratio", "peer_multiturn_itl_ratio"):
+    for label, raw in (("multi-turn (aiperf, 16), output tokens/s", "tok_s"), ("... mean TTFT (ms)", "ttft_ms"),
+                       ("... mean inter-token latency (ms)", "itl_ms")):
+        key = f"peer_multiturn_{raw.removesuffix('_ms')}_ratio"
         if key in res:
-            lines.append(f"| {key} | {mt['ours'].get(key[14:-6], '')} | {mt['llama_cpp'].get(key[14:-6], '')} "
-                         f"| {res[key]:.2f} |")
+            lines.append(f"| {label} | {mt['ours'][raw]:,.1f} | {mt['llama_cpp'][raw]:,.1f} | {res[key]:.2f} |")
     if "multiturn_skipped" in res:
         lines.append(f"multi-turn not run: {res['multiturn_skipped']}")
     return "\n".join(lines)
