@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bench.peer import main as peer_main
+from bench.peer import table as peer_table
 from bench.peer_client import Late, PeerError, parse_reply, stream_many, stream_one
 from bench.peer_measure import RATIO_KEYS, first_difference, greedy_keys, measure, ratio_keys, stall_ratio
 from bench.peer_multiturn import aiperf_command, multiturn_keys, read_metrics
@@ -177,3 +178,13 @@ def test_no_build_tools_is_one_line_and_a_nonzero_exit(tmp_path: Path, monkeypat
     assert peer_main(["--json", "--cache", str(tmp_path / "cache")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "no cmake on PATH" in err and "Traceback" not in err
+
+
+def test_table_shows_every_key() -> None:
+    raw = {name: 2.0 for name in RATIO_KEYS.values()}
+    res = {**ratio_keys([raw], [{k: v / 2 for k, v in raw.items()}]), **greedy_keys([[1]], [[2]], [[2]]),
+           **multiturn_keys({"tok_s": 3.0, "ttft_ms": 1.0, "itl_ms": 1.0},
+                            {"tok_s": 1.0, "ttft_ms": 4.0, "itl_ms": 2.0})}
+    text = peer_table(res)
+    assert sum(line.endswith("| 2.00 |") for line in text.splitlines()) == len(RATIO_KEYS) and "1 of 1" in text
+    assert "| 3.0 | 1.0 | 3.00 |" in text and "| 1.0 | 4.0 | 0.25 |" in text and "| 1.0 | 2.0 | 0.50 |" in text
