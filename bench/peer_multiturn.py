@@ -1,0 +1,97 @@
+"""bench.peer's multi-turn workload, driven by NVIDIA's ``aiperf`` (the bench extra): 16 conversations
+of 4 turns (200 new prompt tokens a turn on top of the history, 64 output tokens, streamed chat,
+the conversation named in the ``X-Session-Id`` header, the glm-mini tokenizer), concurrency 16,
+against each server in turn. Keys: ``peer_multiturn_tok_s_ratio`` (output tokens/s),
+``peer_multiturn_ttft_ratio`` (mean time to first token), ``peer_multiturn_itl_ratio`` (mean
+inter-token latency), ours / llama.cpp.
+
+aiperf runs as a command (``aiperf`` beside this interpreter, on PATH, or ``$COLI_AIPERF``): its
+dependencies need not share the project's environment. Where it is missing or fails, the result
+says why in one line (``multiturn_skipped``) and the rest of the bench stands."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.peer_servers import Side
+
+CONVERSATIONS, TURNS, CONCURRENCY, NEW_TOKENS, OUTPUT_TOKENS = 16, 4, 16, 200, 64
+METRICS = {"tok_s": "output_token_throughput", "ttft_ms": "time_to_first_token", "itl_ms": "inter_token_latency"}
+
+
+def find_aiperf() -> str | None:
+    """The aiperf command: ``$COLI_AIPERF``, beside this interpreter, or on PATH."""
+    beside = Path(sys.executable).with_name("aiperf")
+    for candidate in (os.environ.get("COLI_AIPERF"), str(beside) if beside.exists() else None, shutil.which("aiperf")):
+        if candidate:
+            return candidate
+    return None
+
+
+def aiperf_command(aiperf: str, url: str, model_name: str, tokenizer: Path, out: Path,
+                   conversations: int = CONVERSATIONS) -> list[str]:
+    """One aiperf profile run of the workload against ``url``."""
+    return [aiperf, "profile", "--model", model_name, "--url", url, "--endpoint-type", "chat", "--streaming",
+            "--tokenizer", str(tokenizer), "--conversation-num", str(conversations),
+            "--conversation-turn-mean", str(TURNS), "--conversation-turn-stddev", "0",
+            "--isl", str(NEW_TOKENS), "--isl-stddev", "0", "--osl", str(OUTPUT_TOKENS), "--osl-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--session-header", "X-Session-Id",
+            "--concurrency", str(CONCURRENCY), "--artifact-dir", str(out), "--ui-type", "none",
+            "--no-server-metrics", "--random-seed", "36"]
+
+
+def read_metrics(export: Path) -> dict[str, float]:
+    """Output tokens/s, mean TTFT and mean inter-token latency (ms) from aiperf's JSON export, and
+    how many requests failed."""
+    data = json.loads(export.read_text())
+    records = data.get("records", data)
+    out = {name: float(records[key]["avg"]) for name, key in METRICS.items()}
+    errors = data.get("error_summary") or []
+    out["errors"] = float(sum(int(e.get("count", 0)) for e in errors if isinstance(e, dict)))
+    out["requests"] = float(records.get("request_count", {}).get("avg", 0))
+    return out
+
+
+def multiturn_keys(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, Any]:
+    """The three keys (ours / llama.cpp) and both sides' figures."""
+    return {"peer_multiturn_tok_s_ratio": ours["tok_s"] / theirs["tok_s"],
+            "peer_multiturn_ttft_ratio": ours["ttft_ms"] / theirs["ttft_ms"],
+            "peer_multiturn_itl_ratio": ours["itl_ms"] / theirs["itl_ms"],
+            "multiturn": {"ours": ours, "llama_cpp": theirs}}
+
+
+def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int) -> dict[str, float]:
+    cmd = aiperf_command(aiperf, side.url, side.model_name, model, out, conversations)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    exports = sorted(out.rglob("profile_export_aiperf.json"))
+    if done.returncode != 0 or not exports:
+        lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+        raise RuntimeError(f"aiperf against {side.name} exited {done.returncode}: {lines[-1][:200] if lines else ''}")
+    return read_metrics(exports[-1])
+
+
+def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path) -> dict[str, Any]:
+    """The workload against each side (ours first), or ``multiturn_skipped`` saying why not."""
+    aiperf = find_aiperf()
+    if aiperf is None:
+        return {"multiturn_skipped": "no aiperf command (pip install -e '.[bench]', or set COLI_AIPERF)"}
+    figures = {}
+    try:
+        for name in ("ours", "llama.cpp"):
+            side = start[name]()
+            try:
+                figures[name] = run_one(aiperf, side, model, scratch / f"aiperf-{name}", CONVERSATIONS)
+            finally:
+                side.stop()
+    except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as exc:
+        return {"multiturn_skipped": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}
+    return multiturn_keys(figures["ours"], figures["llama.cpp"])
+
+
+__all__ = ["aiperf_command", "find_aiperf", "multiturn", "multiturn_keys", "read_metrics"]
