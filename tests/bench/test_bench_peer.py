@@ -38,7 +38,7 @@ class Fake(BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
         self.wfile.flush()
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if body.get("fail"):
             self.send_response(400)
