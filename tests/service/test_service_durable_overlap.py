@@ -101,6 +101,7 @@ def test_each_piece_is_durable_before_it_is_sent_and_slow_commits_coalesce(
 
 
 SLOW_BARRIER_S = 0.03
+BARRIER_TOKENS = 120  # tokens a stream of that test runs: long enough to span several barriers however fast a step is
 
 
 def test_a_slow_shared_barrier_delays_the_text_not_the_steps(
@@ -138,7 +139,7 @@ def test_a_slow_shared_barrier_delays_the_text_not_the_steps(
     sampling = {"temperature": 0.8, "top_p": 0.9}
     sinks = {f"s{i}": TimedSink(store, f"s{i}", tok, len(_prompt(i))) for i in range(3)}
     try:
-        specs = {sid: TurnSpec("completion", sid, prompt=_prompt(i), max_tokens=MAX_NEW, ignore_eos=True,
+        specs = {sid: TurnSpec("completion", sid, prompt=_prompt(i), max_tokens=BARRIER_TOKENS, ignore_eos=True,
                                sampling={**sampling, "seed": i})
                  for i, sid in enumerate(sinks)}
         t0 = time.perf_counter()
@@ -151,19 +152,19 @@ def test_a_slow_shared_barrier_delays_the_text_not_the_steps(
     tails = sum(1 for _ in windows)
     for i, (sid, sink) in enumerate(sinks.items()):
         assert not sink.problems, sink.problems[:3]
-        want = reference_turns(model, "fp8", [(_prompt(i), MAX_NEW)], Sampler(**sampling, seed=i))[0]
+        want = reference_turns(model, "fp8", [(_prompt(i), BARRIER_TOKENS)], Sampler(**sampling, seed=i))[0]
         assert outcomes[sid].tokens == want
         assert sink.sent == tok.decode(want)  # every piece, in order
         # the text waited for the slow barriers (pauses of a barrier's length between its pieces)
         # while the steps ran on (below)
         assert any(g >= 0.8 * SLOW_BARRIER_S for g in np.diff(sink.times)), np.diff(sink.times)
     during = [s for s in steps if any(b0 < s[0] < b1 for b0, b1 in windows)]
-    print(f"3 sessions x {MAX_NEW} tokens, {SLOW_BARRIER_S * 1e3:.0f} ms shared barriers: {took:.2f} s, "
+    print(f"3 sessions x {BARRIER_TOKENS} tokens, {SLOW_BARRIER_S * 1e3:.0f} ms shared barriers: {took:.2f} s, "
           f"{tails} barriers, {len(steps)} steps, {len(during)} started while a barrier was in flight")
     # steps waiting for the barriers would start none inside one; each 30 ms barrier spans many steps
     assert len(during) >= 2 * len(windows), "the steps waited for the barriers"
-    assert took < MAX_NEW * SLOW_BARRIER_S, f"{took:.2f} s: the steps waited for the barriers"
-    assert tails < MAX_NEW, f"{tails} barriers for {MAX_NEW} tokens: not coalesced"
+    assert took < BARRIER_TOKENS * SLOW_BARRIER_S, f"{took:.2f} s: the steps waited for the barriers"
+    assert tails < BARRIER_TOKENS, f"{tails} barriers for {BARRIER_TOKENS} tokens: not coalesced"
 
 
 class TimedSink(CheckingSink):
