@@ -193,11 +193,16 @@ def test_interleaved_chains_exact_across_evictions(tmp_path: Path, text_model_di
         assert evicted and float(evicted[0].split()[1]) >= 4  # every turn but the first two resumed its session
 
 
-def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path: Path, text_model_dir: Path) -> None:
-    with ServerProc(tmp_path / "root", text_model_dir) as server:
+LONG_INPUT = "List the numbers from one to two hundred."  # glm-mini's greedy reply runs past 2,000 tokens
+
+
+def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path: Path) -> None:
+    with ServerProc(tmp_path / "root", "glm-mini") as server:  # the shipped model: LONG_INPUT's reply never ends
         client = server.openai()
         model = client.models.list().data[0].id
-        stream = client.responses.create(model=model, input="hello there", max_output_tokens=2048, stream=True,
+        # an input whose greedy reply runs to max_output_tokens (a short reply, "hello there"'s 8 tokens, can
+        # end before the client's cut lands: the faster the step, the likelier)
+        stream = client.responses.create(model=model, input=LONG_INPUT, max_output_tokens=2000, stream=True,
                                          temperature=0)
         rid = ""
         for event in stream:
@@ -211,13 +216,13 @@ def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path:
             time.sleep(0.05)
         cut = got.json()
         assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "interrupted"}
-        assert 0 < cut["usage"]["output_tokens"] < 2048
+        assert 0 < cut["usage"]["output_tokens"] < 2000
         text = cut["output"][0]["content"][0]["text"]
         follow = client.responses.create(model=model, input="go on", previous_response_id=rid, max_output_tokens=8,
                                          temperature=0)
         assert follow.usage.input_tokens_details.cached_tokens > 0
         done = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
-            {"role": "user", "content": "hello there"}, {"role": "assistant", "content": text},
+            {"role": "user", "content": LONG_INPUT}, {"role": "assistant", "content": text},
             {"role": "user", "content": "go on"}])
         assert follow.output[0].content[0].token_ids == done.choices[0].token_ids
 

@@ -18,7 +18,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.migration import RemoteStore
 from sessionstore.sessions import SessionStore, reference_turns
 from tests.service.serverkit import ServerProc
-from tests.support.migrate import S3_BUCKET, s3_endpoint, stored_keys  # noqa: F401 - the moto fixture
+from tests.support.migrate import stored_keys
 from tests.support.seaweed import Bucket
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,14 +33,6 @@ CLIENTS = 3
 @pytest.fixture
 def fleet_url(s3_bucket: Bucket) -> str:
     return s3_bucket.url("fleet")
-
-
-@pytest.fixture
-def moto_fleet_url(s3_endpoint: str, request: pytest.FixtureRequest) -> str:  # the moto fixture
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()  # an s3_bucket test before this one left SeaweedFS's client cached
-    return f"s3://{S3_BUCKET}/{request.node.name}"
 
 
 class Conversation:
@@ -152,12 +144,7 @@ class DiskWatch:
 
 
 def test_disk_budget_held_under_load_offload_and_restore_exact_across_a_restart(
-        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], moto_fleet_url: str) -> None:
-    # On moto, not SeaweedFS, until a tiers bug is fixed: on SeaweedFS (3 runs of 3) five new sessions' files
-    # stand on the disk at once, 1,068,225 bytes over the 1,000,000 budget (c3..c7 at 213,645 bytes each, c0..c2
-    # offloaded), the count a9f8129 fixed; on moto it passes alone (4 of 4) but failed once beside other test
-    # files (1,068,625 bytes). Timing opens the window: the bound is not held on every interleaving (issue 38).
-    fleet_url = moto_fleet_url
+        tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], fleet_url: str) -> None:
     model, _ = text_model
     root = tmp_path / "host"
     args = ("--remote", fleet_url, "--host-id", "host-a", "--max-disk-bytes", str(BUDGET), "--max-resident", "2",
