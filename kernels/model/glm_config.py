@@ -18,6 +18,7 @@ length, non-interleaved RoPE, grouped routing, no q_lora (the indexer reads the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from kernels.errors import FormatError, LimitError, UnsupportedModelError
@@ -60,9 +61,10 @@ class DsaConfig:
     index_head_dim: int
     indexer_types: tuple[str, ...]  # per layer: "full" | "shared"
 
-    @property
+    @cached_property
     def full_layers(self) -> tuple[int, ...]:
-        """Layers that run (and store the keys of) an indexer, ascending."""
+        """Layers that run (and store the keys of) an indexer, ascending (computed once: every step
+        asks, through the file's dims)."""
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
 
     @property

@@ -74,9 +74,26 @@ class Rotary:
         self.interleave = cfg.rope_interleave
         self.inv_freq, factor = inverse_frequencies(cfg.rope, self.dim)  # inv_freq: [dim/2] f32
         self.attention_factor = np.float32(factor)
+        self._table = self.compute(np.zeros(0, np.int64))  # (cos, sin) [P, dim/2] f32 each: grown on demand
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin: [S, dim/2] f32 for absolute ``positions`` [S] (attention factor applied)."""
+        """cos, sin: [S, dim/2] f32 for absolute ``positions`` [S] (attention factor applied).
+
+        Rows of a table kept for the positions seen so far (grown by doubling): every element is
+        computed by :meth:`compute` alone, so a row read from the table is bitwise the row computed
+        for that position now (a decode step asks for one position; this spares it four ufuncs)."""
+        pos = np.asarray(positions)
+        if pos.size == 0 or pos.min() < 0:
+            return self.compute(pos)
+        top = int(pos.max())
+        cos, sin = self._table  # one read: a thread growing it swaps the pair whole
+        if top >= cos.shape[0]:
+            size = max(1024, 1 << top.bit_length())  # the next power of two above ``top``
+            cos, sin = self._table = self.compute(np.arange(size))
+        return cos[pos], sin[pos]
+
+    def compute(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin: [S, dim/2] f32 for ``positions`` [S], computed (each element alone)."""
         angles = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # [S, dim/2] f32 product
         cos = np.cos(angles.astype(np.float64)).astype(np.float32) * self.attention_factor  # [S, dim/2] f32
         sin = np.sin(angles.astype(np.float64)).astype(np.float32) * self.attention_factor  # [S, dim/2] f32

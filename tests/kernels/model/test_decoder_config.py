@@ -131,3 +131,18 @@ def test_load_config_errors(tmp_path) -> None:
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(tiny_config_dict()))
     assert load_config(tmp_path).vocab_size == 260
+
+
+def test_rope_rows_from_the_table_are_the_rows_computed() -> None:
+    """Rotary.cos_sin reads rows of a table it grows on demand: bitwise what computing them gives,
+    for any positions, in any order, across a growth of the table."""
+    import numpy as np
+
+    from kernels.model import load_model
+
+    rotary = load_model("tiny").rotary
+    rng = np.random.default_rng(3)
+    for positions in (np.array([0]), np.array([5, 1023, 7]), rng.integers(0, 5000, 300), np.arange(0)):
+        got, want = rotary.cos_sin(positions), rotary.compute(positions)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
