@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -80,16 +81,8 @@ def one_rep(server: Server, prompt: list[int], width: int, max_tokens: int, tag:
 
 
 def _start(server: Server, env: dict[str, str]) -> None:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # the server process inherits ``env``; ours is restored after
         server.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run(root: Path, reps: int, max_tokens: int, sides: tuple[str, ...] = SIDES) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 LEASES = 20  # sessions whose lease is taken, renewed and released per rep
 BUCKET = "fleet-bench"
@@ -47,19 +48,13 @@ def seaweed_s3(work: Path) -> Iterator[str]:
 
     server = start_seaweed(work / "seaweedfs")
     env = client_env(server.endpoint)
-    saved = {k: os.environ.get(k) for k in (*env, "AWS_SESSION_TOKEN")}
-    os.environ.update(env)
-    os.environ.pop("AWS_SESSION_TOKEN", None)
     try:
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir(BUCKET)
-        yield f"s3://{BUCKET}"
+        with mock.patch.dict(os.environ, env):  # the whole environment restored after
+            os.environ.pop("AWS_SESSION_TOKEN", None)
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir(BUCKET)
+            yield f"s3://{BUCKET}"
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 

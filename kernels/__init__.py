@@ -15,8 +15,9 @@ The public surface::
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kernels.lazy import lazy_members
 
 if TYPE_CHECKING:  # the surface as a type checker sees it; at run time each name is imported on first use
     from kernels.attention import absorbed_attention, mla_attention
@@ -35,14 +36,7 @@ _HOMES = {
     "F32Rows": "kernels.rows", "Fp8Rows": "kernels.rows", "LatentRows": "kernels.rows", "RecordRows": "kernels.rows",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _HOMES)
 
 
 __all__ = [

@@ -8,12 +8,12 @@ Public surface: :func:`load_model` (a Hugging Face checkpoint directory or ``"ti
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kernels.errors import NotFoundError
+from kernels.lazy import lazy_members
 from kernels.model.config import ModelConfig, load_config, parse_config
 from kernels.model.glm_config import GLM_MODEL_TYPE
 from kernels.model.protocols import Decoder, DecoderConfig, LatentCache
@@ -34,14 +34,7 @@ _COMPILED = {"DecoderCache": "kernels.model.cache", "MLADecoder": "kernels.model
              "GenerateResult": "kernels.model.generate", "generate": "kernels.model.generate",
              "GlmDecoder": "kernels.model.glm_decoder"}
 
-
-def __getattr__(name: str) -> Any:
-    home = _COMPILED.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_members(__name__, _COMPILED)
 
 GLM_MINI_NAME = "glm-mini"  # the small trained GLM-5-architecture model shipped in the repository
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
