@@ -37,12 +37,18 @@ CLIENTS = 16
 
 
 def decode_span(s: Streamed) -> tuple[int, float]:
-    """(decode tokens, seconds) of one stream: from its first text event to its last."""
+    """(decode tokens, seconds) of one stream: from its first text event to its last. Where every
+    event arrived in one read (a short, fast stream: no span between them), from the request's
+    sending to its last event, every token counted: the prefill inside makes that a lower bound
+    of the rate, never a division by zero."""
     n = len(s.tokens)
     if len(s.text_times) != n:
         raise RuntimeError(f"a stream of {n} tokens sent {len(s.text_times)} text events: the timing "
                            "needs one per token")
-    return n - 1, s.text_times[-1] - s.text_times[0]
+    span = s.text_times[-1] - s.text_times[0]
+    if span > 0:
+        return n - 1, span
+    return n, s.text_times[-1] - s.sent
 
 
 def request(prompt: list[int], max_tokens: int, session: str, model: str) -> dict[str, Any]:
