@@ -54,6 +54,10 @@ def register(subparsers: Any) -> None:
                    help="beside running streams, a step's prompt chunk is sized (from the steps measured) to "
                         f"take at most R decode-only steps (default {ServiceLimits.prefill_step_ratio}; at most "
                         "--max-prefill-tokens tokens); 0: no pacing, always --max-prefill-tokens")
+    p.add_argument("--whole-prompt-tokens", type=int, default=ServiceLimits.whole_prompt_tokens, metavar="N",
+                   help="beside running streams, a step takes prompts of at most N tokens whole, up to N tokens "
+                        f"of them (default {ServiceLimits.whole_prompt_tokens}): a new turn's first token does not "
+                        "wait for paced chunks; longer prompts are paced; 0: every prompt paced")
     p.add_argument("--read-timeout", type=int, default=ServiceLimits.read_timeout_s, metavar="S",
                    help=f"seconds a client may take to send a request's headers, a JSON body whole, or any gap "
                         f"in a body (default {ServiceLimits.read_timeout_s}); past it the request is cut (408)")
@@ -124,8 +128,8 @@ def run_http(args: argparse.Namespace) -> int:
         raise FormatError("--http needs --model (a checkpoint directory, 'tiny' or 'glm-mini')")
     if args.max_resident < 1 or args.commit_every < 1 or args.max_prefill_tokens < 1 or args.read_timeout < 1:
         raise FormatError("--max-resident, --commit-every, --max-prefill-tokens and --read-timeout must be >= 1")
-    if args.prefill_step_ratio < 0:
-        raise FormatError("--prefill-step-ratio must be >= 0")
+    if args.prefill_step_ratio < 0 or args.whole_prompt_tokens < 0:
+        raise FormatError("--prefill-step-ratio and --whole-prompt-tokens must be >= 0")
     if (args.max_kv_bytes is not None and args.max_kv_bytes < 1) or args.max_bundle_bytes < 1:
         raise FormatError("--max-kv-bytes and --max-bundle-bytes must be >= 1")
     if args.max_disk_bytes is not None and args.max_disk_bytes < 1:
@@ -155,6 +159,7 @@ def run_http(args: argparse.Namespace) -> int:
                          limits=ServiceLimits(max_resident=args.max_resident, max_bundle_bytes=args.max_bundle_bytes,
                                               max_prefill_tokens=args.max_prefill_tokens,
                                               prefill_step_ratio=args.prefill_step_ratio,
+                                              whole_prompt_tokens=args.whole_prompt_tokens,
                                               read_timeout_s=args.read_timeout),
                          max_kv_bytes=args.max_kv_bytes,
                          commit_every=args.commit_every, durable_stream=args.durable_stream,

@@ -24,11 +24,12 @@ class ServiceLimits:
     max_batch: int = 64  # sessions one decode step advances together
     max_prefill_tokens: int = 32  # prompt tokens one step carries beside the decode tokens (chunked prefill)
     prefill_step_ratio: int = 3  # such a step is sized to take at most this many decode-only steps; 0: off
+    whole_prompt_tokens: int = 256  # short prompts (each at most this long) a step takes whole beside them; 0: off
     read_timeout_s: int = 30  # a request's headers, a JSON body whole, a gap in any body: past it, cut (408)
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            least = 0 if name == "prefill_step_ratio" else 1
+            least = 0 if name in ("prefill_step_ratio", "whole_prompt_tokens") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"service limit {name} must be an integer >= {least}, found {value!r}")
         if self.default_max_tokens > self.max_tokens:

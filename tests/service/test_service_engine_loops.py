@@ -103,11 +103,13 @@ class _Switches:
 
 
 def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _ChainModel | None = None,
-               ) -> tuple[dict[int, Any], _ChainModel, list[_Cache], _Switches]:
+               whole: int = 0) -> tuple[dict[int, Any], _ChainModel, list[_Cache], _Switches]:
     """``n`` turns as jobs on one loop, each driving a decode loop; their outcomes (the decode
-    loop's end, or the error it raised), their caches, and the switches into the jobs."""
+    loop's end, or the error it raised), their caches, and the switches into the jobs. ``whole``:
+    the loop's ``whole_prompt_tokens`` (0: every prompt beside the loops paced, as these tests of
+    the pacer want)."""
     model = model or _ChainModel()
-    loop = EngineLoop(model, gather_s=GATHER_S)
+    loop = EngineLoop(model, gather_s=GATHER_S, whole_prompt_tokens=whole)
     outcomes: dict[int, Any] = {}
     caches = [_Cache(i) for i in range(n)]
     switches = _Switches()
@@ -461,7 +463,7 @@ def test_a_long_prompts_first_chunk_beside_running_loops_is_the_probe_even_after
             asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
 
     model = _CountsModel()
-    loop = EngineLoop(model, gather_s=0.0)
+    loop = EngineLoop(model, gather_s=0.0, whole_prompt_tokens=0)
 
     def turn(i: int) -> Any:
         cache = _Cache(i)

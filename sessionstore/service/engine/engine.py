@@ -56,6 +56,7 @@ class Engine:
         self.loop = EngineLoop(decoder, max_batch=self.limits.max_batch,
                                max_prefill_tokens=self.limits.max_prefill_tokens,
                                prefill_step_ratio=self.limits.prefill_step_ratio,
+                               whole_prompt_tokens=self.limits.whole_prompt_tokens,
                                on_forward=self.metrics.observe_forward)
         self.model = LoopDecoder(decoder, self.loop)
         store.adopt_model(model_source, self.model)  # the store's sessions decode through the loop

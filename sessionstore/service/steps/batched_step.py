@@ -59,9 +59,10 @@ class BatchedStep:
 
     def __init__(self, model: Any, commits: GroupCommit, pacer: PrefillPacer, *, max_batch: int,
                  max_prefill_tokens: int, on_settled: Callable[[Forward], None],
-                 on_forward: Callable[[str, int, float], None] | None = None) -> None:
+                 on_forward: Callable[[str, int, float], None] | None = None, whole_prompt_tokens: int = 0) -> None:
         self.model, self.commits, self.pacer = model, commits, pacer
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.whole_prompt_tokens = whole_prompt_tokens  # short prompts taken whole beside decoding (plan_step)
         self.on_settled = on_settled
         self.on_forward = on_forward  # called with ("step" | "prefill", sessions, seconds) of each forward
         self.queue: list[Forward] = []
@@ -69,7 +70,8 @@ class BatchedStep:
 
     def run(self) -> None:
         """One step of what waits (as much of it as :func:`~.prefill_pacer.plan_step` lets in)."""
-        batch, self.queue = plan_step(self.queue, self.pacer, self.max_batch, self.max_prefill_tokens)
+        batch, self.queue = plan_step(self.queue, self.pacer, self.max_batch, self.max_prefill_tokens,
+                                      self.whole_prompt_tokens)
         ready: list[tuple[Forward, int]] = []
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:

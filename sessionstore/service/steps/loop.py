@@ -19,9 +19,10 @@ runnable job until it waits again, then ONE batched step (``model.step``) of eve
 
 - every single-token forward (a decode step, or the last token of a prompt) of every session
   (continuous batching: sessions join and leave between steps);
-- beside them, chunks of the prompts waiting to be prefilled, at most ``max_prefill_tokens``
-  tokens a step in arrival order (chunked prefill: a long prompt is admitted over several steps
-  while the running streams keep decoding; its job runs on once its last chunk has run); a step in
+- beside them, short prompts whole (at most ``whole_prompt_tokens`` of them a step) and chunks of
+  the longer ones waiting to be prefilled, at most ``max_prefill_tokens`` tokens a step in arrival
+  order (chunked prefill: a long prompt is admitted over several steps while the running streams
+  keep decoding; its job runs on once its last chunk has run); a step in
   which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` (new sessions arriving together
   start in the step after the one they arrive during; an idle loop woken by a job may wait
   ``gather_s`` for the ones that follow it, 0 by default).
@@ -52,7 +53,12 @@ import numpy as np
 from sessionstore.log import get_logger
 from sessionstore.service.steps.batched_step import BatchedStep, Forward
 from sessionstore.service.steps.group_commit import GroupCommit
-from sessionstore.service.steps.prefill_pacer import MAX_PREFILL_TOKENS, PREFILL_STEP_RATIO, PrefillPacer
+from sessionstore.service.steps.prefill_pacer import (
+    MAX_PREFILL_TOKENS,
+    PREFILL_STEP_RATIO,
+    WHOLE_PROMPT_TOKENS,
+    PrefillPacer,
+)
 from sessionstore.sessions import DecodeLoop, TurnEnd, drive_inline
 
 log = get_logger("service")
@@ -85,7 +91,8 @@ class EngineLoop:
 
     def __init__(self, model: Any, *, max_batch: int = 64, gather_s: float = GATHER_S,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS, prefill_step_ratio: float = PREFILL_STEP_RATIO,
-                 on_forward: Callable[[str, int, float], None] | None = None) -> None:
+                 on_forward: Callable[[str, int, float], None] | None = None,
+                 whole_prompt_tokens: int = WHOLE_PROMPT_TOKENS) -> None:
         self.model, self.gather_s = model, gather_s
         self.after_pass: Callable[[], None] | None = None  # called at the end of each pass (e.g. send its events)
         self.commits = GroupCommit(max_batch, share=os.environ.get(SHARED_BARRIER_ENV, "1") != "0")
@@ -94,7 +101,8 @@ class EngineLoop:
         # ("step" | "prefill", sessions, seconds) of each forward
         self.batch = BatchedStep(model, self.commits, PrefillPacer(max_prefill_tokens, prefill_step_ratio),
                                  max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
-                                 on_settled=self._run_on_after, on_forward=on_forward)
+                                 on_settled=self._run_on_after, on_forward=on_forward,
+                                 whole_prompt_tokens=whole_prompt_tokens)
         self._cond = threading.Condition()  # guards _arrived, the counts and _stopped
         self._arrived: deque[tuple[_Job, Resume | None] | Forward] = deque()  # from other threads
         self._in_flight = 0  # jobs submitted and not ended

@@ -2,7 +2,9 @@
 prompt chunks by what the loop's steps measured, and :func:`plan_step` picks a step's members.
 
 A long prompt is admitted over several steps beside the sessions that decode, so their streams keep
-flowing; a step in which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` of prompt.
+flowing; a short one (a new turn's few hundred tokens on top of a resident history) is admitted whole,
+up to ``WHOLE_PROMPT_TOKENS`` of them a step, so its first token does not wait for the others' paced
+chunks; a step in which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` of prompt.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions
 # most this many times their decode-only step (so a running stream's longest gap stays near it)
 PROBE_TOKENS = 4  # prompt tokens of a step beside decoding sessions before a prompt token has been measured
 # beside them: a probe that costs about what 4 decode rows do, whatever the prompt's length
+WHOLE_PROMPT_TOKENS = 256  # prompt tokens of short prompts (each at most this long, not yet begun) one step
+# beside decoding sessions takes whole, in arrival order, besides the pacer's chunks: the others' gap grows by
+# one such prompt's prefill (glm-mini, ~0.2 ms a token: ~50 ms), and a turn's first token no longer waits
+# for ~7 paced chunks of 32 behind every other new turn (bench.peer's multi-turn workload: 16 conversations
+# of 200-token turns; mean TTFT 1.5 s -> see BENCHMARKS.md). 0: every prompt paced
 GROWTH = 2  # a step's prompt tokens beside decoding sessions are at most this many times the last measured
 
 
@@ -76,28 +83,34 @@ class Waiting(Protocol):
 W = TypeVar("W", bound=Waiting)
 
 
-def plan_step(taken: list[W], pacer: PrefillPacer, max_batch: int,
-              max_prefill_tokens: int) -> tuple[list[tuple[W, int]], list[W]]:
-    """One step's members, each with the tokens it steps (1, or a prompt's next chunk), and what
-    waits for a later step: at most ``max_batch`` members, prompts in arrival order, and while any
-    member decodes at most the pacer's budget of prompt tokens (at most ``max_prefill_tokens``; the
-    budget keeps the running streams flowing); a step with no one decoding takes up to
-    ``IDLE_PREFILL_TOKENS``."""
+def plan_step(taken: list[W], pacer: PrefillPacer, max_batch: int, max_prefill_tokens: int,
+              whole_tokens: int = 0) -> tuple[list[tuple[W, int]], list[W]]:
+    """One step's members, each with the tokens it steps (1, a short prompt whole, or a long
+    prompt's next chunk), and what waits for a later step: at most ``max_batch`` members, prompts in
+    arrival order. While any member decodes: short prompts (at most ``whole_tokens`` tokens, none
+    stepped yet) whole, up to ``whole_tokens`` tokens of them in all (one that does not fit waits for
+    the next step, whole), and the others' chunks at most the pacer's budget of prompt tokens (at
+    most ``max_prefill_tokens``; the budget keeps the running streams flowing); a step with no one
+    decoding takes up to ``IDLE_PREFILL_TOKENS``."""
     batch: list[tuple[W, int]] = []
     later: list[W] = []
     decoding = sum(work.tokens.shape[0] - work.fed == 1 for work in taken)
     budget = pacer.budget(decoding) if decoding else max(max_prefill_tokens, IDLE_PREFILL_TOKENS)
+    whole = whole_tokens if decoding else 0  # nobody decoding: the idle budget takes them anyway
     for work in taken:
         want = work.tokens.shape[0] - work.fed
-        take = 1 if want == 1 else min(want, budget)
-        if take < 1 or len(batch) >= max_batch:
+        short = 1 < want <= whole_tokens and work.fed == 0 and bool(decoding)
+        take = 1 if want == 1 else (want if want <= whole else 0) if short else min(want, budget)
+        if take < 1 or len(batch) >= max_batch:  # a short prompt past this step's whole budget waits whole
             later.append(work)
             continue
-        if want > 1:
+        if short:
+            whole -= take
+        elif want > 1:
             budget -= take
         batch.append((work, take))
     return batch, later
 
 
 __all__ = ["GROWTH", "IDLE_PREFILL_TOKENS", "MAX_PREFILL_TOKENS", "PREFILL_STEP_RATIO", "PROBE_TOKENS", "PrefillPacer",
-           "Waiting", "plan_step"]
+           "WHOLE_PROMPT_TOKENS", "Waiting", "plan_step"]
