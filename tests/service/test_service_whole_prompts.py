@@ -36,8 +36,11 @@ def test_beside_decoding_short_prompts_go_whole_up_to_the_budget_and_long_ones_s
     assert batch == [("d", 1), ("b", 100)] and later == ["a"]  # next step, a is first and fits: none starves
     batch, _ = _plan([_waiting("d", 1), _waiting("a", 200)], 0)
     assert batch == [("d", 1), ("a", PROBE_TOKENS)]  # off: paced like any prompt
-    batch, _ = _plan([_waiting("a", 200), _waiting("long", 1000)], 256)
-    assert batch == [("a", 200), ("long", 1000)]  # no one decoding: the idle budget, as before
+    batch, later = _plan([_waiting("a", 200), _waiting("b", 100), _waiting("long", 1000)], 256)
+    # no one decoding: the long prompt takes the idle budget as before; of the short ones that arrived
+    # together, the first goes now and b next step (its first token comes a step later, a's no longer
+    # waits for b's prefill)
+    assert batch == [("a", 200), ("long", 1000)] and later == ["b"]
 
 
 class _Cache:

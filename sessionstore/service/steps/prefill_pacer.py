@@ -4,7 +4,7 @@ prompt chunks by what the loop's steps measured, and :func:`plan_step` picks a s
 A long prompt is admitted over several steps beside the sessions that decode, so their streams keep
 flowing; a short one (a new turn's few hundred tokens on top of a resident history) is admitted whole,
 up to ``WHOLE_PROMPT_TOKENS`` of them a step, so its first token does not wait for the others' paced
-chunks; a step in which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` of prompt.
+chunks; a step in which no session decodes takes up to ``IDLE_PREFILL_TOKENS`` of a long prompt.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PREFILL_STEP_RATIO = 3  # a step carrying prompt chunks beside decoding sessions
 PROBE_TOKENS = 4  # prompt tokens of a step beside decoding sessions before a prompt token has been measured
 # beside them: a probe that costs about what 4 decode rows do, whatever the prompt's length
 WHOLE_PROMPT_TOKENS = 256  # prompt tokens of short prompts (each at most this long, not yet begun) one step
-# beside decoding sessions takes whole, in arrival order, besides the pacer's chunks: the others' gap grows by
+# takes whole, in arrival order, besides the pacer's chunks: a decoding session's gap grows by
 # one such prompt's prefill (glm-mini, ~0.2 ms a token: ~50 ms), and a turn's first token no longer waits
 # for ~7 paced chunks of 32 behind every other new turn (bench.peer's multi-turn workload: 16 conversations
 # of 200-token turns; mean TTFT 1.5 s -> see BENCHMARKS.md). 0: every prompt paced
@@ -87,19 +87,20 @@ def plan_step(taken: list[W], pacer: PrefillPacer, max_batch: int, max_prefill_t
               whole_tokens: int = 0) -> tuple[list[tuple[W, int]], list[W]]:
     """One step's members, each with the tokens it steps (1, a short prompt whole, or a long
     prompt's next chunk), and what waits for a later step: at most ``max_batch`` members, prompts in
-    arrival order. While any member decodes: short prompts (at most ``whole_tokens`` tokens, none
-    stepped yet) whole, up to ``whole_tokens`` tokens of them in all (one that does not fit waits for
-    the next step, whole), and the others' chunks at most the pacer's budget of prompt tokens (at
-    most ``max_prefill_tokens``; the budget keeps the running streams flowing); a step with no one
-    decoding takes up to ``IDLE_PREFILL_TOKENS``."""
+    arrival order. Short prompts (at most ``whole_tokens`` tokens, none stepped yet) go whole, up to
+    ``whole_tokens`` tokens of them a step (one that does not fit waits for the next step, whole:
+    prompts that arrive together get their first tokens one after the other, not all at the end of
+    one long step); the others' chunks are, while any member decodes, at most the pacer's budget of
+    prompt tokens (at most ``max_prefill_tokens``; the budget keeps the running streams flowing),
+    and in a step with no one decoding up to ``IDLE_PREFILL_TOKENS``."""
     batch: list[tuple[W, int]] = []
     later: list[W] = []
     decoding = sum(work.tokens.shape[0] - work.fed == 1 for work in taken)
     budget = pacer.budget(decoding) if decoding else max(max_prefill_tokens, IDLE_PREFILL_TOKENS)
-    whole = whole_tokens if decoding else 0  # nobody decoding: the idle budget takes them anyway
+    whole = whole_tokens
     for work in taken:
         want = work.tokens.shape[0] - work.fed
-        short = 1 < want <= whole_tokens and work.fed == 0 and bool(decoding)
+        short = 1 < want <= whole_tokens and work.fed == 0
         take = 1 if want == 1 else (want if want <= whole else 0) if short else min(want, budget)
         if take < 1 or len(batch) >= max_batch:  # a short prompt past this step's whole budget waits whole
             later.append(work)
