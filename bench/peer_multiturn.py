@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -76,22 +77,35 @@ def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int)
     return read_metrics(exports[-1])
 
 
-def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path) -> dict[str, Any]:
-    """The workload against each side (ours first), or ``multiturn_skipped`` saying why not."""
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the reps (errors and requests: their sums)."""
+    return {k: (sum if k in ("errors", "requests") else statistics.median)([r[k] for r in runs]) for k in runs[0]}
+
+
+def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path, reps: int = 1,
+              warm: Callable[[Side], None] | None = None) -> dict[str, Any]:
+    """The workload against each side, ``reps`` times, alternating which goes first (ours in the
+    first), each side started fresh and (with ``warm``) warmed before it is timed; the keys of the
+    medians, or ``multiturn_skipped`` saying why not."""
     aiperf = find_aiperf()
     if aiperf is None:
         return {"multiturn_skipped": "no aiperf command (pip install -e '.[bench]', or set COLI_AIPERF)"}
-    figures = {}
+    figures: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
     try:
-        for name in ("ours", "llama.cpp"):
-            side = start[name]()
-            try:
-                figures[name] = run_one(aiperf, side, model, scratch / f"aiperf-{name}", CONVERSATIONS)
-            finally:
-                side.stop()
+        for rep in range(reps):
+            for name in (["ours", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "ours"]):
+                side = start[name]()
+                try:
+                    if warm is not None:
+                        warm(side)
+                    figures[name].append(run_one(aiperf, side, model, scratch / f"aiperf-{name}-{rep}", CONVERSATIONS))
+                finally:
+                    side.stop()
     except (RuntimeError, OSError, KeyError, ValueError, subprocess.TimeoutExpired) as exc:
         return {"multiturn_skipped": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}
-    return multiturn_keys(figures["ours"], figures["llama.cpp"])
+    keys = multiturn_keys(medians(figures["ours"]), medians(figures["llama.cpp"]))
+    keys["multiturn"]["reps"] = {"ours": figures["ours"], "llama_cpp": figures["llama.cpp"]}
+    return keys
 
 
-__all__ = ["aiperf_command", "find_aiperf", "multiturn", "multiturn_keys", "read_metrics"]
+__all__ = ["aiperf_command", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics"]
