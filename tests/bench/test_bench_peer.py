@@ -4,11 +4,13 @@ chunks with ``tokens``). No llama.cpp build: the bench itself is not a test."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from bench.peer import main as peer_main
 from bench.peer import table as peer_table
 from bench.peer_client import Late, PeerError, parse_reply, stream_many, stream_one
 from bench.peer_measure import RATIO_KEYS, first_difference, greedy_keys, measure, ratio_keys, stall_ratio
-from bench.peer_multiturn import aiperf_command, multiturn_keys, read_metrics
+from bench.peer_multiturn import aiperf_command, medians, multiturn, multiturn_keys, read_metrics
 from bench.peer_servers import Side
 
 TOKEN_S = 0.001  # the fake's time per token
@@ -170,6 +172,42 @@ def test_aiperf_export_and_multiturn_keys(tmp_path: Path) -> None:
     cmd = aiperf_command("aiperf", "http://h:1", "m", tmp_path, tmp_path / "out")
     assert cmd[cmd.index("--session-header") + 1] == "X-Session-Id"
     assert cmd[cmd.index("--conversation-num") + 1] == "16" and cmd[cmd.index("--concurrency") + 1] == "16"
+
+
+def test_multiturn_alternates_warms_each_side_and_takes_medians(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake aiperf (its figures by the server's URL and the run's order): the sides alternate which
+    goes first, each is warmed before it is timed and stopped after, the keys are the medians."""
+    fake = tmp_path / "aiperf"
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+a = sys.argv
+out = pathlib.Path(a[a.index("--artifact-dir") + 1]); out.mkdir(parents=True)
+log = pathlib.Path({str(tmp_path / "order")!r}); runs = log.read_text().split() if log.exists() else []
+url = a[a.index("--url") + 1]; log.write_text(" ".join([*runs, url]))
+tok_s = (100.0 if "ours" in url else 50.0) + len(runs)
+(out / "profile_export_aiperf.json").write_text(json.dumps({{
+    "output_token_throughput": {{"avg": tok_s}}, "time_to_first_token": {{"avg": 10.0}},
+    "inter_token_latency": {{"avg": 2.0}}, "request_count": {{"avg": 64.0}}}}))
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("COLI_AIPERF", str(fake))
+    events: list[str] = []
+
+    def side(name: str) -> Any:
+        events.append(f"start {name}")
+        return SimpleNamespace(name=name, url=f"http://{name}", model_name="m", stop=lambda: events.append("stop"))
+
+    start = {"ours": lambda: side("ours"), "llama.cpp": lambda: side("llama")}
+    res = multiturn(start, tmp_path, tmp_path / "scratch", reps=3, warm=lambda s: events.append(f"warm {s.name}"))
+    assert (tmp_path / "order").read_text().split() == ["http://ours", "http://llama", "http://llama", "http://ours",
+                                                       "http://ours", "http://llama"]
+    assert events[:3] == ["start ours", "warm ours", "stop"] and events.count("stop") == 6
+    assert res["multiturn"]["ours"]["tok_s"] == 103.0  # of 100, 103, 104
+    assert res["multiturn"]["llama_cpp"]["tok_s"] == 52.0  # of 51, 52, 55
+    assert res["multiturn"]["ours"]["requests"] == 192.0  # summed over the reps
+    assert res["peer_multiturn_tok_s_ratio"] == 103.0 / 52.0 and len(res["multiturn"]["reps"]["ours"]) == 3
+    assert medians([{"tok_s": 1.0, "errors": 1.0}, {"tok_s": 3.0, "errors": 0.0}]) == {"tok_s": 2.0, "errors": 1.0}
 
 
 def test_no_build_tools_is_one_line_and_a_nonzero_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

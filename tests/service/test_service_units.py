@@ -98,6 +98,9 @@ def test_limits_are_checked() -> None:
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="prefill_step_ratio must be an integer >= 0"):
             ServiceLimits(prefill_step_ratio=bad)  # type: ignore[arg-type]
+    assert ServiceLimits(whole_prompt_tokens=0).whole_prompt_tokens == 0  # 0: every prompt paced
+    with pytest.raises(ValueError, match="whole_prompt_tokens must be an integer >= 0"):
+        ServiceLimits(whole_prompt_tokens=-1)
 
 
 def test_errors_map_to_statuses() -> None:
