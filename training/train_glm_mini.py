@@ -157,7 +157,9 @@ def set_topk(tap: IndexerTap, k: int) -> None:
 
 @torch.no_grad()
 def heldout_nll(model: Any, tok: Any, text: str, seq: int, max_windows: int = 64) -> tuple[float, int]:
-    """Mean next-token NLL over consecutive ``seq``-token windows of ``text`` (sparse top-k as shipped)."""
+    """Mean next-token NLL over consecutive ``seq``-token windows of ``text`` (sparse top-k as shipped); a
+    text shorter than one window is read as one window of all its tokens (the validation topics: 1,528)."""
+    seq = max(2, min(seq, len(tok.encode(text).ids) - 1))
     nll = position_nll(model, tok, text, seq, max_windows)  # nll: [W, seq-1] f32
     return float(nll.mean()) if nll.numel() else 0.0, nll.numel()
 
