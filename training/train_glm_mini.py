@@ -7,16 +7,21 @@ Tokenizer: byte-level BPE (``tokenizers``) with GLM-style special tokens and cha
 qk_rope 16, powers of two so the 4-bit v3 tier applies), a DSA indexer on "full" layers reused by
 "shared" ones, MoE layers with a dense first layer, and ``index_topk`` 32.
 
-Training mixes raw text windows with chat samples (a section title asked about, its paragraph as
-the answer). The first ``--dense-frac`` of the run attends densely (top-k = the whole window) while
-the indexer learns to predict attention (training.indexer_loss); the rest runs the real sparse
-top-k so the model adapts to it. The run ends at ``--steps`` or the ``--minutes`` budget; the
-learning-rate schedule follows whichever is nearer. Validation perplexity (half the held-out
-topics) is measured every ``--eval-every`` sparse steps and the best checkpoint is kept; the other
-half gives the reported test perplexity. Output: a Hugging Face checkpoint directory
-(bf16 safetensors + tokenizer files) and ``train_log.json``.
+Training mixes raw text windows with windows of packed chats (multi-turn, 1-12 turns on one topic: a
+section title asked about, its paragraph as the answer; training.train_glm_mini.Batches), no padding.
+``--short-seq``/``--short-frac`` train the run's first share on shorter windows (same tokens per step);
+``--init DIR`` goes on training a checkpoint (its tokenizer kept). The first ``--dense-frac`` of the run
+attends densely (top-k = the whole window) while the indexer learns to predict attention
+(training.indexer_loss); the rest runs the real sparse top-k so the model adapts to it. The run ends at
+``--steps`` or the ``--minutes`` budget; the learning-rate schedule follows whichever is nearer.
+Validation perplexity (half the held-out topics) is measured every ``--eval-every`` sparse steps and the
+best checkpoint is kept; the other half gives the reported test perplexity. Output: a Hugging Face
+checkpoint directory (bf16 safetensors + tokenizer files) and ``train_log.json`` (with the command, and
+the held-out perplexity by position span: training.train_glm_mini.POSITION_SPANS).
 
     python -m training.train_glm_mini --out models/glm-mini --minutes 40
+    python -m training.train_glm_mini --init models/glm-mini --out /tmp/long --seq 2048 --batch 1 --lr 1e-3 \
+        --dense-frac 0.3 --minutes 32     # the long-window run of training/runs/glm-mini-long-2026-12-06.json
 """
 from __future__ import annotations
 
