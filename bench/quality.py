@@ -12,9 +12,14 @@ prediction reads stored (quantised) rows, and past ``index_topk`` the DSA select
     agree with f32's answer before the first divergence, and how many answers are identical.
 (c) Relative L2 error ||decode(encode(x)) - x|| / ||x|| of int4 and polar2..6 on the latent rows
     (Lc [kv_lora], Rc [qk_rope]) the decoder wrote for the held-out text (kernels.tq.TqCodec).
+(d) Perplexity by position (f32 cache): held-out windows of the model's whole context (2,048 tokens),
+    each prefilled in chunks of ``CHUNK``; the next-token NLL of the predictions at positions
+    [lo, hi) of every window, per span of :data:`SPANS`, and the ratio of the last span's to the first's
+    (1.0: the model reads a long context as well as a short one).
 JSON keys: ppl_<dtype>, ppl_rel_delta_<dtype>, top1_agree_<dtype>, kl_<dtype>, greedy_prefix_tokens_mean_<dtype>
 (tokens agreeing with f32's answer before the first divergence), greedy_prefix_mean_<dtype> (that as a share
-of f32's answer), greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, plus tokens/prompts counts.
+of f32's answer), greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, ppl_pos_<lo>_<hi>,
+ppl_pos_ratio (last span over first), plus tokens/prompts/position_windows counts.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from kernels.tq import KV_DTYPES_V3, TqCodec
 
 DTYPES = ("f32", "fp8", "int4", "polar4")
 PREFIX = 8
+SPANS = ((0, 128), (128, 512), (512, 1024), (1024, 2048))
+CHUNK = 256
 MODEL_DIR = "models/glm-mini"
 PROMPTS = (
     [{"role": "user", "content": "Explain the \"for\" statement."}],
@@ -158,6 +165,29 @@ def run_row_errors(caches: list[Any]) -> dict[str, float]:
     return out
 
 
+def run_positions(model: MLADecoder, windows: list[np.ndarray]) -> dict[str, float]:
+    """Perplexity of the f32 cache's predictions per position span of :data:`SPANS` (section (d))."""
+    nll = []
+    for window in windows:
+        cache, inputs = model.new_cache("f32"), window[:-1]
+        logits = np.concatenate([model.forward(inputs[i:i + CHUNK], cache)
+                                 for i in range(0, inputs.size, CHUNK)]).astype(np.float64)  # [T-1, V] f64
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        nll.append(-logp[np.arange(inputs.size), window[1:]])  # [T-1] f64: position j predicts token j+1
+    rows = np.stack(nll)  # rows: [W, T-1] f64
+    out: dict[str, float] = {"position_windows": float(len(windows))}
+    print(f"(d) perplexity by position, f32 cache, {len(windows)} held-out windows of {windows[0].size} tokens")
+    for lo, hi in SPANS:
+        if lo < rows.shape[1]:
+            out[f"ppl_pos_{lo}_{hi}"] = math.exp(float(rows[:, lo:hi].mean()))
+            print(f"    positions {lo:>5}-{hi:<5} ppl {out[f'ppl_pos_{lo}_{hi}']:9.3f}")
+    spans = [k for k in out if k.startswith("ppl_pos_")]
+    out["ppl_pos_ratio"] = out[spans[-1]] / out[spans[0]]
+    print(f"    last span / first span: {out['ppl_pos_ratio']:.3f}")
+    return out
+
+
 def heldout_windows(tok: Any, length: int, count: int) -> list[np.ndarray]:
     from training.corpus import load_corpus
 
@@ -173,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    help="4 windows of 96 tokens and 32 new tokens per answer (else 12 of 192, 48 new)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--model", default=MODEL_DIR)
+    p.add_argument("--position-windows", type=int, default=None,
+                   help="held-out windows of the full context for (d) (default 2, --quick 1; 0 skips (d))")
     args = p.parse_args(argv)
     model = load_model(args.model)
     if not isinstance(model, GlmDecoder):
@@ -182,6 +214,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     results, caches = run_perplexity(model, heldout_windows(tok, length, count))
     results.update(run_greedy(model, tok, render, max_new))
     results.update(run_row_errors(caches))
+    n_pos = (1 if args.quick else 2) if args.position_windows is None else args.position_windows
+    if n_pos:
+        context = model.config.max_position_embeddings
+        results.update(run_positions(model, heldout_windows(tok, context, n_pos)))
     if args.json:
         print(json.dumps(results, sort_keys=True))
     return results

@@ -7,16 +7,21 @@ Tokenizer: byte-level BPE (``tokenizers``) with GLM-style special tokens and cha
 qk_rope 16, powers of two so the 4-bit v3 tier applies), a DSA indexer on "full" layers reused by
 "shared" ones, MoE layers with a dense first layer, and ``index_topk`` 32.
 
-Training mixes raw text windows with chat samples (a section title asked about, its paragraph as
-the answer). The first ``--dense-frac`` of the run attends densely (top-k = the whole window) while
-the indexer learns to predict attention (training.indexer_loss); the rest runs the real sparse
-top-k so the model adapts to it. The run ends at ``--steps`` or the ``--minutes`` budget; the
-learning-rate schedule follows whichever is nearer. Validation perplexity (half the held-out
-topics) is measured every ``--eval-every`` sparse steps and the best checkpoint is kept; the other
-half gives the reported test perplexity. Output: a Hugging Face checkpoint directory
-(bf16 safetensors + tokenizer files) and ``train_log.json``.
+Training mixes raw text windows with windows of packed chats (multi-turn, 1-12 turns on one topic: a
+section title asked about, its paragraph as the answer; training.train_glm_mini.Batches), no padding.
+``--short-seq``/``--short-frac`` train the run's first share on shorter windows (same tokens per step);
+``--init DIR`` goes on training a checkpoint (its tokenizer kept). The first ``--dense-frac`` of the run
+attends densely (top-k = the whole window) while the indexer learns to predict attention
+(training.indexer_loss); the rest runs the real sparse top-k so the model adapts to it. The run ends at
+``--steps`` or the ``--minutes`` budget; the learning-rate schedule follows whichever is nearer.
+Validation perplexity (half the held-out topics) is measured every ``--eval-every`` sparse steps and the
+best checkpoint is kept; the other half gives the reported test perplexity. Output: a Hugging Face
+checkpoint directory (bf16 safetensors + tokenizer files) and ``train_log.json`` (with the command, and
+the held-out perplexity by position span: training.train_glm_mini.POSITION_SPANS).
 
     python -m training.train_glm_mini --out models/glm-mini --minutes 40
+    python -m training.train_glm_mini --init models/glm-mini --out /tmp/long --seq 2048 --batch 1 --lr 1e-3 \
+        --dense-frac 0.3 --minutes 32     # the long-window run of training/runs/glm-mini-long-2026-12-06.json
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from training.corpus import ask, chat_pairs, load_corpus
 from training.indexer_loss import ExpertBalancer, IndexerTap, indexer_kl
 from training.tokenizer import EOS_TOKENS, PAD_TOKEN, render_chat, special_ids, train_tokenizer, write_tokenizer_files
 
+POSITION_SPANS = ((0, 128), (128, 512), (512, 1024), (1024, 2048))
 DATA_NAME = "CPython pydoc_data.topics (Python documentation topics), PSF License Version 2"
 N_LAYERS = 6
 MODEL_SHAPE: dict[str, Any] = dict(
@@ -57,53 +64,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=3072)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--short-seq", type=int, default=0,
+                   help="window of the run's first --short-frac (0: --seq throughout); same tokens per step")
+    p.add_argument("--short-frac", type=float, default=0.0, help="share of the run trained on --short-seq windows")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chat-frac", type=float, default=0.5, help="share of chat samples in a batch")
     p.add_argument("--dense-frac", type=float, default=0.6, help="share of the run trained dense (indexer warm-up)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None,
+                   help="go on training this checkpoint (its weights and tokenizer) instead of a fresh model")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
     return p.parse_args(argv)
 
 
 class Batches:
-    """Random training batches: text windows of the token stream and padded chat samples."""
+    """Random training windows of ``seq`` tokens: the topics' token stream, or packed multi-turn chats.
 
-    def __init__(self, tok: Any, corpus: Any, seq: int, chat_frac: float, seed: int) -> None:
+    A chat stays on one topic: up to ``max_turns`` questions about that topic's sections (in page
+    order from a random start, wrapping round), each answered by its paragraph. Chats are packed back
+    to back (each ends in ``<|endoftext|>``) until the window is full, so no position is padding and
+    the model sees chats of 1-12 turns reach every position up to ``seq``.
+    """
+
+    def __init__(self, tok: Any, corpus: Any, seq: int, chat_frac: float, seed: int, max_turns: int = 12) -> None:
         self.ids = special_ids(tok)
-        self.seq, self.chat_frac = seq, chat_frac
+        self.seq, self.chat_frac, self.max_turns = seq, chat_frac, max_turns
         self.rng = random.Random(seed)
         eot = [self.ids["<|endoftext|>"]]
         stream: list[int] = []
         for text in corpus.train_topics.values():
             stream += tok.encode(text).ids + eot
         self.stream = torch.tensor(stream, dtype=torch.long)  # stream: [N] i64
-        self.pairs = chat_pairs(corpus.train_topics)
+        by_topic = [chat_pairs({name: text}) for name, text in corpus.train_topics.items()]
+        self.topics = [pairs for pairs in by_topic if pairs]
+        self.pairs = [pair for pairs in self.topics for pair in pairs]
         self.tok = tok
 
     def chat_sample(self) -> list[int]:
+        """One chat on one topic, 1..max_turns turns, rendered with the template and ended by eos."""
         messages: list[dict[str, str]] = []
         if self.rng.random() < 0.2:
             messages.append({"role": "system", "content": "You answer questions about Python."})
-        for _ in range(self.rng.choice((1, 1, 2, 3))):
-            subject, answer = self.rng.choice(self.pairs)
+        pairs = self.rng.choice(self.topics)
+        start = self.rng.randrange(len(pairs))
+        for turn in range(self.rng.randint(1, self.max_turns)):
+            subject, answer = pairs[(start + turn) % len(pairs)]
             messages += [{"role": "user", "content": ask(subject, self.rng)}, {"role": "assistant", "content": answer}]
         ids: list[int] = self.tok.encode(render_chat(messages) + "<|endoftext|>").ids
-        return ids[: self.seq]
+        return ids
 
-    def next(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [B, seq] i64, labels [B, seq] i64 with -100 on padding)."""
-        inputs = torch.full((batch, self.seq), self.ids[PAD_TOKEN], dtype=torch.long)
-        labels = torch.full((batch, self.seq), -100, dtype=torch.long)
+    def chat_window(self, seq: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < seq:
+            ids += self.chat_sample()
+        return ids[:seq]
+
+    def next(self, batch: int, seq: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [B, seq] i64, labels [B, seq] i64): every position is a real token."""
+        seq = seq or self.seq
+        inputs = torch.empty((batch, seq), dtype=torch.long)
         for b in range(batch):
             if self.rng.random() < self.chat_frac:
-                row = torch.tensor(self.chat_sample(), dtype=torch.long)
+                inputs[b] = torch.tensor(self.chat_window(seq), dtype=torch.long)
             else:
-                start = self.rng.randrange(0, self.stream.numel() - self.seq)
-                row = self.stream[start:start + self.seq]
-            inputs[b, : row.numel()] = row
-            labels[b, : row.numel()] = row
-        return inputs, labels
+                start = self.rng.randrange(0, self.stream.numel() - seq)
+                inputs[b] = self.stream[start:start + seq]
+        return inputs, inputs.clone()
 
 
 def build_model(vocab: int, ids: dict[str, int], seed: int) -> Any:
@@ -116,6 +143,18 @@ def build_model(vocab: int, ids: dict[str, int], seed: int) -> Any:
     return GlmMoeDsaForCausalLM(cfg)
 
 
+def load_checkpoint(directory: Path) -> tuple[Any, Any]:
+    """(tokenizer, f32 model with eager attention) of a checkpoint this script wrote: ``--init`` goes on
+    training it (its tokenizer is kept, so its ids stay valid)."""
+    from tokenizers import Tokenizer
+    from transformers import GlmMoeDsaForCausalLM
+
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    model = GlmMoeDsaForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    model.config._attn_implementation = "eager"  # attention probabilities are the indexer's training target
+    return tok, model
+
+
 def set_topk(tap: IndexerTap, k: int) -> None:
     for ix in tap.modules.values():
         ix.index_topk = k
@@ -123,17 +162,35 @@ def set_topk(tap: IndexerTap, k: int) -> None:
 
 @torch.no_grad()
 def heldout_nll(model: Any, tok: Any, text: str, seq: int, max_windows: int = 64) -> tuple[float, int]:
-    """Mean next-token NLL over consecutive ``seq``-token windows of ``text`` (sparse top-k as shipped)."""
+    """Mean next-token NLL over consecutive ``seq``-token windows of ``text`` (sparse top-k as shipped); a
+    text shorter than one window is read as one window of all its tokens (the validation topics: 1,528)."""
+    seq = max(2, min(seq, len(tok.encode(text).ids) - 1))
+    nll = position_nll(model, tok, text, seq, max_windows)  # nll: [W, seq-1] f32
+    return float(nll.mean()) if nll.numel() else 0.0, nll.numel()
+
+
+@torch.no_grad()
+def position_nll(model: Any, tok: Any, text: str, seq: int, max_windows: int = 64) -> torch.Tensor:
+    """Next-token NLL [W, seq-1] f32 of consecutive ``seq``-token windows of ``text``: column j predicts token j+1."""
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
-    total, count = 0.0, 0
+    rows = []
     model.eval()
     for w in range(min(max_windows, (ids.numel() - 1) // seq)):
-        window = ids[w * seq:(w + 1) * seq].unsqueeze(0)
-        out = model(input_ids=window, labels=window)
-        total += float(out.loss) * (seq - 1)
-        count += seq - 1
+        window = ids[w * seq:(w + 1) * seq].unsqueeze(0)  # window: [1, seq] i64
+        logits = model(input_ids=window).logits[0, :-1].float()  # logits: [seq-1, V] f32
+        rows.append(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="none"))
     model.train()
-    return total / max(count, 1), count
+    return torch.stack(rows) if rows else torch.zeros((0, seq - 1))
+
+
+def ppl_by_position(nll: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> dict[str, float]:
+    """Perplexity of the predictions at positions [lo, hi) of each window (``nll`` [W, seq-1])."""
+    out: dict[str, float] = {}
+    for lo, hi in spans:
+        part = nll[:, lo:hi]
+        if part.numel():
+            out[f"ppl_pos_{lo}_{hi}"] = round(math.exp(float(part.mean())), 3)
+    return out
 
 
 def lr_at(progress: float, base: float, warmup: float = 0.03) -> float:
@@ -147,9 +204,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus()
-    tok = train_tokenizer(corpus.train_topics.values(), args.vocab)
-    batches = Batches(tok, corpus, args.seq, args.chat_frac, args.seed)
-    model = build_model(tok.get_vocab_size(), batches.ids, args.seed)
+    if args.init:
+        tok, model = load_checkpoint(Path(args.init))
+        batches = Batches(tok, corpus, args.seq, args.chat_frac, args.seed)
+    else:
+        tok = train_tokenizer(corpus.train_topics.values(), args.vocab)
+        batches = Batches(tok, corpus, args.seq, args.chat_frac, args.seed)
+        model = build_model(tok.get_vocab_size(), batches.ids, args.seed)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     tap, balancer = IndexerTap(model), ExpertBalancer(model, gamma=3e-3)
@@ -167,10 +228,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if progress >= 1.0:
             break
         dense = progress < args.dense_frac
-        set_topk(tap, args.seq if dense else topk)
+        short = bool(args.short_seq) and progress < args.short_frac
+        seq, batch = (args.short_seq, args.batch * args.seq // args.short_seq) if short else (args.seq, args.batch)
+        set_topk(tap, seq if dense else topk)
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, args.lr)
-        inputs, labels = batches.next(args.batch)
+        inputs, labels = batches.next(batch, seq)
         result = model(input_ids=inputs, labels=labels, output_attentions=dense)
         loss = result.loss
         kl = indexer_kl(tap, result.attentions, (labels != -100).float()) if dense else torch.zeros(())
@@ -183,7 +246,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if step % 10 == 0 or step == 1:
             entry = {"step": step, "s": round(time.monotonic() - t0, 1), "loss": round(float(loss.detach()), 4),
                      "indexer_kl": round(float(kl.detach()), 4), "lr": round(opt.param_groups[0]["lr"], 6),
-                     "dense": int(dense), "expert_imbalance": round(imbalance, 2)}
+                     "dense": int(dense), "seq": seq, "expert_imbalance": round(imbalance, 2)}
             if step % args.eval_every == 0 and not dense:
                 set_topk(tap, topk)
                 entry["valid_nll"], _ = heldout_nll(model, tok, corpus.valid_text, args.seq, max_windows=24)
@@ -201,13 +264,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         best_step = step
     nll, n_tok = heldout_nll(model, tok, corpus.test_text, args.seq)
     train_nll, _ = heldout_nll(model, tok, corpus.train_text[: len(corpus.test_text)], args.seq)
+    by_pos = ppl_by_position(position_nll(model, tok, corpus.heldout_text, args.seq), POSITION_SPANS)
     summary = {
         "data": DATA_NAME, "train_topics": len(corpus.train_topics), "heldout_topics": sorted(corpus.heldout_topics),
         "params": n_params, "vocab": tok.get_vocab_size(), "steps": step, "train_seconds": round(train_secs, 1),
         "batch": args.batch, "seq": args.seq, "tokens_seen": step * args.batch * args.seq,
+        "short_seq": args.short_seq, "short_frac": args.short_frac,
         "final_train_loss": log[-1]["loss"] if log else None, "kept_step": best_step,
         "test_nll": round(nll, 4), "test_ppl": round(math.exp(nll), 3), "test_tokens": n_tok,
-        "train_slice_ppl": round(math.exp(train_nll), 3), "args": vars(args),
+        "train_slice_ppl": round(math.exp(train_nll), 3), "heldout_ppl_by_position": by_pos,
+        "command": "python -m training.train_glm_mini " + " ".join(sys.argv[1:]), "args": vars(args),
     }
     save(model, tok, out, summary, log)
     print(json.dumps(summary), flush=True)

@@ -4,6 +4,8 @@ stateless chat completion over the same messages, before and after a server rest
 responses are retrieved, listed and deleted; bad references and bodies are OpenAI-shaped 4xx."""
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -193,11 +195,26 @@ def test_interleaved_chains_exact_across_evictions(tmp_path: Path, text_model_di
         assert evicted and float(evicted[0].split()[1]) >= 4  # every turn but the first two resumed its session
 
 
-LONG_INPUT = "List the numbers from one to two hundred."  # glm-mini's greedy reply runs past 2,000 tokens
+LONG_INPUT = "List the numbers from one to two hundred."
+NEVER_SAID = "[sMASK]"  # a special token the shipped model never saw in training: it never samples it
+
+
+def _endless_glm_mini(directory: Path) -> Path:
+    """A copy of the shipped glm-mini whose only eos id is :data:`NEVER_SAID`: its greedy replies run to
+    their token limit whatever its weights' words (the responses API has no ``ignore_eos``)."""
+    from kernels.model import resolve_model
+
+    shutil.copytree(resolve_model("glm-mini"), directory)
+    added = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+    (never_id,) = [t["id"] for t in added if t["content"] == NEVER_SAID]
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((directory / name).read_text())
+        (directory / name).write_text(json.dumps({**cfg, "eos_token_id": [never_id]}))
+    return directory
 
 
 def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path: Path) -> None:
-    with ServerProc(tmp_path / "root", "glm-mini") as server:  # the shipped model: LONG_INPUT's reply never ends
+    with ServerProc(tmp_path / "root", _endless_glm_mini(tmp_path / "endless")) as server:  # replies never end
         client = server.openai()
         model = client.models.list().data[0].id
         # an input whose greedy reply runs to max_output_tokens (a short reply, "hello there"'s 8 tokens, can
