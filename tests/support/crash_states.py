@@ -33,8 +33,8 @@ import itertools
 import os
 import random
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import xxhash
@@ -73,6 +73,7 @@ class FileAt:
     durable: bytes
     snaps: list[bytes]  # snaps[j]: the bytes after the first j pending ops (snaps[0] = durable)
     touched: dict[int, list[int]]  # block -> the j (1-based) of the pending ops touching it
+    _by_sector: dict[int, list[tuple[int, int, list[bytes]]]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def sizes(self) -> list[int]:
@@ -89,20 +90,37 @@ class FileAt:
         """The file with the size ``sizes[size_version]`` and block b at version ``versions[b]``
         (an index into ``touched[b]``, 0 = durable)."""
         size = len(self.snaps[self.sizes[size_version]])
-        out = bytearray(self.durable[:size])
-        out.extend(bytes(size - len(out)))
-        for block, ops in self.touched.items():
-            lo = block * sector
+        parts: list[bytes] = []
+        for lo, block, pieces in self._segments(sector):
             if lo >= size:
-                continue
-            v = versions.get(block, len(ops))
-            src = self.snaps[ops[v - 1]] if v else self.durable
-            hi = min(lo + sector, size)
-            piece = src[lo:hi]
-            out[lo:lo + len(piece)] = piece
-            if len(piece) < hi - lo:
-                out[lo + len(piece):hi] = bytes(hi - lo - len(piece))
-        return bytes(out)
+                break
+            parts.append(pieces[0] if block < 0 else pieces[versions.get(block, len(pieces) - 1)])
+        return b"".join(parts)[:size]
+
+    def _segments(self, sector: int) -> list[tuple[int, int, list[bytes]]]:
+        """The file cut at the touched blocks, for the largest size it may have: (offset, block, its
+        versions' bytes, each a whole sector zero-padded, 0 = durable) per touched block, and
+        (offset, -1, [the durable bytes, zero-padded]) per run of untouched blocks between them."""
+        cached = self._by_sector.get(sector)
+        if cached is not None:
+            return cached
+        end = -(-max(len(snap) for snap in self.snaps) // sector) * sector  # the largest size, whole sectors
+        out: list[tuple[int, int, list[bytes]]] = []
+        lo = 0
+        for block in sorted(self.touched):
+            start = block * sector
+            if start >= end:
+                break
+            if lo < start:
+                out.append((lo, -1, [_padded(self.durable, lo, start)]))
+            ops = self.touched[block]
+            out.append((start, block, [_padded(self.durable, start, start + sector)]
+                        + [_padded(self.snaps[j], start, start + sector) for j in ops]))
+            lo = start + sector
+        if lo < end:
+            out.append((lo, -1, [_padded(self.durable, lo, end)]))
+        self._by_sector[sector] = out
+        return out
 
 
 def _distinct_versions(durable: bytes, snaps: list[bytes], touched: dict[int, list[int]],
@@ -228,8 +246,10 @@ class CrashPoint:
                 flipped = list(base)
                 flipped[i] = r - 1 - base[i]
                 yield self.choice(tuple(flipped))
+        draw = [(r, r.bit_length()) for r in self.radices]
+        bits = rng.getrandbits
         while True:
-            yield self.choice(tuple(rng.randrange(r) for r in self.radices))
+            yield self.choice(tuple(_below(bits, r, k) for r, k in draw))
 
     # -- the tree a choice leaves ----------------------------------------------------------------
     def tree(self, choice: Choice) -> Tree:
@@ -259,6 +279,14 @@ class CrashPoint:
                     f = self.files[ino]
                     out[rel] = f.build(sizes.get(ino, 0), versions.get(ino, {}), self.sector)
         return out
+
+
+def _below(bits: Callable[[int], int], n: int, k: int) -> int:
+    """``rng.randrange(n)`` (n >= 1, k = n.bit_length()) as CPython draws it, without its checks."""
+    v = bits(k)
+    while v >= n:
+        v = bits(k)
+    return v
 
 
 def _apply_name(dirs: dict[int, dict[str, int]], op: Op) -> None:
@@ -308,10 +336,14 @@ def states(point: CrashPoint, rng: random.Random, budget: int, seen: set[bytes],
     ``tries * budget`` choices were drawn. The caller salts with what the check depends on
     besides the bytes (the committed bound)."""
     made = drawn = 0
+    tried: set[Choice] = set()  # a choice drawn again leaves the tree it left before: its key is in seen already
     for choice in point.candidates(rng, budget):
         if made >= budget or drawn >= tries * budget:
             return
         drawn += 1
+        if choice in tried:
+            continue
+        tried.add(choice)
         tree = point.tree(choice)
         key = salt + tree_digest(tree)
         if key in seen:
@@ -325,24 +357,42 @@ def materialize(tree: Tree, directory: str) -> None:
     """Make ``directory`` hold exactly ``tree``: every file rewritten (a check may have changed
     any), names not in it removed."""
     os.makedirs(directory, exist_ok=True)
-    for dirpath, dirnames, filenames in os.walk(directory, topdown=False):
-        rel = os.path.relpath(dirpath, directory)
-        for name in filenames:  # a file stays only where the tree has a file
-            if tree.get(os.path.normpath(os.path.join(rel, name)), None) is None:
-                os.unlink(os.path.join(dirpath, name))
-        for name in dirnames:  # a directory only where it has a directory
-            key = os.path.normpath(os.path.join(rel, name))
-            if key not in tree or tree[key] is not None:
-                shutil.rmtree(os.path.join(dirpath, name))
+    _prune(directory, "", tree)
+    parents = {""}  # the directories known to exist (relative; "" is ``directory``)
     for rel in sorted(tree):
         full = os.path.join(directory, rel)
         data = tree[rel]
         if data is None:
             os.makedirs(full, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                f.write(data)
+            parents.add(rel)
+            continue
+        parent = os.path.dirname(rel)
+        if parent not in parents:
+            os.makedirs(os.path.join(directory, parent), exist_ok=True)
+            parents.add(parent)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(full, "wb")
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+
+def _prune(path: str, rel: str, tree: Tree) -> None:
+    """Remove under ``path`` (``rel`` in the tree's names) every file where ``tree`` holds no file
+    and every directory where it holds no directory."""
+    with os.scandir(path) as entries:
+        found = list(entries)
+    for entry in found:
+        key = rel + entry.name
+        if entry.is_dir(follow_symlinks=False):
+            if key in tree and tree[key] is None:
+                _prune(entry.path, key + "/", tree)
+            else:
+                shutil.rmtree(entry.path)
+        elif tree.get(key) is None:  # a file (or a link) stays only where the tree has a file
+            os.unlink(entry.path)
 
 
 __all__ = ["Choice", "CrashPoint", "FileAt", "Tree", "final_tree", "materialize", "states",
