@@ -61,19 +61,34 @@ def state_path(manifest_path: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(manifest_path) + STATE_SUFFIX)
 
 
-def encode_state(manifest: CommitFields, seq: int = 0) -> bytes:
+def encode_state(manifest: CommitFields, seq: int = 0, *, logits_json: str | None = None) -> bytes:
     """The 4096-byte page holding ``manifest``'s epoch and dynamic fields, numbered ``seq``;
-    LimitError when they do not fit."""
-    payload = json.dumps({"epoch": manifest.epoch, "committed": manifest.committed,
-                          "pending": list(manifest.pending),
-                          "last_logits": digest_to_json(manifest.last_logits),
-                          "updated_at": manifest.updated_at, "seq": seq},
-                         separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
+    LimitError when they do not fit. ``logits_json``: ``manifest.last_logits`` already encoded
+    (:func:`logits_json_of`; a tail commit's digest is the same page after page). The payload is
+    the compact, key-sorted JSON of FORMAT.md 5.3.1, written out field by field: a tail commit
+    encodes one page per session per step, and ``json.dumps`` of the whole object cost ~4x more."""
+    pending = manifest.pending
+    if logits_json is None:
+        logits_json = logits_json_of(manifest.last_logits)
+    committed, epoch = manifest.committed, manifest.epoch
+    if type(committed) is int and type(epoch) is int and type(seq) is int and all(type(t) is int for t in pending):
+        ids = ",".join(map(str, pending))  # plain ints (what a page holds): written as json would
+        payload = (f'{{"committed":{committed},"epoch":{epoch},"last_logits":{logits_json},'
+                   f'"pending":[{ids}],"seq":{seq},"updated_at":{json.dumps(manifest.updated_at)}}}').encode()
+    else:  # anything else: json's own rules (and its errors)
+        payload = json.dumps({"epoch": manifest.epoch, "committed": manifest.committed, "pending": list(pending),
+                              "last_logits": digest_to_json(manifest.last_logits),
+                              "updated_at": manifest.updated_at, "seq": seq},
+                             separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     if len(payload) > MAX_PAYLOAD:
         raise LimitError(f"commit state of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
     body = _HEAD.pack(STATE_MAGIC, STATE_VERSION, len(payload)) + payload
-    page = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-    return page + bytes(STATE_BYTES - len(page))
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body)) + bytes(MAX_PAYLOAD - len(payload))
+
+
+def logits_json_of(digest: LogitsDigest | None) -> str:
+    """A page's ``last_logits`` value, compact key-sorted JSON (``null`` for None)."""
+    return json.dumps(digest_to_json(digest), separators=(",", ":"), sort_keys=True, allow_nan=False)
 
 
 def decode_state(page: bytes, vocab: int, where: str) -> dict[str, Any]:
@@ -151,6 +166,7 @@ class StateWriter:
         self._fd = -1
         self._seq = 0  # the number of the last page written (or found)
         self._slot = 0  # the slot the next page goes to: never the one holding the newest
+        self._logits: tuple[LogitsDigest | None, str] = (None, "null")  # the last digest and its JSON
 
     def open(self) -> None:
         """Open (create) the file now, e.g. when the session becomes resident; ``write`` opens
@@ -176,9 +192,17 @@ class StateWriter:
         self.open()
         return self._seq + 1
 
+    def encode(self, manifest: CommitFields) -> bytes:
+        """:func:`encode_state` of ``manifest`` numbered :attr:`seq`; the JSON of its digest is
+        kept from the page before when the digest is the same object (a tail commit's is)."""
+        digest = manifest.last_logits
+        if digest is not self._logits[0]:
+            self._logits = (digest, logits_json_of(digest))
+        return encode_state(manifest, self.seq, logits_json=self._logits[1])
+
     def write(self, manifest: CommitFields, *, durable: bool = False) -> None:
         """One 4096-byte ``pwrite`` to the next slot (``durable``: then fdatasync)."""
-        self.write_page(encode_state(manifest, self.seq), durable=durable)
+        self.write_page(self.encode(manifest), durable=durable)
 
     def write_page(self, page: bytes, *, durable: bool = False) -> None:
         """Write a page :func:`encode_state` made with :attr:`seq` (e.g. on a helper thread)."""
@@ -261,5 +285,6 @@ def _open_state(path: Path, *, create: bool) -> int:
 
 
 __all__ = ["STATE_SUFFIX", "STATE_MAGIC", "STATE_BYTES", "STATE_SLOTS", "CommitFields", "state_path",
-           "encode_state", "decode_state", "newest_state", "read_state_page", "StateWriter", "update_existing_state",
+           "encode_state", "logits_json_of",
+           "decode_state", "newest_state", "read_state_page", "StateWriter", "update_existing_state",
            "put_back_state"]

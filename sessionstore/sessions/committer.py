@@ -17,6 +17,7 @@ One barrier per engine step instead of one per session per step; measured in ``b
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import dataclasses
@@ -32,7 +33,7 @@ import numpy as np
 from kernels.errors import CorruptionError
 from sessionstore.kvfile import Durability, KVWriter
 from sessionstore.log import get_logger
-from sessionstore.sessions.commit_state_page import StateWriter, encode_state
+from sessionstore.sessions.commit_state_page import StateWriter
 from sessionstore.sessions.digest import LogitsDigest, make_digest
 from sessionstore.sessions.manifest import Manifest, utc_now
 
@@ -125,8 +126,9 @@ class Committer:
         """:meth:`commit_tail` up to its barrier: the page written, not yet durable (its barrier
         is :meth:`StateWriter.sync`, or one shared by several sessions: :func:`commit_together`)."""
         t0 = time.perf_counter()
-        new = dataclasses.replace(manifest, pending=list(tail), updated_at=utc_now())
-        self.page.write_page(encode_state(new, self.page.seq), durable=False)
+        new = copy.copy(manifest)  # dataclasses.replace, without re-running __init__ (~10x the cost)
+        new.pending, new.updated_at = list(tail), utc_now()
+        self.page.write_page(self.page.encode(new), durable=False)
         self.commits += 1
         self.timing = {"kv_commit_s": 0.0, "state_wait_s": 0.0, "state_write_s": time.perf_counter() - t0}
         return new
@@ -147,7 +149,7 @@ class Committer:
         if new is None:
             return None
         new.updated_at = utc_now()
-        return new, encode_state(new, self.page.seq)
+        return new, self.page.encode(new)
 
 
 class BarrierCommit:

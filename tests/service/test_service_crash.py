@@ -114,7 +114,9 @@ def test_sigterm_cuts_turns_at_a_token_commits_and_exits_0(tmp_path: Path, text_
 def test_sigkill_mid_stream_then_every_session_resumes_exactly(tmp_path: Path, text_model_dir: Path,
                                                                 text_model: tuple[Any, Any]) -> None:
     model, _ = text_model
-    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "16").start()
+    # without durable streaming (its point: a kill keeps the kv commits and the pending token only; a
+    # durable stream keeps every token sent, test_service_durable_stream and the kill soak)
+    server = ServerProc(tmp_path / "root", text_model_dir, "--commit-every", "16", "--no-durable-stream").start()
     name = server.get("/v1/models").json()["data"][0]["id"]
     ids = [f"k{i}" for i in range(4)]
     events: dict[str, list[dict[str, Any]]] = {sid: [] for sid in ids}

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kernels.model.sampling import Sampler
-from sessionstore.sessions import reference_turns
+from sessionstore.sessions import DURABLE_STREAM, reference_turns
 from tests.service.serverkit import ServerProc, sse_events
 
 pytestmark = pytest.mark.timeout(300)
@@ -72,7 +72,10 @@ def _stream(url: str, body: dict[str, Any], out: dict[str, Any]) -> None:
     out["text"] = "".join(pieces)
 
 
-@pytest.mark.parametrize("flags", [(), ("--durable-stream",)], ids=["default", "durable-stream"])
+OTHER = "--no-durable-stream" if DURABLE_STREAM else "--durable-stream"  # the flag that is not serve's default
+
+
+@pytest.mark.parametrize("flags", [(), (OTHER,)], ids=["default", OTHER.lstrip("-")])
 def test_a_full_disk_ends_turns_with_507_keeps_what_was_committed_and_recovers(
         tmp_path: Path, text_model_dir: Path, text_model: tuple[Any, Any], flags: tuple[str, ...]) -> None:
     model, tok = text_model
@@ -107,7 +110,8 @@ def test_a_full_disk_ends_turns_with_507_keeps_what_was_committed_and_recovers(
             history = server.get(f"/v1/sessions/s{i}", params={"history": 1}).json()["history"]
             kept = history[len(prompt):]
             assert history[:len(prompt)] == prompt and kept == whole[:len(kept)], i
-            if flags:  # --durable-stream: every byte a client was sent is in what its session committed
+            if (OTHER in flags) != DURABLE_STREAM:  # durable streaming: every byte a client was sent is in
+                # what its session committed
                 assert tok.decode(kept).startswith(outs[i]["text"]), i
             if "error" not in outs[i]:
                 assert kept[:TOKENS - 1] == whole[:TOKENS - 1]

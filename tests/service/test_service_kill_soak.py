@@ -5,7 +5,9 @@ each session's files verify (manifest, kv file and sidecar agree; every committe
 checksum) and its history, read back over HTTP, is a prefix of its uninterrupted run; every round
 continues each session from that history, so each later round checks that it continued exactly;
 at the end each session's next turn equals the uninterrupted run's. Every other round runs with
-``--durable-stream`` and checks that the committed reply holds every byte its client was sent.
+durable streaming, the server's default (started with no flag: the soak covers the default), and
+checks that the committed reply holds every byte its client was sent; the others with
+``--no-durable-stream``.
 
 Greedy turns: after a kill between the kv commit and the state page the pending token is drawn
 again on open (FORMAT.md 5.5), with the manifest's settings for a completions turn, so a sampled
@@ -23,7 +25,7 @@ from typing import Any
 import pytest
 
 from kernels.model.sampling import Sampler
-from sessionstore.sessions import reference_turns, verify_session_dir
+from sessionstore.sessions import DURABLE_STREAM, reference_turns, verify_session_dir
 from tests.service.serverkit import ServerProc, StreamReader
 
 STREAMS = 4
@@ -35,6 +37,13 @@ KILL_WINDOW_S = 0.25  # a kill before any text comes at a uniform moment this lo
 
 def _prompt(i: int) -> list[int]:
     return [9 + i, 40, 41 + 3 * i, 200, 7, i + 3]
+
+
+def round_flags(durable: bool) -> tuple[str, ...]:
+    """A round's flags: none when ``durable`` is serve's default, else the one that turns it on or off."""
+    if durable == DURABLE_STREAM:
+        return ()
+    return ("--durable-stream",) if durable else ("--no-durable-stream",)
 
 
 def soak(root: Path, model_dir: Path, model: Any, tok: Any, kills: int, seed: int) -> dict[str, int]:
@@ -49,8 +58,7 @@ def soak(root: Path, model_dir: Path, model: Any, tok: Any, kills: int, seed: in
     seen = {"kills": 0, "mid_stream": 0, "before_text": 0, "ended_before_kill": 0, "restarts_from_prompt": 0}
     for round_ in range(kills + 1):
         durable = round_ % 2 == 1
-        server = ServerProc(root, model_dir, "--commit-every", "8",
-                            "--durable-stream" if durable else "--no-durable-stream").start()
+        server = ServerProc(root, model_dir, "--commit-every", "8", *round_flags(durable)).start()
         try:
             name = server.get("/v1/models").json()["data"][0]["id"]
             for sid in sids:  # after a kill: every session verifies and is a prefix of its run

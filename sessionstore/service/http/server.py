@@ -26,7 +26,7 @@ from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.metrics import HttpMetrics
 from sessionstore.service.http.slow_clients import guarded_protocol
 from sessionstore.service.limits import ServiceLimits
-from sessionstore.sessions import DEFAULT_COMMIT_EVERY, SessionStore
+from sessionstore.sessions import DEFAULT_COMMIT_EVERY, DURABLE_STREAM, SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
 # The GIL hand-over interval while serving (CPython's default is 5 ms). The engine thread lets go of
@@ -49,7 +49,7 @@ class ServeConfig:
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     max_kv_bytes: int | None = None
     commit_every: int | None = DEFAULT_COMMIT_EVERY  # each session's (SessionOptions), as the core opens it
-    durable_stream: bool = False  # commit at every generated token (SessionOptions)
+    durable_stream: bool = DURABLE_STREAM  # commit at every generated token (SessionOptions); serve's default
     remote: str | None = None  # s3://bucket/prefix: one host of a fleet (sessionstore.service.fleet)
     host_id: str | None = None  # who holds leases (default: $COLI_HOST_ID or the host name)
     lease_ttl: float | None = None  # seconds (default LEASE_TTL_S)
