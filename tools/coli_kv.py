@@ -15,21 +15,23 @@ from typing import NoReturn
 
 from tools import early_core
 
-# Sub-command modules, in help order. A module that is absent is skipped, so the CLI
-# works while the project grows.
-COMMAND_MODULES = (
-    "tools.cmd_inspect",
-    "tools.cmd_verify",
-    "tools.cmd_convert",
-    "tools.cmd_generate",
-    "tools.cmd_chat",
-    "tools.cmd_sessions",
-    "tools.cmd_slots",
-    "tools.cmd_demo",
-    "tools.cmd_fleet_demo",
-    "tools.cmd_migrate",
-    "tools.cmd_serve",
-)
+# Sub-command modules, in help order, with the commands each registers: a command line that names
+# one imports that module alone (a server's start does not import every other command's room); help,
+# or no command, imports them all. A module that is absent is skipped, so the CLI works while the
+# project grows. (A test holds each module's registered commands equal to its entry here.)
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "tools.cmd_inspect": ("inspect",),
+    "tools.cmd_verify": ("verify",),
+    "tools.cmd_convert": ("convert",),
+    "tools.cmd_generate": ("generate",),
+    "tools.cmd_chat": ("chat",),
+    "tools.cmd_sessions": ("ls", "rm", "fork"),
+    "tools.cmd_slots": ("import-slot", "export-slot"),
+    "tools.cmd_demo": ("demo",),
+    "tools.cmd_fleet_demo": ("fleet-demo",),
+    "tools.cmd_migrate": ("export", "import", "push", "pull", "lease"),
+    "tools.cmd_serve": ("serve",),
+}
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -39,13 +41,15 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The CLI's parser: every command's, or only the one ``argv`` names first (its module alone imported)."""
     parser = _OneLineErrorParser(
         prog="coli-kv",
         description="Inspect, convert and verify .coli_kv latent-KV files; run persistent MLA sessions.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    named = [name for name, commands in COMMAND_MODULES.items() if argv and argv[0] in commands]
+    for name in named or COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -77,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     from kernels.errors import ColiError  # here, not at the top: see main
 
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

@@ -1,11 +1,19 @@
 """The dispatcher: usage errors and our errors are one line on stderr with a non-zero exit."""
 from __future__ import annotations
 
+import argparse
+import importlib
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tools.coli_kv import main
+from tools.coli_kv import COMMAND_MODULES, main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("argv", [
@@ -43,3 +51,27 @@ def test_unreachable_object_store_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert len(err.strip().splitlines()) == 1 and "remote object store" in err, err
+
+
+def test_each_command_module_registers_the_commands_the_dispatcher_lists() -> None:
+    """build_parser imports only the module of the command named: its list must be what the module adds."""
+    for name, commands in COMMAND_MODULES.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        assert tuple(sub.choices) == commands, name
+
+
+def test_a_named_command_imports_no_other_command_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """``coli-kv serve`` (a server's start) imports no other command's module (nor the rooms only they need)."""
+    probe = ("import sys, contextlib, io\nfrom tools.coli_kv import main\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    main(['serve', '--help'])\n"
+             "print(sorted(m for m in sys.modules if m.startswith('tools.cmd_')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == "['tools.cmd_serve']", out
+    with pytest.raises(SystemExit) as exc:  # its help still lists every command
+        main(["--help"])
+    assert exc.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(c in listed for commands in COMMAND_MODULES.values() for c in commands), listed
