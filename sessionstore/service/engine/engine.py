@@ -25,10 +25,11 @@ from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
 from sessionstore.service.engine.metrics import EngineMetrics
-from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
+from sessionstore.service.engine.turns import TurnRunner, TurnSink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.steps import EngineLoop, LoopDecoder
+from sessionstore.service.wire import TurnOutcome, TurnSpec
 from sessionstore.sessions import Session, SessionOptions, SessionStore, read_record, validate_session_id, write_record
 
 log = get_logger("service")

@@ -14,17 +14,18 @@ from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.engine.conversations import conversation_messages, read_state, save_turn
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.ipc import ResponseJob
-from sessionstore.service.engine.response_records import (
-    FleetResponses,
+from sessionstore.service.engine.session_responses import FleetResponses, keep_with_session
+from sessionstore.service.engine.turns import TurnSink
+from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import (
+    ResponseJob,
     ResponseRecord,
     ResponseRecords,
+    TurnOutcome,
+    TurnSpec,
     chain_session_id,
     finish_record,
-    keep_with_session,
 )
-from sessionstore.service.engine.turns import TurnOutcome, TurnSink, TurnSpec
-from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, common_prefix, tokens_digest
 
 log = get_logger("service")

@@ -39,8 +39,9 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.service.engine.tier_metrics import TierMetrics
-from sessionstore.service.engine.turns import TurnSpec, max_new_for
+from sessionstore.service.engine.turns import max_new_for
 from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import DEFAULT_SWEEP_INTERVAL_S, TurnSpec
 from sessionstore.sessions import (
     KV_NAME,
     LOCK_NAME,
@@ -64,7 +65,6 @@ from sessionstore.sessions import (
 )
 
 STUB_NAMES = frozenset({MANIFEST_NAME, MANIFEST_NAME + ".state", TIER_NAME, LOCK_NAME})  # what an offload keeps
-DEFAULT_SWEEP_INTERVAL_S = 30.0
 MAX_ROUNDS = 8  # plans a turn's room is made in (each round skips what the one before could not move)
 
 log = get_logger("tiers")
@@ -377,4 +377,4 @@ class Sweeper:
             self._thread.join()
 
 
-__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Sweeper", "TierManager"]
+__all__ = ["Sweeper", "TierManager"]
