@@ -25,6 +25,7 @@ from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
 from sessionstore.service.engine.metrics import EngineMetrics
+from sessionstore.service.engine.tiers import TierManager
 from sessionstore.service.engine.turns import TurnRunner, TurnSink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
@@ -46,10 +47,9 @@ class Engine:
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
                  metrics: EngineMetrics | None = None, session_options: SessionOptions | None = None,
-                 max_kv_bytes: int | None = None, home: Any = None) -> None:
+                 max_kv_bytes: int | None = None, home: Any = None, max_disk_bytes: int | None = None) -> None:
         self.store = store
         self.home = home  # fleet hook: a fleet.FleetHome (serve --remote), else None
-        self.tiers: Any = None  # tiers hook: a tiers.TierManager (disk budget, offload, retention), else None
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or EngineMetrics()
@@ -81,6 +81,8 @@ class Engine:
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
                                    lambda: self.loop.batch.steps, self.loop.commits.in_flight)
+        # the disk budget (None: none), offload and restore (with a home), retention: FORMAT.md 5.10
+        self.tiers = TierManager(self, max_disk_bytes=max_disk_bytes)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
@@ -217,13 +219,11 @@ class Engine:
         if spec.session is None:
             outcome = self.runner.stateless(spec, sink, self.at_token)
         else:
-            if self.tiers is not None:  # tiers hook: room on the disk (else 507), an offloaded session restored
-                self.tiers.before_turn(spec)
+            self.tiers.before_turn(spec)  # room on the disk (else 507), an offloaded session restored
             session, created = self.open_session(spec.session, create=True, behind=True)
             try:
-                if self.tiers is not None:  # tiers hook: the request's retention_seconds / pinned
-                    if getattr(spec, "tier", None):
-                        session.await_files()  # its tier record goes into its directory
+                if spec.tier:  # the request's retention_seconds / pinned
+                    session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token)
             except BaseException:
@@ -234,8 +234,7 @@ class Engine:
                     self._drop(spec.session)
                 raise
             finally:
-                if self.tiers is not None:  # tiers hook: the turn's reserved disk bytes are its file's now
-                    self.tiers.after_turn(spec)
+                self.tiers.after_turn(spec)  # the turn's reserved disk bytes are its file's now
             outcome.created = created
             if self.home is not None:  # fleet hook: ship what the turn added before its final event
                 self.home.turn_done(spec.session)

@@ -251,8 +251,6 @@ def op_tier_change(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
     """``{sid, change}``: a session's ``retention_seconds`` / ``pinned`` (a
     :class:`~sessionstore.sessions.tier_record.TierChange`'s fields); its description after."""
     sid = _existing(engine, args)
-    if engine.tiers is None:
-        raise ApiError(400, "this server does not manage tiers", code="invalid_value")
     engine.tiers.change(sid, msgspec.convert(args["change"], TierChange))
     return describe(engine, sid)
 

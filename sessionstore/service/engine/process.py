@@ -37,7 +37,7 @@ from sessionstore.service import wire
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.operations import OPERATIONS, fleet_responses
 from sessionstore.service.engine.response_job import StoredResponseTurn
-from sessionstore.service.engine.tiers import Sweeper, TierManager
+from sessionstore.service.engine.tiers import Sweeper
 from sessionstore.service.errors import api_error_of
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.wire import ResponseRecords, TurnOutcome, load_tokenizer
@@ -253,8 +253,7 @@ def build_engine(config: wire.CoreConfig) -> Engine:
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
                     limits=ServiceLimits(**config.limits), session_options=SessionOptions(
                         commit_every=config.commit_every, durable_stream=config.durable_stream, lazy_logits=True),
-                    max_kv_bytes=config.max_kv_bytes, home=home)
-    engine.tiers = TierManager(engine, max_disk_bytes=config.max_disk_bytes)  # FORMAT.md 5.10
+                    max_kv_bytes=config.max_kv_bytes, home=home, max_disk_bytes=config.max_disk_bytes)
     return engine
 
 
