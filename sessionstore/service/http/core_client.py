@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -306,10 +305,6 @@ class CoreClient:
     @property
     def pid(self) -> int | None:
         return None if self.ready is None else self.ready.pid
-
-    @property
-    def socket_dir(self) -> Path:
-        return self._dir
 
 
 __all__ = ["CoreClient", "CoreProcess", "CoreStream", "HeldElsewhere", "error_of"]
