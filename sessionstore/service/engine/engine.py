@@ -26,7 +26,7 @@ from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
 from sessionstore.service.engine.metrics import EngineMetrics
 from sessionstore.service.engine.tiers import TierManager
-from sessionstore.service.engine.turns import TurnRunner, TurnSink
+from sessionstore.service.engine.turns import Admitted, TurnRunner, TurnSink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.steps import EngineLoop, LoopDecoder
@@ -211,21 +211,23 @@ class Engine:
                 self.metrics.evictions.inc()
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
-    def run_turn(self, spec: TurnSpec, sink: TurnSink) -> TurnOutcome:
-        """One turn (a job on the loop): on its session, or stateless."""
+    def run_turn(self, spec: TurnSpec, sink: TurnSink, admitted: Admitted | None = None) -> TurnOutcome:
+        """One turn (a job on the loop): on its session, or stateless. ``admitted``: its prompt as
+        :meth:`TurnRunner.admit` checked it, when the caller did (else checked here, once)."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         t0 = time.perf_counter()
+        admitted = self.runner.admit(spec) if admitted is None else admitted
         if spec.session is None:
-            outcome = self.runner.stateless(spec, sink, self.at_token)
+            outcome = self.runner.stateless(spec, sink, self.at_token, admitted)
         else:
-            self.tiers.before_turn(spec)  # room on the disk (else 507), an offloaded session restored
+            self.tiers.before_turn(spec, admitted)  # room on the disk (else 507), an offloaded session restored
             session, created = self.open_session(spec.session, create=True, behind=True)
             try:
                 if spec.tier:  # the request's retention_seconds / pinned
                     session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
-                outcome = self.runner.on_session(session, spec, sink, self.at_token)
+                outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
             except BaseException:
                 if session.fence is not None:  # a commit failed with an I/O error: nothing more written
                     self.let_go_fenced(session)

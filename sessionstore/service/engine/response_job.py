@@ -55,9 +55,10 @@ class StoredResponseTurn:
         engine, spec = self.engine, self.spec
         if self.conversation is not None:
             self.on_conversation(self.conversation)
-        extra = self.place(self.previous) if self.previous is not None else None
+        admitted = engine.runner.admit(spec)  # the prompt checked once, for placing and the turn
+        extra = self.place(self.previous, admitted.ids) if self.previous is not None else None
         try:
-            out = engine.run_turn(spec, sink)
+            out = engine.run_turn(spec, sink, admitted)
             assert spec.session is not None
             session, _ = engine.open_session(spec.session, create=False)
             history = session.history()
@@ -97,9 +98,9 @@ class StoredResponseTurn:
             raise
         return session
 
-    def place(self, prev: ResponseRecord) -> str | None:
-        """Point the turn at the session to continue ``prev`` on; the new session's id, claimed
-        (None when in place)."""
+    def place(self, prev: ResponseRecord, prompt: list[int]) -> str | None:
+        """Point the turn at the session to continue ``prev`` on (a fork where its history and
+        ``prompt``, the turn's checked ids, part); the new session's id, claimed (None when in place)."""
         engine, spec = self.engine, self.spec
         new = chain_session_id()
         session = self.previous_session(prev)
@@ -108,7 +109,7 @@ class StoredResponseTurn:
             in_place = prev.conversation is None  # a conversation's session holds its items' tokens: fork
             if in_place and len(history) == prev.tokens and tokens_digest(history) == prev.digest:
                 return None
-            shared = common_prefix(history, engine.runner.prompt_ids(spec))
+            shared = common_prefix(history, prompt)
             if shared > 0:
                 engine.claim(new)
                 try:

@@ -10,6 +10,7 @@ conversation file, which no longer describes the tokens, is removed first). Ever
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,6 +51,15 @@ def sampler_for(given: dict[str, Any]) -> Sampler:
     return Sampler.checked(**given)
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A turn's prompt as it enters the core (:meth:`TurnRunner.admit`), checked there once: its
+    ids against the vocabulary, they and ``max_new`` new tokens against the context."""
+
+    ids: list[int]
+    max_new: int
+
+
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
     """``max_tokens``, or the default clamped to the room the context leaves; checked against it."""
     max_new = spec.max_tokens if spec.max_tokens is not None else max(1, min(default, context - prompt_len + 1))
@@ -85,6 +95,12 @@ class TurnRunner:
             raise FormatError("the prompt tokenizes to nothing")
         checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
         return checked
+
+    def admit(self, spec: TurnSpec) -> Admitted:
+        """The turn's prompt ids and how many tokens it may add, checked (vocabulary, context) where
+        they enter the core: the tiers, a stored response's placing and the turn all take these."""
+        ids = self.prompt_ids(spec)
+        return Admitted(ids, max_new_for(spec, len(ids), self.context, self.default_max_tokens))
 
     # ---- the turn's draw and output ---------------------------------------------------------------
     def _output(self, spec: TurnSpec, draw: TurnDraw, sink: TurnSink,
@@ -128,14 +144,14 @@ class TurnRunner:
         return None if spec.top_logprobs is None else list(draw.logprobs)
 
     # ---- on a session --------------------------------------------------------------------------
-    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
+    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
+                   admitted: Admitted) -> TurnOutcome:
         with durable_sink(session, sink) as turn_sink:  # --durable-stream: text once committed
-            return self._on_session(session, spec, turn_sink, at_token)
+            return self._on_session(session, spec, turn_sink, at_token, admitted)
 
     def _on_session(self, session: Session, spec: TurnSpec, sink: TurnSink,
-                    at_token: Callable[[], bool]) -> TurnOutcome:
-        prompt = self.prompt_ids(spec)
-        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+                    at_token: Callable[[], bool], admitted: Admitted) -> TurnOutcome:
+        prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
         output = self._output(spec, draw, sink, at_token)
         if spec.kind == "chat":
@@ -160,10 +176,10 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
     # ---- stateless ----------------------------------------------------------------------------
-    def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
+    def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
+                  admitted: Admitted) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
-        prompt = self.prompt_ids(spec)
-        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+        prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
         cache = self.model.new_cache(self.kv_dtype)
         output = self._output(spec, draw, sink, at_token)
@@ -178,4 +194,4 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
 
-__all__ = ["TurnRunner", "TurnSink", "max_new_for", "sampler_for"]
+__all__ = ["Admitted", "TurnRunner", "TurnSink", "max_new_for", "sampler_for"]
