@@ -24,6 +24,7 @@ from kernels.errors import ChecksumMismatchError
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
+from sessionstore.service.engine.fleet_hooks import FleetHooks, NoFleet
 from sessionstore.service.engine.metrics import EngineMetrics
 from sessionstore.service.engine.tiers import TierManager
 from sessionstore.service.engine.turns import Admitted, TurnRunner, TurnSink
@@ -49,7 +50,8 @@ class Engine:
                  metrics: EngineMetrics | None = None, session_options: SessionOptions | None = None,
                  max_kv_bytes: int | None = None, home: Any = None, max_disk_bytes: int | None = None) -> None:
         self.store = store
-        self.home = home  # fleet hook: a fleet.FleetHome (serve --remote), else None
+        self.home = home  # the fleet (serve --remote: a fleet.FleetHome, its store and listing), else None
+        self.fleet: FleetHooks = NoFleet() if home is None else home  # what a session's life asks of it
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or EngineMetrics()
@@ -144,8 +146,7 @@ class Engine:
             except Exception as exc:  # one session's failure must not keep the others uncommitted
                 log.error("service.close_failed", id=session.id, error=str(exc))
         self._sessions.clear()
-        if self.home is not None:  # fleet hook: push back every session still checked out
-            self.home.close()
+        self.fleet.close()  # push back every session still checked out
 
     # ---- sessions (the loop's jobs) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool, behind: bool = False) -> tuple[Session, bool]:
@@ -156,8 +157,8 @@ class Engine:
             self.let_go_fenced(session)
             session = None
         self.fences.reopen(self.store, session_id)  # a fenced session: from its verified commit only
-        if self.home is not None and self.home.check_out(session_id, create=create):
-            self.forget(session_id)  # fleet hook: the fleet's newer copy was pulled over it: reopen
+        if self.fleet.check_out(session_id, create=create):
+            self.forget(session_id)  # the fleet's newer copy was pulled over it: reopen
             session = None
         created = False
         try:
@@ -180,8 +181,7 @@ class Engine:
         except ChecksumMismatchError as exc:  # refused: nothing is served from those rows
             self.metrics.records_refused.inc(exc.records)
             raise
-        if self.home is not None:  # fleet hook: renew the lease while resident, fence commits
-            self.home.keep(session)
+        self.fleet.keep(session)  # renew the lease while resident, fence commits
         self.last_use[session_id] = time.time()
         return session, created
 
@@ -206,8 +206,7 @@ class Engine:
                 idle = session.id not in self._busy
             if session is not keep and idle:
                 session.suspend()
-                if self.home is not None:  # fleet hook: push back and release
-                    self.home.check_in(session.id)
+                self.fleet.check_in(session.id)  # push back and release
                 self.metrics.evictions.inc()
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
@@ -238,8 +237,7 @@ class Engine:
             finally:
                 self.tiers.after_turn(spec)  # the turn's reserved disk bytes are its file's now
             outcome.created = created
-            if self.home is not None:  # fleet hook: ship what the turn added before its final event
-                self.home.turn_done(spec.session)
+            self.fleet.turn_done(spec.session)  # ship what the turn added before its final event
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)
@@ -267,8 +265,7 @@ class Engine:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             session.close()
-        if self.home is not None:  # fleet hook: deleted from the fleet first (409 if held elsewhere)
-            self.home.forget(session_id)
+        self.fleet.forget(session_id)  # deleted from the fleet first (409 if held elsewhere)
         self.store.delete(session_id)
         self.last_use.pop(session_id, None)
 
@@ -279,12 +276,11 @@ class Engine:
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         if session is not None:
             session.suspend()
-        if self.home is not None:  # fleet hook: push back and release
-            self.home.check_in(session_id)
+        self.fleet.check_in(session_id)  # push back and release
 
     def delete(self, session_id: str) -> None:
-        if self.home is not None and not self.store.exists(session_id) and self.home.forget(session_id):
-            return  # fleet hook: a session only the fleet had
+        if not self.store.exists(session_id) and self.fleet.forget(session_id):
+            return  # a session only the fleet had
         if not self.store.exists(session_id):
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         self._drop(session_id)
