@@ -9,7 +9,7 @@ the decoder and every resident session and runs each request's work as a job on 
   operations a :class:`~sessionstore.service.wire.ipc.Call` may ask), ``response_job`` (a
   Responses API turn), ``conversations`` (the Conversations API: a conversation is a session),
   and what only the core runs: ``tiers`` (the tier manager and sweeper),
-  ``fencing``, ``messages``, ``tier_fields``, ``session_responses``, ``metrics``;
+  ``fencing``, ``fleet_hooks``, ``messages``, ``tier_fields``, ``session_responses``, ``metrics``;
 - what both processes speak (the request types, the IPC messages, the prompt renderer) is the
   wire room's (:mod:`sessionstore.service.wire`): the API process imports that, never this room.
 
