@@ -49,13 +49,12 @@ log = get_logger("writer")
 class KVWriter:
     """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`.
 
-    On the class-size list (tests/house/test_class_sizes.py): 8 of its methods are read-only
-    properties and 3 the context manager and repr; the rest are the steps of one protocol (FORMAT.md
-    3: append, commit, truncate, upgrade, close) over state that must change together (the
-    descriptor, the committed count and the most the commit word on disk may hold, the staging
-    buffer, the sidecar): split, the invariant "nrec on disk never past what was written and synced"
-    would be held by several objects at once. What stands apart lives beside it: opening, staging,
-    headroom, durability, sidecar repair, upgrade."""
+    On the class-size list (tests/house): 8 are read-only properties and 3 the context manager and
+    repr; the rest are the steps of one protocol (FORMAT.md 3: append, commit, truncate, upgrade, close)
+    over state that must change together (the descriptor, the committed count and the most the
+    commit word on disk may hold, the staging buffer, the sidecar): split, the invariant "nrec on
+    disk never past what was written and synced" would be held by several objects at once. What
+    stands apart lives beside it: opening, staging, headroom, durability, sidecar repair, upgrade."""
 
     def __init__(self, *, path: str, dims: Dims, options: WriterOptions, io: Durability, lock: WriterLock,
                  opened: OpenedFile, nrec: int) -> None:
