@@ -87,18 +87,18 @@ def class_sizes(root: Path = REPO) -> list[ClassSize]:
     return [ClassSize(key[0], key[1], len(methods(key))) for key in sorted(classes)]
 
 
-def oversized(listed: Mapping[str, int], root: Path = REPO) -> list[str]:
+def oversized(listed: Mapping[str, int], root: Path = REPO, sizes: list[ClassSize] | None = None) -> list[str]:
     """What breaks the rule, given ``listed`` (class -> its recorded count): a class over
     :data:`MAX_METHODS` not on the list, a listed class whose count is not its recorded one (grown:
     a breach; shrunk: lower the count, the list only shrinks), and a listed class no longer over the
-    limit (or gone: it leaves the list)."""
-    sizes = {s.qualname: s for s in class_sizes(root)}
+    limit (or gone: it leaves the list). ``sizes``: :func:`class_sizes` of ``root``, when read already."""
+    by_name = {s.qualname: s for s in (class_sizes(root) if sizes is None else sizes)}
     bad = []
-    for name, size in sizes.items():
+    for name, size in by_name.items():
         if size.methods > MAX_METHODS and name not in listed:
             bad.append(f"{size}, over {MAX_METHODS} and not on the list")
     for name, count in sorted(listed.items()):
-        size = sizes.get(name)
+        size = by_name.get(name)
         if size is None or size.methods <= MAX_METHODS:
             bad.append(f"{name}: {'gone' if size is None else size.methods} methods, "
                        f"within {MAX_METHODS}: remove it from the list")
