@@ -52,7 +52,7 @@ from kernels.rows import RecordRows
 from sessionstore.kvfile import Dims, KVWriter, fsync_parent, pack_records
 from sessionstore.migration import WritebackFile, export_session, migrate, open_sink
 from sessionstore.migration.bundle_format import DEFAULT_CHUNK_BYTES, ZSTD_LEVEL
-from sessionstore.sessions import Manifest, ModelRef, SessionStore, write_manifest
+from sessionstore.sessions import Manifest, ModelRef, SessionStore, session_disk_bytes, write_manifest
 
 GLM = Dims(n_layers=78, kv_lora=512, qk_rope=64, index_head_dim=0, n_index_layers=0, vocab=154880)
 BLOCK = 256  # distinct token rows generated, then repeated with new token ids
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         build_session(a, "glm", tokens)
         build_s = time.perf_counter() - t
-        session_bytes = sum(p.stat().st_size for p in a.files_of("glm"))
+        session_bytes = session_disk_bytes(a.session_dir("glm"))
         src = a.session_dir("glm")
         cp, cp_sync, two_cp, dcopy, runs = [], [], [], [], []
         for _ in range(reps):  # interleaved: slow phases of a shared machine hit every path

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.migrate import build_session
+from bench.object_read import raw_read
 from sessionstore.sessions.catalogue import RACY_S
 from sessionstore.sessions.store import SessionStore
 
@@ -41,7 +42,6 @@ QUICK_SERVER_SIZES = (100, 2_000)
 PAGE_LIMIT = 20  # sessions per listed page (OpenAI's default)
 S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "scale-bench"
-READ_PIECE = 4 << 20  # the raw read's pieces
 
 
 def _free_port() -> int:
@@ -109,17 +109,6 @@ class _Engine:
 
     def release(self, session_id: str | None) -> None:
         pass
-
-
-def raw_read(url: str) -> int:
-    """Read the object at ``url`` front to back the way a pull reads a bundle; its bytes."""
-    from sessionstore.migration import open_source
-
-    total = 0
-    with open_source(url) as src:
-        while chunk := src.read(READ_PIECE):
-            total += len(chunk)
-    return total
 
 
 def measure_restore(args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any, BinaryIO, cast
 import numpy as np
 
 from bench.migrate import GLM, build_session
+from bench.object_read import raw_read
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore.kvfile import KVWriter
@@ -112,7 +113,6 @@ def measure_shipping(args: argparse.Namespace, work: Path, bucket_url: str) -> d
     build_session(hosts[0].store, "s", tokens)
     lease = hosts[0].acquire("s")
     shippers[0].ship("s", lease)  # the chain's base (a new chain ships the whole commit once)
-    from bench.scale import raw_read
 
     ratios, bundle_ratios, ship_s, push_s, takeovers, fetches, raw_reads = [], [], [], [], [], [], []
     cut_ratios, cut_bundle_ratios, cut_bytes, cut_records = [], [], [], []

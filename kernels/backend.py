@@ -3,8 +3,6 @@
 Both backends expose the same entry points:
 - ``absorbed_attention(q_abs, q_rope, blocks, softmax_scale, *, causal=True)`` -> ctx [S, H, kv_lora]
 - ``mla_attention(q_nope, q_rope, blocks, w_uk, w_uv, softmax_scale, *, causal=True)`` -> [S, H, v_head]
-- ``batched_decode(q_abs [B,H,kv_lora], q_rope [B,H,rope], caches, softmax_scale)`` -> [B, H, kv_lora]
-  (one decode step for B sessions; ``caches[b]`` is a block or a list of blocks of session b).
 - ``sparse_absorbed_attention(q_abs [S,H,kv_lora], q_rope [S,H,rope], blocks, selection [S,k] i64,
   softmax_scale)`` -> ctx [S, H, kv_lora]: DSA, each query over its selected rows only (both
   backends; a backend without it makes a DSA decoder raise BackendUnavailableError).
@@ -26,7 +24,7 @@ from kernels.attention import absorbed_attention, mla_attention, sparse_absorbed
 from kernels.attention.sparse_step import batched_sparse_decode
 from kernels.attention.tiles import CacheShape
 from kernels.errors import BackendUnavailableError, FormatError
-from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
+from kernels.rows import LatentRows
 
 
 class CpuBackend:
@@ -50,15 +48,6 @@ class CpuBackend:
                               blocks_of: Sequence[Sequence[LatentRows]], selections: Sequence[np.ndarray],
                               softmax_scale: float, shapes: Sequence[CacheShape] | None = None) -> np.ndarray:
         return batched_sparse_decode(q_abs, q_rope, blocks_of, selections, softmax_scale, shapes)
-
-    def batched_decode(self, q_abs: np.ndarray, q_rope: np.ndarray,
-                       caches: Sequence[LatentRows | Sequence[LatentRows]], softmax_scale: float) -> np.ndarray:
-        if len(caches) != len(q_abs) or len(q_rope) != len(q_abs):
-            raise FormatError(f"batched_decode: {len(q_abs)} queries for {len(caches)} sessions")
-        out = [absorbed_attention(q_abs[b : b + 1], q_rope[b : b + 1],
-                                  [c] if isinstance(c, (F32Rows, Fp8Rows, TqRows)) else list(c), softmax_scale)
-               for b, c in enumerate(caches)]
-        return np.concatenate(out, axis=0)  # [B, H, kv_lora]
 
 
 class CudaBackend:
@@ -104,13 +93,6 @@ class CudaBackend:
                                         kernel=self.kernel)  # [S, H, kv_lora]
         out = xp.ascontiguousarray(xp.matmul(ctx.transpose(1, 0, 2), uv.transpose(0, 2, 1)).transpose(1, 0, 2))
         return self._out(q_nope, out)
-
-    def batched_decode(self, q_abs: Any, q_rope: Any, caches: Sequence[LatentRows | Sequence[LatentRows]],
-                       softmax_scale: float) -> Any:
-        from kernels.cuda.attention import batched_decode_device
-
-        dev = batched_decode_device(self.runner, q_abs, q_rope, caches, softmax_scale, kernel=self.kernel)
-        return self._out(q_abs, dev)
 
     def sparse_absorbed_attention(self, q_abs: Any, q_rope: Any, blocks: Sequence[LatentRows], selection: Any,
                                   softmax_scale: float) -> Any:

@@ -55,11 +55,12 @@ class DecoderCache:
     """Latent rows of every layer for positions [0, length), plus the input token of each
     (and, for a DSA model, the indexer key of each position in every full layer).
 
-    Why 26 methods: every one reads or writes the same per-layer row storage and the lengths that
-    say how far each layer and indexer slot is written (the decoder's forward writes a layer at a
-    time, attention reads blocks of it, a commit takes the rows since the last one, truncate cuts
-    them all); split, two objects would share those arrays and lengths. Building it from a file's
-    blocks (``from_blocks``) and the row tables of the cuda backend are the only parts apart."""
+    On the class-size list (tests/house/test_class_sizes.py): every method reads or writes the same
+    per-layer row storage and the lengths that say how far each layer and indexer slot is written
+    (the decoder's forward writes a layer at a time, attention reads blocks of it, a commit takes
+    the rows since the last one, truncate cuts them all); split, two objects would share those
+    arrays and lengths. Building it from a file's blocks (``from_blocks``) and the row tables of the
+    cuda backend are the only parts apart."""
 
     def __init__(
         self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu",
@@ -235,13 +236,6 @@ class DecoderCache:
         return out
 
     # ---- writing (the decoder's protocol) -------------------------------------------------
-    def write_layer(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
-        """Store the rows of the pending positions [length, length + S) of one layer.
-
-        lc [S, kv_lora] f32, rc [S, qk_rope] f32; fp8 and v3 caches keep only the encoded form.
-        """
-        self.write_encoded(layer, self.encode_rows(layer, lc, rc))
-
     def write_encoded(self, layer: int, values: dict[str, np.ndarray]) -> None:
         """Store rows already in this cache's form (:meth:`encode_rows`) at the pending positions."""
         self._own[layer].write(self.length - self._base_len, values)
@@ -274,10 +268,6 @@ class DecoderCache:
     def write_index_row(self, slot: int, keys: np.ndarray, i: int, offset: int = 0) -> None:
         """Row i of keys [B, hd] f32 as the indexer key of pending position ``length + offset``."""
         self._own_index[slot].write_row(self.length + offset - self._base_len, keys, i)
-
-    def write_index(self, slot: int, ic: np.ndarray) -> None:
-        """Store the indexer keys ic [S, hd] f32 of the pending positions of full layer number ``slot``."""
-        self._own_index[slot].write(self.length - self._base_len, np.asarray(ic, dtype=np.float32))
 
     # ---- the batch kernels' view (kernels.model.step_tables) -----------------------------
     def reserve(self, n: int) -> None:

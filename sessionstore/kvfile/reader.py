@@ -48,10 +48,10 @@ def open_regular_file(path: str | os.PathLike[str]) -> tuple[int, os.stat_result
 class KVReader:
     """A read-only, memory-mapped view of the complete committed records of one file.
 
-    Why 21 methods: 5 are read-only properties of the header and 3 are close and the context
-    manager; the rest are views of the one mapping, each a different slice of a record (a layer's
-    rows, its scales, the indexer's keys, raw record bytes for a bundle); they share the mapping and
-    the header it was checked against (FORMAT.md 2), which is the whole of the class."""
+    Read-only properties of the header, close and the context manager, and views of the one
+    mapping, each a different slice of a record (a layer's rows, its scales, the indexer's keys,
+    raw record bytes for a bundle); they share the mapping and the header it was checked against
+    (FORMAT.md 2), which is the whole of the class."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect: Dims | None = None,
                  fp8_enabled: bool = True, tq_tag: int | None = None) -> None:
@@ -148,9 +148,6 @@ class KVReader:
                        rc_codes=part["rc"],  # [T, rope] u8 view
                        rc_scale=scales[1, layer, start:stop])  # [T] f32 view (contiguous)
 
-    def layer(self, layer: int) -> F32Rows | Fp8Rows | TqRows:
-        return self.layer_rows(layer)
-
     def layer_blocks(self, stop: int | None = None) -> list[list[F32Rows | Fp8Rows | TqRows]]:
         """One block per layer over records [0, stop) (default: all): what a decoder cache is
         built from (``DecoderCache.from_blocks``). Zero-copy rows; v2 scales from the one pass."""
@@ -196,14 +193,6 @@ class KVReader:
         np.copyto(self._gather[1, :, start:stop].T, src["rc_scale"])  # [b, L] f32
         self._gathered = stop
 
-    def raw_scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """The stored (unsanitised) Lc/Rc scales (v3: radii) of one layer: [nrec] f32 views."""
-        self._check_layer(layer)
-        if self.version == 1:
-            raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
-        part = self.records["layers"][:, layer]
-        return part["lc_scale"], part["rc_scale"]
-
     def index_rows(self, index_layer: int) -> np.ndarray:
         """Indexer rows of one indexer layer: [nrec, index_head_dim] f32 view."""
         if not 0 <= index_layer < self.dims.n_index_layers:
@@ -218,10 +207,6 @@ class KVReader:
         if not (self.dims.n_index_layers and self.dims.index_head_dim):
             return None
         return self.records["index"][:stop]  # [n, NI, hd] f32 view
-
-    def record_bytes_view(self, position: int) -> memoryview:
-        """The exact bytes of record ``position`` (zero-copy)."""
-        return self.records_bytes_view(position, position + 1)
 
     def records_bytes_view(self, start: int, stop: int) -> memoryview:
         """The exact bytes of records [start, stop) (zero-copy)."""

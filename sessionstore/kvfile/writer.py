@@ -49,8 +49,8 @@ log = get_logger("writer")
 class KVWriter:
     """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`.
 
-    Why 28 methods: 8 are read-only properties and 3 the context manager and repr;
-    the rest are the steps of one protocol (FORMAT.md 3: append, commit, truncate, upgrade, close)
+    On the class-size list (tests/house): 8 are read-only properties and 3 the context manager and
+    repr; the rest are the steps of one protocol (FORMAT.md 3: append, commit, truncate, upgrade, close)
     over state that must change together (the descriptor, the committed count and the most the
     commit word on disk may hold, the staging buffer, the sidecar): split, the invariant "nrec on
     disk never past what was written and synced" would be held by several objects at once. What

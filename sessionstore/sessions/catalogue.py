@@ -65,10 +65,11 @@ class CataloguePage:
 class Catalogue:
     """The SQLite catalogue of one store (thread-safe: one connection behind a lock).
 
-    Why 23 methods: 9 are private steps of keeping the one SQLite file true to the directory
-    (refresh, repair, stamps, transactions); the rest are the rows' reads and writes (note, forget,
-    get, page, counts) through the same connection and lock. The file itself (schema, upgrade) and
-    a row read from a session's files already live apart (catalogue_schema, catalogue_entry)."""
+    On the class-size list (tests/house/test_class_sizes.py): 9 of its methods are private steps of keeping the one
+    SQLite file true to the directory (refresh, repair, stamps, transactions); the rest are the
+    rows' reads and writes (note, forget, get, page, counts) through the same connection and lock.
+    The file itself (schema, upgrade) and a row read from a session's files already live apart
+    (catalogue_schema, catalogue_entry)."""
 
     def __init__(self, root: Path, sessions_root: Path) -> None:
         """Open ``<root>/catalogue.sqlite3`` for the sessions under ``sessions_root`` and bring it

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import ColiError, CorruptionError, FormatError, LimitError, NotFoundError
+from kernels.errors import ColiError, FormatError, LimitError, NotFoundError
 from sessionstore.kvfile import (
     REPLACED_PREFIX,
     TMP_DIR_PREFIX,
@@ -46,13 +46,11 @@ from sessionstore.sessions.disk_usage import session_disk_bytes
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, read_manifest
 from sessionstore.sessions.paths import (
     KV_NAME,
-    SIDECAR_NAME,
     check_component,
     confined,
     resolve_root,
     validate_session_id,
 )
-from sessionstore.sessions.tier_record import refuse_offloaded
 
 SESSIONS_DIR = "sessions"
 TMP_DIR = "tmp"
@@ -161,21 +159,6 @@ class StoreDirectory:
                 f"session {session_id!r} is in the store's catalogue but its files are gone "
                 f"({self.sessions_root / session_id} is missing): it cannot be served; delete it "
                 "(coli-kv rm) to drop it from the catalogue")
-
-    def files_of(self, session_id: str) -> list[Path]:
-        """The session's files to copy it whole: manifest, kv, then the sidecar and the commit
-        state page when present (bundles fold the state into the manifest they carry); the
-        lock file is not data."""
-        d = self.existing_dir(session_id)
-        refuse_offloaded(d, session_id)
-        files = [d / MANIFEST_NAME, d / KV_NAME]
-        for optional in (SIDECAR_NAME, STATE_NAME):
-            if check_component(d / optional, want="file"):
-                files.append(d / optional)
-        for f in files[:2]:
-            if not check_component(f, want="file"):
-                raise CorruptionError(f"{f}: missing from session {session_id!r}")
-        return files
 
     def tmp_dir(self) -> Path:
         """A fresh, empty directory ``<root>/tmp/t-<owner>-...`` (same filesystem: renames are

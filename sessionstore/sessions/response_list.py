@@ -1,7 +1,7 @@
 """A session's stored responses (``responses.json``, optional, FORMAT.md 5.11): the Responses API's
 records (FORMAT.md 7.3) whose checkpoints this session holds, kept in the session's directory so
 that a bundle (and so the fleet) carries them with the session. Each item is one record's JSON
-object; the service parses them (:mod:`sessionstore.service.engine.response_records`), this module only
+object; the service parses them (:mod:`sessionstore.service.wire.response_records`), this module only
 keeps the list: a JSON array of objects, at most :data:`MAX_RESPONSES_BYTES`, replaced whole and
 durably."""
 from __future__ import annotations

@@ -57,10 +57,6 @@ class SessionSnapshot:
     def sidecar_path(self) -> Path:
         return self.directory / SIDECAR_NAME
 
-    @property
-    def committed_bytes(self) -> int:
-        return self.header.committed_end()
-
     def still_valid(self) -> bool:
         """True while the copied prefix cannot have changed (no truncate since the snapshot)."""
         try:

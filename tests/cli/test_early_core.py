@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sessionstore.service.engine import CoreConfig
 from sessionstore.service.http import core_client
+from sessionstore.service.wire import CoreConfig
 from tools import early_core
 from tools.coli_kv import main
 

@@ -1,7 +1,6 @@
 """The house's class-size rule, read from the source: a class of ``kernels/``, ``sessionstore/`` or
-``tools/`` has at most :data:`MAX_METHODS` methods (its own and its project bases'), or its
-docstring says why in a sentence starting ``Why N methods:`` with N its count now
-(:mod:`tests.house.class_sizes`)."""
+``tools/`` has at most :data:`MAX_METHODS` methods (its own and its project bases'), unless it is on
+:data:`OVER_THE_LIMIT` with its count; that list may only shrink (:mod:`tests.house.class_sizes`)."""
 from __future__ import annotations
 
 import shutil
@@ -9,12 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.house.class_sizes import MAX_METHODS, class_sizes, unexplained
+from tests.house.class_sizes import MAX_METHODS, class_sizes, oversized
 from tests.house.reexports import REPO
 
+# The classes over the limit (issue 40 part 5), each with its count (its project bases' methods
+# included). A class may leave this list or its count go down; nothing may join it or grow.
+OVER_THE_LIMIT = {
+    "kernels.model.cache.DecoderCache": 24,
+    "sessionstore.kvfile.writer.KVWriter": 28,
+    "sessionstore.service.engine.engine.Engine": 21,
+    "sessionstore.sessions.catalogue.Catalogue": 23,
+    "sessionstore.sessions.session.Session": 42,
+    "sessionstore.sessions.session_turns.SessionTurns": 22,
+    "sessionstore.sessions.store.SessionStore": 34,
+}
 
-def test_every_class_over_the_limit_says_why() -> None:
-    assert unexplained() == []
+
+def test_no_class_grows_past_the_limit_or_its_listed_count() -> None:
+    assert oversized(OVER_THE_LIMIT) == []
 
 
 @pytest.fixture
@@ -29,22 +40,41 @@ def _methods(n: int, prefix: str = "m") -> str:
     return "".join(f"    def {prefix}{i}(self) -> None:\n        pass\n\n" for i in range(n))
 
 
-def test_a_class_over_the_limit_without_a_reason_fails(scratch: Path) -> None:
-    """The rule is not vacuous: a scratch class of MAX_METHODS methods passes, one more fails, and
-    so does one that states a stale count; the right count passes again."""
+def test_a_class_over_the_limit_fails_and_a_reason_exempts_nothing(scratch: Path) -> None:
+    """The rule is not vacuous: a scratch class of MAX_METHODS methods passes, one more fails, and a
+    docstring's ``Why N methods:`` (the old exemption) no longer saves it."""
     module = scratch / "sessionstore" / "kvfile" / "scratch_class.py"
     module.write_text(f'class Scratch:\n    """A scratch class."""\n\n{_methods(MAX_METHODS)}')
-    assert unexplained(scratch) == []
+    assert oversized(OVER_THE_LIMIT, scratch) == []
+    over = (f"sessionstore.kvfile.scratch_class.Scratch: {MAX_METHODS + 1} methods, over {MAX_METHODS} "
+            "and not on the list")
     module.write_text(f'class Scratch:\n    """A scratch class."""\n\n{_methods(MAX_METHODS + 1)}')
-    assert unexplained(scratch) == [
-        f"sessionstore.kvfile.scratch_class.Scratch: {MAX_METHODS + 1} methods, no reason given"]
-    stale = f'class Scratch:\n    """A scratch class. Why {MAX_METHODS + 5} methods: it was once larger."""\n\n'
-    module.write_text(stale + _methods(MAX_METHODS + 1))
-    assert unexplained(scratch) == [f"sessionstore.kvfile.scratch_class.Scratch: {MAX_METHODS + 1} methods, "
-                                    f"its docstring says {MAX_METHODS + 5}"]
-    right = f'class Scratch:\n    """A scratch class. Why {MAX_METHODS + 1}\n    methods: one table."""\n\n'
-    module.write_text(right + _methods(MAX_METHODS + 1))
-    assert unexplained(scratch) == []
+    assert oversized(OVER_THE_LIMIT, scratch) == [over]
+    reason = f'class Scratch:\n    """A scratch class. Why {MAX_METHODS + 1} methods: one table."""\n\n'
+    module.write_text(reason + _methods(MAX_METHODS + 1))
+    assert oversized(OVER_THE_LIMIT, scratch) == [over]
+
+
+def test_a_listed_class_that_grows_fails(scratch: Path) -> None:
+    name = "sessionstore.kvfile.writer.KVWriter"
+    count = OVER_THE_LIMIT[name]
+    writer = scratch / "sessionstore" / "kvfile" / "writer.py"
+    writer.write_text(writer.read_text().replace("class KVWriter:\n", "class KVWriter:\n" + _methods(1, "grown"), 1))
+    assert oversized(OVER_THE_LIMIT, scratch) == [f"{name}: {count + 1} methods, grown past its listed {count}"]
+
+
+def test_the_list_only_shrinks() -> None:
+    """A listed class that shrinks must lower its count; one back within the limit (or gone) must
+    leave the list."""
+    name = "sessionstore.kvfile.writer.KVWriter"
+    count = OVER_THE_LIMIT[name]
+    sizes = class_sizes()
+    assert oversized({**OVER_THE_LIMIT, name: count + 1}, sizes=sizes) == [
+        f"{name}: {count} methods, shrunk from its listed {count + 1}: lower its count on the list"]
+    small = next(s for s in sizes if s.qualname == "sessionstore.kvfile.lock.WriterLock")
+    assert oversized({**OVER_THE_LIMIT, small.qualname: 30, "sessionstore.kvfile.lock.Gone": 25}, sizes=sizes) == [
+        f"sessionstore.kvfile.lock.Gone: gone methods, within {MAX_METHODS}: remove it from the list",
+        f"{small.qualname}: {small.methods} methods, within {MAX_METHODS}: remove it from the list"]
 
 
 def test_a_project_base_counts_once_per_name(scratch: Path) -> None:
@@ -58,4 +88,5 @@ def test_a_project_base_counts_once_per_name(scratch: Path) -> None:
     sizes = {(s.module, s.name): s.methods for s in class_sizes(scratch)}
     assert sizes[("sessionstore.kvfile.scratch_base", "Base")] == 12
     assert sizes[("sessionstore.sessions.scratch_sub", "Sub")] == 21
-    assert unexplained(scratch) == ["sessionstore.sessions.scratch_sub.Sub: 21 methods, no reason given"]
+    assert oversized(OVER_THE_LIMIT, scratch) == [
+        f"sessionstore.sessions.scratch_sub.Sub: 21 methods, over {MAX_METHODS} and not on the list"]

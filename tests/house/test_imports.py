@@ -1,16 +1,17 @@
 """The house's import rules, read from the source. Each rule is a function of a source tree, so
 each test also breaks its rule in a scratch copy of the sources and sees it fail:
 
-- no circle between modules;
+- no circle between modules (the benches' among them: :data:`CIRCLE_FREE`);
 - the rooms of sessionstore (kvfile < sessions < migration < service) import only the rooms below
   them, and the kvfile room imports nothing of the rooms above it or of tools;
 - every module of the service is in one of its rooms (:data:`SERVICE_LEVELS`: the floor, the flat
-  modules :data:`SERVICE_FLOOR` names, < steps/ < fleet/ < engine/ < http/), and each room imports only its
-  own level and those below;
+  modules :data:`SERVICE_FLOOR` names, < steps/ < fleet/ < wire/ < engine/ < http/), and each room imports
+  only its own level and those below, but those :data:`APART` (http, the API process, imports nothing
+  of engine, the core: both speak the wire room's types);
 - outside a room (a room of sessionstore or of the service), import its surface (its package
   ``__init__``), except a module the surface leaves out because it needs an optional extra
   (:data:`BEHIND_AN_EXTRA`); the room surfaces import none (but those of :data:`EXTRA_ROOMS`:
-  ``http``, the API process, and ``engine``, the core's), and each names its public names in
+  ``http``, the API process, ``engine``, the core's, and ``wire``, both's), and each names its public names in
   ``__all__``; a module run with ``python -m`` (the core's process) is left out of its surface;
 - the engine loop's room (``steps``, which ``chat`` and ``generate`` run in process) and the CLI
   modules that use it import none of the service's web and IPC extras;
@@ -34,6 +35,7 @@ from tests.house.reexports import find_reexports
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("kernels", "sessionstore", "tools")
+CIRCLE_FREE = (*PACKAGES, "bench")  # the circle rule also holds the benches (issue 40 part 4)
 ROOMS = ("kvfile", "sessions", "migration", "service")  # each may import only those before it
 
 # Modules a room's surface leaves out because importing them imports an optional extra; code outside
@@ -52,12 +54,19 @@ IN_PROCESS_CORE = ("tools.cmd_chat", "tools.cmd_generate", "tools.cmd_sessions",
 SERVICE_EXTRAS = ("starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "zmq", "msgspec")
 # The service's rooms, lowest first: each imports only its own level and those below. The floor is
 # the flat modules of service/ (its package surface among them); fleet/, engine/ and http/ are packages.
-SERVICE_LEVELS = ("floor", "steps", "fleet", "engine", "http")
+SERVICE_LEVELS = ("floor", "steps", "fleet", "wire", "engine", "http")
 SERVICE_FLOOR = frozenset({"sessionstore.service", "sessionstore.service.bind", "sessionstore.service.errors",
                            "sessionstore.service.limits"})
-SERVICE_ROOMS = ("steps", "fleet", "engine", "http")  # the service's rooms that are (or will be) packages
-# Rooms whose surface is an extra's by design: the API process, and the engine core (greenlet, pyzmq, msgspec).
-EXTRA_ROOMS = {"sessionstore.service.http": "service", "sessionstore.service.engine": "service"}
+SERVICE_ROOMS = ("steps", "fleet", "wire", "engine", "http")  # the service's rooms that are (or will be) packages
+# Rooms whose surface is an extra's by design: the API process, the engine core (greenlet, pyzmq, msgspec), and
+# what the two speak (msgspec).
+EXTRA_ROOMS = {"sessionstore.service.http": "service", "sessionstore.service.engine": "service",
+               "sessionstore.service.wire": "service"}
+# Rooms that may not import each other though one sits above the other: the API process (http) loads no
+# engine core (Engine, TierManager, greenlet); what the two exchange is the wire room's (issue 40 part 2).
+APART = {"http": "engine"}
+# What the API process (serve's parent) imports: none of the core's modules, nor the engine loop's.
+API_PROCESS = ("sessionstore.service.http", "tools.cmd_serve")
 
 EXTRAS = ("jinja2", "tokenizers", "starlette", "uvicorn", "pydantic", "prometheus_client", "httpx", "torch")
 
@@ -70,8 +79,8 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _modules(root: Path) -> dict[str, Path]:
-    return {_module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+def _modules(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
+    return {_module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
 
 
 def _imports(path: Path, name: str, known: set[str]) -> set[str]:
@@ -99,9 +108,9 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
     return out
 
 
-def graph(root: Path = REPO) -> dict[str, set[str]]:
-    """Module -> the modules of ours it imports, for the packages under ``root``."""
-    modules = _modules(root)
+def graph(root: Path = REPO, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports, for ``packages`` under ``root``."""
+    modules = _modules(root, packages)
     known = set(modules)
     out = {name: _imports(path, name, known) for name, path in modules.items()}
     for name in out:  # a package's __init__ re-exporting its own modules is not a circle
@@ -199,6 +208,12 @@ def service_downward_breaches(edges: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def apart_breaches(edges: dict[str, set[str]]) -> list[str]:
+    """``a imports b``, a in a room of :data:`APART`'s keys and b in the room it names."""
+    return [f"{name} imports {t}" for name, targets in edges.items() if service_level(name) in APART
+            for t in sorted(targets) if service_level(t) == APART[service_level(name)]]
+
+
 def room_packages(module: str) -> list[str]:
     """The room packages holding ``module`` (itself included when it is one), outermost first:
     ``sessionstore.service.fleet.home`` is in ``sessionstore.service`` and ``sessionstore.service.fleet``."""
@@ -269,7 +284,9 @@ def test_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_no_import_circles() -> None:
-    assert cycles(graph()) == []
+    edges = graph(packages=CIRCLE_FREE)
+    assert "bench.object_read" in edges["bench.scale"]  # the benches are read too
+    assert cycles(edges) == []
 
 
 def test_a_new_circle_fails_the_rule(scratch: Path) -> None:
@@ -279,6 +296,13 @@ def test_a_new_circle_fails_the_rule(scratch: Path) -> None:
             "\n\ndef _late() -> None:\n    from sessionstore.kvfile.writer import KVWriter  # noqa: F401\n")
     found = cycles(graph(scratch))
     assert any({"sessionstore.kvfile.header", "sessionstore.kvfile.writer"} <= set(c) for c in found), found
+
+
+def test_a_circle_between_benches_fails_the_rule(scratch: Path) -> None:
+    """bench.scale and bench.ship_measure imported each other (issue 40): such a circle is found."""
+    _append(scratch, "bench/ship_measure.py",
+            "\n\ndef _late() -> None:\n    from bench.scale import measure_restore  # noqa: F401\n")
+    assert cycles(graph(scratch, CIRCLE_FREE)) == [["bench.scale", "bench.ship_measure"]]
 
 
 def test_rooms_import_only_the_rooms_below_them() -> None:
@@ -350,12 +374,49 @@ def test_a_service_room_importing_upward_fails(scratch: Path) -> None:
     ]
 
 
+def test_the_api_process_imports_nothing_of_the_engine_core() -> None:
+    assert apart_breaches(graph()) == []
+
+
+def test_the_api_process_importing_the_engine_core_fails(scratch: Path) -> None:
+    """The rule is not vacuous: http reaching the core's surface, or one of its modules in a
+    function, is found (the second is also a surface breach, a rule of its own)."""
+    _append(scratch, "sessionstore/service/http/app.py", "\nfrom sessionstore.service.engine import Engine  # noqa\n")
+    _append(scratch, "sessionstore/service/http/session_key.py",
+            "\n\ndef _late() -> None:\n    from sessionstore.service.engine.tiers import Sweeper  # noqa: F401\n")
+    assert sorted(apart_breaches(graph(scratch))) == [
+        "sessionstore.service.http.app imports sessionstore.service.engine",
+        "sessionstore.service.http.session_key imports sessionstore.service.engine.tiers"]
+    assert service_downward_breaches(graph(scratch)) == []  # http sits above engine: only APART holds it
+
+
+def _loaded(root: Path, modules: Iterable[str], prefixes: Iterable[str]) -> list[str]:
+    """The modules whose name starts with one of ``prefixes`` that importing ``modules`` (in a fresh
+    interpreter, on the sources under ``root``) loads."""
+    code = (f"import sys\nfor m in {list(modules)!r}:\n    __import__(m)\n"
+            f"print(sorted(n for n in sys.modules if n.startswith({tuple(prefixes)!r})))")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return ast.literal_eval(done.stdout.strip())
+
+
+def test_the_api_process_loads_no_engine_core() -> None:
+    """What ``coli-kv serve --http``'s API process imports: not the core's room (Engine, TierManager)
+    nor the engine loop's (its greenlets); the wire room, which it speaks, it does. (The greenlet
+    package itself is no test of this: structlog imports it wherever it is installed.)"""
+    loaded = _loaded(REPO, API_PROCESS, ("sessionstore.service",))
+    assert "sessionstore.service.wire.ipc" in loaded, loaded  # the check sees what is imported
+    assert [m for m in loaded if m.startswith(("sessionstore.service.engine", "sessionstore.service.steps"))] == []
+
+
 def test_the_service_levels_are_read() -> None:
     assert [service_level(m) for m in ("sessionstore.service", "sessionstore.service.errors",
                                        "sessionstore.service.fleet.home", "sessionstore.service.engine",
                                        "sessionstore.service.steps.loop", "sessionstore.service.http.app",
-                                       "sessionstore.service.stray", "sessionstore.sessions.store")] == [
-        "floor", "floor", "fleet", "engine", "steps", "http", "unplaced", None]
+                                       "sessionstore.service.stray", "sessionstore.sessions.store",
+                                       "sessionstore.service.wire.ipc")] == [
+        "floor", "floor", "fleet", "engine", "steps", "http", "unplaced", None, "wire"]
 
 
 def test_every_service_module_is_in_a_room() -> None:
@@ -444,7 +505,7 @@ def test_a_surface_without_all_or_with_a_private_name_fails(scratch: Path) -> No
     path.write_text(path.read_text().replace('__all__ = ["FleetHome"', '__all__ = ["_hidden", "FleetHome"'))
     (scratch / "sessionstore" / "service" / "http" / "__init__.py").write_text('"""No list."""\n')
     path = scratch / "sessionstore" / "service" / "engine" / "__init__.py"
-    path.write_text(path.read_text().replace('__all__ = ["Call"', '__all__ = ["main", "Call"'))
+    path.write_text(path.read_text().replace('__all__ = ["Engine"', '__all__ = ["main", "Engine"'))
     assert surface_problems(scratch) == ["sessionstore.service.fleet: _hidden is private",
                                          "sessionstore.service.fleet: _hidden is not imported there",
                                          "sessionstore.service.engine: main is not imported there",

@@ -14,6 +14,7 @@ from kernels.backend import CpuBackend, get_backend
 from kernels.errors import BackendUnavailableError, FormatError
 from kernels.rows import F32Rows
 from tests.kernels.attention_cases import latent_rows, quantize, queries, split_rows
+from tests.support.batched_decode import batched_decode
 from tests.support.extras import needs_cuda_extra
 
 
@@ -36,13 +37,13 @@ def test_cpu_batched_decode_is_one_step_per_session() -> None:
     caches = [quantize(*latent_rows(rng, n, 64, 16)).rows for n in (1, 50, 300)]
     caches[2] = split_rows(caches[2], [100])
     qa, qr = queries(rng, 3, 4, 64), queries(rng, 3, 4, 16)
-    got = get_backend("cpu").batched_decode(qa, qr, caches, 0.1)
+    got = batched_decode(get_backend("cpu"), qa, qr, caches, 0.1)
     assert got.shape == (3, 4, 64)
     for b, cache in enumerate(caches):
         blocks = cache if isinstance(cache, list) else [cache]
         assert np.array_equal(got[b : b + 1], absorbed_attention(qa[b : b + 1], qr[b : b + 1], blocks, 0.1))
     with pytest.raises(FormatError, match="2 queries for 3 sessions"):
-        get_backend("cpu").batched_decode(qa[:2], qr[:2], caches, 0.1)
+        batched_decode(get_backend("cpu"), qa[:2], qr[:2], caches, 0.1)
 
 
 def test_unknown_backend_name() -> None:

@@ -76,7 +76,7 @@ def test_v2_to_v1_is_table_times_scale(tmp_path: Path, dims: Dims) -> None:
     got = (tmp_path / "dst").read_bytes()
     assert got == expected
     with open_kv(tmp_path / "dst") as kv:
-        assert np.signbit(kv.layer(1).lc[6]).sum() == 0  # +0.0, not -0.0
+        assert np.signbit(kv.layer_rows(1).lc[6]).sum() == 0  # +0.0, not -0.0
 
 
 def test_same_version_is_a_clean_copy_of_committed_records(tmp_path: Path) -> None:

@@ -70,11 +70,11 @@ def _exercise(path: Path, sidecar: bool) -> None:
             if sidecar:
                 write_sidecar_for(kv)
             for layer in range(kv.dims.n_layers):
-                kv.layer(layer)
+                kv.layer_rows(layer)
             for i in range(kv.dims.n_index_layers):
                 kv.index_rows(i)
             if kv.nrec:
-                bytes(kv.record_bytes_view(kv.nrec - 1))
+                bytes(kv.records_bytes_view(kv.nrec - 1, kv.nrec))
     except ColiError:
         pass
     try:

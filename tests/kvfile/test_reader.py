@@ -22,6 +22,7 @@ from tests.kvfile.test_layout_fixtures import (
     struct_record,
     write_kv,
 )
+from tests.support.kv_raw import raw_scales
 
 
 @pytest.mark.parametrize("dims", [ENGINE_DIMS, INDEXER_DIMS])
@@ -36,7 +37,7 @@ def test_v1_engine_scenario_round_trip(tmp_path: Path, dims: Dims) -> None:
         assert kv.tokens.tolist() == list(range(11, 56))
         assert kv.stale_tail_bytes == 0 and kv.warnings == []
         for l in range(dims.n_layers):
-            layer = kv.layer(l)
+            layer = kv.layer_rows(l)
             assert isinstance(layer, F32Rows)
             np.testing.assert_array_equal(layer.lc, rows.lc[:, l])
             np.testing.assert_array_equal(layer.rc, rows.rc[:, l])
@@ -51,21 +52,21 @@ def test_v2_engine_scenario_round_trip_is_byte_identical(tmp_path: Path, dims: D
     rows = fp8_rows(dims, ENGINE_TOKENS)
     path = write_kv(tmp_path / ".coli_kv", 2, dims, rows)
     with open_kv(path, expect=dims) as kv:
-        layer = kv.layer(1)
+        layer = kv.layer_rows(1)
         assert isinstance(layer, Fp8Rows)
         np.testing.assert_array_equal(layer.lc_codes, rows.lc_codes[:, 1])
         np.testing.assert_array_equal(layer.rc_codes, rows.rc_codes[:, 1])
         np.testing.assert_array_equal(layer.lc_scale, rows.lc_scale[:, 1])
         np.testing.assert_array_equal(layer.rc_scale, rows.rc_scale[:, 1])
         for p in (0, 44):
-            assert bytes(kv.record_bytes_view(p)) == struct_record(2, rows, p, dims)
+            assert bytes(kv.records_bytes_view(p, p + 1)) == struct_record(2, rows, p, dims)
         assert bytes(kv.records_bytes_view(0, 45)) == path.read_bytes()[HEADER_SIZE:]
 
 
 def test_views_are_zero_copy_and_read_only(tmp_path: Path) -> None:
     path = write_kv(tmp_path / "kv", 2, INDEXER_DIMS, fp8_rows(INDEXER_DIMS, ENGINE_TOKENS))
     with open_kv(path) as kv:
-        layer = kv.layer(0)
+        layer = kv.layer_rows(0)
         rec = kv.record_bytes
         for view in (kv.tokens, layer.lc_codes, layer.rc_codes, kv.index_rows(1)):
             assert not view.flags.owndata and not view.flags.writeable
@@ -105,12 +106,12 @@ def test_inert_rows_and_nan_codes_follow_reading_rules(tmp_path: Path) -> None:
     rows.lc_codes[7, 0, :] = 0x7F
     path = write_kv(tmp_path / "kv", 2, ENGINE_DIMS, rows)
     with open_kv(path) as kv:
-        l0, l1 = kv.layer(0), kv.layer(1)
+        l0, l1 = kv.layer_rows(0), kv.layer_rows(1)
         assert l0.lc_scale[3] == 0.0 and l0.lc_scale[4] == 0.0
         assert l1.rc_scale[5] == 0.0 and l1.rc_scale[6] == 0.0
         assert l0.lc_scale[2] == rows.lc_scale[2, 0]
         assert l0.lc_codes[7].tolist() == [0x7F] * 8  # codes stay raw; the decode table zeroes them
-        raw_lc, raw_rc = kv.raw_scales(0)
+        raw_lc, raw_rc = raw_scales(kv, 0)
         assert raw_lc[4] == -2.0  # the stored bytes are untouched
         from kernels.fp8 import DECODE_TABLE
 
@@ -143,7 +144,7 @@ def test_nrec_zero_reports_nothing(tmp_path: Path) -> None:
     path = write_kv(tmp_path / "kv", 2, ENGINE_DIMS, fp8_rows(ENGINE_DIMS, ENGINE_TOKENS[:0]))
     with open_kv(path) as kv:
         assert kv.nrec == 0 and kv.tokens.shape == (0,)
-        assert kv.layer(1).lc_codes.shape == (0, 8)
+        assert kv.layer_rows(1).lc_codes.shape == (0, 8)
         assert bytes(kv.records_bytes_view(0, 0)) == b""
 
 
@@ -211,8 +212,8 @@ def test_release_pages_keeps_data_readable(tmp_path: Path) -> None:
     rows = f32_rows(INDEXER_DIMS, np.arange(2000, dtype=np.int32) % 1000)
     path = write_kv(tmp_path / "kv", 1, INDEXER_DIMS, rows)
     with open_kv(path) as kv:
-        before = kv.layer(1).lc.sum()
+        before = kv.layer_rows(1).lc.sum()
         kv.release_pages(0, kv.nrec)
         kv.release_pages(5, 3)  # an empty range is a no-op
-        np.testing.assert_array_equal(kv.layer(1).lc, rows.lc[:, 1])
-        assert kv.layer(1).lc.sum() == before
+        np.testing.assert_array_equal(kv.layer_rows(1).lc, rows.lc[:, 1])
+        assert kv.layer_rows(1).lc.sum() == before

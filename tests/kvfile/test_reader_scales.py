@@ -22,6 +22,7 @@ from tests.kvfile.test_layout_fixtures import (
     fp8_rows,
     write_kv,
 )
+from tests.support.kv_raw import raw_scales
 
 
 def _damaged_scales_file(tmp_path: Path, n_records: int | None = None) -> tuple[Path, object]:
@@ -43,7 +44,7 @@ def test_one_pass_equals_the_per_layer_reading_rule(tmp_path, monkeypatch, step)
         scales = kv.sanitized_scales()
         assert scales.shape == (2, INDEXER_DIMS.n_layers, kv.nrec) and scales.dtype == np.float32
         for layer in range(INDEXER_DIMS.n_layers):
-            raw_lc, raw_rc = kv.raw_scales(layer)
+            raw_lc, raw_rc = raw_scales(kv, layer)
             want_lc, want_rc = sanitize_scales(raw_lc), sanitize_scales(raw_rc)
             assert np.array_equal(scales[0, layer], want_lc) and np.array_equal(scales[1, layer], want_rc)
             assert scales[0, layer].flags.c_contiguous
@@ -54,7 +55,7 @@ def test_one_pass_equals_the_per_layer_reading_rule(tmp_path, monkeypatch, step)
         assert scales[0, 0, 3] == 0 and scales[0, 1, 4] == 0 and scales[1, 0, 5] == 0
         assert scales[1, 1, 6] == 0 and scales[0, 1, 7] == 0
         assert scales[1, 0, 8] == np.float32(1e-30)
-        assert kv.raw_scales(1)[0][4] == -2.0  # the stored bytes are untouched
+        assert raw_scales(kv, 1)[0][4] == -2.0  # the stored bytes are untouched
 
 
 def test_gathered_once_read_only_and_shared_by_every_layer(tmp_path):
@@ -62,7 +63,7 @@ def test_gathered_once_read_only_and_shared_by_every_layer(tmp_path):
     with open_kv(path) as kv:
         first = kv.sanitized_scales()
         assert kv.sanitized_scales() is first  # cached: per-layer views are free
-        layers = [kv.layer(layer) for layer in range(INDEXER_DIMS.n_layers)]
+        layers = [kv.layer_rows(layer) for layer in range(INDEXER_DIMS.n_layers)]
         for rows in layers:
             assert isinstance(rows, Fp8Rows)
             assert np.shares_memory(rows.lc_scale, first) and np.shares_memory(rows.rc_scale, first)
@@ -80,7 +81,7 @@ def test_layer_blocks_are_views_of_the_records(tmp_path):
             assert len(blocks) == INDEXER_DIMS.n_layers and all(len(b) == 1 for b in blocks)
             for layer, (block,) in enumerate(blocks):
                 assert block.length == n
-                whole = kv.layer(layer)
+                whole = kv.layer_rows(layer)
                 for name in ("lc_codes", "lc_scale", "rc_codes", "rc_scale"):
                     assert np.array_equal(getattr(block, name), getattr(whole, name)[:n])
                 assert np.array_equal(block.lc_codes, rows.lc_codes[:n, layer])
@@ -108,7 +109,7 @@ def test_views_held_past_close_stay_valid(tmp_path, monkeypatch, defer):
     monkeypatch.setattr(reader_mod, "DEFER_UNMAP_BYTES", 0)  # even a small mapping is deferred
     path, rows = _damaged_scales_file(tmp_path)
     kv = open_kv(path)
-    codes = kv.layer(1).lc_codes  # a view of the mapping, kept by the caller
+    codes = kv.layer_rows(1).lc_codes  # a view of the mapping, kept by the caller
     tokens = kv.tokens
     raw = kv.records_bytes_view(0, 2)
     kv.close(defer_unmap=defer)

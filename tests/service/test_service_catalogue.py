@@ -93,7 +93,7 @@ def test_fleet_windows_of_consecutive_pages_cover_every_id_once() -> None:
     """A fleet server's page keeps the fleet's sessions in its id window: consecutive windows
     (cursor, last id] partition the ids, in both orders, so no fleet session is listed twice or
     skipped, whatever the local pages hold."""
-    from sessionstore.service.engine.listing import PageQuery, in_window
+    from sessionstore.service.wire.listing import PageQuery, in_window
 
     fleet_ids = [f"r{i:02d}" for i in range(9)] + ["a", "m", "zz"]
     local = ["b", "d", "n", "r04", "y"]

@@ -13,7 +13,7 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.turns import TurnSpec
+from sessionstore.service.wire.turn_spec import TurnSpec
 from sessionstore.sessions import SessionOptions, SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
 from tests.service.test_service_units import Sink

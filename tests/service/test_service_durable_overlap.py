@@ -16,7 +16,7 @@ from kernels.model.sampling import Sampler
 from sessionstore.kvfile import KVWriter
 from sessionstore.kvfile.durability import Durability
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.turns import TurnSpec
+from sessionstore.service.wire.turn_spec import TurnSpec
 from sessionstore.sessions import SessionOptions, SessionStore, reference_turns
 from sessionstore.sessions import committer as committer_module
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kernels.errors import CorruptionError
-from sessionstore.service.engine.response_records import ResponseRecord, ResponseRecords, new_response_id
+from sessionstore.service.wire.response_records import ResponseRecord, ResponseRecords, new_response_id
 
 
 def _record() -> ResponseRecord:

@@ -17,7 +17,7 @@ import pytest
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile.durability import Durability
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.turns import TurnSpec
+from sessionstore.service.wire.turn_spec import TurnSpec
 from sessionstore.sessions import SessionOptions, SessionStore, reference_turns
 
 SLOW_S = 0.4  # each slowed disk call under the new session: many decode steps' worth

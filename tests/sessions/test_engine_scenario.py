@@ -186,7 +186,7 @@ def test_v1_loaded_for_fp8_leaves_the_file_untouched(tmp_path, dims):
     with KVWriter.open(path, dims, kv_dtype="fp8") as w:
         assert w.pending_upgrade and w.nrec == len(TOKENS)
     with open_kv(path, expect=dims, fp8_enabled=True) as reader:
-        ram = [quantize_rows(np.ascontiguousarray(reader.layer(layer).lc))
+        ram = [quantize_rows(np.ascontiguousarray(reader.layer_rows(layer).lc))
                for layer in range(dims.n_layers)]  # what the engine holds in RAM
     for layer, (codes, scales) in enumerate(ram):
         for j in range(len(TOKENS)):

@@ -32,6 +32,7 @@ from sessionstore.sessions.fields import MAX_PENDING
 from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, read_manifest, write_manifest
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import reference_turns
+from tests.support.migrate import files_of
 
 PROMPT = list(b"State pages")
 SAMPLED = Sampler(0.9, 50, 0.95, 77)
@@ -201,7 +202,7 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     wait_for_unmaps()  # the background thread freed the cache and unmapped the file
     assert cache() is None
     assert str(store.kv_path("s").resolve()) not in Path("/proc/self/maps").read_text()
-    assert [p.name for p in store.files_of("s")][-1] == STATE_NAME
+    assert [p.name for p in files_of(store, "s")][-1] == STATE_NAME
     info = store.list()[0]
     assert info.tokens == len(PROMPT) + 5 and info.pending == s.pending  # listing sees the page
     s.close()

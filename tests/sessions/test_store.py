@@ -21,6 +21,7 @@ from sessionstore.sessions.manifest import MANIFEST_NAME, read_manifest
 from sessionstore.sessions.paths import KV_NAME, LOCK_NAME, SIDECAR_NAME, InvalidSessionIdError
 from sessionstore.sessions.store import SessionStore
 from sessionstore.sessions.turn_loop import common_prefix
+from tests.support.migrate import files_of
 
 PROMPT = list(b"Hello, store")
 
@@ -42,7 +43,7 @@ def test_layout_and_public_paths(store) -> None:
     assert d == store.root / "sessions" / "s1"
     assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST_NAME, KV_NAME, SIDECAR_NAME, LOCK_NAME,
                                                           STATE_NAME])  # commits wrote the state page
-    assert [p.name for p in store.files_of("s1")] == [MANIFEST_NAME, KV_NAME, SIDECAR_NAME, STATE_NAME]
+    assert [p.name for p in files_of(store, "s1")] == [MANIFEST_NAME, KV_NAME, SIDECAR_NAME, STATE_NAME]
     tmp = store.tmp_dir()
     assert tmp.parent == store.root / "tmp" and not any(tmp.iterdir())
     assert not any(p.name.startswith("t-") for p in (store.root / "sessions").iterdir())
@@ -174,7 +175,7 @@ def test_snapshot_of_a_live_session_while_it_appends(store) -> None:
     try:
         for i in range(5):
             snap = store.snapshot("live")
-            assert snap.committed_bytes == 40 + snap.committed * snap.header.record_bytes
+            assert snap.header.committed_end() == 40 + snap.committed * snap.header.record_bytes
             store.fork("live", f"copy{i}")
     finally:
         stop.set()
@@ -190,7 +191,7 @@ def test_snapshot_of_a_live_session_while_it_appends(store) -> None:
 def test_adopt_dir_verifies_and_installs(store) -> None:
     _make(store, "src")
     tmp = store.tmp_dir()
-    for f in store.files_of("src"):
+    for f in files_of(store, "src"):
         (tmp / f.name).write_bytes(f.read_bytes())
     info = store.adopt_dir(tmp, "moved")
     assert info.id == "moved" and read_manifest(store.session_dir("moved") / MANIFEST_NAME).id == "moved"
@@ -198,7 +199,7 @@ def test_adopt_dir_verifies_and_installs(store) -> None:
     assert s.resume_report["verified"] == "bit-identical"
     s.close()
     bad = store.tmp_dir()
-    for f in store.files_of("src"):
+    for f in files_of(store, "src"):
         (bad / f.name).write_bytes(f.read_bytes())
     raw = bytearray((bad / KV_NAME).read_bytes())
     raw[50] ^= 4
@@ -209,7 +210,7 @@ def test_adopt_dir_verifies_and_installs(store) -> None:
     with pytest.raises(FormatError):
         store.adopt_dir(store.root, "x")  # only directories under <root>/tmp/
     again = store.tmp_dir()
-    for f in store.files_of("src"):
+    for f in files_of(store, "src"):
         (again / f.name).write_bytes(f.read_bytes())
     with pytest.raises(FormatError, match="already exists"):
         store.adopt_dir(again, "moved")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels.errors import CorruptionError
 from kernels.model.sampling import Sampler
 from kernels.rows import RecordRows
 from sessionstore.kvfile.header import Dims
@@ -18,8 +19,11 @@ from sessionstore.kvfile.reader import open_kv
 from sessionstore.kvfile.writer import KVWriter
 from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.digest import make_digest
-from sessionstore.sessions.manifest import Manifest, ModelRef, write_manifest
+from sessionstore.sessions.directory import STATE_NAME
+from sessionstore.sessions.manifest import MANIFEST_NAME, Manifest, ModelRef, write_manifest
+from sessionstore.sessions.paths import KV_NAME, SIDECAR_NAME, check_component
 from sessionstore.sessions.store import SessionStore
+from sessionstore.sessions.tier_record import refuse_offloaded
 
 SMALL_DIMS = Dims(n_layers=3, kv_lora=32, qk_rope=8, index_head_dim=0, n_index_layers=0, vocab=1000)
 TEST_FINGERPRINT = "fp1:" + "ab" * 32
@@ -59,12 +63,25 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
     return manifest
 
 
+def files_of(store: SessionStore, session_id: str) -> list[Path]:
+    """The session's files to copy it whole: manifest, kv, then the sidecar and the commit state
+    page when present; the lock file is not data."""
+    d = store.existing_dir(session_id)
+    refuse_offloaded(d, session_id)
+    files = [d / MANIFEST_NAME, d / KV_NAME]
+    files += [d / optional for optional in (SIDECAR_NAME, STATE_NAME) if check_component(d / optional, want="file")]
+    for f in files[:2]:
+        if not check_component(f, want="file"):
+            raise CorruptionError(f"{f}: missing from session {session_id!r}")
+    return files
+
+
 def session_files(store: SessionStore, session_id: str) -> dict[str, bytes]:
     """A session's files by name, each cut to its content: the kv file to its header and
     committed records (a writer may leave a stale tail or preallocated headroom past nrec, which
     the engine ignores), the sidecar to the entries it vouches for (its zero-filled headroom past
     the count is checked zero)."""
-    out = {p.name: p.read_bytes() for p in store.files_of(session_id)}
+    out = {p.name: p.read_bytes() for p in files_of(store, session_id)}
     with open_kv(store.kv_path(session_id)) as reader:
         out["kv.coli_kv"] = out["kv.coli_kv"][:40 + reader.nrec * reader.record_bytes]
     side = out.get("kv.coli_kv.colisum")

@@ -18,48 +18,26 @@ meanwhile is refused with 409); reads take the committed file, replaced whole, f
 """
 from __future__ import annotations
 
-import re
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernels.errors import ColiError, CorruptionError, FormatError
+from kernels.errors import CorruptionError, FormatError
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.response_records import CONVERSATION_SCHEMA, ResponseRecord
 from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import CONVERSATION_SCHEMA, ResponseRecord, conversation_not_found, is_session_id
 from sessionstore.sessions import (
     ConversationRecord,
     common_prefix,
     read_response_list,
     remove_record,
     tokens_digest,
-    validate_session_id,
     write_record,
     write_response_list,
 )
 
 SCHEMA_VERSION = 1
-CONVERSATION_ID = re.compile(r"conv_[0-9a-f]{48}\Z")
 TEXT_PART_SEPARATOR = "\n"  # between the text parts of one item (as the chat API joins a message's)
-
-
-def new_conversation_id() -> str:
-    """A fresh conversation id (and so session id): ``conv_`` and 48 hex digits."""
-    return "conv_" + secrets.token_hex(24)
-
-
-def is_session_id(value: object) -> bool:
-    try:
-        validate_session_id(value)
-    except ColiError:
-        return False
-    return True
-
-
-def conversation_not_found(conversation_id: str) -> ApiError:
-    return ApiError(404, f"no conversation {conversation_id[:80]!r}", param="conversation_id",
-                    code="conversation_not_found")
 
 
 @dataclass
@@ -261,6 +239,5 @@ def op_delete_item(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
     return describe(sid, state)
 
 
-__all__ = ["CONVERSATION_ID", "ConversationState", "conversation_messages", "conversation_not_found", "describe",
-           "is_session_id", "new_conversation_id", "op_add_items", "op_create", "op_delete", "op_delete_item",
-           "op_read", "op_update", "output_item", "read_state", "save_turn", "write_state"]
+__all__ = ["ConversationState", "conversation_messages", "describe", "op_add_items", "op_create", "op_delete",
+           "op_delete_item", "op_read", "op_update", "output_item", "read_state", "save_turn", "write_state"]

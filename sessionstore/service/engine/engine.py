@@ -24,11 +24,14 @@ from kernels.errors import ChecksumMismatchError
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
 from sessionstore.service.engine.fencing import FencedSessions
+from sessionstore.service.engine.fleet_hooks import FleetHooks, NoFleet
 from sessionstore.service.engine.metrics import EngineMetrics
-from sessionstore.service.engine.turns import TurnOutcome, TurnRunner, TurnSink, TurnSpec
+from sessionstore.service.engine.tiers import TierManager
+from sessionstore.service.engine.turns import Admitted, TurnRunner, TurnSink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.steps import EngineLoop, LoopDecoder
+from sessionstore.service.wire import TurnOutcome, TurnSpec
 from sessionstore.sessions import Session, SessionOptions, SessionStore, read_record, validate_session_id, write_record
 
 log = get_logger("service")
@@ -45,10 +48,10 @@ class Engine:
     def __init__(self, store: SessionStore, model_source: str, *, kv_dtype: str = "fp8",
                  tokenizer: ChatTokenizer | None = None, limits: ServiceLimits | None = None,
                  metrics: EngineMetrics | None = None, session_options: SessionOptions | None = None,
-                 max_kv_bytes: int | None = None, home: Any = None) -> None:
+                 max_kv_bytes: int | None = None, home: Any = None, max_disk_bytes: int | None = None) -> None:
         self.store = store
-        self.home = home  # fleet hook: a fleet.FleetHome (serve --remote), else None
-        self.tiers: Any = None  # tiers hook: a tiers.TierManager (disk budget, offload, retention), else None
+        self.home = home  # the fleet (serve --remote: a fleet.FleetHome, its store and listing), else None
+        self.fleet: FleetHooks = NoFleet() if home is None else home  # what a session's life asks of it
         self.model_source = model_source
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or EngineMetrics()
@@ -81,6 +84,8 @@ class Engine:
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
                                    lambda: self.loop.batch.steps, self.loop.commits.in_flight)
+        # the disk budget (None: none), offload and restore (with a home), retention: FORMAT.md 5.10
+        self.tiers = TierManager(self, max_disk_bytes=max_disk_bytes)
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
@@ -142,8 +147,7 @@ class Engine:
             except Exception as exc:  # one session's failure must not keep the others uncommitted
                 log.error("service.close_failed", id=session.id, error=str(exc))
         self._sessions.clear()
-        if self.home is not None:  # fleet hook: push back every session still checked out
-            self.home.close()
+        self.fleet.close()  # push back every session still checked out
 
     # ---- sessions (the loop's jobs) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool, behind: bool = False) -> tuple[Session, bool]:
@@ -154,8 +158,8 @@ class Engine:
             self.let_go_fenced(session)
             session = None
         self.fences.reopen(self.store, session_id)  # a fenced session: from its verified commit only
-        if self.home is not None and self.home.check_out(session_id, create=create):
-            self.forget(session_id)  # fleet hook: the fleet's newer copy was pulled over it: reopen
+        if self.fleet.check_out(session_id, create=create):
+            self.forget(session_id)  # the fleet's newer copy was pulled over it: reopen
             session = None
         created = False
         try:
@@ -178,8 +182,7 @@ class Engine:
         except ChecksumMismatchError as exc:  # refused: nothing is served from those rows
             self.metrics.records_refused.inc(exc.records)
             raise
-        if self.home is not None:  # fleet hook: renew the lease while resident, fence commits
-            self.home.keep(session)
+        self.fleet.keep(session)  # renew the lease while resident, fence commits
         self.last_use[session_id] = time.time()
         return session, created
 
@@ -204,28 +207,27 @@ class Engine:
                 idle = session.id not in self._busy
             if session is not keep and idle:
                 session.suspend()
-                if self.home is not None:  # fleet hook: push back and release
-                    self.home.check_in(session.id)
+                self.fleet.check_in(session.id)  # push back and release
                 self.metrics.evictions.inc()
                 log.info("service.evict", id=session.id, max_resident=self.limits.max_resident)
 
-    def run_turn(self, spec: TurnSpec, sink: TurnSink) -> TurnOutcome:
-        """One turn (a job on the loop): on its session, or stateless."""
+    def run_turn(self, spec: TurnSpec, sink: TurnSink, admitted: Admitted | None = None) -> TurnOutcome:
+        """One turn (a job on the loop): on its session, or stateless. ``admitted``: its prompt as
+        :meth:`TurnRunner.admit` checked it, when the caller did (else checked here, once)."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         t0 = time.perf_counter()
+        admitted = self.runner.admit(spec) if admitted is None else admitted
         if spec.session is None:
-            outcome = self.runner.stateless(spec, sink, self.at_token)
+            outcome = self.runner.stateless(spec, sink, self.at_token, admitted)
         else:
-            if self.tiers is not None:  # tiers hook: room on the disk (else 507), an offloaded session restored
-                self.tiers.before_turn(spec)
+            self.tiers.before_turn(spec, admitted)  # room on the disk (else 507), an offloaded session restored
             session, created = self.open_session(spec.session, create=True, behind=True)
             try:
-                if self.tiers is not None:  # tiers hook: the request's retention_seconds / pinned
-                    if getattr(spec, "tier", None):
-                        session.await_files()  # its tier record goes into its directory
+                if spec.tier:  # the request's retention_seconds / pinned
+                    session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
-                outcome = self.runner.on_session(session, spec, sink, self.at_token)
+                outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
             except BaseException:
                 if session.fence is not None:  # a commit failed with an I/O error: nothing more written
                     self.let_go_fenced(session)
@@ -234,11 +236,9 @@ class Engine:
                     self._drop(spec.session)
                 raise
             finally:
-                if self.tiers is not None:  # tiers hook: the turn's reserved disk bytes are its file's now
-                    self.tiers.after_turn(spec)
+                self.tiers.after_turn(spec)  # the turn's reserved disk bytes are its file's now
             outcome.created = created
-            if self.home is not None:  # fleet hook: ship what the turn added before its final event
-                self.home.turn_done(spec.session)
+            self.fleet.turn_done(spec.session)  # ship what the turn added before its final event
             self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)
@@ -266,8 +266,7 @@ class Engine:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             session.close()
-        if self.home is not None:  # fleet hook: deleted from the fleet first (409 if held elsewhere)
-            self.home.forget(session_id)
+        self.fleet.forget(session_id)  # deleted from the fleet first (409 if held elsewhere)
         self.store.delete(session_id)
         self.last_use.pop(session_id, None)
 
@@ -278,12 +277,11 @@ class Engine:
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         if session is not None:
             session.suspend()
-        if self.home is not None:  # fleet hook: push back and release
-            self.home.check_in(session_id)
+        self.fleet.check_in(session_id)  # push back and release
 
     def delete(self, session_id: str) -> None:
-        if self.home is not None and not self.store.exists(session_id) and self.home.forget(session_id):
-            return  # fleet hook: a session only the fleet had
+        if not self.store.exists(session_id) and self.fleet.forget(session_id):
+            return  # a session only the fleet had
         if not self.store.exists(session_id):
             raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
         self._drop(session_id)

@@ -1,4 +1,4 @@
-"""The engine core's named operations (what a :class:`~sessionstore.service.engine.ipc.Call` may ask),
+"""The engine core's named operations (what a :class:`~sessionstore.service.wire.ipc.Call` may ask),
 and the sessions' descriptions the API returns, built where the sessions live.
 
 An operation is ``fn(engine, args) -> value`` (a msgpack-able value). ``exclusive`` ones change a
@@ -21,19 +21,20 @@ from sessionstore.kvfile import HEADER_SIZE, Dims, record_bytes
 from sessionstore.migration import BundleStats, ReceivedBundle
 from sessionstore.service.engine import conversations
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.listing import in_window, list_object, problem_description
 from sessionstore.service.engine.messages import session_messages
-from sessionstore.service.engine.response_records import (
-    CONVERSATION_SCHEMA,
-    FleetResponses,
-    ResponseRecord,
-    ResponseRecords,
-    drop_from_session,
-    is_chain_session,
-    session_records,
-)
+from sessionstore.service.engine.session_responses import FleetResponses, drop_from_session, session_records
 from sessionstore.service.engine.tier_fields import entry_tier_fields, session_tier_fields
 from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import (
+    CONVERSATION_SCHEMA,
+    PageQuery,
+    ResponseRecord,
+    ResponseRecords,
+    in_window,
+    is_chain_session,
+    list_object,
+    problem_description,
+)
 from sessionstore.sessions import (
     CatalogueEntry,
     TierChange,
@@ -121,8 +122,6 @@ def op_describe(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
 def op_list(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
     """``{limit, after, order}``: one page of the catalogue in OpenAI's list shape (a fleet server
     adds the fleet's sessions, state ``remote`` where not current here)."""
-    from sessionstore.service.engine.listing import PageQuery
-
     query = PageQuery(int(args["limit"]), args.get("after"), str(args.get("order", "asc")))
     page = engine.store.page(query.limit, query.after, query.order)
     data = [describe_listed(engine, entry) for entry in page.entries]
@@ -252,8 +251,6 @@ def op_tier_change(engine: Engine, args: dict[str, Any]) -> dict[str, Any]:
     """``{sid, change}``: a session's ``retention_seconds`` / ``pinned`` (a
     :class:`~sessionstore.sessions.tier_record.TierChange`'s fields); its description after."""
     sid = _existing(engine, args)
-    if engine.tiers is None:
-        raise ApiError(400, "this server does not manage tiers", code="invalid_value")
     engine.tiers.change(sid, msgspec.convert(args["change"], TierChange))
     return describe(engine, sid)
 

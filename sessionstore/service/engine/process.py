@@ -1,8 +1,8 @@
 """The engine core's process (``python -m sessionstore.service.engine.process``, started by the API
 process of ``coli-kv serve --http``): it owns the decoder, the store's sessions and the fleet's
-leases, and answers requests that arrive as data (:mod:`sessionstore.service.engine.ipc`).
+leases, and answers requests that arrive as data (:mod:`sessionstore.service.wire.ipc`).
 
-It reads its :class:`~sessionstore.service.engine.ipc.CoreConfig` (JSON) on stdin, builds the
+It reads its :class:`~sessionstore.service.wire.wire.CoreConfig` (JSON) on stdin, builds the
 :class:`Engine`, connects to the API process's two sockets and prints one JSON line on stdout:
 ``Ready`` or ``StartFailed``. Then its main thread receives requests and hands them to the engine
 loop as jobs (:mod:`sessionstore.service.steps.loop`); the loop sends the events of each of its
@@ -33,15 +33,14 @@ import zmq
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.migration import HeldElsewhereError
-from sessionstore.service.engine import ipc
+from sessionstore.service import wire
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.engine.operations import OPERATIONS, fleet_responses
 from sessionstore.service.engine.response_job import StoredResponseTurn
-from sessionstore.service.engine.response_records import ResponseRecords
-from sessionstore.service.engine.tiers import Sweeper, TierManager
-from sessionstore.service.engine.turns import TurnOutcome
+from sessionstore.service.engine.tiers import Sweeper
 from sessionstore.service.errors import api_error_of
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import ResponseRecords, TurnOutcome, load_tokenizer
 from sessionstore.sessions import SessionOptions, SessionStore
 
 log = get_logger("service.core")
@@ -51,14 +50,14 @@ READERS = 4  # threads for the operations that only read (listings, descriptions
 PR_SET_PDEATHSIG = 1
 
 
-def error_info(exc: BaseException) -> ipc.ErrorInfo:
+def error_info(exc: BaseException) -> wire.ErrorInfo:
     """``exc`` as it crosses to the API process (an internal error is logged here with its traceback)."""
     if isinstance(exc, HeldElsewhereError):
-        return ipc.ErrorInfo(409, str(exc), code="session_held", holder_url=exc.holder_url, held=True)
+        return wire.ErrorInfo(409, str(exc), code="session_held", holder_url=exc.holder_url, held=True)
     err = api_error_of(exc)
     if err.status >= 500 and err.code is None:
         log.error("core.internal_error", error=repr(exc), trace="".join(traceback.format_exception(exc)))
-    return ipc.ErrorInfo(err.status, err.message, code=err.code, param=err.param)
+    return wire.ErrorInfo(err.status, err.message, code=err.code, param=err.param)
 
 
 class Outbox:
@@ -73,12 +72,12 @@ class Outbox:
     def __init__(self, socket: zmq.Socket[bytes], on_loop: Callable[[], bool]) -> None:
         self._socket, self._on_loop = socket, on_loop
         self._cond = threading.Condition()  # guards the queue, the socket and the closed flag
-        self._events: list[ipc.FromCore] = []
+        self._events: list[wire.FromCore] = []
         self._closed = False
         self._thread = threading.Thread(target=self._send, name="coli-core-outbox", daemon=True)
         self._thread.start()
 
-    def put(self, event: ipc.FromCore) -> None:
+    def put(self, event: wire.FromCore) -> None:
         with self._cond:
             self._events.append(event)
             if not self._on_loop():
@@ -92,7 +91,7 @@ class Outbox:
     def _send_queued(self) -> None:
         if self._events:
             batch, self._events = self._events, []
-            self._socket.send(ipc.encode_message(batch))
+            self._socket.send(wire.encode_message(batch))
 
     def _send(self) -> None:
         with self._cond:
@@ -120,7 +119,7 @@ class CoreSink:
         self._cancelled = threading.Event()
 
     def text(self, piece: str, logprobs: Any = None) -> None:
-        self._outbox.put(ipc.Piece(self.rid, piece, logprobs))
+        self._outbox.put(wire.Piece(self.rid, piece, logprobs))
 
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
@@ -142,21 +141,21 @@ class Core:
 
     def handle(self, message: Any) -> bool:
         """Act on one request; False once the core should stop."""
-        if isinstance(message, ipc.TurnCall):
+        if isinstance(message, wire.TurnCall):
             self.turn(message)
-        elif isinstance(message, ipc.Call):
+        elif isinstance(message, wire.Call):
             self.call(message)
-        elif isinstance(message, ipc.Cancel):
+        elif isinstance(message, wire.Cancel):
             with self._lock:
                 sink = self._sinks.get(message.rid)
             if sink is not None:
                 sink.cancel()
-        elif isinstance(message, ipc.Drain):
+        elif isinstance(message, wire.Drain):
             self.engine.stopping.set()  # new turns refused; running ones end at their next token
             return not message.shutdown
         return True
 
-    def turn(self, call: ipc.TurnCall) -> None:
+    def turn(self, call: wire.TurnCall) -> None:
         engine, metrics, rid = self.engine, self.engine.metrics, call.rid
         sink = CoreSink(rid, self.outbox)
         spec = call.spec
@@ -176,7 +175,7 @@ class Core:
             fut = engine.submit(run, session=spec.session, turn=True)
         except BaseException as exc:
             metrics.waiting.dec()
-            self.outbox.put(ipc.Failed(rid, error_info(exc)))
+            self.outbox.put(wire.Failed(rid, error_info(exc)))
             return
         with self._lock:
             self._sinks[rid] = sink
@@ -185,15 +184,16 @@ class Core:
             with self._lock:
                 self._sinks.pop(rid, None)
             error = done.exception()
-            self.outbox.put(ipc.Failed(rid, error_info(error)) if error is not None
-                            else ipc.TurnDone(rid, done.result()))
+            self.outbox.put(wire.Failed(rid, error_info(error)) if error is not None
+                            else wire.TurnDone(rid, done.result()))
 
         fut.add_done_callback(deliver)
 
-    def call(self, call: ipc.Call) -> None:
+    def call(self, call: wire.Call) -> None:
         operation = OPERATIONS.get(call.op)
         if operation is None:
-            self.outbox.put(ipc.Failed(call.rid, ipc.ErrorInfo(400, f"no operation {call.op!r}", code="invalid_value")))
+            self.outbox.put(wire.Failed(call.rid, wire.ErrorInfo(400, f"no operation {call.op!r}",
+                                                                 code="invalid_value")))
             return
         engine, args = self.engine, call.args
         try:
@@ -204,13 +204,13 @@ class Core:
             else:
                 fut = self.readers.submit(operation.fn, engine, args)
         except BaseException as exc:
-            self.outbox.put(ipc.Failed(call.rid, error_info(exc)))
+            self.outbox.put(wire.Failed(call.rid, error_info(exc)))
             return
 
         def deliver(done: Future[Any]) -> None:
             error = done.exception()
-            self.outbox.put(ipc.Failed(call.rid, error_info(error)) if error is not None
-                            else ipc.Result(call.rid, done.result()))
+            self.outbox.put(wire.Failed(call.rid, error_info(error)) if error is not None
+                            else wire.Result(call.rid, done.result()))
 
         fut.add_done_callback(deliver)
 
@@ -242,11 +242,9 @@ def fleet_home(remote_url: str | None, host_id: str | None, lease_ttl: float | N
     return home
 
 
-def build_engine(config: ipc.CoreConfig) -> Engine:
+def build_engine(config: wire.CoreConfig) -> Engine:
     """The store, the fleet's side (``--remote``) and the engine, as ``serve --http`` configured them."""
     from kernels.model import resolve_model
-    from sessionstore.service.engine.prompts import load_tokenizer
-
 
     source = resolve_model(config.model)
     store = SessionStore(config.root)
@@ -255,8 +253,7 @@ def build_engine(config: ipc.CoreConfig) -> Engine:
     engine = Engine(store, source, kv_dtype=config.kv_dtype, tokenizer=load_tokenizer(source),
                     limits=ServiceLimits(**config.limits), session_options=SessionOptions(
                         commit_every=config.commit_every, durable_stream=config.durable_stream, lazy_logits=True),
-                    max_kv_bytes=config.max_kv_bytes, home=home)
-    engine.tiers = TierManager(engine, max_disk_bytes=config.max_disk_bytes)  # FORMAT.md 5.10
+                    max_kv_bytes=config.max_kv_bytes, home=home, max_disk_bytes=config.max_disk_bytes)
     return engine
 
 
@@ -273,7 +270,7 @@ def main() -> int:
     data = sys.stdin.buffer.read()
     if not data:  # started early and not taken (tools/early_core.py: a refused argument, an error)
         return 0
-    config = msgspec.json.decode(data, type=ipc.CoreConfig)
+    config = msgspec.json.decode(data, type=wire.CoreConfig)
     if os.getppid() != config.parent_pid:
         return 0  # the parent died before the death signal was asked for
     sys.setswitchinterval(0.0005)  # the engine thread's hand-over interval (see server.SWITCH_INTERVAL_S)
@@ -282,7 +279,7 @@ def main() -> int:
     try:
         engine = build_engine(config)
     except (ColiError, OSError, ValueError) as exc:
-        say(ipc.StartFailed(str(exc)))
+        say(wire.StartFailed(str(exc)))
         return 1
     context = zmq.Context()
     requests = context.socket(zmq.PULL)
@@ -298,7 +295,7 @@ def main() -> int:
     engine.loop.after_pass = outbox.flush
     core = Core(engine, outbox)
     sweeper = Sweeper(engine.tiers, config.sweep_interval).start()  # retention, the disk budget
-    say(ipc.Ready(engine.model_ref.name, int(engine.model.config.vocab_size),
+    say(wire.Ready(engine.model_ref.name, int(engine.model.config.vocab_size),
               int(engine.model.config.max_position_embeddings), os.getpid(),
               None if engine.home is None else engine.home.url, None if engine.home is None else engine.home.host_id))
     os.dup2(2, 1)  # stdout carried the one line; anything printed later goes to stderr
@@ -313,7 +310,7 @@ def main() -> int:
                 continue
             data = requests.recv()
             try:
-                message = ipc.decode_to_core(data)
+                message = wire.decode_to_core(data)
             except msgspec.ValidationError as exc:  # never from our API process: log, drop
                 log.error("core.bad_message", error=str(exc))
                 continue

@@ -14,17 +14,18 @@ from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.engine.conversations import conversation_messages, read_state, save_turn
 from sessionstore.service.engine.engine import Engine
-from sessionstore.service.engine.ipc import ResponseJob
-from sessionstore.service.engine.response_records import (
-    FleetResponses,
+from sessionstore.service.engine.session_responses import FleetResponses, keep_with_session
+from sessionstore.service.engine.turns import TurnSink
+from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import (
+    ResponseJob,
     ResponseRecord,
     ResponseRecords,
+    TurnOutcome,
+    TurnSpec,
     chain_session_id,
     finish_record,
-    keep_with_session,
 )
-from sessionstore.service.engine.turns import TurnOutcome, TurnSink, TurnSpec
-from sessionstore.service.errors import ApiError
 from sessionstore.sessions import Session, common_prefix, tokens_digest
 
 log = get_logger("service")
@@ -54,9 +55,10 @@ class StoredResponseTurn:
         engine, spec = self.engine, self.spec
         if self.conversation is not None:
             self.on_conversation(self.conversation)
-        extra = self.place(self.previous) if self.previous is not None else None
+        admitted = engine.runner.admit(spec)  # the prompt checked once, for placing and the turn
+        extra = self.place(self.previous, admitted.ids) if self.previous is not None else None
         try:
-            out = engine.run_turn(spec, sink)
+            out = engine.run_turn(spec, sink, admitted)
             assert spec.session is not None
             session, _ = engine.open_session(spec.session, create=False)
             history = session.history()
@@ -96,9 +98,9 @@ class StoredResponseTurn:
             raise
         return session
 
-    def place(self, prev: ResponseRecord) -> str | None:
-        """Point the turn at the session to continue ``prev`` on; the new session's id, claimed
-        (None when in place)."""
+    def place(self, prev: ResponseRecord, prompt: list[int]) -> str | None:
+        """Point the turn at the session to continue ``prev`` on (a fork where its history and
+        ``prompt``, the turn's checked ids, part); the new session's id, claimed (None when in place)."""
         engine, spec = self.engine, self.spec
         new = chain_session_id()
         session = self.previous_session(prev)
@@ -107,7 +109,7 @@ class StoredResponseTurn:
             in_place = prev.conversation is None  # a conversation's session holds its items' tokens: fork
             if in_place and len(history) == prev.tokens and tokens_digest(history) == prev.digest:
                 return None
-            shared = common_prefix(history, engine.runner.prompt_ids(spec))
+            shared = common_prefix(history, prompt)
             if shared > 0:
                 engine.claim(new)
                 try:

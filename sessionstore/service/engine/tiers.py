@@ -39,8 +39,9 @@ from sessionstore.kvfile import (
 )
 from sessionstore.log import get_logger
 from sessionstore.service.engine.tier_metrics import TierMetrics
-from sessionstore.service.engine.turns import TurnSpec, max_new_for
+from sessionstore.service.engine.turns import Admitted
 from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import DEFAULT_SWEEP_INTERVAL_S, TurnSpec
 from sessionstore.sessions import (
     KV_NAME,
     LOCK_NAME,
@@ -64,7 +65,6 @@ from sessionstore.sessions import (
 )
 
 STUB_NAMES = frozenset({MANIFEST_NAME, MANIFEST_NAME + ".state", TIER_NAME, LOCK_NAME})  # what an offload keeps
-DEFAULT_SWEEP_INTERVAL_S = 30.0
 MAX_ROUNDS = 8  # plans a turn's room is made in (each round skips what the one before could not move)
 
 log = get_logger("tiers")
@@ -85,16 +85,16 @@ class TierManager:
         self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
 
     # ---- a turn's hooks (its job on the loop) --------------------------------------------------
-    def before_turn(self, spec: TurnSpec) -> None:
+    def before_turn(self, spec: TurnSpec, admitted: Admitted) -> None:
         """Make room on the disk for the turn on ``spec.session`` (507 when it cannot be made)
-        and restore the session when it is offloaded."""
+        and restore the session when it is offloaded; ``admitted``: its prompt, checked."""
         sid = spec.session
         if sid is None:
             return
         exists = self.store.exists(sid)
         record = read_tier(self.store.session_dir(sid)) if exists else TierRecord()
         if self.budget is not None:
-            needed, bound = self.turn_need(spec, sid, record)
+            needed, bound = self.turn_need(admitted, sid, record)
             self.make_room(needed, keep=sid)
             self._reserved[sid] = bound  # counted for the session until the turn ends (after_turn)
         if record.offloaded is not None:
@@ -112,14 +112,12 @@ class TierManager:
             self.change(spec.session, change)
 
     # ---- the disk budget --------------------------------------------------------------------------
-    def turn_need(self, spec: TurnSpec, sid: str, record: TierRecord) -> tuple[int, int]:
+    def turn_need(self, admitted: Admitted, sid: str, record: TierRecord) -> tuple[int, int]:
         """(bytes the turn may add to this disk, the bound of the session's files during it): the
         kv file's and sidecar's sizes after a turn of the prompt's tokens and ``max_tokens`` new
         ones (an upper bound: records never pass prompt + new; plus the writers' headroom), its
         other files at their size now, less the session's size now (an offloaded one's is 0 here)."""
-        runner = self.engine.runner
-        prompt = runner.prompt_ids(spec)  # the same 400 the turn would give, before anything moves
-        max_new = max_new_for(spec, len(prompt), runner.context, runner.default_max_tokens)
+        prompt, max_new = admitted.ids, admitted.max_new
         now_bytes, others, per_record = 0, 0, self._record_bytes_of(sid)
         if record.offloaded is None and self.store.exists(sid):
             d = self.store.session_dir(sid)
@@ -377,4 +375,4 @@ class Sweeper:
             self._thread.join()
 
 
-__all__ = ["DEFAULT_SWEEP_INTERVAL_S", "Sweeper", "TierManager"]
+__all__ = ["Sweeper", "TierManager"]

@@ -10,8 +10,8 @@ conversation file, which no longer describes the tokens, is removed first). Ever
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,13 +21,12 @@ from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
 from kernels.model.text.grammar import GrammarCompiler, GrammarError, TokenGrammar
 from sessionstore.service.engine.durable_stream import durable_sink
-from sessionstore.service.engine.prompts import PromptRenderer
 from sessionstore.service.errors import ApiError
+from sessionstore.service.wire import PromptRenderer, TurnOutcome, TurnSpec
 from sessionstore.sessions import (
     DecodeDriver,
     OutputProcessor,
     Session,
-    TierChange,
     TurnStop,
     common_prefix,
     feed_chunk,
@@ -45,47 +44,20 @@ class TurnSink(Protocol):
     def cancelled(self) -> bool: ...
 
 
-@dataclass
-class TurnSpec:
-    """What a request asks of one turn (already checked against the limits)."""
-
-    kind: Literal["chat", "completion"]
-    session: str | None
-    messages: list[dict[str, Any]] | None = None
-    prompt: str | list[int] | None = None
-    max_tokens: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # the fields the request gave (the seed always)
-    stops: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    top_logprobs: int | None = None  # log-probabilities of each drawn token and this many alternatives
-    n: int = 1  # choices: 0 is this turn, 1..n-1 its stateless copies (:meth:`choice`), queued beside it
-    response_format: dict[str, Any] | None = None  # OpenAI's; json_object / json_schema constrain the draw
-    prompt_ids: list[int] | None = None  # the prompt rendered and tokenised (by the API process), once
-    tier: TierChange | None = None  # the request's retention_seconds / pinned for its session (FORMAT.md 5.10)
-
-    def choice(self, index: int) -> TurnSpec:
-        """Choice ``index`` >= 1: the same prompt and settings, stateless, its seed ``seed + index``."""
-        seed = (int(self.sampling.get("seed", 0)) + index) % (1 << 64)
-        return replace(self, session=None, sampling={**self.sampling, "seed": seed}, n=1)
-
-
-@dataclass
-class TurnOutcome:
-    tokens: list[int]
-    text: str
-    finish: str  # "stop" (eos or a stop string) | "length" | "abort" (client gone, server stopping)
-    prompt_tokens: int
-    reused_prefix: int = 0
-    committed: int | None = None
-    created: bool = False
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the turn asked for them
-
-
 def sampler_for(given: dict[str, Any]) -> Sampler:
     """One request's settings: the defaults (greedy, no logits processing) with the fields it gave
     (checked by the sampler's rules); never what a session's manifest holds from an earlier request
     or the CLI."""
     return Sampler.checked(**given)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A turn's prompt as it enters the core (:meth:`TurnRunner.admit`), checked there once: its
+    ids against the vocabulary, they and ``max_new`` new tokens against the context."""
+
+    ids: list[int]
+    max_new: int
 
 
 def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> int:
@@ -123,6 +95,12 @@ class TurnRunner:
             raise FormatError("the prompt tokenizes to nothing")
         checked: list[int] = self.model.check_tokens(np.asarray(ids, dtype=np.int64)).tolist()  # one C pass
         return checked
+
+    def admit(self, spec: TurnSpec) -> Admitted:
+        """The turn's prompt ids and how many tokens it may add, checked (vocabulary, context) where
+        they enter the core: the tiers, a stored response's placing and the turn all take these."""
+        ids = self.prompt_ids(spec)
+        return Admitted(ids, max_new_for(spec, len(ids), self.context, self.default_max_tokens))
 
     # ---- the turn's draw and output ---------------------------------------------------------------
     def _output(self, spec: TurnSpec, draw: TurnDraw, sink: TurnSink,
@@ -166,14 +144,14 @@ class TurnRunner:
         return None if spec.top_logprobs is None else list(draw.logprobs)
 
     # ---- on a session --------------------------------------------------------------------------
-    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
+    def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
+                   admitted: Admitted) -> TurnOutcome:
         with durable_sink(session, sink) as turn_sink:  # --durable-stream: text once committed
-            return self._on_session(session, spec, turn_sink, at_token)
+            return self._on_session(session, spec, turn_sink, at_token, admitted)
 
     def _on_session(self, session: Session, spec: TurnSpec, sink: TurnSink,
-                    at_token: Callable[[], bool]) -> TurnOutcome:
-        prompt = self.prompt_ids(spec)
-        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+                    at_token: Callable[[], bool], admitted: Admitted) -> TurnOutcome:
+        prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
         output = self._output(spec, draw, sink, at_token)
         if spec.kind == "chat":
@@ -198,10 +176,10 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
     # ---- stateless ----------------------------------------------------------------------------
-    def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool]) -> TurnOutcome:
+    def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
+                  admitted: Admitted) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
-        prompt = self.prompt_ids(spec)
-        max_new = max_new_for(spec, len(prompt), self.context, self.default_max_tokens)
+        prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
         cache = self.model.new_cache(self.kv_dtype)
         output = self._output(spec, draw, sink, at_token)
@@ -216,4 +194,4 @@ class TurnRunner:
                            logprobs=self._logprobs(spec, draw))
 
 
-__all__ = ["TurnOutcome", "TurnRunner", "TurnSink", "TurnSpec", "max_new_for", "sampler_for"]
+__all__ = ["Admitted", "TurnRunner", "TurnSink", "max_new_for", "sampler_for"]

@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kernels.model.text import ChatTokenizer
-from sessionstore.service.engine import PromptRenderer, ResponseJob, TurnOutcome, TurnSpec
 from sessionstore.service.errors import ApiError, Places, api_error_of, server_places
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
@@ -50,6 +49,7 @@ from sessionstore.service.http.streams import Event
 from sessionstore.service.http.tier_routes import patch_session, tier_change_of
 from sessionstore.service.http.webpage import WithPage
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import PromptRenderer, ResponseJob, TurnOutcome, TurnSpec
 from sessionstore.sessions import SessionStore, validate_session_id
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -10,7 +10,6 @@ from typing import Any
 
 from kernels.model.logits import TokenLogprob
 from kernels.model.text import ChatTokenizer
-from sessionstore.service.engine import TurnOutcome, TurnSpec
 from sessionstore.service.errors import Places, api_error_of
 from sessionstore.service.http.core_client import CoreStream
 from sessionstore.service.http.protocol import (
@@ -23,6 +22,7 @@ from sessionstore.service.http.protocol import (
     usage_chunk,
 )
 from sessionstore.service.http.streams import Event, merged
+from sessionstore.service.wire import TurnOutcome, TurnSpec
 
 Receive = Callable[[int, CoreStream], Awaitable[Event]]  # a choice's next event: (its index, its stream)
 

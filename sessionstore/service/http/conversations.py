@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sessionstore.service.engine import conversation_not_found, is_session_id, new_conversation_id
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.items import item_page
@@ -24,6 +23,7 @@ from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.protocol import now
 from sessionstore.service.http.responses import InputMessage, check_metadata, input_items
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import conversation_not_found, is_session_id, new_conversation_id
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's bound on the items one create adds
 

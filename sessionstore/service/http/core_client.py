@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,7 +29,7 @@ import zmq.asyncio
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
-from sessionstore.service import engine
+from sessionstore.service import wire
 from sessionstore.service.errors import ApiError
 from sessionstore.service.http.streams import Event
 
@@ -51,7 +50,7 @@ class HeldElsewhere(ApiError):
         self.holder_url = holder_url
 
 
-def error_of(info: engine.ErrorInfo) -> ApiError:
+def error_of(info: wire.ErrorInfo) -> ApiError:
     if info.held:
         return HeldElsewhere(info.message, info.holder_url)
     return ApiError(info.status, info.message, param=info.param, code=info.code)
@@ -86,7 +85,7 @@ class CoreStream:
 class CoreProcess:
     """One started core: its process and the line it said when it came up."""
 
-    def __init__(self, config: engine.CoreConfig, started: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(self, config: wire.CoreConfig, started: subprocess.Popen[bytes] | None = None) -> None:
         """``started``: the core's process already started (importing while it waits for its
         configuration on stdin: ``coli-kv serve`` starts it first); used when it runs CORE_MODULE."""
         if started is not None and started.args != [sys.executable, "-m", CORE_MODULE]:  # a launcher swapped it
@@ -100,7 +99,7 @@ class CoreProcess:
         self.proc.stdin.write(msgspec.json.encode(config))
         self.proc.stdin.close()
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> engine.Ready:
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> wire.Ready:
         """The core's :class:`Ready` (blocking); a ColiError with its one line if it failed."""
         assert self.proc.stdout is not None
         fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
@@ -117,8 +116,8 @@ class CoreProcess:
                     raise ColiError(f"the engine process exited ({code}) before it was ready")
                 buf += chunk
         self.proc.stdout.close()
-        said = msgspec.json.decode(buf.split(b"\n", 1)[0], type=engine.Ready | engine.StartFailed)
-        if isinstance(said, engine.StartFailed):
+        said = msgspec.json.decode(buf.split(b"\n", 1)[0], type=wire.Ready | wire.StartFailed)
+        if isinstance(said, wire.StartFailed):
             self.proc.wait()
             raise ColiError(said.message)
         return said
@@ -136,8 +135,8 @@ class CoreClient:
         """``config``: :class:`CoreConfig`'s fields but the sockets and the parent's pid; ``started``:
         the first core's process, already importing (:class:`CoreProcess`)."""
         self._started = started
-        self._dir, requests, events = engine.socket_paths()
-        self.config = engine.CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
+        self._dir, requests, events = wire.socket_paths()
+        self.config = wire.CoreConfig(**config, requests=requests, events=events, parent_pid=os.getpid())
         self._sync = zmq.Context()
         self._push = self._sync.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -152,13 +151,13 @@ class CoreClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.core: CoreProcess | None = None
-        self.ready: engine.Ready | None = None  # the running core's; None while none is ready
+        self.ready: wire.Ready | None = None  # the running core's; None while none is ready
         self.stopping = False
         self.restarts = 0
         self.on_restart: list[Callable[[], object]] = []  # run when a new core is up
 
     # ---- life ------------------------------------------------------------------------------------
-    def start(self) -> engine.Ready:
+    def start(self) -> wire.Ready:
         """Start the first core and wait until it is ready (blocking: before the server listens)."""
         self.core = CoreProcess(self.config, self._started)
         self._started = None
@@ -214,34 +213,34 @@ class CoreClient:
     async def _receive(self) -> None:
         while True:
             data = await self._pull.recv()
-            for event in engine.decode_from_core(data):
+            for event in wire.decode_from_core(data):
                 self._route(event)
 
-    def _route(self, event: engine.Piece | engine.TurnDone | engine.Result | engine.Failed) -> None:
+    def _route(self, event: wire.Piece | wire.TurnDone | wire.Result | wire.Failed) -> None:
         rid = event.rid
-        if isinstance(event, engine.Piece):
+        if isinstance(event, wire.Piece):
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.queue.put_nowait(Event("text", event.text, event.logprobs))
             return
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, engine.TurnDone)
-                                    else Event("error", error_of(event.error) if isinstance(event, engine.Failed)
+            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, wire.TurnDone)
+                                    else Event("error", error_of(event.error) if isinstance(event, wire.Failed)
                                                else ApiError(500, "the engine answered a turn with a result")))
             return
         fut = self._calls.pop(rid, None)
         if fut is None or fut.done():
             return
-        if isinstance(event, engine.Result):
+        if isinstance(event, wire.Result):
             fut.set_result(event.value)
-        elif isinstance(event, engine.Failed):
+        elif isinstance(event, wire.Failed):
             fut.set_exception(error_of(event.error))
 
     def drain(self) -> None:
         """The server stops: the core refuses new work and ends running turns at their next token."""
         self.stopping = True
-        self._send(engine.Drain(shutdown=False))
+        self._send(wire.Drain(shutdown=False))
 
     def stop(self) -> int | None:
         """Tell the core to commit everything and exit; wait for it (the API process's last step)."""
@@ -251,7 +250,7 @@ class CoreClient:
         code = None
         core = self.core
         if core is not None and core.proc.poll() is None:
-            self._send(engine.Drain(shutdown=True))
+            self._send(wire.Drain(shutdown=True))
             try:
                 code = core.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -270,8 +269,8 @@ class CoreClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- requests --------------------------------------------------------------------------------
-    def _send(self, message: engine.ToCore) -> None:
-        self._push.send(engine.encode_message(message))
+    def _send(self, message: wire.ToCore) -> None:
+        self._push.send(wire.encode_message(message))
 
     def _check(self) -> None:
         if self.stopping:
@@ -279,17 +278,17 @@ class CoreClient:
         if self.ready is None:
             raise unavailable()
 
-    def turn(self, spec: engine.TurnSpec, response: engine.ResponseJob | None = None) -> CoreStream:
+    def turn(self, spec: wire.TurnSpec, response: wire.ResponseJob | None = None) -> CoreStream:
         """Queue one turn; the stream its events come on."""
         self._check()
         rid = next(self._ids)
         stream = self._streams[rid] = CoreStream(self, rid)
-        self._send(engine.TurnCall(rid, spec, response))
+        self._send(wire.TurnCall(rid, spec, response))
         return stream
 
     def cancel(self, rid: int) -> None:
         if rid in self._streams and self.ready is not None:
-            self._send(engine.Cancel(rid))
+            self._send(wire.Cancel(rid))
 
     async def call(self, op: str, **args: Any) -> Any:
         """One of the core's operations (:data:`sessionstore.service.engine.operations.OPERATIONS`); its value."""
@@ -297,7 +296,7 @@ class CoreClient:
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[rid] = fut
-        self._send(engine.Call(rid, op, args))
+        self._send(wire.Call(rid, op, args))
         try:
             return await fut
         finally:
@@ -306,10 +305,6 @@ class CoreClient:
     @property
     def pid(self) -> int | None:
         return None if self.ready is None else self.ready.pid
-
-    @property
-    def socket_dir(self) -> Path:
-        return self._dir
 
 
 __all__ = ["CoreClient", "CoreProcess", "CoreStream", "HeldElsewhere", "error_of"]

@@ -25,19 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionstore.service.engine import (
-    ResponseJob,
-    ResponseRecord,
-    ResponseRecords,
-    TurnSpec,
-    chain_session_id,
-    conversation_not_found,
-    finish_record,
-    is_response_id,
-    is_session_id,
-    new_response_id,
-    parse_record,
-)
 from sessionstore.service.errors import ApiError, Places, api_error_of
 from sessionstore.service.http.core_client import CoreClient, CoreStream
 from sessionstore.service.http.items import conversation_of, item_page
@@ -53,6 +40,19 @@ from sessionstore.service.http.session_key import SESSION_HEADER, session_of
 from sessionstore.service.http.streams import Event
 from sessionstore.service.http.structured import response_format_of, text_format_of
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import (
+    ResponseJob,
+    ResponseRecord,
+    ResponseRecords,
+    TurnSpec,
+    chain_session_id,
+    conversation_not_found,
+    finish_record,
+    is_response_id,
+    is_session_id,
+    new_response_id,
+    parse_record,
+)
 
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on ``metadata``
 MAX_METADATA_KEY = 64

@@ -18,7 +18,6 @@ from typing import Any
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
-from sessionstore.service.engine import DEFAULT_SWEEP_INTERVAL_S, load_tokenizer
 from sessionstore.service.fleet.bundle_pull import PullPolicy
 from sessionstore.service.fleet.proxy import FleetProxy
 from sessionstore.service.http.app import ServerContext, build_app
@@ -26,6 +25,7 @@ from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.metrics import HttpMetrics
 from sessionstore.service.http.slow_clients import guarded_protocol
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import DEFAULT_SWEEP_INTERVAL_S, load_tokenizer
 from sessionstore.sessions import DEFAULT_COMMIT_EVERY, DURABLE_STREAM, SessionStore
 
 GRACEFUL_SHUTDOWN_S = 30  # the longest uvicorn waits for open streams once turns were cut
@@ -76,7 +76,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def core_settings(config: ServeConfig) -> dict[str, Any]:
-    """The engine core's settings (:class:`~sessionstore.service.engine.ipc.CoreConfig` but its sockets)."""
+    """The engine core's settings (:class:`~sessionstore.service.wire.ipc.CoreConfig` but its sockets)."""
     return {"root": str(config.root), "model": config.model, "kv_dtype": config.kv_dtype,
             "limits": dict(config.limits.__dict__), "commit_every": config.commit_every,
             "durable_stream": config.durable_stream,

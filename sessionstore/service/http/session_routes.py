@@ -9,7 +9,6 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from sessionstore.service.engine import page_query
 from sessionstore.service.errors import ApiError
 from sessionstore.service.fleet import bundle_pull, bundle_upload, export_compression, export_stream
 from sessionstore.service.fleet.bundle_pull import PullPolicy
@@ -17,6 +16,7 @@ from sessionstore.service.http.core_client import CoreClient
 from sessionstore.service.http.model_body import parse_body
 from sessionstore.service.http.protocol import ForkRequest, PullRequest
 from sessionstore.service.limits import ServiceLimits
+from sessionstore.service.wire import page_query
 from sessionstore.sessions import SessionStore, validate_session_id
 
 

@@ -24,6 +24,7 @@ from tests.kernels.attention_cases import (
     rel_err,
     split_rows,
 )
+from tests.support.batched_decode import batched_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -84,7 +85,7 @@ def test_sixteen_sessions_in_one_batch(kernel: str) -> None:
     lengths = [1, 2, 31, 32, 33, 500, 1024, 4097, 7, 12_000, 64, 65, 3000, 20_000, 129, 256]
     caches = [quantize(*latent_rows(rng, n, KV, ROPE, outliers=b % 2 == 0)).rows for b, n in enumerate(lengths)]
     qa, qr = queries(rng, 16, H, KV, 0.1), queries(rng, 16, H, ROPE, 0.1)
-    got = get_backend("cuda", kernel=kernel).batched_decode(qa, qr, caches, SCALE)
+    got = batched_decode(get_backend("cuda", kernel=kernel), qa, qr, caches, SCALE)
     assert got.shape == (16, H, KV)
     for b, rows in enumerate(caches):
         assert rel_err(got[b], _cpu(qa[b : b + 1], qr[b : b + 1], [rows])[0]) < TOL[kernel]

@@ -15,6 +15,7 @@ from kernels.rows import F32Rows, LatentRows
 from kernels.tq import TqCodec
 from tests.kernels.attention_cases import CUDA_RTOL, latent_rows, quantize, queries, rel_err
 from tests.kernels.cuda.test_cuda_tq_emulated import cut, encode
+from tests.support.batched_decode import batched_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -50,7 +51,7 @@ def test_int4_batched_decode_and_cupy_in_cupy_out() -> None:
     rng = np.random.default_rng(3)
     caches = [encode(*latent_rows(rng, n, KV, ROPE)) for n in (1, 33, 5000, 700)]
     qa, qr = queries(rng, 4, H, KV, 0.1), queries(rng, 4, H, ROPE, 0.1)
-    got = get_backend("cuda").batched_decode(cp.asarray(qa), cp.asarray(qr), caches, SCALE)
+    got = batched_decode(get_backend("cuda"), cp.asarray(qa), cp.asarray(qr), caches, SCALE)
     assert isinstance(got, cp.ndarray)
     for b, rows in enumerate(caches):
         want = absorbed_attention(qa[b : b + 1], qr[b : b + 1], [rows], SCALE)[0].astype(np.float64)

@@ -23,7 +23,9 @@ from typing import Any
 import msgspec
 
 from kernels.model.logits import TokenLogprob
-from sessionstore.service.engine.turns import TurnOutcome, TurnSpec
+from sessionstore.service.wire.turn_spec import TurnOutcome, TurnSpec
+
+DEFAULT_SWEEP_INTERVAL_S = 30.0  # CoreConfig.sweep_interval unless the command line names one
 
 
 class CoreConfig(msgspec.Struct, frozen=True):
@@ -69,7 +71,7 @@ class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):
 # ---- API process -> core ------------------------------------------------------------------------
 class ResponseJob(msgspec.Struct, frozen=True):
     """A stored Responses turn: the record to write once the turn ends (a
-    :class:`~sessionstore.service.engine.response_records.ResponseRecord` as a dict), the chain's messages,
+    :class:`~sessionstore.service.wire.response_records.ResponseRecord` as a dict), the chain's messages,
     and the record it continues (None: a new chain). ``conversation``: the conversation (session) the
     turn continues, whose items come before ``chain`` (FORMAT.md 7.5); ``store`` False: no record is
     kept (a conversation's turn only)."""
@@ -176,6 +178,6 @@ def socket_paths() -> tuple[Path, str, str]:
     return where, f"ipc://{where / 'requests'}", f"ipc://{where / 'events'}"
 
 
-__all__ = ["Call", "Cancel", "CoreConfig", "Drain", "ErrorInfo", "Failed", "FromCore", "Piece", "Ready",
-           "ResponseJob", "Result", "StartFailed", "ToCore", "TurnCall", "TurnDone", "decode_from_core",
-           "decode_to_core", "encode_message", "socket_paths"]
+__all__ = ["Call", "Cancel", "CoreConfig", "DEFAULT_SWEEP_INTERVAL_S", "Drain", "ErrorInfo", "Failed", "FromCore",
+           "Piece", "Ready", "ResponseJob", "Result", "StartFailed", "ToCore", "TurnCall", "TurnDone",
+           "decode_from_core", "decode_to_core", "encode_message", "socket_paths"]
