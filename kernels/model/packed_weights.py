@@ -20,7 +20,7 @@ from kernels.model.step_math import numpy_exp_matches
 DIM_NAMES = ("layers", "heads", "nope", "rope", "kv_lora", "v_head", "q_lora", "index_dim", "index_heads",
              "index_topk", "experts", "experts_per_tok", "n_group", "topk_group", "norm_topk", "interleave",
              "block_q_a", "block_q_b", "block_kv_a", "block_o", "block_dense", "block_down", "block_router",
-             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab")
+             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab", "once_bytes")
 # fdims[i]: the step's float32 constants
 FDIM_NAMES = ("rms_eps", "lora_eps", "softmax_scale", "routed_scale", "index_w_scale", "index_hd_scale",
               "layer_norm_eps")
@@ -38,8 +38,9 @@ def _stack(ws: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 def packable(decoder: Any) -> str | None:
     """None when the compiled step serves this decoder, else why not (a GLM DSA model with q_lora,
-    no attention biases, MoE layers with a shared expert and groups of two or more experts,
-    every projection small enough for the single-threaded row kernel, and numpy's exp reproduced)."""
+    no attention biases, MoE layers with a shared expert and groups of two or more experts, and
+    numpy's exp reproduced). Weights of any size: those past ``THREADED_BYTES`` go through
+    :mod:`kernels.model.once_product` (read once per step for all rows)."""
     cfg = decoder.config
     if getattr(decoder, "dsa", None) is None:
         return "no DSA indexer (DeepSeek-V3 keeps the reference step)"
@@ -50,20 +51,9 @@ def packable(decoder: Any) -> str | None:
         if isinstance(layer.mlp, MoE):
             if layer.mlp.shared is None or cfg.n_routed_experts // cfg.n_group < 2:
                 return "an MoE without a shared expert, or groups of one expert"
-    biggest = max([decoder.lm_head.size] + [w.size for layer in layers for w in _weights_of(layer)])
-    if biggest * 4 > THREADED_BYTES:
-        return "weights past THREADED_BYTES (the reference's threaded panel kernel is faster there)"
     if not numpy_exp_matches():
         return "this numpy's float32 exp is not the SIMD routine the compiled step reproduces"
     return None
-
-
-def _weights_of(layer: Any) -> list[np.ndarray]:
-    a = layer.attn
-    out = [w for w in (a.q_a, a.q_b, a.kv_a, a.o_proj) if w is not None]
-    mlp = layer.mlp
-    mlps = [mlp] if isinstance(mlp, DenseMLP) else [*mlp.experts, *([mlp.shared] if mlp.shared else [])]
-    return out + [w for m in mlps for w in (m.gate, m.up, m.down)]
 
 
 @dataclass(frozen=True)
@@ -87,8 +77,11 @@ class PackedWeights:
         return int(self.dims[DIM_NAMES.index(name)])
 
 
-def pack(decoder: Any) -> PackedWeights:
-    """The decoder's weights packed (call :func:`packable` first)."""
+def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
+    """The decoder's weights packed (call :func:`packable` first). Weights of more than
+    ``once_bytes`` bytes go through :func:`kernels.model.once_product.gather_times` in the step (read
+    once for all rows, threads over column tiles); smaller ones through the single-threaded
+    ``rows_times`` (both give the same bits: tests pack with 0 to run every product the first way)."""
     cfg, dsa, layers = decoder.config, decoder.dsa, decoder.layers
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     attn = (
@@ -154,7 +147,7 @@ def pack(decoder: Any) -> PackedWeights:
         block_dense=block(dense[0]), block_down=block(dense[2]), block_router=block(moe[0]),
         block_shared=block(moe[5]), block_shared_down=block(moe[7]), block_wk=block(index[0]),
         block_wq_b=block(index[3]), block_wp=block(index[4]),
-        block_lm=column_block(head[1].shape[0], head[1].shape[1]), vocab=cfg.vocab_size,
+        block_lm=column_block(head[1].shape[0], head[1].shape[1]), vocab=cfg.vocab_size, once_bytes=once_bytes,
     )
     fdims = dict(rms_eps=cfg.rms_norm_eps, lora_eps=1e-6, softmax_scale=decoder.softmax_scale,
                  routed_scale=cfg.routed_scaling_factor, index_w_scale=nh**-0.5, index_hd_scale=hd**-0.5,
