@@ -32,8 +32,8 @@ from kernels.compile_notice import announce_if_cold
 from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
 from kernels.model.compiled_moe import mlp_rows, moe_rows
-from kernels.model.packed_weights import PackedWeights
 from kernels.model.once_product import heads_step, step_times
+from kernels.model.packed_weights import PackedWeights
 from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
 

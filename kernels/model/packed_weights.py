@@ -20,7 +20,8 @@ from kernels.model.step_math import numpy_exp_matches
 DIM_NAMES = ("layers", "heads", "nope", "rope", "kv_lora", "v_head", "q_lora", "index_dim", "index_heads",
              "index_topk", "experts", "experts_per_tok", "n_group", "topk_group", "norm_topk", "interleave",
              "block_q_a", "block_q_b", "block_kv_a", "block_o", "block_dense", "block_down", "block_router",
-             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab", "once_bytes")
+             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab",
+             "once_bytes")
 # fdims[i]: the step's float32 constants
 FDIM_NAMES = ("rms_eps", "lora_eps", "softmax_scale", "routed_scale", "index_w_scale", "index_hd_scale",
               "layer_norm_eps")
