@@ -6,8 +6,10 @@ MoE with its routing and shared expert), the final norm and lm_head, for every r
 It serves what the serving default runs: a decoder :func:`kernels.model.packed_weights.packable`
 accepts, with every cache of the step fp8 on the CPU backend (the case
 :class:`kernels.model.step_tables.StepTables` describes). Anything else (DeepSeek-V3, f32 or v3
-caches, another backend, CUDA, weights past ``THREADED_BYTES``) keeps the reference step of
-:class:`kernels.model.decoder.MLADecoder`, which also stays as the reference the tests compare with.
+caches, another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
+which also stays as the reference the tests compare with. Weights past the packed ``once_bytes``
+(``THREADED_BYTES`` by default: GLM-5.2's projections, experts, W_UK/W_UV and lm_head) go through
+:mod:`kernels.model.once_product`, which reads each weight once per step for all rows.
 
 Bitwise the reference step: the same row-product kernels (:func:`kernels.model.rowwise.rows_times`,
 ``heads_times``; the MLP and MoE in :mod:`kernels.model.compiled_moe`, the same chains), the same
