@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kernels.model.once_product import gather_times, step_times
+from kernels.model.once_product import gather_big, step_times
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
 _F32 = np.float32
@@ -95,18 +95,18 @@ def mlp_rows(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.nda
 @njit(cache=True, nogil=True, boundscheck=False)
 def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, pairs: np.ndarray,
                  k: int, prow: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray,
-                 y: np.ndarray) -> None:  # pragma: no cover - compiled
+                 y: np.ndarray, once: int) -> None:  # pragma: no cover - compiled
     """:func:`_expert_pairs` for big experts: the same elements (the same chains), every weight
     read once for all the expert's pairs. prow [cnt] scratch (each pair's row), g, u [cnt, I]."""
     cnt = pairs.shape[0]
     for q in range(cnt):
         prow[q] = pairs[q] // k
-    gather_times(x, prow[:cnt], gate_t, g, idx[:cnt])
-    gather_times(x, prow[:cnt], up_t, u, idx[:cnt])
+    gather_big(x, prow[:cnt], gate_t, g, idx[:cnt], once)
+    gather_big(x, prow[:cnt], up_t, u, idx[:cnt], once)
     for q in range(cnt):
         for i in range(g.shape[1]):
             g[q, i] = silu_f32(g[q, i]) * u[q, i]
-    gather_times(g, idx[:cnt], down_t, y, pairs)
+    gather_big(g, idx[:cnt], down_t, y, pairs, once)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -200,7 +200,7 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                     cnt += 1
         if cnt and e_gate[m, e].size * 4 > once:
             _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
-                         ey)
+                         ey, once)
         elif cnt:
             _expert_pairs(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, eg, eu, ey)
     for b in range(n):  # a row's experts added in ascending expert order (picked ascends)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kernels.model.moe import DenseMLP, MoE
+from kernels.model.once_product import panel_order
 from kernels.model.rowwise import THREADED_BYTES, column_block
 from kernels.model.step_math import numpy_exp_matches
 
@@ -85,48 +86,52 @@ def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
     once for all rows, threads over column tiles); smaller ones through the single-threaded
     ``rows_times`` (both give the same bits: tests pack with 0 to run every product the first way)."""
     cfg, dsa, layers = decoder.config, decoder.dsa, decoder.layers
+
+    def tp(w: np.ndarray) -> np.ndarray:  # w [out, in] -> [in, out] f32, in panel order past once_bytes
+        return panel_order(_t(w), once_bytes)
+
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     attn = (
         _stack([ly.input_norm for ly in layers], (hidden,)),  # [L, D]
         _stack([ly.post_norm for ly in layers], (hidden,)),  # [L, D]
-        _stack([_t(ly.attn.q_a) for ly in layers], ()),  # [L, D, q_lora]
+        _stack([tp(ly.attn.q_a) for ly in layers], ()),  # [L, D, q_lora]
         _stack([ly.attn.q_a_norm for ly in layers], ()),  # [L, q_lora]
-        _stack([_t(ly.attn.q_b) for ly in layers], ()),  # [L, q_lora, H*qk]
-        _stack([_t(ly.attn.kv_a) for ly in layers], ()),  # [L, D, kv_lora + rope]
+        _stack([tp(ly.attn.q_b) for ly in layers], ()),  # [L, q_lora, H*qk]
+        _stack([tp(ly.attn.kv_a) for ly in layers], ()),  # [L, D, kv_lora + rope]
         _stack([ly.attn.kv_a_norm for ly in layers], ()),  # [L, kv_lora]
         _stack([ly.attn.w_uk for ly in layers], ()),  # [L, H, nope, kv_lora]
         _stack([_t(ly.attn.w_uv) for ly in layers], ()),  # [L, H, kv_lora, v_head]
-        _stack([_t(ly.attn.o_proj) for ly in layers], ()),  # [L, H*v_head, D]
+        _stack([tp(ly.attn.o_proj) for ly in layers], ()),  # [L, H*v_head, D]
     )
     dense_layers = [ly.mlp for ly in layers if isinstance(ly.mlp, DenseMLP)]
     moe_layers = [ly.mlp for ly in layers if isinstance(ly.mlp, MoE)]
     inter, moe_inter = cfg.intermediate_size, cfg.moe_intermediate_size
     dense = (
-        _stack([_t(m.gate) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
-        _stack([_t(m.up) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
-        _stack([_t(m.down) for m in dense_layers], (inter, hidden)),  # [Ld, I, D]
+        _stack([tp(m.gate) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
+        _stack([tp(m.up) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
+        _stack([tp(m.down) for m in dense_layers], (inter, hidden)),  # [Ld, I, D]
     )
     shared = [m.shared for m in moe_layers if m.shared is not None]  # (packable: every MoE layer has one)
     n_exp, shared_inter = cfg.n_routed_experts, moe_inter * max(cfg.n_shared_experts, 1)
     moe = (
-        _stack([_t(m.gate_w) for m in moe_layers], (hidden, n_exp)),  # [Lm, D, E]
+        _stack([tp(m.gate_w) for m in moe_layers], (hidden, n_exp)),  # [Lm, D, E]
         _stack([m.bias for m in moe_layers], (n_exp,)),  # [Lm, E]
-        _stack([np.stack([_t(e.gate) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
-        _stack([np.stack([_t(e.up) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
-        _stack([np.stack([_t(e.down) for e in m.experts]) for m in moe_layers], (n_exp, moe_inter, hidden)),
-        _stack([_t(m.gate) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
+        _stack([np.stack([tp(e.gate) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
+        _stack([np.stack([tp(e.up) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
+        _stack([np.stack([tp(e.down) for e in m.experts]) for m in moe_layers], (n_exp, moe_inter, hidden)),
+        _stack([tp(m.gate) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([tp(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([tp(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
     )
     idx = [decoder.indexers[i] for i in dsa.full_layers]
     index = (
-        _stack([_t(ix.wk) for ix in idx], ()),  # [NI, D, hd]
+        _stack([tp(ix.wk) for ix in idx], ()),  # [NI, D, hd]
         _stack([ix.k_norm_weight for ix in idx], ()),  # [NI, hd]
         _stack([ix.k_norm_bias for ix in idx], ()),  # [NI, hd]
-        _stack([_t(ix.wq_b) for ix in idx], ()),  # [NI, q_lora, nh*hd]
-        _stack([_t(ix.weights_proj) for ix in idx], ()),  # [NI, D, nh]
+        _stack([tp(ix.wq_b) for ix in idx], ()),  # [NI, q_lora, nh*hd]
+        _stack([tp(ix.weights_proj) for ix in idx], ()),  # [NI, D, nh]
     )
-    head = (np.ascontiguousarray(decoder.final_norm, np.float32), _t(decoder.lm_head))  # [D], [D, V]
+    head = (np.ascontiguousarray(decoder.final_norm, np.float32), tp(decoder.lm_head))  # [D], [D, V]
     slot_of = np.array([decoder.index_slots.get(i, -1) for i in range(len(layers))], np.int64)  # [L]
     d_i = m_i = 0
     mlp_of = np.empty(len(layers), np.int64)  # [L]

@@ -13,7 +13,16 @@ import pytest
 from kernels.model import GlmDecoder, MLADecoder, load_model
 from kernels.model.compiled_step import CompiledStep
 from kernels.model.config import parse_config
-from kernels.model.once_product import ROWS, gather_times, heads_once, heads_step, step_times
+from kernels.model.once_product import (
+    ROWS,
+    gather_big,
+    gather_panels,
+    gather_times,
+    heads_once,
+    heads_step,
+    panel_order,
+    step_times,
+)
 from kernels.model.packed_weights import packable
 from kernels.model.rowwise import THREADED_BYTES, column_block, heads_times, rows_times
 from kernels.model.tiny_glm import tiny_glm_config_dict, tiny_glm_weights
@@ -37,10 +46,25 @@ def test_gather_times_is_rows_times_bitwise(rows: int) -> None:
     via = np.full((rows, 700), np.nan, np.float32)
     step_times(x, wt, via, column_block(300, 700), 0, np.arange(64))  # past 0 bytes: the once kernel
     assert np.array_equal(via, want)
+    panels = panel_order(wt, 0)  # 700 columns: not whole panels, kept as they are
+    assert panels is wt
+    wide = _rand(rng, 300, 704)  # 44 panels
+    want_wide = np.empty((rows, 704), np.float32)
+    rows_times(x, wide, want_wide, column_block(300, 704))
+    for fn in (gather_panels, lambda *a: gather_big(*a, 0)):
+        got_wide = np.full((rows, 704), np.nan, np.float32)
+        fn(x, idx, panel_order(wide, 0), got_wide, idx)
+        assert np.array_equal(got_wide, want_wide)
+    via_wide = np.full((rows, 704), np.nan, np.float32)
+    step_times(x, panel_order(wide, 0), via_wide, 256, 0, np.arange(64))
+    assert np.array_equal(via_wide, want_wide)
     for b in range(rows):  # each row alone: the same bits (batch invariance)
         alone = np.empty((1, 700), np.float32)
         gather_times(x[b : b + 1], idx[:1], wt, alone, idx[:1])
         assert np.array_equal(alone[0], want[b])
+        alone_wide = np.empty((1, 704), np.float32)
+        gather_panels(x[b : b + 1], idx[:1], panel_order(wide, 0), alone_wide, idx[:1])
+        assert np.array_equal(alone_wide[0], want_wide[b])
 
 
 def test_gather_times_gathers_and_scatters() -> None:
@@ -53,6 +77,13 @@ def test_gather_times_gathers_and_scatters() -> None:
     rows_times(x, wt, want, column_block(64, 300))
     assert all(np.array_equal(out[o], want[i]) for i, o in zip(xi, oi, strict=True))
     assert not out[[1, 3, 5, 6, 8]].any()  # rows not named stay as they were
+    wide = _rand(rng, 64, 320)  # 20 panels
+    out_p = np.zeros((10, 320), np.float32)
+    gather_panels(x, xi, panel_order(wide, 0), out_p, oi)
+    want_p = np.empty((9, 320), np.float32)
+    rows_times(x, wide, want_p, column_block(64, 320))
+    assert all(np.array_equal(out_p[o], want_p[i]) for i, o in zip(xi, oi, strict=True))
+    assert not out_p[[1, 3, 5, 6, 8]].any()
 
 
 @pytest.mark.parametrize("rows", [1, 5, ROWS + 3])
