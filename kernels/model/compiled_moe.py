@@ -10,10 +10,12 @@ experts are added in ascending expert order from 0.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
-from kernels.model.rowwise import rows_times
+from kernels.model.once_product import gather_big, step_times
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
 _F32 = np.float32
@@ -78,14 +80,33 @@ def route_row(logits: np.ndarray, bias: np.ndarray, n_group: int, topk_group: in
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def mlp_rows(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, blocks: np.ndarray,
-             g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
-    """out [n, D] = down(silu(gate(x)) * up(x)) over rows x [n, D]; g, u [n, I] scratch."""
-    rows_times(x, gate_t, g, blocks[0])
-    rows_times(x, up_t, u, blocks[0])
+             g: np.ndarray, u: np.ndarray, out: np.ndarray, once: int,
+             idx: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [n, D] = down(silu(gate(x)) * up(x)) over rows x [n, D]; g, u [n, I] scratch; weights
+    past ``once`` bytes read once for all rows (``idx``: 0, 1, .. at least n)."""
+    step_times(x, gate_t, g, blocks[0], once, idx)
+    step_times(x, up_t, u, blocks[0], once, idx)
     for b in range(g.shape[0]):
         for i in range(g.shape[1]):
             g[b, i] = silu_f32(g[b, i]) * u[b, i]
-    rows_times(g, down_t, out, blocks[1])
+    step_times(g, down_t, out, blocks[1], once, idx)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, pairs: np.ndarray,
+                 k: int, prow: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray,
+                 y: np.ndarray, once: int) -> None:  # pragma: no cover - compiled
+    """:func:`_expert_pairs` for big experts: the same elements (the same chains), every weight
+    read once for all the expert's pairs. prow [cnt] scratch (each pair's row), g, u [cnt, I]."""
+    cnt = pairs.shape[0]
+    for q in range(cnt):
+        prow[q] = pairs[q] // k
+    gather_big(x, prow[:cnt], gate_t, g, idx[:cnt], once)
+    gather_big(x, prow[:cnt], up_t, u, idx[:cnt], once)
+    for q in range(cnt):
+        for i in range(g.shape[1]):
+            g[q, i] = silu_f32(g[q, i]) * u[q, i]
+    gather_big(g, idx[:cnt], down_t, y, pairs, once)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -155,13 +176,16 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
              dims: np.ndarray, fdims: np.ndarray, logits: np.ndarray, scores: np.ndarray, choice: np.ndarray,
              group: np.ndarray, chosen: np.ndarray, weights: np.ndarray, eg: np.ndarray, eu: np.ndarray,
              ey: np.ndarray, sg: np.ndarray, su: np.ndarray, so: np.ndarray, picked: np.ndarray,
-             picked_w: np.ndarray, pairs: np.ndarray, n: int, out: np.ndarray) -> None:  # pragma: no cover
+             picked_w: np.ndarray, pairs: np.ndarray, n: int, out: np.ndarray, big: Any) -> None:  # pragma: no cover
     """out [n, D] = MoE layer m of rows x [n, D]: routed experts (ascending) plus the shared one
     (weights: the packed ``moe`` tuple's; the rest: the scratch's router and expert arrays:
     ``picked``, ``picked_w`` [n, k] each row's experts and weights, ``ey`` [n*k, D] each pair's
-    output, ``pairs`` [n*k] one expert's pairs, eg, eu [4, I])."""
+    output, ``pairs`` [n*k] one expert's pairs, eg, eu [4, I]). ``big``: (once, idx, prow, ga,
+    ua): weights past ``once`` bytes read once per step (:mod:`kernels.model.once_product`), idx
+    [n*k] 0, 1, .., prow [n*k] i64 and ga, ua [n*k, I] f32 scratch."""
+    once, idx, prow, ga, ua = big
     k = chosen.shape[0]
-    rows_times(x, router_t[m], logits[:n], dims[22])
+    step_times(x, router_t[m], logits[:n], dims[22], once, idx)
     for b in range(n):
         route_row(logits[b], bias[m], dims[12], dims[13], dims[14] != 0, fdims[3], scores, choice, group, chosen,
                weights)
@@ -174,7 +198,10 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                 if picked[b, j] == e:
                     pairs[cnt] = b * k + j
                     cnt += 1
-        if cnt:
+        if cnt and e_gate[m, e].size * 4 > once:
+            _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
+                         ey, once)
+        elif cnt:
             _expert_pairs(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, eg, eu, ey)
     for b in range(n):  # a row's experts added in ascending expert order (picked ascends)
         out[b, :] = 0
@@ -182,7 +209,7 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
             wj, yp = picked_w[b, j], ey[b * k + j]
             for i in range(out.shape[1]):
                 out[b, i] = out[b, i] + yp[i] * wj
-    mlp_rows(x, sh_gate[m], sh_up[m], sh_down[m], dims[23:25], sg[:n], su[:n], so[:n])
+    mlp_rows(x, sh_gate[m], sh_up[m], sh_down[m], dims[23:25], sg[:n], su[:n], so[:n], once, idx)
     for b in range(n):
         for i in range(out.shape[1]):
             out[b, i] = out[b, i] + so[b, i]

@@ -6,8 +6,12 @@ MoE with its routing and shared expert), the final norm and lm_head, for every r
 It serves what the serving default runs: a decoder :func:`kernels.model.packed_weights.packable`
 accepts, with every cache of the step fp8 on the CPU backend (the case
 :class:`kernels.model.step_tables.StepTables` describes). Anything else (DeepSeek-V3, f32 or v3
-caches, another backend, CUDA, weights past ``THREADED_BYTES``) keeps the reference step of
-:class:`kernels.model.decoder.MLADecoder`, which also stays as the reference the tests compare with.
+caches, another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
+which also stays as the reference the tests compare with. Weights past the packed ``once_bytes``
+(``THREADED_BYTES`` by default: GLM-5.2's projections, experts, W_UK/W_UV and lm_head) go through
+:mod:`kernels.model.once_product`, which reads each weight once per step for all rows (the packed
+2-D ones kept in panel order). numba's cache of :func:`run_step` holds its callees' code and is
+checked against this file alone: after changing a callee's module, touch this one.
 
 Bitwise the reference step: the same row-product kernels (:func:`kernels.model.rowwise.rows_times`,
 ``heads_times``; the MLP and MoE in :mod:`kernels.model.compiled_moe`, the same chains), the same
@@ -32,8 +36,8 @@ from kernels.compile_notice import announce_if_cold
 from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
 from kernels.model.compiled_moe import mlp_rows, moe_rows
+from kernels.model.once_product import heads_step, step_times
 from kernels.model.packed_weights import PackedWeights
-from kernels.model.rowwise import heads_times, rows_times
 from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
 
@@ -69,6 +73,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     x, qa, ql, q, qn, qr, qabs, comp, lc, rc, lc8, lsc = s[0:12]
     rc8, rsc, ctx, uv, ao, kx, keys, qx, qi, wx, sel, counts = s[12:24]
     sq, tmp, hf, hl = s[36:40]
+    once, idx = dims[30], s[45]  # weights past ``once`` bytes: read once per step (kernels.model.once_product)
     x, qa, ql, q, qn, qr, qabs, comp = x[:n], qa[:n], ql[:n], q[:n], qn[:n], qr[:n], qabs[:n], comp[:n]
     lc, rc, lc8, lsc, rc8, rsc = lc[:n], rc[:n], lc8[:n], lsc[:n], rc8[:n], rsc[:n]
     ctx, uv, ao = ctx[:n], uv[:n], ao[:n]
@@ -78,28 +83,28 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         scores_any = scores_any or visible[b] > topk
     for layer in range(dims[0]):
         rms_norm_rows(h, in_norm[layer], fdims[0], sq, x)
-        rows_times(x, q_a_t[layer], qa, dims[16])
+        step_times(x, q_a_t[layer], qa, dims[16], once, idx)
         rms_norm_rows(qa, q_a_norm[layer], fdims[1], sq, ql)
-        rows_times(ql, q_b_t[layer], q, dims[17])
+        step_times(ql, q_b_t[layer], q, dims[17], once, idx)
         for b in range(n):
             for hh in range(heads):
                 for i in range(nope):
                     qn[b, hh, i] = q[b, hh * qk + i]
         _rope_heads(q, heads, qk, nope, cos, sin, interleave, tmp, qr)
-        rows_times(x, kv_a_t[layer], comp, dims[18])
+        step_times(x, kv_a_t[layer], comp, dims[18], once, idx)
         for b in range(n):
             for i in range(kv_lora):
                 lc[b, i] = comp[b, i]
         rms_norm_rows(lc, kv_a_norm[layer], fdims[1], sq, lc)  # in place: each element reads itself
         for b in range(n):
             rope_into(comp[b, kv_lora:], cos[b], sin[b], interleave, rc[b])
-        heads_times(qn, w_uk[layer], qabs)
+        heads_step(qn, w_uk[layer], qabs, once)
         quantize_rows_kernel(lc, lc8, lsc, encode)
         quantize_rows_kernel(rc, rc8, rsc, encode)
         write_fp8_rows(dst[layer], lc8, lsc, rc8, rsc)
         slot = slot_of[layer]
         if slot >= 0:  # a full layer: its keys, and the selection the shared layers after it reuse
-            rows_times(x, wk_t[slot], kx, dims[25])
+            step_times(x, wk_t[slot], kx, dims[25], once, idx)
             layer_norm_rows(kx, kn_w[slot], kn_b[slot], fdims[6], sq, keys)
             for b in range(n):
                 for i in range(rope):
@@ -107,7 +112,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
                 rope_into(tmp[:rope], cos[b], sin[b], interleave, keys[b, :rope])
             write_keys(key_dst[slot], keys)
             if scores_any:
-                rows_times(ql, wq_b_t[slot], qx, dims[26])
+                step_times(ql, wq_b_t[slot], qx, dims[26], once, idx)
                 for b in range(n):
                     for hh in range(nh):
                         for i in range(hd):
@@ -115,25 +120,25 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
                         for i in range(rope):
                             tmp[i] = qx[b, hh * hd + i]
                         rope_into(tmp[:rope], cos[b], sin[b], interleave, qi[b, hh, :rope])
-                rows_times(x, wp_t[slot], wx, dims[27])
+                step_times(x, wp_t[slot], wx, dims[27], once, idx)
                 for b in range(n):
                     for hh in range(nh):
                         wx[b, hh] = (wx[b, hh] * fdims[4]) * fdims[5]
             select_rows(qi, wx, index[slot], visible, sel, counts)
         attend_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
-        heads_times(ctx, w_uv_t[layer], uv)
-        rows_times(uv.reshape(n, heads * v_head), o_t[layer], ao, dims[19])
+        heads_step(ctx, w_uv_t[layer], uv, once)
+        step_times(uv.reshape(n, heads * v_head), o_t[layer], ao, dims[19], once, idx)
         for b in range(n):
             for i in range(h.shape[1]):
                 h[b, i] = h[b, i] + ao[b, i]
         rms_norm_rows(h, post_norm[layer], fdims[0], sq, x)
         m = mlp_of[layer]
         if m >= 0:
-            mlp_rows(x, dense[0][m], dense[1][m], dense[2][m], dims[20:22], s[40][:n], s[41][:n], ao)
+            mlp_rows(x, dense[0][m], dense[1][m], dense[2][m], dims[20:22], s[40][:n], s[41][:n], ao, once, idx)
         else:
             moe_rows(x, moe[0], moe[1], moe[2], moe[3], moe[4], moe[5], moe[6], moe[7], -1 - m, dims, fdims,
                       s[24], s[25], s[26], s[27], s[28], s[29], s[30], s[31], s[32], s[33], s[34], s[35], s[42],
-                      s[43], s[44], n, ao)
+                      s[43], s[44], n, ao, (once, idx, s[46], s[47], s[48]))
         for b in range(n):
             for i in range(h.shape[1]):
                 h[b, i] = h[b, i] + ao[b, i]
@@ -142,7 +147,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     for j in range(rows):
         for i in range(h.shape[1]):
             hl[j, i] = hf[last[j], i]
-    rows_times(hl[:rows], head[1], logits, dims[28])
+    step_times(hl[:rows], head[1], logits, dims[28], once, idx)
 
 
 class StepScratch:
@@ -187,6 +192,8 @@ class StepScratch:
             f(cap, inter), f(cap, inter),  # the dense MLP's gate and up
             np.zeros((cap, k_exp), np.int64), f(cap, k_exp),  # picked: each row's experts, and their weights
             np.zeros(cap * k_exp, np.int64),  # pairs: one expert's (row, slot) pairs
+            np.arange(cap * k_exp, dtype=np.int64),  # idx: 0, 1, .. (the once-per-step product's plain rows)
+            np.zeros(cap * k_exp, np.int64), f(cap * k_exp, moe_inter), f(cap * k_exp, moe_inter),  # prow ga ua
         )
 
 

@@ -24,6 +24,7 @@ from kernels.model.decoder import MLADecoder, Queries, Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
 from kernels.model.packed_weights import pack, packable
+from kernels.model.rowwise import THREADED_BYTES
 from kernels.model.step_rows import StepRow
 from kernels.model.step_tables import StepTables
 
@@ -41,6 +42,9 @@ class GlmDecoder(MLADecoder):
         self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
         self._compiled: CompiledStep | None = None
         self._compiled_why: str | None = None  # why the compiled step does not apply, once decided
+        # weights past this many bytes are read once per step for all rows (kernels.model.once_product);
+        # set before the first step (tests set 0: every product that way, the same bits)
+        self.once_bytes = THREADED_BYTES
 
     def compiled_step(self) -> CompiledStep | None:
         """The compiled step of this model (its weights packed on first use), or None where
@@ -48,7 +52,7 @@ class GlmDecoder(MLADecoder):
         if self._compiled is None and self._compiled_why is None:
             self._compiled_why = packable(self)
             if self._compiled_why is None:
-                self._compiled = CompiledStep(pack(self))
+                self._compiled = CompiledStep(pack(self, self.once_bytes))
         return self._compiled
 
     def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,

@@ -3,7 +3,8 @@
 row-product kernels read them, contiguous f32, plus the dims and per-layer kinds as small arrays.
 
 Packing copies the weights (a second copy of the model's f32 projections): it is made only for a
-model the compiled step serves (:func:`packable` says why not otherwise), once per decoder.
+model the compiled step serves (:func:`packable` says why not otherwise), once per decoder. At
+GLM-5.2's dims that is GBs: the decoder's own copy stays (the reference step, for other kv dtypes, reads it).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kernels.model.moe import DenseMLP, MoE
+from kernels.model.once_product import panel_order
 from kernels.model.rowwise import THREADED_BYTES, column_block
 from kernels.model.step_math import numpy_exp_matches
 
@@ -20,7 +22,8 @@ from kernels.model.step_math import numpy_exp_matches
 DIM_NAMES = ("layers", "heads", "nope", "rope", "kv_lora", "v_head", "q_lora", "index_dim", "index_heads",
              "index_topk", "experts", "experts_per_tok", "n_group", "topk_group", "norm_topk", "interleave",
              "block_q_a", "block_q_b", "block_kv_a", "block_o", "block_dense", "block_down", "block_router",
-             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab")
+             "block_shared", "block_shared_down", "block_wk", "block_wq_b", "block_wp", "block_lm", "vocab",
+             "once_bytes")
 # fdims[i]: the step's float32 constants
 FDIM_NAMES = ("rms_eps", "lora_eps", "softmax_scale", "routed_scale", "index_w_scale", "index_hd_scale",
               "layer_norm_eps")
@@ -38,8 +41,9 @@ def _stack(ws: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 def packable(decoder: Any) -> str | None:
     """None when the compiled step serves this decoder, else why not (a GLM DSA model with q_lora,
-    no attention biases, MoE layers with a shared expert and groups of two or more experts,
-    every projection small enough for the single-threaded row kernel, and numpy's exp reproduced)."""
+    no attention biases, MoE layers with a shared expert and groups of two or more experts, and
+    numpy's exp reproduced). Weights of any size: those past ``THREADED_BYTES`` go through
+    :mod:`kernels.model.once_product` (read once per step for all rows)."""
     cfg = decoder.config
     if getattr(decoder, "dsa", None) is None:
         return "no DSA indexer (DeepSeek-V3 keeps the reference step)"
@@ -50,20 +54,9 @@ def packable(decoder: Any) -> str | None:
         if isinstance(layer.mlp, MoE):
             if layer.mlp.shared is None or cfg.n_routed_experts // cfg.n_group < 2:
                 return "an MoE without a shared expert, or groups of one expert"
-    biggest = max([decoder.lm_head.size] + [w.size for layer in layers for w in _weights_of(layer)])
-    if biggest * 4 > THREADED_BYTES:
-        return "weights past THREADED_BYTES (the reference's threaded panel kernel is faster there)"
     if not numpy_exp_matches():
         return "this numpy's float32 exp is not the SIMD routine the compiled step reproduces"
     return None
-
-
-def _weights_of(layer: Any) -> list[np.ndarray]:
-    a = layer.attn
-    out = [w for w in (a.q_a, a.q_b, a.kv_a, a.o_proj) if w is not None]
-    mlp = layer.mlp
-    mlps = [mlp] if isinstance(mlp, DenseMLP) else [*mlp.experts, *([mlp.shared] if mlp.shared else [])]
-    return out + [w for m in mlps for w in (m.gate, m.up, m.down)]
 
 
 @dataclass(frozen=True)
@@ -87,51 +80,58 @@ class PackedWeights:
         return int(self.dims[DIM_NAMES.index(name)])
 
 
-def pack(decoder: Any) -> PackedWeights:
-    """The decoder's weights packed (call :func:`packable` first)."""
+def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
+    """The decoder's weights packed (call :func:`packable` first). Weights of more than
+    ``once_bytes`` bytes go through :func:`kernels.model.once_product.gather_times` in the step (read
+    once for all rows, threads over column tiles); smaller ones through the single-threaded
+    ``rows_times`` (both give the same bits: tests pack with 0 to run every product the first way)."""
     cfg, dsa, layers = decoder.config, decoder.dsa, decoder.layers
+
+    def tp(w: np.ndarray) -> np.ndarray:  # w [out, in] -> [in, out] f32, in panel order past once_bytes
+        return panel_order(_t(w), once_bytes)
+
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     attn = (
         _stack([ly.input_norm for ly in layers], (hidden,)),  # [L, D]
         _stack([ly.post_norm for ly in layers], (hidden,)),  # [L, D]
-        _stack([_t(ly.attn.q_a) for ly in layers], ()),  # [L, D, q_lora]
+        _stack([tp(ly.attn.q_a) for ly in layers], ()),  # [L, D, q_lora]
         _stack([ly.attn.q_a_norm for ly in layers], ()),  # [L, q_lora]
-        _stack([_t(ly.attn.q_b) for ly in layers], ()),  # [L, q_lora, H*qk]
-        _stack([_t(ly.attn.kv_a) for ly in layers], ()),  # [L, D, kv_lora + rope]
+        _stack([tp(ly.attn.q_b) for ly in layers], ()),  # [L, q_lora, H*qk]
+        _stack([tp(ly.attn.kv_a) for ly in layers], ()),  # [L, D, kv_lora + rope]
         _stack([ly.attn.kv_a_norm for ly in layers], ()),  # [L, kv_lora]
         _stack([ly.attn.w_uk for ly in layers], ()),  # [L, H, nope, kv_lora]
         _stack([_t(ly.attn.w_uv) for ly in layers], ()),  # [L, H, kv_lora, v_head]
-        _stack([_t(ly.attn.o_proj) for ly in layers], ()),  # [L, H*v_head, D]
+        _stack([tp(ly.attn.o_proj) for ly in layers], ()),  # [L, H*v_head, D]
     )
     dense_layers = [ly.mlp for ly in layers if isinstance(ly.mlp, DenseMLP)]
     moe_layers = [ly.mlp for ly in layers if isinstance(ly.mlp, MoE)]
     inter, moe_inter = cfg.intermediate_size, cfg.moe_intermediate_size
     dense = (
-        _stack([_t(m.gate) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
-        _stack([_t(m.up) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
-        _stack([_t(m.down) for m in dense_layers], (inter, hidden)),  # [Ld, I, D]
+        _stack([tp(m.gate) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
+        _stack([tp(m.up) for m in dense_layers], (hidden, inter)),  # [Ld, D, I]
+        _stack([tp(m.down) for m in dense_layers], (inter, hidden)),  # [Ld, I, D]
     )
     shared = [m.shared for m in moe_layers if m.shared is not None]  # (packable: every MoE layer has one)
     n_exp, shared_inter = cfg.n_routed_experts, moe_inter * max(cfg.n_shared_experts, 1)
     moe = (
-        _stack([_t(m.gate_w) for m in moe_layers], (hidden, n_exp)),  # [Lm, D, E]
+        _stack([tp(m.gate_w) for m in moe_layers], (hidden, n_exp)),  # [Lm, D, E]
         _stack([m.bias for m in moe_layers], (n_exp,)),  # [Lm, E]
-        _stack([np.stack([_t(e.gate) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
-        _stack([np.stack([_t(e.up) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
-        _stack([np.stack([_t(e.down) for e in m.experts]) for m in moe_layers], (n_exp, moe_inter, hidden)),
-        _stack([_t(m.gate) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
-        _stack([_t(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
+        _stack([np.stack([tp(e.gate) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
+        _stack([np.stack([tp(e.up) for e in m.experts]) for m in moe_layers], (n_exp, hidden, moe_inter)),
+        _stack([np.stack([tp(e.down) for e in m.experts]) for m in moe_layers], (n_exp, moe_inter, hidden)),
+        _stack([tp(m.gate) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([tp(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
+        _stack([tp(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
     )
     idx = [decoder.indexers[i] for i in dsa.full_layers]
     index = (
-        _stack([_t(ix.wk) for ix in idx], ()),  # [NI, D, hd]
+        _stack([tp(ix.wk) for ix in idx], ()),  # [NI, D, hd]
         _stack([ix.k_norm_weight for ix in idx], ()),  # [NI, hd]
         _stack([ix.k_norm_bias for ix in idx], ()),  # [NI, hd]
-        _stack([_t(ix.wq_b) for ix in idx], ()),  # [NI, q_lora, nh*hd]
-        _stack([_t(ix.weights_proj) for ix in idx], ()),  # [NI, D, nh]
+        _stack([tp(ix.wq_b) for ix in idx], ()),  # [NI, q_lora, nh*hd]
+        _stack([tp(ix.weights_proj) for ix in idx], ()),  # [NI, D, nh]
     )
-    head = (np.ascontiguousarray(decoder.final_norm, np.float32), _t(decoder.lm_head))  # [D], [D, V]
+    head = (np.ascontiguousarray(decoder.final_norm, np.float32), tp(decoder.lm_head))  # [D], [D, V]
     slot_of = np.array([decoder.index_slots.get(i, -1) for i in range(len(layers))], np.int64)  # [L]
     d_i = m_i = 0
     mlp_of = np.empty(len(layers), np.int64)  # [L]
@@ -154,7 +154,7 @@ def pack(decoder: Any) -> PackedWeights:
         block_dense=block(dense[0]), block_down=block(dense[2]), block_router=block(moe[0]),
         block_shared=block(moe[5]), block_shared_down=block(moe[7]), block_wk=block(index[0]),
         block_wq_b=block(index[3]), block_wp=block(index[4]),
-        block_lm=column_block(head[1].shape[0], head[1].shape[1]), vocab=cfg.vocab_size,
+        block_lm=column_block(head[1].shape[0], head[1].shape[1]), vocab=cfg.vocab_size, once_bytes=once_bytes,
     )
     fdims = dict(rms_eps=cfg.rms_norm_eps, lora_eps=1e-6, softmax_scale=decoder.softmax_scale,
                  routed_scale=cfg.routed_scaling_factor, index_w_scale=nh**-0.5, index_hd_scale=hd**-0.5,

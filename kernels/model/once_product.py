@@ -1,0 +1,180 @@
+"""The compiled step's product for weights past ``THREADED_BYTES`` (GLM-5.2's projections and
+experts): every weight element is read from memory ONCE per step for all the step's rows, and each
+output element is still the same chain as :func:`kernels.model.rowwise.rows_times` gives
+(``((0 + x[0] * w[0, n]) + x[1] * w[1, n]) + ...``, k ascending, a multiply then an add, numba's
+strict IEEE mode: no FMA contraction, no reassociation), so a row's bits do not depend on which
+rows share the step nor how many (batch invariance).
+
+Why another loop order: :func:`~kernels.model.rowwise.rows_times` streams a block of up to 4,096
+columns of the weights past four rows at a time, so a step of 16 rows reads 100 MB-class weights
+four times from memory. Here a tile of ``TILE`` output columns holds the sums of up to ``ROWS`` rows
+(``ROWS x TILE`` f32 = 16 KiB, in L1) while each weight row's tile segment passes once, and the
+rows take it from L1 four at a time. Tiles are split across threads (``prange``): each output
+element is one thread's whole chain, so threads change the speed, never the bits.
+
+The rows are gathered (``xi``) and scattered (``oi``) by index, so one kernel serves plain rows
+(identity indices) and an expert's (row, slot) pairs.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.compile_notice import announce_if_cold
+from kernels.model.rowwise import PANEL, heads_times, rows_times
+
+TILE = 256  # output columns per tile (1 KiB of each weight row)
+ROWS = 16  # rows whose sums a tile holds at once: ROWS x TILE f32 = 16 KiB in L1; more rows: the tile again
+
+announce_if_cold(__file__)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, parallel=True)
+def gather_times(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray,
+                 oi: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out[oi[r]] [N] = x[xi[r]] [K] @ wt [K, N] for each r < len(xi), k ascending per element;
+    every weight element read once per ``ROWS`` rows (once per step of up to 16 rows)."""
+    n_rows = xi.shape[0]
+    depth, width = wt.shape
+    n_tiles = (width + TILE - 1) // TILE
+    for t in prange(n_tiles):
+        n0 = t * TILE
+        n1 = min(n0 + TILE, width)
+        span = n1 - n0
+        acc = np.empty((ROWS, TILE), np.float32)  # acc: [ROWS, TILE] f32, this thread's
+        for r0 in range(0, n_rows, ROWS):
+            rn = min(ROWS, n_rows - r0)
+            quads = rn - rn % 4
+            acc[:rn, :span] = 0
+            for k in range(depth):
+                w_row = wt[k, n0:n1]  # w_row: [span] f32
+                for r in range(0, quads, 4):
+                    x0, x1 = x[xi[r0 + r], k], x[xi[r0 + r + 1], k]
+                    x2, x3 = x[xi[r0 + r + 2], k], x[xi[r0 + r + 3], k]
+                    a0, a1, a2, a3 = acc[r], acc[r + 1], acc[r + 2], acc[r + 3]
+                    for n in range(span):
+                        w = w_row[n]
+                        a0[n] = a0[n] + x0 * w
+                        a1[n] = a1[n] + x1 * w
+                        a2[n] = a2[n] + x2 * w
+                        a3[n] = a3[n] + x3 * w
+                for r in range(quads, rn):
+                    xv = x[xi[r0 + r], k]
+                    a = acc[r]
+                    for n in range(span):
+                        a[n] = a[n] + xv * w_row[n]
+            for r in range(rn):
+                dst = out[oi[r0 + r]]
+                for n in range(span):
+                    dst[n0 + n] = acc[r, n]
+
+
+def paneled_layout(depth: int, width: int, once_bytes: int) -> bool:
+    """Whether the compiled step keeps a packed [depth, width] weight's memory in panel order
+    (:func:`panel_order`): past ``once_bytes`` and a whole number of ``PANEL`` columns wide."""
+    return depth * width * 4 > once_bytes and width % PANEL == 0
+
+
+def panel_order(wt: np.ndarray, once_bytes: int) -> np.ndarray:
+    """wt [K, N] f32 as :func:`gather_panels` reads it where :func:`paneled_layout` says so: the same
+    shape, its memory the panels [N / PANEL, K, PANEL] (panel p: columns p*PANEL.. of wt); else wt."""
+    depth, width = wt.shape
+    if not paneled_layout(depth, width, once_bytes):
+        return wt
+    panels = wt.reshape(depth, width // PANEL, PANEL).transpose(1, 0, 2)  # [P, K, PANEL]
+    return np.ascontiguousarray(panels, dtype=np.float32).reshape(depth, width)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, parallel=True)
+def gather_panels(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray,
+                  oi: np.ndarray) -> None:  # pragma: no cover - compiled
+    """:func:`gather_times` over a weight in panel order (:func:`panel_order`): each panel [K, PANEL]
+    (contiguous, 24-400 KB: stays in L2) read from memory once for all rows, four rows at a time
+    summing into 4 x PANEL sums the compiler keeps in registers; panels split across threads."""
+    n_rows = xi.shape[0]
+    depth, width = wt.shape
+    panels = wt.reshape((width // PANEL, depth, PANEL))  # [P, K, PANEL]: the memory's order
+    quads = n_rows - n_rows % 4
+    for pi in prange(panels.shape[0]):
+        n0 = pi * PANEL
+        acc = np.empty((4, PANEL), np.float32)  # acc: [4, PANEL] f32, this thread's
+        for b in range(0, quads, 4):
+            r0, r1, r2, r3 = xi[b], xi[b + 1], xi[b + 2], xi[b + 3]
+            acc[:] = 0
+            for k in range(depth):
+                x0, x1, x2, x3 = x[r0, k], x[r1, k], x[r2, k], x[r3, k]
+                for n in range(PANEL):
+                    w = panels[pi, k, n]
+                    acc[0, n] = acc[0, n] + x0 * w
+                    acc[1, n] = acc[1, n] + x1 * w
+                    acc[2, n] = acc[2, n] + x2 * w
+                    acc[3, n] = acc[3, n] + x3 * w
+            for r in range(4):
+                for n in range(PANEL):
+                    out[oi[b + r], n0 + n] = acc[r, n]
+        for b in range(quads, n_rows):
+            rb = xi[b]
+            acc[0, :] = 0
+            for k in range(depth):
+                xv = x[rb, k]
+                for n in range(PANEL):
+                    acc[0, n] = acc[0, n] + xv * panels[pi, k, n]
+            for n in range(PANEL):
+                out[oi[b], n0 + n] = acc[0, n]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def gather_big(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray,
+               once_bytes: int) -> None:  # pragma: no cover - compiled
+    """A packed weight past ``once_bytes``: :func:`gather_panels` where it is in panel order
+    (:func:`paneled_layout`), else :func:`gather_times`."""
+    if wt.shape[1] % PANEL == 0:
+        gather_panels(x, xi, wt, out, oi)
+    else:
+        gather_times(x, xi, wt, out, oi)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def step_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int, once_bytes: int,
+               idx: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [n, N] = x [n, K] @ wt [K, N], bitwise :func:`~kernels.model.rowwise.rows_times`: through
+    :func:`gather_big` when the weights are past ``once_bytes`` (read once for all rows; wt as
+    :func:`panel_order` left it), else ``rows_times`` (``block`` columns at a time). ``idx``: at
+    least n row indices 0, 1, ..."""
+    n = x.shape[0]
+    if wt.size * 4 > once_bytes:
+        gather_big(x, idx[:n], wt, out, idx[:n], once_bytes)
+    else:
+        rows_times(x, wt, out, block)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, parallel=True)
+def heads_once(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out [n, H, N] = x [n, H, K] @ w [H, K, N] per head, k ascending per element (bitwise
+    :func:`~kernels.model.rowwise.heads_times`), each head's weights read once for all rows;
+    heads split across threads."""
+    n_rows, heads, depth = x.shape
+    width = w.shape[2]
+    for h in prange(heads):
+        for b in range(n_rows):
+            out[b, h, :] = 0
+        for k in range(depth):
+            w_row = w[h, k]  # w_row: [N] f32
+            for b in range(n_rows):
+                xv = x[b, h, k]
+                acc = out[b, h]  # acc: [N] f32
+                for n in range(width):
+                    acc[n] = acc[n] + xv * w_row[n]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def heads_step(x: np.ndarray, w: np.ndarray, out: np.ndarray, once_bytes: int) -> None:  # pragma: no cover
+    """:func:`heads_once` when w [H, K, N] is past ``once_bytes``, else ``heads_times`` (same bits)."""
+    if w.size * 4 > once_bytes:
+        heads_once(x, w, out)
+    else:
+        heads_times(x, w, out)
+
+
+__all__ = ["ROWS", "TILE", "gather_big", "gather_panels", "gather_times", "heads_once", "heads_step",
+           "panel_order", "paneled_layout", "step_times"]
