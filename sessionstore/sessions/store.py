@@ -45,7 +45,7 @@ class SessionStore(StoreDirectory):
     """A local directory of sessions (the embedded default): models, live sessions, forks,
     adoptions and the residency budget over the store's directory tree.
 
-    Why 35 methods: 19 are its base's, :class:`StoreDirectory` (the directory tree, split out by
+    Why 34 methods: 18 are its base's, :class:`StoreDirectory` (the directory tree, split out by
     job); of the 16 more of its own, four are the residency budget's one-line delegations to
     :class:`Residency`, kept because the CLI, the service and the benchmarks ask the store."""
 
