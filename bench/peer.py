@@ -53,17 +53,25 @@ def starters(peer: Peer, model: Path, scratch: Path, kv: tuple[str, str],
             "llama.cpp": lambda: Llama(peer.server, peer.gguf, kv[1], scratch, threads)}
 
 
-def timed_reps(start: dict[str, Callable[[], Side]], reps: int, stall_reps: int) -> dict[str, Any]:
-    """Every measure, ``reps`` times per side, the sides alternating which goes first."""
+def alternated(start: dict[str, Callable[[], Side]], reps: int, measure_rep: Callable[[Side, int], dict[str, float]],
+               warm_side: Callable[[Side], None] = warm) -> dict[str, list[dict[str, float]]]:
+    """``measure_rep(side, rep)`` of each side, started fresh, warmed untimed by ``warm_side`` and stopped,
+    ``reps`` times, the sides alternating which goes first: each side's list of figures."""
     raw: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
     for rep in range(reps):
         for name in (["ours", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "ours"]):
             side = start[name]()
             try:
-                warm(side)
-                raw[name].append(measure(side, rep, stall_reps))
+                warm_side(side)
+                raw[name].append(measure_rep(side, rep))
             finally:
                 side.stop()
+    return raw
+
+
+def timed_reps(start: dict[str, Callable[[], Side]], reps: int, stall_reps: int) -> dict[str, Any]:
+    """Every measure, ``reps`` times per side, the sides alternating which goes first."""
+    raw = alternated(start, reps, lambda side, rep: measure(side, rep, stall_reps))
     return {**ratio_keys(raw["ours"], raw["llama.cpp"]), "reps": {"ours": raw["ours"], "llama_cpp": raw["llama.cpp"]}}
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench.peer import starters
+from bench.peer import alternated, starters
 from bench.peer_build import DEFAULT_CACHE, VERSION, Peer, PeerUnavailable, build_server, convert, fetch_source
 from bench.peer_client import PeerError, stream_many, stream_one
 from bench.peer_measure import SHORT, prompt_ids
@@ -110,15 +110,7 @@ def ratio_keys(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> 
 
 def run(peer: Peer, model: Path, scratch: Path, reps: int, tokens: int, threads: int | None) -> dict[str, Any]:
     start = starters(peer, model, scratch, ("fp8", "f16"), threads)
-    raw: dict[str, list[dict[str, float]]] = {"ours": [], "llama.cpp": []}
-    for rep in range(reps):
-        for name in (["ours", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "ours"]):
-            side = start[name]()
-            try:
-                warm(side)
-                raw[name].append(measure(side, rep, tokens))
-            finally:
-                side.stop()
+    raw = alternated(start, reps, lambda side, rep: measure(side, rep, tokens), warm)
     return {**ratio_keys(raw["ours"], raw["llama.cpp"]), "reps": {"ours": raw["ours"], "llama_cpp": raw["llama.cpp"]}}
 
 
