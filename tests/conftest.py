@@ -25,6 +25,16 @@ LONG_MODULES = ("tests/service/test_service_kill_soak.py", "tests/kvfile/test_cr
                 "tests/service/test_service_chunked_prefill.py", "tests/kvfile/test_crash_sigkill.py")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In pytest's main process, before pytest-xdist starts its workers (its own hook runs last):
+    numba's cache filled once (tests/support/warm_kernels.py), not by every worker at once."""
+    if hasattr(session.config, "workerinput"):  # a worker: the main process has warmed the cache
+        return
+    from tests.support.warm_kernels import warm_if_cold
+
+    warm_if_cold()
+
+
 def _long_first(item: pytest.Item) -> int:
     path = item.nodeid.split("::", 1)[0]
     return LONG_MODULES.index(path) if path in LONG_MODULES else len(LONG_MODULES)
