@@ -57,6 +57,10 @@ class LatentCache(Protocol):
         """Input tokens [length] i32 (a copy)."""
         ...
 
+    def tokens_from(self, start: int) -> np.ndarray:
+        """Input tokens of positions [start, length) [length - start] i32 (a copy of those only)."""
+        ...
+
     @property
     def own_nbytes(self) -> int:
         """Bytes of the storage the cache allocated itself (rows it resumed over not counted)."""

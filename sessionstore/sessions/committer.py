@@ -17,7 +17,6 @@ One barrier per engine step instead of one per session per step; measured in ``b
 """
 from __future__ import annotations
 
-import copy
 import ctypes
 import ctypes.util
 import dataclasses
@@ -126,7 +125,8 @@ class Committer:
         """:meth:`commit_tail` up to its barrier: the page written, not yet durable (its barrier
         is :meth:`StateWriter.sync`, or one shared by several sessions: :func:`commit_together`)."""
         t0 = time.perf_counter()
-        new = copy.copy(manifest)  # dataclasses.replace, without re-running __init__ (~10x the cost)
+        new = object.__new__(type(manifest))  # copy.copy without its reduce protocol (~5x the cost)
+        new.__dict__.update(manifest.__dict__)  # (dataclasses.replace re-runs __init__: ~10x)
         new.pending, new.updated_at = list(tail), utc_now()
         self.page.write_page(self.page.encode(new), durable=False)
         self.commits += 1

@@ -115,7 +115,7 @@ class SessionCommits:
             self._guard.check()  # LockedError once another host owns the session
         self.await_files()
         n, base, cache = self._files.live_writer.nrec, self.manifest, self._files.live_cache
-        tail = [*cache.tokens[n:cache.length].tolist(), *self.pending]
+        tail = [*cache.tokens_from(n).tolist(), *self.pending]  # (``tokens`` copies every position)
         if len(tail) > MAX_PENDING or base.committed != n:
             return None
         watch = self.commit_watch

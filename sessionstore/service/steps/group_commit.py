@@ -91,10 +91,9 @@ class GroupCommit:
                 owner, commit = members[0]
                 self._running.setdefault(owner, []).append(_Started(self._pool.submit(_run, [commit]), True))
                 continue
-            futures: list[Future[BaseException | None]] = [Future() for _ in members]
-            for (owner, _), future in zip(members, futures, strict=True):
-                self._running.setdefault(owner, []).append(_Started(future, True))
-            self._pool.submit(_run_together, [c for _, c in members], futures)
+            group = self._pool.submit(_run_together, [c for _, c in members])  # one future for them all
+            for index, (owner, _) in enumerate(members):
+                self._running.setdefault(owner, []).append(_Started(group, True, index))
 
     def ready(self, owner: Any) -> BaseException | None:
         """Before ``owner``'s loop runs on: its commits that ended are collected and the others
@@ -104,13 +103,13 @@ class GroupCommit:
         left = [s for s in running if s.overlap and not s.future.done()]
         if left:
             self._running[owner] = left
-        errors = [s.future.result() for s in running if s not in left]
+        errors = [s.result() for s in running if s not in left]
         return next((e for e in errors if e is not None), None)
 
     def wait(self, owner: Any) -> BaseException | None:
         """Wait for ``owner``'s commits started by :meth:`start_all` (none: at once); the error
         that ended the first that failed, or None."""
-        errors = [s.future.result() for s in self._running.pop(owner, [])]
+        errors = [s.result() for s in self._running.pop(owner, [])]
         return next((e for e in errors if e is not None), None)
 
     def in_flight(self) -> int:
@@ -139,19 +138,27 @@ class _Job:
 
 @dataclass(frozen=True)
 class _Started:
-    future: Future[BaseException | None]
+    """A started task: its future's result is an owner's error (None: it returned), or, with an
+    ``index``, the list of every member's error of a task run for several owners."""
+
+    future: Future[Any]
     overlap: bool
+    index: int | None = None
+
+    def result(self) -> BaseException | None:
+        """The owner's error (None: its commits returned); waits for the task."""
+        got = self.future.result()
+        return got if self.index is None else got[self.index]  # type: ignore[no-any-return]
 
 
-def _run_together(commits: list[BarrierCommit], futures: list[Future[BaseException | None]]) -> None:
-    """Several owners' tail commits under one barrier (:func:`commit_together`); each owner's
-    future gets its own commit's error (None: it returned)."""
+def _run_together(commits: list[BarrierCommit]) -> list[BaseException | None]:
+    """Several owners' tail commits under one barrier (:func:`commit_together`): each owner's
+    commit's error (None: it returned), in order; one task and one future for them all (a
+    future per owner cost the engine loop one more object and lock per session per step)."""
     try:
-        errors = commit_together(commits)
+        return commit_together(commits)
     except BaseException as exc:  # a bug: every owner's turn re-raises it rather than hang
-        errors = [exc] * len(commits)
-    for future, error in zip(futures, errors, strict=True):
-        future.set_result(error)
+        return [exc] * len(commits)
 
 
 def _run(commits: list[Callable[[], object]]) -> BaseException | None:
