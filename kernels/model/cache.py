@@ -315,7 +315,8 @@ class DecoderCache:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
         n = tokens.shape[0]
-        if any(length != start + n for length in self._own_lengths()):
+        lengths = self._own_lengths()  # every layer's (and full layer's) owned rows
+        if min(lengths) != start + n or max(lengths) != start + n:
             raise FormatError("commit_positions: not every layer holds the pending rows")
         if start + n > self._own_tokens.shape[0]:
             grown = np.zeros(max(2 * self._own_tokens.shape[0], start + n), dtype="<i4")
