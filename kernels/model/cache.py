@@ -280,7 +280,9 @@ class DecoderCache:
             own.reserve(rows)
         for index in self._own_index:
             index.reserve(rows)
-        self._room = rows
+        # the room they have now (each grew by doubling): the next steps' reserves return at once
+        self._room = min([next(iter(own.arrays.values())).shape[0] for own in self._own]
+                         + [index.rows.shape[0] for index in self._own_index])
 
     def row_tables(self) -> RowTables | None:
         """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
