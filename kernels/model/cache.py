@@ -280,7 +280,9 @@ class DecoderCache:
             own.reserve(rows)
         for index in self._own_index:
             index.reserve(rows)
-        self._room = rows
+        # the room they have now (each grew by doubling): the next steps' reserves return at once
+        self._room = min([next(iter(own.arrays.values())).shape[0] for own in self._own]
+                         + [index.rows.shape[0] for index in self._own_index])
 
     def row_tables(self) -> RowTables | None:
         """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
@@ -315,7 +317,8 @@ class DecoderCache:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
         n = tokens.shape[0]
-        if any(length != start + n for length in self._own_lengths()):
+        lengths = self._own_lengths()  # every layer's (and full layer's) owned rows
+        if min(lengths) != start + n or max(lengths) != start + n:
             raise FormatError("commit_positions: not every layer holds the pending rows")
         if start + n > self._own_tokens.shape[0]:
             grown = np.zeros(max(2 * self._own_tokens.shape[0], start + n), dtype="<i4")

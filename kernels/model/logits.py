@@ -93,6 +93,19 @@ class TurnDraw:
         self._seen: np.ndarray | None = None  # [V] bool: ids in the context or drawn (repetition_penalty)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Whether a draw is its logits' greedy pick and nothing more (greedy, no processing, no
+        log-probabilities): a pick made for a whole batch (``sampling.greedy_rows``) may stand
+        for it (:meth:`take`)."""
+        return self.sampler.greedy and not self._processing and self.top_logprobs is None
+
+    def take(self, token: int) -> int:
+        """Record ``token``, the greedy pick made for the whole batch of this position's logits
+        (only when :attr:`plain_greedy`): what a call with those logits does; returns it."""
+        self.drawn += 1
+        return token
+
+    @property
     def wants_context(self) -> bool:
         """Whether the draw reads the tokens before the turn (``repetition_penalty``): a long
         session's token column is only gathered for it then."""

@@ -212,3 +212,16 @@ def sample(
     u = uniform(seed, position) * cdf[-1]
     idx = min(int(np.searchsorted(cdf, u, side="right")), order.size - 1)
     return int(order[idx])
+
+
+def greedy_rows(logits: np.ndarray) -> np.ndarray:
+    """Every row's greedy pick of logits [B, V] in one call: row b's is bitwise :func:`sample`'s
+    greedy draw from that row alone (its first maximum), or -1 where that first maximum is NaN or
+    -inf (there :func:`sample`'s full path decides: NaN read as -inf, or its error). [B] i64."""
+    rows = np.asarray(logits)
+    if rows.ndim != 2 or rows.shape[1] == 0 or rows.dtype.kind != "f":
+        return np.full(rows.shape[0] if rows.ndim else 0, -1, np.int64)  # [B] i64: none made
+    best = np.argmax(rows, axis=1)  # [B] i64: each row's first maximum (stops at a NaN, as sample's argmax)
+    top = rows[np.arange(rows.shape[0]), best]  # [B] the values picked
+    picks: np.ndarray = np.where((top == top) & (top != -np.inf), best, -1).astype(np.int64)  # [B] i64
+    return picks

@@ -72,6 +72,7 @@ from sessionstore.sessions.tier_record import (
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
     DecodeLoop,
+    StepLogits,
     TurnEnd,
     TurnResult,
     common_prefix,
@@ -125,6 +126,7 @@ __all__ = [
     "SessionSnapshot",
     "SessionStore",
     "SessionUse",
+    "StepLogits",
     "TIER_NAME",
     "TINY_NAME",
     "TierChange",

@@ -39,6 +39,9 @@ class StopStrings:
     def push(self, piece: str) -> None:
         if self.hit or not piece:
             return
+        if not self.stops:  # nothing can begin a stop string: the piece goes out as it is
+            self._emit(piece)
+            return
         buf = self.held + piece
         found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if found:

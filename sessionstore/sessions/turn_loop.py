@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,8 +90,17 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
 
 
+class StepLogits(NamedTuple):
+    """What a batched step sends a decode loop: its row of the step's logits [vocab] f32 and that
+    row's greedy pick made for the whole step (``kernels.model.sampling.greedy_rows``; -1: none)."""
+
+    logits: np.ndarray
+    greedy: int
+
+
 TurnEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
-DecodeLoop = Generator[int, np.ndarray, TurnEnd]  # yields each token to feed, is sent its logits [vocab]
+# yields each token to feed, is sent its logits [vocab] (or a step's StepLogits)
+DecodeLoop = Generator[int, "np.ndarray | StepLogits", TurnEnd]
 DecodeDriver = Callable[[DecodeLoop, Any], TurnEnd]  # runs a turn's loop over a cache to its end
 
 
@@ -100,11 +109,15 @@ def decode_loop(cache: LatentCache, logits: np.ndarray, max_new: int, draw: Call
                 on_step: Callable[[int, int, np.ndarray], None] | None) -> DecodeLoop:
     """A turn's sampling loop from ``logits`` [vocab]: sample, ``on_step``, yield the token to
     feed and receive the logits its single-token step gives (``on_rows`` after it); ends after
-    ``max_new`` tokens or at a token in ``eos``, that last token not fed."""
+    ``max_new`` tokens or at a token in ``eos``, that last token not fed. Sent a
+    :class:`StepLogits` whose greedy pick was made, a plain greedy draw takes that pick (bitwise
+    its own: the batch's picks are one call for every row, not one per row)."""
+    taker = draw if isinstance(draw, TurnDraw) and draw.plain_greedy else None
+    greedy = -1  # the pick made for these logits by the step (-1: none)
     out: list[int] = []
     while len(out) < max_new:
         position = cache.length
-        token = draw(logits, position)
+        token = taker.take(greedy) if taker is not None and greedy >= 0 else draw(logits, position)
         out.append(token)
         if on_step is not None:
             on_step(token, position, logits)
@@ -112,7 +125,8 @@ def decode_loop(cache: LatentCache, logits: np.ndarray, max_new: int, draw: Call
             return out, logits, True
         if len(out) == max_new:
             break
-        logits = yield token
+        sent = yield token
+        logits, greedy = (sent.logits, sent.greedy) if isinstance(sent, StepLogits) else (sent, -1)
         if on_rows is not None:
             on_rows()
     return out, logits, False
@@ -224,5 +238,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["DecodeLoop", "ROW_RTOL", "TurnEnd", "TurnResult", "common_prefix", "compare_rows",
+__all__ = ["DecodeLoop", "ROW_RTOL", "StepLogits", "TurnEnd", "TurnResult", "common_prefix", "compare_rows",
            "decode_loop", "drive_inline", "feed_chunk", "recompute_last", "reference_turns", "run_turn"]

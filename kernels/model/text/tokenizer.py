@@ -81,10 +81,11 @@ class ChatTokenizer:
         return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens).ids]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        bad = [int(i) for i in ids if not 0 <= int(i) < self.vocab_size]
-        if bad:
-            raise FormatError(f"token id {bad[0]} is outside the tokenizer's {self.vocab_size} ids")
-        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
+        plain = [int(i) for i in ids]
+        if plain and (min(plain) < 0 or max(plain) >= self.vocab_size):
+            bad = next(i for i in plain if not 0 <= i < self.vocab_size)
+            raise FormatError(f"token id {bad} is outside the tokenizer's {self.vocab_size} ids")
+        return str(self._tok.decode(plain, skip_special_tokens=skip_special_tokens))
 
     def tokenizer_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` text, declared tokens included (what a grammar library reads)."""

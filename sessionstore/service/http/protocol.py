@@ -6,11 +6,11 @@ honour (``echo``, ``tools``) are refused by name.
 """
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any, ClassVar, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kernels.model.logits import MAX_TOP_LOGPROBS, TokenLogprob
@@ -376,10 +376,15 @@ def now() -> int:
     return int(time.time())
 
 
+_SSE_JSON = msgspec.json.Encoder()
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    """One server-sent event: ``data: <json>`` (compact JSON, UTF-8 as it is) and a blank line.
+    msgspec encodes a chunk an order of magnitude faster than ``json.dumps`` (a chunk per token
+    per stream: the API process's share of every token)."""
+    data = obj.encode() if isinstance(obj, str) else _SSE_JSON.encode(obj)
+    return b"data: " + data + b"\n\n"
 
 
 __all__ = ["LOGPROB_FLOOR", "PROMPT_SHAPES", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage",

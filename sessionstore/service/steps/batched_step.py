@@ -1,6 +1,8 @@
 """The engine loop's batched step: ONE ``model.step`` of every forward waiting for it, and what
 follows it on the loop's thread (each member's logits handed back, each turn's decode loop run on
-to its next token, the mid-turn commits that pass asked for started together).
+to its next token, the mid-turn commits that pass asked for started together). The greedy picks
+of every row are made in one call for the step (``kernels.model.sampling.greedy_rows``); a turn
+whose draw is plain greedy takes its row's (bitwise its own draw), the others draw from their row.
 
 Every single-token forward (a decode step, or the last token of a prompt) of every session joins
 (continuous batching: sessions join and leave between steps), and beside them chunks of the prompts
@@ -19,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from kernels.model.sampling import greedy_rows
 from sessionstore.log import get_logger
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.prefill_pacer import PrefillPacer, plan_step
-from sessionstore.sessions import DecodeLoop
+from sessionstore.sessions import DecodeLoop, StepLogits
 
 log = get_logger("service")
 
@@ -75,7 +78,10 @@ class BatchedStep:
         ready: list[tuple[Forward, int]] = []
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
-                if work.fed == 0:
+                # a decode loop's next token was drawn over the vocabulary's logits, its turn's
+                # positions checked when it began (run_turn): only what is asked for is checked
+                # (should a loop's token fail anyway, model.step refuses and it is stepped alone)
+                if work.fed == 0 and work.loop is None:
                     self.model.check_tokens(work.tokens)
                     self.model.check_room(work.cache, work.tokens.shape[0])
             except BaseException as exc:
@@ -128,21 +134,24 @@ class BatchedStep:
                 done.append((work, b))
         self.queue[:0] = unfinished
         admitted: list[Forward] = []
+        # every row's greedy pick in one call ([B] i64; -1: none), taken by the plain greedy loops
+        picks = greedy_rows(logits) if any(work.loop is not None for work, _ in done) else None
         for work, b in done:
-            if work.loop is None:
+            if work.loop is None or picks is None:
                 work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
             else:
                 with self.commits.collecting(work):
-                    if self._run_on(work, logits[b]):
+                    if self._run_on(work, StepLogits(logits[b], int(picks[b]))):
                         continue
             admitted.append(work)
         self.commits.start_all()  # they run while the next step computes; each loop waits for its own
         for work in admitted:  # in batch order
             self._admit(work)
 
-    def _run_on(self, work: Forward, logits: np.ndarray) -> bool:
-        """Send a decode loop its logits [V]: True once it yielded its next token (queued for the
-        next step), False once it ended or raised (settled)."""
+    def _run_on(self, work: Forward, logits: StepLogits) -> bool:
+        """Send a decode loop its row of the step's logits [V] (and that row's greedy pick): True
+        once it yielded its next token (queued for the next step), False once it ended or raised
+        (settled)."""
         assert work.loop is not None
         failed = self.commits.ready(work)  # the commit its last pass asked for, run beside this step
         if failed is not None:  # its turn ends as it would have before the step: the step is undone

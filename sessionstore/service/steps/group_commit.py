@@ -29,13 +29,27 @@ each, as a kv commit always is).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from sessionstore.sessions import BarrierCommit, commit_together
+
+
+class _Collecting:
+    """:meth:`GroupCommit.collecting`'s context: ``owner``'s commits put off inside it."""
+
+    __slots__ = ("commits", "owner")
+
+    def __init__(self, commits: GroupCommit, owner: Any) -> None:
+        self.commits, self.owner = commits, owner
+
+    def __enter__(self) -> None:
+        self.commits._collector, self.commits._owner = threading.get_ident(), self.owner
+
+    def __exit__(self, *exc: object) -> None:
+        self.commits._collector = self.commits._owner = None
 
 
 class GroupCommit:
@@ -51,14 +65,10 @@ class GroupCommit:
         self._jobs: dict[Any, _Job] = {}  # put off in this pass, by owner
         self._running: dict[Any, list[_Started]] = {}  # started, not waited for yet (oldest first)
 
-    @contextmanager
-    def collecting(self, owner: Any) -> Iterator[None]:
-        """While this thread runs ``owner``'s loop on, the commits it asks for are put off."""
-        self._collector, self._owner = threading.get_ident(), owner
-        try:
-            yield
-        finally:
-            self._collector = self._owner = None
+    def collecting(self, owner: Any) -> _Collecting:
+        """``with`` it: while this thread runs ``owner``'s loop on, the commits it asks for are put
+        off (a plain object, not a generator: the loop enters one per running turn per step)."""
+        return _Collecting(self, owner)
 
     def put_off(self, commit: Callable[[], object], *, overlap: bool = False) -> bool:
         """Queue ``commit`` for :meth:`start_all` (True), or False when no loop is being run on

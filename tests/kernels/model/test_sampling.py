@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kernels.errors import FormatError
-from kernels.model.sampling import Sampler, sample, splitmix64, uniform
+from kernels.model.sampling import Sampler, greedy_rows, sample, splitmix64, uniform
 
 
 def test_splitmix64_reference_vector() -> None:
@@ -115,3 +115,22 @@ def test_greedy_refuses_all_minus_inf_and_nan() -> None:
     for row in ([-np.inf, -np.inf], [np.nan, np.nan], [np.nan, -np.inf]):
         with pytest.raises(FormatError, match="-inf or NaN"):
             sample(np.array(row, dtype=np.float32))
+
+
+def test_greedy_rows_is_each_rows_own_greedy_draw_nan_and_inf_left_to_sample() -> None:
+    rng = np.random.default_rng(36)
+    rows = rng.standard_normal((40, 97)).astype(np.float32)  # [B, V] f32
+    rows[1, [5, 60]] = rows[1].max() + 1  # a tie: the first maximum
+    rows[2, 7] = np.nan  # a NaN before the maximum: sample's full path decides
+    rows[3, :] = -np.inf  # nothing finite: sample raises, the batch makes no pick
+    rows[3, 50] = 2.0
+    rows[4, :] = -np.inf
+    rows[5, 9] = np.inf
+    picks = greedy_rows(rows)
+    assert picks.shape == (40,) and picks.dtype == np.int64
+    for b, row in enumerate(rows):
+        if picks[b] >= 0:
+            assert picks[b] == sample(row.copy())
+        else:
+            assert b in (2, 4)
+    assert picks[1] == 5 and picks[3] == 50 and picks[5] == 9
