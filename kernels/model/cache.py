@@ -283,10 +283,8 @@ class DecoderCache:
         self._room = rows
 
     def row_tables(self) -> RowTables | None:
-        """Address tables of this fp8 or f32 cache's rows and keys (built once, rebuilt after its
-        storage moves); None for a v3 cache or rows a table cannot describe."""
-        if self.kind not in ("fp8", "f32"):
-            return None
+        """Address tables of this cache's rows and keys (built once, rebuilt after its storage
+        moves); None for rows a table cannot describe."""
         key = (self._base_len, self._moves.count)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]

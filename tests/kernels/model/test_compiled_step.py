@@ -1,9 +1,9 @@
 """The compiled step (kernels.model.compiled_step): one numba call per step of a GLM-5 model over
-fp8 or f32 caches on the CPU gives every logit, latent row and indexer key bitwise what the
-reference step gives (the numpy decoder, kept as the reference), for fresh and resumed caches,
-prefill chunks beside decode tokens, rows on both sides of ``index_topk``, batches that grow the
-scratch; each row is what that token alone gives (batch and chunk invariance); v3 caches, batches
-mixing kv dtypes and DeepSeek-V3 keep the reference step."""
+fp8, f32 or v3 (int4, PolarQuant) caches on the CPU gives every logit, latent row and indexer key
+bitwise what the reference step gives (the numpy decoder, kept as the reference), for fresh and
+resumed caches, prefill chunks beside decode tokens, rows on both sides of ``index_topk``,
+batches that grow the scratch; each row is what that token alone gives (batch and chunk
+invariance); batches mixing kv dtypes and DeepSeek-V3 keep the reference step."""
 from __future__ import annotations
 
 import threading
@@ -17,7 +17,7 @@ import pytest
 from kernels.model import DecoderCache, GlmDecoder, MLADecoder, Sampler, generate, load_model, resolve_model
 from kernels.model.compiled_step import CompiledStep
 from kernels.model.packed_weights import packable
-from kernels.rows import F32Rows, Fp8Rows, LatentRows
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
 FIELDS_OF = {"fp8": ("tokens", "lc_codes", "lc_scale", "rc_codes", "rc_scale", "index"),
              "f32": ("tokens", "lc", "rc", "index")}
@@ -51,11 +51,15 @@ def _tokens(model: MLADecoder, seed: int, n: int) -> np.ndarray:
 def _resumed(model: MLADecoder, cache: DecoderCache) -> DecoderCache:
     """A cache over ``cache``'s rows as a file's records hold them: strided, read-only views."""
     rec = cache.records_since(0)
-    for name in FIELDS_OF[cache.kv_dtype][1:]:
+    for name in FIELDS_OF.get(cache.kv_dtype, RECORD_FIELDS)[1:]:
         getattr(rec, name).setflags(write=False)
     blocks: list[list[LatentRows]]
     if cache.kv_dtype == "f32":
         blocks = [[F32Rows(lc=rec.lc[:, i], rc=rec.rc[:, i])] for i in range(cache.n_layers)]
+    elif rec.codec is not None:  # v3: radii where fp8 keeps its scales
+        blocks = [[TqRows(lc_codes=rec.lc_codes[:, i], lc_radius=rec.lc_scale[:, i], rc_codes=rec.rc_codes[:, i],
+                          rc_radius=rec.rc_scale[:, i], codec=rec.codec, kv_lora=cache.kv_lora,
+                          qk_rope=cache.qk_rope)] for i in range(cache.n_layers)]
     else:
         blocks = [[Fp8Rows(lc_codes=rec.lc_codes[:, i], lc_scale=rec.lc_scale[:, i],
                            rc_codes=rec.rc_codes[:, i], rc_scale=rec.rc_scale[:, i])] for i in range(cache.n_layers)]
@@ -150,17 +154,20 @@ def test_greedy_tokens_are_the_references(models: dict[str, MLADecoder], compile
     assert compiled_calls
 
 
-@pytest.mark.parametrize("name", ["glm-mini", "tiny-glm"])
-def test_the_compiled_step_over_f32_caches_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
-                                                                    compiled_calls: list[int]) -> None:
+@pytest.mark.parametrize(("name", "kv_dtype"), [("glm-mini", "f32"), ("tiny-glm", "f32"), ("glm-mini", "int4"),
+                                                ("tiny-glm", "int4"), ("glm-mini", "polar3"), ("glm-mini", "polar6")])
+def test_the_compiled_step_over_other_kv_dtypes_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
+                                                                         kv_dtype: str,
+                                                                         compiled_calls: list[int]) -> None:
+    """f32 (v1) and v3 caches: every logit, row (v3: codes and radii) and key, fresh and resumed."""
     model = models[name]
     lengths = [(3, False), (31, True), (40, False), (23, True)]
     steps = [[1] * 4, [1, 5, 1, 3], [2, 1, 7, 1], [1, 1, 1, 40]]
-    _both(model, lambda: _run(model, lengths, steps, kv_dtype="f32"), FIELDS_OF["f32"])
+    _both(model, lambda: _run(model, lengths, steps, kv_dtype=kv_dtype), FIELDS_OF.get(kv_dtype, RECORD_FIELDS))
     assert len(compiled_calls) >= len(steps), "the compiled step did not run"
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "f32"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "f32", "int4", "polar4"])
 def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADecoder], kv_dtype: str,
                                                          compiled_calls: list[int]) -> None:
     """Batch invariance of each kv dtype the compiled step takes: a session's logits and rows are
@@ -173,7 +180,7 @@ def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADe
         runs.append(([x[0] for x in logits], records[0]))
     for a, b in zip(runs[0][0], runs[1][0], strict=True):
         assert np.array_equal(a, b)
-    for name in FIELDS_OF[kv_dtype]:
+    for name in FIELDS_OF.get(kv_dtype, RECORD_FIELDS):
         assert np.array_equal(getattr(runs[0][1], name), getattr(runs[1][1], name)), name
     assert compiled_calls == [34, 1, 1, 1, 34, 9, 36, 3, 3, 6], "a step did not take the compiled step"
 
@@ -181,13 +188,12 @@ def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADe
 def test_other_caches_and_models_keep_the_reference_step(models: dict[str, MLADecoder],
                                                          compiled_calls: list[int]) -> None:
     glm = models["glm-mini"]
-    _both(glm, lambda: _run(glm, [(4, False), (36, False)], [[1, 1], [3, 1]], kv_dtype="int4"))
-    assert compiled_calls == [], "a v3 cache took the compiled step"
-    mixed = [glm.new_cache(kv) for kv in ("fp8", "f32")]
+    mixed = [glm.new_cache(kv) for kv in ("fp8", "f32", "int4", "polar4")]
     for cache in mixed:
         glm.forward(_tokens(glm, 3, 5), cache)
     compiled_calls.clear()
-    glm.step(mixed, _tokens(glm, 4, 2), [1, 1])
+    glm.step(mixed, _tokens(glm, 4, 4), [1, 1, 1, 1])
+    glm.step(mixed[2:], _tokens(glm, 5, 2), [1, 1])  # two v3 codecs
     assert compiled_calls == [], "a batch mixing kv dtypes took the compiled step"
     deepseek = models["deepseek"]
     assert not isinstance(deepseek, GlmDecoder) and deepseek.compiled_step() is None

@@ -102,5 +102,5 @@ def test_other_kv_dtypes_keep_the_session_loop(models: dict[str, MLADecoder]) ->
     assert StepTables.of([fp8, f32]) is None
     assert StepTables.of([f32]) is None  # the reference step's batch kernels read fp8 rows only
     compiled = StepTables.of([f32], COMPILED_KINDS)  # the compiled step's take f32 rows too, never mixed
-    assert compiled is not None and compiled.kind == "f32"
+    assert compiled is not None and compiled.kv_dtype == "f32"
     assert StepTables.of([fp8, f32], COMPILED_KINDS) is None
