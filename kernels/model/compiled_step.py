@@ -1,5 +1,5 @@
 """One batched step of a GLM-5 (``glm_moe_dsa``) decoder over fp8, f32 or v3 caches on the CPU as ONE compiled
-call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the fp8 row writes, the DSA
+call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the cache row writes, the DSA
 indexer's keys, queries and selection, attention, W_UV, o_proj, residuals, the dense MLP and the
 MoE with its routing and shared expert), the final norm and lm_head, for every row of the step.
 

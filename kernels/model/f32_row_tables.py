@@ -27,17 +27,24 @@ _A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
 _I1, _I2, _I3 = (types.Array(_I64, n, "C") for n in (1, 2, 3))
 
 
-@intrinsic
-def _f32_at(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compile-time
-    """An njit-callable ``address (int64) -> CPointer(float32)``."""
-    if not isinstance(address, types.Integer):
-        return None
-    ptr = types.CPointer(_F32)  # type: ignore[no-untyped-call]
+def pointer_to(dtype: Any) -> Any:
+    """An njit-callable ``address (int64) -> CPointer(dtype)`` (the step's tables hold addresses)."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
+    @intrinsic
+    def at(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compile-time
+        if not isinstance(address, types.Integer):
+            return None
+        ptr = types.CPointer(dtype)  # type: ignore[no-untyped-call]
 
-    return ptr(address), codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return ptr(address), codegen
+
+    return at
+
+
+_f32_at = pointer_to(_F32)
 
 
 announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
@@ -76,4 +83,4 @@ def attend_f32_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.
         attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], ones[:k], ones[:k], scale, scores[:k], ctx[b])
 
 
-__all__ = ["attend_f32_rows", "write_f32_rows"]
+__all__ = ["attend_f32_rows", "pointer_to", "write_f32_rows"]

@@ -34,6 +34,7 @@ def latent_table(blocks: Sequence[LatentRows]) -> np.ndarray | None:
     f32 = bool(blocks) and isinstance(blocks[0], F32Rows)
     for i, blk in enumerate(blocks):
         fields: tuple[np.ndarray | None, ...]
+        item: type[np.generic]
         if f32 and isinstance(blk, F32Rows):
             fields, item, step = (blk.lc, None, blk.rc, None), np.float32, 4
         elif not f32 and isinstance(blk, Fp8Rows) and isinstance(blocks[0], Fp8Rows):

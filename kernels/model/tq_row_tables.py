@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 from numba import carray, njit, types
-from numba.extending import intrinsic
 
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
+from kernels.model.f32_row_tables import pointer_to
 from kernels.tq import RADIUS_BOUND, RADIUS_MIN, SIGNS, TqCodec
 from kernels.tq.int4 import LEVELS
 from kernels.tq.polar import PI, polar_layout
@@ -34,24 +34,7 @@ INT4, POLAR = 0, 1  # codec kinds as the kernels take them
 _F32 = types.float32
 
 
-def _pointer(dtype: Any) -> Any:
-    """An njit-callable ``address (int64) -> CPointer(dtype)``."""
-
-    @intrinsic
-    def at(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compile-time
-        if not isinstance(address, types.Integer):
-            return None
-        ptr = types.CPointer(dtype)  # type: ignore[no-untyped-call]
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(address), codegen
-
-    return at
-
-
-_u8_at, _f32_at = _pointer(types.uint8), _pointer(_F32)
+_u8_at, _f32_at = pointer_to(types.uint8), pointer_to(_F32)
 
 
 def codec_params(codec: TqCodec, n: int) -> tuple[np.ndarray, ...]:
@@ -84,7 +67,7 @@ def no_codec() -> tuple[np.ndarray, ...]:
             np.zeros(1, np.float32), np.zeros(1, np.float32))
 
 
-announce_if_cold(__file__)  # numba compiles the kernels below at the compiled step's first v3 call unless cached
+announce_if_cold(__file__)  # numba compiles the kernels below with the compiled step (its first call) unless cached
 
 _BOUND, _MIN = np.float32(RADIUS_BOUND), np.float32(RADIUS_MIN)
 
@@ -191,7 +174,7 @@ def encode_tq_rows(x: np.ndarray, p: Any, codes: np.ndarray, radius: np.ndarray)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _decode_row(src: Any, r: np.float32, p: Any, out: np.ndarray, tmp: np.ndarray,
+def decode_tq_row(src: Any, r: np.float32, p: Any, out: np.ndarray, tmp: np.ndarray,
                 cur: np.ndarray) -> None:  # pragma: no cover - compiled
     """One row's code bytes ``src`` [rb] u8 and stored radius r -> out [n] f32, as
     ``TqCodec.decode_block_into`` decodes it (inert rows exact zeros)."""
@@ -252,11 +235,11 @@ def attend_tq_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.n
             r = pos - tables[b, blk, 0]
             lrad = carray(_f32_at(tables[b, blk, 4] + r * tables[b, blk, 5]), 1)[0]
             rrad = carray(_f32_at(tables[b, blk, 8] + r * tables[b, blk, 9]), 1)[0]
-            _decode_row(carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), lbytes), lrad, lp, lc_f[j],
+            decode_tq_row(carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), lbytes), lrad, lp, lc_f[j],
                         tmp[:width], cur[:width])
-            _decode_row(carray(_u8_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rbytes), rrad, rp, rc_f[j],
+            decode_tq_row(carray(_u8_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rbytes), rrad, rp, rc_f[j],
                         tmp[:rope], cur[:rope])
         attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], ones[:k], ones[:k], scale, scores[:k], ctx[b])
 
 
-__all__ = ["INT4", "POLAR", "attend_tq_rows", "codec_params", "encode_tq_rows", "no_codec"]
+__all__ = ["INT4", "POLAR", "attend_tq_rows", "codec_params", "decode_tq_row", "encode_tq_rows", "no_codec"]
