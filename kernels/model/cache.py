@@ -285,10 +285,8 @@ class DecoderCache:
                          + [index.rows.shape[0] for index in self._own_index])
 
     def row_tables(self) -> RowTables | None:
-        """Address tables of this fp8 cache's rows and keys (built once, rebuilt after its storage
-        moves); None for another kv dtype or rows a table cannot describe."""
-        if self.kind != "fp8":
-            return None
+        """Address tables of this cache's rows and keys (built once, rebuilt after its storage
+        moves); None for rows a table cannot describe."""
         key = (self._base_len, self._moves.count)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]

@@ -1,12 +1,14 @@
-"""One batched step of a GLM-5 (``glm_moe_dsa``) decoder over fp8 caches on the CPU as ONE compiled
-call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the fp8 row writes, the DSA
+"""One batched step of a GLM-5 (``glm_moe_dsa``) decoder over fp8, f32 or v3 caches on the CPU as ONE compiled
+call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the cache row writes, the DSA
 indexer's keys, queries and selection, attention, W_UV, o_proj, residuals, the dense MLP and the
 MoE with its routing and shared expert), the final norm and lm_head, for every row of the step.
 
 It serves what the serving default runs: a decoder :func:`kernels.model.packed_weights.packable`
-accepts, with every cache of the step fp8 on the CPU backend (the case
-:class:`kernels.model.step_tables.StepTables` describes). Anything else (DeepSeek-V3, f32 or v3
-caches, another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
+accepts, with every cache of the step of one kv dtype on the CPU backend (the cases
+:class:`kernels.model.step_tables.StepTables` describes; f32 rows are written and attended by
+:mod:`kernels.model.f32_row_tables`, v3 rows encoded and decoded by
+:mod:`kernels.model.tq_row_tables`). Anything else (DeepSeek-V3, a batch mixing kv dtypes,
+another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
 which also stays as the reference the tests compare with. Weights past the packed ``once_bytes``
 (``THREADED_BYTES`` by default: GLM-5.2's projections, experts, W_UK/W_UV and lm_head) go through
 :mod:`kernels.model.once_product`, which reads each weight once per step for all rows (the packed
@@ -36,10 +38,16 @@ from kernels.compile_notice import announce_if_cold
 from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
 from kernels.model.compiled_moe import mlp_rows, moe_rows
+from kernels.model.f32_row_tables import attend_f32_rows, write_f32_rows
 from kernels.model.once_product import heads_step, step_times
 from kernels.model.packed_weights import PackedWeights
 from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
+from kernels.model.tq_row_tables import attend_tq_rows, codec_params, encode_tq_rows, no_codec
+from kernels.tq import TqCodec
+
+COMPILED_KINDS = ("fp8", "f32", "tq")  # the cache row kinds the compiled step writes and attends
+_KIND = {"fp8": 0, "f32": 1}  # run_step's ``kind``; any other (v3) dtype: 2
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -59,9 +67,11 @@ def _rope_heads(src: np.ndarray, heads: int, width: int, offset: int, cos: np.nd
 def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last: np.ndarray, w: Any, s: Any,
              codecs: Any, logits: np.ndarray) -> None:  # pragma: no cover - compiled
     """Every layer over the step's rows h [n, hidden] (in place), then logits [B, V] of rows ``last``
-    [B]. ``tables``: StepTables' (latent, index, dst, key_dst, visible); ``w``: the packed weights'
-    (dims, fdims, slot_of, mlp_of, attn, dense, moe, index, head); ``s``: the scratch."""
-    latent, index, dst, key_dst, visible = tables
+    [B]. ``tables``: StepTables' (latent, index, dst, key_dst, visible), then the caches' kind (0
+    fp8, 1 f32, 2 v3), and for v3 their codec at kv_lora and rope (tq_row_tables.codec_params) and
+    the new rows' codes [n, row bytes] u8 of each; ``w``: the packed weights' (dims, fdims, slot_of,
+    mlp_of, attn, dense, moe, index, head); ``s``: the scratch."""
+    latent, index, dst, key_dst, visible, kind, lp, rp, lcodes, rcodes = tables
     dims, fdims, slot_of, mlp_of, attn, dense, moe, idx, head = w
     in_norm, post_norm, q_a_t, q_a_norm, q_b_t, kv_a_t, kv_a_norm, w_uk, w_uv_t, o_t = attn
     wk_t, kn_w, kn_b, wq_b_t, wp_t = idx
@@ -99,9 +109,16 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         for b in range(n):
             rope_into(comp[b, kv_lora:], cos[b], sin[b], interleave, rc[b])
         heads_step(qn, w_uk[layer], qabs, once)
-        quantize_rows_kernel(lc, lc8, lsc, encode)
-        quantize_rows_kernel(rc, rc8, rsc, encode)
-        write_fp8_rows(dst[layer], lc8, lsc, rc8, rsc)
+        if kind == 1:
+            write_f32_rows(dst[layer], lc, rc)
+        elif kind == 2:  # v3: codes and radii where fp8 keeps codes and scales
+            encode_tq_rows(lc, lp, lcodes, lsc)
+            encode_tq_rows(rc, rp, rcodes, rsc)
+            write_fp8_rows(dst[layer], lcodes, lsc, rcodes, rsc)
+        else:
+            quantize_rows_kernel(lc, lc8, lsc, encode)
+            quantize_rows_kernel(rc, rc8, rsc, encode)
+            write_fp8_rows(dst[layer], lc8, lsc, rc8, rsc)
         slot = slot_of[layer]
         if slot >= 0:  # a full layer: its keys, and the selection the shared layers after it reuse
             step_times(x, wk_t[slot], kx, dims[25], once, idx)
@@ -125,7 +142,12 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
                     for hh in range(nh):
                         wx[b, hh] = (wx[b, hh] * fdims[4]) * fdims[5]
             select_rows(qi, wx, index[slot], visible, sel, counts)
-        attend_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
+        if kind == 1:
+            attend_f32_rows(qabs, qr, latent[layer], sel, counts, fdims[2], ctx)
+        elif kind == 2:
+            attend_tq_rows(qabs, qr, latent[layer], sel, counts, fdims[2], ctx, lp, rp)
+        else:
+            attend_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
         heads_step(ctx, w_uv_t[layer], uv, once)
         step_times(uv.reshape(n, heads * v_head), o_t[layer], ao, dims[19], once, idx)
         for b in range(n):
@@ -207,6 +229,20 @@ class CompiledStep:
         self._local = threading.local()
         p = packed
         self.weights = (p.dims, p.fdims, p.slot_of, p.mlp_of, p.attn, p.dense, p.moe, p.index, p.head)
+        self._codecs: dict[str, tuple[Any, Any]] = {}  # kv dtype -> the codec at (kv_lora, rope)
+
+    def _codec(self, kv_dtype: str, n: int) -> tuple[Any, ...]:
+        """run_step's (kind, lp, rp, lcodes, rcodes) for a step of ``n`` rows of this kv dtype."""
+        if kv_dtype not in self._codecs:
+            widths = (self.packed.dim("kv_lora"), self.packed.dim("rope"))
+            if kv_dtype in _KIND:
+                self._codecs[kv_dtype] = (no_codec(), no_codec())
+            else:
+                codec = TqCodec.from_kv_dtype(kv_dtype)
+                self._codecs[kv_dtype] = (codec_params(codec, widths[0]), codec_params(codec, widths[1]))
+        lp, rp = self._codecs[kv_dtype]
+        return (_KIND.get(kv_dtype, 2), lp, rp, np.zeros((n, lp[0][2]), np.uint8),  # [n, row bytes] u8 each
+                np.zeros((n, rp[0][2]), np.uint8))
 
     def run(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: StepTables,
             last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -221,7 +257,8 @@ class CompiledStep:
         logits = np.empty((last.shape[0], self.packed.dim("vocab")), np.float32)  # [B, V] f32
         run_step(np.ascontiguousarray(h, np.float32), np.ascontiguousarray(cos, np.float32),
                  np.ascontiguousarray(sin, np.float32),
-                 (tables.latent, tables.index, tables.dst, tables.key_dst, tables.visible),
+                 (tables.latent, tables.index, tables.dst, tables.key_dst, tables.visible,
+                  *self._codec(tables.kv_dtype, n)),
                  np.ascontiguousarray(last, np.int64), self.weights, s, (DECODE_TABLE, ENCODE_TABLE), logits)
         tables.mark_all_written()
         return s[38][:n].copy(), logits
@@ -232,4 +269,4 @@ def last_rows(counts: Sequence[int]) -> np.ndarray:
     return np.cumsum(np.asarray(counts, np.int64)) - 1
 
 
-__all__ = ["CompiledStep", "StepScratch", "last_rows", "run_step"]
+__all__ = ["COMPILED_KINDS", "CompiledStep", "StepScratch", "last_rows", "run_step"]

@@ -8,7 +8,7 @@ over the cache blocks (which it never copies), then applies W_UV and o_proj.
 Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
 decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
 piece, in chunks or token by token, and a session the same tokens whoever shares its steps.
-A GLM-5 model whose step's caches are all fp8 on the CPU runs the step as ONE compiled call
+A GLM-5 model whose step's caches are all fp8, or all f32, on the CPU runs the step as ONE compiled call
 (:mod:`kernels.model.compiled_step`, bitwise this path); every other model, kv dtype and backend
 runs the step here, which stays the reference the tests compare the compiled step with.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from kernels.errors import FormatError, LimitError, ModelMismatchError
 from kernels.model.cache import DecoderCache
-from kernels.model.compiled_step import CompiledStep, last_rows
+from kernels.model.compiled_step import COMPILED_KINDS, CompiledStep, last_rows
 from kernels.model.config import ModelConfig
 from kernels.model.moe import DenseMLP, MoE
 from kernels.model.rope import Rotary, softmax_scale
@@ -234,8 +234,8 @@ class MLADecoder:
         compiled = self.compiled_step() if self.use_compiled else None
         logits = None
         try:
-            tables = StepTables.of(rows) if compiled is not None else None
-            if compiled is not None and tables is not None:  # every cache fp8 on the CPU: one compiled call
+            tables = StepTables.of(rows, COMPILED_KINDS) if compiled is not None else None
+            if compiled is not None and tables is not None:  # every cache fp8 (or f32) on the CPU: one call
                 h, logits = compiled.run(self.embed[toks].astype(np.float32), cos, sin, tables, last_rows(counts))
             else:
                 h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows)  # h: [N, hidden] f32

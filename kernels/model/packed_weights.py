@@ -4,7 +4,8 @@ row-product kernels read them, contiguous f32, plus the dims and per-layer kinds
 
 Packing copies the weights (a second copy of the model's f32 projections): it is made only for a
 model the compiled step serves (:func:`packable` says why not otherwise), once per decoder. At
-GLM-5.2's dims that is GBs: the decoder's own copy stays (the reference step, for other kv dtypes, reads it).
+GLM-5.2's dims that is GBs: the decoder's own copy stays (the reference step, for a batch mixing kv
+dtypes or another backend, reads it).
 """
 from __future__ import annotations
 

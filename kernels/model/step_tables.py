@@ -4,7 +4,8 @@ instead of a Python loop over the sessions in every layer.
 
 Built once per step from its rows (:func:`kernels.model.step_rows.step_rows_of`) when every cache is
 fp8 on the CPU backend (the serving case); otherwise the decoder keeps its session-by-session
-path. Building reserves each cache's room for its new positions first, so no array moves while
+path (the compiled step, :mod:`kernels.model.compiled_step`, also takes the tables of f32 and v3 caches).
+Building reserves each cache's room for its new positions first, so no array moves while
 the step's kernels hold their addresses; each cache's own tables are kept by the cache and
 rebuilt only when its storage moves (so a step builds the batch's tables from a few stacked
 arrays, not from every session's blocks).
@@ -28,25 +29,33 @@ from kernels.model.step_rows import StepPosition, StepRow
 
 
 class StepTables:
-    """One step's rows as address tables: ``latent`` [L, B, NB, 10], ``index`` [NI, B, NBi, 4],
+    """One step's rows (every cache of one ``kv_dtype``) as address tables: ``latent`` [L, B, NB, 10],
+    ``index`` [NI, B, NBi, 4],
     the destinations of each row's new latent row ``dst`` [L, B, 4] and key ``key_dst`` [NI, B],
     and ``visible`` [B] (the positions each row's query sees: its own and every one before)."""
 
     def __init__(self, rows: Sequence[StepRow], caches: list[tuple[DecoderCache, int]],
                  latent: np.ndarray, index: np.ndarray, dst: np.ndarray, key_dst: np.ndarray,
-                 visible: np.ndarray) -> None:
-        self.rows, self.caches = rows, caches
+                 visible: np.ndarray, kv_dtype: str = "fp8") -> None:
+        self.rows, self.caches, self.kv_dtype = rows, caches, kv_dtype
         self.latent, self.index, self.dst, self.key_dst, self.visible = latent, index, dst, key_dst, visible
 
     @classmethod
-    def of(cls, rows: Sequence[StepRow]) -> StepTables | None:
-        """The tables of a step's rows, or None when a cache is not fp8 on the CPU backend."""
+    def of(cls, rows: Sequence[StepRow], kinds: tuple[str, ...] = ("fp8",)) -> StepTables | None:
+        """The tables of a step's rows, or None unless every cache is on the CPU backend, of one
+        kv dtype, of a row kind among ``kinds`` ("fp8": the reference step's batch kernels below;
+        the compiled step also takes "f32" and "tq", the v3 caches)."""
         by_id: dict[int, DecoderCache] = {}  # the step's caches, in order of first row
         counts: dict[int, int] = {}  # id(cache) -> its rows in this step
+        kv_dtype = ""
         for row in rows:
             cache = row.cache if isinstance(row, StepPosition) else row
-            if not isinstance(cache, DecoderCache) or cache.kind != "fp8" or not isinstance(cache.backend, CpuBackend):
+            if not isinstance(cache, DecoderCache) or cache.kind not in kinds or not isinstance(cache.backend,
+                                                                                               CpuBackend):
                 return None
+            if kv_dtype and cache.kv_dtype != kv_dtype:
+                return None
+            kv_dtype = cache.kv_dtype
             by_id.setdefault(id(cache), cache)
             counts[id(cache)] = counts.get(id(cache), 0) + 1
         per_cache = [(cache, counts[key]) for key, cache in by_id.items()]
@@ -64,7 +73,8 @@ class StepTables:
         dst = own_latent[..., 0] + owned[:, None, None] * own_latent[..., 1]  # [B, L, 4] i64 addresses
         key_dst = own_index[..., 0] + owned[:, None] * own_index[..., 1]  # [B, NI] i64 addresses
         return cls(rows, per_cache, _stacked([t.latent for t in ts]), _stacked([t.index for t in ts]),
-                   np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1)
+                   np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1,
+                   kv_dtype)
 
     def write_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Row b of lc [B, kv_lora], rc [B, rope] f32, fp8-encoded (each row alone), to row b's

@@ -1,9 +1,9 @@
 """The compiled step (kernels.model.compiled_step): one numba call per step of a GLM-5 model over
-fp8 caches on the CPU gives every logit, latent row and indexer key bitwise what the reference
-step gives (the numpy decoder, kept as the reference), for fresh and resumed caches, prefill
-chunks beside decode tokens, rows on both sides of ``index_topk``, batches that grow the scratch;
-each row is what that token alone gives (batch and chunk invariance); other kv dtypes and
-DeepSeek-V3 keep the reference step."""
+fp8, f32 or v3 (int4, PolarQuant) caches on the CPU gives every logit, latent row and indexer key
+bitwise what the reference step gives (the numpy decoder, kept as the reference), for fresh and
+resumed caches, prefill chunks beside decode tokens, rows on both sides of ``index_topk``,
+batches that grow the scratch; each row is what that token alone gives (batch and chunk
+invariance); batches mixing kv dtypes and DeepSeek-V3 keep the reference step."""
 from __future__ import annotations
 
 import threading
@@ -17,9 +17,11 @@ import pytest
 from kernels.model import DecoderCache, GlmDecoder, MLADecoder, Sampler, generate, load_model, resolve_model
 from kernels.model.compiled_step import CompiledStep
 from kernels.model.packed_weights import packable
-from kernels.rows import Fp8Rows
+from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
-RECORD_FIELDS = ("tokens", "lc_codes", "lc_scale", "rc_codes", "rc_scale", "index")
+FIELDS_OF = {"fp8": ("tokens", "lc_codes", "lc_scale", "rc_codes", "rc_scale", "index"),
+             "f32": ("tokens", "lc", "rc", "index")}
+RECORD_FIELDS = FIELDS_OF["fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,19 @@ def _tokens(model: MLADecoder, seed: int, n: int) -> np.ndarray:
 def _resumed(model: MLADecoder, cache: DecoderCache) -> DecoderCache:
     """A cache over ``cache``'s rows as a file's records hold them: strided, read-only views."""
     rec = cache.records_since(0)
-    for arr in (rec.lc_codes, rec.lc_scale, rec.rc_codes, rec.rc_scale, rec.index):
-        arr.setflags(write=False)
-    blocks = [[Fp8Rows(lc_codes=rec.lc_codes[:, i], lc_scale=rec.lc_scale[:, i],
-                       rc_codes=rec.rc_codes[:, i], rc_scale=rec.rc_scale[:, i])] for i in range(cache.n_layers)]
-    return model.cache_from_blocks(blocks, rec.tokens, kv_dtype="fp8", index_rows=rec.index)
+    for name in FIELDS_OF.get(cache.kv_dtype, RECORD_FIELDS)[1:]:
+        getattr(rec, name).setflags(write=False)
+    blocks: list[list[LatentRows]]
+    if cache.kv_dtype == "f32":
+        blocks = [[F32Rows(lc=rec.lc[:, i], rc=rec.rc[:, i])] for i in range(cache.n_layers)]
+    elif rec.codec is not None:  # v3: radii where fp8 keeps its scales
+        blocks = [[TqRows(lc_codes=rec.lc_codes[:, i], lc_radius=rec.lc_scale[:, i], rc_codes=rec.rc_codes[:, i],
+                          rc_radius=rec.rc_scale[:, i], codec=rec.codec, kv_lora=cache.kv_lora,
+                          qk_rope=cache.qk_rope)] for i in range(cache.n_layers)]
+    else:
+        blocks = [[Fp8Rows(lc_codes=rec.lc_codes[:, i], lc_scale=rec.lc_scale[:, i],
+                           rc_codes=rec.rc_codes[:, i], rc_scale=rec.rc_scale[:, i])] for i in range(cache.n_layers)]
+    return model.cache_from_blocks(blocks, rec.tokens, kv_dtype=cache.kv_dtype, index_rows=rec.index)
 
 
 def _run(model: MLADecoder, lengths: list[tuple[int, bool]], steps: list[list[int]],
@@ -69,7 +79,8 @@ def _run(model: MLADecoder, lengths: list[tuple[int, bool]], steps: list[list[in
     return logits, [c.records_since(0) for c in caches]
 
 
-def _both(model: MLADecoder, run: Callable[[], tuple[list[np.ndarray], list[Any]]]) -> None:
+def _both(model: MLADecoder, run: Callable[[], tuple[list[np.ndarray], list[Any]]],
+          fields: tuple[str, ...] = RECORD_FIELDS) -> None:
     """``run`` on the compiled step and on the reference step: bitwise equal logits and records."""
     model.use_compiled = True
     compiled = run()
@@ -81,7 +92,7 @@ def _both(model: MLADecoder, run: Callable[[], tuple[list[np.ndarray], list[Any]
     for a, b in zip(compiled[0], reference[0], strict=True):
         assert np.array_equal(a, b)
     for ra, rb in zip(compiled[1], reference[1], strict=True):
-        for name in RECORD_FIELDS:
+        for name in fields:
             assert np.array_equal(getattr(ra, name), getattr(rb, name)), name
 
 
@@ -143,11 +154,47 @@ def test_greedy_tokens_are_the_references(models: dict[str, MLADecoder], compile
     assert compiled_calls
 
 
+@pytest.mark.parametrize(("name", "kv_dtype"), [("glm-mini", "f32"), ("tiny-glm", "f32"), ("glm-mini", "int4"),
+                                                ("glm-mini", "polar3")])
+def test_the_compiled_step_over_other_kv_dtypes_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
+                                                                         kv_dtype: str,
+                                                                         compiled_calls: list[int]) -> None:
+    """f32 (v1) and v3 caches: every logit, row (v3: codes and radii) and key, fresh and resumed."""
+    model = models[name]
+    lengths = [(3, False), (31, True), (40, False), (23, True)]
+    steps = [[1] * 4, [1, 5, 1, 3], [2, 1, 7, 1], [1, 1, 1, 40]]
+    _both(model, lambda: _run(model, lengths, steps, kv_dtype=kv_dtype), FIELDS_OF.get(kv_dtype, RECORD_FIELDS))
+    assert len(compiled_calls) >= len(steps), "the compiled step did not run"
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "f32", "int4", "polar4"])
+def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADecoder], kv_dtype: str,
+                                                         compiled_calls: list[int]) -> None:
+    """Batch invariance of each kv dtype the compiled step takes: a session's logits and rows are
+    bitwise the same stepped alone and beside two others (one of them taking a prefill chunk)."""
+    model = models["glm-mini"]
+    runs = []
+    for company in ([], [(9, False), (36, True)]):
+        steps = [[1] * (1 + len(company))] * 2 + [[1, 4, 1][: 1 + len(company)]]
+        logits, records = _run(model, [(34, False), *company], steps, kv_dtype=kv_dtype)
+        runs.append(([x[0] for x in logits], records[0]))
+    for a, b in zip(runs[0][0], runs[1][0], strict=True):
+        assert np.array_equal(a, b)
+    for name in FIELDS_OF.get(kv_dtype, RECORD_FIELDS):
+        assert np.array_equal(getattr(runs[0][1], name), getattr(runs[1][1], name)), name
+    assert compiled_calls == [34, 1, 1, 1, 34, 9, 36, 3, 3, 6], "a step did not take the compiled step"
+
+
 def test_other_caches_and_models_keep_the_reference_step(models: dict[str, MLADecoder],
                                                          compiled_calls: list[int]) -> None:
     glm = models["glm-mini"]
-    _both(glm, lambda: _run(glm, [(4, False), (36, False)], [[1, 1], [3, 1]], kv_dtype="f32"))
-    assert compiled_calls == [], "an f32 cache took the compiled step"
+    mixed = [glm.new_cache(kv) for kv in ("fp8", "f32", "int4", "polar4")]
+    for cache in mixed:
+        glm.forward(_tokens(glm, 3, 5), cache)
+    compiled_calls.clear()
+    glm.step(mixed, _tokens(glm, 4, 4), [1, 1, 1, 1])
+    glm.step(mixed[2:], _tokens(glm, 5, 2), [1, 1])  # two v3 codecs
+    assert compiled_calls == [], "a batch mixing kv dtypes took the compiled step"
     deepseek = models["deepseek"]
     assert not isinstance(deepseek, GlmDecoder) and deepseek.compiled_step() is None
     assert packable(deepseek) is not None
