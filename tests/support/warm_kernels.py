@@ -25,7 +25,7 @@ GROUPS: tuple[tuple[str, ...], ...] = (
     ("kernels.attention.row_tables", "kernels.attention.sparse_step", "kernels.attention.select_step"),
     ("kernels.fp8.row_quantizer", "kernels.tq.libm_kernel", "kernels.model.rowwise", "kernels.model.step_math",
      "kernels.model.moe_step", "kernels.model.once_product", "kernels.model.compiled_moe",
-     "kernels.model.compiled_step"),
+     "kernels.model.f32_row_tables", "kernels.model.tq_row_tables", "kernels.model.compiled_step"),
 )
 STEPPED = (("glm-mini", "fp8"), ("glm-mini", "f32"), ("tiny", "fp8"))  # (model, kv dtype) a step compiles for
 
