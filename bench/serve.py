@@ -114,14 +114,16 @@ def outside_the_step(res: dict[str, Any]) -> dict[str, float]:
             "batch16_share_of_step_speedup": res["batch16_speedup"] / res["batch16_step_speedup"]}
 
 
-def run_session(root: Path, n_tokens: int, reps: int) -> dict[str, Any]:
+def run_session(root: Path, n_tokens: int, reps: int, *, migrate: bool = True) -> dict[str, Any]:
+    """Figures 3 and 4 on one GLM-5.2-shaped session (``migrate`` False: figure 3 alone)."""
     model_dir = write_glm_cache_checkpoint(root / "glm-5.2-shaped")
     s = build(root / "a", model_dir, n_tokens)
     kv_path, directory = s.kv_path, s.directory  # suspended (build_session): the server takes its lock
-    with Server(root / "a", str(model_dir), log_json=True) as a, \
-            Server(root / "b", str(model_dir), "--pull-from", a.url) as b:
+    with Server(root / "a", str(model_dir), log_json=True) as a:
         res = bench_resume(a, kv_path, reps)
-        res.update(bench_migrate(a, b, directory, root, reps))
+        if migrate:
+            with Server(root / "b", str(model_dir), "--pull-from", a.url) as b:
+                res.update(bench_migrate(a, b, directory, root, reps))
     return res
 
 
@@ -209,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="committed tokens of the GLM-5.2-shaped session")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens each decode request streams")
-    ap.add_argument("--only", choices=("migrate", "decode", "glm52"), default=None,
+    ap.add_argument("--only", choices=("migrate", "decode", "glm52", "resume"), default=None,
                     help="a part alone (migrate: figure 4; decode: the glm-mini figures; "
-                         "glm52: the GLM-5.2-layer step)")
+                         "glm52: the GLM-5.2-layer step; resume: figure 3)")
     ap.add_argument("--max-prefill-tokens", type=int, default=ServiceLimits.max_prefill_tokens,
                     help="the glm-mini server's prompt tokens per step beside running streams "
                          f"(default {ServiceLimits.max_prefill_tokens}, the server's)")
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, Any] = run_figure(root, tokens, reps)
         elif args.only == "glm52":
             res = glm52_layers_speedup(max(3, reps))
+        elif args.only == "resume":
+            res = run_session(root, tokens, reps, migrate=False)
         else:
             res = run_decode(root, reps, max_tokens, args.max_prefill_tokens, args.prefill_step_ratio)
             if args.only != "decode":
@@ -245,6 +249,16 @@ def main(argv: list[str] | None = None) -> int:
               f"(step of 16 {res['glm52_step16_s']:.3f} s vs of one {res['glm52_step1_s']:.3f} s, "
               f"{res['glm52_experts']} routed experts); goal "
               f"{verdict('batch16_speedup_glm52_layers', res['batch16_speedup_glm52_layers'])}")
+        if args.json:
+            print(json.dumps({k: res[k] for k in KEYS if k in res}, sort_keys=True))
+        return 0
+    if args.only == "resume":
+        res.update(tokens=tokens, reps=reps, quick=args.quick, elapsed_s=time.perf_counter() - t0)
+        print(f"bench.serve --only resume: {tokens} tokens, {reps} reps, medians; {res['elapsed_s']:.0f} s")
+        print(f"  resume_on_request_ratio{res['resume_on_request_ratio']:8.2f}    TTFT {res['ttft_s'] * 1e3:.0f} ms - "
+              f"one decode step {res['decode_step_s'] * 1e3:.0f} ms vs raw read {res['raw_read_s'] * 1e3:.1f} ms; the "
+              f"server's resume {res['server_resume_s'] * 1e3:.0f} ms; goal "
+              f"{verdict('resume_on_request_ratio', res['resume_on_request_ratio'])}")
         if args.json:
             print(json.dumps({k: res[k] for k in KEYS if k in res}, sort_keys=True))
         return 0

@@ -42,7 +42,8 @@ def hash_file_records(path: str, identity: tuple[int, int], offset: int, record_
         lo, hi = offset + start * record_bytes, offset + stop * record_bytes
         base = lo - lo % mmap.ALLOCATIONGRANULARITY
         out = array("Q", bytes(8 * (stop - start)))  # [k] u64
-        with mmap.mmap(fd, hi - base, access=mmap.ACCESS_READ, offset=base) as mapped:
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # every byte is hashed next: page tables filled at once
+        with mmap.mmap(fd, hi - base, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ, offset=base) as mapped:
             view = memoryview(mapped)
             try:
                 for i, r in enumerate(range(start, stop)):

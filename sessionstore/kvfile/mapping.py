@@ -52,6 +52,10 @@ def _load_libc() -> Any:
 
 _libc = _load_libc()
 _MAP_FAILED = ctypes.c_void_p(-1).value
+# ``populate``: the page tables filled in the mmap call itself (one kernel pass over the page cache) instead of
+# by a fault per touched window; for a caller that reads every byte next (a resume hashes every record): a
+# 32k-token GLM-5.2-shaped session's resume 1.03 -> 0.77x a raw read of the file (in process, medians of 8)
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _background() -> ThreadPoolExecutor:
@@ -78,17 +82,20 @@ class FileMapping:
     """``size`` bytes of ``fd`` from offset 0, mapped read-only and shared.
 
     ``buffer`` is a read-only buffer (``np.frombuffer`` gives read-only arrays); every view
-    keeps the mapping alive. ``release`` drops this object's reference.
+    keeps the mapping alive. ``release`` drops this object's reference. ``populate``: the page
+    tables are filled by the mmap call (``MAP_POPULATE``; a file not in the page cache is read
+    then), for a caller that reads every byte of it next.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, *, populate: bool = False) -> None:
         self.size = size
         self._state = {"defer": False}
         if _libc is None:
             self.buffer: Any = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
             self.address = 0
             return
-        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        flags = mmap.MAP_SHARED | (POPULATE if populate else 0)
+        address = _libc.mmap(None, size, mmap.PROT_READ, flags, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno() or errno.ENOMEM
             raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")

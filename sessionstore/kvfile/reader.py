@@ -54,7 +54,7 @@ class KVReader:
     (FORMAT.md 2), which is the whole of the class."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect: Dims | None = None,
-                 fp8_enabled: bool = True, tq_tag: int | None = None) -> None:
+                 fp8_enabled: bool = True, tq_tag: int | None = None, populate: bool = False) -> None:
         self.path = os.fspath(path)
         fd, st = open_regular_file(self.path)
         self._map: FileMapping | None = None
@@ -88,7 +88,7 @@ class KVReader:
                             complete=self.nrec)
             dtype = record_dtype(self.version, self.dims, self.header.tag)
             if self.nrec:
-                self._map = FileMapping(fd, mapped)
+                self._map = FileMapping(fd, mapped, populate=populate)  # populate: every byte is read next
                 self.records = np.frombuffer(self._map.buffer, dtype=dtype, count=self.nrec,
                                              offset=HEADER_SIZE)  # [nrec] records (read-only)
             else:
@@ -249,10 +249,11 @@ class KVReader:
 
 
 def open_kv(path: str | os.PathLike[str], *, expect: Dims | None = None,
-            fp8_enabled: bool = True, tq_tag: int | None = None) -> KVReader:
+            fp8_enabled: bool = True, tq_tag: int | None = None, populate: bool = False) -> KVReader:
     """Open a ``.coli_kv`` file read-only (see :class:`KVReader`); ``tq_tag``: a v3 file must
-    carry this codec tag (the 4-bit tier resumes only its own codec)."""
-    return KVReader(path, expect=expect, fp8_enabled=fp8_enabled, tq_tag=tq_tag)
+    carry this codec tag (the 4-bit tier resumes only its own codec); ``populate``: the mapping's
+    page tables filled at once (:class:`~.mapping.FileMapping`), for a caller that reads every record."""
+    return KVReader(path, expect=expect, fp8_enabled=fp8_enabled, tq_tag=tq_tag, populate=populate)
 
 
 __all__ = ["KVReader", "open_kv", "open_regular_file"]

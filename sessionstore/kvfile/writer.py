@@ -128,7 +128,7 @@ class KVWriter:
             complete = complete_records(header, opened.size)
             writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
             if vouch is not None:  # under the lock, before any repair touches the files
-                writer._vouch.check(open_kv(path, expect=dims), vouch)
+                writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch)  # every record hashed
             if not writer.pending_upgrade:
                 writer._recover(header.nrec)
         except BaseException:
