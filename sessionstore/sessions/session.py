@@ -3,7 +3,7 @@
 Life cycle: ``create`` (empty file + manifest, installed atomically) -> resident (writer lock
 held, committed rows memory-mapped and handed to the decoder with zero copy, new rows appended
 to the SAME file) -> ``suspend()`` (commit, release memory and the lock; disk only) -> resident
-again on the next use (``resume``) -> ``close()``.
+again on the next use (``ensure_resident()``, a resume) -> ``close()``.
 
 Exactness by construction: every chunk of input tokens is fed as ``chunk[:-1]`` (one batch)
 then ``chunk[-1:]`` (a single-token step), so the logits that pick a token always come from a
