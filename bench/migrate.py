@@ -66,7 +66,7 @@ def build_session(store: SessionStore, sid: str, tokens: int, seed: int = 0) -> 
     rc = rng.standard_normal((BLOCK, GLM.n_layers, GLM.qk_rope)).astype(np.float32)  # [B, L, 64]
     lc_codes, lc_scale = quantize_rows(lc)  # [B, L, 512] u8, [B, L] f32
     rc_codes, rc_scale = quantize_rows(rc)  # [B, L, 64] u8, [B, L] f32
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     with KVWriter.open(tmp / "kv.coli_kv", GLM, kv_dtype="fp8", staging_bytes=64 << 20) as writer:
         for start in range(0, tokens, BLOCK):
             k = min(BLOCK, tokens - start)

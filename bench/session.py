@@ -8,7 +8,7 @@ a 64-wide hidden state and no experts (random weights): the store's work (lock, 
 mapping, the zero-copy cache, commits) is exactly what it is for the real model; only the
 decoder's compute is smaller.
 
-(a) resume_ratio: a verified ``Session.resume`` to "ready to attend" (lock, manifest, every
+(a) resume_ratio: a verified resume (``Session.ensure_resident``) to "ready to attend" (lock, manifest, every
     committed record hashed and compared with the sidecar before anything is used, writer
     recovery check, mmap of the committed records, per-layer views + sanitised scales, the
     decoder cache built over them with no copy) vs a raw sequential read of the same committed
@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -106,11 +107,12 @@ def bench_resume(s: Session, reps: int) -> dict:
     files = (str(s.kv_path), str(s.kv_path) + ".colisum")
 
     def ours(cold: bool = False) -> float:
-        s.verify = False  # the logits check: timed on its own below; the checksums always run
+        # the logits check: timed on its own below; the checksums always run
+        s.options = replace(s.options, verify=False)
         if cold:
             drop_pages(*files)
         t0 = time.perf_counter()
-        s.resume()
+        s.ensure_resident()
         took = time.perf_counter() - t0
         assert s.cache is not None and s.cache.length == s.manifest.committed
         assert s.resume_report["checksums"].startswith(f"{s.manifest.committed} record")
@@ -134,9 +136,9 @@ def bench_resume(s: Session, reps: int) -> dict:
     cold_base_s, cold_ours_s = paired(lambda: base(True), lambda: ours(True), max(3, reps // 2))
     base_s, ours_s = paired(base, ours, reps)
     hash_s = statistics.median(checksums_only() for _ in range(max(3, reps // 2)))
-    s.verify = True
+    s.options = replace(s.options, verify=True)
     t0 = time.perf_counter()
-    s.resume()
+    s.ensure_resident()
     verify_total = time.perf_counter() - t0
     report = dict(s.resume_report)
     s.suspend()
@@ -161,8 +163,8 @@ def bench_recompute(model: MLADecoder, s: Session, n_tokens: int, big_chunk: int
     t0 = time.perf_counter()
     model.forward(rng.integers(2, 1000, PREFILL_CHUNK).astype(np.int32), cache)
     c_small = (time.perf_counter() - t0) / PREFILL_CHUNK
-    s.verify = False
-    s.resume()
+    s.options = replace(s.options, verify=False)
+    s.ensure_resident()
     try:
         layers = range(model.config.n_layers)
         resident = s.cache

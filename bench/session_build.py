@@ -3,6 +3,8 @@ vocab 154,880; v2 records of 45,556 B) over a reference decoder with a 64-wide b
 weights, its committed records written through the real writer."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kernels.model.config import parse_config
@@ -58,7 +60,7 @@ def build_session(store: SessionStore, model: MLADecoder, ref: ModelRef, n_token
     """
     s = Session.create(store, "glm", model, ref, kv_dtype="fp8")
     s.suspend()
-    dims = s.dims
+    dims = Dims(**s.manifest.dims)
     rng = np.random.default_rng(SEED)
     pool = pool_rows(POOL, dims, rng)
     assert pool.lc_codes is not None and pool.lc_scale is not None  # fp8 pool
@@ -73,8 +75,8 @@ def build_session(store: SessionStore, model: MLADecoder, ref: ModelRef, n_token
     manifest = read_manifest(s.directory / MANIFEST_NAME)
     manifest.committed, manifest.pending, manifest.last_logits = n_tokens - 1, [], None
     write_manifest(s.directory / MANIFEST_NAME, manifest)
-    s.verify = False
-    s.resume()
+    s.options = replace(s.options, verify=False)
+    s.ensure_resident()
     s.append_tokens([7], commit=True)
     s.suspend()
     return s

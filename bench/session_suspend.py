@@ -7,16 +7,17 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 
-from sessionstore.kvfile import wait_for_unmaps
+from sessionstore.kvfile import Dims, wait_for_unmaps
 from sessionstore.sessions import Session, make_digest
 
 
 def bench_suspend(s: Session, directory: str, reps: int) -> dict:
     """suspend() after one more token vs raw write + fsync of one record; plus the floor."""
-    rec = s.dims
+    rec = Dims(**s.manifest.dims)
     record = os.urandom(45_556 if rec.n_layers == 78 else 4096)
     raw_path = os.path.join(directory, "raw-record.bin")
     floor_path = os.path.join(directory, "floor.bin")
@@ -30,7 +31,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
     os.fsync(side_fd)
     helper = ThreadPoolExecutor(1)
     decode_s: list[float] = []
-    s.verify = False
+    s.options = replace(s.options, verify=False)
     rng = np.random.default_rng(1)
     floor_n = 0
 
@@ -83,7 +84,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
         t1 = time.perf_counter()
         wait_for_unmaps()  # after the timing: how long the background unmap took
         phases["unmap_deferred"].append(time.perf_counter() - t1)
-        ct, st = s.commit_timing, s.suspend_timing
+        ct, st = s.commits.timing, s.suspend_timing
         phases["kv_commit"].append(ct["kv_commit_s"])
         phases["state_wait"].append(ct["state_wait_s"])
         phases["state_write"].append(ct["state_write_s"])
@@ -98,13 +99,13 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
             # Every side is timed in the same state: after the disk was idle for as long as a
             # decode step (the first barrier after a pause costs 2-4x the next ones here).
             for name, write_behind in (("ours", True), ("ours_staged", False)):
-                s.write_behind = write_behind  # the writer's mode, from this resume on
-                s.resume()
+                s.options = replace(s.options, write_behind=write_behind)  # the writer's mode, from this resume on
+                s.ensure_resident()
                 t0 = time.perf_counter()
                 logits = s.append_tokens([int(rng.integers(2, rec.vocab))], commit=False)  # +1 token
                 decode_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                make_digest(logits, s.length - 1)  # what the decode step paid for it (hot)
+                make_digest(logits, s.files.live_cache.length - 1)  # what the decode step paid for it (hot)
                 digest_s.append(time.perf_counter() - t0)
                 idle = min(max(decode_s[-1], 0.5), 1.5)
                 settle()
@@ -118,7 +119,7 @@ def bench_suspend(s: Session, directory: str, reps: int) -> dict:
                 time.sleep(idle)
                 times[name].append(fn())
     finally:
-        s.write_behind = True
+        s.options = replace(s.options, write_behind=True)
         helper.shutdown()
         for f in (fd, floor_fd, side_fd):
             os.close(f)

@@ -223,7 +223,7 @@ def receive_bundle(store: SessionStore, source: BinaryIO, *, source_name: str = 
     _check_space(store, bm.total_bytes)
     log.info("bundle.import_start", id=session_id, source=source_name, tokens=manifest.committed,
              bytes=bm.total_bytes)
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     bar = None
     try:
         bar = _progress(bm.total_bytes, f"import {session_id}", progress)

@@ -237,8 +237,8 @@ class RemoteStore:
         return self._keep(session, held), created
 
     def _keep(self, session: Any, held: Lease) -> Any:
-        session.guard_with(LeaseKeeper(self, held.session_id, held,
-                                       interval=self.renew_interval).start())
+        session.commits.guard_with(LeaseKeeper(self, held.session_id, held,
+                                               interval=self.renew_interval).start())
         return session
 
 

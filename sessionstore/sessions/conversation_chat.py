@@ -91,7 +91,7 @@ class Conversation:
         tokenizer.check_vocab(session.model.config.vocab_size)
         session.ensure_resident()
         # a new session whose files are being made has no conversation file yet
-        record = None if session.files_pending else session.run_io(lambda: read_record(session.directory))
+        record = None if session.files.being_made else session.run_io(lambda: read_record(session.directory))
         history = session.history()
         if record is None:  # no messages known: the next reply renders only its own messages
             return cls(session, tokenizer, ConversationRecord([], len(history), tokens_digest(history)))

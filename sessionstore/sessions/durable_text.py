@@ -4,7 +4,7 @@ its tokens has returned, so nothing a client was sent can be lost by a crash.
 A session in durable-stream mode commits at every token (:meth:`Session.generate`, unless a
 commit is in flight: the next one covers the tokens drawn meanwhile). Its kv file is committed as
 without it, every ``commit_every`` records (records, commit word, state page, each made durable);
-every other such commit is a **tail commit** (:meth:`SessionCommits.begin_tail_commit`): the
+every other such commit is a **tail commit** (:meth:`~sessionstore.sessions.session_commits.CommitPath.begin_tail`): the
 commit state page alone, one ``pwrite`` and one fdatasync, with ``committed`` and ``last_logits``
 those of the last kv commit and ``pending`` the tail, every token after its records (the ones fed
 since, then the one just drawn). A token is durable once its id is: chunked prefill is bitwise
@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
+
+from sessionstore.sessions.session_options import SessionOptions
 
 DURABLE_STREAM = False  # the default of ``serve`` and ``chat`` (--durable-stream / --no-durable-stream)
 
@@ -95,7 +97,7 @@ class HeldText:
 class Watched(Protocol):
     """A session as :func:`held_until_committed` uses it."""
 
-    durable_stream: bool
+    options: SessionOptions
     commit_watch: CommitWatch | None
 
 
@@ -105,7 +107,7 @@ def held_until_committed(session: Watched, emit: Callable[..., None]) -> Iterato
     the ``hold`` of a :class:`HeldText` watching the session's commits (each piece is passed to
     ``emit`` once a commit covering it has returned). A turn that ends normally made its last
     commit, so what is left goes out when the block ends; one that raises sends nothing more."""
-    if not session.durable_stream:
+    if not session.options.durable_stream:
         yield emit
         return
     held = HeldText(emit)

@@ -1,6 +1,6 @@
 """The checks of a resume and the recovery of a session's manifest (FORMAT.md 5.5).
 
-A session resumes under its writer lock, with its committed rows mapped (``Session.resume``);
+A session resumes under its writer lock, with its committed rows mapped (``Session.ensure_resident``);
 then :func:`check_resume` decides what is true and says so in the resume report:
 
 - recovery: the file's committed count F is the truth. When the manifest's M differs (killed

@@ -57,6 +57,12 @@ class ResidentFiles:
         return True
 
     @property
+    def being_made(self) -> bool:
+        """True while a new session's files are being made or not yet attached (:meth:`ready`):
+        nothing of it is on disk to read or remove yet (no conversation file, no records)."""
+        return self.making is not None
+
+    @property
     def nrec(self) -> int:
         """The writer's committed records (0 while a new session's files are being made)."""
         return self.writer.nrec if self.writer is not None else 0

@@ -35,7 +35,7 @@ class SessionHome(Protocol):
 
 
 class CommitRunner(Protocol):
-    """Runs the rest of a turn's commit (:meth:`Session.begin_commit`'s callable), now or beside
+    """Runs the rest of a turn's commit (:meth:`CommitPath.begin`'s callable), now or beside
     the next batched step; ``overlap``: the turn's loop may run on before it has returned."""
 
     def __call__(self, commit: Callable[[], object], *, overlap: bool = False) -> None: ...
@@ -43,11 +43,11 @@ class CommitRunner(Protocol):
 
 class IoRunner(Protocol):
     """Runs a session's file work (creating its files, opening and mapping them, writing its
-    catalogue row; :meth:`SessionResume.run_io`) and returns ``fn()``'s value or raises its error:
-    now, or on a server's I/O thread while the caller waits and its engine loop steps the other
-    sessions. ``fn`` touches only the session's own files and objects and the store's thread-safe
-    parts (its catalogue, behind the catalogue's lock); never the store's residency, which the caller
-    updates on its own thread once ``fn`` has returned."""
+    catalogue row; :func:`~sessionstore.sessions.session_resume.run_io`) and returns ``fn()``'s
+    value or raises its error: now, or on a server's I/O thread while the caller waits and its
+    engine loop steps the other sessions. ``fn`` touches only the session's own files and objects
+    and the store's thread-safe parts (its catalogue, behind the catalogue's lock); never the
+    store's residency, which the caller updates on its own thread once ``fn`` has returned."""
 
     def __call__(self, fn: Callable[[], T]) -> T: ...
 

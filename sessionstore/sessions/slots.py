@@ -57,7 +57,7 @@ def import_slot(store: SessionStore, model_dir: str | os.PathLike[str], *, slot:
         header = reader.header.with_nrec(reader.nrec)
         warnings = list(reader.warnings)
     kv_dtype = header.kv_dtype
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     try:
         method = copy_committed(src, tmp / KV_NAME, header)
         copy_sidecar_prefix(src, tmp / KV_NAME, header)

@@ -1,9 +1,10 @@
 """``SessionStore(root)``: the sessions of a store directory (create, open, fork, adopt, prefix
-match) over :class:`sessionstore.sessions.directory.StoreDirectory` (its layout, listing, installs
-and deletes; FORMAT.md section 5).
+match). It holds its :class:`sessionstore.sessions.directory.StoreDirectory` (``directory``: its
+layout, listing, installs and deletes; FORMAT.md section 5), passing on the calls most of its users
+make (paths, manifests, a page of the listing, delete), and its :class:`Residency` (``residency``).
 
-Resident sessions are bounded by ``memory_budget`` bytes; the least recently used ones are
-suspended (disk only) when a resident session would exceed it.
+Resident sessions are bounded by ``memory_budget`` bytes (``residency.budget``); the least recently
+used ones are suspended (disk only) when a resident session would exceed it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kernels.errors import FormatError, LockedError, NotFoundError
 from kernels.model.sampling import Sampler
 from sessionstore.kvfile import Dims, KVWriter, WriterLock, current_owner, open_kv
 from sessionstore.log import get_logger
+from sessionstore.sessions.catalogue import Catalogue, CataloguePage
 from sessionstore.sessions.catalogue_entry import entry_of_manifest
 from sessionstore.sessions.directory import SessionInfo, StoreDirectory
 from sessionstore.sessions.disk_usage import session_disk_bytes
@@ -41,22 +43,51 @@ SNAPSHOT_RETRIES = 5
 log = get_logger("store")
 
 
-class SessionStore(StoreDirectory):
-    """A local directory of sessions (the embedded default): models, live sessions, forks,
-    adoptions and the residency budget over the store's directory tree.
-
-    Why 34 methods: 18 are its base's, :class:`StoreDirectory` (the directory tree, split out by
-    job); of the 16 more of its own, four are the residency budget's one-line delegations to
-    :class:`Residency`, kept because the CLI, the service and the benchmarks ask the store."""
+class SessionStore:
+    """A local directory of sessions (the embedded default): models, live sessions, forks and
+    adoptions; it holds the store's directory tree (``directory``) and the residency budget
+    (``residency``), not inheriting either."""
 
     def __init__(self, root: str | os.PathLike[str], *, memory_budget: int | None = None,
                  create: bool = True, sweep: bool | None = None) -> None:
-        """Open the store at ``root`` (:class:`StoreDirectory`: created with ``create``, swept
+        """Open the store at ``root`` (its :class:`StoreDirectory`: created with ``create``, swept
         with ``sweep``); at most ``memory_budget`` bytes of sessions stay resident."""
-        super().__init__(root, create=create, sweep=sweep)
+        self.directory = StoreDirectory(root, create=create, sweep=sweep)  # the tree: layout, listing, installs
+        self.root, self.sessions_root, self.tmp_root = (self.directory.root, self.directory.sessions_root,
+                                                        self.directory.tmp_root)  # fixed paths, read often
         self.residency: Residency[Session] = Residency(memory_budget)  # resident sessions, LRU budget
         self._models: dict[str, Any] = {}
         self._lock = threading.RLock()
+
+    # ---- the directory's calls most users make (the rest: ``directory``) ------------------------
+    @property
+    def catalogue(self) -> Catalogue:
+        """The store's session catalogue (FORMAT.md 5.9), opened on first use."""
+        return self.directory.catalogue
+
+    def session_dir(self, session_id: str) -> Path:
+        """``<root>/sessions/<id>`` (validated id; the directory may not exist)."""
+        return self.directory.session_dir(session_id)
+
+    def kv_path(self, session_id: str) -> Path:
+        return self.directory.kv_path(session_id)
+
+    def exists(self, session_id: str) -> bool:
+        return self.directory.exists(session_id)
+
+    def read_manifest(self, session_id: str) -> Manifest:
+        return self.directory.read_manifest(session_id)
+
+    def info(self, session_id: str) -> SessionInfo:
+        return self.directory.info(session_id)
+
+    def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
+        """One page of the listing from the catalogue (:meth:`StoreDirectory.page`)."""
+        return self.directory.page(limit, after, order)
+
+    def delete(self, session_id: str) -> None:
+        """Remove a session (:meth:`StoreDirectory.delete`; refused while a writer holds it)."""
+        self.directory.delete(session_id)
 
     # ---- models ----------------------------------------------------------------------------
     def load_model(self, source: str | os.PathLike[str]) -> tuple[Any, ModelRef]:
@@ -112,14 +143,9 @@ class SessionStore(StoreDirectory):
     def snapshot(self, session_id: str) -> SessionSnapshot:
         """The last commit of a live or suspended session: manifest + header at that count
         (SessionOffloadedError for an offloaded one, FORMAT.md 5.10)."""
-        d = self.existing_dir(session_id)
+        d = self.directory.existing_dir(session_id)
         refuse_offloaded(d, session_id)
         return SessionSnapshot.take(session_id, d, self.read_manifest(session_id))
-
-    def copy_snapshot(self, snap: SessionSnapshot, dst_dir: Path, *, at: int | None = None,
-                      new_id: str | None = None) -> tuple[Manifest, str]:
-        """Copy ``snap`` (cut to ``at`` records) into ``dst_dir``: :meth:`SessionSnapshot.copy_to`."""
-        return snap.copy_to(dst_dir, at=at, new_id=new_id)
 
     def fork(self, source_id: str, new_id: str, *, at: int | None = None) -> SessionInfo:
         """A new session ``new_id`` holding ``source_id``'s first ``at`` records (default: all)."""
@@ -128,13 +154,13 @@ class SessionStore(StoreDirectory):
             raise FormatError(f"session {new_id!r} already exists in {self.sessions_root}")
         for attempt in range(SNAPSHOT_RETRIES):
             snap = self.snapshot(source_id)
-            tmp = self.tmp_dir()
+            tmp = self.directory.tmp_dir()
             try:
-                manifest, method = self.copy_snapshot(snap, tmp, at=at, new_id=new_id)
+                manifest, method = snap.copy_to(tmp, at=at, new_id=new_id)
                 if not snap.still_valid():
                     log.info("session.fork_retry", id=source_id, attempt=attempt)
                     continue
-                self.install_dir(tmp, new_id)
+                self.directory.install_dir(tmp, new_id)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             log.info("session.fork", id=source_id, new=new_id, at=manifest.committed, method=method)
@@ -149,13 +175,13 @@ class SessionStore(StoreDirectory):
         (:meth:`refuse_taken`). File work and the catalogue only (a server runs it on an I/O
         thread: :class:`IoRunner`, or :class:`IoStarter` while the first turn runs)."""
         self.refuse_taken(session_id)
-        tmp = self.tmp_dir()
+        tmp = self.directory.tmp_dir()
         try:
             KVWriter.open(tmp / KV_NAME, dims, kv_dtype=kv_dtype, create=True).close()
             if manifest is None:
                 manifest = empty_manifest(session_id, model_ref, dims, kv_dtype, sampler or Sampler())
             write_manifest(tmp / MANIFEST_NAME, manifest)
-            self.install_dir(tmp, session_id)
+            self.directory.install_dir(tmp, session_id)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -167,7 +193,7 @@ class SessionStore(StoreDirectory):
         silently made anew)."""
         if self.exists(session_id):
             raise FormatError(f"session {session_id!r} already exists in {self.sessions_root}")
-        self.refuse_listed(session_id)
+        self.directory.refuse_listed(session_id)
 
     def adopt_dir(self, tmp_dir: str | os.PathLike[str], session_id: str, *,
                   replace: bool = False) -> SessionInfo:
@@ -188,14 +214,14 @@ class SessionStore(StoreDirectory):
             write_manifest(tmp / MANIFEST_NAME, manifest)
         dst = self.session_dir(session_id)
         if not check_component(dst, want="dir"):
-            self.install_dir(tmp, session_id)
+            self.directory.install_dir(tmp, session_id)
         elif not replace:
             raise FormatError(f"session {session_id!r} already exists (pass replace=True)")
         else:
             with WriterLock(dst / KV_NAME), self.catalogue.changing(session_id):
-                trash = self.trash_dir(session_id, replaced=True)
+                trash = self.directory.trash_dir(session_id, replaced=True)
                 os.rename(dst, trash)
-                self.install_dir(tmp, session_id)
+                self.directory.install_dir(tmp, session_id)
             shutil.rmtree(trash, ignore_errors=True)
         log.info("session.adopt", id=session_id, replace=replace, tokens=manifest.committed)
         return self.info(session_id)
@@ -217,26 +243,6 @@ class SessionStore(StoreDirectory):
         with open_kv(snap.kv_path) as reader:
             tokens = [int(t) for t in reader.tokens[:snap.committed]]
         return tokens + list(snap.manifest.pending)
-
-    # ---- memory budget (the store's Residency) ----------------------------------------------
-    @property
-    def memory_budget(self) -> int | None:
-        return self.residency.budget
-
-    @memory_budget.setter
-    def memory_budget(self, budget: int | None) -> None:
-        self.residency.budget = budget
-
-    def resident_sessions(self) -> builtins.list[Session]:
-        """Resident sessions, least recently used first."""
-        return self.residency.sessions()
-
-    def resident_bytes(self) -> int:
-        return self.residency.resident_bytes()
-
-    def enforce_budget(self, keep: Session | None = None) -> builtins.list[str]:
-        """Suspend least recently used sessions until the resident ones fit the budget."""
-        return self.residency.enforce_budget(keep=keep)
 
 
 __all__ = ["SessionStore", "SNAPSHOT_RETRIES"]

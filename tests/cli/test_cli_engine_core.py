@@ -4,7 +4,7 @@
 threads are gone when the command returns, whether it succeeded or failed.
 
 The commands run in this process (``tools.coli_kv.main``) so the decoder's ``step`` and a
-session's ``begin_commit`` can be watched: each call notes the thread it ran on. Before the
+session's commit path (``CommitPath.begin``) can be watched: each call notes the thread it ran on. Before the
 engine core the CLI ran every forward and every commit on the main thread, and these tests fail.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import pytest
 
 from kernels.model import Sampler, generate, load_model
 from kernels.model.decoder import MLADecoder
-from sessionstore.sessions import Session, SessionStore, reference_turns
+from sessionstore.sessions import SessionStore, reference_turns
+from sessionstore.sessions.session_commits import CommitPath
 from tools.coli_kv import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,14 +41,14 @@ class Watch:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.steps: list[tuple[str, list[int]]] = []  # (thread, tokens per session) of each step
         self.commits: list[str] = []  # the thread each commit's second part ran on
-        step, begin_commit = MLADecoder.step, Session.begin_commit
+        step, begin_commit = MLADecoder.step, CommitPath.begin
 
         def watched_step(model: MLADecoder, caches: Any, tokens: np.ndarray, counts: Any) -> np.ndarray:
             self.steps.append((threading.current_thread().name, [int(c) for c in counts]))
             return step(model, caches, tokens, counts)
 
-        def watched_begin_commit(session: Session, *args: Any, **kw: Any) -> Callable[[], int]:
-            finish = begin_commit(session, *args, **kw)
+        def watched_begin_commit(path: CommitPath, *args: Any, **kw: Any) -> Callable[[], int]:
+            finish = begin_commit(path, *args, **kw)
 
             def watched_finish() -> int:
                 self.commits.append(threading.current_thread().name)
@@ -56,7 +57,7 @@ class Watch:
             return watched_finish
 
         monkeypatch.setattr(MLADecoder, "step", watched_step)
-        monkeypatch.setattr(Session, "begin_commit", watched_begin_commit)
+        monkeypatch.setattr(CommitPath, "begin", watched_begin_commit)
 
     def decode_steps(self) -> int:
         return sum(1 for _, counts in self.steps if counts == [1])

@@ -135,7 +135,7 @@ def test_refused_first_turn_leaves_no_session_and_no_store(tmp_path, capsys, fla
     capsys.readouterr()
     rc = main(["generate", "--root", str(root), "--session", "new", "--model", "tiny", *flags])
     _one_error(capsys, rc, needle)
-    assert SessionStore(root).ids() == ["keep"]
+    assert SessionStore(root).directory.ids() == ["keep"]
 
 
 def test_ls_lists_unreadable_sessions(tmp_path, capsys) -> None:
@@ -215,7 +215,7 @@ def test_real_process_failures_are_one_line(tmp_path) -> None:
         proc = cli(*argv)
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == code and len(err) == 1 and "Traceback" not in proc.stderr, (argv, proc)
-    assert SessionStore(root).ids() == ["s"]
+    assert SessionStore(root).directory.ids() == ["s"]
     assert cli("generate", "--root", str(root), "--session", "s", "--max-new", "1").returncode == 0
     # an argument type error is argparse's usage message: never a traceback
     for value in ("inf", "nan", "abc", "0"):

@@ -18,9 +18,6 @@ OVER_THE_LIMIT = {
     "sessionstore.kvfile.writer.KVWriter": 28,
     "sessionstore.service.engine.engine.Engine": 21,
     "sessionstore.sessions.catalogue.Catalogue": 23,
-    "sessionstore.sessions.session.Session": 42,
-    "sessionstore.sessions.session_turns.SessionTurns": 22,
-    "sessionstore.sessions.store.SessionStore": 34,
 }
 
 

@@ -74,7 +74,7 @@ def test_import_refuses_a_conversation_of_another_history(tmp_path: Path, model_
     b = SessionStore(tmp_path / "b")
     with pytest.raises(FormatError, match="does not describe the session's"):
         migrate.import_bundle(b, io.BytesIO(buf.getvalue()), model=str(model_dir))
-    assert b.list() == []
+    assert b.directory.list() == []
 
 
 def test_no_conversation_no_file(tmp_path: Path) -> None:

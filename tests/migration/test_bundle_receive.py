@@ -43,9 +43,9 @@ def test_receive_installs_nothing_until_install(tmp_path: Path) -> None:
     a, b = SessionStore(tmp_path / "a"), SessionStore(tmp_path / "b")
     make_session(a, "s", 700)
     received = receive_bundle(b, io.BytesIO(bundle_of(a, "s")))
-    assert b.ids() == [] and tmp_entries(b.root) == [received.tmp.name]
+    assert b.directory.ids() == [] and tmp_entries(b.root) == [received.tmp.name]
     result = received.install("moved")
-    assert result.tokens == 700 and b.ids() == ["moved"] and tmp_entries(b.root) == []
+    assert result.tokens == 700 and b.directory.ids() == ["moved"] and tmp_entries(b.root) == []
     mine, theirs = session_files(a, "s"), session_files(b, "moved")
     assert mine["kv.coli_kv"] == theirs["kv.coli_kv"]
 
@@ -72,4 +72,4 @@ def test_a_bad_chunk_is_refused_before_anything_lands(tmp_path: Path) -> None:
     data[len(data) // 2] ^= 4
     with pytest.raises(CorruptionError, match="checksum"):
         receive_bundle(b, io.BytesIO(bytes(data)))
-    assert b.ids() == [] and tmp_entries(b.root) == []
+    assert b.directory.ids() == [] and tmp_entries(b.root) == []

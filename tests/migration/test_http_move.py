@@ -247,7 +247,7 @@ def test_a_connection_cut_by_a_killed_server(tmp_path: Path, capsys: Any) -> Non
     # the killed server's receiving temp directory stays (if it got that far) until a store opens
     # the root, which sweeps it: its owner is dead
     served = SessionStore(tmp_path / "b")
-    assert served.ids() == [] and spool_entries(served.root) == []
+    assert served.directory.ids() == [] and spool_entries(served.root) == []
     make_session(served, "big", BIG, kv_dtype="f32")
     with ServerProc(served.root, "tiny") as b:
         relay = Relay(b.url, up=False, cut_after=3 << 20, on_cut=b.proc.kill)  # type: ignore[union-attr]

@@ -79,7 +79,7 @@ def test_an_existing_store_keeps_exactly_its_contents(tmp_path: Path, bundles: d
     before = tree_state(store.root)
     _refused(store.root, bundles[kind], capsys)
     assert tree_state(store.root) == before
-    assert SessionStore(store.root, create=False).ids() == (["keep"] if holding else [])
+    assert SessionStore(store.root, create=False).directory.ids() == (["keep"] if holding else [])
 
 
 def test_the_good_bundle_still_imports_into_an_existing_empty_directory(

@@ -61,7 +61,7 @@ def test_drain_imports_good_bundles_and_moves_bad_ones_aside(tmp_path, source):
     outcomes = {o.name: o for o in inbox.drain()}
     assert outcomes["alpha.colibundle"].ok and outcomes["alpha.colibundle"].tokens == 10
     assert not outcomes["beta.colibundle"].ok
-    assert target.ids() == ["alpha"]
+    assert target.directory.ids() == ["alpha"]
     assert (inbox_dir / "done" / "alpha.colibundle").is_file()
     assert (inbox_dir / "failed" / "beta.colibundle").is_file()
     reason = (inbox_dir / "failed" / "beta.colibundle.reason").read_text()
@@ -112,7 +112,7 @@ def test_run_imports_what_is_there_and_what_lands_later(tmp_path, source):
         stop.set()
         thread.join(10)
     assert not thread.is_alive()
-    assert sorted(target.ids()) == ["alpha", "beta", "gamma"]
+    assert sorted(target.directory.ids()) == ["alpha", "beta", "gamma"]
     assert all(o.ok for o in inbox.outcomes)
     assert sorted(p.name for p in (inbox_dir / "done").iterdir()) == [
         "alpha.colibundle", "beta.colibundle", "gamma.colibundle"]
@@ -154,7 +154,7 @@ def test_serve_process_imports_logs_and_exits_cleanly_on_signal(tmp_path, source
     for event in ("inbox.start", "inbox.found", "inbox.import_start", "inbox.import_done",
                   "inbox.import_failed", "inbox.stop"):
         assert event in events, (event, events)
-    assert sorted(SessionStore(root).ids()) == ["alpha", "beta"]
+    assert sorted(SessionStore(root).directory.ids()) == ["alpha", "beta"]
 
 
 def test_serve_once(tmp_path, source, capsys):

@@ -401,7 +401,7 @@ def test_the_keeper_renews_after_an_outage_longer_than_the_retries(tmp_path, fle
                     renew_interval=0.5, storage_options=through_relay)
     live = b.resume("chat")
     try:
-        keeper = live.guard
+        keeper = live.commits.guard
         time.sleep(0.8)
         assert keeper.renewals >= 1
         relay.down()

@@ -186,7 +186,7 @@ def test_a_session_whose_files_are_gone_is_reported_never_served(tmp_path: Path,
 @pytest.mark.parametrize("order", ["asc", "desc"])
 def test_paging_covers_every_session_exactly_once(tmp_path: Path, order: str) -> None:
     store = _store_with(tmp_path / "root", 22)
-    expected = sorted(store.ids(), reverse=order == "desc")
+    expected = sorted(store.directory.ids(), reverse=order == "desc")
     seen: list[str] = []
     after = None
     pages = 0

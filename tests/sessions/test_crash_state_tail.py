@@ -45,7 +45,7 @@ class Covered:
         self.session, self.rec = session, rec
 
     def mark(self) -> int:
-        return int(self.session.length) + len(self.session.pending)
+        return int(self.session.cache.length) + len(self.session.pending)
 
     def committed(self, mark: int) -> None:
         self.rec.mark("shown", mark)

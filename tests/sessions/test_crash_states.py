@@ -180,7 +180,7 @@ def _create_and_turn(tiny):
 
 def test_crash_state_create_and_first_turn(tmp_path, tiny, stream) -> None:
     root = tmp_path / "root"
-    rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_and_turn(tiny))
+    rec = record(str(root), lambda where: SessionStore(where).directory.sweep(), _create_and_turn(tiny))
     records, rec_bytes = _records_of(root, "n")
     check = SessionCheck(tiny, "n", records, rec_bytes, stream)
     result = explore("session create + first turn", rec, check, budget=BUDGET, bound=_bound("n"),
@@ -210,7 +210,7 @@ def _create_behind_and_turn(tiny, on_poll: bool):
 @pytest.mark.parametrize("on_poll", [True, False], ids=["made-after-prefill", "made-at-first-commit"])
 def test_crash_state_create_behind_and_first_turn(tmp_path, tiny, stream, on_poll: bool) -> None:
     root = tmp_path / "root"
-    rec = record(str(root), lambda where: SessionStore(where).sweep(), _create_behind_and_turn(tiny, on_poll))
+    rec = record(str(root), lambda where: SessionStore(where).directory.sweep(), _create_behind_and_turn(tiny, on_poll))
     records, rec_bytes = _records_of(root, "n")
     check = SessionCheck(tiny, "n", records, rec_bytes, stream)
     result = explore("session created behind its first turn", rec, check, budget=BUDGET, bound=_bound("n"),

@@ -56,10 +56,10 @@ def test_the_first_token_does_not_wait_for_a_slow_creation_the_commit_does(tmp_p
     seen: list[tuple[int, bool, bool]] = []
     try:
         s = store.create("n", "tiny", sampler=SAMPLER, options=SessionOptions(commit_every=None, io_start=starter))
-        assert s.state == "resident" and s.files_pending and not store.exists("n")
+        assert s.state == "resident" and s.files.being_made and not store.exists("n")
 
         def on_token(token: int, position: int) -> None:
-            seen.append((position, s.files_pending, store.exists("n")))
+            seen.append((position, s.files.being_made, store.exists("n")))
             starter.gate.set()  # the slow disk finishes only now
 
         r = s.generate(PROMPT, 4, on_token=on_token)
@@ -67,7 +67,7 @@ def test_the_first_token_does_not_wait_for_a_slow_creation_the_commit_does(tmp_p
         starter.close()
     assert starter.held_until_gate  # made after the first token, not before it
     assert seen[0] == (len(PROMPT), True, False)  # drawn while nothing of the session was on disk
-    assert r.committed == len(PROMPT) + 3 and not s.files_pending  # the turn's commit waited for the files
+    assert r.committed == len(PROMPT) + 3 and not s.files.being_made  # the turn's commit waited for the files
     assert len(_records(store, "n")[0]) == len(PROMPT) + 3
     s.close()
 
@@ -79,11 +79,11 @@ def test_a_failed_creation_fails_the_first_commit_and_leaves_nothing(tmp_path: P
     def full(*_a: Any, **_k: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "install_dir", full)
+    monkeypatch.setattr(store.directory, "install_dir", full)
     s = store.create("n", "tiny", options=SessionOptions(io_start=DeferredStarter(on_poll=False)))
     with pytest.raises(OSError, match="No space"):
         s.generate(PROMPT, 3)
-    assert s.state == "suspended" and store.resident_sessions() == [] and not store.exists("n")
+    assert s.state == "suspended" and store.residency.sessions() == [] and not store.exists("n")
     assert store.catalogue.get("n") is None
     monkeypatch.undo()
     again = store.create("n", "tiny")  # the id is free: nothing was left behind, no lock held
@@ -102,7 +102,7 @@ def test_abandoned_before_its_files_are_made_releases_them_once_made(tmp_path: P
         s.abandon()
     finally:
         starter.close()
-    assert s.state == "suspended" and store.resident_sessions() == []
+    assert s.state == "suspended" and store.residency.sessions() == []
     reopened = store.open("n")
     assert reopened.history() == [] and reopened.committed == 0
     reopened.close()

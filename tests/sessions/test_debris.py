@@ -78,7 +78,7 @@ def test_dead_owners_temporaries_are_swept_and_logged_when_the_store_opens_for_w
         monkeypatch.setenv("COLI_LOG", "off")
         store_log.reconfigure()
     assert list(store.tmp_root.iterdir()) == []
-    assert sorted((s.path, s.bytes) for s in reopened.swept) == sorted(
+    assert sorted((s.path, s.bytes) for s in reopened.directory.swept) == sorted(
         [(str(t), 5000), (str(trash), 3000), (str(claimed), 100)])
     swept = [e for e in json_events(err) if e["event"] == "temp.swept"]
     assert sorted(e["path"] for e in swept) == sorted([str(t), str(trash), str(claimed)])
@@ -87,7 +87,7 @@ def test_dead_owners_temporaries_are_swept_and_logged_when_the_store_opens_for_w
 
 
 def test_a_live_owners_temporaries_are_never_swept(store: SessionStore) -> None:
-    mine = store.tmp_dir()  # this process: alive
+    mine = store.directory.tmp_dir()  # this process: alive
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
@@ -96,12 +96,12 @@ def test_a_live_owners_temporaries_are_never_swept(store: SessionStore) -> None:
         theirs = fill(store.tmp_root / f"t-{Owner(child.pid, start or 0, current_owner().boot).token}-x1y2z3w4")
         age(theirs, 10 * SWEEP_GRACE_S)  # however old: its owner lives
         reused = fill(store.tmp_root / f"t-{os.getpid()}-{current_owner().start + 1}-{current_owner().boot}-reused00")
-        assert SessionStore(store.root).swept[0].path == str(reused)  # a reused pid is not the owner
+        assert SessionStore(store.root).directory.swept[0].path == str(reused)  # a reused pid is not the owner
         assert sorted(p.name for p in store.tmp_root.iterdir()) == sorted([mine.name, theirs.name])
     finally:
         child.kill()
         child.wait()
-    assert [s.path for s in SessionStore(store.root).swept] == [str(theirs)]  # now it is dead
+    assert [s.path for s in SessionStore(store.root).directory.swept] == [str(theirs)]  # now it is dead
     assert [p.name for p in store.tmp_root.iterdir()] == [mine.name]
 
 
@@ -110,10 +110,10 @@ def test_ownerless_and_foreign_temporaries_wait_out_the_grace_period(store: Sess
     legacy_trash = fill(store.tmp_root / "trash-chat-0a1b2c3d")
     other_boot = "f" * 8 if current_owner().boot != "f" * 8 else "e" * 8
     foreign = fill(store.tmp_root / f"t-{os.getpid()}-{current_owner().start}-{other_boot}-aaaaaaaa")
-    assert SessionStore(store.root).swept == []
+    assert SessionStore(store.root).directory.swept == []
     for p in (legacy, legacy_trash, foreign):
         age(p, SWEEP_GRACE_S + 60)
-    swept = SessionStore(store.root).swept
+    swept = SessionStore(store.root).directory.swept
     assert sorted(s.path for s in swept) == sorted(map(str, (legacy, legacy_trash, foreign)))
     assert all("untouched for" in s.reason for s in swept)
 
@@ -125,10 +125,10 @@ def test_names_not_ours_symlinks_and_read_only_opens_are_left_alone(
     (store.tmp_root / "notes.txt").write_text("mine")
     (store.tmp_root / f"t-{dead}-linklink").symlink_to(outside)
     debris = fill(store.tmp_root / f"t-{dead}-realreal")
-    assert SessionStore(store.root, create=False).swept == []  # ls, export: read only
+    assert SessionStore(store.root, create=False).directory.swept == []  # ls, export: read only
     assert main(["ls", "--root", str(store.root)]) == 0
     assert debris.exists()
-    swept = SessionStore(store.root).swept
+    swept = SessionStore(store.root).directory.swept
     assert [s.path for s in swept] == [str(debris)]
     assert (store.tmp_root / "notes.txt").read_text() == "mine"
     assert (store.tmp_root / f"t-{dead}-linklink").is_symlink()
@@ -138,9 +138,9 @@ def test_names_not_ours_symlinks_and_read_only_opens_are_left_alone(
 def test_a_replaced_session_is_kept_while_it_is_the_only_copy(store: SessionStore) -> None:
     dead = dead_owner().token
     only = fill(store.tmp_root / f"replaced-{dead}-0a1b2c3d-chat")
-    assert SessionStore(store.root).swept == [] and only.exists()
+    assert SessionStore(store.root).directory.swept == [] and only.exists()
     make_session(store, "chat", 3)  # the replacement landed: the old copy is debris now
-    assert [s.path for s in SessionStore(store.root).swept] == [str(only)]
+    assert [s.path for s in SessionStore(store.root).directory.swept] == [str(only)]
 
 
 def test_rm_and_fork_sweep_before_they_write(store: SessionStore, capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,7 +235,7 @@ def test_a_killed_import_leaves_a_temp_dir_the_next_writer_sweeps(tmp_path: Path
     assert found and sum(f.stat().st_size for f in found[0].iterdir()) > 0
     assert main(["import", "--root", str(target.root), str(bundle)]) == 0  # the store used again
     assert list(target.tmp_root.iterdir()) == []
-    assert target.ids() == ["big"] and verify_file(target.kv_path("big")).sound
+    assert target.directory.ids() == ["big"] and verify_file(target.kv_path("big")).sound
 
 
 def test_a_killed_fork_leaves_a_temp_dir_the_next_writer_sweeps(tmp_path: Path) -> None:
@@ -246,7 +246,7 @@ def test_a_killed_fork_leaves_a_temp_dir_the_next_writer_sweeps(tmp_path: Path) 
     assert found[0].exists()
     assert main(["fork", "--root", str(store.root), "big", "copy"]) == 0
     assert list(store.tmp_root.iterdir()) == []
-    assert store.ids() == ["big", "copy"] and verify_file(store.kv_path("copy")).sound
+    assert store.directory.ids() == ["big", "copy"] and verify_file(store.kv_path("copy")).sound
 
 
 def test_a_killed_export_leaves_a_partial_the_next_export_sweeps(tmp_path: Path) -> None:

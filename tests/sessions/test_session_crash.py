@@ -163,7 +163,7 @@ def test_two_writers_second_is_refused_at_once(tmp_path) -> None:
             store.delete("s")
         assert time.perf_counter() - t0 < 2.0  # refused at once, never waiting
         t0 = time.perf_counter()
-        assert [i.id for i in store.list()] == ["s"]  # listing never waits on the lock
+        assert [i.id for i in store.directory.list()] == ["s"]  # listing never waits on the lock
         store.fork("s", "copy")  # readers (snapshot copies) are not blocked either
         assert time.perf_counter() - t0 < 2.0
         assert store.history("copy") == before

@@ -55,7 +55,7 @@ def test_create_and_resume_do_their_file_work_by_the_runner_and_join_the_residen
     assert f"register@{here}" in names and all(n.endswith("test-io_0") for n in names if n.startswith("note"))
     session.suspend()
     names.clear()
-    session.resume()
+    session.ensure_resident()
     assert names[0].startswith("note_session@test-io") and names[1] == f"register@{here}", names
     session.close()
     runner.pool.shutdown()
@@ -75,5 +75,5 @@ def test_a_resume_that_fails_on_the_runner_leaves_the_residency_alone(
     with pytest.raises(ModelMismatchError):
         store.open("b", "tiny", options=SessionOptions(io_runner=runner))
     assert not any(n.startswith(("register", "unregister")) for n in names), names
-    assert store.resident_sessions() == []
+    assert store.residency.sessions() == []
     runner.pool.shutdown()

@@ -195,7 +195,7 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     assert mpath.stat().st_ino == inode  # no replace: the manifest file is the same inode
     assert store.read_manifest("s").committed == s.committed == len(PROMPT) + 5
     assert json.loads(mpath.read_bytes())["committed"] == 0  # the page holds the commits
-    assert set(s.commit_timing) == {"kv_commit_s", "state_wait_s", "state_write_s"}
+    assert set(s.commits.timing) == {"kv_commit_s", "state_wait_s", "state_write_s"}
     cache = weakref.ref(s.cache)
     s.suspend()
     assert set(s.suspend_timing) == {"commit_s", "release_s"}
@@ -203,7 +203,7 @@ def test_commits_write_the_page_not_a_new_manifest(tmp_path) -> None:
     assert cache() is None
     assert str(store.kv_path("s").resolve()) not in Path("/proc/self/maps").read_text()
     assert [p.name for p in files_of(store, "s")][-1] == STATE_NAME
-    info = store.list()[0]
+    info = store.directory.list()[0]
     assert info.tokens == len(PROMPT) + 5 and info.pending == s.pending  # listing sees the page
     s.close()
 

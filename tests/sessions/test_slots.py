@@ -74,7 +74,7 @@ def test_import_refuses_other_dims_and_missing(tmp_path, model_dir) -> None:
             import_slot(store, model_dir, slot=7)
     finally:
         path.unlink()
-    assert store.list() == []
+    assert store.directory.list() == []
 
 
 @pytest.mark.parametrize("kv", ["fp8", "f32", "int4"])

@@ -44,7 +44,7 @@ def test_layout_and_public_paths(store) -> None:
     assert sorted(p.name for p in d.iterdir()) == sorted([MANIFEST_NAME, KV_NAME, SIDECAR_NAME, LOCK_NAME,
                                                           STATE_NAME])  # commits wrote the state page
     assert [p.name for p in files_of(store, "s1")] == [MANIFEST_NAME, KV_NAME, SIDECAR_NAME, STATE_NAME]
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     assert tmp.parent == store.root / "tmp" and not any(tmp.iterdir())
     assert not any(p.name.startswith("t-") for p in (store.root / "sessions").iterdir())
 
@@ -56,7 +56,7 @@ def test_ids_are_confined(store, bad) -> None:
                  lambda: store.fork("ok", bad), lambda: store.fork(bad, "new"), lambda: store.info(bad)):
         with pytest.raises(ColiError):
             call()
-    assert [i.id for i in store.list()] == ["ok"]
+    assert [i.id for i in store.directory.list()] == ["ok"]
     assert not (store.root.parent / "x").exists()
 
 
@@ -71,7 +71,7 @@ def test_symlink_escape_is_refused(store, tmp_path) -> None:
         store.create("evil", "tiny")
     with pytest.raises(FormatError, match="symlink"):
         store.delete("evil")
-    assert [i.id for i in store.list()] == ["real"]  # logged and skipped, never followed
+    assert [i.id for i in store.directory.list()] == ["real"]  # logged and skipped, never followed
     assert not any(outside.iterdir())
     kv = store.kv_path("real")  # a session whose kv file became a symlink
     target = tmp_path / "elsewhere.coli_kv"
@@ -86,7 +86,7 @@ def test_listing_reports_and_skips_strays(store) -> None:
     _make(store, "a")
     (store.root / "sessions" / ".stray").mkdir()
     (store.root / "sessions" / "junk").mkdir()  # a dir without a manifest
-    infos = store.list()
+    infos = store.directory.list()
     assert [i.id for i in infos] == ["a", "b"]
     a = infos[0].to_json()
     assert set(a) >= {"id", "tokens", "kv_dtype", "kv_path", "bytes", "model"}
@@ -113,7 +113,7 @@ def test_delete_refused_while_locked(store) -> None:
         SessionStore(store.root).delete("s")
     s.close()
     store.delete("s")
-    assert store.list() == [] and not store.session_dir("s").exists()
+    assert store.directory.list() == [] and not store.session_dir("s").exists()
 
 
 @pytest.mark.parametrize("method", ["reflink-or-range", "plain-copy"])
@@ -153,7 +153,7 @@ def test_fork_detects_a_damaged_source(store) -> None:
     with pytest.raises(CorruptionError, match="failed its check") as info:
         store.fork("src", "copy")
     assert str(kv) in str(info.value) and str(store.root / "tmp") not in str(info.value)  # the damaged file
-    assert [i.id for i in store.list()] == ["src"]  # nothing half-made is left behind
+    assert [i.id for i in store.directory.list()] == ["src"]  # nothing half-made is left behind
     assert not any((store.root / "tmp").iterdir())
 
 
@@ -190,7 +190,7 @@ def test_snapshot_of_a_live_session_while_it_appends(store) -> None:
 
 def test_adopt_dir_verifies_and_installs(store) -> None:
     _make(store, "src")
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     for f in files_of(store, "src"):
         (tmp / f.name).write_bytes(f.read_bytes())
     info = store.adopt_dir(tmp, "moved")
@@ -198,7 +198,7 @@ def test_adopt_dir_verifies_and_installs(store) -> None:
     s = store.open("moved")
     assert s.resume_report["verified"] == "bit-identical"
     s.close()
-    bad = store.tmp_dir()
+    bad = store.directory.tmp_dir()
     for f in files_of(store, "src"):
         (bad / f.name).write_bytes(f.read_bytes())
     raw = bytearray((bad / KV_NAME).read_bytes())
@@ -209,7 +209,7 @@ def test_adopt_dir_verifies_and_installs(store) -> None:
     assert not store.exists("broken")
     with pytest.raises(FormatError):
         store.adopt_dir(store.root, "x")  # only directories under <root>/tmp/
-    again = store.tmp_dir()
+    again = store.directory.tmp_dir()
     for f in files_of(store, "src"):
         (again / f.name).write_bytes(f.read_bytes())
     with pytest.raises(FormatError, match="already exists"):
@@ -248,8 +248,8 @@ def test_memory_budget_suspends_least_recently_used(tmp_path) -> None:
         sessions[sid] = store.create(sid, "tiny", kv_dtype="fp8")
         sessions[sid].generate(PROMPT, 4)
     assert sessions["a"].state == "suspended"  # least recently used went to disk
-    assert [s.id for s in store.resident_sessions()] == ["b", "c"]
-    assert store.resident_bytes() <= store.memory_budget
+    assert [s.id for s in store.residency.sessions()] == ["b", "c"]
+    assert store.residency.resident_bytes() <= store.residency.budget
     other = SessionStore(tmp_path / "root").open("a")  # its lock was released
     other.close()
     out = sessions["a"].generate(None, 2)  # resumes transparently, evicting the LRU one
@@ -257,7 +257,7 @@ def test_memory_budget_suspends_least_recently_used(tmp_path) -> None:
     assert sessions["b"].state == "suspended"
     for s in sessions.values():
         s.close()
-    assert store.resident_sessions() == []
+    assert store.residency.sessions() == []
 
 
 def test_not_a_store(tmp_path) -> None:
@@ -292,5 +292,5 @@ def test_suspended_sessions_cost_disk_only(store) -> None:
         s.suspend()
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 1
     assert all(s.cache is None and s.memory_bytes() == 0 for s in sessions)
-    assert store.resident_sessions() == []
-    assert sum(i.bytes for i in store.list()) > 0
+    assert store.residency.sessions() == []
+    assert sum(i.bytes for i in store.directory.list()) > 0

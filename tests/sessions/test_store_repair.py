@@ -35,7 +35,7 @@ def test_a_missing_tmp_dir_is_recreated_and_every_command_accepts_the_store(
         shutil.rmtree(store.tmp_root)
         assert main(argv) == 0, (argv, capsys.readouterr().err)
         assert store.tmp_root.is_dir()
-    assert SessionStore(root, create=False).ids() == ["again", "chat"]
+    assert SessionStore(root, create=False).directory.ids() == ["again", "chat"]
 
 
 def test_a_root_without_sessions_is_still_not_a_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,9 +49,9 @@ def test_the_empty_store_cleanup_removes_only_an_empty_skeleton(tmp_path: Path) 
     store = SessionStore(tmp_path / "held")
     make_session(store, "chat", 2)
     remove_empty_store(str(store.root))
-    assert store.tmp_root.is_dir() and store.ids() == ["chat"]  # nothing of a holding store goes
+    assert store.tmp_root.is_dir() and store.directory.ids() == ["chat"]  # nothing of a holding store goes
     busy = SessionStore(tmp_path / "busy")
-    other = busy.tmp_dir()  # another command's temp dir, no session yet
+    other = busy.directory.tmp_dir()  # another command's temp dir, no session yet
     remove_empty_store(str(busy.root))
     assert other.is_dir() and busy.sessions_root.is_dir()
     empty = SessionStore(tmp_path / "empty")

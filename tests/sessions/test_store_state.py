@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -108,9 +108,9 @@ class StoreMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.model)))
         entry = self.model[sid]
         s = self._session(sid)
-        s.commit_every = None
+        s.options = replace(s.options, commit_every=None)
         s.append_tokens(tokens, commit=False)
-        s.commit_every = 3
+        s.options = replace(s.options, commit_every=3)
         entry.records = entry.records + tokens
         entry.pending = []
 
@@ -196,7 +196,7 @@ class StoreMachine(RuleBasedStateMachine):
     def disk_holds_exactly_the_last_commit(self) -> None:
         if not hasattr(self, "store"):
             return
-        assert sorted(i.id for i in self.store.list()) == sorted(self.model)
+        assert sorted(i.id for i in self.store.directory.list()) == sorted(self.model)
         for sid, entry in self.model.items():
             assert self.store.history(sid) == entry.committed + entry.committed_pending, sid
             s = entry.session

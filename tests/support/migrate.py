@@ -44,7 +44,7 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
                  dims: Dims = SMALL_DIMS, seed: int = 0, fingerprint: str = TEST_FINGERPRINT,
                  model_name: str = "test-model") -> Manifest:
     """A complete session of n committed records, installed through ``adopt_dir``."""
-    tmp = store.tmp_dir()
+    tmp = store.directory.tmp_dir()
     with KVWriter.open(tmp / "kv.coli_kv", dims, kv_dtype=kv_dtype) as writer:
         if n:
             writer.append(synthetic_rows(n, dims, seed))
@@ -66,7 +66,7 @@ def make_session(store: SessionStore, session_id: str, n: int, *, kv_dtype: str 
 def files_of(store: SessionStore, session_id: str) -> list[Path]:
     """The session's files to copy it whole: manifest, kv, then the sidecar and the commit state
     page when present; the lock file is not data."""
-    d = store.existing_dir(session_id)
+    d = store.directory.existing_dir(session_id)
     refuse_offloaded(d, session_id)
     files = [d / MANIFEST_NAME, d / KV_NAME]
     files += [d / optional for optional in (SIDECAR_NAME, STATE_NAME) if check_component(d / optional, want="file")]

@@ -29,7 +29,7 @@ def durable_sink(session: Session, sink: Any) -> Iterator[Any]:
     """The sink a turn on ``session`` writes to: ``sink`` itself, or, in durable-stream mode, one
     whose pieces are sent as the session's commits return (:func:`held_until_committed`)."""
     with held_until_committed(session, sink.text) as emit:
-        yield HeldSink(emit, sink) if session.durable_stream else sink
+        yield HeldSink(emit, sink) if session.options.durable_stream else sink
 
 
 __all__ = ["HeldSink", "durable_sink"]

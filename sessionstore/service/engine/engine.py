@@ -82,7 +82,7 @@ class Engine:
         self._busy: set[str] = set()
         self._lock = threading.Lock()  # the busy set
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
-        self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.resident_bytes,
+        self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.residency.resident_bytes,
                                    lambda: self.loop.batch.steps, self.loop.commits.in_flight)
         # the disk budget (None: none), offload and restore (with a home), retention: FORMAT.md 5.10
         self.tiers = TierManager(self, max_disk_bytes=max_disk_bytes)
@@ -154,7 +154,7 @@ class Engine:
         """The open session ``session_id``, resident (created if absent and ``create``; with
         ``behind``, a turn's, its files are still being made when it is returned: FORMAT.md 7)."""
         session = self._sessions.get(session_id)
-        if session is not None and session.fence is not None:  # fenced: let go of, reopened below
+        if session is not None and session.commits.fence is not None:  # fenced: let go of, reopened below
             self.let_go_fenced(session)
             session = None
         self.fences.reopen(self.store, session_id)  # a fenced session: from its verified commit only
@@ -164,12 +164,13 @@ class Engine:
         created = False
         try:
             if session is None:
+                options = self.fleet.session_options(session_id, self.options)  # with the fleet's shipping
                 if self.store.exists(session_id):
-                    session = self.store.open(session_id, self.model_source, self.options)
+                    session = self.store.open(session_id, self.model_source, options)
                     self._observe_resume(session)
                 elif create:
                     session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
-                                               options=self.options)
+                                               options=options)
                     created = True
                     if not behind:  # the caller writes into its directory next
                         session.await_files()
@@ -192,7 +193,7 @@ class Engine:
             self.metrics.resume_seconds.observe(seconds)
 
     def _over_limits(self) -> bool:
-        resident = self.store.resident_sessions()
+        resident = self.store.residency.sessions()
         if len(resident) > self.limits.max_resident:
             return True
         return self.max_kv_bytes is not None and sum(s.memory_bytes() for s in resident) > self.max_kv_bytes
@@ -200,7 +201,7 @@ class Engine:
     def enforce_residency(self, keep: Session | None) -> None:
         """Suspend least recently used idle sessions (never ``keep``, never one with work in
         flight) until the resident ones fit ``max_resident`` and ``max_kv_bytes``."""
-        for session in self.store.resident_sessions():  # least recently used first
+        for session in self.store.residency.sessions():  # least recently used first
             if not self._over_limits():
                 return
             with self._lock:
@@ -229,7 +230,7 @@ class Engine:
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
             except BaseException:
-                if session.fence is not None:  # a commit failed with an I/O error: nothing more written
+                if session.commits.fence is not None:  # a commit failed with an I/O error: nothing more written
                     self.let_go_fenced(session)
                     raise
                 if created and not session.history():  # a refused first turn leaves no session behind
@@ -239,7 +240,7 @@ class Engine:
                 self.tiers.after_turn(spec)  # the turn's reserved disk bytes are its file's now
             outcome.created = created
             self.fleet.turn_done(spec.session)  # ship what the turn added before its final event
-            self.metrics.commit_seconds.observe(sum(session.commit_timing.values()))
+            self.metrics.commit_seconds.observe(sum(session.commits.timing.values()))
             self.last_use[spec.session] = time.time()
             self.enforce_residency(keep=session)
         self.metrics.tokens.inc(len(outcome.tokens))
@@ -250,11 +251,11 @@ class Engine:
     def let_go_fenced(self, session: Session) -> None:
         """A fenced session (:mod:`sessionstore.sessions.fence`): released without a commit and
         listed until its next request reopens it; the other sessions carry on."""
-        assert session.fence is not None
+        assert session.commits.fence is not None
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
         session.suspend()  # fenced: released, nothing written
-        self.fences.note(session.fence)
+        self.fences.note(session.commits.fence)
 
     def forget(self, session_id: str) -> None:
         """Let go of a suspended session's object (its files are about to be replaced)."""
@@ -306,10 +307,10 @@ class Engine:
         return "resident" if session is not None and session.state == "resident" else "suspended"
 
     def resident_count(self) -> int:
-        return len(self.store.resident_sessions())
+        return len(self.store.residency.sessions())
 
     def suspended_count(self) -> int:
-        return max(0, len(self.store.ids()) - self.resident_count())
+        return max(0, len(self.store.directory.ids()) - self.resident_count())
 
 
 __all__ = ["Engine"]

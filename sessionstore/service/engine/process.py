@@ -325,7 +325,7 @@ def main() -> int:
         requests.close(linger=0)
         events.close()
         context.term()
-    log.info("core.stopped", sessions=len(engine.store.ids()))
+    log.info("core.stopped", sessions=len(engine.store.directory.ids()))
     return 0
 
 

@@ -81,7 +81,7 @@ class TierManager:
         self.home = engine.home  # fleet.FleetHome (serve --remote), else None: nothing is offloaded
         self.budget = max_disk_bytes
         self.metrics = TierMetrics(engine.metrics.registry)
-        self.metrics.bind(self.store.resident_bytes, self.store.catalogue.bytes_by_state)
+        self.metrics.bind(self.store.residency.resident_bytes, self.store.catalogue.bytes_by_state)
         self._reserved: dict[str, int] = {}  # session -> its kv file's size bound while its turn runs
 
     # ---- a turn's hooks (its job on the loop) --------------------------------------------------

@@ -161,7 +161,7 @@ class TurnRunner:
                                  response_format=spec.response_format if structured else None)
             return TurnOutcome(reply.tokens, output.text, output.finish_reason, reply.prompt_tokens,
                                reply.reused_prefix, session.committed, logprobs=self._logprobs(spec, draw))
-        if not session.files_pending:  # a new session's files being made hold no conversation file
+        if not session.files.being_made:  # a new session's files being made hold no conversation file
             session.run_io(lambda: remove_record(session.directory))  # before the tokens change: never a stale
             # conversation (a durable unlink: the server's I/O thread runs it while its loop steps the others)
         session.ensure_resident()

@@ -8,6 +8,9 @@ s3://bucket/prefix``, FORMAT.md 6.4 and 7): the fleet, not the local store, is e
   lease is taken and, unless the local copy is known to equal the fleet's current bundle, that
   bundle is pulled over it. A session the fleet has no bundle of is created or continued here
   under a conditional create of its lease (of two hosts creating one id, one wins).
+- :meth:`FleetHome.session_options` as it opens: with ``--ship-every-commit``, the commit runner
+  it opens with ships each commit a turn makes (wrapped around the engine's runner then, never
+  swapped into a live session).
 - :meth:`FleetHome.keep` once it is open: a LeaseKeeper renews the lease while it stays
   resident and fences its commits (a lost lease: every further commit is refused).
 - :meth:`FleetHome.check_in` after it was suspended, evicted or closed: push a new bundle and
@@ -25,13 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from kernels.errors import ColiError, LockedError
 from sessionstore.log import get_logger
 from sessionstore.migration import HeldElsewhereError, Lease, LeaseKeeper, RemoteStore, RemoteStoreError, TurnShipper
 from sessionstore.service.errors import ApiError
-from sessionstore.sessions import Session, is_offloaded
+from sessionstore.sessions import Session, SessionOptions, is_offloaded
 
 log = get_logger("fleet")
 
@@ -130,6 +134,29 @@ class FleetHome:
         with self._refusals(session_id):
             self.shipper.ship(session_id, held)
 
+    def session_options(self, session_id: str, options: SessionOptions) -> SessionOptions:
+        """The options ``session_id`` opens with: ``options``, and with ``--ship-every-commit`` a
+        commit runner around theirs that ships each commit a turn makes, once it has returned
+        (a failure there is logged; the turn's end ships, or refuses, again)."""
+        if not self.ship_every_commit:
+            return options
+        inner = options.commit_runner
+
+        def runner(commit: Callable[[], object], *, overlap: bool = False) -> None:
+            def finish_and_ship() -> object:
+                count = commit()
+                try:
+                    self.turn_done(session_id)  # nothing while this host does not hold its lease
+                except (ApiError, ColiError) as exc:
+                    log.warning("fleet.ship_failed", id=session_id, host=self.host_id, error=str(exc))
+                return count
+            if inner is None:
+                finish_and_ship()
+            else:
+                inner(finish_and_ship, overlap=overlap)
+
+        return replace(options, commit_runner=runner)
+
     def keep(self, session: Session) -> None:
         """Renew the lease of ``session`` (open and resident now) until it is released, and
         refuse its commits once the lease is lost."""
@@ -140,34 +167,8 @@ class FleetHome:
         if held is None or session.state != "resident":
             return
         keeper = LeaseKeeper(self.remote, session.id, held, interval=self.remote.renew_interval).start()
-        session.guard_with(keeper)  # Session._release stops it
+        session.commits.guard_with(keeper)  # released with the session (session_resume.release_files)
         self._kept[session.id] = (session, keeper)
-        if self.ship_every_commit:
-            self._ship_each_commit(session)
-
-    def _ship_each_commit(self, session: Session) -> None:
-        """``--ship-every-commit``: each commit the session's runner finishes inside a turn ships
-        too. A failure there is logged; the turn's end ships (or refuses) again."""
-        inner = session.commit_runner
-        if getattr(inner, "ships", None) == session.id:
-            return
-        sid = session.id
-
-        def runner(commit: Callable[[], object], *, overlap: bool = False) -> None:
-            def finish_and_ship() -> object:
-                count = commit()
-                try:
-                    self.turn_done(sid)
-                except (ApiError, ColiError) as exc:
-                    log.warning("fleet.ship_failed", id=sid, host=self.host_id, error=str(exc))
-                return count
-            if inner is None:
-                finish_and_ship()
-            else:
-                inner(finish_and_ship, overlap=overlap)
-
-        runner.ships = sid  # type: ignore[attr-defined]
-        session.commit_runner = runner
 
     def check_in(self, session_id: str) -> None:
         """Push the (suspended) session as a new bundle and release its lease. Never raises:

@@ -139,7 +139,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
         sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    sessions = len(store.ids())
+    sessions = len(store.directory.ids())
     log.info("service.stopped", sessions=sessions, engine_exit=code)
     print(json.dumps({"event": "stopped", "sessions": sessions}), file=sys.stderr, flush=True)
     return 0 if code in (0, None) else 1

@@ -6,7 +6,7 @@ Sessions that started together commit together (every ``--commit-every`` tokens,
 step); one after another, their fsyncs (each on its own files) would hold the whole batch for
 the sum of them, and even overlapped they would hold it for the slowest. Started at the end of
 the pass, they overlap each other and the next step. A commit is two parts
-(:meth:`sessionstore.sessions.Session.begin_commit`): the part run in the pass hands the new rows
+(:meth:`sessionstore.sessions.CommitPath.begin`): the part run in the pass hands the new rows
 to the writer and fixes what the commit covers; the part put off here only makes those records
 durable and touches neither the cache nor the pending token, so the next step may append to the
 cache meanwhile. Before a loop is run on again (sent the logits of that next step) or its turn is
