@@ -188,7 +188,7 @@ class Conversation:
         try:
             session.generate(None, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
         except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
-            session.run_io(session.begin_commit())  # run_io, as every other commit (the loop steps the others)
+            session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
         output.finish()
         reply.tokens = output.tokens
         reply.stopped = {"eos": "eos", "length": "limit"}.get(output.reason, "interrupted")

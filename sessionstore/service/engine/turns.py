@@ -170,7 +170,7 @@ class TurnRunner:
         try:
             session.generate(prompt, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
         except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
-            session.run_io(session.begin_commit())  # run_io, as every other commit (the loop steps the others)
+            session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
         output.finish()
         return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed,
                            logprobs=self._logprobs(spec, draw))
