@@ -183,7 +183,12 @@ def test_f32_rows_selections_and_logits_match_transformers(checkpoint: tuple[Cas
         for h in hooks:
             h.remove()
     ref = out.logits[0].numpy()  # [T, V]
-    logits, cache = _teacher_forced(ours, tokens, "f32", prefill=24)
+    logits, cache = _teacher_forced(ours, tokens, "f32", prefill=24)  # the step that runs (compiled where it applies)
+    recorded_selections.clear()  # the compiled step selects inside its one compiled call: the reference step
+    ours.use_compiled = False  # records them, and is bitwise the compiled one
+    ref_logits, ref_cache = _teacher_forced(ours, tokens, "f32", prefill=24)
+    assert np.array_equal(logits, ref_logits)
+    assert np.array_equal(cache.records_since(0).lc, ref_cache.records_since(0).lc)
     assert np.array_equal(logits.argmax(-1), ref.argmax(-1)), "teacher-forced top-1 differs"
     assert _rel_err(logits, ref) < 1e-4
     rec = cache.records_since(0)  # lc [T, L, kv_lora], rc [T, L, rope], index [T, NI, hd]
