@@ -71,8 +71,8 @@ def _kill_rounds(tmp_path: Path, text_model_dir: Path, tok: Any, durable: bool, 
             for sid, reader in readers.items():
                 history = _history(server, sid)
                 seen.append((sid, reader.text, tok.decode(history[starts[sid]:])))
-                if sid != "chat":
-                    before[sid] = history  # the next round continues it (only the pending token fed)
+                if sid != "chat":  # the next round continues it (only the pending token fed); killed before
+                    before[sid] = history or before[sid]  # its first commit, it starts again from its prompt
             # the sessions open (recovery) and continue: what the clients saw is still there
             for sid in before:
                 reply = server.post("/v1/completions", json={"model": name, "prompt": before[sid], "max_tokens": 2,
