@@ -36,8 +36,8 @@ LATENT_FIELDS = 10  # start, length, then (address, row stride) of lc codes, lc 
 INDEX_FIELDS = 4  # start, length, address, row stride
 
 
-def _pointer_intrinsic(dtype: Any) -> Any:
-    """An njit-callable ``address (int64) -> CPointer(dtype)``."""
+def pointer_to(dtype: Any) -> Any:
+    """An njit-callable ``address (int64) -> CPointer(dtype)`` (the step's tables hold addresses)."""
 
     @intrinsic
     def at(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compile-time
@@ -53,8 +53,17 @@ def _pointer_intrinsic(dtype: Any) -> Any:
     return at
 
 
-_u8_at = _pointer_intrinsic(types.uint8)
-_f32_at = _pointer_intrinsic(types.float32)
+_u8_at = pointer_to(types.uint8)
+_f32_at = pointer_to(types.float32)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def block_of(tables: np.ndarray, b: int, blk: int, pos: int) -> tuple[int, int]:  # pragma: no cover - compiled
+    """(block, row in it) of session b's position ``pos`` in its tables [B, NB, LATENT_FIELDS], looked for
+    from block ``blk`` on (a session's selected positions ascend: its blocks are walked once, in order)."""
+    while pos >= tables[b, blk, 0] + tables[b, blk, 1]:
+        blk += 1
+    return blk, pos - tables[b, blk, 0]
 _BOUND = np.float32(USABLE_SCALE_BOUND)
 
 _F32, _I64 = types.float32, types.int64
@@ -129,9 +138,7 @@ def attend_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
         blk = 0
         for j in range(k):
             pos = sel[b, j]
-            while pos >= tables[b, blk, 0] + tables[b, blk, 1]:  # ascending positions: the blocks in order
-                blk += 1
-            r = pos - tables[b, blk, 0]
+            blk, r = block_of(tables, b, blk, pos)
             lc8 = carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), width)
             rc8 = carray(_u8_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rope)
             for n in range(width):
@@ -145,4 +152,5 @@ def attend_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
         attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], lsc[:k], rsc[:k], scale, scores[:k], ctx[b])
 
 
-__all__ = ["INDEX_FIELDS", "LATENT_FIELDS", "attend_rows", "select_rows", "write_fp8_rows", "write_keys"]
+__all__ = ["INDEX_FIELDS", "LATENT_FIELDS", "attend_rows", "block_of", "pointer_to", "select_rows", "write_fp8_rows",
+           "write_keys"]

@@ -13,37 +13,16 @@ values, each session alone.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import carray, njit, types, void
-from numba.extending import intrinsic
 
+from kernels.attention.row_tables import block_of, pointer_to
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
 
 _F32, _I64 = types.float32, types.int64
 _A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
 _I1, _I2, _I3 = (types.Array(_I64, n, "C") for n in (1, 2, 3))
-
-
-def pointer_to(dtype: Any) -> Any:
-    """An njit-callable ``address (int64) -> CPointer(dtype)`` (the step's tables hold addresses)."""
-
-    @intrinsic
-    def at(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compile-time
-        if not isinstance(address, types.Integer):
-            return None
-        ptr = types.CPointer(dtype)  # type: ignore[no-untyped-call]
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.inttoptr(args[0], context.get_value_type(ptr))
-
-        return ptr(address), codegen
-
-    return at
-
-
 _f32_at = pointer_to(_F32)
 
 
@@ -75,12 +54,10 @@ def attend_f32_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.
         blk = 0
         for j in range(k):
             pos = sel[b, j]
-            while pos >= tables[b, blk, 0] + tables[b, blk, 1]:  # ascending positions: the blocks in order
-                blk += 1
-            r = pos - tables[b, blk, 0]
+            blk, r = block_of(tables, b, blk, pos)
             lc_f[j] = carray(_f32_at(tables[b, blk, 2] + r * tables[b, blk, 3]), width)
             rc_f[j] = carray(_f32_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rope)
         attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], ones[:k], ones[:k], scale, scores[:k], ctx[b])
 
 
-__all__ = ["attend_f32_rows", "pointer_to", "write_f32_rows"]
+__all__ = ["attend_f32_rows", "write_f32_rows"]

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 from numba import carray, njit, types
 
+from kernels.attention.row_tables import block_of, pointer_to
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
-from kernels.model.f32_row_tables import pointer_to
 from kernels.tq import RADIUS_BOUND, RADIUS_MIN, SIGNS, TqCodec
 from kernels.tq.int4 import LEVELS
 from kernels.tq.polar import PI, polar_layout
@@ -230,9 +230,7 @@ def attend_tq_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.n
         blk = 0
         for j in range(k):
             pos = sel[b, j]
-            while pos >= tables[b, blk, 0] + tables[b, blk, 1]:  # ascending positions: the blocks in order
-                blk += 1
-            r = pos - tables[b, blk, 0]
+            blk, r = block_of(tables, b, blk, pos)
             lrad = carray(_f32_at(tables[b, blk, 4] + r * tables[b, blk, 5]), 1)[0]
             rrad = carray(_f32_at(tables[b, blk, 8] + r * tables[b, blk, 9]), 1)[0]
             decode_tq_row(carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), lbytes), lrad, lp, lc_f[j],
