@@ -15,11 +15,15 @@ prediction reads stored (quantised) rows, and past ``index_topk`` the DSA select
 (d) Perplexity by position (f32 cache): held-out windows of the model's whole context (2,048 tokens),
     each prefilled in chunks of ``CHUNK``; the next-token NLL of the predictions at positions
     [lo, hi) of every window, per span of :data:`SPANS`, and the ratio of the last span's to the first's
-    (1.0: the model reads a long context as well as a short one).
+    (1.0: the model reads a long context as well as a short one). The last span's targets are read again
+    with a short context (:func:`short_context_nll`): the text at those positions may be harder in itself,
+    and the ratio of the two perplexities is the position's own cost.
 JSON keys: ppl_<dtype>, ppl_rel_delta_<dtype>, top1_agree_<dtype>, kl_<dtype>, greedy_prefix_tokens_mean_<dtype>
 (tokens agreeing with f32's answer before the first divergence), greedy_prefix_mean_<dtype> (that as a share
 of f32's answer), greedy_identical_<dtype>, lc_rel_err_<codec>, rc_rel_err_<codec>, ppl_pos_<lo>_<hi>,
-ppl_pos_ratio (last span over first), plus tokens/prompts/position_windows counts.
+ppl_pos_ratio (last span over first), ppl_pos_last_short_context (the last span's targets read with a
+short context), ppl_pos_context_ratio (the last span's perplexity over that), plus tokens/prompts/
+position_windows counts.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ DTYPES = ("f32", "fp8", "int4", "polar4")
 PREFIX = 8
 SPANS = ((0, 128), (128, 512), (512, 1024), (1024, 2048))
 CHUNK = 256
+SHORT_CONTEXT = 128  # (d): the last span's targets read again with at most this many tokens of context
 MODEL_DIR = "models/glm-mini"
 PROMPTS = (
     [{"role": "user", "content": "Explain the \"for\" statement."}],
@@ -185,7 +190,35 @@ def run_positions(model: MLADecoder, windows: list[np.ndarray]) -> dict[str, flo
     spans = [k for k in out if k.startswith("ppl_pos_")]
     out["ppl_pos_ratio"] = out[spans[-1]] / out[spans[0]]
     print(f"    last span / first span: {out['ppl_pos_ratio']:.3f}")
+    lo, hi = next((lo, hi) for lo, hi in reversed(SPANS) if lo < rows.shape[1])
+    short = short_context_nll(model, windows, lo, min(hi, rows.shape[1]))
+    out["ppl_pos_last_short_context"] = math.exp(float(short.mean()))
+    out["ppl_pos_context_ratio"] = out[spans[-1]] / out["ppl_pos_last_short_context"]
+    print(f"    the same {lo}-{hi} targets, each read with {SHORT_CONTEXT // 2}-{SHORT_CONTEXT} tokens of context:"
+          f" ppl {out['ppl_pos_last_short_context']:9.3f} (full context / short: {out['ppl_pos_context_ratio']:.3f})")
     return out
+
+
+def short_context_nll(model: MLADecoder, windows: list[np.ndarray], lo: int, hi: int) -> np.ndarray:
+    """NLL [n] f64 of the predictions at positions [lo, hi) of every window, each read with a short context.
+
+    Windows of :data:`SHORT_CONTEXT` tokens at a stride of half that; each scores only its second half, so
+    every target is predicted from the SHORT_CONTEXT / 2 .. SHORT_CONTEXT tokens before it, at positions
+    under SHORT_CONTEXT, and each position of [lo, hi) is scored once. It tells the text's own difficulty
+    from the position's: a model that reads a long context as well as a short one predicts these targets at
+    least as well with its full context.
+    """
+    half = SHORT_CONTEXT // 2
+    nll = []
+    for window in windows:
+        for start in range(max(lo - half + 1, 0), hi - half + 1, half):
+            part = window[start:start + SHORT_CONTEXT + 1]  # [<= SHORT_CONTEXT + 1] i32: inputs and the last target
+            logits = model.forward(part[:-1], model.new_cache("f32")).astype(np.float64)  # [S, V] f64
+            logits -= logits.max(axis=1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            picked = -logp[np.arange(part.size - 1), part[1:]]  # [S] f64: row j predicts token start + j + 1
+            nll.append(picked[half - 1:min(2 * half - 1, hi - start)])  # positions start + half - 1 .. (< hi)
+    return np.concatenate(nll)
 
 
 def heldout_windows(tok: Any, length: int, count: int) -> list[np.ndarray]:
