@@ -5,7 +5,12 @@ import os
 
 import pytest
 
+from tools.blas_threads import default_to_one_blas_thread
+
 os.environ.setdefault("COLI_LOG", "off")
+# as every coli-kv process does (tools/blas_threads.py), and before pytest-xdist starts its workers, which
+# inherit it: two workers' BLAS pools spinning on two cores slowed numpy-heavy tests 2.7x on a busy machine
+default_to_one_blas_thread()
 
 
 def _cuda_device_usable() -> bool:

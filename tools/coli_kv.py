@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from tools import early_core
+from tools.blas_threads import default_to_one_blas_thread
 
 # Sub-command modules, in help order, with the commands each registers: a command line that names
 # one imports that module alone (a server's start does not import every other command's room); help,
@@ -70,6 +71,7 @@ def _remote_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(argv) if argv is not None else sys.argv[1:]
+    default_to_one_blas_thread()  # before numpy's first import, here and in the core's process (tools/blas_threads.py)
     if early_core.wants_core(args_in):  # before our imports: the core's run beside them (tools/early_core.py)
         early_core.start()
     try:
