@@ -130,7 +130,7 @@ def run_cuda(reps: int) -> dict[str, float | str]:
         return {"cuda_skipped": reason}
     import cupy as cp
 
-    from kernels.cuda.attention import batched_decode_device
+    from bench.cuda_batch import batched_decode_device
     from kernels.cuda.device import get_runner
 
     runner = get_runner()

@@ -13,7 +13,8 @@ A DSA model (GLM-5.x) also keeps one indexer key per position for each of its ``
 full layers (the file's Ic rows, always f32): written per forward beside the latent rows,
 committed, truncated and discarded with them, resumed from a ``[T, n_index_layers, hd]`` f32 view.
 
-The grown storage and the block views are :mod:`kernels.model.cache_storage`; the rows of a batched
+The grown storage is :mod:`kernels.model.cache_owned` (its arrays and block views
+:mod:`kernels.model.cache_storage`); the rows of a batched
 step (a cache, or one position of a cache that takes several) are :mod:`kernels.model.step_rows`.
 """
 from __future__ import annotations
@@ -24,13 +25,12 @@ from typing import Any
 import numpy as np
 
 from kernels.errors import FormatError, ModelMismatchError
+from kernels.model.cache_owned import OwnedRows
 from kernels.model.cache_storage import (
     FIELDS,
-    INITIAL_CAPACITY,
     RECORD_FIELD,
     GrowableIndex,
     GrowableRows,
-    Moves,
     check_index_rows,
     row_kind,
     row_width,
@@ -55,12 +55,11 @@ class DecoderCache:
     """Latent rows of every layer for positions [0, length), plus the input token of each
     (and, for a DSA model, the indexer key of each position in every full layer).
 
-    On the class-size list (tests/house/test_class_sizes.py): every method reads or writes the same
-    per-layer row storage and the lengths that say how far each layer and indexer slot is written
-    (the decoder's forward writes a layer at a time, attention reads blocks of it, a commit takes
-    the rows since the last one, truncate cuts them all); split, two objects would share those
-    arrays and lengths. Building it from a file's blocks (``from_blocks``) and the row tables of the
-    cuda backend are the only parts apart."""
+    It holds its base blocks (rows it was resumed over, never copied) and its own storage
+    (:class:`~kernels.model.cache_owned.OwnedRows`: the rows, keys and tokens it grew, their
+    lengths and room), and addresses positions across the two: the decoder's protocol (encode,
+    write, commit, discard, truncate), the blocks attention reads, the records a commit takes,
+    and the address tables of the batch kernels."""
 
     def __init__(
         self, n_layers: int, kv_lora: int, qk_rope: int, kv_dtype: str = "f32", backend: str | Any = "cpu",
@@ -76,11 +75,9 @@ class DecoderCache:
         self._base_tokens = np.zeros(0, dtype="<i4")  # [base_len] i32
         self._base_index = np.zeros((0, n_index_layers, index_head_dim), np.float32)  # [base_len, NI, hd] f32
         self._base_len = 0
-        self._moves = Moves()  # reallocations of the arrays below
-        self._own = [GrowableRows(kv_dtype, kv_lora, qk_rope, self._moves) for _ in range(n_layers)]
-        self._own_index = [GrowableIndex(index_head_dim, self._moves) for _ in range(n_index_layers)]
-        self._room = INITIAL_CAPACITY  # owned rows every array above has room for (they only grow)
-        self._own_tokens = np.zeros(INITIAL_CAPACITY, dtype="<i4")  # [capacity] i32
+        self._owned = OwnedRows(n_layers, kv_dtype, kv_lora, qk_rope, n_index_layers, index_head_dim)
+        self._own = self._owned.layers  # the same lists, named here for the hot paths
+        self._own_index = self._owned.index
         self.length = 0
         self._tables: tuple[tuple[int, int], RowTables] | None = None  # (storage key, tables) when built
 
@@ -192,7 +189,7 @@ class DecoderCache:
     def tokens_from(self, start: int) -> np.ndarray:
         """Input tokens of positions [start, length) [length - start] i32 (a copy of those only: a
         resumed cache's are a strided view of its file's records, one page apart)."""
-        own = self._own_tokens[max(start - self._base_len, 0) : self.length - self._base_len]
+        own = self._owned.tokens[max(start - self._base_len, 0) : self.length - self._base_len]
         base = self._base_tokens[min(start, self._base_len) : min(self.length, self._base_len)]
         return np.concatenate([base, own]).astype("<i4")
 
@@ -207,7 +204,7 @@ class DecoderCache:
             empty = GrowableRows(self.kv_dtype, self.kv_lora, self.qk_rope).arrays
             for name, arr in empty.items():
                 fields[RECORD_FIELD.get(name, name)] = np.zeros((0, self.n_layers, *arr.shape[1:]), arr.dtype)
-            return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
+            return RecordRows(tokens=tokens, index=_index_since(self, start), codec=codec, **fields)
         owned = start >= self._base_len  # every asked position is in this cache's own rows (a decode step)
         a, b = start - self._base_len, self.length - self._base_len
         for name in FIELDS[self.kind]:
@@ -219,27 +216,9 @@ class DecoderCache:
                     for layer in range(self.n_layers)
                 ]  # each: [k, *]
             fields[RECORD_FIELD.get(name, name)] = np.stack(per_layer, axis=1)  # [k, L, *] (a new array)
-        return RecordRows(tokens=tokens, index=self._index_since(start), codec=codec, **fields)
-
-    def _index_since(self, start: int) -> np.ndarray | None:
-        """Indexer keys of positions [start, length): [k, NI, hd] f32, or None without index layers."""
-        if not self.n_index_layers:
-            return None
-        out = np.empty((self.length - start, self.n_index_layers, self.index_head_dim), np.float32)  # [k, NI, hd]
-        for slot in range(self.n_index_layers):
-            pos = 0
-            for rows in self.index_blocks(slot, self.length):
-                lo = max(start - pos, 0)
-                if lo < rows.shape[0]:
-                    out[pos + lo - start : pos + rows.shape[0] - start, slot] = rows[lo:]
-                pos += rows.shape[0]
-        return out
+        return RecordRows(tokens=tokens, index=_index_since(self, start), codec=codec, **fields)
 
     # ---- writing (the decoder's protocol) -------------------------------------------------
-    def write_encoded(self, layer: int, values: dict[str, np.ndarray]) -> None:
-        """Store rows already in this cache's form (:meth:`encode_rows`) at the pending positions."""
-        self._own[layer].write(self.length - self._base_len, values)
-
     def encode_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> dict[str, np.ndarray]:
         """Rows lc [S, kv_lora], rc [S, qk_rope] f32 in this cache's form (fp8 codes + scales, v3
         codes + radii, or f32), each row encoded on its own: any rows of caches of the same kv
@@ -274,20 +253,13 @@ class DecoderCache:
         """Room for ``n`` pending positions in every layer's owned rows and indexer keys, so that
         writing them moves no array (the address tables stay valid through a step)."""
         rows = self.length - self._base_len + n
-        if rows <= self._room:
-            return
-        for own in self._own:
-            own.reserve(rows)
-        for index in self._own_index:
-            index.reserve(rows)
-        # the room they have now (each grew by doubling): the next steps' reserves return at once
-        self._room = min([next(iter(own.arrays.values())).shape[0] for own in self._own]
-                         + [index.rows.shape[0] for index in self._own_index])
+        if rows > self._owned.room:
+            self._owned.reserve(rows)
 
     def row_tables(self) -> RowTables | None:
         """Address tables of this cache's rows and keys (built once, rebuilt after its storage
         moves); None for rows a table cannot describe."""
-        key = (self._base_len, self._moves.count)
+        key = (self._base_len, self._owned.moves.count)
         if self._tables is not None and self._tables[0] == key:
             return self._tables[1]
         tables = RowTables.of(self)
@@ -309,25 +281,21 @@ class DecoderCache:
     def mark_step_written(self, n: int) -> None:
         """The ``n`` pending positions of every layer's rows and every full layer's keys were
         written in place through the address tables (the compiled step writes them all at once)."""
-        self._set_own_length(self.length - self._base_len + n)
+        self._owned.set_length(self.length - self._base_len + n)
 
     def commit_positions(self, tokens: np.ndarray) -> None:
         """Make the pending positions (written in every layer) part of the cache."""
         start = self.length - self._base_len
         n = tokens.shape[0]
-        lengths = self._own_lengths()  # every layer's (and full layer's) owned rows
+        lengths = self._owned.lengths()  # every layer's (and full layer's) owned rows
         if min(lengths) != start + n or max(lengths) != start + n:
             raise FormatError("commit_positions: not every layer holds the pending rows")
-        if start + n > self._own_tokens.shape[0]:
-            grown = np.zeros(max(2 * self._own_tokens.shape[0], start + n), dtype="<i4")
-            grown[:start] = self._own_tokens[:start]
-            self._own_tokens = grown
-        self._own_tokens[start : start + n] = tokens
+        self._owned.put_tokens(start, tokens)
         self.length += n
 
     def discard_pending(self) -> None:
         """Forget rows written after ``length`` (a forward pass that failed part-way)."""
-        self._set_own_length(self.length - self._base_len, shorten_only=True)
+        self._owned.set_length(self.length - self._base_len, shorten_only=True)
 
     def truncate(self, n: int) -> int:
         """Keep positions [0, n) (clamped to ``length``); returns the new length."""
@@ -342,24 +310,30 @@ class DecoderCache:
             self._base_tokens = self._base_tokens[:n]
             self._base_index = self._base_index[:n]
             self._tables = None
-        self._set_own_length(n - self._base_len)
+        self._owned.set_length(n - self._base_len)
         self.length = n
         return n
-
-    def _own_lengths(self) -> list[int]:
-        return [own.length for own in self._own] + [own.length for own in self._own_index]
-
-    def _set_own_length(self, n: int, shorten_only: bool = False) -> None:
-        for rows in self._own:
-            rows.length = min(rows.length, n) if shorten_only else n
-        for index in self._own_index:
-            index.length = min(index.length, n) if shorten_only else n
 
     @property
     def own_nbytes(self) -> int:
         """Bytes of the storage this cache allocated (base blocks not counted)."""
-        latent = sum(arr.nbytes for own in self._own for arr in own.arrays.values())
-        return latent + sum(own.rows.nbytes for own in self._own_index)
+        return self._owned.nbytes
+
+
+def _index_since(cache: DecoderCache, start: int) -> np.ndarray | None:
+    """Indexer keys of positions [start, length) of ``cache``: [k, NI, hd] f32, or None without
+    index layers."""
+    if not cache.n_index_layers:
+        return None
+    out = np.empty((cache.length - start, cache.n_index_layers, cache.index_head_dim), np.float32)  # [k, NI, hd]
+    for slot in range(cache.n_index_layers):
+        pos = 0
+        for rows in cache.index_blocks(slot, cache.length):
+            lo = max(start - pos, 0)
+            if lo < rows.shape[0]:
+                out[pos + lo - start : pos + rows.shape[0] - start, slot] = rows[lo:]
+            pos += rows.shape[0]
+    return out
 
 
 __all__ = ["DecoderCache"]

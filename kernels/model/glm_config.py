@@ -74,10 +74,6 @@ class DsaConfig:
     def is_full(self, layer: int) -> bool:
         return self.indexer_types[layer] == "full"
 
-    def index_slot(self, layer: int) -> int:
-        """Position of full ``layer`` among the full layers (its Ic row in a record)."""
-        return self.full_layers.index(layer)
-
 
 def with_glm_defaults(obj: dict[str, Any]) -> dict[str, Any]:
     """A copy of the config with transformers' GLM defaults for the keys it leaves out."""

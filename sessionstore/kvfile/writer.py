@@ -10,36 +10,25 @@ records (3.5); ``truncate(n)`` rewrites only nrec, the sidecar count first (3.6)
 with fp8 or the 4-bit tier on is rewritten crash-safely at the first append (3.7, ``upgrade.py``).
 With ``preallocate``, small commits keep zero-filled headroom past the committed records (3.4.1,
 ``headroom.py``). Writers share one pool of fsync helper threads (:class:`SharedDurability`).
+The writer checks, packs and logs; the state the protocol changes together (descriptor, counts,
+staging, sidecar) and its steps are its :class:`~sessionstore.kvfile.appender.Appender`.
 """
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable
 
 from kernels.errors import ColiError, LimitError
 from kernels.rows import RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
-from sessionstore.kvfile.durability import Durability, SharedDurability, wait_all
-from sessionstore.kvfile.header import (
-    HEADER_SIZE,
-    MAX_NREC,
-    NREC_OFFSET,
-    Dims,
-    Header,
-    complete_records,
-    pack_nrec,
-    validate_dims,
-)
-from sessionstore.kvfile.headroom import Headroom
+from sessionstore.kvfile.appender import Appender
+from sessionstore.kvfile.durability import Durability, SharedDurability
+from sessionstore.kvfile.header import MAX_NREC, Dims, Header, complete_records, validate_dims
 from sessionstore.kvfile.integrity import Vouched, VouchedMapping
 from sessionstore.kvfile.layout import check_tokens, pack_records
 from sessionstore.kvfile.lock import WriterLock
-from sessionstore.kvfile.opening import OpenedFile, open_locked, refuse_non_regular, target_header
+from sessionstore.kvfile.opening import OpenedFile, open_locked, refuse_non_regular
 from sessionstore.kvfile.reader import KVReader, open_kv
-from sessionstore.kvfile.sidecar import HEADROOM_ENTRIES, SidecarWriter
-from sessionstore.kvfile.sidecar_repair import catch_up, drop_untended, open_beside, repair_on_open
-from sessionstore.kvfile.staging import Staging
 from sessionstore.kvfile.writer_options import WriterOptions
 from sessionstore.log import get_logger
 
@@ -49,12 +38,9 @@ log = get_logger("writer")
 class KVWriter:
     """Single writer of one ``.coli_kv`` file. Create with :meth:`KVWriter.open`.
 
-    On the class-size list (tests/house): 8 are read-only properties and 3 the context manager and
-    repr; the rest are the steps of one protocol (FORMAT.md 3: append, commit, truncate, upgrade, close)
-    over state that must change together (the descriptor, the committed count and the most the
-    commit word on disk may hold, the staging buffer, the sidecar): split, the invariant "nrec on
-    disk never past what was written and synced" would be held by several objects at once. What
-    stands apart lives beside it: opening, staging, headroom, durability, sidecar repair, upgrade."""
+    It holds the lock, the vouching and its :class:`Appender` (the descriptor, the committed count,
+    the staging buffer and the sidecar, changed together by the protocol's steps: FORMAT.md 3);
+    here are the checks, the protocol's public face and the life cycle."""
 
     def __init__(self, *, path: str, dims: Dims, options: WriterOptions, io: Durability, lock: WriterLock,
                  opened: OpenedFile, nrec: int) -> None:
@@ -63,20 +49,8 @@ class KVWriter:
         self.kv_dtype = options.kv_dtype
         self._io = io
         self._lock = lock
-        self._fd = opened.fd
-        self._header = opened.header
-        self._nrec = nrec  # committed (durable) count
-        self._disk_nrec_max = opened.header.nrec  # the most the commit word on disk may hold
-        self._staging_bytes = options.staging_bytes
-        self._checksums = options.checksums
-        self._upgrade_chunk_bytes = options.upgrade_chunk_bytes
-        self._staging = Staging.for_file(self._header, self.dims, self._staging_bytes)  # [nrec, length)
-        self._write_behind = options.write_behind
-        self._sidecar: SidecarWriter | None = None
-        self._dir_sync_due = False
+        self._file = Appender(path=path, dims=dims, options=options, io=io, opened=opened, nrec=nrec)
         self._closed = False
-        self._file_end = opened.size  # the file's size as far as this writer knows (never shrinks)
-        self._headroom = Headroom(options.preallocate)  # zero-filled headroom past the committed records
         self._vouch = VouchedMapping()  # what open(vouch=...) checked before any repair, and how
 
     # -- opening ----------------------------------------------------------------------------
@@ -112,73 +86,39 @@ class KVWriter:
         io = durability if durability is not None else SharedDurability()
         lock = WriterLock(path).acquire()
         try:
-            writer = cls._open_locked(path, dims, options, create=create, io=io, lock=lock, vouch=vouch)
+            writer = _open_locked(cls, path, dims, options, create=create, io=io, lock=lock, vouch=vouch)
         except BaseException:
             lock.release()
             raise
         return writer
 
-    @classmethod
-    def _open_locked(cls, path: str, dims: Dims, options: WriterOptions, *, create: bool, io: Durability,
-                     lock: WriterLock, vouch: int | None) -> KVWriter:
-        opened = open_locked(path, dims, options.kv_dtype, create=create, io=io)
-        header = opened.header
-        writer: KVWriter | None = None
-        try:
-            complete = complete_records(header, opened.size)
-            writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
-            if vouch is not None:  # under the lock, before any repair touches the files
-                writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch)  # every record hashed
-            if not writer.pending_upgrade:
-                writer._recover(header.nrec)
-        except BaseException:
-            os.close(opened.fd)
-            if writer is not None:
-                writer._vouch.drop()
-            raise
-        log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=options.kv_dtype,
-                 created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")
-        return writer
-
-    def _recover(self, header_nrec: int) -> None:
-        """Bring the commit word and the sidecar in line with the complete committed records."""
-        if self._nrec < header_nrec:
-            log.warning("kv.recovery", path=self.path, action="nrec beyond the file: cut back",
-                        nrec=header_nrec, complete=self._nrec)
-            self._write_nrec(self._nrec)
-        if not self._checksums:
-            drop_untended(self.path, self._io)
-            return
-        self._sidecar = repair_on_open(self.path, self._io, self._fd, self._header, self._nrec,
-                                       headroom=self._headroom.enabled)
-
-    # -- state ------------------------------------------------------------------------------
+    # -- state ----------------------------------------------------------------------------
     @property
     def nrec(self) -> int:
         """Committed records (what a reader or a crash would see)."""
-        return self._nrec
+        return self._file.nrec
 
     @property
     def length(self) -> int:
         """Appended records, committed or not."""
-        return self._nrec + self._staging.count
+        return self._file.length
 
     @property
     def version(self) -> int:
-        return self._header.version
+        return self._file.header.version
 
     @property
     def record_bytes(self) -> int:
-        return self._header.record_bytes
+        return self._file.header.record_bytes
 
     @property
     def header(self) -> Header:
-        return self._header.with_nrec(self._nrec)
+        return self._file.header.with_nrec(self._file.nrec)
 
     @property
     def pending_upgrade(self) -> bool:
         """A v1 file opened with fp8 or the 4-bit tier on, not yet rewritten as v2 / v3."""
-        return self.kv_dtype != "f32" and self._header.version == 1
+        return self.kv_dtype != "f32" and self._file.header.version == 1
 
     @property
     def closed(self) -> bool:
@@ -196,14 +136,15 @@ class KVWriter:
     def take_vouched_reader(self) -> KVReader | None:
         """The reader ``open(vouch=...)`` checked the records through, handed to the caller when
         it still describes the file (:meth:`VouchedMapping.take`); None otherwise."""
-        return self._vouch.take(self._nrec, self.version)
+        return self._vouch.take(self._file.nrec, self.version)
 
     # -- append -----------------------------------------------------------------------------
     def append(self, rows: RecordRows) -> int:
         """Stage ``rows`` (k positions, all layers) after the appended ones; returns the length.
 
         Shapes, token ids (in [0, vocab)) and the indexer rows are checked before anything is
-        staged. The first append to a v1 file opened with fp8 on upgrades it to v2 first.
+        staged. The first append to a v1 file opened with fp8 on upgrades it to v2 first. Full
+        chunks of staged records (with ``write_behind``, every one) are written at once, no fsync.
         """
         self._check_open()
         if self.pending_upgrade:
@@ -214,33 +155,8 @@ class KVWriter:
         if self.length + k > MAX_NREC:
             raise LimitError(f"{self.path}: {self.length} + {k} records exceed the limit {MAX_NREC}")
         check_tokens(rows, self.dims.vocab, self.path)
-        packed = pack_records(self.version, self.dims, rows, self._header.tag)  # [k] records
-        self._staging.add(packed)
-        self._flush_full_chunks()
+        self._file.stage(pack_records(self.version, self.dims, rows, self._file.header.tag))  # [k] records
         return self.length
-
-    def _flush_full_chunks(self) -> None:
-        """Write what is due (no fsync): records of full chunks, or with write-behind every
-        staged record. The disk starts early; a failure is only logged (commit rewrites)."""
-        stop = self._staging.count if self._write_behind else self._staging.full_prefix()
-        try:
-            self._write_staged(stop, start_writeback=True)
-            if self._write_behind:
-                self._write_sidecar_entries(stop)
-        except OSError as exc:
-            self._staging.written = self._staging.entries_written = 0
-            log.warning("kv.write_deferred", path=self.path, error=str(exc))
-
-    def _write_staged(self, stop: int, *, start_writeback: bool) -> None:
-        """Write staged records [written, stop) at their offsets (no fsync)."""
-        first = HEADER_SIZE + self._nrec * self.record_bytes
-        end = self._staging.write_records(self._io, self._fd, first, stop, start_writeback=start_writeback)
-        self._file_end = max(self._file_end, end)
-
-    def _write_sidecar_entries(self, stop: int) -> None:
-        """The sidecar entries of staged records [entries_written, stop), not yet vouched for."""
-        if self._sidecar is not None:
-            self._staging.write_entries(self._sidecar, self._nrec, stop)
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, *, beside: Callable[[], object] | None = None) -> int:
@@ -253,62 +169,7 @@ class KVWriter:
         the next commit rewrites them all. The error is raised.
         """
         self._check_open()
-        length = self.length
-        if length == self._nrec and not self._dir_sync_due:
-            if beside is not None:
-                beside()
-            return self._nrec
-        try:
-            if self._dir_sync_due:
-                self._io.fsync_dir(self.path)
-                self._dir_sync_due = False
-            self._write_and_sync_records(beside)
-            if length != self._nrec:
-                self._write_nrec(length)
-        except OSError as exc:
-            if exc.filename is None:  # ENOSPC/EIO from a bare pwrite/fsync: say which file
-                exc.filename = self.path
-            self._staging.written = self._staging.entries_written = 0  # rewrite all from nrec
-            log.warning("kv.commit_failed", path=self.path, nrec=self._nrec, length=length,
-                        error=str(exc))
-            raise
-        added = length - self._nrec
-        self._nrec = length
-        self._staging.committed()
-        log.info("kv.commit", path=self.path, nrec=length, records=added,
-                 bytes=added * self.record_bytes)
-        if added:
-            self._file_end = self._headroom.refill(
-                self._io, self._fd, self.path, committed_end=HEADER_SIZE + self._nrec * self.record_bytes,
-                file_end=self._file_end, added=added, record_bytes=self.record_bytes)
-        return length
-
-    def _write_and_sync_records(self, beside: Callable[[], object] | None) -> None:
-        """Steps 1-2: the sidecar's entries + count staged and their fdatasync started on a
-        helper thread, the records written from nrec up, ``beside()`` started on another, the
-        data fdatasync here; returns once all are done (then raises the first error)."""
-        waits: list[Callable[[], object]] = []
-        try:
-            if self._sidecar is not None:
-                catch_up(self._sidecar, self._fd, self.path, self._nrec, self.record_bytes)
-                self._write_sidecar_entries(self._staging.count)  # those not written ahead
-                self._sidecar.publish(self.length)
-                waits.append(self._io.fsync_begin(self._sidecar.fileno()))
-            self._write_staged(self.length - self._nrec, start_writeback=False)
-            if beside is not None:  # started last: its Python work must not delay the above
-                waits.append(self._io.begin(beside))
-            self._io.fsync(self._fd)
-        except BaseException:
-            wait_all(waits, quiet=True)
-            raise
-        wait_all(waits)
-
-    def _write_nrec(self, nrec: int) -> None:
-        """Commit word then fsync. ``_disk_nrec_max`` covers a word that landed before a failure."""
-        self._disk_nrec_max = max(self._disk_nrec_max, nrec)
-        self._io.pwrite(self._fd, pack_nrec(nrec), NREC_OFFSET)
-        self._io.fsync(self._fd)
-        self._disk_nrec_max = nrec
+        return self._file.commit(beside)
 
     # -- truncate ---------------------------------------------------------------------------
     def truncate(self, n: int) -> int:
@@ -319,21 +180,10 @@ class KVWriter:
         """
         self._check_open()
         n = max(0, min(int(n), self.length))
-        if self.pending_upgrade and n < self._nrec:
-            self._do_upgrade(keep=n)
+        if self.pending_upgrade and n < self._file.nrec:
+            self._file.upgrade_to(self.kv_dtype, keep=n)
             return n
-        keep_pending = max(n - self._nrec, 0)
-        if n < self._disk_nrec_max:
-            durable = min(n, self._nrec)
-            if self._sidecar is not None:
-                if self._sidecar.count > durable:
-                    self._sidecar.set_count(durable)
-                self._io.fsync(self._sidecar.fileno())
-            self._write_nrec(durable)
-            dropped = self._nrec - durable
-            self._nrec = durable
-            log.info("kv.truncate", path=self.path, nrec=durable, dropped_committed=dropped)
-        self._staging.trim(keep_pending)
+        self._file.truncate(n)
         return self.length
 
     # -- upgrade ----------------------------------------------------------------------------
@@ -343,29 +193,8 @@ class KVWriter:
         self._check_open()
         if not self.pending_upgrade:
             return False
-        self._do_upgrade(keep=self._nrec)
+        self._file.upgrade_to(self.kv_dtype, keep=self._file.nrec)
         return True
-
-    def _do_upgrade(self, keep: int) -> None:
-        mode = stat.S_IMODE(os.fstat(self._fd).st_mode)
-        result = _upgrade.write_upgraded_copy(self._fd, self.path, self._header,
-                                              target_header(self.kv_dtype, self.dims, keep), self._io,
-                                              checksums=self._checksums,
-                                              chunk_bytes=self._upgrade_chunk_bytes, file_mode=mode)
-        old_fd, self._fd = self._fd, result.fd
-        os.close(old_fd)
-        self._file_end = int(os.fstat(self._fd).st_size)
-        self._header = result.header
-        self._nrec = self._disk_nrec_max = keep
-        self._staging = Staging.for_file(self._header, self.dims, self._staging_bytes)
-        self._sidecar = result.sidecar
-        if self._sidecar is not None and self._headroom.enabled:
-            self._sidecar.headroom_entries = HEADROOM_ENTRIES
-        if result.error is not None:
-            self._dir_sync_due = True  # the rename may not be durable yet: the next commit syncs
-            if self._checksums and self._sidecar is None:
-                self._sidecar = open_beside(self.path, self._header, headroom=self._headroom.enabled)
-            raise result.error
 
     # -- close ------------------------------------------------------------------------------
     def close(self, commit: bool = True) -> None:
@@ -378,13 +207,11 @@ class KVWriter:
         finally:
             self._closed = True
             self._vouch.drop()
-            if self._sidecar is not None:
-                self._sidecar.close()
-            os.close(self._fd)
+            self._file.close()
             self._io.release()
             self._lock.release()
-            log.info("kv.close", path=self.path, nrec=self._nrec,
-                     dropped=self.length - self._nrec)
+            log.info("kv.close", path=self.path, nrec=self._file.nrec,
+                     dropped=self.length - self._file.nrec)
 
     def __enter__(self) -> KVWriter:
         return self
@@ -393,8 +220,32 @@ class KVWriter:
         self.close(commit=exc_type is None)
 
     def __repr__(self) -> str:
-        return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._nrec}, "
+        return (f"KVWriter({self.path!r}, v{self.version}, nrec={self._file.nrec}, "
                 f"length={self.length}, closed={self._closed})")
+
+
+def _open_locked(cls: type[KVWriter], path: str, dims: Dims, options: WriterOptions, *, create: bool,
+                 io: Durability, lock: WriterLock, vouch: int | None) -> KVWriter:
+    """The writer of ``path``, its lock held: the file opened (or created), checked against its
+    sidecar when ``vouch`` asks, then its commit word and sidecar recovered (FORMAT.md 3.5)."""
+    opened = open_locked(path, dims, options.kv_dtype, create=create, io=io)
+    header = opened.header
+    writer: KVWriter | None = None
+    try:
+        complete = complete_records(header, opened.size)
+        writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
+        if vouch is not None:  # under the lock, before any repair touches the files
+            writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch)  # every record hashed
+        if not writer.pending_upgrade:
+            writer._file.recover(header.nrec)
+    except BaseException:
+        os.close(opened.fd)
+        if writer is not None:
+            writer._vouch.drop()
+        raise
+    log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=options.kv_dtype,
+             created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")
+    return writer
 
 
 __all__ = ["KVWriter"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from pathlib import Path
 from kernels.errors import FormatError, NotFoundError
 from sessionstore.kvfile import current_owner, owner_of
 from sessionstore.log import get_logger
+from sessionstore.sessions.catalogue_db import STAMP_KEY, STAMPED_AT_KEY, CatalogueDb, replace_damaged_file
 from sessionstore.sessions.catalogue_entry import (
     COLUMNS,
     PLACEHOLDERS,
@@ -65,11 +65,10 @@ class CataloguePage:
 class Catalogue:
     """The SQLite catalogue of one store (thread-safe: one connection behind a lock).
 
-    On the class-size list (tests/house/test_class_sizes.py): 9 of its methods are private steps of keeping the one
-    SQLite file true to the directory (refresh, repair, stamps, transactions); the rest are the
-    rows' reads and writes (note, forget, get, page, counts) through the same connection and lock.
-    The file itself (schema, upgrade) and a row read from a session's files already live apart
-    (catalogue_schema, catalogue_entry)."""
+    It keeps the file true to the directory (refresh, replay, reconcile, rebuild) and reads and
+    writes the rows (note, forget, get, page, counts); the connection, its lock, transactions and
+    stamp are its :class:`~sessionstore.sessions.catalogue_db.CatalogueDb`, the file itself
+    (schema, upgrade) catalogue_schema and a row read from a session's files catalogue_entry."""
 
     def __init__(self, root: Path, sessions_root: Path) -> None:
         """Open ``<root>/catalogue.sqlite3`` for the sessions under ``sessions_root`` and bring it
@@ -79,123 +78,84 @@ class Catalogue:
         ``rebuilt``; ``self.replayed`` names the sessions whose intents were replayed."""
         self.path = root / CATALOGUE_NAME
         self.sessions_root = sessions_root
-        self._lock = threading.RLock()
         self.opened = "fresh"
         self.replayed: list[str] = []  # the sessions whose intents the last refresh replayed
         try:
             check_catalogue_paths(self.path)
-            self._db = connect_catalogue(str(self.path))
+            self._db = CatalogueDb(self.path, connect_catalogue(str(self.path)))
         except (sqlite3.OperationalError, FormatError) as exc:  # cannot be opened or written here
             log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
-            self._db = connect_catalogue(":memory:")
+            self._db = CatalogueDb(self.path, connect_catalogue(":memory:"))
             self.opened = "rebuilt"
             self.rebuild()
             return
         except sqlite3.DatabaseError as exc:  # not a database, or of another format
             log.warning("catalogue.damaged", path=str(self.path), error=str(exc), action="rebuilt")
-            self._replace_damaged()
+            self._db = CatalogueDb(self.path, replace_damaged_file(self.path))
             self.opened = "rebuilt"
+            self.rebuild()
             return
         self.refresh()
 
-
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     # ---- freshness (FORMAT.md 5.9) -----------------------------------------------------------
     def refresh(self) -> str:
         """Bring the catalogue up to date with the files at the cost the rule allows; returns how
         (``fresh``, ``replayed``, ``reconciled``, ``rebuilt``), also kept in ``self.opened``."""
         try:
-            with self._lock:
+            with self._db.lock:
                 self.opened = self._refresh()
         except sqlite3.OperationalError as exc:  # busy past the timeout, or cannot be written now
             log.warning("catalogue.unusable", path=str(self.path), error=str(exc), action="in memory")
-            with self._lock:
-                self._db.close()
-                self._db = connect_catalogue(":memory:")
+            with self._db.lock:
+                self._db.use_memory()
                 self.rebuild()
             self.opened = "rebuilt"
         except sqlite3.DatabaseError as exc:  # damaged: it is a cache, made again from the files
             log.warning("catalogue.damaged", path=str(self.path), error=str(exc), action="rebuilt")
-            self._replace_damaged()
+            with self._db.lock:  # moved aside (catalogue.sqlite3.damaged), then made again
+                self._db.replace_damaged()
+                self.rebuild()
             self.opened = "rebuilt"
         return self.opened
 
     def _refresh(self) -> str:
         self.replayed = []
-        stamp = self._meta("sessions_mtime_ns")
+        stamp = self._db.meta(STAMP_KEY)
         if stamp is None:
             self.rebuild()
             return "rebuilt"
         how = "fresh"
-        for sid, token in self._db.execute("SELECT id, owner FROM intents").fetchall():
+        for sid, token in self._db.conn.execute("SELECT id, owner FROM intents").fetchall():
             owner = owner_of(token)
             if owner is not None and owner.state() == "alive" and owner != current_owner():
                 continue  # in flight in another process: it applies its own row
             self._apply(sid, intent_done=(sid, token))  # that process died between intent and row
             self.replayed.append(sid)
             how = "replayed"
-        mtime, stamped_at = self._dir_mtime_ns(), float(self._meta("stamped_at") or 0)
+        mtime, stamped_at = self._dir_mtime_ns(), float(self._db.meta(STAMPED_AT_KEY) or 0)
         if str(mtime) != stamp or stamped_at - mtime / 1e9 < RACY_S:
             self.reconcile()
             how = "reconciled"
         return how
 
-    def _replace_damaged(self) -> None:
-        """Move a damaged catalogue aside (kept as ``catalogue.sqlite3.damaged``), then rebuild."""
-        with self._lock:
-            try:
-                self._db.close()
-            except (sqlite3.Error, AttributeError):  # AttributeError: never connected
-                pass
-            for suffix in ("-wal", "-shm"):
-                try:
-                    os.unlink(str(self.path) + suffix)
-                except FileNotFoundError:
-                    pass
-            try:
-                os.replace(self.path, str(self.path) + ".damaged")
-            except FileNotFoundError:
-                pass
-            self._db = connect_catalogue(str(self.path))
-            self.rebuild()
-
     def _dir_mtime_ns(self) -> int:
         return os.lstat(self.sessions_root).st_mtime_ns
 
-    def _meta(self, key: str) -> str | None:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else str(row[0])
-
-    def _stamp(self, mtime_ns: int, at: float) -> None:
-        self._db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                             [("sessions_mtime_ns", str(mtime_ns)), ("stamped_at", repr(at))])
-
     def _names(self) -> list[str]:
         return [n for n in os.listdir(self.sessions_root) if is_valid_session_id(n)]
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
 
     def rebuild(self) -> int:
         """Every row again from the manifests (one transaction); returns the sessions listed."""
         at, mtime = time.time(), self._dir_mtime_ns()  # read BEFORE the scan: a change during it shows
         entries = [e for e in (entry_from_files(self.sessions_root, sid) for sid in self._names()) if e is not None]
-        with self._transaction() as db:
+        with self._db.transaction() as db:
             db.execute("DELETE FROM sessions")
             db.execute("DELETE FROM intents")
             db.executemany(f"INSERT INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})", map(astuple, entries))
-            self._stamp(mtime, at)
+            self._db.stamp(mtime, at)
         log.info("catalogue.rebuilt", path=str(self.path), sessions=len(entries))
         return len(entries)
 
@@ -205,17 +165,17 @@ class Catalogue:
         Returns (added, missing)."""
         at, mtime = time.time(), self._dir_mtime_ns()
         names = set(self._names())
-        with self._lock:
-            listed = {sid: state for sid, state in self._db.execute("SELECT id, state FROM sessions")}
+        with self._db.lock:
+            listed = {sid: state for sid, state in self._db.conn.execute("SELECT id, state FROM sessions")}
         new = [e for e in (entry_from_files(self.sessions_root, sid) for sid in sorted(names - listed.keys()))
                if e is not None]
         gone = [sid for sid, state in listed.items() if sid not in names and state != "missing"]
-        with self._transaction() as db:  # a change in flight meanwhile writes its own row after this
+        with self._db.transaction() as db:  # a change in flight meanwhile writes its own row after this
             db.executemany(f"INSERT OR IGNORE INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                            [astuple(e) for e in new if os.path.lexists(self.sessions_root / e.id)])
             db.executemany("UPDATE sessions SET state = 'missing', holder = NULL, error = ? WHERE id = ?",
                            [(_gone(self.sessions_root, sid), sid) for sid in gone])
-            self._stamp(mtime, at)
+            self._db.stamp(mtime, at)
         if new or gone:
             log.warning("catalogue.reconciled", path=str(self.path), added=len(new), missing=len(gone))
         return len(new), len(gone)
@@ -230,10 +190,10 @@ class Catalogue:
         token = current_owner().token
         before: int | None = None
         try:
-            with self._transaction() as db:
+            with self._db.transaction() as db:
                 db.execute("INSERT OR REPLACE INTO intents (id, owner) VALUES (?, ?)", (session_id, token))
                 mtime = self._dir_mtime_ns()
-                before = mtime if self._meta("sessions_mtime_ns") == str(mtime) else None
+                before = mtime if self._db.meta(STAMP_KEY) == str(mtime) else None
         except sqlite3.Error as exc:
             log.warning("catalogue.write_failed", id=session_id, error=str(exc), step="intent")
         try:
@@ -250,15 +210,15 @@ class Catalogue:
         (``stamp_if``): nothing the catalogue does not know about happened in between."""
         entry = entry_from_files(self.sessions_root, session_id)
         at = time.time()
-        with self._transaction() as db:
+        with self._db.transaction() as db:
             if entry is None:
                 db.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
             else:
                 db.execute(f"INSERT OR REPLACE INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS})",
                            astuple(entry))
             db.execute("DELETE FROM intents WHERE id = ? AND owner = ?", intent_done)
-            if stamp_if is not None and self._meta("sessions_mtime_ns") == str(stamp_if):
-                self._stamp(self._dir_mtime_ns(), at)
+            if stamp_if is not None and self._db.meta(STAMP_KEY) == str(stamp_if):
+                self._db.stamp(self._dir_mtime_ns(), at)
 
     # ---- a session's life (commits, resume, release) -------------------------------------------------
     def note(self, entry: CatalogueEntry) -> None:
@@ -266,7 +226,7 @@ class Catalogue:
         (retention, pinned, location) of a row already there are kept: they change only with the
         session's tier record (:meth:`note_tier`, or a change of its files). Failures are logged only."""
         try:
-            with self._transaction() as db:
+            with self._db.transaction() as db:
                 db.execute(f"INSERT INTO sessions ({COLUMNS}) VALUES ({PLACEHOLDERS}) ON CONFLICT(id) DO UPDATE "
                            f"SET {_NOTED}", astuple(entry))
         except sqlite3.Error as exc:
@@ -276,7 +236,7 @@ class Catalogue:
         """Record a session's new retention and pin (its tier record was just written); failures
         are logged only (the next page re-reads the file)."""
         try:
-            with self._transaction() as db:
+            with self._db.transaction() as db:
                 db.execute("UPDATE sessions SET retention_s = ?, pinned = ? WHERE id = ?",
                            (tier.retention_seconds, int(tier.pinned), session_id))
         except sqlite3.Error as exc:
@@ -287,30 +247,30 @@ class Catalogue:
         suspended sessions' files are on this disk, offloaded ones' in the object store). Read
         from the running totals the ``sessions`` table's triggers keep: a few rows, whatever the
         store holds."""
-        with self._lock:
-            rows = self._db.execute("SELECT state, bytes FROM totals WHERE sessions > 0").fetchall()
+        with self._db.lock:
+            rows = self._db.conn.execute("SELECT state, bytes FROM totals WHERE sessions > 0").fetchall()
         return {str(state): int(total) for state, total in rows}
 
     def forget(self, session_id: str) -> bool:
         """Drop the row of a session whose files are gone; True when there was one."""
-        with self._transaction() as db:
+        with self._db.transaction() as db:
             return db.execute("DELETE FROM sessions WHERE id = ?", (session_id,)).rowcount > 0
 
     # ---- reading ---------------------------------------------------------------------------------
     def get(self, session_id: str) -> CatalogueEntry | None:
         """The row of ``session_id`` as recorded (None when not listed)."""
-        with self._lock:
-            row = self._db.execute(f"SELECT {COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
+        with self._db.lock:
+            row = self._db.conn.execute(f"SELECT {COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
         return None if row is None else entry_of_row(row)
 
     def count(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT count(*) FROM sessions").fetchone()[0])
+        with self._db.lock:
+            return int(self._db.conn.execute("SELECT count(*) FROM sessions").fetchone()[0])
 
     def entries(self) -> list[CatalogueEntry]:
         """Every row, by id (a full scan: for tests and tools, not for serving)."""
-        with self._lock:
-            return [entry_of_row(row) for row in self._db.execute(f"SELECT {COLUMNS} FROM sessions ORDER BY id")]
+        with self._db.lock:
+            return [entry_of_row(row) for row in self._db.conn.execute(f"SELECT {COLUMNS} FROM sessions ORDER BY id")]
 
     def page(self, limit: int, after: str | None = None, order: str = "asc") -> CataloguePage:
         """Up to ``limit`` sessions after the cursor ``after`` (any id: it need not be listed, so
@@ -322,12 +282,12 @@ class Catalogue:
             raise ValueError(f"order {order!r}")
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         where, args = (f"WHERE id {op} ?", [after]) if after is not None else ("", [])
-        with self._lock:
-            moved = self._meta("sessions_mtime_ns") != str(self._dir_mtime_ns())
+        with self._db.lock:
+            moved = self._db.meta(STAMP_KEY) != str(self._dir_mtime_ns())
         if moved:
             self.reconcile()  # sessions/ changed behind the catalogue's back since it was stamped
-        with self._lock:
-            rows = self._db.execute(f"SELECT {COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
+        with self._db.lock:
+            rows = self._db.conn.execute(f"SELECT {COLUMNS} FROM sessions {where} ORDER BY id {direction} LIMIT ?",
                                     (*args, limit + 1)).fetchall()
         listed = [entry_of_row(row) for row in rows[:limit]]
         out: list[CatalogueEntry] = []
@@ -350,7 +310,7 @@ class Catalogue:
         change or a commit that wrote the row meanwhile wins; a row deleted meanwhile stays
         deleted). Failures are logged only: the page already shows the files."""
         try:
-            with self._transaction() as db:
+            with self._db.transaction() as db:
                 for old, new in changed:
                     row = db.execute(f"SELECT {COLUMNS} FROM sessions WHERE id = ?", (old.id,)).fetchone()
                     if row is not None and tuple(row) == astuple(old):

@@ -323,13 +323,13 @@ def test_a_fresh_open_and_a_page_read_no_more_than_the_page(tmp_path: Path, monk
 
 _STALLED = r"""
 import os, sys, time
-from sessionstore.sessions.catalogue import Catalogue
+from sessionstore.sessions.catalogue_db import CatalogueDb
 from sessionstore.sessions.store import SessionStore
 
 root, where = sys.argv[1], sys.argv[2]
 store = SessionStore(root)
 assert store.catalogue.opened  # opened (and brought up to date) before the seam is set
-real_stamp = Catalogue._stamp
+real_stamp = CatalogueDb.stamp
 
 
 def stall(self, *args):  # inside the change's (or the rebuild's) transaction, before its COMMIT
@@ -338,7 +338,7 @@ def stall(self, *args):  # inside the change's (or the rebuild's) transaction, b
     time.sleep(120)
 
 
-Catalogue._stamp = stall
+CatalogueDb.stamp = stall
 if where == "fork":
     store.fork("base", "forked")
 elif where == "delete":

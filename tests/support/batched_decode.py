@@ -1,6 +1,6 @@
 """One decode step of B sessions through an attention backend, each session's query over all of
 its rows in one call (on CUDA, ONE launch of the split kernel over every session,
-:func:`kernels.cuda.attention.batched_decode_device`, which the bandwidth bench times). Serving
+:func:`bench.cuda_batch.batched_decode_device`, which the bandwidth bench times). Serving
 never asks this of a backend (its step attends layer by layer, :mod:`kernels.model`); the tests
 use it to hold the batch launch to the CPU's attention, session by session."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.cuda_batch import batched_decode_device
 from kernels.attention import absorbed_attention
 from kernels.backend import CpuBackend, CudaBackend
-from kernels.cuda.attention import batched_decode_device
 from kernels.errors import FormatError
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
@@ -192,17 +192,11 @@ class Engine:
         if isinstance(seconds, float):
             self.metrics.resume_seconds.observe(seconds)
 
-    def _over_limits(self) -> bool:
-        resident = self.store.residency.sessions()
-        if len(resident) > self.limits.max_resident:
-            return True
-        return self.max_kv_bytes is not None and sum(s.memory_bytes() for s in resident) > self.max_kv_bytes
-
     def enforce_residency(self, keep: Session | None) -> None:
         """Suspend least recently used idle sessions (never ``keep``, never one with work in
         flight) until the resident ones fit ``max_resident`` and ``max_kv_bytes``."""
         for session in self.store.residency.sessions():  # least recently used first
-            if not self._over_limits():
+            if not _over_limits(self.store.residency.sessions(), self.limits.max_resident, self.max_kv_bytes):
                 return
             with self._lock:
                 idle = session.id not in self._busy
@@ -311,6 +305,13 @@ class Engine:
 
     def suspended_count(self) -> int:
         return max(0, len(self.store.directory.ids()) - self.resident_count())
+
+
+def _over_limits(resident: Sequence[Session], max_resident: int, max_kv_bytes: int | None) -> bool:
+    """More ``resident`` sessions than ``max_resident``, or their memory past ``max_kv_bytes``."""
+    if len(resident) > max_resident:
+        return True
+    return max_kv_bytes is not None and sum(s.memory_bytes() for s in resident) > max_kv_bytes
 
 
 __all__ = ["Engine"]

@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.cuda_batch import batched_decode_device
 from kernels.attention import absorbed_attention
-from kernels.cuda.attention import absorbed_attention_device, batched_decode_device, device_rows
+from kernels.cuda.attention import absorbed_attention_device, device_rows
 from kernels.cuda.emulator import EmulatorRunner, compiler
 from kernels.errors import FormatError, ModelMismatchError
 from kernels.rows import F32Rows, Fp8Rows

@@ -14,10 +14,11 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from bench.cuda_batch import batched_decode_device
 from kernels.attention import absorbed_attention
 from kernels.attention.tq import rotate_queries, unrotate_context
 from kernels.cuda import GLM_DIMS, KERNEL_MODULES, KernelDims, compile_all_kernels_to_ptx
-from kernels.cuda.attention import absorbed_attention_device, batched_decode_device, device_rows
+from kernels.cuda.attention import absorbed_attention_device, device_rows
 from kernels.cuda.emulator import EmulatorRunner, compiler
 from kernels.cuda.rotation import from_rotated_domain, rotate_device, to_rotated_domain
 from kernels.errors import FormatError

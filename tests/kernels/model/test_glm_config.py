@@ -27,7 +27,7 @@ def test_tiny_glm_config_resolves() -> None:
     c = parse_config(cfg())
     assert c.model_type == "glm_moe_dsa" and c.dsa is not None
     assert c.dsa.indexer_types == ("full", "shared", "full", "shared")
-    assert c.dsa.full_layers == (0, 2) and c.dsa.n_index_layers == 2 and c.dsa.index_slot(2) == 1
+    assert c.dsa.full_layers == (0, 2) and c.dsa.n_index_layers == 2 and c.dsa.full_layers.index(2) == 1
     assert (c.dsa.index_topk, c.dsa.index_n_heads, c.dsa.index_head_dim) == (16, 16, 32)
     assert [c.is_moe_layer(i) for i in range(4)] == [False, True, True, False]
     assert c.rope.rope_type == "default" and c.rope.theta == 8e6 and c.rope_interleave
