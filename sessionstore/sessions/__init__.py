@@ -71,8 +71,7 @@ from sessionstore.sessions.tier_record import (
 )
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
-    DecodeLoop,
-    StepLogits,
+    RunningTurn,
     TurnEnd,
     TurnResult,
     common_prefix,
@@ -95,7 +94,6 @@ __all__ = [
     "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
-    "DecodeLoop",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -115,6 +113,7 @@ __all__ = [
     "Resident",
     "ResumeCheck",
     "ResumeTarget",
+    "RunningTurn",
     "SIDECAR_NAME",
     "Session",
     "SessionFencedError",
@@ -126,7 +125,6 @@ __all__ = [
     "SessionSnapshot",
     "SessionStore",
     "SessionUse",
-    "StepLogits",
     "TIER_NAME",
     "TINY_NAME",
     "TierChange",
