@@ -32,7 +32,7 @@ from sessionstore.sessions.manifest import (
     utc_now,
     write_manifest,
 )
-from sessionstore.sessions.output import OutputProcessor, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
 from sessionstore.sessions.paths import (
     KV_NAME,
     LOCK_NAME,
@@ -69,16 +69,17 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
+from sessionstore.sessions.turn import TurnReply, run_turn
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
+    DecodeEnd,
     RunningTurn,
-    TurnEnd,
     TurnResult,
     common_prefix,
+    decode_turn,
     drive_inline,
     feed_chunk,
     reference_turns,
-    run_turn,
 )
 
 __all__ = [
@@ -94,6 +95,7 @@ __all__ = [
     "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
+    "DecodeEnd",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -131,6 +133,7 @@ __all__ = [
     "TierPlan",
     "TierRecord",
     "TurnEnd",
+    "TurnReply",
     "TurnResult",
     "TurnStop",
     "check_component",
@@ -139,6 +142,7 @@ __all__ = [
     "check_retention",
     "common_prefix",
     "confined",
+    "decode_turn",
     "drive_inline",
     "epoch_of",
     "export_slot",

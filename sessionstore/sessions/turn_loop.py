@@ -56,13 +56,15 @@ def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | 
     return logits
 
 
-def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
-             max_new: int, sampler: Sampler | TurnDraw, *, stop_at_eos: bool = False,
-             on_rows: Callable[[], None] | None = None,
-             on_step: Callable[[int, int, np.ndarray], None] | None = None,
-             drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
-    """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens
-    with ``sampler`` (settings, or a :class:`TurnDraw` the caller keeps to read its log-probabilities).
+def decode_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None,
+                last_logits: np.ndarray | None, max_new: int, sampler: Sampler | TurnDraw, *,
+                stop_at_eos: bool = False, on_rows: Callable[[], None] | None = None,
+                on_step: Callable[[int, int, np.ndarray], None] | None = None,
+                drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
+    """A turn's mechanics over a cache (called by a session's ``generate`` and by
+    :func:`sessionstore.sessions.run_turn`, the one turn every front end runs): feed ``feed`` (or
+    start from ``last_logits``), then sample ``max_new`` tokens with ``sampler`` (settings, or a
+    :class:`TurnDraw` the caller keeps to read its log-probabilities).
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
     position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
@@ -90,7 +92,7 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     return drive(turn, cache) if drive is not None else drive_inline(model, cache, turn)
 
 
-TurnEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
+DecodeEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
 
 
 class RunningTurn:
@@ -102,7 +104,7 @@ class RunningTurn:
     takes the logits [vocab] of the step that fed the last token (and that row's greedy pick, made
     for the whole step by ``kernels.model.sampling.greedy_rows``; -1: none) and draws the next. Each
     returns the token to feed next, or None once the turn has ended (after ``max_new`` tokens or at
-    a token in ``eos``, that last token not fed); :attr:`end` is then its :data:`TurnEnd`. A plain
+    a token in ``eos``, that last token not fed); :attr:`end` is then its :data:`DecodeEnd`. A plain
     greedy draw takes the step's pick (bitwise its own draw); any other draws from its row.
     ``on_step(token, position, logits)`` runs after each draw (it may raise to end the turn:
     a stop string, a cancel), ``on_rows()`` after each step's rows reached the cache."""
@@ -153,15 +155,15 @@ class RunningTurn:
         return token
 
     @property
-    def end(self) -> TurnEnd:
+    def end(self) -> DecodeEnd:
         """(tokens, logits of the last fed position, stopped at eos), once ended."""
         return self.tokens, self.logits, self.stopped_at_eos
 
 
-DecodeDriver = Callable[[RunningTurn, Any], TurnEnd]  # runs a running turn over a cache to its end
+DecodeDriver = Callable[[RunningTurn, Any], DecodeEnd]  # runs a running turn over a cache to its end
 
 
-def drive_inline(model: Any, cache: LatentCache, turn: RunningTurn) -> TurnEnd:
+def drive_inline(model: Any, cache: LatentCache, turn: RunningTurn) -> DecodeEnd:
     """Run ``turn`` here: one ``model.forward`` of each token it draws, as ``feed_chunk`` feeds one."""
     token = turn.start()
     while token is not None:
@@ -202,7 +204,7 @@ def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Se
             feed = list(pending) if pending else None
             if feed is None and last is None and cache.length:
                 last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype, cache.index_rows())[0]
-        tokens, last, _ = run_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
+        tokens, last, _ = decode_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
         pending = tokens[-1:] if tokens else []
         outputs.append(tokens)
     return outputs
@@ -264,5 +266,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["ROW_RTOL", "DecodeDriver", "RunningTurn", "TurnEnd", "TurnResult", "common_prefix", "compare_rows",
-           "drive_inline", "feed_chunk", "recompute_last", "reference_turns", "run_turn"]
+__all__ = ["ROW_RTOL", "DecodeDriver", "DecodeEnd", "RunningTurn", "TurnResult", "common_prefix", "compare_rows",
+           "decode_turn", "drive_inline", "feed_chunk", "recompute_last", "reference_turns"]

@@ -45,7 +45,7 @@ class Forward:
     job: Any = None  # the loop's job that waits for it (None: a caller on another thread)
     done: threading.Event | None = None  # a caller outside the jobs (a test, a tool) waits on it
     turn: RunningTurn | None = None  # a running turn, advanced by the step's postprocess after each step
-    result: Any = None  # the logits [S, V] f32, or the turn's TurnEnd
+    result: Any = None  # the logits [S, V] f32, or the turn's DecodeEnd
     error: BaseException | None = None
     settled: bool = False
 
@@ -82,7 +82,7 @@ class BatchedStep:
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
                 # a running turn's next token was drawn over the vocabulary's logits, its turn's
-                # positions checked when it began (run_turn): only what is asked for is checked
+                # positions checked when it began (decode_turn): only what is asked for is checked
                 # (should a turn's token fail anyway, model.step refuses and it is stepped alone)
                 if work.fed == 0 and work.turn is None:
                     self.model.check_tokens(work.tokens)
