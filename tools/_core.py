@@ -89,13 +89,11 @@ class InProcessCore:
             concurrent.futures.wait([future])
             raise
 
-    def stateless_turn(self, cache: Any, prompt: list[int], max_new: int, sampler: Any, *,
-                       stop_at_eos: bool = False, on_token: Callable[[int, int], None] | None = None,
-                       ) -> tuple[list[int], bool]:
+    def stateless_turn(self, cache: Any, prompt: list[int], max_new: int, sampler: Any, output: Any) -> Any:
         """A turn in an in-memory ``cache`` (no session), as a job: ``prompt`` fed in the loop's
-        batched steps, then ``max_new`` tokens drawn by the loop's decode driver (as a served
-        stateless turn). (tokens, stopped at an eos id); an ``on_token`` raising ``TurnStop``
-        ends the turn there (its error is the caller's)."""
+        batched steps, then at most ``max_new`` tokens drawn by the loop among its running turns (as a
+        served stateless turn), each through ``output`` (an ``OutputProcessor``: its eos ids, text and
+        stops end the turn). The turn's ``TurnReply`` (:func:`sessionstore.sessions.run_turn`)."""
         from sessionstore.sessions import run_turn
 
         assert self.loop is not None, "adopt_decoder first"
@@ -107,17 +105,8 @@ class InProcessCore:
         if end > model.config.max_position_embeddings:
             raise LimitError(f"{cache.length} cached + {ids.size} prompt + {max_new} new tokens exceed the model's"
                              f" context of {model.config.max_position_embeddings} positions")
-
-        def on_step(token: int, position: int, _logits: np.ndarray) -> None:
-            if on_token is not None:
-                on_token(token, position)
-
-        def turn() -> tuple[list[int], bool]:
-            tokens, _, eos = run_turn(model, cache, ids.tolist(), None, max_new, sampler, stop_at_eos=stop_at_eos,
-                                      on_step=on_step, drive=self.loop.drive_decode)
-            return tokens, eos
-
-        return self.call(turn)
+        return self.call(lambda: run_turn(output, max_new, sampler, prompt=ids.tolist(), model=model, cache=cache,
+                                          drive=self.loop.drive_decode))
 
     def stop(self) -> None:
         """Stop the loop once its jobs have ended (idempotent)."""

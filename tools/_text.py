@@ -17,7 +17,7 @@ import numpy as np
 from kernels.errors import ColiError, FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model import Sampler, load_model, resolve_model
-from sessionstore.sessions import OutputProcessor, TurnStop
+from sessionstore.sessions import OutputProcessor, TurnEnd
 from tools._core import InProcessCore
 
 if TYPE_CHECKING:  # the text extra (tokenizers, jinja2) is imported only by commands that use text
@@ -91,11 +91,8 @@ def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Samp
     t0 = time.perf_counter()
     with InProcessCore() as core:  # the turn runs on the engine loop, as a served stateless turn
         core.adopt_decoder(model)
-        try:
-            core.stateless_turn(cache, ids, max_new, sampler, on_token=output.on_token)
-        except TurnStop:
-            pass
-    tokens, stopped = output.tokens, output.reason == "eos"
+        reply = core.stateless_turn(cache, ids, max_new, sampler, output)
+    tokens, stopped = reply.tokens, reply.end is TurnEnd.EOS
     text = tok.decode(tokens)
     print(text)
     summary = {"tokens": tokens, "text": text, "model": model.source, "kv": kv, "backend": args.backend,
@@ -112,7 +109,7 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
                       tok: ChatTokenizer, max_new: int, sampler: Any) -> dict[str, Any]:
     """One text turn on an open session: messages through its conversation, raw text as ids (the
     conversation file then no longer describes the tokens and is removed first)."""
-    from sessionstore.sessions import common_prefix, remove_record
+    from sessionstore.sessions import remove_record, run_turn
     from sessionstore.sessions.conversation_chat import Conversation, check_room
 
     tok.check_vocab(session.model.config.vocab_size)
@@ -121,22 +118,18 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
         if sampler != session.manifest.sampler:
             set_sampler(session, sampler)
         reply = conv.respond(value, max_new)
-        return {**reply.to_json(), "stopped_at_eos": reply.stopped == "eos", "committed": session.committed,
+        return {**reply.to_json(), "stopped_at_eos": reply.end is TurnEnd.EOS, "committed": session.committed,
                 "pending": list(session.pending), "messages": len(conv.messages)}
     ids = prompt_ids(tok, kind, value)
     session.model.check_tokens(np.asarray(ids, dtype="int64"))
     check_room(ids, max_new, session.model.config.max_position_embeddings)
-    reused = common_prefix(session.cache.tokens, ids)
     remove_record(session.directory)  # before the tokens change: never a stale conversation
     output = OutputProcessor(eos=frozenset(tok.eos_ids) if getattr(args, "stop_at_eos", False) else frozenset())
-    try:
-        session.generate(ids, max_new, sampler=sampler, on_token=output.on_token)
-    except TurnStop:
-        session.commit()
-    tokens = output.tokens
-    return {"tokens": tokens, "text": tok.decode(tokens), "stopped_at_eos": output.reason == "eos",
-            "prompt_tokens": len(ids),
-            "reused_prefix": reused, "committed": session.committed, "pending": list(session.pending)}
+    reply = run_turn(output, max_new, sampler, prompt=ids, session=session, keep_sampler=True)
+    tokens = reply.tokens
+    return {"tokens": tokens, "text": tok.decode(tokens), "stopped_at_eos": reply.end is TurnEnd.EOS,
+            "prompt_tokens": reply.prompt_tokens,
+            "reused_prefix": reply.reused_prefix, "committed": reply.committed, "pending": list(session.pending)}
 
 
 def set_sampler(session: Any, sampler: Any) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from kernels.errors import ColiError, FormatError
 from kernels.model import Sampler, load_model
 from kernels.rows import KV_DTYPES
+from sessionstore.sessions import OutputProcessor, TurnEnd
 from tools._common import check_backend, parse_ids
 from tools._core import InProcessCore
 from tools._text import generate_text, text_input
@@ -107,7 +108,9 @@ def handle(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with InProcessCore() as core:  # the turn runs on the engine loop, as a served stateless turn
         core.adopt_decoder(model)
-        tokens, stopped_at_eos = core.stateless_turn(cache, ids, max_new, sampler, stop_at_eos=args.stop_at_eos)
+        eos = frozenset(model.config.eos_token_ids) if args.stop_at_eos else frozenset()
+        reply = core.stateless_turn(cache, ids, max_new, sampler, OutputProcessor(eos=eos))
+    tokens, stopped_at_eos = reply.tokens, reply.end is TurnEnd.EOS
     seconds = time.perf_counter() - t0
     print(" ".join(str(t) for t in tokens))
     if args.json:

@@ -32,7 +32,7 @@ from sessionstore.sessions.manifest import (
     utc_now,
     write_manifest,
 )
-from sessionstore.sessions.output import OutputProcessor, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
 from sessionstore.sessions.paths import (
     KV_NAME,
     LOCK_NAME,
@@ -69,17 +69,17 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
+from sessionstore.sessions.turn import TurnReply, run_turn
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
-    DecodeLoop,
-    StepLogits,
-    TurnEnd,
+    DecodeEnd,
+    RunningTurn,
     TurnResult,
     common_prefix,
+    decode_turn,
     drive_inline,
     feed_chunk,
     reference_turns,
-    run_turn,
 )
 
 __all__ = [
@@ -95,7 +95,7 @@ __all__ = [
     "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
-    "DecodeLoop",
+    "DecodeEnd",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -115,6 +115,7 @@ __all__ = [
     "Resident",
     "ResumeCheck",
     "ResumeTarget",
+    "RunningTurn",
     "SIDECAR_NAME",
     "Session",
     "SessionFencedError",
@@ -126,13 +127,13 @@ __all__ = [
     "SessionSnapshot",
     "SessionStore",
     "SessionUse",
-    "StepLogits",
     "TIER_NAME",
     "TINY_NAME",
     "TierChange",
     "TierPlan",
     "TierRecord",
     "TurnEnd",
+    "TurnReply",
     "TurnResult",
     "TurnStop",
     "check_component",
@@ -141,6 +142,7 @@ __all__ = [
     "check_retention",
     "common_prefix",
     "confined",
+    "decode_turn",
     "drive_inline",
     "epoch_of",
     "export_slot",

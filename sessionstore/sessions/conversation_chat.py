@@ -26,7 +26,6 @@ its engine loop steps the other sessions; :class:`~sessionstore.sessions.session
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,27 +43,13 @@ from sessionstore.sessions.conversation_file import (
     tokens_digest,
     write_record,
 )
-from sessionstore.sessions.output import OutputProcessor, TurnStop
-from sessionstore.sessions.turn_loop import common_prefix, feed_chunk, run_turn
+from sessionstore.sessions.output import OutputProcessor
+from sessionstore.sessions.turn import TurnReply, run_turn
+from sessionstore.sessions.turn_loop import common_prefix
 
 
 class ConversationMismatchError(ColiError):
     """A session's conversation file does not describe its committed tokens."""
-
-
-@dataclass
-class Reply:
-    """One answered turn."""
-
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    stopped: str = "limit"  # "eos" | "limit" | "interrupted"
-    prompt_tokens: int = 0
-    reused_prefix: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
-                "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
 
 
 def check_room(prompt: Sequence[int], max_new: int, context: int) -> None:
@@ -151,7 +136,7 @@ class Conversation:
                 on_text: Callable[[str], None] | None = None,
                 should_stop: Callable[[], bool] | None = None, stop_at_eos: bool = True,
                 sampler: Sampler | TurnDraw | None = None, prompt: Sequence[int] | None = None,
-                output: OutputProcessor | None = None, response_format: dict[str, Any] | None = None) -> Reply:
+                output: OutputProcessor | None = None, response_format: dict[str, Any] | None = None) -> TurnReply:
         """Answer ``messages`` (the whole conversation); the prefix shared with the history is reused.
         ``stop_at_eos`` False samples on past eos ids (to ``max_new`` or an interruption).
         ``sampler``: this turn's settings (or a :class:`TurnDraw` over them), not stored in the
@@ -181,37 +166,31 @@ class Conversation:
         if k < session.cache.length:
             session.truncate(k)
         session.append_tokens(prompt[k:], commit=True)
-        reply = Reply(prompt_tokens=len(prompt), reused_prefix=k)
         if output is None:
             output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
                                      on_text=on_text, should_abort=should_stop)
-        try:
-            session.generate(None, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
-        except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
-            session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
-        output.finish()
-        reply.tokens = output.tokens
-        reply.stopped = {"eos": "eos", "length": "limit"}.get(output.reason, "interrupted")
+        reply = run_turn(output, max_new, draw, session=session)  # on from the prompt's pending token
+        reply.prompt_tokens, reply.reused_prefix = len(prompt), k
         assert session.history() == [*prompt, *reply.tokens]  # the reply is exactly what was committed
-        reply.text = self._close_turn(checked, reply.tokens, drawn_with, response_format)
-        assert reply.text == output.decoded
+        closed = self._close_turn(checked, reply.tokens, drawn_with, response_format)  # every token's text
+        assert closed == output.decoded
         return reply
 
-    def say_all(self, messages: Sequence[dict[str, Any]], max_new: int, **kw: Any) -> Reply:
+    def say_all(self, messages: Sequence[dict[str, Any]], max_new: int, **kw: Any) -> TurnReply:
         """:meth:`respond` with ``max_new`` after the messages (the chat's calling order)."""
         return self.respond(messages, max_new, **kw)
 
-    def say(self, text: str, max_new: int, **kw: Any) -> Reply:
+    def say(self, text: str, max_new: int, **kw: Any) -> TurnReply:
         return self.respond([*self.record.messages, {"role": "user", "content": text}], max_new, **kw)
 
-    def regenerate(self, max_new: int, **kw: Any) -> Reply:
+    def regenerate(self, max_new: int, **kw: Any) -> TurnReply:
         """Answer the conversation again without its last assistant message."""
         msgs = self.record.messages
         if not msgs or msgs[-1]["role"] != "assistant" or len(msgs) < 2:
             raise FormatError("nothing to regenerate: the conversation does not end with an answer")
         return self.respond(msgs[:-1], max_new, **kw)
 
-    def edit(self, index: int, text: str, max_new: int, **kw: Any) -> Reply:
+    def edit(self, index: int, text: str, max_new: int, **kw: Any) -> TurnReply:
         """Replace user message ``index`` (and drop everything after it), then answer."""
         msgs = self.record.messages
         if not 0 <= index < len(msgs) or msgs[index]["role"] != "user":
@@ -244,14 +223,8 @@ class ReferenceChat:
         k = common_prefix(self.cache.tokens, prompt)
         if k < self.cache.length:
             self.cache.truncate(k)
-        logits = feed_chunk(self.model, self.cache, prompt[k:])
-        output = OutputProcessor(eos=self.eos)
-        try:
-            run_turn(self.model, self.cache, None, logits, max_new, self.sampler,
-                     on_step=lambda token, position, _logits: output.on_token(token, position))
-        except TurnStop:
-            pass
-        return output.tokens
+        return run_turn(OutputProcessor(eos=self.eos), max_new, self.sampler, prompt=prompt[k:], model=self.model,
+                        cache=self.cache).tokens
 
 
-__all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "Reply", "check_room"]
+__all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "check_room"]

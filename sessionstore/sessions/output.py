@@ -5,25 +5,48 @@ every eos id, a caller's request to stop, and why the turn ended.
 
 A turn ends at a token boundary: :meth:`OutputProcessor.on_token` raises :class:`TurnStop` after
 the token that ends it has been recorded, and the caller catches it (and commits what the session
-holds). A turn that runs to its ``max_new`` tokens ends without it (``reason`` stays ``"length"``).
+holds). A turn that runs to its ``max_new`` tokens ends without it (``end`` stays
+:attr:`TurnEnd.LENGTH`). Why a turn ended is that one field, a :class:`TurnEnd`, everywhere; the
+wire's spellings (OpenAI's ``finish_reason``, the CLI's ``stopped``) are derived from it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the text extra (tokenizers) is imported only where there is text
     from kernels.model.text import ChatTokenizer, StreamDecoder
 
-REASONS = ("eos", "stop", "abort", "length")  # an eos id, a stop string, the caller, max_new
+
+class TurnEnd(StrEnum):
+    """Why a turn ended, the one field every result carries (a str: it compares and prints as its value)."""
+
+    LENGTH = "length"  # its max_new tokens
+    EOS = "eos"  # an eos id
+    STOP = "stop"  # a stop string
+    ABORT = "abort"  # the caller: a vanished client, a stopping server, Ctrl-C
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: "stop" (an eos id or a stop string), "length", or "abort"."""
+        return "stop" if self in (TurnEnd.EOS, TurnEnd.STOP) else self.value
+
+    @property
+    def stopped(self) -> str:
+        """The CLI's reply field: "eos", "limit" (max_new) or "interrupted" (a stop string, the caller)."""
+        return {TurnEnd.EOS: "eos", TurnEnd.LENGTH: "limit"}.get(self, "interrupted")
+
+
+REASONS = tuple(end.value for end in TurnEnd)  # every spelling of TurnEnd
 
 
 class TurnStop(Exception):
-    """Raised from the per-token callback to end a turn; ``reason``: "eos", "stop" or "abort"."""
+    """Raised from the per-token callback to end a turn; ``end``: EOS, STOP or ABORT."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, end: TurnEnd | str) -> None:
+        super().__init__(TurnEnd(end).value)
+        self.end = TurnEnd(end)
 
 
 class StopStrings:
@@ -83,7 +106,7 @@ class OutputProcessor:
                  should_abort: Callable[[], bool] | None = None) -> None:
         self.eos = eos
         self.tokens: list[int] = []
-        self.reason = "length"
+        self.end = TurnEnd.LENGTH
         self.stream: StreamDecoder | None = None
         if tokenizer is not None:
             from kernels.model.text import StreamDecoder  # only with a tokenizer: the text extra is there
@@ -98,11 +121,11 @@ class OutputProcessor:
         if self.stream is not None:
             self.gate.push(self.stream.push(token))
         if token in self.eos:
-            self._stop("eos")
+            self._stop(TurnEnd.EOS)
         if self.gate.hit:
-            self._stop("stop")
+            self._stop(TurnEnd.STOP)
         if self.should_abort is not None and self.should_abort():
-            self._stop("abort")
+            self._stop(TurnEnd.ABORT)
 
     def finish(self) -> str:
         """The rest of the decoded text through the stop strings; the text the turn emitted."""
@@ -121,14 +144,9 @@ class OutputProcessor:
         """Every token's text so far, stop strings not applied (empty without a tokenizer)."""
         return self.stream.text if self.stream is not None else ""
 
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's finish_reason: "stop" (an eos id or a stop string), "length", or "abort"."""
-        return {"eos": "stop", "stop": "stop"}.get(self.reason, self.reason)
-
-    def _stop(self, reason: str) -> None:
-        self.reason = reason
-        raise TurnStop(reason)
+    def _stop(self, end: TurnEnd) -> None:
+        self.end = end
+        raise TurnStop(end)
 
 
-__all__ = ["REASONS", "OutputProcessor", "StopStrings", "TurnStop"]
+__all__ = ["REASONS", "OutputProcessor", "StopStrings", "TurnEnd", "TurnStop"]

@@ -21,8 +21,8 @@ from sessionstore.sessions.session_resume import Resuming, await_files, ensure_r
 from sessionstore.sessions.turn_loop import (
     TurnResult,
     common_prefix,
+    decode_turn,
     feed_chunk,
-    run_turn,
 )
 
 APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
@@ -83,7 +83,7 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         elif due and files.ready():  # a new session's files still being made: the commit
             commits.run()  # waits a token (a server's loop must not wait for them)
 
-    tokens, logits, eos = run_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new,
+    tokens, logits, eos = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new,
                                    turn_sampler, stop_at_eos=stop_at_eos,
                                    on_rows=lambda: _append_in_runs(s), on_step=on_step, drive=options.decode_driver)
     if not tokens:

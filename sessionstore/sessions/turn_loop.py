@@ -7,9 +7,9 @@ with exactly that operation over the restored rows.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -56,19 +56,21 @@ def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | 
     return logits
 
 
-def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None, last_logits: np.ndarray | None,
-             max_new: int, sampler: Sampler | TurnDraw, *, stop_at_eos: bool = False,
-             on_rows: Callable[[], None] | None = None,
-             on_step: Callable[[int, int, np.ndarray], None] | None = None,
-             drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
-    """One turn: feed ``feed`` (or start from ``last_logits``), then sample ``max_new`` tokens
-    with ``sampler`` (settings, or a :class:`TurnDraw` the caller keeps to read its log-probabilities).
+def decode_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None,
+                last_logits: np.ndarray | None, max_new: int, sampler: Sampler | TurnDraw, *,
+                stop_at_eos: bool = False, on_rows: Callable[[], None] | None = None,
+                on_step: Callable[[int, int, np.ndarray], None] | None = None,
+                drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
+    """A turn's mechanics over a cache (called by a session's ``generate`` and by
+    :func:`sessionstore.sessions.run_turn`, the one turn every front end runs): feed ``feed`` (or
+    start from ``last_logits``), then sample ``max_new`` tokens with ``sampler`` (settings, or a
+    :class:`TurnDraw` the caller keeps to read its log-probabilities).
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
     position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
-    stopped_at_eos). The sampling loop (:func:`decode_loop`) is run by ``drive(loop, cache)`` when
-    the caller gives one (a server's engine thread runs it between its batched steps), else here by
-    :func:`drive_inline`: the same forwards either way.
+    stopped_at_eos). The sampling (a :class:`RunningTurn`, plain data) is run by ``drive(turn, cache)``
+    when the caller gives one (a server's engine thread steps it with every other running turn),
+    else here by :func:`drive_inline`: the same forwards either way.
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
@@ -86,62 +88,88 @@ def run_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | None
     draw = turn_draw(sampler, frozenset(model.config.eos_token_ids))
     if draw.wants_context:
         draw.begin(cache.tokens)
-    loop = decode_loop(cache, logits, max_new, draw, eos, on_rows, on_step)
-    return drive(loop, cache) if drive is not None else drive_inline(model, cache, loop)
+    turn = RunningTurn(cache, logits, max_new, draw, eos, on_rows, on_step)
+    return drive(turn, cache) if drive is not None else drive_inline(model, cache, turn)
 
 
-class StepLogits(NamedTuple):
-    """What a batched step sends a decode loop: its row of the step's logits [vocab] f32 and that
-    row's greedy pick made for the whole step (``kernels.model.sampling.greedy_rows``; -1: none)."""
-
-    logits: np.ndarray
-    greedy: int
+DecodeEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
 
 
-TurnEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
-# yields each token to feed, is sent its logits [vocab] (or a step's StepLogits)
-DecodeLoop = Generator[int, "np.ndarray | StepLogits", TurnEnd]
-DecodeDriver = Callable[[DecodeLoop, Any], TurnEnd]  # runs a turn's loop over a cache to its end
+class RunningTurn:
+    """A turn's sampling as plain data: its cache, draw, eos ids, counts and end, stepped by whoever
+    runs the forwards (:func:`drive_inline` here; a server's engine loop steps every running turn
+    after each batched step, with no generator or greenlet per turn).
+
+    :meth:`start` draws the first token from the turn's first ``logits`` [vocab]; :meth:`advance`
+    takes the logits [vocab] of the step that fed the last token (and that row's greedy pick, made
+    for the whole step by ``kernels.model.sampling.greedy_rows``; -1: none) and draws the next. Each
+    returns the token to feed next, or None once the turn has ended (after ``max_new`` tokens or at
+    a token in ``eos``, that last token not fed); :attr:`end` is then its :data:`DecodeEnd`. A plain
+    greedy draw takes the step's pick (bitwise its own draw); any other draws from its row.
+    ``on_step(token, position, logits)`` runs after each draw (it may raise to end the turn:
+    a stop string, a cancel), ``on_rows()`` after each step's rows reached the cache."""
+
+    __slots__ = ("cache", "draw", "eos", "ended", "logits", "max_new", "on_rows", "on_step", "stopped_at_eos",
+                 "taker", "tokens")
+
+    def __init__(self, cache: LatentCache, logits: np.ndarray, max_new: int, draw: Callable[[np.ndarray, int], int],
+                 eos: frozenset[int], on_rows: Callable[[], None] | None,
+                 on_step: Callable[[int, int, np.ndarray], None] | None) -> None:
+        self.cache, self.logits, self.max_new, self.draw, self.eos = cache, logits, max_new, draw, eos
+        self.on_rows, self.on_step = on_rows, on_step
+        self.taker = draw if isinstance(draw, TurnDraw) and draw.plain_greedy else None
+        self.tokens: list[int] = []
+        self.stopped_at_eos = False
+        self.ended = False
+
+    def start(self) -> int | None:
+        """The first token to feed (None: the turn ended without one to feed)."""
+        if self.max_new <= 0:
+            self.ended = True
+            return None
+        return self._next(-1)
+
+    def advance(self, logits: np.ndarray, greedy: int = -1) -> int | None:
+        """The step fed the last token: its logits [vocab] (and greedy pick); the next token, or None."""
+        self.logits = logits
+        if self.on_rows is not None:
+            self.on_rows()
+        return self._next(greedy)
+
+    def _next(self, greedy: int) -> int | None:
+        position = self.cache.length
+        token = self.taker.take(greedy) if self.taker is not None and greedy >= 0 else self.draw(self.logits, position)
+        self.tokens.append(token)
+        try:
+            if self.on_step is not None:
+                self.on_step(token, position, self.logits)
+        except BaseException:
+            self.ended = True
+            raise
+        if token in self.eos:
+            self.ended = self.stopped_at_eos = True
+            return None
+        if len(self.tokens) == self.max_new:
+            self.ended = True
+            return None
+        return token
+
+    @property
+    def end(self) -> DecodeEnd:
+        """(tokens, logits of the last fed position, stopped at eos), once ended."""
+        return self.tokens, self.logits, self.stopped_at_eos
 
 
-def decode_loop(cache: LatentCache, logits: np.ndarray, max_new: int, draw: Callable[[np.ndarray, int], int],
-                eos: frozenset[int], on_rows: Callable[[], None] | None,
-                on_step: Callable[[int, int, np.ndarray], None] | None) -> DecodeLoop:
-    """A turn's sampling loop from ``logits`` [vocab]: sample, ``on_step``, yield the token to
-    feed and receive the logits its single-token step gives (``on_rows`` after it); ends after
-    ``max_new`` tokens or at a token in ``eos``, that last token not fed. Sent a
-    :class:`StepLogits` whose greedy pick was made, a plain greedy draw takes that pick (bitwise
-    its own: the batch's picks are one call for every row, not one per row)."""
-    taker = draw if isinstance(draw, TurnDraw) and draw.plain_greedy else None
-    greedy = -1  # the pick made for these logits by the step (-1: none)
-    out: list[int] = []
-    while len(out) < max_new:
-        position = cache.length
-        token = taker.take(greedy) if taker is not None and greedy >= 0 else draw(logits, position)
-        out.append(token)
-        if on_step is not None:
-            on_step(token, position, logits)
-        if token in eos:
-            return out, logits, True
-        if len(out) == max_new:
-            break
-        sent = yield token
-        logits, greedy = (sent.logits, sent.greedy) if isinstance(sent, StepLogits) else (sent, -1)
-        if on_rows is not None:
-            on_rows()
-    return out, logits, False
+DecodeDriver = Callable[[RunningTurn, Any], DecodeEnd]  # runs a running turn over a cache to its end
 
 
-def drive_inline(model: Any, cache: LatentCache, loop: DecodeLoop) -> TurnEnd:
-    """Run ``loop`` here: one ``model.forward`` of each token it yields, as ``feed_chunk`` feeds one."""
-    try:
-        token = next(loop)
-        while True:
-            logits = model.forward(np.asarray([token], dtype="<i4"), cache)[-1]  # [vocab] f32
-            token = loop.send(logits)
-    except StopIteration as done:
-        end: TurnEnd = done.value
-        return end
+def drive_inline(model: Any, cache: LatentCache, turn: RunningTurn) -> DecodeEnd:
+    """Run ``turn`` here: one ``model.forward`` of each token it draws, as ``feed_chunk`` feeds one."""
+    token = turn.start()
+    while token is not None:
+        logits = model.forward(np.asarray([token], dtype="<i4"), cache)[-1]  # [vocab] f32
+        token = turn.advance(logits)
+    return turn.end
 
 
 def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int] | np.ndarray) -> int:
@@ -176,7 +204,7 @@ def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Se
             feed = list(pending) if pending else None
             if feed is None and last is None and cache.length:
                 last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype, cache.index_rows())[0]
-        tokens, last, _ = run_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
+        tokens, last, _ = decode_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
         pending = tokens[-1:] if tokens else []
         outputs.append(tokens)
     return outputs
@@ -238,5 +266,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["DecodeLoop", "ROW_RTOL", "StepLogits", "TurnEnd", "TurnResult", "common_prefix", "compare_rows",
-           "decode_loop", "drive_inline", "feed_chunk", "recompute_last", "reference_turns", "run_turn"]
+__all__ = ["ROW_RTOL", "DecodeDriver", "DecodeEnd", "RunningTurn", "TurnResult", "common_prefix", "compare_rows",
+           "decode_turn", "drive_inline", "feed_chunk", "recompute_last", "reference_turns"]

@@ -22,7 +22,7 @@ from kernels.errors import FormatError
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.service.steps.prefill_pacer import GROWTH, MAX_PREFILL_TOKENS, PROBE_TOKENS, PrefillPacer
-from sessionstore.sessions.turn_loop import decode_loop, drive_inline
+from sessionstore.sessions.turn_loop import RunningTurn, drive_inline
 
 VOCAB = 11
 GATHER_S = 0.3  # the tests' jobs are all submitted well within it: they start together
@@ -119,7 +119,7 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
         switches.install()
         cache = caches[i]
         step = None if on_step is None else (lambda tok, pos, lg: on_step(loop, i, tok, pos, lg))
-        decode = decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, step)
+        decode = RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, step)
         try:
             outcomes[i] = loop.drive_decode(decode, cache)
         except Exception as exc:  # the test reads it
@@ -135,7 +135,7 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
 
 def _inline(i: int, max_new: int) -> list[int]:
     cache = _Cache(i)
-    tokens, _, _ = drive_inline(_ChainModel(), cache, decode_loop(cache, _start(i), max_new, _greedy,
+    tokens, _, _ = drive_inline(_ChainModel(), cache, RunningTurn(cache, _start(i), max_new, _greedy,
                                                                      frozenset(), None, None))
     return tokens
 
@@ -259,7 +259,7 @@ def test_a_loop_that_ends_in_the_pass_of_its_commit_runs_its_job_on_after_the_co
 
     def job() -> list[int]:
         cache = _Cache(0)
-        decode = decode_loop(cache, _start(0), 4, _greedy, frozenset(), None,
+        decode = RunningTurn(cache, _start(0), 4, _greedy, frozenset(), None,
                              lambda tok, pos, lg: pos == 3 and loop.run_commit(  # the last token: ends in this pass
                                  lambda: (time.sleep(0.2), done.append("commit 0"))))
         tokens, _, _ = loop.drive_decode(decode, cache)
@@ -305,7 +305,7 @@ def test_a_job_commits_on_an_io_thread_and_the_others_step_on() -> None:
 
     def turn(i: int, max_new: int) -> list[int]:
         cache = _Cache(i)
-        tokens, _, _ = loop.drive_decode(decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, None),
+        tokens, _, _ = loop.drive_decode(RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, None),
                                          cache)
         if i == 0:
             loop.run_commit(slow_commit)
@@ -468,7 +468,7 @@ def test_a_long_prompts_first_chunk_beside_running_loops_is_the_probe_even_after
     def turn(i: int) -> Any:
         cache = _Cache(i)
         step = lambda tok, pos, lg: on_step(loop, i, tok, pos, lg)  # noqa: E731
-        return loop.drive_decode(decode_loop(cache, _start(i), 300, _greedy, frozenset(), None, step), cache)
+        return loop.drive_decode(RunningTurn(cache, _start(i), 300, _greedy, frozenset(), None, step), cache)
 
     try:  # an idle prefill first: the pacer has measured prompt tokens, none beside decoding sessions
         loop.submit(lambda: loop.forward(np.arange(50, dtype=np.int32), _Cache(8))).result(10)

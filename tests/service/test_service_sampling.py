@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kernels.model.logits import TurnDraw, log_softmax
 from kernels.model.sampling import Sampler
 from sessionstore.sessions.conversation_file import read_record
-from sessionstore.sessions.turn_loop import feed_chunk, run_turn
+from sessionstore.sessions.turn_loop import decode_turn, feed_chunk
 from tests.service.serverkit import ServerProc, sse_events
 
 MAX = 12
@@ -164,7 +164,7 @@ def _reference(model: Any, tok: Any, prompt: list[int], sampler: Sampler, max_ne
     cache = model.new_cache("fp8")
     logits = feed_chunk(model, cache, prompt)
     draw = TurnDraw(sampler, stop_ids=frozenset(tok.eos_ids))
-    tokens, _, _ = run_turn(model, cache, None, logits, max_new, draw)
+    tokens, _, _ = decode_turn(model, cache, None, logits, max_new, draw)
     return tokens
 
 

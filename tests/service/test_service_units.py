@@ -60,16 +60,16 @@ def test_the_output_processor_ends_a_turn_at_eos_a_stop_string_or_an_abort() -> 
     out.on_token(3, 0)
     with pytest.raises(TurnStop) as stop:
         out.on_token(7, 1)
-    assert (stop.value.reason, out.reason, out.finish_reason, out.tokens) == ("eos", "eos", "stop", [3, 7])
+    assert (stop.value.end, out.end, out.end.finish_reason, out.tokens) == ("eos", "eos", "stop", [3, 7])
     asked = iter([False, True])
     out = OutputProcessor(should_abort=lambda: next(asked))
     out.on_token(7, 0)  # no eos ids: sampled on past them
     with pytest.raises(TurnStop):
         out.on_token(8, 1)
-    assert (out.reason, out.finish_reason, out.tokens) == ("abort", "abort", [7, 8])
+    assert (out.end, out.end.finish_reason, out.tokens) == ("abort", "abort", [7, 8])
     out = OutputProcessor()
     out.on_token(1, 0)
-    assert (out.reason, out.finish_reason, out.finish()) == ("length", "length", "")
+    assert (out.end, out.end.finish_reason, out.finish()) == ("length", "length", "")
 
 
 def test_bind_rule() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.service.steps.prefill_pacer import PROBE_TOKENS, WHOLE_PROMPT_TOKENS, PrefillPacer, plan_step
-from sessionstore.sessions.turn_loop import decode_loop, drive_inline
+from sessionstore.sessions.turn_loop import RunningTurn, drive_inline
 
 VOCAB = 13
 
@@ -95,7 +95,7 @@ def _start(i: int) -> np.ndarray:
 
 
 def _decode(cache: _Cache, i: int, max_new: int, on_step: Any = None) -> Any:
-    return decode_loop(cache, _start(i), max_new, _greedy, frozenset(), None, on_step)
+    return RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, on_step)
 
 
 def test_a_short_prompt_beside_running_loops_takes_one_step_and_changes_no_token() -> None:

@@ -6,6 +6,7 @@ On a session, chat turns go through its :class:`Conversation` (the whole ``messa
 rendered and prefix-matched against the history; the conversation file stays consistent) and
 completion turns through ``Session.generate`` (the prompt ids are the whole history; the
 conversation file, which no longer describes the tokens, is removed first). Every ending commits.
+Every kind is :func:`sessionstore.sessions.run_turn`, its reply turned into the wire's outcome here.
 """
 from __future__ import annotations
 
@@ -27,9 +28,7 @@ from sessionstore.sessions import (
     DecodeDriver,
     OutputProcessor,
     Session,
-    TurnStop,
-    common_prefix,
-    feed_chunk,
+    TurnReply,
     remove_record,
     run_turn,
 )
@@ -140,8 +139,12 @@ class TurnRunner:
             raise ApiError(400, str(exc), param="response_format", code="unsupported_schema") from None
 
     @staticmethod
-    def _logprobs(spec: TurnSpec, draw: TurnDraw) -> list[TokenLogprob] | None:
-        return None if spec.top_logprobs is None else list(draw.logprobs)
+    def _outcome(spec: TurnSpec, draw: TurnDraw, reply: TurnReply) -> TurnOutcome:
+        """The wire's outcome of ``reply`` (OpenAI's finish_reason from its end; the log-probabilities
+        of its tokens when the turn asked for them)."""
+        return TurnOutcome(reply.tokens, reply.text, reply.end.finish_reason, reply.prompt_tokens,
+                           reply.reused_prefix, reply.committed,
+                           logprobs=None if spec.top_logprobs is None else list(draw.logprobs))
 
     # ---- on a session --------------------------------------------------------------------------
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
@@ -159,39 +162,21 @@ class TurnRunner:
             structured = draw.constraint is not None
             reply = conv.respond(spec.messages or [], max_new, sampler=draw, prompt=prompt, output=output,
                                  response_format=spec.response_format if structured else None)
-            return TurnOutcome(reply.tokens, output.text, output.finish_reason, reply.prompt_tokens,
-                               reply.reused_prefix, session.committed, logprobs=self._logprobs(spec, draw))
+            return self._outcome(spec, draw, reply)
         if not session.files.being_made:  # a new session's files being made hold no conversation file
             session.run_io(lambda: remove_record(session.directory))  # before the tokens change: never a stale
             # conversation (a durable unlink: the server's I/O thread runs it while its loop steps the others)
-        session.ensure_resident()
-        assert session.cache is not None  # resident: its records' tokens, one array (no Python list per request)
-        reused = common_prefix(session.cache.tokens, prompt)
-        try:
-            session.generate(prompt, max_new, sampler=draw, keep_sampler=False, on_token=output.on_token)
-        except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
-            session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
-        output.finish()
-        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt), reused, session.committed,
-                           logprobs=self._logprobs(spec, draw))
+        return self._outcome(spec, draw, run_turn(output, max_new, draw, prompt=prompt, session=session))
 
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
                   admitted: Admitted) -> TurnOutcome:
         """A turn in a fresh in-memory cache (no session, nothing stored)."""
-        prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
-        cache = self.model.new_cache(self.kv_dtype)
         output = self._output(spec, draw, sink, at_token)
-        try:
-            logits = feed_chunk(self.model, cache, prompt)
-            run_turn(self.model, cache, None, logits, max_new, draw,
-                     on_step=lambda token, position, _logits: output.on_token(token, position), drive=self.drive)
-        except TurnStop:
-            pass
-        output.finish()
-        return TurnOutcome(output.tokens, output.text, output.finish_reason, len(prompt),
-                           logprobs=self._logprobs(spec, draw))
+        reply = run_turn(output, admitted.max_new, draw, prompt=admitted.ids, model=self.model,
+                         cache=self.model.new_cache(self.kv_dtype), drive=self.drive)
+        return self._outcome(spec, draw, reply)
 
 
 __all__ = ["Admitted", "TurnRunner", "TurnSink", "max_new_for", "sampler_for"]

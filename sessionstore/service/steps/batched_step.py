@@ -1,8 +1,11 @@
-"""The engine loop's batched step: ONE ``model.step`` of every forward waiting for it, and what
-follows it on the loop's thread (each member's logits handed back, each turn's decode loop run on
-to its next token, the mid-turn commits that pass asked for started together). The greedy picks
-of every row are made in one call for the step (``kernels.model.sampling.greedy_rows``); a turn
-whose draw is plain greedy takes its row's (bitwise its own draw), the others draw from their row.
+"""The engine loop's batched step: schedule -> ONE ``model.step`` of every forward waiting for it ->
+postprocess, on the loop's thread. Postprocess takes the step's logits for every member at once:
+a plain forward is handed its row; every running turn (:class:`sessionstore.sessions.RunningTurn`,
+plain data, no generator or greenlet per turn) draws its next token from its row (the greedy picks
+of every row made in one call for the step, ``kernels.model.sampling.greedy_rows``: a turn whose
+draw is plain greedy takes its row's, bitwise its own draw; the others draw from their row),
+streams its piece, and is queued for the next step or ends; the mid-turn commits that pass asked
+for start together, and an ending turn's job is woken to hand its end commit to the I/O threads.
 
 Every single-token forward (a decode step, or the last token of a prompt) of every session joins
 (continuous batching: sessions join and leave between steps), and beside them chunks of the prompts
@@ -25,15 +28,15 @@ from kernels.model.sampling import greedy_rows
 from sessionstore.log import get_logger
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.prefill_pacer import PrefillPacer, plan_step
-from sessionstore.sessions import DecodeLoop, StepLogits
+from sessionstore.sessions import RunningTurn
 
 log = get_logger("service")
 
 
 @dataclass(eq=False)  # compared by identity (the queue holds each once)
 class Forward:
-    """One forward asked for (or a decode loop's next token), and its outcome: the logits, the
-    loop's end or the error, set by the step before its asker runs on (a job: made runnable; a
+    """One forward asked for (or a running turn's next token), and its outcome: the logits, the
+    turn's end or the error, set by the step before its asker runs on (a job: made runnable; a
     caller on another thread: its ``done`` event)."""
 
     tokens: np.ndarray  # [S] i32
@@ -41,8 +44,8 @@ class Forward:
     fed: int = 0  # tokens of ``tokens`` already stepped (a prompt admitted chunk by chunk)
     job: Any = None  # the loop's job that waits for it (None: a caller on another thread)
     done: threading.Event | None = None  # a caller outside the jobs (a test, a tool) waits on it
-    loop: DecodeLoop | None = None  # a turn's sampling loop, run on by the step after each step
-    result: Any = None  # the logits [S, V] f32, or the loop's TurnEnd
+    turn: RunningTurn | None = None  # a running turn, advanced by the step's postprocess after each step
+    result: Any = None  # the logits [S, V] f32, or the turn's DecodeEnd
     error: BaseException | None = None
     settled: bool = False
 
@@ -78,10 +81,10 @@ class BatchedStep:
         ready: list[tuple[Forward, int]] = []
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
-                # a decode loop's next token was drawn over the vocabulary's logits, its turn's
-                # positions checked when it began (run_turn): only what is asked for is checked
-                # (should a loop's token fail anyway, model.step refuses and it is stepped alone)
-                if work.fed == 0 and work.loop is None:
+                # a running turn's next token was drawn over the vocabulary's logits, its turn's
+                # positions checked when it began (decode_turn): only what is asked for is checked
+                # (should a turn's token fail anyway, model.step refuses and it is stepped alone)
+                if work.fed == 0 and work.turn is None:
                     self.model.check_tokens(work.tokens)
                     self.model.check_room(work.cache, work.tokens.shape[0])
             except BaseException as exc:
@@ -106,7 +109,7 @@ class BatchedStep:
         rows = sum(1 for work, _ in ready if work.tokens.shape[0] - work.fed == 1)  # single-token members
         self.pacer.observe(rows, sum(counts) - rows, took)
         self._observe("step" if min(counts) == 1 else "prefill", len(ready), took)
-        self._stepped(ready, logits)
+        self._postprocess(ready, logits)
 
     def _solo(self, work: Forward, count: int) -> None:
         """Step ``work``'s next ``count`` tokens alone (a batched step that raised)."""
@@ -118,12 +121,13 @@ class BatchedStep:
             work.settle(None, exc)
             self._admit(work)
             return
-        self._stepped([(work, count)], logits)
+        self._postprocess([(work, count)], logits)
 
-    def _stepped(self, ready: list[tuple[Forward, int]], logits: np.ndarray) -> None:
-        """After a step: a prompt with chunks left waits for the next step (first in line); every
-        other member gets its row of ``logits`` [B, V]: a plain forward is settled and its asker
-        runs on; a decode loop is run on to its next token (queued for the next step) or its end."""
+    def _postprocess(self, ready: list[tuple[Forward, int]], logits: np.ndarray) -> None:
+        """After a step, for every member at once: a prompt with chunks left waits for the next step
+        (first in line); every other member gets its row of ``logits`` [B, V]: a plain forward is
+        settled and its asker runs on; a running turn draws its next token (queued for the next
+        step) or ends (settled: its job runs on and hands its end commit to the I/O threads)."""
         done: list[tuple[Forward, int]] = []
         unfinished: list[Forward] = []
         for b, (work, count) in enumerate(ready):
@@ -134,37 +138,36 @@ class BatchedStep:
                 done.append((work, b))
         self.queue[:0] = unfinished
         admitted: list[Forward] = []
-        # every row's greedy pick in one call ([B] i64; -1: none), taken by the plain greedy loops
-        picks = greedy_rows(logits) if any(work.loop is not None for work, _ in done) else None
+        # every row's greedy pick in one call ([B] i64; -1: none), taken by the plain greedy turns
+        picks = greedy_rows(logits) if any(work.turn is not None for work, _ in done) else None
         for work, b in done:
-            if work.loop is None or picks is None:
+            if work.turn is None or picks is None:
                 work.settle(logits[b : b + 1])  # [1, V] f32, as forward returns
             else:
                 with self.commits.collecting(work):
-                    if self._run_on(work, StepLogits(logits[b], int(picks[b]))):
+                    if self._advance(work, work.turn, logits[b], int(picks[b])):
                         continue
             admitted.append(work)
-        self.commits.start_all()  # they run while the next step computes; each loop waits for its own
+        self.commits.start_all()  # they run while the next step computes; each turn waits for its own
         for work in admitted:  # in batch order
             self._admit(work)
 
-    def _run_on(self, work: Forward, logits: StepLogits) -> bool:
-        """Send a decode loop its row of the step's logits [V] (and that row's greedy pick): True
-        once it yielded its next token (queued for the next step), False once it ended or raised
+    def _advance(self, work: Forward, turn: RunningTurn, row: np.ndarray, pick: int) -> bool:
+        """Advance ``turn`` with its row of the step's logits [V] and that row's greedy pick: True
+        once it drew its next token (queued for the next step), False once it ended or raised
         (settled)."""
-        assert work.loop is not None
         failed = self.commits.ready(work)  # the commit its last pass asked for, run beside this step
         if failed is not None:  # its turn ends as it would have before the step: the step is undone
             work.cache.truncate(work.cache.length - 1)
             work.settle(None, failed)
             return False
         try:
-            token = work.loop.send(logits)
-        except StopIteration as ended:
-            work.settle(ended.value)
-            return False
+            token = turn.advance(row, pick)
         except BaseException as exc:  # a stop, a commit's failure: its turn re-raises it
             work.settle(None, exc)
+            return False
+        if token is None:
+            work.settle(turn.end)
             return False
         work.tokens, work.fed = np.asarray([token], dtype="<i4"), 0  # [1] i32
         self.queue.append(work)
@@ -172,7 +175,7 @@ class BatchedStep:
 
     def _admit(self, work: Forward) -> None:
         """The forward is settled: its asker runs on (``on_settled``, in the order forwards finish).
-        A commit its decode loop asked for last is waited for first (its failure is the turn's
+        A commit its running turn asked for last is waited for first (its failure is the turn's
         error): a turn never finds its commit unfinished."""
         failed = self.commits.wait(work)
         if failed is not None:

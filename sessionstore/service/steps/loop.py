@@ -7,10 +7,11 @@ time and no lock guards them. A job runs until it needs the model or a wait, and
 loop what it waits for, as data:
 
 - ``forward`` (a prompt, or one token): a :class:`~.batched_step.Forward` queued for the next batched step;
-- ``drive_decode`` (a turn's sampling loop, :func:`sessionstore.sessions.turn_loop.decode_loop`): the
-  loop itself sends the generator each step's logits and steps the token it yields (sampling,
-  streaming and the turn's mid-turn commits run on the loop), and switches back to the job once the
-  generator has ended: a decode token costs no switch at all;
+- ``drive_decode`` (a turn's sampling, a :class:`sessionstore.sessions.RunningTurn`: plain data, its
+  draw, eos ids, counts and end): the loop holds it among its running turns, advances every one
+  of them with its row of each step's logits (sampling, streaming and the turn's mid-turn commits
+  run in the step's postprocess, :mod:`.batched_step`) and steps the token each draws; it switches
+  back to the job only once the turn has ended: a decode token costs no switch and no generator;
 - ``run_commit`` of a commit that no pass put off (a turn's last one): run by an I/O thread while
   the job waits and the loop steps the others on (its fsyncs hold no other session back).
 
@@ -59,7 +60,7 @@ from sessionstore.service.steps.prefill_pacer import (
     WHOLE_PROMPT_TOKENS,
     PrefillPacer,
 )
-from sessionstore.sessions import DecodeLoop, TurnEnd, drive_inline
+from sessionstore.sessions import DecodeEnd, RunningTurn, drive_inline
 
 log = get_logger("service")
 
@@ -171,21 +172,19 @@ class EngineLoop:
         logits = work.outcome()
         return logits
 
-    def drive_decode(self, loop: DecodeLoop, cache: Any) -> TurnEnd:
-        """Run a turn's decode loop: its first token is taken here, then the loop runs it on
-        between steps (each step's logits sent in, the token it yields stepped next) and the job
-        runs on once it has ended (or raised). Outside a job, or on a stopped loop: the loop runs
-        here, one :meth:`forward` per token."""
+    def drive_decode(self, turn: RunningTurn, cache: Any) -> DecodeEnd:
+        """Run a turn's sampling: its first token is drawn here, then the loop holds it among its
+        running turns (advanced after each step with its row of the step's logits, its token
+        stepped next) and the job runs on once it has ended (or raised). Outside a job, or on a
+        stopped loop: it runs here, one :meth:`forward` per token."""
         job = self._job_here()
         if job is None or self._stopped:
-            return drive_inline(self, cache, loop)
-        try:
-            token = next(loop)
-        except StopIteration as done:
-            end: TurnEnd = done.value
-            return end
-        self.batch.queue.append(Forward(np.asarray([token], dtype="<i4"), cache, job=job, loop=loop))
-        end = self._park()
+            return drive_inline(self, cache, turn)
+        token = turn.start()
+        if token is None:
+            return turn.end
+        self.batch.queue.append(Forward(np.asarray([token], dtype="<i4"), cache, job=job, turn=turn))
+        end: DecodeEnd = self._park()
         return end
 
     def run_commit(self, commit: Callable[[], object], *, overlap: bool = False) -> None:
