@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from sessionstore.sessions.session_options import SessionOptions
 
-DURABLE_STREAM = False  # the default of ``serve`` and ``chat`` (--durable-stream / --no-durable-stream)
+DURABLE_STREAM = True  # the default of ``serve`` and ``chat`` (--no-durable-stream turns it off; issue 39)
 
 
 class CommitWatch(Protocol):

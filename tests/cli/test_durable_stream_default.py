@@ -1,5 +1,5 @@
-"""Durable streaming's default has one home, ``sessions.DURABLE_STREAM`` (issue 39: to be turned on
-once ``bench.durable_stream`` holds its goal): ``serve`` and ``chat`` take it when given neither flag,
+"""Durable streaming's default has one home, ``sessions.DURABLE_STREAM`` (issue 39: on, since
+``bench.durable_stream`` holds its goal): ``serve`` and ``chat`` take it when given neither flag,
 ``--durable-stream`` and ``--no-durable-stream`` each win over it, and a server's config says the same."""
 from __future__ import annotations
 
