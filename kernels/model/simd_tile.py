@@ -30,7 +30,7 @@ def tile_kernel(rows: int, vecs: int) -> Any:
     @intrinsic
     def tile(typingctx: Any, xs: Any, xstep: Any, w: Any, wstride: Any, depth: Any,
              outs: Any) -> Any:  # pragma: no cover - compile-time
-        addr = types.UniTuple(types.int64, rows)
+        addr = types.UniTuple(types.int64, rows)  # type: ignore[no-untyped-call]
         sig = types.none(addr, types.int64, types.int64, types.int64, types.int64, addr)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
