@@ -86,9 +86,13 @@ def tile_kernel(rows: int, vecs: int) -> Any:
 _W1, _W2, _W3, _W4 = tile_kernel(1, 16), tile_kernel(2, 8), tile_kernel(3, 4), tile_kernel(4, 4)
 _N1, _N2, _N3, _N4 = tile_kernel(1, 1), tile_kernel(2, 1), tile_kernel(3, 1), tile_kernel(4, 1)
 _WIDE = (0, 16 * LANES, 8 * LANES, 4 * LANES, 4 * LANES)  # columns of the widest tile, by row count
+# one signature each (strided x and out: plain rows, a head's, a session's weights): compiled once
+_X, _W = types.Array(types.float32, 2, "A"), types.Array(types.float32, 2, "C")
+_I, _Q = types.Array(types.int64, 1, "C"), types.UniTuple(types.int64, 4)  # type: ignore[no-untyped-call]
 
 
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@njit(types.int64(types.int64, _Q, _Q, types.int64, types.int64, types.int64, types.int64, types.int64,
+                  types.int64), cache=True, nogil=True, boundscheck=False)
 def _tiles(rows: int, xs: Any, os: Any, wa: int, ws: int, xk: int, depth: int, n: int,
            n1: int) -> int:  # pragma: no cover - compiled
     """The vector tiles of ``rows`` (1-4) rows (x and out row addresses ``xs``, ``os``: 4-tuples, the
@@ -119,29 +123,8 @@ def _tiles(rows: int, xs: Any, os: Any, wa: int, ws: int, xk: int, depth: int, n
     return n
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def tile_rows(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray,
-              block: int) -> None:  # pragma: no cover - compiled
-    """out[oi[r]] [N] = x[xi[r]] [K] @ wt [K, N] for each r < len(xi), k ascending per element (bitwise
-    :func:`kernels.model.rowwise.rows_times`'s chains): ``block`` columns at a time, up to four rows
-    sharing each tile's weight loads; x's and wt's rows contiguous along k and N, out's along N."""
-    n_rows = xi.shape[0]
-    depth, width = wt.shape
-    xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
-    xs, ws, os, xk = x.strides[0], wt.strides[0], out.strides[0], x.strides[1]
-    for n0 in range(0, width, block):
-        n1 = min(n0 + block, width)
-        for b in range(0, n_rows, 4):
-            rows = min(4, n_rows - b)
-            r = (xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1])
-            o = (oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1])
-            n = _tiles(rows, (xa + r[0] * xs, xa + r[1] * xs, xa + r[2] * xs, xa + r[3] * xs),
-                       (oa + o[0] * os, oa + o[1] * os, oa + o[2] * os, oa + o[3] * os), wa, ws, xk, depth, n0, n1)
-            if n < n1:
-                _rest(x, r, rows, wt, out, o, n, n1)
-
-
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+@njit(types.void(_X, _Q, types.int64, _W, _X, _Q, types.int64, types.int64), cache=True, nogil=True,
+      boundscheck=False)
 def _rest(x: np.ndarray, r: Any, rows: int, wt: np.ndarray, out: np.ndarray, o: Any, n0: int,
           n1: int) -> None:  # pragma: no cover - compiled
     """The columns [n0, n1) (fewer than 16) of up to four rows (x rows ``r``, out rows ``o``), the plain
@@ -168,6 +151,28 @@ def _rest(x: np.ndarray, r: Any, rows: int, wt: np.ndarray, out: np.ndarray, o: 
             xv, w_row = xr[k], wt[k]
             for n in range(n0, n1):
                 acc[n] = acc[n] + xv * w_row[n]
+
+
+@njit(types.void(_X, _I, _W, _X, _I, types.int64), cache=True, nogil=True, boundscheck=False)
+def tile_rows(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray,
+              block: int) -> None:  # pragma: no cover - compiled
+    """out[oi[r]] [N] = x[xi[r]] [K] @ wt [K, N] for each r < len(xi), k ascending per element (bitwise
+    :func:`kernels.model.rowwise.rows_times`'s chains): ``block`` columns at a time, up to four rows
+    sharing each tile's weight loads; x's and wt's rows contiguous along k and N, out's along N."""
+    n_rows = xi.shape[0]
+    depth, width = wt.shape
+    xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
+    xs, ws, os, xk = x.strides[0], wt.strides[0], out.strides[0], x.strides[1]
+    for n0 in range(0, width, block):
+        n1 = min(n0 + block, width)
+        for b in range(0, n_rows, 4):
+            rows = min(4, n_rows - b)
+            r = (xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1])
+            o = (oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1])
+            n = _tiles(rows, (xa + r[0] * xs, xa + r[1] * xs, xa + r[2] * xs, xa + r[3] * xs),
+                       (oa + o[0] * os, oa + o[1] * os, oa + o[2] * os, oa + o[3] * os), wa, ws, xk, depth, n0, n1)
+            if n < n1:
+                _rest(x, r, rows, wt, out, o, n, n1)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
