@@ -61,8 +61,6 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - comp
     return total
 
 
-
-dot_lanes = _dot  # the scores' dot product, for the compiled step's attention (kernels.model.compiled_attend)
 _A1 = types.Array(_F32, 1, "C")
 
 
@@ -268,4 +266,4 @@ def batched_sparse_decode(q_abs: np.ndarray, q_rope: np.ndarray, blocks_of: Sequ
     return ctx
 
 
-__all__ = ["attend_one", "batched_sparse_decode", "dot_lanes"]
+__all__ = ["attend_one", "batched_sparse_decode"]

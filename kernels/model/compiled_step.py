@@ -17,8 +17,7 @@ checked against this file alone: after changing a callee's module, touch this on
 
 Bitwise the reference step: the same row-product kernels (:func:`kernels.model.rowwise.rows_times`,
 ``heads_times``; the MLP and MoE in :mod:`kernels.model.compiled_moe`, the same chains), the same
-fp8 encoder, row writes and selection kernels (kernels.attention.row_tables), attention
-(:mod:`kernels.model.compiled_attend`, bitwise ``attend_rows``), and
+fp8 encoder, row writes, selection and attention kernels (kernels.attention.row_tables), and
 numpy's own float32 sums and exp (:mod:`kernels.model.step_math`). So each row is what that token
 alone gives, whoever shares the step (every loop over rows treats rows independently).
 
@@ -34,11 +33,10 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kernels.attention.row_tables import select_rows, write_fp8_rows, write_keys
+from kernels.attention.row_tables import attend_rows, select_rows, write_fp8_rows, write_keys
 from kernels.compile_notice import announce_if_cold
 from kernels.fp8.row_quantizer import quantize_rows_kernel
 from kernels.fp8.tables import DECODE_TABLE, ENCODE_TABLE
-from kernels.model.compiled_attend import attend_fp8_rows
 from kernels.model.compiled_moe import mlp_rows, moe_rows
 from kernels.model.f32_row_tables import attend_f32_rows, write_f32_rows
 from kernels.model.once_product import heads_step, step_times
@@ -149,7 +147,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         elif kind == 2:
             attend_tq_rows(qabs, qr, latent[layer], sel, counts, fdims[2], ctx, lp, rp)
         else:
-            attend_fp8_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
+            attend_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
         heads_step(ctx, w_uv_t[layer], uv, once, idx)
         step_times(uv.reshape(n, heads * v_head), o_t[layer], ao, dims[19], once, idx)
         for b in range(n):
