@@ -81,12 +81,18 @@ def tile_kernel(rows: int, vecs: int) -> Any:
 
 
 
-# (rows, vecs): each row count's widest tile holds 16 vector sums at most (AVX-512 has 32 registers:
-# the rest hold the weight vectors and the broadcast x); then 16 columns at a time, then the scalar rest
-_W1, _W2, _W3, _W4 = tile_kernel(1, 16), tile_kernel(2, 8), tile_kernel(3, 4), tile_kernel(4, 4)
-_N1, _N2, _N3, _N4 = tile_kernel(1, 1), tile_kernel(2, 1), tile_kernel(3, 1), tile_kernel(4, 1)
-_WIDE = (0, 16 * LANES, 8 * LANES, 4 * LANES, 4 * LANES)  # columns of the widest tile, by row count
-# one signature each (strided x and out: plain rows, a head's, a session's weights): compiled once
+# (rows, vecs): a tile holds rows x vecs vector sums, at most 16 (AVX-512 has 32 registers: the rest hold
+# the weight vectors and the broadcast x). Columns go to the widest tile first, then halves: a tile of
+# few rows needs several vectors, or its one chain of adds waits on each add's latency at every k.
+_T4 = (tile_kernel(4, 4), tile_kernel(4, 1))  # by row count: the tiles, widest first
+_T3 = (tile_kernel(3, 4), tile_kernel(3, 2), tile_kernel(3, 1))
+_T2 = (tile_kernel(2, 8), tile_kernel(2, 4), tile_kernel(2, 2), tile_kernel(2, 1))
+_T1 = (tile_kernel(1, 16), tile_kernel(1, 8), tile_kernel(1, 4), tile_kernel(1, 2), tile_kernel(1, 1))
+_T4W, _T4N = _T4
+_T3W, _T3H, _T3N = _T3
+_T2W, _T2H, _T2Q, _T2N = _T2
+_T1W, _T1H, _T1Q, _T1E, _T1N = _T1
+# one signature each (strided x and out: plain rows, a head's): compiled once
 _X, _W = types.Array(types.float32, 2, "A"), types.Array(types.float32, 2, "C")
 _I, _Q = types.Array(types.int64, 1, "C"), types.UniTuple(types.int64, 4)  # type: ignore[no-untyped-call]
 
@@ -96,30 +102,56 @@ _I, _Q = types.Array(types.int64, 1, "C"), types.UniTuple(types.int64, 4)  # typ
 def _tiles(rows: int, xs: Any, os: Any, wa: int, ws: int, xk: int, depth: int, n: int,
            n1: int) -> int:  # pragma: no cover - compiled
     """The vector tiles of ``rows`` (1-4) rows (x and out row addresses ``xs``, ``os``: 4-tuples, the
-    first ``rows`` used) over columns [n, n1): returns the first column the tiles left."""
-    wide = _WIDE[rows]
-    while n + wide <= n1:
-        w, off = wa + 4 * n, 4 * n
-        if rows == 4:
-            _W4(xs, xk, w, ws, depth, (os[0] + off, os[1] + off, os[2] + off, os[3] + off))
-        elif rows == 3:
-            _W3((xs[0], xs[1], xs[2]), xk, w, ws, depth, (os[0] + off, os[1] + off, os[2] + off))
-        elif rows == 2:
-            _W2((xs[0], xs[1]), xk, w, ws, depth, (os[0] + off, os[1] + off))
-        else:
-            _W1((xs[0],), xk, w, ws, depth, (os[0] + off,))
-        n += wide
-    while n + LANES <= n1:
-        w, off = wa + 4 * n, 4 * n
-        if rows == 4:
-            _N4(xs, xk, w, ws, depth, (os[0] + off, os[1] + off, os[2] + off, os[3] + off))
-        elif rows == 3:
-            _N3((xs[0], xs[1], xs[2]), xk, w, ws, depth, (os[0] + off, os[1] + off, os[2] + off))
-        elif rows == 2:
-            _N2((xs[0], xs[1]), xk, w, ws, depth, (os[0] + off, os[1] + off))
-        else:
-            _N1((xs[0],), xk, w, ws, depth, (os[0] + off,))
-        n += LANES
+    first ``rows`` used) over columns [n, n1), widest first: returns the first column they left."""
+    if rows == 4:
+        while n + 4 * LANES <= n1:
+            _T4W(xs, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n, os[3] + 4 * n))
+            n += 4 * LANES
+        while n + LANES <= n1:
+            _T4N(xs, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n, os[3] + 4 * n))
+            n += LANES
+    elif rows == 3:
+        x3 = (xs[0], xs[1], xs[2])
+        while n + 4 * LANES <= n1:
+            _T3W(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
+            n += 4 * LANES
+        if n + 2 * LANES <= n1:
+            _T3H(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
+            n += 2 * LANES
+        if n + LANES <= n1:
+            _T3N(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
+            n += LANES
+    elif rows == 2:
+        x2 = (xs[0], xs[1])
+        while n + 8 * LANES <= n1:
+            _T2W(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
+            n += 8 * LANES
+        if n + 4 * LANES <= n1:
+            _T2H(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
+            n += 4 * LANES
+        if n + 2 * LANES <= n1:
+            _T2Q(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
+            n += 2 * LANES
+        if n + LANES <= n1:
+            _T2N(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
+            n += LANES
+    else:
+        x1 = (xs[0],)
+        while n + 16 * LANES <= n1:
+            _T1W(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
+            n += 16 * LANES
+        if n + 8 * LANES <= n1:
+            _T1H(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
+            n += 8 * LANES
+        if n + 4 * LANES <= n1:
+            _T1Q(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
+            n += 4 * LANES
+        if n + 2 * LANES <= n1:
+            _T1E(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
+            n += 2 * LANES
+        if n + LANES <= n1:
+            _T1N(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
+            n += LANES
     return n
 
 
@@ -169,8 +201,11 @@ def tile_rows(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi
             rows = min(4, n_rows - b)
             r = (xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1])
             o = (oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1])
-            n = _tiles(rows, (xa + r[0] * xs, xa + r[1] * xs, xa + r[2] * xs, xa + r[3] * xs),
-                       (oa + o[0] * os, oa + o[1] * os, oa + o[2] * os, oa + o[3] * os), wa, ws, xk, depth, n0, n1)
+            n = n0
+            if n_rows >= 4:  # a step of fewer rows: the plain loop (each weight row read once, in order)
+                n = _tiles(rows, (xa + r[0] * xs, xa + r[1] * xs, xa + r[2] * xs, xa + r[3] * xs),
+                           (oa + o[0] * os, oa + o[1] * os, oa + o[2] * os, oa + o[3] * os), wa, ws, xk, depth, n0,
+                           n1)
             if n < n1:
                 _rest(x, r, rows, wt, out, o, n, n1)
 

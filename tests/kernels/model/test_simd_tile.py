@@ -1,7 +1,8 @@
 """The register tiles of the compiled step's products (kernels.model.simd_tile): bitwise the plain
 row kernels the reference step uses (rows_times, heads_times: a multiply then an add, k ascending,
 no FMA), for every row count and width the tiles split differently (1-4 rows, 16-lane vectors, wide
-tiles, the scalar rest), gathered and scattered rows, and NaN, inf, -0.0 and subnormal inputs;
+tiles, the scalar rest, steps of fewer than 4 rows), gathered and scattered rows, and NaN, inf, -0.0
+and subnormal inputs;
 a row's bits whatever shares its tile."""
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_tile_rows_is_rows_times_bitwise(depth: int, width: int) -> None:
     x, wt = _inputs(rng, 11, depth, width)
     want = np.empty((11, width), np.float32)
     rows_times(x, wt, want, column_block(depth, width))
-    for rows in (1, 2, 3, 4, 5, 11):  # every tile split: 4 + the rest of 1-3 rows
+    for rows in (1, 2, 3, 4, 5, 6, 7, 11):  # fewer than 4: the plain loop; else tiles of 4 + a rest of 1-3 rows
         idx = np.arange(rows, dtype=np.int64)
         got = np.full((rows, width), np.nan, np.float32)
         tile_rows(x[:rows], idx, wt, got, idx, column_block(depth, width))
