@@ -2,8 +2,7 @@
 row kernels the reference step uses (rows_times, heads_times: a multiply then an add, k ascending,
 no FMA), for every row count and width the tiles split differently (1-4 rows, 16-lane vectors, wide
 tiles, the scalar rest, steps of fewer than 4 rows), gathered and scattered rows, and NaN, inf, -0.0
-and subnormal inputs;
-a row's bits whatever shares its tile."""
+and subnormal inputs; a row's bits whatever shares its tile."""
 from __future__ import annotations
 
 import numpy as np
