@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
+
+from kernels.attention.row_tables import pointer_to
 
 LANES = 16  # output columns of one vector
 
@@ -92,6 +94,7 @@ _T4W, _T4N = _T4
 _T3W, _T3H, _T3N = _T3
 _T2W, _T2H, _T2Q, _T2N = _T2
 _T1W, _T1H, _T1Q, _T1E, _T1N = _T1
+_f32_at = pointer_to(types.float32)
 # one signature each (strided x and out: plain rows, a head's): compiled once
 _X, _W = types.Array(types.float32, 2, "A"), types.Array(types.float32, 2, "C")
 _I, _Q = types.Array(types.int64, 1, "C"), types.UniTuple(types.int64, 4)  # type: ignore[no-untyped-call]
@@ -160,13 +163,16 @@ def _tiles(rows: int, xs: Any, os: Any, wa: int, ws: int, xk: int, depth: int, n
 def _rest(x: np.ndarray, r: Any, rows: int, wt: np.ndarray, out: np.ndarray, o: Any, n0: int,
           n1: int) -> None:  # pragma: no cover - compiled
     """The columns [n0, n1) (fewer than 16) of up to four rows (x rows ``r``, out rows ``o``), the plain
-    loop: a multiply then an add, k ascending."""
+    loop: a multiply then an add, k ascending. Each out row is taken as a contiguous view (out is
+    strided between rows, contiguous along N), so the compiler vectorises the column loop."""
+    oa, os = out.ctypes.data, out.strides[0]
+    a0, a1 = carray(_f32_at(oa + o[0] * os), n1), carray(_f32_at(oa + o[1] * os), n1)  # [n1] f32 each
+    a2, a3 = carray(_f32_at(oa + o[2] * os), n1), carray(_f32_at(oa + o[3] * os), n1)
     for q in range(rows):
         for n in range(n0, n1):
             out[o[q], n] = 0
     if rows == 4:  # four rows share each weight load
         r0, r1, r2, r3 = r
-        a0, a1, a2, a3 = out[o[0]], out[o[1]], out[o[2]], out[o[3]]
         for k in range(wt.shape[0]):
             x0, x1, x2, x3 = x[r0, k], x[r1, k], x[r2, k], x[r3, k]
             w_row = wt[k]
@@ -178,7 +184,7 @@ def _rest(x: np.ndarray, r: Any, rows: int, wt: np.ndarray, out: np.ndarray, o: 
                 a3[n] = a3[n] + x3 * w
         return
     for q in range(rows):
-        xr, acc = x[r[q]], out[o[q]]
+        xr, acc = x[r[q]], carray(_f32_at(oa + o[q] * os), n1)  # acc: [n1] f32
         for k in range(wt.shape[0]):
             xv, w_row = xr[k], wt[k]
             for n in range(n0, n1):
