@@ -1,6 +1,6 @@
 """The feed-forward blocks of the compiled step (:mod:`kernels.model.compiled_step`) in compiled
 code: the dense SwiGLU MLP over a step's rows, and the MoE (the router of each row, the routed
-experts expert by expert with four rows sharing each weight load, the shared expert).
+experts expert by expert, up to four of its rows sharing each weight tile, the shared expert).
 
 Bitwise :mod:`kernels.model.moe`'s batch-invariant path: every product element is the same
 k-ascending chain from 0 as :func:`kernels.model.rowwise.rows_times` (whichever rows share a
@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from kernels.model.once_product import gather_big, step_times
+from kernels.model.simd_tile import tile_rows
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
 _F32 = np.float32
@@ -96,78 +97,28 @@ def mlp_rows(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.nda
 def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, pairs: np.ndarray,
                  k: int, prow: np.ndarray, idx: np.ndarray, g: np.ndarray, u: np.ndarray,
                  y: np.ndarray, once: int) -> None:  # pragma: no cover - compiled
-    """:func:`_expert_pairs` for big experts: the same elements (the same chains), every weight
-    read once for all the expert's pairs. prow [cnt] scratch (each pair's row), g, u [cnt, I]."""
+    """One expert over its pairs (pair p = row p // k, slot p % k): y[p] [D] = down(silu(gate(x)) *
+    up(x)) of that row, every element the same k-ascending chain from 0 whichever pairs share the
+    products (kernels.model.moe_step's rule). Weights past ``once`` bytes: :func:`gather_big` (read
+    once for all the expert's pairs); else :func:`kernels.model.simd_tile.tile_rows` (up to four
+    pairs share each tile). prow [cnt] scratch (each pair's row), g, u [cnt, I]."""
     cnt = pairs.shape[0]
     for q in range(cnt):
         prow[q] = pairs[q] // k
-    gather_big(x, prow[:cnt], gate_t, g, idx[:cnt], once)
-    gather_big(x, prow[:cnt], up_t, u, idx[:cnt], once)
+    big = gate_t.size * 4 > once
+    if big:
+        gather_big(x, prow[:cnt], gate_t, g, idx[:cnt], once)
+        gather_big(x, prow[:cnt], up_t, u, idx[:cnt], once)
+    else:
+        tile_rows(x, prow[:cnt], gate_t, g, idx[:cnt], gate_t.shape[1])
+        tile_rows(x, prow[:cnt], up_t, u, idx[:cnt], up_t.shape[1])
     for q in range(cnt):
         for i in range(g.shape[1]):
             g[q, i] = silu_f32(g[q, i]) * u[q, i]
-    gather_big(g, idx[:cnt], down_t, y, pairs, once)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _expert_pairs(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, pairs: np.ndarray,
-                  k: int, g: np.ndarray, u: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover - compiled
-    """One expert over its pairs (pair p = row p // k, slot p % k): y[p] [D] = down(silu(gate(x)) *
-    up(x)) of that row. Four pairs share each weight load while four remain; every element is the
-    same k-ascending chain from 0 whichever pairs share the loop (kernels.model.moe_step's rule).
-    g, u [4, I] scratch."""
-    depth, inner = x.shape[1], g.shape[1]
-    cnt = pairs.shape[0]
-    p = 0
-    while p < cnt:
-        group = min(4, cnt - p)
-        g[:group] = 0
-        u[:group] = 0
-        if group == 4:
-            r0, r1, r2, r3 = pairs[p] // k, pairs[p + 1] // k, pairs[p + 2] // k, pairs[p + 3] // k
-            for kk in range(depth):
-                x0, x1, x2, x3 = x[r0, kk], x[r1, kk], x[r2, kk], x[r3, kk]
-                for i in range(inner):
-                    a, b = gate_t[kk, i], up_t[kk, i]
-                    g[0, i] = g[0, i] + x0 * a
-                    g[1, i] = g[1, i] + x1 * a
-                    g[2, i] = g[2, i] + x2 * a
-                    g[3, i] = g[3, i] + x3 * a
-                    u[0, i] = u[0, i] + x0 * b
-                    u[1, i] = u[1, i] + x1 * b
-                    u[2, i] = u[2, i] + x2 * b
-                    u[3, i] = u[3, i] + x3 * b
-        else:
-            for q in range(group):
-                r = pairs[p + q] // k
-                for kk in range(depth):
-                    xv = x[r, kk]
-                    for i in range(inner):
-                        g[q, i] = g[q, i] + xv * gate_t[kk, i]
-                        u[q, i] = u[q, i] + xv * up_t[kk, i]
-        for q in range(group):
-            for i in range(inner):
-                g[q, i] = silu_f32(g[q, i]) * u[q, i]
-            y[pairs[p + q], :] = 0
-        width = y.shape[1]
-        if group == 4:
-            y0, y1, y2, y3 = y[pairs[p]], y[pairs[p + 1]], y[pairs[p + 2]], y[pairs[p + 3]]
-            for kk in range(inner):
-                h0, h1, h2, h3 = g[0, kk], g[1, kk], g[2, kk], g[3, kk]
-                for i in range(width):
-                    wv = down_t[kk, i]
-                    y0[i] = y0[i] + h0 * wv
-                    y1[i] = y1[i] + h1 * wv
-                    y2[i] = y2[i] + h2 * wv
-                    y3[i] = y3[i] + h3 * wv
-        else:
-            for q in range(group):
-                yq = y[pairs[p + q]]
-                for kk in range(inner):
-                    hv = g[q, kk]
-                    for i in range(width):
-                        yq[i] = yq[i] + hv * down_t[kk, i]
-        p += group
+    if big:
+        gather_big(g, idx[:cnt], down_t, y, pairs, once)
+    else:
+        tile_rows(g, idx[:cnt], down_t, y, pairs, down_t.shape[1])
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -180,7 +131,7 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
     """out [n, D] = MoE layer m of rows x [n, D]: routed experts (ascending) plus the shared one
     (weights: the packed ``moe`` tuple's; the rest: the scratch's router and expert arrays:
     ``picked``, ``picked_w`` [n, k] each row's experts and weights, ``ey`` [n*k, D] each pair's
-    output, ``pairs`` [n*k] one expert's pairs, eg, eu [4, I]). ``big``: (once, idx, prow, ga,
+    output, ``pairs`` [n*k] one expert's pairs; eg, eu: unused). ``big``: (once, idx, prow, ga,
     ua): weights past ``once`` bytes read once per step (:mod:`kernels.model.once_product`), idx
     [n*k] 0, 1, .., prow [n*k] i64 and ga, ua [n*k, I] f32 scratch."""
     once, idx, prow, ga, ua = big
@@ -191,18 +142,16 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                weights)
         for j in range(k):
             picked[b, j], picked_w[b, j] = chosen[j], weights[j]
-    for e in range(dims[10]):  # expert by expert, the rows that chose it four at a time
+    for e in range(dims[10]):  # expert by expert, the rows that chose it
         cnt = 0
         for b in range(n):
             for j in range(k):
                 if picked[b, j] == e:
                     pairs[cnt] = b * k + j
                     cnt += 1
-        if cnt and e_gate[m, e].size * 4 > once:
+        if cnt:
             _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
                          ey, once)
-        elif cnt:
-            _expert_pairs(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, eg, eu, ey)
     for b in range(n):  # a row's experts added in ascending expert order (picked ascends)
         out[b, :] = 0
         for j in range(k):

@@ -108,7 +108,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
         rms_norm_rows(lc, kv_a_norm[layer], fdims[1], sq, lc)  # in place: each element reads itself
         for b in range(n):
             rope_into(comp[b, kv_lora:], cos[b], sin[b], interleave, rc[b])
-        heads_step(qn, w_uk[layer], qabs, once)
+        heads_step(qn, w_uk[layer], qabs, once, idx)
         if kind == 1:
             write_f32_rows(dst[layer], lc, rc)
         elif kind == 2:  # v3: codes and radii where fp8 keeps codes and scales
@@ -148,7 +148,7 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
             attend_tq_rows(qabs, qr, latent[layer], sel, counts, fdims[2], ctx, lp, rp)
         else:
             attend_rows(qabs, qr, latent[layer], sel, counts, decode, fdims[2], ctx)
-        heads_step(ctx, w_uv_t[layer], uv, once)
+        heads_step(ctx, w_uv_t[layer], uv, once, idx)
         step_times(uv.reshape(n, heads * v_head), o_t[layer], ao, dims[19], once, idx)
         for b in range(n):
             for i in range(h.shape[1]):

@@ -21,7 +21,8 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.compile_notice import announce_if_cold
-from kernels.model.rowwise import PANEL, heads_times, rows_times
+from kernels.model.rowwise import PANEL
+from kernels.model.simd_tile import tile_heads, tile_rows
 
 TILE = 256  # output columns per tile (1 KiB of each weight row)
 ROWS = 16  # rows whose sums a tile holds at once: ROWS x TILE f32 = 16 KiB in L1; more rows: the tile again
@@ -139,13 +140,13 @@ def step_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int, once_
                idx: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [n, N] = x [n, K] @ wt [K, N], bitwise :func:`~kernels.model.rowwise.rows_times`: through
     :func:`gather_big` when the weights are past ``once_bytes`` (read once for all rows; wt as
-    :func:`panel_order` left it), else ``rows_times`` (``block`` columns at a time). ``idx``: at
-    least n row indices 0, 1, ..."""
+    :func:`panel_order` left it), else :func:`kernels.model.simd_tile.tile_rows` (``block`` columns at
+    a time, the sums held in vector registers). ``idx``: at least n row indices 0, 1, ..."""
     n = x.shape[0]
     if wt.size * 4 > once_bytes:
         gather_big(x, idx[:n], wt, out, idx[:n], once_bytes)
     else:
-        rows_times(x, wt, out, block)
+        tile_rows(x, idx[:n], wt, out, idx[:n], block)
 
 
 @njit(cache=True, nogil=True, boundscheck=False, parallel=True)
@@ -168,12 +169,15 @@ def heads_once(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pragma
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def heads_step(x: np.ndarray, w: np.ndarray, out: np.ndarray, once_bytes: int) -> None:  # pragma: no cover
-    """:func:`heads_once` when w [H, K, N] is past ``once_bytes``, else ``heads_times`` (same bits)."""
+def heads_step(x: np.ndarray, w: np.ndarray, out: np.ndarray, once_bytes: int,
+               idx: np.ndarray) -> None:  # pragma: no cover - compiled
+    """:func:`heads_once` when w [H, K, N] is past ``once_bytes``, else
+    :func:`kernels.model.simd_tile.tile_heads` (``idx``: at least n row indices 0, 1, ..; the same
+    bits as ``heads_times``)."""
     if w.size * 4 > once_bytes:
         heads_once(x, w, out)
     else:
-        heads_times(x, w, out)
+        tile_heads(x, w, out, idx[: x.shape[0]])
 
 
 __all__ = ["ROWS", "TILE", "gather_big", "gather_panels", "gather_times", "heads_once", "heads_step",

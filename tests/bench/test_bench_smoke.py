@@ -33,3 +33,11 @@ def test_migrate_bench_runs_and_reports_its_keys(tmp_path):
     res = run_bench("migrate", "--quick", "--tokens", "300", "--reps", "1", "--dir", str(tmp_path))
     for key in ("migrate_ratio", "zstd_ratio", "two_cps_ratio", "migrate_vs_durable_copies"):
         assert res[key] > 0, key
+
+
+@pytest.mark.timeout(300)
+def test_step_rows_bench_runs_and_reports_its_keys():
+    res = run_bench("step_rows", "--reps", "1")
+    for key in ("step_rows1_us", "step_rows16_us", "step_rows16_ref_us", "step_rows16_ref_ratio",
+                "detok_us_per_token"):
+        assert res[key] > 0, key

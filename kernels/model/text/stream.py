@@ -5,9 +5,15 @@ Each step decodes the ids since the last *stable* point and emits what extends t
 holding back a trailing U+FFFD (the bytes of a multi-byte character split over tokens are not
 complete yet). A stable point is taken when the decoded text is clean; decoding restarts a few
 tokens before it so decoders that look at their neighbours (spaces, byte fallback) see context.
+
+A byte-level tokenizer (:meth:`ChatTokenizer.token_bytes` gives its table) streams without decoding:
+each token's bytes go through one incremental UTF-8 decoder (errors replaced), which emits what is
+complete and holds back a character's first bytes; joined, that is the lossy decoding of all the
+bytes at once, which is ``decode(all ids)`` (the table's contract).
 """
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 
 from kernels.errors import FormatError
@@ -28,6 +34,8 @@ class StreamDecoder:
         self.emitted = ""  # the text returned so far
         self._base = 0  # ids[:_base] are settled: their text is emitted[:_base_chars]
         self._base_chars = 0
+        self._bytes = tokenizer.token_bytes(skip_special_tokens=skip_special_tokens)  # None: the window path
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -45,6 +53,8 @@ class StreamDecoder:
         return self.emitted[:self._base_chars] + full[len(head):]
 
     def push(self, token: int) -> str:
+        if self._bytes is not None:
+            return self._push_bytes(int(token))
         self.ids.append(int(token))
         text = self._window_text()
         if text is None:
@@ -58,11 +68,23 @@ class StreamDecoder:
             self._base, self._base_chars = len(self.ids), len(safe)
         return new
 
+    def _push_bytes(self, token: int) -> str:
+        if not 0 <= token < len(self._bytes or ()):
+            self.tokenizer.decode([token])  # the id's one error
+        self.ids.append(token)
+        new: str = self._utf8.decode(self._bytes[token])  # type: ignore[index]  # (not None: the caller's test)
+        self.emitted += new
+        return new
+
     def extend(self, tokens: Iterable[int]) -> str:
         return "".join(self.push(t) for t in tokens)
 
     def finish(self) -> str:
         """The rest of the text (a trailing U+FFFD the ids really end in comes out here)."""
+        if self._bytes is not None:
+            new: str = self._utf8.decode(b"", final=True)
+            self.emitted += new
+            return new
         final = self._decode(self.ids)
         if not final.startswith(self.emitted):
             raise FormatError(f"{self.tokenizer.source}: the tokenizer's decoder rewrote text that was already "

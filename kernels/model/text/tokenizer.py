@@ -61,6 +61,7 @@ class ChatTokenizer:
         self.eos_ids: tuple[int, ...] = tuple(eos)
         decoder = self._tok.decoder
         self._byte_level = byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        self._byte_tables: dict[bool, list[bytes] | None] = {}  # skip_special_tokens -> token_bytes' table
 
     def check_vocab(self, model_vocab: int) -> None:
         """Refuse a tokenizer whose ids do not fit the model's vocabulary."""
@@ -101,6 +102,36 @@ class ChatTokenizer:
             if all(c in self._byte_level for c in piece):
                 return text, bytes(self._byte_level[c] for c in piece)
         return text, text.encode("utf-8")
+
+    def token_bytes(self, *, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each id's bytes, such that ``decode(ids)`` is the UTF-8 decoding (errors replaced) of the ids'
+        bytes joined, for a byte-level decoder (what it does: each token's characters mapped back to
+        bytes through the alphabet, a token with a character outside it taken as its UTF-8, skipped
+        special tokens giving none, then one lossy UTF-8 decoding); None for any other decoder, or
+        when a check over every single id (one batched decode, made once per flag) finds a
+        difference. :class:`kernels.model.text.stream.StreamDecoder` streams through it with one
+        dictionary look-up a token instead of two decodes."""
+        if skip_special_tokens not in self._byte_tables:
+            self._byte_tables[skip_special_tokens] = self._byte_table(skip_special_tokens)
+        return self._byte_tables[skip_special_tokens]
+
+    def _byte_table(self, skip: bool) -> list[bytes] | None:
+        alphabet = self._byte_level
+        if alphabet is None:
+            return None
+        table: list[bytes] = []
+        for token in range(self.vocab_size):
+            piece = self._tok.id_to_token(token)
+            if piece is None or (skip and token in self.special_ids):
+                table.append(b"")
+            elif all(c in alphabet for c in piece):
+                table.append(bytes(alphabet[c] for c in piece))
+            else:
+                table.append(piece.encode("utf-8"))
+        singles = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=skip)
+        if any(text != raw.decode("utf-8", "replace") for text, raw in zip(singles, table, strict=True)):
+            return None
+        return table
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         if self.template is None:

@@ -92,7 +92,9 @@ def test_heads_once_is_heads_times_bitwise(rows: int) -> None:
     x, w = _rand(rng, rows, 3, 40), _rand(rng, 3, 40, 72)
     want = np.empty((rows, 3, 72), np.float32)
     heads_times(x, w, want)
-    for fn in (lambda o: heads_once(x, w, o), lambda o: heads_step(x, w, o, 0)):
+    idx = np.arange(rows, dtype=np.int64)
+    for fn in (lambda o: heads_once(x, w, o), lambda o: heads_step(x, w, o, 0, idx),
+               lambda o: heads_step(x, w, o, 1 << 40, idx)):  # past 0 bytes: the once kernel; else the tiles
         got = np.full((rows, 3, 72), np.nan, np.float32)
         fn(got)
         assert np.array_equal(got, want)

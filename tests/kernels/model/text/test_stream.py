@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kernels.errors import FormatError
 from kernels.model.text import ChatTokenizer, StreamDecoder, load_text
 from tests.kernels.model.text.textkit import write_text_model
 
@@ -68,6 +69,7 @@ def test_metaspace_decoder_streams_exactly(tmp_path: Path) -> None:
     d = write_text_model(tmp_path, "chatml")
     t.save(str(d / "tokenizer.json"))
     tok = load_text(d)
+    assert tok.token_bytes() is None  # not byte-level: the window path
     for text in ("hello world", "wide \u00e9\u4e2d\U0001f600 hello", "\u00e9 x", "a  b   \u4e2d"):
         ids = tok.encode(text)
         assert any(tok.decode([i]) == "\ufffd" for i in ids) or text == "hello world"
@@ -80,3 +82,30 @@ def test_metaspace_decoder_streams_exactly(tmp_path: Path) -> None:
     ids = tok.encode("wide \u00e9<|im_end|><|im_start|><|im_end|><|im_start|><|im_end|><|im_start|><|im_end|> hello")
     stream = StreamDecoder(tok)
     assert stream.extend(ids) + stream.finish() == tok.decode(ids) == "wide \u00e9 hello"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_tokenizers_stream_from_their_byte_table(tok: ChatTokenizer, skip: bool) -> None:
+    """glm-mini's tokenizer and the test one are byte-level: the stream takes each token's bytes
+    (no decode a token), and joined its pieces are the tokenizer's own decode, lossy UTF-8 (random
+    ids split and break characters: U+FFFD where the tokenizer gives one) and special tokens included."""
+    from kernels.model import resolve_model
+
+    glm = load_text(resolve_model("glm-mini"))
+    rng = np.random.default_rng(36)
+    for t in (tok, glm):
+        table = t.token_bytes(skip_special_tokens=skip)
+        assert table is not None and len(table) == t.vocab_size
+        broken = 0
+        for _ in range(150):
+            ids = [int(i) for i in rng.integers(0, t.vocab_size, size=int(rng.integers(1, 60)))]
+            ids[int(rng.integers(0, len(ids)))] = min(t.special_ids)
+            stream = StreamDecoder(t, skip_special_tokens=skip)
+            pieces = [stream.push(i) for i in ids]
+            final = t.decode(ids, skip_special_tokens=skip)
+            assert all(final.startswith("".join(pieces[:j])) for j in range(len(pieces)))
+            assert "".join(pieces) + stream.finish() == final == stream.text
+            broken += "\ufffd" in final
+        assert broken > 10, "the ids should break characters"
+    with pytest.raises(FormatError):
+        StreamDecoder(glm).push(glm.vocab_size)
