@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kernels.model.once_product import gather_big, step_times
+from kernels.model.once_product import TILE_ROWS_FROM, gather_big, step_times
 from kernels.model.simd_tile import tile_rows
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
@@ -122,6 +122,67 @@ def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _expert_pairs(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np.ndarray, pairs: np.ndarray,
+                  k: int, g: np.ndarray, u: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover - compiled
+    """One expert over its pairs (pair p = row p // k, slot p % k): y[p] [D] = down(silu(gate(x)) *
+    up(x)) of that row. Four pairs share each weight load while four remain; every element is the
+    same k-ascending chain from 0 whichever pairs share the loop (kernels.model.moe_step's rule).
+    g, u [4, I] scratch."""
+    depth, inner = x.shape[1], g.shape[1]
+    cnt = pairs.shape[0]
+    p = 0
+    while p < cnt:
+        group = min(4, cnt - p)
+        g[:group] = 0
+        u[:group] = 0
+        if group == 4:
+            r0, r1, r2, r3 = pairs[p] // k, pairs[p + 1] // k, pairs[p + 2] // k, pairs[p + 3] // k
+            for kk in range(depth):
+                x0, x1, x2, x3 = x[r0, kk], x[r1, kk], x[r2, kk], x[r3, kk]
+                for i in range(inner):
+                    a, b = gate_t[kk, i], up_t[kk, i]
+                    g[0, i] = g[0, i] + x0 * a
+                    g[1, i] = g[1, i] + x1 * a
+                    g[2, i] = g[2, i] + x2 * a
+                    g[3, i] = g[3, i] + x3 * a
+                    u[0, i] = u[0, i] + x0 * b
+                    u[1, i] = u[1, i] + x1 * b
+                    u[2, i] = u[2, i] + x2 * b
+                    u[3, i] = u[3, i] + x3 * b
+        else:
+            for q in range(group):
+                r = pairs[p + q] // k
+                for kk in range(depth):
+                    xv = x[r, kk]
+                    for i in range(inner):
+                        g[q, i] = g[q, i] + xv * gate_t[kk, i]
+                        u[q, i] = u[q, i] + xv * up_t[kk, i]
+        for q in range(group):
+            for i in range(inner):
+                g[q, i] = silu_f32(g[q, i]) * u[q, i]
+            y[pairs[p + q], :] = 0
+        width = y.shape[1]
+        if group == 4:
+            y0, y1, y2, y3 = y[pairs[p]], y[pairs[p + 1]], y[pairs[p + 2]], y[pairs[p + 3]]
+            for kk in range(inner):
+                h0, h1, h2, h3 = g[0, kk], g[1, kk], g[2, kk], g[3, kk]
+                for i in range(width):
+                    wv = down_t[kk, i]
+                    y0[i] = y0[i] + h0 * wv
+                    y1[i] = y1[i] + h1 * wv
+                    y2[i] = y2[i] + h2 * wv
+                    y3[i] = y3[i] + h3 * wv
+        else:
+            for q in range(group):
+                yq = y[pairs[p + q]]
+                for kk in range(inner):
+                    hv = g[q, kk]
+                    for i in range(width):
+                        yq[i] = yq[i] + hv * down_t[kk, i]
+        p += group
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.ndarray, e_up: np.ndarray,
              e_down: np.ndarray, sh_gate: np.ndarray, sh_up: np.ndarray, sh_down: np.ndarray, m: int,
              dims: np.ndarray, fdims: np.ndarray, logits: np.ndarray, scores: np.ndarray, choice: np.ndarray,
@@ -149,9 +210,11 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                 if picked[b, j] == e:
                     pairs[cnt] = b * k + j
                     cnt += 1
-        if cnt:
+        if cnt >= TILE_ROWS_FROM or (cnt and e_gate[m, e].size * 4 > once):
             _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
                          ey, once)
+        elif cnt:  # fewer pairs than a register tile's rows: the plain loops (the same chains)
+            _expert_pairs(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, eg, eu, ey)
     for b in range(n):  # a row's experts added in ascending expert order (picked ascends)
         out[b, :] = 0
         for j in range(k):

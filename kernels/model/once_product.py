@@ -21,10 +21,13 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.compile_notice import announce_if_cold
-from kernels.model.rowwise import PANEL
+from kernels.model.rowwise import PANEL, heads_times, rows_times
 from kernels.model.simd_tile import tile_heads, tile_rows
 
 TILE = 256  # output columns per tile (1 KiB of each weight row)
+# steps of fewer rows take rows_times / heads_times (the same bits): compiled from a cold cache, the register
+# tiles' narrow path made a step of one glm-mini session 1.27 ms against 0.46 (bench.step_rows, fresh NUMBA_CACHE_DIR)
+TILE_ROWS_FROM = 4
 ROWS = 16  # rows whose sums a tile holds at once: ROWS x TILE f32 = 16 KiB in L1; more rows: the tile again
 
 announce_if_cold(__file__)
@@ -145,6 +148,8 @@ def step_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int, once_
     n = x.shape[0]
     if wt.size * 4 > once_bytes:
         gather_big(x, idx[:n], wt, out, idx[:n], once_bytes)
+    elif n < TILE_ROWS_FROM:
+        rows_times(x, wt, out, block)
     else:
         tile_rows(x, idx[:n], wt, out, idx[:n], block)
 
@@ -176,6 +181,8 @@ def heads_step(x: np.ndarray, w: np.ndarray, out: np.ndarray, once_bytes: int,
     bits as ``heads_times``)."""
     if w.size * 4 > once_bytes:
         heads_once(x, w, out)
+    elif x.shape[0] < TILE_ROWS_FROM:
+        heads_times(x, w, out)
     else:
         tile_heads(x, w, out, idx[: x.shape[0]])
 
