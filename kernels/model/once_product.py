@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.compile_notice import announce_if_cold
+from kernels.model.panel_tiles import GROUP, panel_tiles
 from kernels.model.rowwise import PANEL, heads_times, rows_times
 from kernels.model.simd_tile import tile_heads, tile_rows
 
@@ -92,39 +93,27 @@ def panel_order(wt: np.ndarray, once_bytes: int) -> np.ndarray:
 @njit(cache=True, nogil=True, boundscheck=False, parallel=True)
 def gather_panels(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray,
                   oi: np.ndarray) -> None:  # pragma: no cover - compiled
-    """:func:`gather_times` over a weight in panel order (:func:`panel_order`): each panel [K, PANEL]
-    (contiguous, 24-400 KB: stays in L2) read from memory once for all rows, four rows at a time
-    summing into 4 x PANEL sums the compiler keeps in registers; panels split across threads."""
+    """:func:`gather_times` over a weight in panel order (:func:`panel_order`): ``GROUP`` panels [K, PANEL]
+    (contiguous, 24-400 KB each) at a time, read from memory once for all rows, four rows at a time
+    summing in vector registers (:func:`kernels.model.panel_tiles.panel_tiles`: a row's sums over
+    several panels are independent chains); groups of panels split across threads."""
     n_rows = xi.shape[0]
     depth, width = wt.shape
-    panels = wt.reshape((width // PANEL, depth, PANEL))  # [P, K, PANEL]: the memory's order
-    quads = n_rows - n_rows % 4
-    for pi in prange(panels.shape[0]):
-        n0 = pi * PANEL
-        acc = np.empty((4, PANEL), np.float32)  # acc: [4, PANEL] f32, this thread's
-        for b in range(0, quads, 4):
-            r0, r1, r2, r3 = xi[b], xi[b + 1], xi[b + 2], xi[b + 3]
-            acc[:] = 0
-            for k in range(depth):
-                x0, x1, x2, x3 = x[r0, k], x[r1, k], x[r2, k], x[r3, k]
-                for n in range(PANEL):
-                    w = panels[pi, k, n]
-                    acc[0, n] = acc[0, n] + x0 * w
-                    acc[1, n] = acc[1, n] + x1 * w
-                    acc[2, n] = acc[2, n] + x2 * w
-                    acc[3, n] = acc[3, n] + x3 * w
-            for r in range(4):
-                for n in range(PANEL):
-                    out[oi[b + r], n0 + n] = acc[r, n]
-        for b in range(quads, n_rows):
-            rb = xi[b]
-            acc[0, :] = 0
-            for k in range(depth):
-                xv = x[rb, k]
-                for n in range(PANEL):
-                    acc[0, n] = acc[0, n] + xv * panels[pi, k, n]
-            for n in range(PANEL):
-                out[oi[b], n0 + n] = acc[0, n]
+    n_panels = width // PANEL
+    xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
+    xs, os, xk = x.strides[0], out.strides[0], x.strides[1]
+    pstride = depth * PANEL * 4  # bytes from one panel to the next
+    for g in prange((n_panels + GROUP - 1) // GROUP):
+        p0 = g * GROUP
+        count = min(GROUP, n_panels - p0)
+        col = p0 * PANEL * 4  # out's byte offset of the group's first column
+        for b in range(0, n_rows, 4):
+            rows = min(4, n_rows - b)
+            r0, r1, r2, r3 = xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1]
+            o0, o1, o2, o3 = oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1]
+            panel_tiles(rows, (xa + r0 * xs, xa + r1 * xs, xa + r2 * xs, xa + r3 * xs),
+                        (oa + o0 * os + col, oa + o1 * os + col, oa + o2 * os + col, oa + o3 * os + col),
+                        wa + p0 * pstride, pstride, xk, depth, count, PANEL * 4)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

@@ -23,63 +23,82 @@ from kernels.attention.row_tables import pointer_to
 LANES = 16  # output columns of one vector
 
 
-def tile_kernel(rows: int, vecs: int) -> Any:
+def tile_kernel(rows: int, vecs: int, spread: bool = False) -> Any:
     """An njit-callable ``tile(xs, xstep, w, wstride, depth, outs)`` over byte addresses (int64):
     for each of the ``rows`` rows r (``xs``, ``outs``: UniTuple(int64, rows)), out_r[0 : vecs*16] =
     sum over k < depth, ascending, of x_r[k] * w[k, 0 : vecs*16], where x_r[k] is the f32 at
-    ``xs[r] + k * xstep`` and w's row k the f32s at ``w + k * wstride`` (contiguous)."""
+    ``xs[r] + k * xstep`` and w's row k the f32s at ``w + k * wstride`` (contiguous).
+
+    ``spread``: ``tile(xs, xstep, w, wstride, depth, outs, vstride)``, w's vector v of row k at
+    ``w + k * wstride + v * vstride`` (a weight in panel order, one 16-column panel per vector);
+    out's vectors stay contiguous."""
+    addr = types.UniTuple(types.int64, rows)  # type: ignore[no-untyped-call]
+    sig = types.none(addr, types.int64, types.int64, types.int64, types.int64, addr, *[types.int64] * spread)
+    codegen = _tile_codegen(rows, vecs, spread)
+    if spread:
+        @intrinsic
+        def spread_tile(typingctx: Any, xs: Any, xstep: Any, w: Any, wstride: Any, depth: Any, outs: Any,
+                        vstride: Any) -> Any:  # pragma: no cover - compile-time
+            return sig, codegen
+
+        return spread_tile
 
     @intrinsic
     def tile(typingctx: Any, xs: Any, xstep: Any, w: Any, wstride: Any, depth: Any,
              outs: Any) -> Any:  # pragma: no cover - compile-time
-        addr = types.UniTuple(types.int64, rows)  # type: ignore[no-untyped-call]
-        sig = types.none(addr, types.int64, types.int64, types.int64, types.int64, addr)
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            xs_v, xstep_v, w_v, wstride_v, depth_v, outs_v = args
-            f32, i64 = ir.FloatType(), ir.IntType(64)
-            vt = ir.VectorType(f32, LANES)
-            vptr, fptr = vt.as_pointer(), f32.as_pointer()
-            zero = ir.Constant(vt, [0.0] * LANES)
-            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
-            x_at = [builder.extract_value(xs_v, r) for r in range(rows)]
-            o_at = [builder.extract_value(outs_v, r) for r in range(rows)]
-            pre = builder.basic_block
-            header = builder.append_basic_block("tile.header")
-            body = builder.append_basic_block("tile.body")
-            done = builder.append_basic_block("tile.done")
-            builder.branch(header)
-            builder.position_at_end(header)
-            k = builder.phi(i64)
-            k.add_incoming(ir.Constant(i64, 0), pre)
-            accs = [[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)]
-            for row in accs:
-                for acc in row:
-                    acc.add_incoming(zero, pre)
-            builder.cbranch(builder.icmp_signed("<", k, depth_v), body, done)
-            builder.position_at_end(body)
-            w_row = builder.add(w_v, builder.mul(k, wstride_v))
-            wv = [builder.load(builder.inttoptr(builder.add(w_row, ir.Constant(i64, 4 * LANES * v)), vptr),
-                               align=4, typ=vt) for v in range(vecs)]
-            for r in range(rows):
-                xv = builder.load(builder.inttoptr(builder.add(x_at[r], builder.mul(k, xstep_v)), fptr),
-                                  align=4, typ=f32)
-                one = builder.insert_element(ir.Constant(vt, ir.Undefined), xv, ir.Constant(ir.IntType(32), 0))
-                splat = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), splat_mask)
-                for v in range(vecs):
-                    accs[r][v].add_incoming(builder.fadd(accs[r][v], builder.fmul(splat, wv[v])), body)
-            k.add_incoming(builder.add(k, ir.Constant(i64, 1)), body)
-            builder.branch(header)
-            builder.position_at_end(done)
-            for r in range(rows):
-                for v in range(vecs):
-                    builder.store(accs[r][v], builder.inttoptr(builder.add(o_at[r], ir.Constant(i64, 4 * LANES * v)),
-                                                               vptr), align=4)
-            return context.get_dummy_value()
-
         return sig, codegen
 
     return tile
+
+
+def _tile_codegen(rows: int, vecs: int, spread: bool) -> Any:
+    """The IR of :func:`tile_kernel`'s tile: a k loop whose rows x vecs sums are phi values (registers)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:  # pragma: no cover - compile-time
+        xs_v, xstep_v, w_v, wstride_v, depth_v, outs_v = args[:6]
+        f32, i64 = ir.FloatType(), ir.IntType(64)
+        vt = ir.VectorType(f32, LANES)
+        vptr, fptr = vt.as_pointer(), f32.as_pointer()
+        zero = ir.Constant(vt, [0.0] * LANES)
+        splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        x_at = [builder.extract_value(xs_v, r) for r in range(rows)]
+        o_at = [builder.extract_value(outs_v, r) for r in range(rows)]
+        w_off = [builder.mul(ir.Constant(i64, v), args[6]) if spread else ir.Constant(i64, 4 * LANES * v)
+                 for v in range(vecs)]  # byte offset of w's vector v within its row k
+        pre = builder.basic_block
+        header = builder.append_basic_block("tile.header")
+        body = builder.append_basic_block("tile.body")
+        done = builder.append_basic_block("tile.done")
+        builder.branch(header)
+        builder.position_at_end(header)
+        k = builder.phi(i64)
+        k.add_incoming(ir.Constant(i64, 0), pre)
+        accs = [[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)]
+        for row in accs:
+            for acc in row:
+                acc.add_incoming(zero, pre)
+        builder.cbranch(builder.icmp_signed("<", k, depth_v), body, done)
+        builder.position_at_end(body)
+        w_row = builder.add(w_v, builder.mul(k, wstride_v))
+        wv = [builder.load(builder.inttoptr(builder.add(w_row, w_off[v]), vptr), align=4, typ=vt)
+              for v in range(vecs)]
+        for r in range(rows):
+            xv = builder.load(builder.inttoptr(builder.add(x_at[r], builder.mul(k, xstep_v)), fptr),
+                              align=4, typ=f32)
+            one = builder.insert_element(ir.Constant(vt, ir.Undefined), xv, ir.Constant(ir.IntType(32), 0))
+            splat = builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), splat_mask)
+            for v in range(vecs):
+                accs[r][v].add_incoming(builder.fadd(accs[r][v], builder.fmul(splat, wv[v])), body)
+        k.add_incoming(builder.add(k, ir.Constant(i64, 1)), body)
+        builder.branch(header)
+        builder.position_at_end(done)
+        for r in range(rows):
+            for v in range(vecs):
+                builder.store(accs[r][v], builder.inttoptr(builder.add(o_at[r], ir.Constant(i64, 4 * LANES * v)),
+                                                           vptr), align=4)
+        return context.get_dummy_value()
+
+    return codegen
 
 
 

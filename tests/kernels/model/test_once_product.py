@@ -67,6 +67,24 @@ def test_gather_times_is_rows_times_bitwise(rows: int) -> None:
         assert np.array_equal(alone_wide[0], want_wide[b])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
+def test_gather_panels_is_rows_times_bitwise_for_every_tile_width(rows: int) -> None:
+    """31 panels: a group of 16, then 15, which each row count's register tiles split widest first
+    down to one panel (16/8/4/2/1 for a row, 8/4/2/1 for two, 4/2/1 for three, 4/1 for four)."""
+    rng = np.random.default_rng(100 + rows)
+    x, wt = _rand(rng, rows, 129), _rand(rng, 129, 31 * 16)  # x: [rows, 129], wt: [129, 496] f32
+    want = np.empty((rows, 496), np.float32)
+    rows_times(x, wt, want, column_block(129, 496))
+    idx = np.arange(rows)
+    got = np.full((rows, 496), np.nan, np.float32)
+    gather_panels(x, idx, panel_order(wt, 0), got, idx)
+    assert np.array_equal(got, want)
+    picked = np.full((2 * rows, 496), np.nan, np.float32)  # scattered to odd out rows, gathered reversed
+    gather_panels(x, idx[::-1].copy(), panel_order(wt, 0), picked, 2 * idx + 1)
+    assert np.array_equal(picked[1::2], want[::-1])
+    assert np.isnan(picked[::2]).all()
+
+
 def test_gather_times_gathers_and_scatters() -> None:
     rng = np.random.default_rng(7)
     x, wt = _rand(rng, 9, 64), _rand(rng, 64, 300)
