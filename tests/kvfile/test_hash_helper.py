@@ -1,6 +1,7 @@
-"""The checksum helper process: a resume's check shares its records with a second process and
-still condemns any record that fails, in either share; a helper that cannot hash (another file
-at the path, an error) leaves the work to the caller; the helper dies with its parent."""
+"""The checksum helper process: a large check shares its records with a second process and
+still condemns any record that fails, in either share (a resume's gathering pass hashes them all
+itself); a helper that cannot hash (another file at the path, an error) leaves the work to the
+caller; the helper dies with its parent."""
 from __future__ import annotations
 
 import os
@@ -67,10 +68,41 @@ def test_the_helpers_checksums_are_the_readers(tmp_path: Path) -> None:
 def test_a_shared_check_condemns_a_bad_record_in_either_share(tmp_path: Path, helper: None, bad: int) -> None:
     path = _vouched_file(tmp_path)
     with open_kv(path) as kv:
+        assert require_vouched(kv, NREC).checked == NREC
+    _flip(path, bad)
+    with open_kv(path) as kv, pytest.raises(CorruptionError, match=f"record at position {bad} "):
+        require_vouched(kv, NREC)
+
+
+class _CountingHelper:
+    """Stands for the running helper: counts what it is asked, hashes nothing."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def submit(self, *args: object) -> object:
+        self.asked += 1
+        return lambda: None  # could not hash: the caller would hash the share itself
+
+
+@pytest.mark.parametrize("bad", [3, NREC - 2])
+def test_a_gathering_check_hashes_every_record_here_and_gathers_the_same_scales(
+        tmp_path: Path, helper: None, monkeypatch: pytest.MonkeyPatch, bad: int) -> None:
+    """A resume's pass (scales gathered while each block is in cache) never hands a share to the
+    helper, condemns a bad record anywhere, and gathers what a reader's own pass gathers."""
+    path = _vouched_file(tmp_path)
+    counting = _CountingHelper()
+    monkeypatch.setattr(integrity, "active_hash_helper", lambda: counting)
+    with open_kv(path) as kv, open_kv(path) as plain:
         assert require_vouched(kv, NREC, gather_scales=True).checked == NREC
+        assert np.array_equal(kv.sanitized_scales(), plain.sanitized_scales())
+    with open_kv(path) as kv:
+        assert require_vouched(kv, NREC).checked == NREC  # the plain check does ask it
+    assert counting.asked == 1
     _flip(path, bad)
     with open_kv(path) as kv, pytest.raises(CorruptionError, match=f"record at position {bad} "):
         require_vouched(kv, NREC, gather_scales=True)
+    assert counting.asked == 1
 
 
 def test_a_helper_that_cannot_hash_leaves_the_check_to_the_caller(tmp_path: Path, helper: None) -> None:

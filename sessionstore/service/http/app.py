@@ -200,8 +200,11 @@ class Api:
         return Path(self.store.root)
 
     def render(self, spec: TurnSpec) -> None:
-        """Render and tokenise ``spec``'s prompt, once, here (the core checks the ids)."""
+        """Render and tokenise ``spec``'s prompt, once, here (the core checks the ids); a completion's
+        prompt then travels to the core as its ids alone (not a second copy of a long history)."""
         spec.prompt_ids = self.renderer.prompt_ids(spec.kind, spec.messages, spec.prompt)
+        if spec.kind == "completion":
+            spec.prompt = None
 
     async def start_turn(self, spec: TurnSpec, clock: TurnClock,
                          job: ResponseJob | None = None) -> tuple[CoreStream, Event]:

@@ -24,6 +24,15 @@ MAX_INT_DIGITS = 40  # digits of one integer (a u64 seed has 20)
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Cheap proofs over the raw bytes that the per-value checks have nothing to find, so a big body (a
+# 32k-id prompt) skips them: with no run of more than MAX_INT_DIGITS digits anywhere (every digit
+# read as 0, then one substring search), no integer can be that long (json.loads then needs no
+# per-integer callback); with no ``\ud800``-``\udfff`` escape anywhere, no string can hold a
+# surrogate (UTF-8 cannot encode one: ``decode`` refuses it), so the walk over every value is
+# skipped. A match (even inside a string) takes the full checks.
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
+_LONG_DIGITS = b"0" * (MAX_INT_DIGITS + 1)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _STEP = np.zeros(256, dtype=np.int8)  # [256] i8: a byte's change of the nesting depth
 _STEP[list(b"[{")] = 1
 _STEP[list(b"]}")] = -1
@@ -86,13 +95,14 @@ def read_json_body(raw: bytes) -> Any:
     depth = json_depth(raw) if openers > MAX_JSON_DEPTH else 0
     if depth > MAX_JSON_DEPTH:
         raise _invalid(f"the request body nests {depth} deep, past the limit of {MAX_JSON_DEPTH}")
+    parse_int = _int if _LONG_DIGITS in raw.translate(_DIGITS_AS_ZERO) else None  # None: all are short
     try:
-        obj = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+        obj = json.loads(text, parse_int=parse_int, parse_float=_float, parse_constant=_constant)
     except json.JSONDecodeError as exc:
         raise _invalid(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # a depth the scan missed: still the client's malformed body
         raise _invalid("the request body nests too deep") from None
-    where = lone_surrogate_at(obj)
+    where = lone_surrogate_at(obj) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:
         raise _invalid(f"{where}: a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not text",
                        param=where or None)

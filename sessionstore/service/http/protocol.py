@@ -243,9 +243,9 @@ class CompletionRequest(TurnFields):
             raise ApiError(400, f"prompt: must be {PROMPT_SHAPES}", param="prompt", code="invalid_type")
         elif all(isinstance(p, str) for p in given):
             prompts = list(given)
-        elif all(is_token_id(t) for t in given):
+        elif all_token_ids(given):
             prompts = [list(given)]
-        elif all(isinstance(p, list) and all(is_token_id(t) for t in p) for p in given):
+        elif all(isinstance(p, list) and all_token_ids(p) for p in given):
             prompts = [list(p) for p in given]
         else:
             raise ApiError(400, f"prompt: must be {PROMPT_SHAPES} (token ids: integers in [0, 2^31))",
@@ -270,6 +270,13 @@ class CompletionRequest(TurnFields):
 def is_token_id(value: Any) -> bool:
     """An integer id of any vocabulary (the model checks its own size)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
+def all_token_ids(values: list[Any]) -> bool:
+    """Each :func:`is_token_id`; plain ints (JSON's) in C passes (types, min, max), not a call per id."""
+    if values and set(map(type, values)) == {int}:
+        return bool(min(values) >= 0 and max(values) < 1 << 31)
+    return all(is_token_id(v) for v in values)
 
 
 class ForkRequest(BaseModel):
@@ -390,4 +397,4 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 __all__ = ["LOGPROB_FLOOR", "PROMPT_SHAPES", "TEXT_PART_SEPARATOR", "ChatCompletionRequest", "ChatMessage",
            "CompletionRequest", "ForkRequest", "Prompt", "StreamOptions", "TurnFields", "chat_chunk", "chat_logprobs",
            "check_logit_bias", "check_top_logprobs", "completion_chunk", "completion_logprobs", "fresh_seed",
-           "is_token_id", "now", "sse", "text_part", "token_text", "usage", "usage_chunk"]
+           "all_token_ids", "is_token_id", "now", "sse", "text_part", "token_text", "usage", "usage_chunk"]
