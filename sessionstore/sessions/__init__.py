@@ -72,9 +72,7 @@ from sessionstore.sessions.tier_record import (
 from sessionstore.sessions.turn import TurnReply, run_turn
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
-    DecodeEnd,
     RunningTurn,
-    TurnResult,
     common_prefix,
     decode_turn,
     drive_inline,
@@ -95,7 +93,6 @@ __all__ = [
     "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
-    "DecodeEnd",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -134,7 +131,6 @@ __all__ = [
     "TierRecord",
     "TurnEnd",
     "TurnReply",
-    "TurnResult",
     "TurnStop",
     "check_component",
     "check_messages",

@@ -56,7 +56,7 @@ from sessionstore.sessions.resident_files import ResidentFiles
 from sessionstore.sessions.session_commits import CommitPath
 from sessionstore.sessions.session_home import IoRunner, SessionHome, run_here
 from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
-from sessionstore.sessions.turn_loop import TurnResult
+from sessionstore.sessions.turn import TurnReply
 
 log = get_logger("session")
 
@@ -221,7 +221,7 @@ class Session:
 
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
                  stop_at_eos: bool = False, sampler: Sampler | TurnDraw | None = None, keep_sampler: bool = True,
-                 on_token: Callable[[int, int], None] | None = None) -> TurnResult:
+                 on_token: Callable[[int, int], None] | None = None) -> TurnReply:
         """One turn (:func:`~sessionstore.sessions.session_turns.generate`)."""
         return turns.generate(self, prompt_ids, max_new, stop_at_eos=stop_at_eos, sampler=sampler,
                               keep_sampler=keep_sampler, on_token=on_token)

@@ -18,12 +18,8 @@ from kernels.model.sampling import Sampler
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, write_manifest
 from sessionstore.sessions.session_resume import Resuming, await_files, ensure_resident, last_logits, run_io
-from sessionstore.sessions.turn_loop import (
-    TurnResult,
-    common_prefix,
-    decode_turn,
-    feed_chunk,
-)
+from sessionstore.sessions.turn import TurnReply
+from sessionstore.sessions.turn_loop import common_prefix, decode_turn, feed_chunk
 
 APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
 # hand-over per token cost ~0.7 ms of per-token work that a batched decode step cannot share
@@ -35,9 +31,11 @@ log = get_logger("session")
 
 def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
              stop_at_eos: bool = False, sampler: Sampler | TurnDraw | None = None, keep_sampler: bool = True,
-             on_token: Callable[[int, int], None] | None = None) -> TurnResult:
+             on_token: Callable[[int, int], None] | None = None) -> TurnReply:
     """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
     rest truncated) and the remainder fed; without, generation continues where it stopped.
+    Returns its :class:`TurnReply` (its ``end``: EOS at an eos id with ``stop_at_eos``, else LENGTH;
+    no text).
     ``sampler``: this turn's settings (None: the manifest's), or a :class:`TurnDraw` over them;
     with ``keep_sampler`` the settings are stored in the manifest for the turns after it,
     without they serve this turn only."""
@@ -51,7 +49,7 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         write_manifest(s.directory / MANIFEST_NAME, changed)  # durable: rare; a failed one changes nothing
         s.manifest = changed
     turn_sampler = s.manifest.sampler if sampler is None else sampler
-    result = TurnResult()
+    reused = 0
     feed: list[int] | None
     if prompt_ids is not None:
         prompt = s.model.check_tokens(np.asarray(prompt_ids, dtype=np.int64))  # [m] i32, no Python list
@@ -60,13 +58,12 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         k = common_prefix(files.live_cache.tokens, prompt)
         if k < files.live_cache.length:
             truncate(s, k)
-        result.reused_prefix = k
+        reused = k
         feed = [int(t) for t in prompt[k:]]
     else:
         feed = list(s.pending) if s.pending else None
         if feed is None and commits.committer.logits is None and files.live_cache.length:
             commits.note_logits(last_logits(s))
-    result.fed = len(feed) if feed else 0
     commits_before = commits.committer.commits
     options = s.options  # read in place, once per turn
 
@@ -83,20 +80,19 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         elif due and files.ready():  # a new session's files still being made: the commit
             commits.run()  # waits a token (a server's loop must not wait for them)
 
-    tokens, logits, eos = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new,
-                                   turn_sampler, stop_at_eos=stop_at_eos,
-                                   on_rows=lambda: _append_in_runs(s), on_step=on_step, drive=options.decode_driver)
-    if not tokens:
+    turn = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new, turn_sampler,
+                       stop_at_eos=stop_at_eos, on_rows=lambda: _append_in_runs(s), on_step=on_step,
+                       drive=options.decode_driver)
+    if not turn.tokens:
         s.pending = []
-    commits.note_logits(logits)
+    commits.note_logits(turn.logits)
     assert not commits.in_flight  # a turn is woken only once its commits returned
     commits.run()
-    result.tokens, result.stopped_at_eos = tokens, eos
-    result.committed = files.live_writer.nrec
-    result.commits = commits.committer.commits - commits_before
-    result.seconds = time.perf_counter() - t0
+    reply = TurnReply(turn.tokens, end=turn.end, prompt_tokens=len(prompt_ids) if prompt_ids is not None else 0,
+                      reused_prefix=reused, committed=files.live_writer.nrec, fed=len(feed) if feed else 0,
+                      commits=commits.committer.commits - commits_before, seconds=time.perf_counter() - t0)
     s.residency.touch(s)
-    return result
+    return reply
 
 
 def _append_in_runs(s: Resuming) -> None:

@@ -24,9 +24,12 @@ from sessionstore.sessions.turn_loop import DecodeDriver, common_prefix, decode_
 
 @dataclass
 class TurnReply:
-    """What one turn gave: its tokens, its text (stop strings applied), why it ended, its prompt's
-    length and the prefix of it a session reused, and a session's committed records after it
-    (None without a session)."""
+    """What one turn gave, the one result of every turn (:func:`run_turn`'s and ``Session.generate``'s):
+    its tokens, its text (stop strings applied; empty for ``Session.generate``, which has no
+    tokenizer), why it ended, its prompt's length and the prefix of it a session reused, and a
+    session's committed records after it (None without a session). ``Session.generate`` also says
+    how many tokens it fed (the prompt's rest or the pending token), how many commits it ran and
+    how long it took (0 where a turn does not count them)."""
 
     tokens: list[int] = field(default_factory=list)
     text: str = ""
@@ -34,6 +37,9 @@ class TurnReply:
     prompt_tokens: int = 0
     reused_prefix: int = 0
     committed: int | None = None
+    fed: int = 0
+    commits: int = 0
+    seconds: float = 0.0
 
     @property
     def stopped(self) -> str:

@@ -22,6 +22,7 @@ from kernels.errors import FormatError
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.service.steps.prefill_pacer import GROWTH, MAX_PREFILL_TOKENS, PROBE_TOKENS, PrefillPacer
+from sessionstore.sessions.output import TurnEnd
 from sessionstore.sessions.turn_loop import RunningTurn, drive_inline
 
 VOCAB = 11
@@ -135,9 +136,8 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
 
 def _inline(i: int, max_new: int) -> list[int]:
     cache = _Cache(i)
-    tokens, _, _ = drive_inline(_ChainModel(), cache, RunningTurn(cache, _start(i), max_new, _greedy,
-                                                                     frozenset(), None, None))
-    return tokens
+    return drive_inline(_ChainModel(), cache, RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None,
+                                                          None)).tokens
 
 
 def test_loops_run_on_the_loop_itself_give_the_inline_tokens_and_run_each_job_on_once() -> None:
@@ -150,8 +150,7 @@ def test_loops_run_on_the_loop_itself_give_the_inline_tokens_and_run_each_job_on
 
     outcomes, model, _, switches = _run_turns(3, 8, on_step)
     for i in range(3):
-        tokens, _, eos = outcomes[i]
-        assert tokens == _inline(i, 8) and not eos
+        assert outcomes[i].tokens == _inline(i, 8) and outcomes[i].end is TurnEnd.LENGTH
     assert seen == {i: {("coli-engine", True)} for i in range(3)}
     assert model.batches == [3] * 7  # 8 tokens: 7 fed, every step shared by the three
     assert switches.ran_on == {0: 1, 1: 1, 2: 1}  # each job ran on once, at its decode loop's end
@@ -188,7 +187,7 @@ def test_a_loop_that_raises_ends_only_its_own_turn() -> None:
 
     outcomes, _, _, _ = _run_turns(2, 6, on_step)
     assert isinstance(outcomes[1], RuntimeError) and "went away" in str(outcomes[1])
-    assert outcomes[0][0] == _inline(0, 6)
+    assert outcomes[0].tokens == _inline(0, 6)
 
 
 def test_a_job_that_raises_hands_its_error_to_its_caller_and_the_loop_serves_on() -> None:
@@ -241,7 +240,7 @@ def test_commits_of_one_pass_run_together_beside_the_next_step_and_a_failure_end
 
     outcomes, _, caches, _ = _run_turns(3, 5, on_step, model)
     assert isinstance(outcomes[2], OSError) and "disk full" in str(outcomes[2])
-    assert outcomes[0][0] == _inline(0, 5) and outcomes[1][0] == _inline(1, 5)
+    assert outcomes[0].tokens == _inline(0, 5) and outcomes[1].tokens == _inline(1, 5)
     assert sorted(ran) == [(0, 2), (1, 2)]
     # the three 0.3 s commits of one pass ran at once: each started before any of them ended (a wall
     # time bound would depend on the machine's load; the overlap does not)
@@ -262,7 +261,7 @@ def test_a_loop_that_ends_in_the_pass_of_its_commit_runs_its_job_on_after_the_co
         decode = RunningTurn(cache, _start(0), 4, _greedy, frozenset(), None,
                              lambda tok, pos, lg: pos == 3 and loop.run_commit(  # the last token: ends in this pass
                                  lambda: (time.sleep(0.2), done.append("commit 0"))))
-        tokens, _, _ = loop.drive_decode(decode, cache)
+        tokens = loop.drive_decode(decode, cache).tokens
         done.append("ran on")
         return tokens
 
@@ -305,8 +304,8 @@ def test_a_job_commits_on_an_io_thread_and_the_others_step_on() -> None:
 
     def turn(i: int, max_new: int) -> list[int]:
         cache = _Cache(i)
-        tokens, _, _ = loop.drive_decode(RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, None),
-                                         cache)
+        tokens = loop.drive_decode(RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, None),
+                                   cache).tokens
         if i == 0:
             loop.run_commit(slow_commit)
             assert threading.current_thread().name == "coli-engine"  # back on the loop, after the commit
@@ -353,7 +352,7 @@ def test_a_prompt_is_admitted_in_chunks_beside_running_loops_and_alone_in_one_st
     model = _CountsModel()
     outcomes, _, _, _ = _run_turns(2, 200, on_step, model)  # long loops: still running once the prompt is in
     for i in range(2):
-        assert outcomes[i][0] == _inline(i, 200)  # the loops' tokens are unchanged by the prompt beside them
+        assert outcomes[i].tokens == _inline(i, 200)  # the loops' tokens are unchanged by the prompt beside them
     assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
     chunks = [dict(step)[9] for step in model.members if 9 in dict(step)]  # the prompt's, step by step
     beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]

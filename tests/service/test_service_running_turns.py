@@ -120,8 +120,8 @@ def test_a_pass_of_16_running_turns_is_one_step_and_no_switch_and_an_ending_turn
     out = _run(n, max_new, stop_at, threads, model, into_running, into_ended)
     for i in range(n):  # the tokens are the inline run's, cut where the turn ended
         cache = _Cache(i)
-        tokens, _, _ = drive_inline(model, cache, RunningTurn(cache, _start(i), max_new, _greedy, frozenset(),
-                                                              None, None))
+        tokens = drive_inline(model, cache, RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None,
+                                                        None)).tokens
         assert out[i] == tokens[: stop_at.get(i, max_new)]
     # one step a pass for every running turn: 16 rows, 15 once turn 3 ended (its 2nd token, drawn
     # after the 1st step), 14 once turn 7 did (its 4th, after the 3rd); 6 tokens: 5 fed

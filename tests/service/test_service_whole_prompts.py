@@ -123,7 +123,7 @@ def test_a_short_prompt_beside_running_loops_takes_one_step_and_changes_no_token
     assert np.array_equal(got, alone)
     for i, outcome in enumerate(outcomes):
         cache = _Cache(i)
-        inline, _, _ = drive_inline(_Model(), cache, _decode(cache, i, loops_new))
-        assert outcome[0] == inline  # the loops' tokens are unchanged by the prompt beside them
+        inline = drive_inline(_Model(), cache, _decode(cache, i, loops_new)).tokens
+        assert outcome.tokens == inline  # the loops' tokens are unchanged by the prompt beside them
     steps = [dict(step) for step in model.members if 9 in dict(step)]
     assert len(steps) == 1 and steps[0][9] == prompt_len and {0, 1} <= set(steps[0])  # whole, beside both

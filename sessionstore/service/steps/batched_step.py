@@ -45,7 +45,7 @@ class Forward:
     job: Any = None  # the loop's job that waits for it (None: a caller on another thread)
     done: threading.Event | None = None  # a caller outside the jobs (a test, a tool) waits on it
     turn: RunningTurn | None = None  # a running turn, advanced by the step's postprocess after each step
-    result: Any = None  # the logits [S, V] f32, or the turn's DecodeEnd
+    result: Any = None  # the logits [S, V] f32, or the running turn, ended
     error: BaseException | None = None
     settled: bool = False
 
@@ -167,7 +167,7 @@ class BatchedStep:
             work.settle(None, exc)
             return False
         if token is None:
-            work.settle(turn.end)
+            work.settle(turn)
             return False
         work.tokens, work.fed = np.asarray([token], dtype="<i4"), 0  # [1] i32
         self.queue.append(work)

@@ -60,7 +60,7 @@ from sessionstore.service.steps.prefill_pacer import (
     WHOLE_PROMPT_TOKENS,
     PrefillPacer,
 )
-from sessionstore.sessions import DecodeEnd, RunningTurn, drive_inline
+from sessionstore.sessions import RunningTurn, drive_inline
 
 log = get_logger("service")
 
@@ -172,7 +172,7 @@ class EngineLoop:
         logits = work.outcome()
         return logits
 
-    def drive_decode(self, turn: RunningTurn, cache: Any) -> DecodeEnd:
+    def drive_decode(self, turn: RunningTurn, cache: Any) -> RunningTurn:
         """Run a turn's sampling: its first token is drawn here, then the loop holds it among its
         running turns (advanced after each step with its row of the step's logits, its token
         stepped next) and the job runs on once it has ended (or raised). Outside a job, or on a
@@ -182,10 +182,10 @@ class EngineLoop:
             return drive_inline(self, cache, turn)
         token = turn.start()
         if token is None:
-            return turn.end
+            return turn
         self.batch.queue.append(Forward(np.asarray([token], dtype="<i4"), cache, job=job, turn=turn))
-        end: DecodeEnd = self._park()
-        return end
+        ended: RunningTurn = self._park()
+        return ended
 
     def run_commit(self, commit: Callable[[], object], *, overlap: bool = False) -> None:
         """A turn's commit (the part a session's ``commit_runner`` is handed, which touches neither
