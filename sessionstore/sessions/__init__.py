@@ -32,7 +32,7 @@ from sessionstore.sessions.manifest import (
     utc_now,
     write_manifest,
 )
-from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnReply, TurnStop
 from sessionstore.sessions.paths import (
     KV_NAME,
     LOCK_NAME,
@@ -69,7 +69,7 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
-from sessionstore.sessions.turn import TurnReply, run_turn
+from sessionstore.sessions.turn import run_turn
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
     RunningTurn,

@@ -11,44 +11,15 @@ thread), as a turn that ran to its ``max_new`` tokens commits inside ``Session.g
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kernels.model.logits import TurnDraw
 from kernels.model.sampling import Sampler
-from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnReply, TurnStop
+from sessionstore.sessions.session_turns import generate
 from sessionstore.sessions.turn_loop import DecodeDriver, common_prefix, decode_turn
-
-
-@dataclass
-class TurnReply:
-    """What one turn gave, the one result of every turn (:func:`run_turn`'s and ``Session.generate``'s):
-    its tokens, its text (stop strings applied; empty for ``Session.generate``, which has no
-    tokenizer), why it ended, its prompt's length and the prefix of it a session reused, and a
-    session's committed records after it (None without a session). ``Session.generate`` also says
-    how many tokens it fed (the prompt's rest or the pending token), how many commits it ran and
-    how long it took (0 where a turn does not count them)."""
-
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    end: TurnEnd = TurnEnd.LENGTH
-    prompt_tokens: int = 0
-    reused_prefix: int = 0
-    committed: int | None = None
-    fed: int = 0
-    commits: int = 0
-    seconds: float = 0.0
-
-    @property
-    def stopped(self) -> str:
-        """The CLI's spelling of :attr:`end` ("eos", "limit", "interrupted")."""
-        return self.end.stopped
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
-                "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
 
 
 def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw | None, *,
@@ -68,7 +39,7 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
             session.ensure_resident()
             reused = common_prefix(session.cache.tokens, prompt)
         try:
-            session.generate(prompt, max_new, sampler=sampler, keep_sampler=keep_sampler, on_token=output.on_token)
+            generate(session, prompt, max_new, sampler=sampler, keep_sampler=keep_sampler, on_token=output.on_token)
         except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
             session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
         committed = session.committed
@@ -88,4 +59,4 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
                      committed)
 
 
-__all__ = ["TurnReply", "run_turn"]
+__all__ = ["run_turn"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from kernels.errors import CorruptionError, FormatError, LimitError
+from kernels.errors import CorruptionError, FormatError
 from kernels.model.logits import TurnDraw, turn_draw
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
@@ -56,13 +56,13 @@ def decode_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | N
     ``stop_at_eos``, ``TurnEnd.EOS``). The sampling is run by ``drive(turn, cache)``
     when the caller gives one (a server's engine thread steps it with every other running turn),
     else here by :func:`drive_inline`: the same forwards either way.
+
+    Trusts its caller: ``feed``'s ids and the turn's room in the context were checked where they
+    entered (the server's core, the CLI, the Session API's ``check_turn``); the model's own step
+    still refuses what it cannot run.
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
-    end = cache.length + (len(feed) if feed is not None else 0) + max(max_new - 1, 0)
-    if end > model.config.max_position_embeddings:
-        raise LimitError(f"{end} positions exceed the model's context of "
-                         f"{model.config.max_position_embeddings}")
     if feed is not None:
         logits = feed_chunk(model, cache, feed, on_rows)
     elif last_logits is not None:

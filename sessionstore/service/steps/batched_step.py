@@ -82,8 +82,9 @@ class BatchedStep:
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
                 # a running turn's next token was drawn over the vocabulary's logits, its turn's
-                # positions checked when it began (decode_turn): only what is asked for is checked
-                # (should a turn's token fail anyway, model.step refuses and it is stepped alone)
+                # positions checked where it entered: only a forward asked of the loop is checked,
+                # so that one that cannot run fails alone, not the step of all (should a turn's token
+                # fail anyway, model.step refuses and each member is stepped alone)
                 if work.fed == 0 and work.turn is None:
                     self.model.check_tokens(work.tokens)
                     self.model.check_room(work.cache, work.tokens.shape[0])
