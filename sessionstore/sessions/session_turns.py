@@ -37,7 +37,7 @@ log = get_logger("session")
 def check_ids(session: Resuming, ids: Sequence[int]) -> np.ndarray:
     """``ids`` as [m] i32, refused (one clear error) if one is outside the model's vocabulary: the
     Session API's check of the ids a library's caller gives."""
-    checked: np.ndarray = session.model.check_tokens(np.asarray(ids, dtype=np.int64).reshape(-1))  # [m] i32
+    checked: np.ndarray = session.model.check_tokens(np.asarray(ids, dtype=np.int64))  # [m] i32
     return checked
 
 
