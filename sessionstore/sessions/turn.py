@@ -6,7 +6,11 @@ all run :func:`run_turn` and read its one result, a :class:`TurnReply`, whose ``
 A turn's tokens go through its :class:`~.output.OutputProcessor` (the text, the stop strings, the eos
 ids, a caller's request to stop), which ends it at a token boundary (:class:`~.output.TurnStop`); on
 a session, that ending commits what the session holds by the session's ``run_io`` (a server's I/O
-thread), as a turn that ran to its ``max_new`` tokens commits inside ``Session.generate``.
+thread), as a turn that ran to its ``max_new`` tokens commits inside the session's ``generate``.
+
+:func:`run_turn` trusts its caller: a turn's ids and its room in the context were checked once, where
+they entered (the server's core, ``TurnRunner.admit``; the CLI; a library's caller goes through
+``Session.generate``, which checks them).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
     """One turn of at most ``max_new`` tokens drawn with ``sampler`` (settings or a :class:`TurnDraw`;
     None: a session's own), each through ``output``.
 
-    On ``session``: ``Session.generate`` from ``prompt`` (its prefix shared with the history reused;
+    On ``session``: :func:`~.session_turns.generate` from ``prompt`` (its prefix shared with the history reused;
     None: on from the pending token), the settings kept in its manifest with ``keep_sampler``; a turn
     that ``output`` ends is committed by the session's ``run_io``. Else in ``cache`` (no store):
     ``prompt`` fed through ``model`` and the tokens drawn, the sampling run by ``drive`` (a server's
