@@ -105,6 +105,3 @@ class RecordRows:
     def length(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
-    def is_fp8(self) -> bool:
-        return self.lc_codes is not None and self.codec is None

@@ -12,8 +12,6 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kernels.errors import ColiError, FormatError
 from kernels.jsonfile import read_json_bounded
 from kernels.model import Sampler, load_model, resolve_model
@@ -83,9 +81,8 @@ def generate_text(args: argparse.Namespace, kind: str, value: Any, sampler: Samp
     tok = tokenizer_for(args.model)
     model = load_model(args.model)
     tok.check_vocab(model.config.vocab_size)
-    ids = prompt_ids(tok, kind, value)
-    model.check_tokens(np.asarray(ids, dtype="int64"))
-    kv = args.kv or "f32"
+    ids = prompt_ids(tok, kind, value)  # the tokenizer's ids: the model's (check_vocab); their room is
+    kv = args.kv or "f32"  # checked by stateless_turn, the CLI's one check of a stateless turn
     cache = model.new_cache(kv, backend=args.backend)
     output = OutputProcessor(eos=frozenset(tok.eos_ids) if args.stop_at_eos else frozenset())
     t0 = time.perf_counter()
@@ -120,9 +117,8 @@ def session_text_turn(session: Any, args: argparse.Namespace, kind: str, value: 
         reply = conv.respond(value, max_new)
         return {**reply.to_json(), "stopped_at_eos": reply.end is TurnEnd.EOS, "committed": session.committed,
                 "pending": list(session.pending), "messages": len(conv.messages)}
-    ids = prompt_ids(tok, kind, value)
-    session.model.check_tokens(np.asarray(ids, dtype="int64"))
-    check_room(ids, max_new, session.model.config.max_position_embeddings)
+    ids = prompt_ids(tok, kind, value)  # the tokenizer's ids: the model's (check_vocab above)
+    check_room(ids, max_new, session.model.config.max_position_embeddings)  # the one check of the turn's room
     remove_record(session.directory)  # before the tokens change: never a stale conversation
     output = OutputProcessor(eos=frozenset(tok.eos_ids) if getattr(args, "stop_at_eos", False) else frozenset())
     reply = run_turn(output, max_new, sampler, prompt=ids, session=session, keep_sampler=True)

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from kernels.errors import ColiError
+from kernels.model import encode_text
 from kernels.model.sampling import Sampler
 from sessionstore.sessions import SessionStore, reference_turns
 
@@ -40,10 +41,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=2024, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
-
-
-def _encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
 
 
 def _shown(ids: list[int]) -> str:
@@ -113,7 +110,7 @@ def _ids_conversation(root: str, kv: str, sampler: Sampler, max_new: int) -> dic
     store = SessionStore(root)
     sid = f"demo-{kv}"
     _fresh(store, sid)
-    prompt = _encode(USER_TURNS[0])
+    prompt = encode_text(USER_TURNS[0])
     t0 = time.perf_counter()
     session = store.create(sid, "tiny", kv_dtype=kv, sampler=sampler)
     outs = [session.generate(prompt, max_new).tokens]
@@ -121,7 +118,7 @@ def _ids_conversation(root: str, kv: str, sampler: Sampler, max_new: int) -> dic
     turn_s = [time.perf_counter() - t0]
     prompts = [prompt]
     for text in USER_TURNS[1:]:
-        prompt = prompts[-1] + outs[-1] + _encode(" " + text)
+        prompt = prompts[-1] + outs[-1] + encode_text(" " + text)
         prompts.append(prompt)
         t0 = time.perf_counter()
         out = _cli(["generate", "--root", root, "--session", sid, "--prompt-ids",

@@ -19,6 +19,7 @@ from sessionstore.sessions import (
     SessionFilesMissingError,
     SessionOptions,
     SessionStore,
+    TurnEnd,
 )
 from tools._common import check_backend, parse_ids, push_turn, remove_empty_store
 from tools._core import InProcessCore
@@ -235,7 +236,7 @@ def _run_turn(session: Any, args: argparse.Namespace, prompt: list[int] | None, 
     return result.tokens, {
         "tokens": result.tokens, "session": args.session, "created": created,
         "reused_prefix": result.reused_prefix, "fed": result.fed, "committed": result.committed,
-        "pending": list(session.pending), "stopped_at_eos": result.stopped_at_eos,
+        "pending": list(session.pending), "stopped_at_eos": result.end is TurnEnd.EOS,
         "kv_dtype": session.manifest.kv_dtype, "kv_path": str(session.kv_path), "resume": resume,
         "seconds": result.seconds}
 

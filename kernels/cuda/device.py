@@ -88,10 +88,3 @@ def get_runner() -> CupyRunner:
             _runner = CupyRunner()
         return _runner
 
-
-def forget_runner() -> None:
-    """Drop the process-wide runner: the next :func:`get_runner` asks the device again (after the
-    device went away, or in a test that makes it answer differently)."""
-    global _runner
-    with _lock:
-        _runner = None

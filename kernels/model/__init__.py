@@ -18,7 +18,7 @@ from kernels.model.config import ModelConfig, load_config, parse_config
 from kernels.model.glm_config import GLM_MODEL_TYPE
 from kernels.model.protocols import Decoder, DecoderConfig, LatentCache
 from kernels.model.sampling import Sampler, sample
-from kernels.model.tiny import TINY_NAME, TINY_SEED, tiny_checkpoint
+from kernels.model.tiny import TINY_NAME, TINY_SEED, encode_text, tiny_checkpoint
 from kernels.model.weights import open_checkpoint
 
 if TYPE_CHECKING:  # imported on first use at run time (the module __getattr__ below)
@@ -88,6 +88,7 @@ __all__ = [
     "MLADecoder",
     "ModelConfig",
     "Sampler",
+    "encode_text",
     "generate",
     "load_config",
     "load_model",

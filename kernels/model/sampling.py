@@ -126,9 +126,11 @@ class Sampler:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sampler:
-        """Settings from :meth:`to_dict`'s shape (absent fields: the defaults), checked."""
-        known = ("temperature", "top_k", "top_p", "seed", *PROCESSING)
-        return cls.checked(**{k: d[k] for k in known if k in d})
+        """Settings from :meth:`to_dict`'s shape (a file's record of them, FORMAT.md 5.8), checked: the
+        four draw settings must be there (absent: a FormatError naming it), the processing settings
+        that are absent are the defaults; other keys are ignored."""
+        return cls.checked(d.get("temperature"), d.get("top_k"), d.get("top_p"), d.get("seed"),
+                           **{k: d[k] for k in PROCESSING if k in d})
 
 
 def _number_in(value: Any, lo: float, hi: float) -> bool:

@@ -130,7 +130,3 @@ def encode_text(text: str) -> list[int]:
     """UTF-8 bytes of ``text`` as tiny-model token ids."""
     return list(text.encode("utf-8"))
 
-
-def decode_text(ids: list[int]) -> str:
-    """Tiny-model ids back to text (specials dropped, invalid UTF-8 replaced)."""
-    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

@@ -95,8 +95,9 @@ class KVReader:
                 self.records = np.zeros(0, dtype=dtype)  # [0] records
                 self.records.flags.writeable = False
             self._scales: np.ndarray | None = None  # [2, L, nrec] f32, sanitised (v2, lazily)
-            self._gather: np.ndarray | None = None  # [2, L, nrec] f32 stored scales, [0, _gathered) filled
-            self._gathered = 0
+            self._gather: np.ndarray | None = None  # [2, L, nrec] f32 stored scales, [0, scales_gathered) filled
+            self.scales_gathered = 0  # leading records whose stored v2 scales are gathered already (by the
+            # checksum pass, require_vouched(..., gather_scales=True)); the rest are gathered on first use
         finally:
             os.close(fd)
         log.info("kv.open", path=self.path, version=self.version, nrec=self.nrec,
@@ -118,12 +119,6 @@ class KVReader:
     @property
     def tokens(self) -> np.ndarray:
         return self.records["token"]  # [nrec] <i4 view
-
-    @property
-    def scales_gathered(self) -> int:
-        """How many leading records' stored v2 scales are gathered already (by the checksum pass,
-        ``require_vouched(..., gather_scales=True)``); the rest are gathered on first use."""
-        return self._gathered
 
     # --- rows -----------------------------------------------------------------------------
     def _check_layer(self, layer: int) -> None:
@@ -169,7 +164,7 @@ class KVReader:
             raise FormatError(f"{self.path}: v{self.version} rows carry no scales")
         if self._scales is None:
             n, step = self.nrec, SCALE_GATHER_RECORDS
-            for b0 in range(self._gathered, n, step):  # what gather_scales did not copy yet
+            for b0 in range(self.scales_gathered, n, step):  # what gather_scales did not copy yet
                 self.gather_scales(b0, min(b0 + step, n))
             out = self._gather if self._gather is not None else np.empty((2, self.dims.n_layers, 0), np.float32)
             self._gather = None
@@ -183,7 +178,7 @@ class KVReader:
         """Copy the stored scales (v3: radii) of records [start, stop) into the buffer that
         :meth:`sanitized_scales` sanitises, for a caller whose pass over these records has them in
         cache now (a resume's checksum pass); blocks come in order, the rest is copied there."""
-        if self.version == 1 or self._scales is not None or start != self._gathered or stop <= start:
+        if self.version == 1 or self._scales is not None or start != self.scales_gathered or stop <= start:
             return
         if self._gather is None:
             self._gather = np.empty((2, self.dims.n_layers, self.nrec), dtype=np.float32)  # [2, L, nrec] f32
@@ -191,7 +186,7 @@ class KVReader:
         src = self.records["layers"][start:stop]  # [b, L] layer records of one block
         np.copyto(self._gather[0, :, start:stop].T, src["lc_scale"])  # [b, L] f32
         np.copyto(self._gather[1, :, start:stop].T, src["rc_scale"])  # [b, L] f32
-        self._gathered = stop
+        self.scales_gathered = stop
 
     def index_rows(self, index_layer: int) -> np.ndarray:
         """Indexer rows of one indexer layer: [nrec, index_head_dim] f32 view."""

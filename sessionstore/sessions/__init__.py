@@ -32,7 +32,7 @@ from sessionstore.sessions.manifest import (
     utc_now,
     write_manifest,
 )
-from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnReply, TurnStop
 from sessionstore.sessions.paths import (
     KV_NAME,
     LOCK_NAME,
@@ -69,12 +69,10 @@ from sessionstore.sessions.tier_record import (
     read_tier,
     write_tier,
 )
-from sessionstore.sessions.turn import TurnReply, run_turn
+from sessionstore.sessions.turn import run_turn
 from sessionstore.sessions.turn_loop import (
     DecodeDriver,
-    DecodeEnd,
     RunningTurn,
-    TurnResult,
     common_prefix,
     decode_turn,
     drive_inline,
@@ -95,7 +93,6 @@ __all__ = [
     "DEFAULT_SESSION_OPTIONS",
     "DURABLE_STREAM",
     "DecodeDriver",
-    "DecodeEnd",
     "Fence",
     "KV_NAME",
     "KV_VERSION_OF_DTYPE",
@@ -134,7 +131,6 @@ __all__ = [
     "TierRecord",
     "TurnEnd",
     "TurnReply",
-    "TurnResult",
     "TurnStop",
     "check_component",
     "check_messages",

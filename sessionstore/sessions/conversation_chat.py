@@ -28,8 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from kernels.errors import ColiError, FormatError, LimitError
 from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder
@@ -43,8 +41,8 @@ from sessionstore.sessions.conversation_file import (
     tokens_digest,
     write_record,
 )
-from sessionstore.sessions.output import OutputProcessor
-from sessionstore.sessions.turn import TurnReply, run_turn
+from sessionstore.sessions.output import OutputProcessor, TurnReply
+from sessionstore.sessions.turn import run_turn
 from sessionstore.sessions.turn_loop import common_prefix
 
 
@@ -53,6 +51,7 @@ class ConversationMismatchError(ColiError):
 
 
 def check_room(prompt: Sequence[int], max_new: int, context: int) -> None:
+    """Refuse a turn of ``prompt`` and ``max_new`` new tokens (the last never fed) past ``context``."""
     end = len(prompt) + max(max_new - 1, 0)
     if end > context:
         raise LimitError(f"the conversation is {len(prompt)} tokens; with {max_new} new tokens it needs {end} "
@@ -142,8 +141,10 @@ class Conversation:
         ``sampler``: this turn's settings (or a :class:`TurnDraw` over them), not stored in the
         manifest (None: the manifest's); the conversation file records the settings the reply is
         drawn with (FORMAT.md 5.8). ``prompt``: the
-        ids ``messages`` render to with the generation prompt, already checked against the model,
-        when the caller rendered them (a request's prompt is rendered and tokenised once).
+        ids ``messages`` render to with the generation prompt, when the caller rendered them (a
+        request's prompt is rendered and tokenised once): the caller checked them (against the
+        vocabulary, and their room in the context) where they entered; else they are rendered here
+        and their room checked here.
         ``output``: the turn's output processor, when the caller builds its own (stop strings, a
         client that may vanish); else one from ``on_text``, ``should_stop`` and ``stop_at_eos``.
         ``response_format``: the grammar the caller's ``sampler`` (a TurnDraw) constrains the reply
@@ -152,11 +153,10 @@ class Conversation:
         if not checked:
             raise FormatError("the conversation is empty: give at least one message")
         session, model = self.session, self.session.model
-        if prompt is None:
-            prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)
-            model.check_tokens(np.asarray(prompt, dtype=np.int64))
+        if prompt is None:  # rendered here: the tokenizer's ids are the model's (``check_vocab`` at open);
+            prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)  # their room is checked
+            check_room(prompt, max_new, model.config.max_position_embeddings)  # here, the one check
         prompt = list(prompt)
-        check_room(prompt, max_new, model.config.max_position_embeddings)
         session.ensure_resident()
         draw = session.manifest.sampler if sampler is None else sampler
         drawn_with = settings_of(draw)

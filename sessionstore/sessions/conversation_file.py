@@ -21,7 +21,7 @@ import numpy as np
 
 from kernels.errors import FormatError
 from kernels.jsonfile import read_json_bounded
-from kernels.model.sampling import PROCESSING, Sampler
+from kernels.model.sampling import Sampler
 from sessionstore.kvfile import atomic_replace, readable_temp, unlink_durably
 
 CONVERSATION_NAME = "conversation.json"
@@ -70,9 +70,7 @@ def parse_sampler(obj: dict[str, Any], where: str) -> Sampler | None:
     if not isinstance(value, dict):
         raise FormatError(f"{where}: sampler must be an object or null")
     try:
-        processing = {k: value[k] for k in PROCESSING if k in value}
-        return Sampler.checked(value.get("temperature"), value.get("top_k"), value.get("top_p"),
-                               value.get("seed"), **processing)
+        return Sampler.from_dict(value)
     except FormatError as exc:
         raise FormatError(f"{where}: sampler: {exc}") from None
 

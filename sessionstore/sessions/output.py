@@ -12,8 +12,9 @@ wire's spellings (OpenAI's ``finish_reason``, the CLI's ``stopped``) are derived
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the text extra (tokenizers) is imported only where there is text
     from kernels.model.text import ChatTokenizer, StreamDecoder
@@ -149,4 +150,33 @@ class OutputProcessor:
         raise TurnStop(end)
 
 
-__all__ = ["REASONS", "OutputProcessor", "StopStrings", "TurnEnd", "TurnStop"]
+@dataclass
+class TurnReply:
+    """What one turn gave, the one result of every turn (:func:`~.turn.run_turn`'s and ``Session.generate``'s):
+    its tokens, its text (stop strings applied; empty for ``Session.generate``, which has no
+    tokenizer), why it ended, its prompt's length and the prefix of it a session reused, and a
+    session's committed records after it (None without a session). ``Session.generate`` also says
+    how many tokens it fed (the prompt's rest or the pending token), how many commits it ran and
+    how long it took (0 where a turn does not count them)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    end: TurnEnd = TurnEnd.LENGTH
+    prompt_tokens: int = 0
+    reused_prefix: int = 0
+    committed: int | None = None
+    fed: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+
+    @property
+    def stopped(self) -> str:
+        """The CLI's spelling of :attr:`end` ("eos", "limit", "interrupted")."""
+        return self.end.stopped
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
+                "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
+
+
+__all__ = ["REASONS", "OutputProcessor", "StopStrings", "TurnEnd", "TurnReply", "TurnStop"]

@@ -51,12 +51,12 @@ from sessionstore.kvfile import Dims, open_kv
 from sessionstore.log import get_logger
 from sessionstore.sessions.durable_text import CommitWatch
 from sessionstore.sessions.manifest import Manifest, ModelRef, empty_manifest
+from sessionstore.sessions.output import TurnReply
 from sessionstore.sessions.residency_budget import Residency
 from sessionstore.sessions.resident_files import ResidentFiles
 from sessionstore.sessions.session_commits import CommitPath
 from sessionstore.sessions.session_home import IoRunner, SessionHome, run_here
 from sessionstore.sessions.session_options import DEFAULT_SESSION_OPTIONS, SessionOptions
-from sessionstore.sessions.turn_loop import TurnResult
 
 log = get_logger("session")
 
@@ -221,14 +221,16 @@ class Session:
 
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
                  stop_at_eos: bool = False, sampler: Sampler | TurnDraw | None = None, keep_sampler: bool = True,
-                 on_token: Callable[[int, int], None] | None = None) -> TurnResult:
-        """One turn (:func:`~sessionstore.sessions.session_turns.generate`)."""
+                 on_token: Callable[[int, int], None] | None = None) -> TurnReply:
+        """One turn (:func:`~sessionstore.sessions.session_turns.generate`); its ids and its room in the
+        context checked first (:func:`~sessionstore.sessions.session_turns.check_turn`), before any work."""
+        turns.check_turn(self, prompt_ids, max_new)
         return turns.generate(self, prompt_ids, max_new, stop_at_eos=stop_at_eos, sampler=sampler,
                               keep_sampler=keep_sampler, on_token=on_token)
 
     def append_tokens(self, tokens: Sequence[int], *, commit: bool | None = None) -> np.ndarray:
         """Feed ``tokens`` as records without sampling (:func:`~sessionstore.sessions.session_turns.append_tokens`)."""
-        return turns.append_tokens(self, tokens, commit=commit)
+        return turns.append_tokens(self, turns.check_ids(self, list(tokens)).tolist(), commit=commit)
 
     def truncate(self, n: int) -> int:
         """Keep the first ``n`` records (:func:`~sessionstore.sessions.session_turns.truncate`)."""

@@ -3,6 +3,12 @@
 :func:`generate` (prefix reuse, feeding, the decode loop of :mod:`sessionstore.sessions.turn_loop`,
 commits every ``commit_every`` tokens), prompt ingestion without sampling (:func:`append_tokens`) and
 :func:`truncate`.
+
+Token ids are checked once, where they enter: :func:`check_turn` and :func:`check_ids` are the Session
+API's check (``Session.generate`` and ``Session.append_tokens`` run them for a library's caller); the
+server checks a request's ids in its core (``TurnRunner.admit``) and the CLI where it reads them, and
+both then reach :func:`generate` through :func:`~sessionstore.sessions.turn.run_turn`. The functions
+here trust their callers: they check no id against the vocabulary and no turn against the context.
 """
 from __future__ import annotations
 
@@ -12,18 +18,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kernels.errors import FormatError
+from kernels.errors import FormatError, LimitError
 from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.sampling import Sampler
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, write_manifest
+from sessionstore.sessions.output import TurnReply
 from sessionstore.sessions.session_resume import Resuming, await_files, ensure_resident, last_logits, run_io
-from sessionstore.sessions.turn_loop import (
-    TurnResult,
-    common_prefix,
-    decode_turn,
-    feed_chunk,
-)
+from sessionstore.sessions.turn_loop import common_prefix, decode_turn, feed_chunk
 
 APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
 # hand-over per token cost ~0.7 ms of per-token work that a batched decode step cannot share
@@ -32,12 +34,37 @@ IO_ROWS = 64  # a hand-over of at least this many rows (a prompt's) runs by the 
 log = get_logger("session")
 
 
+def check_ids(session: Resuming, ids: Sequence[int]) -> np.ndarray:
+    """``ids`` as [m] i32, refused (one clear error) if one is outside the model's vocabulary: the
+    Session API's check of the ids a library's caller gives."""
+    checked: np.ndarray = session.model.check_tokens(np.asarray(ids, dtype=np.int64))  # [m] i32
+    return checked
+
+
+def check_turn(session: Resuming, prompt_ids: Sequence[int] | None, max_new: int) -> None:
+    """The Session API's check of a turn, before any work: ``prompt_ids`` against the vocabulary and
+    the turn (the prompt, or the history and its pending token, and ``max_new`` - 1 fed tokens: the
+    last drawn is never fed) against the model's context."""
+    s = session
+    context = int(s.model.config.max_position_embeddings)
+    new = max(max_new - 1, 0) if isinstance(max_new, int) else 0  # a bad max_new: generate refuses it
+    if prompt_ids is not None:
+        end = check_ids(s, prompt_ids).shape[0] + new  # a prompt: its common prefix kept, its rest fed
+    else:
+        ensure_resident(s)
+        end = s.files.live_cache.length + len(s.pending) + new
+    if end > context:
+        raise LimitError(f"{end} positions exceed the model's context of {context}")
+
 
 def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,
              stop_at_eos: bool = False, sampler: Sampler | TurnDraw | None = None, keep_sampler: bool = True,
-             on_token: Callable[[int, int], None] | None = None) -> TurnResult:
+             on_token: Callable[[int, int], None] | None = None) -> TurnReply:
     """One turn. With ``prompt_ids`` the longest common prefix of the history is reused (the
     rest truncated) and the remainder fed; without, generation continues where it stopped.
+    Returns its :class:`TurnReply` (its ``end``: EOS at an eos id with ``stop_at_eos``, else LENGTH;
+    no text). Trusts its caller: the ids and the turn's room were checked where they entered
+    (:func:`check_turn` for the Session API).
     ``sampler``: this turn's settings (None: the manifest's), or a :class:`TurnDraw` over them;
     with ``keep_sampler`` the settings are stored in the manifest for the turns after it,
     without they serve this turn only."""
@@ -51,22 +78,21 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         write_manifest(s.directory / MANIFEST_NAME, changed)  # durable: rare; a failed one changes nothing
         s.manifest = changed
     turn_sampler = s.manifest.sampler if sampler is None else sampler
-    result = TurnResult()
+    reused = 0
     feed: list[int] | None
     if prompt_ids is not None:
-        prompt = s.model.check_tokens(np.asarray(prompt_ids, dtype=np.int64))  # [m] i32, no Python list
+        prompt = np.asarray(prompt_ids, dtype=np.int64)  # [m] i64, no Python list
         if not prompt.size:
             raise FormatError("the prompt is empty")
         k = common_prefix(files.live_cache.tokens, prompt)
         if k < files.live_cache.length:
             truncate(s, k)
-        result.reused_prefix = k
+        reused = k
         feed = [int(t) for t in prompt[k:]]
     else:
         feed = list(s.pending) if s.pending else None
         if feed is None and commits.committer.logits is None and files.live_cache.length:
             commits.note_logits(last_logits(s))
-    result.fed = len(feed) if feed else 0
     commits_before = commits.committer.commits
     options = s.options  # read in place, once per turn
 
@@ -83,20 +109,19 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         elif due and files.ready():  # a new session's files still being made: the commit
             commits.run()  # waits a token (a server's loop must not wait for them)
 
-    tokens, logits, eos = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new,
-                                   turn_sampler, stop_at_eos=stop_at_eos,
-                                   on_rows=lambda: _append_in_runs(s), on_step=on_step, drive=options.decode_driver)
-    if not tokens:
+    turn = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new, turn_sampler,
+                       stop_at_eos=stop_at_eos, on_rows=lambda: _append_in_runs(s), on_step=on_step,
+                       drive=options.decode_driver)
+    if not turn.tokens:
         s.pending = []
-    commits.note_logits(logits)
+    commits.note_logits(turn.logits)
     assert not commits.in_flight  # a turn is woken only once its commits returned
     commits.run()
-    result.tokens, result.stopped_at_eos = tokens, eos
-    result.committed = files.live_writer.nrec
-    result.commits = commits.committer.commits - commits_before
-    result.seconds = time.perf_counter() - t0
+    reply = TurnReply(turn.tokens, end=turn.end, prompt_tokens=len(prompt_ids) if prompt_ids is not None else 0,
+                      reused_prefix=reused, committed=files.live_writer.nrec, fed=len(feed) if feed else 0,
+                      commits=commits.committer.commits - commits_before, seconds=time.perf_counter() - t0)
     s.residency.touch(s)
-    return result
+    return reply
 
 
 def _append_in_runs(s: Resuming) -> None:
@@ -126,11 +151,12 @@ def append_tokens(session: Resuming, tokens: Sequence[int], *, commit: bool | No
     """Feed ``tokens`` as records without sampling (prompt ingestion); returns the last logits.
 
     The pending token is dropped (these tokens replace it). ``commit``: True commits now,
-    False never, None follows the commit policy.
+    False never, None follows the commit policy. Trusts its caller: ``tokens`` were checked against
+    the vocabulary where they entered (:func:`check_ids` for the Session API).
     """
     s = session
     ensure_resident(s)
-    toks = [int(t) for t in s.model.check_tokens(np.asarray(list(tokens), dtype=np.int64))]
+    toks = [int(t) for t in tokens]
     logits = feed_chunk(s.model, s.files.live_cache, toks, lambda: _hand_over_rows(s))
     s.pending = []
     s.commits.note_logits(logits)
@@ -161,4 +187,4 @@ def truncate(session: Resuming, n: int) -> int:
     return n
 
 
-__all__ = ["APPEND_RUN", "IO_ROWS", "append_tokens", "generate", "truncate"]
+__all__ = ["APPEND_RUN", "IO_ROWS", "append_tokens", "check_ids", "check_turn", "generate", "truncate"]

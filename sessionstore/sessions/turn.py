@@ -6,43 +6,24 @@ all run :func:`run_turn` and read its one result, a :class:`TurnReply`, whose ``
 A turn's tokens go through its :class:`~.output.OutputProcessor` (the text, the stop strings, the eos
 ids, a caller's request to stop), which ends it at a token boundary (:class:`~.output.TurnStop`); on
 a session, that ending commits what the session holds by the session's ``run_io`` (a server's I/O
-thread), as a turn that ran to its ``max_new`` tokens commits inside ``Session.generate``.
+thread), as a turn that ran to its ``max_new`` tokens commits inside the session's ``generate``.
+
+:func:`run_turn` trusts its caller: a turn's ids and its room in the context were checked once, where
+they entered (the server's core, ``TurnRunner.admit``; the CLI; a library's caller goes through
+``Session.generate``, which checks them).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kernels.model.logits import TurnDraw
 from kernels.model.sampling import Sampler
-from sessionstore.sessions.output import OutputProcessor, TurnEnd, TurnStop
+from sessionstore.sessions.output import OutputProcessor, TurnReply, TurnStop
+from sessionstore.sessions.session_turns import generate
 from sessionstore.sessions.turn_loop import DecodeDriver, common_prefix, decode_turn
-
-
-@dataclass
-class TurnReply:
-    """What one turn gave: its tokens, its text (stop strings applied), why it ended, its prompt's
-    length and the prefix of it a session reused, and a session's committed records after it
-    (None without a session)."""
-
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    end: TurnEnd = TurnEnd.LENGTH
-    prompt_tokens: int = 0
-    reused_prefix: int = 0
-    committed: int | None = None
-
-    @property
-    def stopped(self) -> str:
-        """The CLI's spelling of :attr:`end` ("eos", "limit", "interrupted")."""
-        return self.end.stopped
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "text": self.text, "stopped": self.stopped,
-                "prompt_tokens": self.prompt_tokens, "reused_prefix": self.reused_prefix}
 
 
 def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw | None, *,
@@ -51,7 +32,7 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
     """One turn of at most ``max_new`` tokens drawn with ``sampler`` (settings or a :class:`TurnDraw`;
     None: a session's own), each through ``output``.
 
-    On ``session``: ``Session.generate`` from ``prompt`` (its prefix shared with the history reused;
+    On ``session``: :func:`~.session_turns.generate` from ``prompt`` (its prefix shared with the history reused;
     None: on from the pending token), the settings kept in its manifest with ``keep_sampler``; a turn
     that ``output`` ends is committed by the session's ``run_io``. Else in ``cache`` (no store):
     ``prompt`` fed through ``model`` and the tokens drawn, the sampling run by ``drive`` (a server's
@@ -62,7 +43,7 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
             session.ensure_resident()
             reused = common_prefix(session.cache.tokens, prompt)
         try:
-            session.generate(prompt, max_new, sampler=sampler, keep_sampler=keep_sampler, on_token=output.on_token)
+            generate(session, prompt, max_new, sampler=sampler, keep_sampler=keep_sampler, on_token=output.on_token)
         except TurnStop:  # eos, a stop string, a cancel: the commit's writes and fsyncs by the session's
             session.run_io(session.commits.begin())  # run_io, as every other commit (the loop steps the others)
         committed = session.committed
@@ -82,4 +63,4 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
                      committed)
 
 
-__all__ = ["TurnReply", "run_turn"]
+__all__ = ["run_turn"]

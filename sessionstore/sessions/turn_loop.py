@@ -8,36 +8,20 @@ with exactly that operation over the restored rows.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kernels.errors import CorruptionError, FormatError, LimitError
+from kernels.errors import CorruptionError, FormatError
 from kernels.model.logits import TurnDraw, turn_draw
 from kernels.model.protocols import Decoder, LatentCache
 from kernels.model.sampling import Sampler
 from kernels.rows import RecordRows
 from sessionstore.kvfile import KVReader, sanitize_scales
+from sessionstore.sessions.output import TurnEnd
 
 ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |value| (one fp8
 # step near the top of the range is up to 32/448 of it): catches a foreign cache, not noise
-
-
-@dataclass
-class TurnResult:
-    """What one ``Session.generate`` call did."""
-
-    tokens: list[int] = field(default_factory=list)
-    stopped_at_eos: bool = False
-    reused_prefix: int = 0  # history records kept by prefix matching
-    fed: int = 0  # tokens fed in this turn (prompt rest or pending)
-    committed: int = 0
-    commits: int = 0
-    seconds: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | np.ndarray,
@@ -60,24 +44,25 @@ def decode_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | N
                 last_logits: np.ndarray | None, max_new: int, sampler: Sampler | TurnDraw, *,
                 stop_at_eos: bool = False, on_rows: Callable[[], None] | None = None,
                 on_step: Callable[[int, int, np.ndarray], None] | None = None,
-                drive: DecodeDriver | None = None) -> tuple[list[int], np.ndarray, bool]:
+                drive: DecodeDriver | None = None) -> RunningTurn:
     """A turn's mechanics over a cache (called by a session's ``generate`` and by
     :func:`sessionstore.sessions.run_turn`, the one turn every front end runs): feed ``feed`` (or
     start from ``last_logits``), then sample ``max_new`` tokens with ``sampler`` (settings, or a
     :class:`TurnDraw` the caller keeps to read its log-probabilities).
 
     The last sampled token is returned but not fed (it is the pending token). ``on_step(token,
-    position, logits)`` runs after each sample. Returns (tokens, logits of the last fed position,
-    stopped_at_eos). The sampling (a :class:`RunningTurn`, plain data) is run by ``drive(turn, cache)``
+    position, logits)`` runs after each sample. Returns the ended :class:`RunningTurn`: its
+    ``tokens``, the ``logits`` of its last fed position and its ``end`` (``TurnEnd.LENGTH`` or, with
+    ``stop_at_eos``, ``TurnEnd.EOS``). The sampling is run by ``drive(turn, cache)``
     when the caller gives one (a server's engine thread steps it with every other running turn),
     else here by :func:`drive_inline`: the same forwards either way.
+
+    Trusts its caller: ``feed``'s ids and the turn's room in the context were checked where they
+    entered (the server's core, the CLI, the Session API's ``check_turn``); the model's own step
+    still refuses what it cannot run.
     """
     if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
         raise FormatError(f"max_new must be an integer >= 0, found {max_new!r}")
-    end = cache.length + (len(feed) if feed is not None else 0) + max(max_new - 1, 0)
-    if end > model.config.max_position_embeddings:
-        raise LimitError(f"{end} positions exceed the model's context of "
-                         f"{model.config.max_position_embeddings}")
     if feed is not None:
         logits = feed_chunk(model, cache, feed, on_rows)
     elif last_logits is not None:
@@ -92,9 +77,6 @@ def decode_turn(model: Decoder[Any], cache: LatentCache, feed: Sequence[int] | N
     return drive(turn, cache) if drive is not None else drive_inline(model, cache, turn)
 
 
-DecodeEnd = tuple[list[int], np.ndarray, bool]  # (tokens, logits of the last fed position, stopped at eos)
-
-
 class RunningTurn:
     """A turn's sampling as plain data: its cache, draw, eos ids, counts and end, stepped by whoever
     runs the forwards (:func:`drive_inline` here; a server's engine loop steps every running turn
@@ -104,13 +86,14 @@ class RunningTurn:
     takes the logits [vocab] of the step that fed the last token (and that row's greedy pick, made
     for the whole step by ``kernels.model.sampling.greedy_rows``; -1: none) and draws the next. Each
     returns the token to feed next, or None once the turn has ended (after ``max_new`` tokens or at
-    a token in ``eos``, that last token not fed); :attr:`end` is then its :data:`DecodeEnd`. A plain
+    a token in ``eos``, that last token not fed); :attr:`end` then says why (a :class:`TurnEnd`:
+    LENGTH or EOS), :attr:`tokens` holds its tokens and :attr:`logits` its last fed position's. A plain
     greedy draw takes the step's pick (bitwise its own draw); any other draws from its row.
     ``on_step(token, position, logits)`` runs after each draw (it may raise to end the turn:
     a stop string, a cancel), ``on_rows()`` after each step's rows reached the cache."""
 
-    __slots__ = ("cache", "draw", "eos", "ended", "logits", "max_new", "on_rows", "on_step", "stopped_at_eos",
-                 "taker", "tokens")
+    __slots__ = ("cache", "draw", "end", "ended", "eos", "logits", "max_new", "on_rows", "on_step", "taker",
+                 "tokens")
 
     def __init__(self, cache: LatentCache, logits: np.ndarray, max_new: int, draw: Callable[[np.ndarray, int], int],
                  eos: frozenset[int], on_rows: Callable[[], None] | None,
@@ -119,7 +102,7 @@ class RunningTurn:
         self.on_rows, self.on_step = on_rows, on_step
         self.taker = draw if isinstance(draw, TurnDraw) and draw.plain_greedy else None
         self.tokens: list[int] = []
-        self.stopped_at_eos = False
+        self.end = TurnEnd.LENGTH  # why it ended (once ``ended``): its max_new tokens, or an eos id
         self.ended = False
 
     def start(self) -> int | None:
@@ -147,29 +130,25 @@ class RunningTurn:
             self.ended = True
             raise
         if token in self.eos:
-            self.ended = self.stopped_at_eos = True
+            self.ended, self.end = True, TurnEnd.EOS
             return None
         if len(self.tokens) == self.max_new:
             self.ended = True
             return None
         return token
 
-    @property
-    def end(self) -> DecodeEnd:
-        """(tokens, logits of the last fed position, stopped at eos), once ended."""
-        return self.tokens, self.logits, self.stopped_at_eos
+
+DecodeDriver = Callable[[RunningTurn, Any], RunningTurn]  # runs a running turn over a cache to its end; returns it
 
 
-DecodeDriver = Callable[[RunningTurn, Any], DecodeEnd]  # runs a running turn over a cache to its end
-
-
-def drive_inline(model: Any, cache: LatentCache, turn: RunningTurn) -> DecodeEnd:
-    """Run ``turn`` here: one ``model.forward`` of each token it draws, as ``feed_chunk`` feeds one."""
+def drive_inline(model: Any, cache: LatentCache, turn: RunningTurn) -> RunningTurn:
+    """Run ``turn`` here: one ``model.forward`` of each token it draws, as ``feed_chunk`` feeds one;
+    returns it, ended."""
     token = turn.start()
     while token is not None:
         logits = model.forward(np.asarray([token], dtype="<i4"), cache)[-1]  # [vocab] f32
         token = turn.advance(logits)
-    return turn.end
+    return turn
 
 
 def common_prefix(history: Sequence[int] | np.ndarray, prompt_ids: Sequence[int] | np.ndarray) -> int:
@@ -204,9 +183,9 @@ def reference_turns(model: Decoder[Any], kv_dtype: str, turns: Sequence[tuple[Se
             feed = list(pending) if pending else None
             if feed is None and last is None and cache.length:
                 last = recompute_last(model, cache.blocks, cache.tokens, kv_dtype, cache.index_rows())[0]
-        tokens, last, _ = decode_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
-        pending = tokens[-1:] if tokens else []
-        outputs.append(tokens)
+        turn = decode_turn(model, cache, feed, last, max_new, sampler, stop_at_eos=stop_at_eos)
+        last, pending = turn.logits, turn.tokens[-1:]
+        outputs.append(turn.tokens)
     return outputs
 
 
@@ -266,5 +245,5 @@ def _decoded_row(reader: KVReader, codes: np.ndarray, scale: np.floating[Any] | 
     return row
 
 
-__all__ = ["ROW_RTOL", "DecodeDriver", "DecodeEnd", "RunningTurn", "TurnResult", "common_prefix", "compare_rows",
-           "decode_turn", "drive_inline", "feed_chunk", "recompute_last", "reference_turns"]
+__all__ = ["ROW_RTOL", "DecodeDriver", "RunningTurn", "common_prefix", "compare_rows", "decode_turn", "drive_inline",
+           "feed_chunk", "recompute_last", "reference_turns"]

@@ -61,7 +61,8 @@ def test_cuda_without_a_device_raises_our_error(monkeypatch: pytest.MonkeyPatch)
         raise runtime.CUDARuntimeError(100)  # cudaErrorNoDevice
 
     monkeypatch.setattr(runtime, "getDeviceCount", no_device)
-    device.forget_runner()
+    monkeypatch.setattr(device, "get_runner", device.CupyRunner)  # a runner made now, as a process's first
+    # call makes it (not one an earlier test left)
     with pytest.raises(BackendUnavailableError, match="no usable CUDA device"):
         get_backend("cuda")
     assert device.cuda_status()[0] is False

@@ -25,6 +25,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modeling 
 
 from kernels.fp8 import dequantize_rows, quantize_rows  # noqa: E402
 from kernels.model import generate, load_model  # noqa: E402
+from tests.support.model_views import is_fp8  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -228,7 +229,7 @@ def test_fp8_greedy_matches_transformers_with_quantized_cache(checkpoint: tuple[
     got = generate(ours, ours.new_cache("fp8"), prompt, 40).tokens
     assert got == ref[0, prompt.size :].tolist()
     fp8_logits, cache = _ours_teacher_forced(ours, tokens, "fp8", prefill=16)
-    assert cache.records_since(0).is_fp8
+    assert is_fp8(cache.records_since(0))
     assert np.array_equal(fp8_logits.argmax(-1), ref_tf.argmax(-1)), "fp8 teacher-forced top-1 vs quantized HF"
     assert _rel_err(fp8_logits, ref_tf) < 1e-3
 

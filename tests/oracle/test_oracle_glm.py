@@ -34,6 +34,7 @@ import kernels.model.glm_decoder as glm_decoder  # noqa: E402
 from kernels.attention import index_scores  # noqa: E402
 from kernels.fp8 import dequantize_rows, quantize_rows  # noqa: E402
 from kernels.model import GlmDecoder, generate, load_model  # noqa: E402
+from tests.support.model_views import is_fp8  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -254,7 +255,7 @@ def test_fp8_greedy_matches_transformers_with_quantized_cache(checkpoint: tuple[
     assert got == ref[0, prompt.size :].tolist()
     logits, cache = _teacher_forced(ours, tokens, "fp8", prefill=16)
     rec = cache.records_since(0)
-    assert rec.is_fp8 and rec.index is not None and rec.index.dtype == np.float32
+    assert is_fp8(rec) and rec.index is not None and rec.index.dtype == np.float32
     assert np.array_equal(logits.argmax(-1), out.logits[0].numpy().argmax(-1)), "fp8 top-1 vs quantized HF"
     assert _rel_err(logits, out.logits[0].numpy()) < 1e-3
     lc0 = dequantize_rows(rec.lc_codes[:, 0], rec.lc_scale[:, 0])  # [T, kv_lora] f32

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,63 +22,28 @@ from kernels.errors import FormatError
 from sessionstore.service.steps.group_commit import GroupCommit
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.service.steps.prefill_pacer import GROWTH, MAX_PREFILL_TOKENS, PROBE_TOKENS, PrefillPacer
+from sessionstore.sessions.output import TurnEnd
 from sessionstore.sessions.turn_loop import RunningTurn, drive_inline
+from tests.support.chain_decoder import ChainCache, ChainDecoder, greedy, start_logits
 
 VOCAB = 11
 GATHER_S = 0.3  # the tests' jobs are all submitted well within it: they start together
 
 
-class _Cache:
-    """A stand-in cache: an id and a length (each step adds one), truncated as a session's is."""
-
-    def __init__(self, cache_id: int) -> None:
-        self.id, self.length = cache_id, 0
-
-    def truncate(self, n: int) -> int:
-        self.length = max(0, min(n, self.length))
-        return self.length
-
-
-class _ChainModel:
-    """A stand-in decoder whose next-token logits depend on the token fed and on the cache: the
-    argmax after feeding t to cache c is (3 t + c.id + c.length) % VOCAB. Records each step's size."""
+class _ChainModel(ChainDecoder):
+    """The stand-in decoder: the argmax after feeding t to cache c is (3 t + c.id + c.length) % VOCAB.
+    Records each step's size."""
 
     def __init__(self) -> None:
+        super().__init__(3, VOCAB)
         self.batches: list[int] = []
 
-    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(tokens, np.int32)
-
-    def check_room(self, cache: object, n: int) -> None:
-        return None
-
-    def _row(self, token: int, cache: _Cache) -> np.ndarray:
-        cache.length += 1
-        row = np.zeros(VOCAB, np.float32)  # [V] f32
-        row[(3 * token + cache.id + cache.length) % VOCAB] = 1.0
-        return row
-
-    def forward(self, tokens: np.ndarray, cache: _Cache) -> np.ndarray:
-        return np.stack([self._row(int(t), cache) for t in tokens])  # [S, V] f32
-
-    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
-        """Each cache's run of ``tokens`` fed in order; the logits of each one's last: [B, V] f32."""
+    def on_step(self, caches: Sequence[ChainCache], counts: Sequence[int]) -> None:
         self.batches.append(len(caches))
-        rows, start = [], 0
-        for cache, count in zip(caches, counts, strict=True):
-            rows.append([self._row(int(t), cache) for t in tokens[start : start + count]][-1])
-            start += count
-        return np.stack(rows)  # [B, V] f32
-
-
-def _greedy(logits: np.ndarray, position: int) -> int:
-    return int(np.argmax(logits))
 
 
 def _start(i: int) -> np.ndarray:
-    row = np.zeros(VOCAB, np.float32)  # [V] f32: the logits a prompt left
-    row[i % VOCAB] = 1.0
-    return row
+    return start_logits(i, VOCAB)  # [V] f32: the logits a prompt left
 
 
 OnStep = Callable[[EngineLoop, int, int, int, np.ndarray], None]  # (loop, turn, token, position, logits)
@@ -103,7 +68,7 @@ class _Switches:
 
 
 def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _ChainModel | None = None,
-               whole: int = 0) -> tuple[dict[int, Any], _ChainModel, list[_Cache], _Switches]:
+               whole: int = 0) -> tuple[dict[int, Any], _ChainModel, list[ChainCache], _Switches]:
     """``n`` turns as jobs on one loop, each driving a decode loop; their outcomes (the decode
     loop's end, or the error it raised), their caches, and the switches into the jobs. ``whole``:
     the loop's ``whole_prompt_tokens`` (0: every prompt beside the loops paced, as these tests of
@@ -111,7 +76,7 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
     model = model or _ChainModel()
     loop = EngineLoop(model, gather_s=GATHER_S, whole_prompt_tokens=whole)
     outcomes: dict[int, Any] = {}
-    caches = [_Cache(i) for i in range(n)]
+    caches = [ChainCache(i) for i in range(n)]
     switches = _Switches()
 
     def turn(i: int) -> None:
@@ -119,7 +84,7 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
         switches.install()
         cache = caches[i]
         step = None if on_step is None else (lambda tok, pos, lg: on_step(loop, i, tok, pos, lg))
-        decode = RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, step)
+        decode = RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None, step)
         try:
             outcomes[i] = loop.drive_decode(decode, cache)
         except Exception as exc:  # the test reads it
@@ -134,10 +99,9 @@ def _run_turns(n: int, max_new: int, on_step: OnStep | None = None, model: _Chai
 
 
 def _inline(i: int, max_new: int) -> list[int]:
-    cache = _Cache(i)
-    tokens, _, _ = drive_inline(_ChainModel(), cache, RunningTurn(cache, _start(i), max_new, _greedy,
-                                                                     frozenset(), None, None))
-    return tokens
+    cache = ChainCache(i)
+    return drive_inline(_ChainModel(), cache, RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None,
+                                                          None)).tokens
 
 
 def test_loops_run_on_the_loop_itself_give_the_inline_tokens_and_run_each_job_on_once() -> None:
@@ -150,8 +114,7 @@ def test_loops_run_on_the_loop_itself_give_the_inline_tokens_and_run_each_job_on
 
     outcomes, model, _, switches = _run_turns(3, 8, on_step)
     for i in range(3):
-        tokens, _, eos = outcomes[i]
-        assert tokens == _inline(i, 8) and not eos
+        assert outcomes[i].tokens == _inline(i, 8) and outcomes[i].end is TurnEnd.LENGTH
     assert seen == {i: {("coli-engine", True)} for i in range(3)}
     assert model.batches == [3] * 7  # 8 tokens: 7 fed, every step shared by the three
     assert switches.ran_on == {0: 1, 1: 1, 2: 1}  # each job ran on once, at its decode loop's end
@@ -165,7 +128,7 @@ def test_jobs_run_on_the_loop_thread_not_a_thread_each() -> None:
 
     def job(i: int) -> int:
         where.append(threading.current_thread().name)
-        logits = loop.forward(np.asarray([i], np.int32), _Cache(i))
+        logits = loop.forward(np.asarray([i], np.int32), ChainCache(i))
         return int(np.argmax(logits))
 
     try:
@@ -175,7 +138,7 @@ def test_jobs_run_on_the_loop_thread_not_a_thread_each() -> None:
     finally:
         loop.stop()
     assert where == ["coli-engine"] * 16 and during == before  # no thread was started for a job
-    assert outcomes == [int(np.argmax(_ChainModel().forward(np.asarray([i]), _Cache(i))[-1])) for i in range(16)]
+    assert outcomes == [int(np.argmax(_ChainModel().forward(np.asarray([i]), ChainCache(i))[-1])) for i in range(16)]
     assert model.batches == [16]  # the 16 jobs' forwards shared one step
     with pytest.raises(RuntimeError, match="stopped"):
         loop.submit(lambda: None)
@@ -188,14 +151,14 @@ def test_a_loop_that_raises_ends_only_its_own_turn() -> None:
 
     outcomes, _, _, _ = _run_turns(2, 6, on_step)
     assert isinstance(outcomes[1], RuntimeError) and "went away" in str(outcomes[1])
-    assert outcomes[0][0] == _inline(0, 6)
+    assert outcomes[0].tokens == _inline(0, 6)
 
 
 def test_a_job_that_raises_hands_its_error_to_its_caller_and_the_loop_serves_on() -> None:
     loop = EngineLoop(_ChainModel(), gather_s=0.0)
     try:
         def bad() -> None:
-            loop.forward(np.asarray([1], np.int32), _Cache(0))
+            loop.forward(np.asarray([1], np.int32), ChainCache(0))
             raise ValueError("bad request")
 
         with pytest.raises(ValueError, match="bad request"):
@@ -213,7 +176,7 @@ class _StepWatchingModel(_ChainModel):
         self.loop: EngineLoop | None = None
         self.beside: list[int] = []
 
-    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+    def step(self, caches: list[ChainCache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
         assert self.loop is not None
         self.beside.append(self.loop.commits.in_flight())
         return super().step(caches, tokens, counts)
@@ -241,7 +204,7 @@ def test_commits_of_one_pass_run_together_beside_the_next_step_and_a_failure_end
 
     outcomes, _, caches, _ = _run_turns(3, 5, on_step, model)
     assert isinstance(outcomes[2], OSError) and "disk full" in str(outcomes[2])
-    assert outcomes[0][0] == _inline(0, 5) and outcomes[1][0] == _inline(1, 5)
+    assert outcomes[0].tokens == _inline(0, 5) and outcomes[1].tokens == _inline(1, 5)
     assert sorted(ran) == [(0, 2), (1, 2)]
     # the three 0.3 s commits of one pass ran at once: each started before any of them ended (a wall
     # time bound would depend on the machine's load; the overlap does not)
@@ -258,11 +221,11 @@ def test_a_loop_that_ends_in_the_pass_of_its_commit_runs_its_job_on_after_the_co
     loop = EngineLoop(_ChainModel(), gather_s=0.0)
 
     def job() -> list[int]:
-        cache = _Cache(0)
-        decode = RunningTurn(cache, _start(0), 4, _greedy, frozenset(), None,
+        cache = ChainCache(0)
+        decode = RunningTurn(cache, _start(0), 4, greedy, frozenset(), None,
                              lambda tok, pos, lg: pos == 3 and loop.run_commit(  # the last token: ends in this pass
                                  lambda: (time.sleep(0.2), done.append("commit 0"))))
-        tokens, _, _ = loop.drive_decode(decode, cache)
+        tokens = loop.drive_decode(decode, cache).tokens
         done.append("ran on")
         return tokens
 
@@ -304,9 +267,9 @@ def test_a_job_commits_on_an_io_thread_and_the_others_step_on() -> None:
         ended["commit"] = time.perf_counter()
 
     def turn(i: int, max_new: int) -> list[int]:
-        cache = _Cache(i)
-        tokens, _, _ = loop.drive_decode(RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, None),
-                                         cache)
+        cache = ChainCache(i)
+        tokens = loop.drive_decode(RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None, None),
+                                   cache).tokens
         if i == 0:
             loop.run_commit(slow_commit)
             assert threading.current_thread().name == "coli-engine"  # back on the loop, after the commit
@@ -332,13 +295,13 @@ class _CountsModel(_ChainModel):
         super().__init__()
         self.members: list[list[tuple[int, int]]] = []
 
-    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+    def on_step(self, caches: Sequence[ChainCache], counts: Sequence[int]) -> None:
+        super().on_step(caches, counts)
         self.members.append([(c.id, n) for c, n in zip(caches, counts, strict=True)])
-        return super().step(caches, tokens, counts)
 
 
 def _prompt_alone(cache_id: int, n: int) -> np.ndarray:
-    cache = _Cache(cache_id)
+    cache = ChainCache(cache_id)
     return _ChainModel().forward(np.arange(n, dtype=np.int32), cache)[-1:]  # [1, V]: the last position's logits
 
 
@@ -348,12 +311,12 @@ def test_a_prompt_is_admitted_in_chunks_beside_running_loops_and_alone_in_one_st
 
     def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
         if i == 0 and position == 2:  # both decode loops are running: a prompt arrives
-            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))))
 
     model = _CountsModel()
     outcomes, _, _, _ = _run_turns(2, 200, on_step, model)  # long loops: still running once the prompt is in
     for i in range(2):
-        assert outcomes[i][0] == _inline(i, 200)  # the loops' tokens are unchanged by the prompt beside them
+        assert outcomes[i].tokens == _inline(i, 200)  # the loops' tokens are unchanged by the prompt beside them
     assert np.array_equal(asked[0].result(10), _prompt_alone(9, prompt_len))
     chunks = [dict(step)[9] for step in model.members if 9 in dict(step)]  # the prompt's, step by step
     beside = [dict(step)[9] for step in model.members if 9 in dict(step) and {0, 1} & set(dict(step))]
@@ -362,7 +325,7 @@ def test_a_prompt_is_admitted_in_chunks_beside_running_loops_and_alone_in_one_st
     alone = _CountsModel()
     loop = EngineLoop(alone, gather_s=0.0)
     try:
-        got = loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))).result(10)
+        got = loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))).result(10)
     finally:
         loop.stop()
     assert np.array_equal(got, _prompt_alone(9, prompt_len))
@@ -460,18 +423,18 @@ def test_a_long_prompts_first_chunk_beside_running_loops_is_the_probe_even_after
 
     def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
         if i == 0 and position == 5:
-            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))))
 
     model = _CountsModel()
     loop = EngineLoop(model, gather_s=0.0, whole_prompt_tokens=0)
 
     def turn(i: int) -> Any:
-        cache = _Cache(i)
+        cache = ChainCache(i)
         step = lambda tok, pos, lg: on_step(loop, i, tok, pos, lg)  # noqa: E731
-        return loop.drive_decode(RunningTurn(cache, _start(i), 300, _greedy, frozenset(), None, step), cache)
+        return loop.drive_decode(RunningTurn(cache, _start(i), 300, greedy, frozenset(), None, step), cache)
 
     try:  # an idle prefill first: the pacer has measured prompt tokens, none beside decoding sessions
-        loop.submit(lambda: loop.forward(np.arange(50, dtype=np.int32), _Cache(8))).result(10)
+        loop.submit(lambda: loop.forward(np.arange(50, dtype=np.int32), ChainCache(8))).result(10)
         assert loop.batch.pacer.prompt_token_s is None
         for fut in [loop.submit(lambda i=i: turn(i)) for i in range(2)]:
             fut.result(20)
@@ -489,13 +452,13 @@ def test_chunks_beside_running_loops_follow_the_pacer() -> None:
     asked: list[Any] = []
 
     class _Timed(_CountsModel):
-        def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+        def step(self, caches: list[ChainCache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
             time.sleep(0.001 * len(caches) + 0.002 * (sum(counts) - len(caches)))  # a prompt token: 2x a row
             return super().step(caches, tokens, counts)
 
     def on_step(loop: EngineLoop, i: int, token: int, position: int, logits: np.ndarray) -> None:
         if i == 0 and position == 20:
-            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+            asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))))
 
     model = _Timed()
     _run_turns(2, 120, on_step, model)

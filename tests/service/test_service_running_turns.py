@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import greenlet
@@ -13,59 +14,26 @@ import numpy as np
 
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.sessions import OutputProcessor, RunningTurn, TurnStop, drive_inline
+from tests.support.chain_decoder import ChainCache, ChainDecoder, greedy, start_logits
 
 VOCAB = 13
 
 
-class _Cache:
-    def __init__(self, cache_id: int) -> None:
-        self.id, self.length = cache_id, 0
-
-    def truncate(self, n: int) -> int:
-        self.length = max(0, min(n, self.length))
-        return self.length
-
-
-class _Model:
-    """A stand-in decoder (argmax after feeding t to cache c: (5 t + c.id + c.length) % VOCAB) that
+class _Model(ChainDecoder):
+    """The stand-in decoder (argmax after feeding t to cache c: (5 t + c.id + c.length) % VOCAB) that
     records each step's rows."""
 
     def __init__(self) -> None:
+        super().__init__(5, VOCAB)
         self.steps: list[int] = []  # rows of each step
         self.running: list[Any] = []  # what the loop's queue held for the next step, after each pass
 
-    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(tokens, np.int32)
-
-    def check_room(self, cache: object, n: int) -> None:
-        return None
-
-    def _row(self, token: int, cache: _Cache) -> np.ndarray:
-        cache.length += 1
-        row = np.zeros(VOCAB, np.float32)  # [V] f32
-        row[(5 * token + cache.id + cache.length) % VOCAB] = 1.0
-        return row
-
-    def forward(self, tokens: np.ndarray, cache: _Cache) -> np.ndarray:
-        return np.stack([self._row(int(t), cache) for t in tokens])  # [S, V] f32
-
-    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+    def on_step(self, caches: Sequence[ChainCache], counts: Sequence[int]) -> None:
         self.steps.append(len(caches))
-        rows, start = [], 0
-        for cache, count in zip(caches, counts, strict=True):
-            rows.append([self._row(int(t), cache) for t in tokens[start : start + count]][-1])
-            start += count
-        return np.stack(rows)  # [B, V] f32
-
-
-def _greedy(logits: np.ndarray, position: int) -> int:
-    return int(np.argmax(logits))
 
 
 def _start(i: int) -> np.ndarray:
-    row = np.zeros(VOCAB, np.float32)  # [V] f32
-    row[i % VOCAB] = 1.0
-    return row
+    return start_logits(i, VOCAB)  # [V] f32
 
 
 def _run(n: int, max_new: int, stop_at: dict[int, int], commit_threads: dict[int, str],
@@ -87,7 +55,7 @@ def _run(n: int, max_new: int, stop_at: dict[int, int], commit_threads: dict[int
     def turn(i: int) -> None:
         if greenlet.gettrace() is None:
             greenlet.settrace(trace)
-        cache = _Cache(i)
+        cache = ChainCache(i)
         output = OutputProcessor()
         limit = stop_at.get(i)
 
@@ -96,7 +64,7 @@ def _run(n: int, max_new: int, stop_at: dict[int, int], commit_threads: dict[int
             if limit is not None and len(output.tokens) == limit:
                 raise TurnStop("stop")
 
-        running = RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, on_step)
+        running = RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None, on_step)
         turns[greenlet.getcurrent()] = (i, running)
         try:
             loop.drive_decode(running, cache)
@@ -119,9 +87,9 @@ def test_a_pass_of_16_running_turns_is_one_step_and_no_switch_and_an_ending_turn
     stop_at = {3: 2, 7: 4}  # two turns end early (as on a stop string) while the others run on
     out = _run(n, max_new, stop_at, threads, model, into_running, into_ended)
     for i in range(n):  # the tokens are the inline run's, cut where the turn ended
-        cache = _Cache(i)
-        tokens, _, _ = drive_inline(model, cache, RunningTurn(cache, _start(i), max_new, _greedy, frozenset(),
-                                                              None, None))
+        cache = ChainCache(i)
+        tokens = drive_inline(model, cache, RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None,
+                                                        None)).tokens
         assert out[i] == tokens[: stop_at.get(i, max_new)]
     # one step a pass for every running turn: 16 rows, 15 once turn 3 ended (its 2nd token, drawn
     # after the 1st step), 14 once turn 7 did (its 4th, after the 3rd); 6 tokens: 5 fed

@@ -164,8 +164,7 @@ def _reference(model: Any, tok: Any, prompt: list[int], sampler: Sampler, max_ne
     cache = model.new_cache("fp8")
     logits = feed_chunk(model, cache, prompt)
     draw = TurnDraw(sampler, stop_ids=frozenset(tok.eos_ids))
-    tokens, _, _ = decode_turn(model, cache, None, logits, max_new, draw)
-    return tokens
+    return decode_turn(model, cache, None, logits, max_new, draw).tokens
 
 
 def _chat_ids(server: ServerProc, msgs: list[dict[str, Any]], **fields: Any) -> list[int]:

@@ -3,6 +3,7 @@ loop's ``whole_prompt_tokens``): a new turn's few hundred tokens take one step, 
 step behind every other new turn, while long prompts stay paced; a session's tokens do not change."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 from sessionstore.service.steps.loop import EngineLoop
 from sessionstore.service.steps.prefill_pacer import PROBE_TOKENS, WHOLE_PROMPT_TOKENS, PrefillPacer, plan_step
 from sessionstore.sessions.turn_loop import RunningTurn, drive_inline
+from tests.support.chain_decoder import ChainCache, ChainDecoder, greedy, start_logits
 
 VOCAB = 13
 
@@ -43,59 +45,25 @@ def test_beside_decoding_short_prompts_go_whole_up_to_the_budget_and_long_ones_s
     assert batch == [("a", 200), ("long", 1000)] and later == ["b"]
 
 
-class _Cache:
-    def __init__(self, cache_id: int) -> None:
-        self.id, self.length = cache_id, 0
-
-    def truncate(self, n: int) -> int:
-        self.length = max(0, min(n, self.length))
-        return self.length
-
-
-class _Model:
-    """A stand-in decoder whose logits after token t on cache c depend on t, c's id and length (so a
+class _Model(ChainDecoder):
+    """The stand-in decoder (its logits after token t on cache c depend on t, c's id and length: a
     row computed out of order, twice or in the wrong cache changes them); records each step's
     members (cache id, tokens stepped)."""
 
     def __init__(self) -> None:
+        super().__init__(5, VOCAB)
         self.members: list[list[tuple[int, int]]] = []
 
-    def check_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(tokens, np.int32)
-
-    def check_room(self, cache: object, n: int) -> None:
-        return None
-
-    def _row(self, token: int, cache: _Cache) -> np.ndarray:
-        cache.length += 1
-        row = np.zeros(VOCAB, np.float32)  # [V] f32
-        row[(5 * token + cache.id + cache.length) % VOCAB] = 1.0
-        return row
-
-    def forward(self, tokens: np.ndarray, cache: _Cache) -> np.ndarray:
-        return np.stack([self._row(int(t), cache) for t in tokens])  # [S, V] f32
-
-    def step(self, caches: list[_Cache], tokens: np.ndarray, counts: list[int]) -> np.ndarray:
+    def on_step(self, caches: Sequence[ChainCache], counts: Sequence[int]) -> None:
         self.members.append([(c.id, n) for c, n in zip(caches, counts, strict=True)])
-        rows, start = [], 0
-        for cache, count in zip(caches, counts, strict=True):
-            rows.append([self._row(int(t), cache) for t in tokens[start : start + count]][-1])
-            start += count
-        return np.stack(rows)  # [B, V] f32
-
-
-def _greedy(logits: np.ndarray, position: int) -> int:
-    return int(np.argmax(logits))
 
 
 def _start(i: int) -> np.ndarray:
-    row = np.zeros(VOCAB, np.float32)  # [V] f32
-    row[i % VOCAB] = 1.0
-    return row
+    return start_logits(i, VOCAB)  # [V] f32
 
 
-def _decode(cache: _Cache, i: int, max_new: int, on_step: Any = None) -> Any:
-    return RunningTurn(cache, _start(i), max_new, _greedy, frozenset(), None, on_step)
+def _decode(cache: ChainCache, i: int, max_new: int, on_step: Any = None) -> Any:
+    return RunningTurn(cache, _start(i), max_new, greedy, frozenset(), None, on_step)
 
 
 def test_a_short_prompt_beside_running_loops_takes_one_step_and_changes_no_token() -> None:
@@ -105,11 +73,11 @@ def test_a_short_prompt_beside_running_loops_takes_one_step_and_changes_no_token
     asked: list[Any] = []
 
     def turn(i: int) -> Any:
-        cache = _Cache(i)
+        cache = ChainCache(i)
 
         def on_step(token: int, position: int, logits: np.ndarray) -> None:
             if i == 0 and position == 5:  # both loops running: a new turn's prompt arrives
-                asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))))
+                asked.append(loop.submit(lambda: loop.forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))))
 
         return loop.drive_decode(_decode(cache, i, loops_new, on_step), cache)
 
@@ -119,11 +87,11 @@ def test_a_short_prompt_beside_running_loops_takes_one_step_and_changes_no_token
     finally:
         loop.stop()
     assert prompt_len <= WHOLE_PROMPT_TOKENS
-    alone = _Model().forward(np.arange(prompt_len, dtype=np.int32), _Cache(9))[-1:]  # [1, V]
+    alone = _Model().forward(np.arange(prompt_len, dtype=np.int32), ChainCache(9))[-1:]  # [1, V]
     assert np.array_equal(got, alone)
     for i, outcome in enumerate(outcomes):
-        cache = _Cache(i)
-        inline, _, _ = drive_inline(_Model(), cache, _decode(cache, i, loops_new))
-        assert outcome[0] == inline  # the loops' tokens are unchanged by the prompt beside them
+        cache = ChainCache(i)
+        inline = drive_inline(_Model(), cache, _decode(cache, i, loops_new)).tokens
+        assert outcome.tokens == inline  # the loops' tokens are unchanged by the prompt beside them
     steps = [dict(step) for step in model.members if 9 in dict(step)]
     assert len(steps) == 1 and steps[0][9] == prompt_len and {0, 1} <= set(steps[0])  # whole, beside both

@@ -45,7 +45,8 @@ class Forward:
     job: Any = None  # the loop's job that waits for it (None: a caller on another thread)
     done: threading.Event | None = None  # a caller outside the jobs (a test, a tool) waits on it
     turn: RunningTurn | None = None  # a running turn, advanced by the step's postprocess after each step
-    result: Any = None  # the logits [S, V] f32, or the turn's DecodeEnd
+    checked: bool = False  # its asker checked its ids and room where they entered: not checked again
+    result: Any = None  # the logits [S, V] f32, or the running turn, ended
     error: BaseException | None = None
     settled: bool = False
 
@@ -81,10 +82,11 @@ class BatchedStep:
         ready: list[tuple[Forward, int]] = []
         for work, count in batch:  # a request that cannot run fails alone, before the step
             try:
-                # a running turn's next token was drawn over the vocabulary's logits, its turn's
-                # positions checked when it began (decode_turn): only what is asked for is checked
-                # (should a turn's token fail anyway, model.step refuses and it is stepped alone)
-                if work.fed == 0 and work.turn is None:
+                # a running turn's next token was drawn over the vocabulary's logits and a session's
+                # prompt was checked where it entered: only a forward asked of the loop from outside
+                # is checked, so that one that cannot run fails alone, not the step of all (should a
+                # trusted one fail anyway, model.step refuses and each member is stepped alone)
+                if work.fed == 0 and work.turn is None and not work.checked:
                     self.model.check_tokens(work.tokens)
                     self.model.check_room(work.cache, work.tokens.shape[0])
             except BaseException as exc:
@@ -167,7 +169,7 @@ class BatchedStep:
             work.settle(None, exc)
             return False
         if token is None:
-            work.settle(turn.end)
+            work.settle(turn)
             return False
         work.tokens, work.fed = np.asarray([token], dtype="<i4"), 0  # [1] i32
         self.queue.append(work)

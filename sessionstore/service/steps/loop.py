@@ -60,7 +60,7 @@ from sessionstore.service.steps.prefill_pacer import (
     WHOLE_PROMPT_TOKENS,
     PrefillPacer,
 )
-from sessionstore.sessions import DecodeEnd, RunningTurn, drive_inline
+from sessionstore.sessions import RunningTurn, drive_inline
 
 log = get_logger("service")
 
@@ -151,20 +151,22 @@ class EngineLoop:
         self._io.shutdown(wait=True)
 
     # ---- what a job calls ------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: Any, *, checked: bool = False) -> np.ndarray:
         """``model.forward(tokens, cache)`` as part of a batched step (a prompt of several tokens
         in chunks, beside other sessions' steps): the logits of its LAST position, [1, V] f32.
         From a job it waits as the loop steps; from the loop itself or a stopped loop it runs here;
-        from another thread it waits for the loop."""
+        from another thread it waits for the loop. ``checked``: the caller checked the ids and their
+        room where they entered (a session's turn, through :class:`LoopDecoder`), so the loop trusts
+        them; else it checks them before the step, so that a forward that cannot run fails alone."""
         job = self._job_here()
         if job is not None:
-            self.batch.queue.append(Forward(np.asarray(tokens), cache, job=job))
+            self.batch.queue.append(Forward(np.asarray(tokens), cache, job=job, checked=checked))
             logits: np.ndarray = self._park()
             return logits
         if self._on_loop_thread() or self._stopped:
             out: np.ndarray = self.model.forward(tokens, cache)[-1:]  # [1, V] f32
             return out
-        work = Forward(np.asarray(tokens), cache, done=threading.Event())
+        work = Forward(np.asarray(tokens), cache, done=threading.Event(), checked=checked)
         with self._cond:
             self._arrived.append(work)
             self._cond.notify_all()
@@ -172,7 +174,7 @@ class EngineLoop:
         logits = work.outcome()
         return logits
 
-    def drive_decode(self, turn: RunningTurn, cache: Any) -> DecodeEnd:
+    def drive_decode(self, turn: RunningTurn, cache: Any) -> RunningTurn:
         """Run a turn's sampling: its first token is drawn here, then the loop holds it among its
         running turns (advanced after each step with its row of the step's logits, its token
         stepped next) and the job runs on once it has ended (or raised). Outside a job, or on a
@@ -182,10 +184,10 @@ class EngineLoop:
             return drive_inline(self, cache, turn)
         token = turn.start()
         if token is None:
-            return turn.end
+            return turn
         self.batch.queue.append(Forward(np.asarray([token], dtype="<i4"), cache, job=job, turn=turn))
-        end: DecodeEnd = self._park()
-        return end
+        ended: RunningTurn = self._park()
+        return ended
 
     def run_commit(self, commit: Callable[[], object], *, overlap: bool = False) -> None:
         """A turn's commit (the part a session's ``commit_runner`` is handed, which touches neither
@@ -325,14 +327,15 @@ class EngineLoop:
 
 class LoopDecoder:
     """The model as jobs see it: every attribute is the decoder's, but ``forward`` is a part of the
-    loop's batched steps (:meth:`EngineLoop.forward`)."""
+    loop's batched steps (:meth:`EngineLoop.forward`). Its callers are the sessions' turns, whose ids
+    were checked where they entered (the server's core, the CLI, the Session API): the loop trusts them."""
 
     def __init__(self, model: Any, loop: EngineLoop) -> None:
         self._model, self._loop = model, loop
 
     def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
         """The logits of the last of ``tokens``' positions, [1, V] f32."""
-        return self._loop.forward(tokens, cache)
+        return self._loop.forward(tokens, cache, checked=True)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

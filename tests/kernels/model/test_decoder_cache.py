@@ -10,6 +10,7 @@ from kernels.fp8 import dequantize_rows, quantize_rows
 from kernels.model.cache import DecoderCache
 from kernels.rows import F32Rows, Fp8Rows, RecordRows, TqRows
 from kernels.tq import TqCodec
+from tests.support.model_views import is_fp8
 
 PROMPT = np.array([72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100], dtype=np.int32)
 
@@ -123,7 +124,7 @@ def test_fp8_cache_stores_codes_and_scales_only(model) -> None:
     cache = model.new_cache("fp8")
     model.forward(PROMPT, cache)
     rec = cache.records_since(0)
-    assert rec.is_fp8 and rec.lc is None and rec.rc is None
+    assert is_fp8(rec) and rec.lc is None and rec.rc is None
     assert rec.lc_codes.dtype == np.uint8 and rec.lc_scale.shape == (12, 3)
     owned = [arr.dtype for arrays in cache.owned_storage()[0] for arr in arrays.values()]
     assert set(owned) == {np.dtype(np.uint8), np.dtype(np.float32)}

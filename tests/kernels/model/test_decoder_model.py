@@ -8,8 +8,9 @@ import pytest
 
 from kernels.errors import FormatError, LimitError
 from kernels.model import MLADecoder, Sampler, generate, load_model
-from kernels.model.tiny import EOS_ID, TINY_NAME, decode_text, encode_text, tiny_checkpoint
+from kernels.model.tiny import EOS_ID, TINY_NAME, encode_text, tiny_checkpoint
 from kernels.rows import F32Rows, Fp8Rows
+from tests.support.model_views import decode_text, is_fp8
 
 PROMPT = encode_text("Hello, world")
 
@@ -128,7 +129,7 @@ def test_suspend_resume_is_token_exact_with_sampling(model: MLADecoder, kv: str)
 
 
 def _layer_rows(rec, layer: int):
-    if rec.is_fp8:
+    if is_fp8(rec):
         return Fp8Rows(rec.lc_codes[:, layer], rec.lc_scale[:, layer], rec.rc_codes[:, layer], rec.rc_scale[:, layer])
     return F32Rows(rec.lc[:, layer], rec.rc[:, layer])
 

@@ -15,6 +15,7 @@ from kernels.errors import BackendUnavailableError, ModelMismatchError
 from kernels.model import Decoder, DecoderCache, GlmDecoder, LatentCache, load_model
 from kernels.model.tiny_glm import write_tiny_glm
 from kernels.rows import F32Rows, Fp8Rows, RecordRows
+from tests.support.model_views import is_fp8
 
 TEXT = np.frombuffer(b"The quick brown fox jumps over the lazy dog, twice over.", np.uint8).astype(np.int32)
 
@@ -51,7 +52,7 @@ class SpyBackend:
 
 def as_file(rec: RecordRows) -> np.ndarray:
     """Records as a .coli_kv file lays them out: token, every layer's rows, then the Ic rows: [k] structured."""
-    if rec.is_fp8:
+    if is_fp8(rec):
         row = [("lc", "u1", rec.lc_codes.shape[2]), ("lc_scale", "<f4"), ("rc", "u1", rec.rc_codes.shape[2]),
                ("rc_scale", "<f4")]
         layers = rec.lc_codes.shape[1]
@@ -62,7 +63,7 @@ def as_file(rec: RecordRows) -> np.ndarray:
     dtype = [("token", "<i4"), ("layers", row, (layers,)), ("index", "<f4", rec.index.shape[1:])]
     out = np.zeros(rec.length, dtype=dtype)  # [k] records
     out["token"], out["index"] = rec.tokens, rec.index
-    if rec.is_fp8:
+    if is_fp8(rec):
         out["layers"]["lc"], out["layers"]["lc_scale"] = rec.lc_codes, rec.lc_scale
         out["layers"]["rc"], out["layers"]["rc_scale"] = rec.rc_codes, rec.rc_scale
     else:
