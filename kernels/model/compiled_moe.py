@@ -100,8 +100,9 @@ def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np
     """One expert over its pairs (pair p = row p // k, slot p % k): y[p] [D] = down(silu(gate(x)) *
     up(x)) of that row, every element the same k-ascending chain from 0 whichever pairs share the
     products (kernels.model.moe_step's rule). Weights past ``once`` bytes: :func:`gather_big` (read
-    once for all the expert's pairs, in register tiles over panels); else :func:`kernels.model.simd_tile.tile_rows` (up to four
-    pairs share each tile). prow [cnt] scratch (each pair's row), g, u [cnt, I]."""
+    once for all the expert's pairs, in register tiles over panels); else
+    :func:`kernels.model.simd_tile.tile_rows` (up to four pairs share each tile). prow [cnt]
+    scratch (each pair's row), g, u [cnt, I]."""
     cnt = pairs.shape[0]
     for q in range(cnt):
         prow[q] = pairs[q] // k

@@ -12,8 +12,9 @@ another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder
 which also stays as the reference the tests compare with. Weights past the packed ``once_bytes``
 (``THREADED_BYTES`` by default: GLM-5.2's projections, experts, W_UK/W_UV and lm_head) go through
 :mod:`kernels.model.once_product`, which reads each weight once per step for all rows (the packed
-2-D ones kept in panel order, their sums in register tiles: :mod:`kernels.model.panel_tiles`). numba's cache of :func:`run_step` holds its callees' code and is
-checked against this file alone: after changing a callee's module, touch this one.
+2-D ones kept in panel order, their sums in register tiles: :mod:`kernels.model.panel_tiles`).
+numba's cache of :func:`run_step` holds its callees' code and is checked against this file alone:
+after changing a callee's module, touch this one.
 
 Bitwise the reference step: the same row-product kernels (:func:`kernels.model.rowwise.rows_times`,
 ``heads_times``; the MLP and MoE in :mod:`kernels.model.compiled_moe`, the same chains), the same
