@@ -10,6 +10,10 @@ qk_rope 16, powers of two so the 4-bit v3 tier applies), a DSA indexer on "full"
 Training mixes raw text windows with windows of packed chats (multi-turn, 1-12 turns on one topic: a
 section title asked about, its paragraph as the answer; training.train_glm_mini.Batches), no padding.
 ``--short-seq``/``--short-frac`` train the run's first share on shorter windows (same tokens per step);
+``--mix-short-batch N`` instead mixes both in every step: the step's loss is the token-weighted mean over
+``--batch`` windows of ``--seq`` and N windows of ``--short-seq`` (default 128), drawn by the same sampler,
+so the model keeps its short-context skill while it learns long positions (training.train_glm_mini.mixed_parts);
+validation is then the mean of the held-out NLL read in windows of both lengths.
 ``--init DIR`` goes on training a checkpoint (its tokenizer kept). The first ``--dense-frac`` of the run
 attends densely (top-k = the whole window) while the indexer learns to predict attention
 (training.indexer_loss); the rest runs the real sparse top-k so the model adapts to it. The run ends at
@@ -22,6 +26,8 @@ the held-out perplexity by position span: training.train_glm_mini.POSITION_SPANS
     python -m training.train_glm_mini --out models/glm-mini --minutes 40
     python -m training.train_glm_mini --init models/glm-mini --out /tmp/long --seq 2048 --batch 1 --lr 1e-3 \
         --dense-frac 0.3 --minutes 32     # the long-window run of training/runs/glm-mini-long-2026-12-06.json
+    python -m training.train_glm_mini --init models/glm-mini --out /tmp/mix --seq 2048 --batch 1 \
+        --mix-short-batch 16 --short-seq 128 --lr 3e-4 --dense-frac 0.3 --minutes 60   # mixed in each step
 """
 from __future__ import annotations
 
@@ -67,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--short-seq", type=int, default=0,
                    help="window of the run's first --short-frac (0: --seq throughout); same tokens per step")
     p.add_argument("--short-frac", type=float, default=0.0, help="share of the run trained on --short-seq windows")
+    p.add_argument("--mix-short-batch", type=int, default=0,
+                   help="N > 0: every step also trains N windows of --short-seq (default 128) beside the --seq ones;"
+                        " the loss is the token-weighted mean of both (excludes --short-frac)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chat-frac", type=float, default=0.5, help="share of chat samples in a batch")
     p.add_argument("--dense-frac", type=float, default=0.6, help="share of the run trained dense (indexer warm-up)")
@@ -75,7 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="go on training this checkpoint (its weights and tokenizer) instead of a fresh model")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.mix_short_batch < 0:
+        p.error("--mix-short-batch must be >= 0")
+    if args.mix_short_batch:
+        if args.short_frac:
+            p.error("--mix-short-batch mixes in every step; it excludes the --short-frac curriculum")
+        args.short_seq = args.short_seq or 128
+        if not 2 <= args.short_seq <= args.seq:
+            p.error("--short-seq must be between 2 and --seq")
+    return args
 
 
 class Batches:
@@ -193,6 +211,27 @@ def ppl_by_position(nll: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> di
     return out
 
 
+def mixed_parts(args: argparse.Namespace, progress: float) -> list[tuple[int, int]]:
+    """The (batch, seq) parts of one step: the curriculum's one part, or the long and the short part of
+    ``--mix-short-batch``."""
+    if args.mix_short_batch:
+        return [(args.batch, args.seq), (args.mix_short_batch, args.short_seq)]
+    if args.short_seq and progress < args.short_frac:
+        return [(args.batch * args.seq // args.short_seq, args.short_seq)]
+    return [(args.batch, args.seq)]
+
+
+def validation_nll(model: Any, tok: Any, text: str, args: argparse.Namespace) -> dict[str, float]:
+    """Held-out NLL that picks the kept checkpoint (``valid_nll``): read in ``--seq`` windows, and in mixed mode
+    the mean of that (``valid_long``) and the NLL read in ``--short-seq`` windows (``valid_short``), so a
+    long-context gain must not cost the short skill."""
+    nll, _ = heldout_nll(model, tok, text, args.seq, max_windows=24)
+    if not args.mix_short_batch:
+        return {"valid_nll": nll}
+    short, _ = heldout_nll(model, tok, text, args.short_seq, max_windows=24)
+    return {"valid_nll": (nll + short) / 2, "valid_long": round(nll, 4), "valid_short": round(short, 4)}
+
+
 def lr_at(progress: float, base: float, warmup: float = 0.03) -> float:
     if progress < warmup:
         return base * progress / warmup
@@ -228,17 +267,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if progress >= 1.0:
             break
         dense = progress < args.dense_frac
-        short = bool(args.short_seq) and progress < args.short_frac
-        seq, batch = (args.short_seq, args.batch * args.seq // args.short_seq) if short else (args.seq, args.batch)
-        set_topk(tap, seq if dense else topk)
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, args.lr)
-        inputs, labels = batches.next(batch, seq)
-        result = model(input_ids=inputs, labels=labels, output_attentions=dense)
-        loss = result.loss
-        kl = indexer_kl(tap, result.attentions, (labels != -100).float()) if dense else torch.zeros(())
         opt.zero_grad(set_to_none=True)
-        (loss + kl).backward()
+        parts = mixed_parts(args, progress)
+        total = sum(b * (s - 1) for b, s in parts)
+        losses, loss, kl = [], torch.zeros(()), torch.zeros(())
+        for batch, seq in parts:  # each part's graph is freed by its backward; the tap holds one part's inputs
+            set_topk(tap, seq if dense else topk)
+            inputs, labels = batches.next(batch, seq)
+            result = model(input_ids=inputs, labels=labels, output_attentions=dense)
+            part_kl = indexer_kl(tap, result.attentions, (labels != -100).float()) if dense else torch.zeros(())
+            weight = batch * (seq - 1) / total  # token-weighted: the mean over every predicted token of the step
+            ((result.loss + part_kl) * weight).backward()
+            losses.append(float(result.loss.detach()))
+            loss, kl = loss + result.loss.detach() * weight, kl + part_kl.detach() * weight
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         imbalance = balancer.step()
@@ -246,10 +289,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if step % 10 == 0 or step == 1:
             entry = {"step": step, "s": round(time.monotonic() - t0, 1), "loss": round(float(loss.detach()), 4),
                      "indexer_kl": round(float(kl.detach()), 4), "lr": round(opt.param_groups[0]["lr"], 6),
-                     "dense": int(dense), "seq": seq, "expert_imbalance": round(imbalance, 2)}
+                     "dense": int(dense), "seq": parts[0][1], "expert_imbalance": round(imbalance, 2)}
+            if len(parts) > 1:
+                entry["long_loss"], entry["short_loss"] = round(losses[0], 4), round(losses[1], 4)
             if step % args.eval_every == 0 and not dense:
                 set_topk(tap, topk)
-                entry["valid_nll"], _ = heldout_nll(model, tok, corpus.valid_text, args.seq, max_windows=24)
+                entry.update(validation_nll(model, tok, corpus.valid_text, args))
                 if entry["valid_nll"] < best_nll:
                     best_nll, best_step = entry["valid_nll"], step
                     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -257,7 +302,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(entry), flush=True)
     set_topk(tap, topk)
     train_secs = time.monotonic() - t0
-    final_valid, _ = heldout_nll(model, tok, corpus.valid_text, args.seq, max_windows=24)
+    final_valid = validation_nll(model, tok, corpus.valid_text, args)["valid_nll"]
     if best_state is not None and best_nll < final_valid:
         model.load_state_dict(best_state)
     else:
@@ -268,8 +313,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "data": DATA_NAME, "train_topics": len(corpus.train_topics), "heldout_topics": sorted(corpus.heldout_topics),
         "params": n_params, "vocab": tok.get_vocab_size(), "steps": step, "train_seconds": round(train_secs, 1),
-        "batch": args.batch, "seq": args.seq, "tokens_seen": step * args.batch * args.seq,
-        "short_seq": args.short_seq, "short_frac": args.short_frac,
+        "batch": args.batch, "seq": args.seq, "tokens_seen": tokens_seen(args, step),
+        "short_seq": args.short_seq, "short_frac": args.short_frac, "mix_short_batch": args.mix_short_batch,
         "final_train_loss": log[-1]["loss"] if log else None, "kept_step": best_step,
         "test_nll": round(nll, 4), "test_ppl": round(math.exp(nll), 3), "test_tokens": n_tok,
         "train_slice_ppl": round(math.exp(train_nll), 3), "heldout_ppl_by_position": by_pos,
@@ -278,6 +323,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     save(model, tok, out, summary, log)
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def tokens_seen(args: argparse.Namespace, steps: int) -> int:
+    """Tokens trained on in ``steps`` steps (the curriculum's steps hold the same count as long ones)."""
+    return steps * (args.batch * args.seq + args.mix_short_batch * args.short_seq)
 
 
 def save(model: Any, tok: Any, out: Path, summary: dict[str, Any], log: list[dict[str, float]]) -> None:
