@@ -62,7 +62,7 @@ def _gaps(s: Streamed) -> list[float]:
 
 def long_prefill_once(server: Server, model: str, prompt: list[int], long_prompt: list[int], tag: str,
                       stream_tokens: int) -> tuple[float, float, float]:
-    """One rep: (longest gap, median gap) of the running streams, and the long prompt's TTFT."""
+    """One rep: (longest gap, median gap) between the running streams' arrivals, and the long prompt's TTFT."""
     out: dict[str, Any] = {}
 
     def late() -> None:
@@ -77,7 +77,11 @@ def long_prefill_once(server: Server, model: str, prompt: list[int], long_prompt
     admitted = out["long"].text_times[0]
     if any(s.text_times[-1] < admitted for s in streams):
         raise RuntimeError("a running stream ended before the long prompt was admitted: raise stream_tokens")
-    gaps = [g for s in streams for g in _gaps(s)]
+    # gaps between arrivals: events read in one piece share its time, so on a loaded machine a burst's
+    # zero gaps (more than half of them, at worst) would make the median 0 and the ratio meaningless
+    gaps = [g for s in streams for g in _gaps(s) if g > 0]
+    if not gaps:
+        raise RuntimeError("every stream's events arrived in one piece: no gap to measure (raise stream_tokens)")
     return max(gaps), statistics.median(gaps), ttft(out["long"])
 
 

@@ -150,6 +150,9 @@ def _spawn(binary: str, run_dir: Path) -> SeaweedS3:
             f"-filer.port={port['filer']}", f"-admin.port={port['admin']}",
             *(f"-{name}={port[name]}" for name in names if name.endswith(".grpc")),
             f"-filer.localSocket={run_dir / 'filer.sock'}",
+            # mini's default volume count is free disk / 1 GiB and each bucket takes a volume of its own: a
+            # run with more buckets than free GiB was refused writes ("no free volumes left", a 500)
+            "-volume.max=4096", "-master.volumeSizeLimitMB=64",
             "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.telemetry=false", "-volume.preStopSeconds=0"]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}

@@ -88,10 +88,13 @@ class Engine:
         self.tiers = TierManager(self, max_disk_bytes=max_disk_bytes)
 
     # ---- work --------------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False) -> Future[Any]:
+    def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False,
+               then: Callable[[Any], Any] | None = None) -> Future[Any]:
         """Run ``fn`` as a job on the loop (holding ``session``, refused with 409 while busy); its
         future. The session is free again BEFORE the outcome is delivered, so a client that waits
-        for its reply and asks again is never refused."""
+        for its reply and asks again is never refused. ``then`` (given ``fn``'s result; its own
+        result is the job's) runs after the session is free: what it makes visible (a stored
+        response a client polls for) is never seen while the session is still held."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         queued = self.loop.in_flight()
@@ -102,9 +105,10 @@ class Engine:
 
         def job() -> Any:
             try:
-                return fn()
+                result = fn()
             finally:
                 self.release(session)
+            return result if then is None else then(result)
 
         try:
             return self.loop.submit(job)

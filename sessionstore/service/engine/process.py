@@ -172,7 +172,7 @@ class Core:
 
         metrics.waiting.inc()
         try:
-            fut = engine.submit(run, session=spec.session, turn=True)
+            fut = engine.submit(run, session=spec.session, turn=True, then=None if job is None else job.publish)
         except BaseException as exc:
             metrics.waiting.dec()
             self.outbox.put(wire.Failed(rid, error_info(exc)))

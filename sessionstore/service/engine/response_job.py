@@ -1,5 +1,5 @@
 """A stored Responses turn as the engine core runs it (FORMAT.md 7.6): place the turn on its
-chain's session, run it, write its record.
+chain's session, run it, write its record (made visible once the session is free: ``publish``).
 
 The turn continues the previous response's session in place when that session still ends at the
 response's checkpoint (its newest response); else it forks the session at the longest prefix its
@@ -66,17 +66,10 @@ class StoredResponseTurn:
             finish_record(record, out)
             record.session, record.tokens, record.digest = spec.session, len(history), tokens_digest(history)
             record.messages = [*self.chain, {"role": "assistant", "content": out.text}]
-            if self.store:
-                self.records.write(record)
             if self.conversation is not None:  # its items and the record: one write, with its session
                 save_turn(engine, self.conversation, record, self.store)
             else:
                 keep_with_session(engine.store.session_dir(spec.session), record)  # travels with its bundles
-            if self.fleet is not None and self.store:  # any host of the fleet can continue the chain
-                try:
-                    self.fleet.put(record)
-                except ColiError as exc:
-                    log.error("responses.fleet_put_failed", id=record.id, error=str(exc))
             return out
         except BaseException:
             if extra is not None and engine.store.exists(extra):  # a refused branch leaves no session
@@ -84,6 +77,19 @@ class StoredResponseTurn:
             raise
         finally:
             engine.release(extra)
+
+    def publish(self, out: TurnOutcome) -> TurnOutcome:
+        """Make the finished turn's record visible (here, and to the fleet), run once its session is
+        free (``Engine.submit``'s ``then``): a client that sees the record can continue it at once."""
+        record = self.record
+        if self.store:
+            self.records.write(record)
+        if self.fleet is not None and self.store:  # any host of the fleet can continue the chain
+            try:
+                self.fleet.put(record)
+            except ColiError as exc:
+                log.error("responses.fleet_put_failed", id=record.id, error=str(exc))
+        return out
 
     def previous_session(self, prev: ResponseRecord) -> Session | None:
         """``prev``'s session, opened: here, or pulled from the fleet (``serve --remote``); None when
