@@ -63,8 +63,8 @@ def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
 
     One pass over the mapping at xxh3's speed (~13 GB/s a core, the raw read's speed here). The
-    Python binding holds the GIL while it hashes, so a second thread would add nothing: the
-    loop stays on one core."""
+    Python binding (xxhash >= 3.0) releases the GIL inside each record's hash, so another thread
+    may hash another range meanwhile (:mod:`sessionstore.kvfile.hash_threads`)."""
     k = stop - start
     rows = np.frombuffer(reader.records_bytes_view(start, stop), np.uint8)  # [k * rec] u8
     rows = rows.reshape(k, reader.record_bytes) if k else rows.reshape(0, reader.record_bytes)
