@@ -12,11 +12,11 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   naming the file, the record and its byte offset. In a process that runs a checksum helper
   (a server: :mod:`.hash_helper`), a large range's last half is hashed there meanwhile and
   compared the same way; whatever the helper cannot hash is hashed here. A pass that also
-  gathers the scales (a v2/v3 resume) never uses the helper: its share would have to be gathered
-  afterwards from memory, cold (on 2 vCPUs, loaded, the 32k-token GLM-5.2-shaped check took
-  249 / 210 ms with the helper, 180 / 118 ms in one thread). It hands a large range's last half to
-  this process's hashing thread instead (:mod:`.hash_threads`: xxhash hashes with the GIL
-  released), which gathers that half's scales while its blocks are in its own core's cache.
+  gathers the scales (a v2/v3 resume) hashes every record here: the helper's share would have to
+  be gathered afterwards from memory, cold, and the hash is bound by memory bandwidth on a small
+  host (2 vCPUs, loaded: the 32k-token GLM-5.2-shaped check 249 / 210 ms with the helper,
+  180 / 118 ms without, in process, alternated, medians of 7, two runs; a server's resume
+  330-420 -> 200-220 ms).
 
 Nothing here writes: a refused file is left exactly as found.
 """
@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from kernels.errors import ChecksumMismatchError, CorruptionError
 from sessionstore.kvfile.hash_helper import HELPER_SHARE, MIN_SHARED_BYTES, active_hash_helper
-from sessionstore.kvfile.hash_threads import hash_thread, threaded_split
 from sessionstore.kvfile.header import HEADER_SIZE
 from sessionstore.kvfile.reader import KVReader
 from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
-from sessionstore.log import get_logger
-
-log = get_logger("kvfile")
 
 GATHER_BLOCK_RECORDS = 64  # records hashed, then their scales gathered (2.9 MB of GLM-5.2 records:
 # still in cache for the gather; measured at 32k records: the two passes 205 ms, fused 167 ms)
@@ -88,13 +83,12 @@ def require_vouched(reader: KVReader, required: int = 0, *,
             f"{reader.path}: its sidecar vouches for {vouched} record(s), {need} are committed "
             f"(count {sidecar.count}, {sidecar.available} entries on disk: rewound or cut short); "
             "refusing to use rows it cannot vouch for")
-    if gather_scales:  # records [mine, vouched) hashed and gathered by this process's second thread meanwhile
-        _check_gathering(reader, sidecar.entries, vouched)
-        return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
-    mine, helper_share = _split(reader, vouched)  # records [mine, vouched) hashed by the helper meanwhile
+    # records [mine, vouched) hashed by the helper meanwhile; a gathering pass hashes them all here (module doc)
+    mine, helper_share = (vouched, None) if gather_scales else _split(reader, vouched)
     for start in range(0, mine, CHECK_CHUNK_RECORDS):
         stop = min(start + CHECK_CHUNK_RECORDS, mine)
-        _compare(reader, sidecar.entries, start, hash_records(reader, start, stop), vouched)
+        found = _hash_gathering(reader, start, stop) if gather_scales else hash_records(reader, start, stop)
+        _compare(reader, sidecar.entries, start, found, vouched)
     if helper_share is not None:
         found_or_none = helper_share()
         if found_or_none is None or found_or_none.shape[0] != vouched - mine:  # the helper failed: hash here
@@ -111,48 +105,6 @@ def _split(reader: KVReader, vouched: int) -> tuple[int, Callable[[], np.ndarray
         return vouched, None
     mine = int(vouched * (1.0 - HELPER_SHARE))
     return mine, helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, mine, vouched)
-
-
-def _check_gathering(reader: KVReader, entries: np.ndarray, vouched: int) -> None:
-    """A gathering pass over records [0, vouched): this thread hashes and gathers [0, mine), the
-    process's hashing thread [mine, vouched) at the same time (:mod:`.hash_threads`); both shares
-    are compared, and the thread is always joined before this returns or raises (its share reads
-    the mapping the caller may release next). The first mismatch in either share raises."""
-    mine = threaded_split(vouched, reader.record_bytes)
-    share = _start_share(reader, mine, vouched) if mine < vouched else None
-    mine = mine if share is not None else vouched
-    try:
-        for start in range(0, mine, CHECK_CHUNK_RECORDS):
-            stop = min(start + CHECK_CHUNK_RECORDS, mine)
-            _compare(reader, entries, start, _hash_gathering(reader, start, stop), vouched)
-    finally:
-        theirs = _joined(share)
-    if share is not None:
-        _compare(reader, entries, mine, theirs if theirs is not None else _hash_gathering(reader, mine, vouched),
-                 vouched)
-        reader.scales_gathered_to(vouched)
-
-
-def _start_share(reader: KVReader, start: int, stop: int) -> Future[np.ndarray] | None:
-    """Records [start, stop) hashed and gathered by the hashing thread; None when it cannot take
-    them (the interpreter shutting down): the caller then hashes them itself."""
-    try:
-        return hash_thread().submit(_hash_gathering, reader, start, stop)
-    except RuntimeError as exc:
-        log.warning("kv.hash_thread_unavailable", error=str(exc))
-        return None
-
-
-def _joined(share: Future[np.ndarray] | None) -> np.ndarray | None:
-    """The second thread's checksums once it has ended; None when there was no share or it
-    failed (the caller then hashes that share itself: no record is used unchecked)."""
-    if share is None:
-        return None
-    try:
-        return share.result()
-    except Exception as exc:  # an error of the thread, not of the file: hash the share here
-        log.warning("kv.hash_thread_failed", error=str(exc))
-        return None
 
 
 def _compare(reader: KVReader, entries: np.ndarray, start: int, found: np.ndarray, vouched: int) -> None:

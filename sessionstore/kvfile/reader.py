@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 
 import numpy as np
 
@@ -97,7 +96,6 @@ class KVReader:
                 self.records.flags.writeable = False
             self._scales: np.ndarray | None = None  # [2, L, nrec] f32, sanitised (v2, lazily)
             self._gather: np.ndarray | None = None  # [2, L, nrec] f32 stored scales, [0, scales_gathered) filled
-            self._gather_lock = threading.Lock()
             self.scales_gathered = 0  # leading records whose stored v2 scales are gathered already (by the
             # checksum pass, require_vouched(..., gather_scales=True)); the rest are gathered on first use
         finally:
@@ -179,33 +177,16 @@ class KVReader:
     def gather_scales(self, start: int, stop: int) -> None:
         """Copy the stored scales (v3: radii) of records [start, stop) into the buffer that
         :meth:`sanitized_scales` sanitises, for a caller whose pass over these records has them in
-        cache now (a resume's checksum pass). A block at the gathered prefix extends it; a block past
-        it (the share of a pass split across threads: disjoint ranges, each thread's in order) is
-        copied and counted once its owner says the prefix is whole (:meth:`scales_gathered_to`);
-        whatever is not counted is copied again by :meth:`sanitized_scales`."""
-        if self.version == 1 or self._scales is not None or start < self.scales_gathered or stop <= start:
+        cache now (a resume's checksum pass); blocks come in order, the rest is copied there."""
+        if self.version == 1 or self._scales is not None or start != self.scales_gathered or stop <= start:
             return
+        if self._gather is None:
+            self._gather = np.empty((2, self.dims.n_layers, self.nrec), dtype=np.float32)  # [2, L, nrec] f32
         stop = min(stop, self.nrec)
-        out = self._gather_buffer()  # [2, L, nrec] f32
         src = self.records["layers"][start:stop]  # [b, L] layer records of one block
-        np.copyto(out[0, :, start:stop].T, src["lc_scale"])  # [b, L] f32
-        np.copyto(out[1, :, start:stop].T, src["rc_scale"])  # [b, L] f32
-        if start == self.scales_gathered:
-            self.scales_gathered = stop
-
-    def scales_gathered_to(self, stop: int) -> None:
-        """Count records [0, stop) as gathered: a pass split across threads has copied all of them
-        (:meth:`gather_scales` of every block, every thread joined)."""
-        if self._scales is None and self._gather is not None:
-            self.scales_gathered = max(self.scales_gathered, min(stop, self.nrec))
-
-    def _gather_buffer(self) -> np.ndarray:
-        """The stored scales' buffer [2, L, nrec] f32, made once (under a lock: the threads of a
-        split pass may ask at once)."""
-        with self._gather_lock:
-            if self._gather is None:
-                self._gather = np.empty((2, self.dims.n_layers, self.nrec), dtype=np.float32)  # [2, L, nrec] f32
-            return self._gather
+        np.copyto(self._gather[0, :, start:stop].T, src["lc_scale"])  # [b, L] f32
+        np.copyto(self._gather[1, :, start:stop].T, src["rc_scale"])  # [b, L] f32
+        self.scales_gathered = stop
 
     def index_rows(self, index_layer: int) -> np.ndarray:
         """Indexer rows of one indexer layer: [nrec, index_head_dim] f32 view."""

@@ -55,7 +55,7 @@ def test_a_partial_gather_is_completed_on_first_use(tmp_path, monkeypatch, prefi
     want = _alone(path)
     with open_kv(path) as kv:
         kv.gather_scales(0, prefix)
-        kv.gather_scales(prefix + 3, prefix + 9)  # past the prefix: copied, not counted (copied again in order)
+        kv.gather_scales(prefix + 3, prefix + 9)  # out of order: ignored, copied later in order
         assert np.array_equal(kv.sanitized_scales(), want)
         assert np.array_equal(kv.layer_rows(1, 2, 9).lc_scale, want[0, 1, 2:9])
 
