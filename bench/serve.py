@@ -73,7 +73,8 @@ KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1
         "batch16_all", "single_all", "stream_per_token_s",
         "stream_median_gap_s", "in_process_step_s", "stream_max_tokens", "stream_mean_length", "ttft_s",
         "ttft_resident_s",
-        "raw_read_s", "decode_step_s", "resident_step_s", "server_resume_s", "resume_verified", "kv_bytes",
+        "raw_read_s", "decode_step_s", "resident_step_s", "server_resume_s", "resume_rest_s", "resume_verified",
+        "kv_bytes",
         "http_migrate_s", "http_migrate_pipe_vs_durable_copy", "http_migrate_pipe_s",
         "durable_copy_s",
         "session_bytes", "bundle_bytes", "http_migrate_gb_s", "durable_copy_gb_s", "tokens", "reps", "quick",
@@ -193,7 +194,7 @@ def report_session(res: dict[str, Any]) -> None:
     print(f"    the server's resume {res['server_resume_s'] * ms:.0f} ms of it (every record's checksum; the last "
           f"position: {', '.join(res['resume_verified'])}; FORMAT.md 4.4, 5.5); the same request on the resident "
           f"session {res['ttft_resident_s'] * ms:.0f} ms: the resume adds {res['resume_added_ratio']:.2f}x the read "
-          f"(resume_added_ratio)")
+          f"(resume_added_ratio); the rest (HTTP, IPC, admission, the commit) {res['resume_rest_s'] * ms:.0f} ms")
     print(f"  http_migrate_vs_durable_copy {res['http_migrate_vs_durable_copy']:.3f}  B pulls from A over HTTP "
           f"{res['http_migrate_s'] * ms:.0f} ms ({res['http_migrate_gb_s']:.2f} GB/s, bundle "
           f"{res['bundle_bytes'] / 2**20:.0f} MiB) vs cp -r + fsync {res['durable_copy_s'] * ms:.0f} ms "
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.serve --only resume: {tokens} tokens, {reps} reps, medians; {res['elapsed_s']:.0f} s")
         print(f"  resume_on_request_ratio{res['resume_on_request_ratio']:8.2f}    TTFT {res['ttft_s'] * 1e3:.0f} ms - "
               f"one decode step {res['decode_step_s'] * 1e3:.0f} ms vs raw read {res['raw_read_s'] * 1e3:.1f} ms; the "
-              f"server's resume {res['server_resume_s'] * 1e3:.0f} ms; goal "
+              f"server's resume {res['server_resume_s'] * 1e3:.0f} ms, the rest {res['resume_rest_s'] * 1e3:.0f} ms; "
+              f"goal "
               f"{verdict('resume_on_request_ratio', res['resume_on_request_ratio'])}")
         if args.json:
             print(json.dumps({k: res[k] for k in KEYS if k in res}, sort_keys=True))

@@ -4,7 +4,9 @@
   first token of a streamed completion on it - that request's decode step, as the server's engine
   timed it) / a raw sequential read of its kv file, per repetition, median (bench.session's
   ``raw_read``, warm page cache on both sides as bench.session's
-  ``resume_ratio``). The request continues the session (its prompt is the history, fetched
+  ``resume_ratio``). ``resume_rest_s``: that TTFT less the step and less the server's own resume
+  (``coli_resume_seconds``), per repetition, median: the request's HTTP, IPC, admission and the
+  commit its token waits for. The request continues the session (its prompt is the history, fetched
   before the timing; only the pending token is fed). Every timed resume is checked in the server's
   log: every committed record matched its checksum (FORMAT.md 4.4) and either the recomputed last
   position was bit-identical or within the digest's tolerance, or (the service's sessions are
@@ -139,11 +141,13 @@ def bench_resume(server: Server, kv_path: Path, reps: int) -> dict[str, Any]:
             resident_steps.append(server.metric(STEP_SUM) - stepped_before)
             server.call("POST", f"/v1/sessions/{SESSION}/suspend")
     per_rep = [(t - st) / b for t, st, b in zip(ttft, steps, base, strict=True)]
+    rest = [t - st - sr for t, st, sr in zip(ttft, steps, server_resume, strict=True)]  # HTTP, IPC, admit, commit
     t, b, r = statistics.median(ttft), statistics.median(base), statistics.median(resident)
     return {"resume_on_request_ratio": statistics.median(per_rep), "resume_added_ratio": (t - r) / b, "ttft_s": t,
             "ttft_resident_s": r, "raw_read_s": b, "decode_step_s": statistics.median(steps),
             "resident_step_s": statistics.median(resident_steps),
-            "server_resume_s": statistics.median(server_resume), "resume_verified": verified,
+            "server_resume_s": statistics.median(server_resume), "resume_rest_s": statistics.median(rest),
+            "resume_verified": verified,
             "kv_bytes": os.path.getsize(kv_path)}
 
 

@@ -87,6 +87,7 @@ def test_serve_bench_quick_smallest_path_reports_every_figure(tmp_path):
     assert "stream_overhead_s" in res and "outside the step" in out.stdout
     # TTFT - one step: a few ms at 256 tokens, inside the step's noise on a loaded machine (either sign)
     assert math.isfinite(res["resume_on_request_ratio"]) and math.isfinite(res["resume_added_ratio"])
+    assert math.isfinite(res["resume_rest_s"]) and "the rest (HTTP, IPC, admission, the commit)" in out.stdout
     assert res["quick"] is True and res["tokens"] == 256
     assert res["resume_verified"] and set(res["resume_verified"]) <= {"bit-identical", "within tolerance", "deferred"}
     assert res["bundle_bytes"] > 0.8 * 256 * 45_556  # every record went over the wire (v2 records of 45,556 B)
