@@ -25,7 +25,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kernels.errors import ColiError
 from sessionstore.log import get_logger
@@ -142,10 +141,10 @@ class CoreClient:
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 1000)
         self._push.bind(requests)
-        self._actx = zmq.asyncio.Context()
-        self._pull = self._actx.socket(zmq.PULL)
+        self._pull = self._sync.socket(zmq.PULL)  # read on the event loop's own reader (attach)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(events)
+        self._reading: asyncio.AbstractEventLoop | None = None  # the loop its reader is on, once attached
         self._ids = itertools.count(1)
         self._streams: dict[int, CoreStream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -170,7 +169,10 @@ class CoreClient:
 
     def attach(self) -> None:
         """Start receiving and watching on the running event loop (the server's lifespan)."""
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        self._reading = asyncio.get_running_loop()
+        self._reading.add_reader(self._pull.getsockopt(zmq.FD), self._receive)
+        self._receive()  # what arrived before the reader was added (the socket's fd signals edges only)
+        self._tasks = [asyncio.create_task(self._watch())]
 
     async def _watch(self) -> None:
         while not self.stopping:
@@ -210,9 +212,17 @@ class CoreClient:
             log.info("core.restarted", pid=self.ready.pid)
             return
 
-    async def _receive(self) -> None:
+    def _receive(self) -> None:
+        """Every message the core has sent so far, routed (the socket's reader on the event loop).
+
+        A plain reader, not ``zmq.asyncio``'s ``await recv()``: that makes a future and re-arms the
+        reader for every message, which was a fifth of this process's time while one stream ran
+        (a message a step). The socket's fd only signals a change, so it is drained until empty."""
         while True:
-            data = await self._pull.recv()
+            try:
+                data = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             for event in wire.decode_from_core(data):
                 self._route(event)
 
@@ -247,6 +257,7 @@ class CoreClient:
         self.stopping = True
         for task in self._tasks:
             task.cancel()
+        self._stop_reading()
         code = None
         core = self.core
         if core is not None and core.proc.poll() is None:
@@ -261,11 +272,29 @@ class CoreClient:
         self.close()
         return code
 
+    def detach(self) -> None:
+        """Stop receiving (on the event loop :meth:`attach` ran on, as it ends: the server's lifespan)."""
+        self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        loop, self._reading = self._reading, None
+        if loop is None or loop.is_closed():
+            return
+        fd = self._pull.getsockopt(zmq.FD)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or not loop.is_running():
+            loop.remove_reader(fd)
+        else:  # another thread's loop: it removes its reader itself
+            loop.call_soon_threadsafe(loop.remove_reader, fd)
+
     def close(self) -> None:
+        self._stop_reading()
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._sync.term()
-        self._actx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- requests --------------------------------------------------------------------------------
