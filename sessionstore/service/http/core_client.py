@@ -144,6 +144,7 @@ class CoreClient:
         self._pull = self._sync.socket(zmq.PULL)  # read on the event loop's own reader (attach)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(events)
+        self._fd = self._pull.fileno()  # signals a change of the socket's state (edges only)
         self._reading: asyncio.AbstractEventLoop | None = None  # the loop its reader is on, once attached
         self._ids = itertools.count(1)
         self._streams: dict[int, CoreStream] = {}
@@ -170,7 +171,7 @@ class CoreClient:
     def attach(self) -> None:
         """Start receiving and watching on the running event loop (the server's lifespan)."""
         self._reading = asyncio.get_running_loop()
-        self._reading.add_reader(self._pull.getsockopt(zmq.FD), self._receive)
+        self._reading.add_reader(self._fd, self._receive)
         self._receive()  # what arrived before the reader was added (the socket's fd signals edges only)
         self._tasks = [asyncio.create_task(self._watch())]
 
@@ -280,7 +281,7 @@ class CoreClient:
         loop, self._reading = self._reading, None
         if loop is None or loop.is_closed():
             return
-        fd = self._pull.getsockopt(zmq.FD)
+        fd = self._fd
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
