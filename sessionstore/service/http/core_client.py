@@ -223,7 +223,9 @@ class CoreClient:
             try:
                 data = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                if not int(self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-checked: the next edge is armed
+                    return
+                continue
             for event in wire.decode_from_core(data):
                 self._route(event)
 
