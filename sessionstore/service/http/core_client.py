@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -65,11 +66,26 @@ class CoreStream:
 
     def __init__(self, client: CoreClient, rid: int) -> None:
         self._client, self.rid = client, rid
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: deque[Event] = deque()  # put, not yet taken (one reader: the turn's handler)
+        self._waiter: asyncio.Future[None] | None = None  # its reader's, while it waits for one
         self.ended = False
 
+    def put(self, event: Event) -> None:
+        """The next event (on the event loop): queued, its reader woken. (A deque and one future,
+        not an ``asyncio.Queue``: its getters' and putters' bookkeeping at every piece of a stream.)"""
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def next(self) -> Event:
-        event = await self.queue.get()
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        event = self._events.popleft()
         if event.kind != "text":
             self.ended = True
         return event
@@ -192,7 +208,7 @@ class CoreClient:
         streams, calls = self._streams, self._calls
         self._streams, self._calls = {}, {}
         for stream in streams.values():
-            stream.queue.put_nowait(Event("error", err))
+            stream.put(Event("error", err))
         for fut in calls.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -218,13 +234,13 @@ class CoreClient:
 
         A plain reader, not ``zmq.asyncio``'s ``await recv()``: that makes a future and re-arms the
         reader for every message, which was a fifth of this process's time while one stream ran
-        (a message a step). The socket's fd only signals a change, so it is drained until empty."""
-        while True:
+        (a message a step). The socket's fd only signals a change, so it is drained while its events say
+        a message waits."""
+        pull = self._pull
+        while int(pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # (asking also arms the fd's next edge)
             try:
-                data = self._pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                if not int(self._pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # re-checked: the next edge is armed
-                    return
+                data = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:  # (not raised while events say a message waits; an exception costs more)
                 continue
             for event in wire.decode_from_core(data):
                 self._route(event)
@@ -234,11 +250,11 @@ class CoreClient:
         if isinstance(event, wire.Piece):
             stream = self._streams.get(rid)
             if stream is not None:
-                stream.queue.put_nowait(Event("text", event.text, event.logprobs))
+                stream.put(Event("text", event.text, event.logprobs))
             return
         stream = self._streams.pop(rid, None)
         if stream is not None:
-            stream.queue.put_nowait(Event("done", event.outcome) if isinstance(event, wire.TurnDone)
+            stream.put(Event("done", event.outcome) if isinstance(event, wire.TurnDone)
                                     else Event("error", error_of(event.error) if isinstance(event, wire.Failed)
                                                else ApiError(500, "the engine answered a turn with a result")))
             return
