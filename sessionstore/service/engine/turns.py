@@ -173,7 +173,8 @@ class TurnRunner:
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
                   admitted: Admitted) -> TurnOutcome:
-        """A turn in a fresh in-memory cache (no session, nothing stored)."""
+        """A turn in an empty in-memory cache (a pooled one, wiped: :class:`CachePool`; no session,
+        nothing stored)."""
         draw = self._draw(spec)
         output = self._output(spec, draw, sink, at_token)
         cache = self.caches.take()  # wiped, its address tables kept (no new arrays, no new tables)
