@@ -297,8 +297,10 @@ class DecoderCache:
         """Forget rows written after ``length`` (a forward pass that failed part-way)."""
         self._owned.set_length(self.length - self._base_len, shorten_only=True)
 
-    def truncate(self, n: int) -> int:
-        """Keep positions [0, n) (clamped to ``length``); returns the new length."""
+    def truncate(self, n: int, *, wipe: bool = False) -> int:
+        """Keep positions [0, n) (clamped to ``length``); returns the new length. ``wipe``: every
+        owned row past them is zeroed as well, written or not (a cache reused for another request,
+        :class:`~kernels.model.cache_pool.CachePool`, keeps nothing of the last one)."""
         if n < 0:
             raise FormatError(f"truncate({n}): a length cannot be negative")
         n = min(n, self.length)
@@ -311,6 +313,8 @@ class DecoderCache:
             self._base_index = self._base_index[:n]
             self._tables = None
         self._owned.set_length(n - self._base_len)
+        if wipe:
+            self._owned.wipe(n - self._base_len)
         self.length = n
         return n
 

@@ -58,6 +58,18 @@ class OwnedRows:
             self.tokens = grown
         self.tokens[start : start + n] = tokens
 
+    def wipe(self, start: int) -> None:
+        """Every array's rows from owned row ``start`` on zeroed, over its whole capacity (rows a
+        failed step wrote past the lengths too), in place: the arrays do not move, so address
+        tables built over them stay valid; every length is cut to ``start``."""
+        self.set_length(start, shorten_only=True)
+        for own in self.layers:
+            for arr in own.arrays.values():
+                arr[start:] = 0
+        for index in self.index:
+            index.rows[start:] = 0
+        self.tokens[start:] = 0
+
     @property
     def nbytes(self) -> int:
         """Bytes of the latent rows and indexer keys allocated (tokens not counted)."""

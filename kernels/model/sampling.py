@@ -223,6 +223,10 @@ def greedy_rows(logits: np.ndarray) -> np.ndarray:
     rows = np.asarray(logits)
     if rows.ndim != 2 or rows.shape[1] == 0 or rows.dtype.kind != "f":
         return np.full(rows.shape[0] if rows.ndim else 0, -1, np.int64)  # [B] i64: none made
+    if rows.shape[0] == 1:  # one stream's step: the same pick without the batch's index arrays
+        first = int(rows[0].argmax())  # its first maximum (stops at a NaN, as sample's argmax)
+        value = rows[0, first]
+        return np.array([first if value == value and value != -np.inf else -1], np.int64)  # [1] i64
     best = np.argmax(rows, axis=1)  # [B] i64: each row's first maximum (stops at a NaN, as sample's argmax)
     top = rows[np.arange(rows.shape[0]), best]  # [B] the values picked
     picks: np.ndarray = np.where((top == top) & (top != -np.inf), best, -1).astype(np.int64)  # [B] i64

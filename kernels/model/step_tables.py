@@ -67,6 +67,8 @@ class StepTables:
             return None
         ts: list[RowTables] = row_tables  # type: ignore[assignment]  # (no None: checked above)
         positions = np.fromiter((row.length for row in rows), np.int64, len(rows))  # [B] each row's position
+        if len(per_cache) == 1:  # one cache's rows (a lone stream's step, a lone prompt): nothing to stack
+            return cls._of_one(rows, per_cache, ts[0], positions, kv_dtype)
         owned = positions - np.fromiter((t.base_len for t in ts), np.int64, len(ts))  # [B] its owned row index
         own_latent = np.stack([t.own_latent for t in ts])  # [B, L, 4, 2] i64 (row 0 address, row stride)
         own_index = np.stack([t.own_index for t in ts])  # [B, NI, 2] i64
@@ -75,6 +77,20 @@ class StepTables:
         return cls(rows, per_cache, _stacked([t.latent for t in ts]), _stacked([t.index for t in ts]),
                    np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1,
                    kv_dtype)
+
+    @classmethod
+    def _of_one(cls, rows: Sequence[StepRow], caches: list[tuple[DecoderCache, int]], t: RowTables,
+                positions: np.ndarray, kv_dtype: str) -> StepTables:
+        """The tables of B rows of one cache (positions [B] i64): the same arrays :meth:`of` stacks
+        from B copies of its tables, each built in one operation."""
+        owned = positions - t.base_len  # [B] each row's owned row index
+        b = positions.shape[0]
+        dst = t.own_latent[None, :, :, 0] + owned[:, None, None] * t.own_latent[None, :, :, 1]  # [B, L, 4] i64
+        key_dst = t.own_index[None, :, 0] + owned[:, None] * t.own_index[None, :, 1]  # [B, NI] i64
+        latent = np.repeat(t.latent[:, None], b, axis=1) if b > 1 else t.latent[:, None]  # [L, B, NB, F] i64
+        index = np.repeat(t.index[:, None], b, axis=1) if b > 1 else t.index[:, None]  # [NI, B, NBi, 4] i64
+        return cls(rows, caches, latent, index, np.ascontiguousarray(dst.transpose(1, 0, 2)),
+                   np.ascontiguousarray(key_dst.T), positions + 1, kv_dtype)
 
     def write_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Row b of lc [B, kv_lora], rc [B, rope] f32, fp8-encoded (each row alone), to row b's

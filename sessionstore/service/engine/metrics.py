@@ -70,8 +70,9 @@ class EngineMetrics:
             "coli_prompt_tokens_served", "prompt tokens of the engine's turns (every choice) by where their KV came "
             "from: source=stored_kv, the session's stored rows reused; source=computed, a forward computed them",
             ["source"], registry=r)
-        for source in PROMPT_SOURCES:
-            self.prompt_tokens_served.labels(source=source)  # both series shown from the start, at 0
+        # each labelled series looked up once, not at every step or turn (labels() builds a key each call)
+        self._served = {source: self.prompt_tokens_served.labels(source=source) for source in PROMPT_SOURCES}
+        self._forwards = {kind: self.forward_seconds.labels(kind=kind) for kind in ("step", "prefill")}
         self.fences = Counter("coli_session_fences", "sessions fenced after a failed commit (EIO from fsync, ...)",
                               registry=r)
 
@@ -88,15 +89,16 @@ class EngineMetrics:
     def observe_forward(self, kind: str, sessions: int, seconds: float) -> None:
         """One forward of the engine thread: ``kind`` "step" (``sessions`` advanced by one token
         each) or "prefill" (one session's prompt)."""
-        self.forward_seconds.labels(kind=kind).observe(seconds)
+        series = self._forwards.get(kind)
+        (series if series is not None else self.forward_seconds.labels(kind=kind)).observe(seconds)
         if kind == "step":
             self.batch_size.observe(sessions)
 
     def observe_prompt(self, prompt_tokens: int, reused: int) -> None:
         """One turn's prompt: ``reused`` of its ``prompt_tokens`` served from the session's stored KV,
         the rest computed."""
-        self.prompt_tokens_served.labels(source="stored_kv").inc(reused)
-        self.prompt_tokens_served.labels(source="computed").inc(max(prompt_tokens - reused, 0))
+        self._served["stored_kv"].inc(reused)
+        self._served["computed"].inc(max(prompt_tokens - reused, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

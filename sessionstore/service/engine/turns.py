@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kernels.errors import FormatError
+from kernels.model.cache_pool import CachePool
 from kernels.model.logits import TokenLogprob, TurnDraw
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
@@ -81,6 +82,7 @@ class TurnRunner:
         self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else model.config.eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
         self.renderer = PromptRenderer(tokenizer)
+        self.caches = CachePool(lambda: model.new_cache(kv_dtype))  # stateless turns' caches, reused
 
     def _text_tokenizer(self, what: str) -> ChatTokenizer:
         return self.renderer.text_tokenizer(what)
@@ -171,11 +173,14 @@ class TurnRunner:
     # ---- stateless ----------------------------------------------------------------------------
     def stateless(self, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
                   admitted: Admitted) -> TurnOutcome:
-        """A turn in a fresh in-memory cache (no session, nothing stored)."""
+        """A turn in an empty in-memory cache (a pooled one, wiped: :class:`CachePool`; no session,
+        nothing stored)."""
         draw = self._draw(spec)
         output = self._output(spec, draw, sink, at_token)
+        cache = self.caches.take()  # wiped, its address tables kept (no new arrays, no new tables)
         reply = run_turn(output, admitted.max_new, draw, prompt=admitted.ids, model=self.model,
-                         cache=self.model.new_cache(self.kv_dtype), drive=self.drive)
+                         cache=cache, drive=self.drive)
+        self.caches.give_back(cache)  # the turn returned: nothing refers to it (one that raised drops it)
         return self._outcome(spec, draw, reply)
 
 

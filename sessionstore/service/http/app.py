@@ -373,6 +373,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None) -> Any:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.core.attach()
         yield
+        ctx.core.detach()
         if ctx.fleet_proxy is not None:
             await ctx.fleet_proxy.close()
 

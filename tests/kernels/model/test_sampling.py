@@ -134,3 +134,5 @@ def test_greedy_rows_is_each_rows_own_greedy_draw_nan_and_inf_left_to_sample() -
         else:
             assert b in (2, 4)
     assert picks[1] == 5 and picks[3] == 50 and picks[5] == 9
+    for b, row in enumerate(rows):  # one row alone (a lone stream's step) gives its pick in the batch
+        assert greedy_rows(row[None]).tolist() == [picks[b]]
