@@ -5,9 +5,11 @@ models/glm-mini converted to gguf (f32 weights, the dtype our decoder computes i
 own converter and its own gguf-py. Each step is skipped when its output is already there.
 
 Layout of ``cache``: ``src/`` (the patched source), ``build/bin/llama-server``,
-``glm-mini-f32.gguf``, ``build.log`` (cmake's output, for a failed build)."""
+``glm-mini-<digest>-f32.gguf`` (the checkpoint's digest: :func:`checkpoint_digest`), ``build.log``
+(cmake's output, for a failed build)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -94,9 +96,21 @@ def build_server(cache: Path, src: Path, jobs: int) -> Path:
     return binary
 
 
+def checkpoint_digest(model: Path) -> str:
+    """A digest of what a conversion reads from ``model``: its config and its weights' files (16 hex)."""
+    digest = hashlib.sha256()
+    for path in sorted([model / "config.json", *model.glob("*.safetensors")]):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def convert(cache: Path, src: Path, model: Path) -> Path:
-    """``model`` (a Hugging Face checkpoint folder) as f32 gguf, by llama.cpp's converter."""
-    gguf = cache / f"{model.name}-f32.gguf"
+    """``model`` (a Hugging Face checkpoint folder) as f32 gguf, by llama.cpp's converter; kept under
+    a name with the checkpoint's digest, so retrained weights are converted again (never served stale)."""
+    gguf = cache / f"{model.name}-{checkpoint_digest(model)}-f32.gguf"
     if gguf.exists():
         return gguf
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:

@@ -226,3 +226,23 @@ def test_table_shows_every_key() -> None:
     text = peer_table(res)
     assert sum(line.endswith("| 2.00 |") for line in text.splitlines()) == len(RATIO_KEYS) and "1 of 1" in text
     assert "| 3.0 | 1.0 | 3.00 |" in text and "| 1.0 | 4.0 | 0.25 |" in text and "| 1.0 | 2.0 | 0.50 |" in text
+
+
+def test_a_retrained_checkpoint_gets_a_gguf_of_its_own(tmp_path: Path) -> None:
+    """The converted gguf is cached under the checkpoint's digest: new weights (or config) are converted
+    again, never served from the old weights' gguf (session 19 retrained glm-mini and bench.peer went on
+    comparing against the old weights); the tokenizer's files do not count."""
+    from bench.peer_build import checkpoint_digest
+
+    model = tmp_path / "glm-mini"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"weights-1")
+    (model / "tokenizer.json").write_text("{}")
+    first = checkpoint_digest(model)
+    (model / "tokenizer.json").write_text('{"changed": true}')
+    assert checkpoint_digest(model) == first
+    (model / "model.safetensors").write_bytes(b"weights-2")
+    second = checkpoint_digest(model)
+    (model / "config.json").write_text('{"hidden_size": 65}')
+    assert len({first, second, checkpoint_digest(model)}) == 3
