@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from bench.decoder import glm_layer_config, random_weights
-from kernels.model import DecoderCache, MLADecoder, parse_config, tiny_checkpoint
+from kernels.model import DecoderCache, MLADecoder, parse_config
 from kernels.model.decoder import Queries
 from kernels.model.step_rows import StepRow
+from kernels.model.tiny import tiny_checkpoint
 
 WAYS = ("main", "ref", "compiled")
 
