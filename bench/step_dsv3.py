@@ -98,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_dsv3", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--reps", type=int, default=9, help="reps per figure (medians)")
+    parser.add_argument("--quick", action="store_true", help="3 reps per figure")
     args = parser.parse_args(argv)
+    reps = 3 if args.quick else args.reps
     result: dict[str, float] = {}
     for name, model in _models().items():
         steps = 8 if name == "tiny" else 2
-        med = measure(model, args.reps, steps)
+        med = measure(model, reps, steps)
         for key, value in med.items():
             result[f"dsv3_{name}_{key}_us"] = round(value, 1)
         for n in (1, 16):
