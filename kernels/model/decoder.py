@@ -2,8 +2,8 @@
 
 Per layer and position it produces exactly what a ``.coli_kv`` record stores: Lc = the kv_a
 RMSNorm of the compressed latent, Rc = k_rot after RoPE in the de-interleaved layout. Attention
-is absorbed: the decoder multiplies q_nope by W_UK, calls the backend's ``absorbed_attention``
-over the cache blocks (which it never copies), then applies W_UV and o_proj.
+is absorbed: the decoder multiplies q_nope by W_UK, attends over the cache blocks (which it
+never copies; :mod:`kernels.model.step_attention`), then applies W_UV and o_proj.
 
 Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
 decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
