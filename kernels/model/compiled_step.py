@@ -1,14 +1,16 @@
-"""One batched step of a GLM-5 (``glm_moe_dsa``) decoder over fp8, f32 or v3 caches on the CPU as ONE compiled
-call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the cache row writes, the DSA
-indexer's keys, queries and selection, attention, W_UV, o_proj, residuals, the dense MLP and the
-MoE with its routing and shared expert), the final norm and lm_head, for every row of the step.
+"""One batched step of a GLM-5 (``glm_moe_dsa``) or DeepSeek-V3 decoder over fp8, f32 or v3 caches on the CPU
+as ONE compiled call: every layer (norms, q_a/q_b/kv_a projections, RoPE, W_UK, the cache row
+writes, the DSA indexer's keys, queries and selection, attention, W_UV, o_proj, residuals, the
+dense MLP and the MoE with its routing and shared expert), the final norm and lm_head, for every
+row of the step. A DeepSeek-V3 model has no indexer: each row attends every row it sees (the
+selection :func:`kernels.model.step_attention.all_visible` makes, passed in for the step).
 
 It serves what the serving default runs: a decoder :func:`kernels.model.packed_weights.packable`
 accepts, with every cache of the step of one kv dtype on the CPU backend (the cases
 :class:`kernels.model.step_tables.StepTables` describes; f32 rows are written and attended by
 :mod:`kernels.model.f32_row_tables`, v3 rows encoded and decoded by
-:mod:`kernels.model.tq_row_tables`). Anything else (DeepSeek-V3, a batch mixing kv dtypes,
-another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
+:mod:`kernels.model.tq_row_tables`). Anything else (no q_lora, attention biases, a batch mixing
+kv dtypes, another backend, CUDA) keeps the reference step of :class:`kernels.model.decoder.MLADecoder`,
 which also stays as the reference the tests compare with. Weights past the packed ``once_bytes``
 (``THREADED_BYTES`` by default: GLM-5.2's projections, experts, W_UK/W_UV and lm_head) go through
 :mod:`kernels.model.once_product`, which reads each weight once per step for all rows (the packed
@@ -42,6 +44,7 @@ from kernels.model.compiled_moe import mlp_rows, moe_rows
 from kernels.model.f32_row_tables import attend_f32_rows, write_f32_rows
 from kernels.model.once_product import heads_step, step_times
 from kernels.model.packed_weights import PackedWeights
+from kernels.model.step_attention import all_visible
 from kernels.model.step_math import STACK, layer_norm_rows, rms_norm_rows, rope_into
 from kernels.model.step_tables import StepTables
 from kernels.model.tq_row_tables import attend_tq_rows, codec_params, encode_tq_rows, no_codec
@@ -255,6 +258,8 @@ class CompiledStep:
         if scratch is None:
             scratch = self._local.scratch = StepScratch(self.packed)
         s = scratch.for_rows(n)
+        if self.packed.dim("index_heads") == 0:  # no indexer (DeepSeek-V3): each row attends every row it sees
+            s = (*s[:22], *all_visible(tables.visible), *s[24:])
         logits = np.empty((last.shape[0], self.packed.dim("vocab")), np.float32)  # [B, V] f32
         run_step(np.ascontiguousarray(h, np.float32), np.ascontiguousarray(cos, np.float32),
                  np.ascontiguousarray(sin, np.float32),

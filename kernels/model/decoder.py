@@ -2,21 +2,24 @@
 
 Per layer and position it produces exactly what a ``.coli_kv`` record stores: Lc = the kv_a
 RMSNorm of the compressed latent, Rc = k_rot after RoPE in the de-interleaved layout. Attention
-is absorbed: the decoder multiplies q_nope by W_UK, calls the backend's ``absorbed_attention``
-over the cache blocks (which it never copies), then applies W_UV and o_proj.
+is absorbed: the decoder multiplies q_nope by W_UK, attends over the cache blocks (which it
+never copies; :mod:`kernels.model.step_attention`), then applies W_UV and o_proj.
 
 Every forward is a batched step (:meth:`MLADecoder.step`): each new position is computed as a
 decode step of that token alone computes it, row by row, so a prompt gives the same rows in one
 piece, in chunks or token by token, and a session the same tokens whoever shares its steps.
-A GLM-5 model whose step's caches are all fp8, or all f32, on the CPU runs the step as ONE compiled call
-(:mod:`kernels.model.compiled_step`, bitwise this path); every other model, kv dtype and backend
-runs the step here, which stays the reference the tests compare the compiled step with.
+Attention is that of :mod:`kernels.model.step_attention`: each row over every row it sees through
+the batch-invariant kernels a GLM-5 layer uses (a DeepSeek-V3 layer is one without the DSA indexer).
+A model :func:`~kernels.model.packed_weights.packable` accepts whose step's caches are all of one
+compiled kind on the CPU runs the step as ONE compiled call (:mod:`kernels.model.compiled_step`,
+bitwise this path); every other model, kv dtype and backend runs the step here, which stays the
+reference the tests compare the compiled step with.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -24,20 +27,14 @@ from kernels.errors import FormatError, LimitError, ModelMismatchError
 from kernels.model.cache import DecoderCache
 from kernels.model.compiled_step import COMPILED_KINDS, CompiledStep, last_rows
 from kernels.model.config import ModelConfig
-from kernels.model.moe import DenseMLP, MoE
+from kernels.model.decoder_layers import MLAttention, Weights, load_layer
+from kernels.model.packed_weights import pack, packable
 from kernels.model.rope import Rotary, softmax_scale
-from kernels.model.rowwise import head_matmul, rowwise_linear
+from kernels.model.rowwise import THREADED_BYTES, head_matmul, rowwise_linear
+from kernels.model.step_attention import all_visible, attend_rows_of
 from kernels.model.step_rows import StepRow, step_rows_of, write_step_rows
 from kernels.model.step_tables import StepTables
 from kernels.rows import LatentRows
-
-
-class Weights(Protocol):
-    source: str
-
-    def __contains__(self, name: object) -> bool: ...
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray: ...
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -54,38 +51,12 @@ def _linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.
 
 
 @dataclass(frozen=True)
-class MLAttention:
-    """One layer's MLA weights, kv_b split per head into W_UK and W_UV."""
-
-    q_proj: np.ndarray | None  # [H*qk_head, hidden] (no q_lora)
-    q_a: np.ndarray | None  # [q_lora, hidden]
-    q_a_bias: np.ndarray | None  # [q_lora]
-    q_a_norm: np.ndarray | None  # [q_lora]
-    q_b: np.ndarray | None  # [H*qk_head, q_lora]
-    kv_a: np.ndarray  # [kv_lora + rope, hidden]
-    kv_a_bias: np.ndarray | None  # [kv_lora + rope]
-    kv_a_norm: np.ndarray  # [kv_lora]
-    w_uk: np.ndarray  # [H, qk_nope, kv_lora]
-    w_uv: np.ndarray  # [H, v_head, kv_lora]
-    o_proj: np.ndarray  # [hidden, H*v_head]
-    o_bias: np.ndarray | None  # [hidden]
-
-
-@dataclass(frozen=True)
 class Queries:
     """One layer's queries for absorbed attention, and the q residual they came from."""
 
     q_abs: np.ndarray  # [S, H, kv_lora] f32 (q_nope @ W_UK)
     q_rope: np.ndarray  # [S, H, rope] f32
     q_resid: np.ndarray | None  # [S, q_lora] f32: q_a_layernorm(q_a_proj(x)); None without q_lora
-
-
-@dataclass(frozen=True)
-class DecoderLayer:
-    input_norm: np.ndarray  # [hidden]
-    post_norm: np.ndarray  # [hidden]
-    attn: MLAttention
-    mlp: DenseMLP | MoE
 
 
 class MLADecoder:
@@ -101,12 +72,17 @@ class MLADecoder:
             self.lm_head = self.embed  # [V, hidden]
         else:
             self.lm_head = weights.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))  # [V, hidden]
-        self.layers = [_load_layer(cfg, weights, i) for i in range(cfg.n_layers)]
+        self.layers = [load_layer(cfg, weights, i) for i in range(cfg.n_layers)]
         self.rotary = Rotary(cfg)
         self.softmax_scale = softmax_scale(cfg)
         # the compiled step (kernels.model.compiled_step) where it applies; False: the reference step
         # always (tests compare the two)
         self.use_compiled = True
+        self._compiled: CompiledStep | None = None
+        self._compiled_why: str | None = None  # why the compiled step does not apply, once decided
+        # weights past this many bytes are read once per step for all rows (kernels.model.once_product);
+        # set before the first step (tests set 0: every product that way, the same bits)
+        self.once_bytes = THREADED_BYTES
 
     def dims_for_file(self) -> tuple[int, int, int, int, int, int]:
         """(n_layers, kv_lora, qk_rope, index_head_dim, n_index_layers, vocab) of this model's .coli_kv."""
@@ -218,9 +194,13 @@ class MLADecoder:
         return rowwise_linear(h[last_rows(counts)], self.lm_head)  # [B, V] f32
 
     def compiled_step(self) -> CompiledStep | None:
-        """This model's compiled step (kernels.model.compiled_step), or None where it does not
-        apply: the DeepSeek-V3 decoder keeps the reference step (the GLM decoder overrides this)."""
-        return None
+        """This model's compiled step (its weights packed on first use), or None where
+        :func:`~kernels.model.packed_weights.packable` refuses it."""
+        if self._compiled is None and self._compiled_why is None:
+            self._compiled_why = packable(self)
+            if self._compiled_why is None:
+                self._compiled = CompiledStep(pack(self, self.once_bytes))
+        return self._compiled
 
     def _run_rows(self, caches: Sequence[DecoderCache], toks: np.ndarray,
                   counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -268,12 +248,28 @@ class MLADecoder:
 
     def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow], step: dict[str, Any]) -> np.ndarray:
-        """Dense absorbed attention of each row's query over the rows up to its position -> [B, H, kv_lora]."""
-        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
-        for b, cache in enumerate(caches):
-            ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
-                                                              cache.blocks(layer), self.softmax_scale, causal=True)
-        return ctx
+        """Each row's query over the rows its selection names (:meth:`_select_tables`,
+        :meth:`_select_rows`), every row it sees without one -> ctx [B, H, kv_lora] f32."""
+        tables: StepTables | None = step["tables"]
+        if tables is not None:  # every session in one call per layer
+            sel, counts = self._select_tables(layer, x, q, cos, sin, tables, step)
+            return tables.attend(layer, q.q_abs, q.q_rope, sel, counts, self.softmax_scale)
+        selections = self._select_rows(layer, x, q, cos, sin, caches, step)
+        return attend_rows_of(layer, q.q_abs, q.q_rope, caches, selections, self.softmax_scale, step)
+
+    def _select_tables(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                       tables: StepTables, step: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows each row attends (selection [B, k] i64 ascending, counts [B] i64): all it sees
+        (a DSA decoder selects); made once a step."""
+        if "selected" not in step:
+            step["selected"] = all_visible(tables.visible)
+        selected: tuple[np.ndarray, np.ndarray] = step["selected"]
+        return selected
+
+    def _select_rows(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[StepRow], step: dict[str, Any]) -> dict[int, np.ndarray]:
+        """{b: selection [1, k] i64} of the rows that attend a selection: none here (a DSA decoder selects)."""
+        return {}
 
     def _project_step(self, layer_idx: int, a: MLAttention, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                       caches: Sequence[StepRow], step: dict[str, Any]) -> Queries:
@@ -314,67 +310,3 @@ class MLADecoder:
         out = head_matmul(ctx, a.w_uv, True, w_transposed=True)  # [S, H, v_head]
         out = out.reshape(n, heads * self.config.v_head_dim)  # [S, H*v_head]
         return _linear(out, a.o_proj, a.o_bias)  # [S, hidden]
-
-
-def _load_layer(cfg: ModelConfig, w: Weights, i: int) -> DecoderLayer:
-    p = f"model.layers.{i}."
-    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-
-    def bias(name: str, n: int) -> np.ndarray | None:
-        return w.get(p + name, (n,)) if cfg.attention_bias else None
-
-    q_out = heads * cfg.qk_head_dim
-    kv_a_out = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    q_lora = cfg.q_lora_rank
-    kv_b = w.get(p + "self_attn.kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank))
-    kv_b = kv_b.reshape(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # [H, nope+v, kv_lora]
-    attn = MLAttention(
-        q_proj=None if q_lora else w.get(p + "self_attn.q_proj.weight", (q_out, hidden)),
-        q_a=w.get(p + "self_attn.q_a_proj.weight", (q_lora, hidden)) if q_lora else None,
-        q_a_bias=bias("self_attn.q_a_proj.bias", q_lora) if q_lora else None,
-        q_a_norm=w.get(p + "self_attn.q_a_layernorm.weight", (q_lora,)) if q_lora else None,
-        q_b=w.get(p + "self_attn.q_b_proj.weight", (q_out, q_lora)) if q_lora else None,
-        kv_a=w.get(p + "self_attn.kv_a_proj_with_mqa.weight", (kv_a_out, hidden)),
-        kv_a_bias=bias("self_attn.kv_a_proj_with_mqa.bias", kv_a_out),
-        kv_a_norm=w.get(p + "self_attn.kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
-        w_uk=np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim, :]),  # [H, nope, kv_lora]
-        w_uv=np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :, :]),  # [H, v_head, kv_lora]
-        o_proj=w.get(p + "self_attn.o_proj.weight", (hidden, heads * cfg.v_head_dim)),
-        o_bias=bias("self_attn.o_proj.bias", hidden),
-    )
-    mlp = _load_moe(cfg, w, p) if cfg.is_moe_layer(i) else _load_mlp(w, p + "mlp.", hidden, cfg.intermediate_size)
-    return DecoderLayer(
-        input_norm=w.get(p + "input_layernorm.weight", (hidden,)),
-        post_norm=w.get(p + "post_attention_layernorm.weight", (hidden,)),
-        attn=attn,
-        mlp=mlp,
-    )
-
-
-def _load_mlp(w: Weights, prefix: str, hidden: int, inter: int) -> DenseMLP:
-    return DenseMLP(
-        gate=w.get(prefix + "gate_proj.weight", (inter, hidden)),
-        up=w.get(prefix + "up_proj.weight", (inter, hidden)),
-        down=w.get(prefix + "down_proj.weight", (hidden, inter)),
-    )
-
-
-def _load_moe(cfg: ModelConfig, w: Weights, p: str) -> MoE:
-    hidden, inter, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-    fused = p + "mlp.experts.gate_up_proj"
-    if fused in w:  # transformers' in-memory layout: [E, 2I, hidden] + [E, hidden, I]
-        gate_up = w.get(fused, (n_exp, 2 * inter, hidden))
-        down = w.get(p + "mlp.experts.down_proj", (n_exp, hidden, inter))
-        experts = [DenseMLP(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(n_exp)]
-    else:  # checkpoint layout: one module per expert
-        experts = [_load_mlp(w, f"{p}mlp.experts.{e}.", hidden, inter) for e in range(n_exp)]
-    shared = None
-    if cfg.n_shared_experts:
-        shared = _load_mlp(w, p + "mlp.shared_experts.", hidden, inter * cfg.n_shared_experts)
-    return MoE(
-        cfg,
-        gate_w=w.get(p + "mlp.gate.weight", (n_exp, hidden)),
-        bias=w.get(p + "mlp.gate.e_score_correction_bias", (n_exp,)),
-        experts=experts,
-        shared=shared,
-    )

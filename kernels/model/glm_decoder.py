@@ -16,15 +16,12 @@ from typing import Any
 import numpy as np
 
 from kernels.attention.select_step import select_step
-from kernels.attention.tiles import cache_shape
-from kernels.errors import BackendUnavailableError, UnsupportedModelError
-from kernels.model.compiled_step import CompiledStep
+from kernels.errors import UnsupportedModelError
 from kernels.model.config import ModelConfig
-from kernels.model.decoder import MLADecoder, Queries, Weights
+from kernels.model.decoder import MLADecoder, Queries
+from kernels.model.decoder_layers import Weights
 from kernels.model.glm_config import DsaConfig
 from kernels.model.glm_indexer import Indexer
-from kernels.model.packed_weights import pack, packable
-from kernels.model.rowwise import THREADED_BYTES
 from kernels.model.step_rows import StepRow
 from kernels.model.step_tables import StepTables
 
@@ -40,65 +37,19 @@ class GlmDecoder(MLADecoder):
         self.dsa: DsaConfig = config.dsa
         self.indexers = {i: _load_indexer(config, self.dsa, weights, i) for i in self.dsa.full_layers}
         self.index_slots = {layer: slot for slot, layer in enumerate(self.dsa.full_layers)}
-        self._compiled: CompiledStep | None = None
-        self._compiled_why: str | None = None  # why the compiled step does not apply, once decided
-        # weights past this many bytes are read once per step for all rows (kernels.model.once_product);
-        # set before the first step (tests set 0: every product that way, the same bits)
-        self.once_bytes = THREADED_BYTES
-
-    def compiled_step(self) -> CompiledStep | None:
-        """The compiled step of this model (its weights packed on first use), or None where
-        :func:`~kernels.model.packed_weights.packable` refuses it."""
-        if self._compiled is None and self._compiled_why is None:
-            self._compiled_why = packable(self)
-            if self._compiled_why is None:
-                self._compiled = CompiledStep(pack(self, self.once_bytes))
-        return self._compiled
-
-    def _attend_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[StepRow], step: dict[str, Any]) -> np.ndarray:
-        """One new position per cache: a full layer writes each cache's indexer key and selects rows
-        for every session past ``index_topk`` (shared layers reuse that selection); those attend
-        their selected rows, the others every row (all of them are selected). Sessions of a backend
-        that batches the step attend in one call per row count; others session by session. Each
-        session over its own rows -> [B, H, kv_lora]."""
-        tables: StepTables | None = step["tables"]
-        if tables is not None:  # every session in one call per layer
-            if self.dsa.is_full(layer):
-                step["selected"] = self._select_tables(layer, x, q, cos, sin, tables)
-            sel, counts = step["selected"]
-            return tables.attend(layer, q.q_abs, q.q_rope, sel, counts, self.softmax_scale)
-        if self.dsa.is_full(layer):
-            step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
-        selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
-        ctx = np.empty(q.q_abs.shape, np.float32)  # ctx: [B, H, kv_lora] f32
-        groups: dict[tuple[int, type], list[int]] = {}  # (rows attended, backend) -> the batch rows
-        for b, cache in enumerate(caches):
-            if hasattr(cache.backend, "batched_sparse_decode"):
-                k = selections[b].shape[1] if b in selections else cache.length + 1
-                groups.setdefault((k, type(cache.backend)), []).append(b)
-            elif b in selections:
-                ctx[b : b + 1] = self._sparse_of(cache.backend)(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
-                                                                cache.blocks(layer), selections[b], self.softmax_scale)
-            else:
-                ctx[b : b + 1] = cache.backend.absorbed_attention(q.q_abs[b : b + 1], q.q_rope[b : b + 1],
-                                                                  cache.blocks(layer), self.softmax_scale, causal=True)
-        shapes: dict[tuple[int, ...], list[Any]] = step.setdefault("shapes", {})
-        for (k, _), members in groups.items():
-            rows = np.asarray(members)  # rows: [n] batch rows
-            blocks_of = [caches[b].blocks(layer) for b in members]
-            key = tuple(members)
-            if key not in shapes:  # every layer of a cache holds as many rows: described once a step
-                shapes[key] = [cache_shape(blocks) for blocks in blocks_of]
-            picks = [selections[b][0] if b in selections else np.arange(k) for b in members]  # [k] i64 each
-            ctx[rows] = caches[members[0]].backend.batched_sparse_decode(
-                q.q_abs[rows], q.q_rope[rows], blocks_of, picks, self.softmax_scale, shapes=shapes[key])
-        return ctx
 
     def _select_tables(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
-                       tables: StepTables) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`_select_step` for the whole batch in two calls: writes this full layer's key of every
-        row, then each row's selection [B, k] i64 and count [B] (all it sees, up to ``index_topk``)."""
+                       tables: StepTables, step: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """A full layer's :meth:`_select_rows` for the whole batch in two calls: writes its key of every
+        row, then each row's selection [B, k] i64 and count [B] (all it sees, up to ``index_topk``);
+        a shared layer reuses the last full layer's."""
+        if self.dsa.is_full(layer):
+            step["selected"] = self._select_full_tables(layer, x, q, cos, sin, tables)
+        selected: tuple[np.ndarray, np.ndarray] = step["selected"]  # a full layer precedes every shared one
+        return selected
+
+    def _select_full_tables(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                            tables: StepTables) -> tuple[np.ndarray, np.ndarray]:
         indexer, slot, k = self.indexers[layer], self.index_slots[layer], self.dsa.index_topk
         keys = indexer.keys(x, self.rotary, cos, sin, rowwise=True)  # keys: [B, hd] f32
         tables.write_keys(slot, keys)
@@ -109,6 +60,15 @@ class GlmDecoder(MLADecoder):
             qi = np.zeros((x.shape[0], indexer.n_heads, indexer.head_dim), np.float32)
             w = np.zeros((x.shape[0], indexer.n_heads), np.float32)
         return tables.select(slot, qi, w, k)
+
+    def _select_rows(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
+                     caches: Sequence[StepRow], step: dict[str, Any]) -> dict[int, np.ndarray]:
+        """{b: selection [1, k] i64} of the rows that see more than ``index_topk`` rows: a full layer
+        writes each row's key and selects (:meth:`_select_step`), a shared layer reuses its selections."""
+        if self.dsa.is_full(layer):
+            step["selections"] = self._select_step(layer, x, q, cos, sin, caches)
+        selections: dict[int, np.ndarray] = step["selections"]  # a full layer precedes every shared one
+        return selections
 
     def _select_step(self, layer: int, x: np.ndarray, q: Queries, cos: np.ndarray, sin: np.ndarray,
                      caches: Sequence[StepRow]) -> dict[int, np.ndarray]:
@@ -127,14 +87,6 @@ class GlmDecoder(MLADecoder):
         chosen = select_step(qi[rows], w[rows], [caches[b].index_blocks(slot) for b in past],
                              self.dsa.index_topk)  # chosen: [n, k] i64
         return {b: chosen[i : i + 1] for i, b in enumerate(past)}
-
-    @staticmethod
-    def _sparse_of(backend: Any) -> Any:
-        sparse = getattr(backend, "sparse_absorbed_attention", None)
-        if sparse is None:
-            name = getattr(backend, "name", type(backend).__name__)
-            raise BackendUnavailableError(f"the {name!r} backend has no sparse_absorbed_attention (DSA)")
-        return sparse
 
 
 def _load_indexer(cfg: ModelConfig, dsa: DsaConfig, w: Weights, i: int) -> Indexer:

@@ -1,6 +1,8 @@
-"""A GLM-5 (``glm_moe_dsa``) decoder's weights packed once for the compiled step
+"""A GLM-5 (``glm_moe_dsa``) or DeepSeek-V3 decoder's weights packed once for the compiled step
 (:mod:`kernels.model.compiled_step`): stacked per layer kind, transposed to ``[in, out]`` as the
 row-product kernels read them, contiguous f32, plus the dims and per-layer kinds as small arrays.
+A DeepSeek-V3 model is packed as a GLM-5 model without the DSA indexer: its indexer weights are
+empty, and every layer attends every row (``index_heads`` 0, ``slot_of`` -1 everywhere).
 
 Packing copies the weights (a second copy of the model's f32 projections): it is made only for a
 model the compiled step serves (:func:`packable` says why not otherwise), once per decoder. At
@@ -41,13 +43,11 @@ def _stack(ws: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 
 def packable(decoder: Any) -> str | None:
-    """None when the compiled step serves this decoder, else why not (a GLM DSA model with q_lora,
-    no attention biases, MoE layers with a shared expert and groups of two or more experts, and
-    numpy's exp reproduced). Weights of any size: those past ``THREADED_BYTES`` go through
-    :mod:`kernels.model.once_product` (read once per step for all rows)."""
+    """None when the compiled step serves this decoder, else why not (a GLM DSA or DeepSeek-V3
+    model with q_lora, no attention biases, MoE layers with a shared expert and groups of two or
+    more experts, and numpy's exp reproduced). Weights of any size: those past ``THREADED_BYTES``
+    go through :mod:`kernels.model.once_product` (read once per step for all rows)."""
     cfg = decoder.config
-    if getattr(decoder, "dsa", None) is None:
-        return "no DSA indexer (DeepSeek-V3 keeps the reference step)"
     if cfg.q_lora_rank is None or cfg.attention_bias:
         return "no q_lora or attention biases"
     layers = decoder.layers
@@ -86,7 +86,7 @@ def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
     ``once_bytes`` bytes go through :func:`kernels.model.once_product.gather_times` in the step (read
     once for all rows, threads over column tiles); smaller ones through the single-threaded
     ``rows_times`` (both give the same bits: tests pack with 0 to run every product the first way)."""
-    cfg, dsa, layers = decoder.config, decoder.dsa, decoder.layers
+    cfg, dsa, layers = decoder.config, getattr(decoder, "dsa", None), decoder.layers
 
     def tp(w: np.ndarray) -> np.ndarray:  # w [out, in] -> [in, out] f32, in panel order past once_bytes
         return panel_order(_t(w), once_bytes)
@@ -124,16 +124,19 @@ def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
         _stack([tp(m.up) for m in shared], (hidden, shared_inter)),  # [Lm, D, Is]
         _stack([tp(m.down) for m in shared], (shared_inter, hidden)),  # [Lm, Is, D]
     )
-    idx = [decoder.indexers[i] for i in dsa.full_layers]
-    index = (
-        _stack([tp(ix.wk) for ix in idx], ()),  # [NI, D, hd]
-        _stack([ix.k_norm_weight for ix in idx], ()),  # [NI, hd]
-        _stack([ix.k_norm_bias for ix in idx], ()),  # [NI, hd]
-        _stack([tp(ix.wq_b) for ix in idx], ()),  # [NI, q_lora, nh*hd]
-        _stack([tp(ix.weights_proj) for ix in idx], ()),  # [NI, D, nh]
+    idx = [decoder.indexers[i] for i in dsa.full_layers] if dsa is not None else []  # none: DeepSeek-V3
+    nh, hd, topk = (dsa.index_n_heads, dsa.index_head_dim, dsa.index_topk) if dsa is not None else (0, 0, 0)
+    q_lora = cfg.q_lora_rank
+    index = (  # (the same array kinds without an indexer: one compiled step serves both families)
+        _stack([tp(ix.wk) for ix in idx], (hidden, hd)),  # [NI, D, hd]
+        _stack([ix.k_norm_weight for ix in idx], (hd,)),  # [NI, hd]
+        _stack([ix.k_norm_bias for ix in idx], (hd,)),  # [NI, hd]
+        _stack([tp(ix.wq_b) for ix in idx], (q_lora, nh * hd)),  # [NI, q_lora, nh*hd]
+        _stack([tp(ix.weights_proj) for ix in idx], (hidden, nh)),  # [NI, D, nh]
     )
     head = (np.ascontiguousarray(decoder.final_norm, np.float32), tp(decoder.lm_head))  # [D], [D, V]
-    slot_of = np.array([decoder.index_slots.get(i, -1) for i in range(len(layers))], np.int64)  # [L]
+    slots = decoder.index_slots if dsa is not None else {}
+    slot_of = np.array([slots.get(i, -1) for i in range(len(layers))], np.int64)  # [L]
     d_i = m_i = 0
     mlp_of = np.empty(len(layers), np.int64)  # [L]
     for i, ly in enumerate(layers):
@@ -145,11 +148,10 @@ def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
     def block(w: np.ndarray) -> int:  # w: a packed [.., in, out] weight
         return column_block(w.shape[-2], w.shape[-1]) if w.shape[0] else 1
 
-    nh, hd = dsa.index_n_heads, dsa.index_head_dim
     dims = dict(
         layers=len(layers), heads=heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
         kv_lora=cfg.kv_lora_rank, v_head=cfg.v_head_dim, q_lora=cfg.q_lora_rank, index_dim=hd, index_heads=nh,
-        index_topk=dsa.index_topk, experts=n_exp, experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group,
+        index_topk=topk, experts=n_exp, experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group,
         topk_group=cfg.topk_group, norm_topk=int(cfg.norm_topk_prob), interleave=int(decoder.rotary.interleave),
         block_q_a=block(attn[2]), block_q_b=block(attn[4]), block_kv_a=block(attn[5]), block_o=block(attn[9]),
         block_dense=block(dense[0]), block_down=block(dense[2]), block_router=block(moe[0]),
@@ -158,7 +160,8 @@ def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
         block_lm=column_block(head[1].shape[0], head[1].shape[1]), vocab=cfg.vocab_size, once_bytes=once_bytes,
     )
     fdims = dict(rms_eps=cfg.rms_norm_eps, lora_eps=1e-6, softmax_scale=decoder.softmax_scale,
-                 routed_scale=cfg.routed_scaling_factor, index_w_scale=nh**-0.5, index_hd_scale=hd**-0.5,
+                 routed_scale=cfg.routed_scaling_factor, index_w_scale=max(nh, 1) ** -0.5,
+                 index_hd_scale=max(hd, 1) ** -0.5,
                  layer_norm_eps=1e-6)
     return PackedWeights(
         dims=np.array([dims[n] for n in DIM_NAMES], np.int64),

@@ -5,6 +5,7 @@ the other session's turn, sharing those steps, is untouched and exact."""
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,18 @@ def test_a_failed_commit_beside_the_step_undoes_that_step_and_the_session_contin
     store = SessionStore(tmp_path)
     engine = Engine(store, MODEL, session_options=SessionOptions(commit_every=COMMIT_EVERY, lazy_logits=True))
     sampler = Sampler()
-    want = reference_turns(engine.loop.model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
+    model = engine.loop.model
+    want = reference_turns(model, "fp8", [(PROMPT, MAX_NEW)], sampler)[0]
     seen = _failing_second_commit_of(monkeypatch, "a")
+    real_step = model.step
+
+    # a step as long as a real model's: the turn outlasts making the session's files, so its mid-turn
+    # commits run beside steps (tiny's compiled step can end the whole turn before the first commit)
+    def slow_step(*args: Any) -> Any:
+        time.sleep(0.005)
+        return real_step(*args)
+
+    monkeypatch.setattr(model, "step", slow_step)
 
     specs = {sid: TurnSpec("completion", sid, prompt=list(PROMPT), max_tokens=MAX_NEW, ignore_eos=True)
              for sid in ("a", "b")}

@@ -1,9 +1,10 @@
-"""The compiled step (kernels.model.compiled_step): one numba call per step of a GLM-5 model over
-fp8, f32 or v3 (int4, PolarQuant) caches on the CPU gives every logit, latent row and indexer key
-bitwise what the reference step gives (the numpy decoder, kept as the reference), for fresh and
-resumed caches, prefill chunks beside decode tokens, rows on both sides of ``index_topk``,
-batches that grow the scratch; each row is what that token alone gives (batch and chunk
-invariance); batches mixing kv dtypes and DeepSeek-V3 keep the reference step."""
+"""The compiled step (kernels.model.compiled_step): one numba call per step of a GLM-5 or DeepSeek-V3
+model (tiny: q_lora, grouped V3 routing, YaRN, interleaved rope) over fp8, f32 or v3 (int4,
+PolarQuant) caches on the CPU gives every logit, latent row and indexer key bitwise what the
+reference step gives (the numpy decoder, kept as the reference), for fresh and resumed caches,
+prefill chunks beside decode tokens, rows on both sides of ``index_topk``, batches that grow the
+scratch; each row is what that token alone gives (batch and chunk invariance); batches mixing kv
+dtypes and models it cannot pack (attention biases) keep the reference step."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,10 @@ import pytest
 
 from kernels.model import DecoderCache, GlmDecoder, MLADecoder, Sampler, generate, load_model, resolve_model
 from kernels.model.compiled_step import CompiledStep
+from kernels.model.config import parse_config
 from kernels.model.packed_weights import packable
+from kernels.model.tiny import tiny_config_dict, tiny_weights
+from kernels.model.weights import DictWeights
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 
 FIELDS_OF = {"fp8": ("tokens", "lc_codes", "lc_scale", "rc_codes", "rc_scale", "index"),
@@ -52,7 +56,8 @@ def _resumed(model: MLADecoder, cache: DecoderCache) -> DecoderCache:
     """A cache over ``cache``'s rows as a file's records hold them: strided, read-only views."""
     rec = cache.records_since(0)
     for name in FIELDS_OF.get(cache.kv_dtype, RECORD_FIELDS)[1:]:
-        getattr(rec, name).setflags(write=False)
+        if getattr(rec, name) is not None:  # (a DeepSeek-V3 model's records have no indexer keys)
+            getattr(rec, name).setflags(write=False)
     blocks: list[list[LatentRows]]
     if cache.kv_dtype == "f32":
         blocks = [[F32Rows(lc=rec.lc[:, i], rc=rec.rc[:, i])] for i in range(cache.n_layers)]
@@ -96,7 +101,7 @@ def _both(model: MLADecoder, run: Callable[[], tuple[list[np.ndarray], list[Any]
             assert np.array_equal(getattr(ra, name), getattr(rb, name)), name
 
 
-@pytest.mark.parametrize("name", ["glm-mini", "tiny-glm"])
+@pytest.mark.parametrize("name", ["glm-mini", "tiny-glm", "deepseek"])
 def test_the_compiled_step_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
                                                     compiled_calls: list[int]) -> None:
     model = models[name]
@@ -114,10 +119,12 @@ def test_a_growing_batch_and_cache_keep_their_bits(models: dict[str, MLADecoder]
     assert max(compiled_calls) >= 74
 
 
-def test_each_row_is_what_its_token_alone_gives(models: dict[str, MLADecoder], compiled_calls: list[int]) -> None:
+@pytest.mark.parametrize("name", ["glm-mini", "deepseek"])
+def test_each_row_is_what_its_token_alone_gives(models: dict[str, MLADecoder], name: str,
+                                                compiled_calls: list[int]) -> None:
     """Batch and chunk invariance on the compiled step: a session's logits and rows are the same
     alone, beside others, prompt fed whole, in chunks or token by token."""
-    model = models["glm-mini"]
+    model = models[name]
     prompt = _tokens(model, 5, 45)  # crosses index_topk (32)
     alone = model.new_cache("fp8")
     whole = model.forward(prompt, alone)[-1]
@@ -155,7 +162,7 @@ def test_greedy_tokens_are_the_references(models: dict[str, MLADecoder], compile
 
 
 @pytest.mark.parametrize(("name", "kv_dtype"), [("glm-mini", "f32"), ("tiny-glm", "f32"), ("glm-mini", "int4"),
-                                                ("glm-mini", "polar3")])
+                                                ("glm-mini", "polar3"), ("deepseek", "f32"), ("deepseek", "int4")])
 def test_the_compiled_step_over_other_kv_dtypes_is_bitwise_the_reference(models: dict[str, MLADecoder], name: str,
                                                                          kv_dtype: str,
                                                                          compiled_calls: list[int]) -> None:
@@ -167,12 +174,13 @@ def test_the_compiled_step_over_other_kv_dtypes_is_bitwise_the_reference(models:
     assert len(compiled_calls) >= len(steps), "the compiled step did not run"
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "f32", "int4", "polar4"])
-def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADecoder], kv_dtype: str,
+@pytest.mark.parametrize(("name", "kv_dtype"), [("glm-mini", "fp8"), ("glm-mini", "f32"), ("glm-mini", "int4"),
+                                                ("glm-mini", "polar4"), ("deepseek", "fp8"), ("deepseek", "f32")])
+def test_a_row_is_the_same_alone_and_in_a_batch_of_three(models: dict[str, MLADecoder], name: str, kv_dtype: str,
                                                          compiled_calls: list[int]) -> None:
     """Batch invariance of each kv dtype the compiled step takes: a session's logits and rows are
     bitwise the same stepped alone and beside two others (one of them taking a prefill chunk)."""
-    model = models["glm-mini"]
+    model = models[name]
     runs = []
     for company in ([], [(9, False), (36, True)]):
         steps = [[1] * (1 + len(company))] * 2 + [[1, 4, 1][: 1 + len(company)]]
@@ -196,8 +204,25 @@ def test_other_caches_and_models_keep_the_reference_step(models: dict[str, MLADe
     glm.step(mixed[2:], _tokens(glm, 5, 2), [1, 1])  # two v3 codecs
     assert compiled_calls == [], "a batch mixing kv dtypes took the compiled step"
     deepseek = models["deepseek"]
-    assert not isinstance(deepseek, GlmDecoder) and deepseek.compiled_step() is None
-    assert packable(deepseek) is not None
+    assert not isinstance(deepseek, GlmDecoder) and deepseek.compiled_step() is not None
+    biased = _deepseek_with_attention_biases()
+    assert packable(biased) is not None and biased.compiled_step() is None
+    caches = [biased.new_cache("fp8") for _ in range(2)]
+    biased.step(caches, _tokens(biased, 6, 4), [3, 1])
+    assert compiled_calls == [], "a model the packer refuses took the compiled step"
+
+
+def _deepseek_with_attention_biases() -> MLADecoder:
+    """tiny's DeepSeek-V3 with (seeded) attention biases, which the compiled step does not take."""
+    raw = {**tiny_config_dict(), "attention_bias": True}
+    cfg = parse_config(raw, source="tiny-biased")
+    weights = tiny_weights(cfg)
+    rng = np.random.RandomState(7)
+    for i in range(cfg.n_layers):
+        for name, n in (("q_a_proj", cfg.q_lora_rank), ("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                        ("o_proj", cfg.hidden_size)):
+            weights[f"model.layers.{i}.self_attn.{name}.bias"] = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    return MLADecoder(cfg, DictWeights(weights, source="tiny-biased"))
 
 
 def test_threads_stepping_one_model_keep_their_bits(models: dict[str, MLADecoder]) -> None:
