@@ -109,17 +109,16 @@ const sessionPath = (sid, action = "") => `/v1/sessions/${encodeURIComponent(sid
 async function loadView(sid) {
   const res = await api("GET", `${sessionPath(sid)}?messages=1`);
   const body = await res.json();
-  const view = { messages: body.messages, state: body.messages_state, reason: body.messages_reason,
-                 tokens: body.tokens };
-  state.views.set(sid, view);
-  return view;
+  return { messages: body.messages, state: body.messages_state, reason: body.messages_reason,
+           tokens: body.tokens };
 }
 
 // load the selected session's messages and show them (unless the log already shows exactly them)
 async function showView(sid) {
   const ticket = ++state.loading;
   const view = await loadView(sid);
-  if (ticket !== state.loading || state.selected !== sid || state.abort) return;
+  if (ticket !== state.loading || state.selected !== sid || state.abort) return;  // stale: neither kept nor shown
+  state.views.set(sid, view);  // what the next turn sends as the history
   if (state.systemFor !== sid) {  // a newly selected session: the field shows its system prompt
     state.systemFor = sid;
     Settings.showSystemOf(view.messages);
@@ -557,6 +556,7 @@ async function converse(sid, messages, knobs) {
   } else if (logKey(asked) !== state.shownKey) {
     renderLog(asked);  // an open turn's partial mark goes too: the server closes that turn with the
   }                    // committed reply sent back (as recovery does)
+  ++state.loading;  // a view loaded before this turn is stale: never shown over it, even once it ends
   const index = messages.length;
   const box = addMessage("assistant", "", index);
   const text = box.querySelector(".text");
@@ -621,6 +621,7 @@ async function converse(sid, messages, knobs) {
   state.shown = provisional.messages;
   state.shownKey = logKey(provisional);
   state.views.set(sid, provisional);
+  ++state.loading;  // nor one loaded while it ran
   await run(refresh);
 }
 
