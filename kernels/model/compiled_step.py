@@ -176,6 +176,9 @@ def run_step(h: np.ndarray, cos: np.ndarray, sin: np.ndarray, tables: Any, last:
     step_times(hl[:rows], head[1], logits, dims[28], once, idx)
 
 
+SELECTION = 22  # where the selection [cap, topk] i64 and its counts [cap] i64 sit in StepScratch's arrays
+
+
 class StepScratch:
     """The compiled step's working arrays for up to ``capacity`` rows, allocated once and replaced
     by larger ones when a larger step comes (never per token)."""
@@ -209,7 +212,7 @@ class StepScratch:
             f(cap, kv_lora), f(cap, rope), np.zeros((cap, kv_lora), np.uint8), f(cap),  # lc rc lc8 lsc
             np.zeros((cap, rope), np.uint8), f(cap), f(cap, heads, kv_lora), f(cap, heads, v_head),  # rc8 rsc ctx uv
             f(cap, hidden), f(cap, hd), f(cap, hd), f(cap, nh * hd), f(cap, nh, hd), f(cap, nh),  # ao kx keys qx qi wx
-            np.zeros((cap, topk), np.int64), np.zeros(cap, np.int64),  # sel counts
+            np.zeros((cap, topk), np.int64), np.zeros(cap, np.int64),  # sel counts (at SELECTION)
             f(cap, n_exp), f(n_exp), f(n_exp), f(n_group), np.zeros(k_exp, np.int64), f(k_exp),  # router
             f(4, moe_inter), f(4, moe_inter), f(cap * k_exp, hidden),  # eg eu: 4 pairs' products; ey: every pair's
             f(cap, shared_inter), f(cap, shared_inter), f(cap, hidden),  # sg su so: the shared expert
@@ -259,7 +262,7 @@ class CompiledStep:
             scratch = self._local.scratch = StepScratch(self.packed)
         s = scratch.for_rows(n)
         if self.packed.dim("index_heads") == 0:  # no indexer (DeepSeek-V3): each row attends every row it sees
-            s = (*s[:22], *all_visible(tables.visible), *s[24:])
+            s = (*s[:SELECTION], *all_visible(tables.visible), *s[SELECTION + 2:])
         logits = np.empty((last.shape[0], self.packed.dim("vocab")), np.float32)  # [B, V] f32
         run_step(np.ascontiguousarray(h, np.float32), np.ascontiguousarray(cos, np.float32),
                  np.ascontiguousarray(sin, np.float32),
