@@ -54,8 +54,12 @@ class Chat:
         self.proc.stdin.write(line + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
 
-    def turn(self, line: str, *, then: Any = None, after: int = 8) -> tuple[str, dict[str, Any] | None]:
-        """Send a message; collect streamed pieces until the reply (``then(proc)`` after ``after`` pieces)."""
+    def turn(self, line: str, *, then: Any = None, after: int = 2) -> tuple[str, dict[str, Any] | None]:
+        """Send a message; collect streamed pieces until the reply (``then(proc)`` after ``after`` pieces).
+
+        ``after`` is small: the signal must land before the reply ends, and on a loaded machine this reader
+        can fall far behind the chat's stream (a piece read is a piece committed: the stream is durable).
+        """
         self.send(line)
         pieces: list[str] = []
         while True:

@@ -394,18 +394,23 @@ function turnStats(usage, began, first, ended) {
   const tokens = usage.completion_tokens;
   const details = usage.prompt_tokens_details;
   const decoding = first !== null && ended > first ? (ended - first) / 1000 : 0;
+  const whole = ended > began ? (ended - began) / 1000 : 0;
+  // the rate after the first token; when the rest came in one piece (a fast server, one read) that time is
+  // not seen here, so the rate over the whole reply, request to end (lower, never higher, than the true one)
+  const rateOver = tokens > 1 ? (decoding > 0 ? "decode" : whole > 0 ? "reply" : null) : null;
   return {
     tokens,
     prompt: usage.prompt_tokens,
     cached: (details && details.cached_tokens) || 0,
-    rate: tokens > 1 && decoding > 0 ? (tokens - 1) / decoding : null,  // after the first token
+    rate: rateOver === "decode" ? (tokens - 1) / decoding : rateOver === "reply" ? tokens / whole : null,
+    rateOver,
     ttft: first === null ? null : (first - began) / 1000,
   };
 }
 
 function statsLine(stats) {
   const parts = [`${stats.tokens} tokens`];
-  if (stats.rate !== null) parts.push(`${stats.rate.toFixed(1)} tok/s`);
+  if (stats.rate !== null) parts.push(`${stats.rate.toFixed(1)} tok/s${stats.rateOver === "reply" ? " (whole reply)" : ""}`);
   parts.push(`${stats.cached} of ${stats.prompt} prompt tokens cached`);
   if (stats.ttft !== null) parts.push(`first token ${stats.ttft.toFixed(2)} s`);
   const line = el("div", "stats", parts.join(" · "));
@@ -413,6 +418,7 @@ function statsLine(stats) {
   line.dataset.cached = String(stats.cached);
   line.dataset.prompt = String(stats.prompt);
   if (stats.rate !== null) line.dataset.rate = stats.rate.toFixed(2);
+  if (stats.rateOver) line.dataset.rateOver = stats.rateOver;
   line.title = "tokens/s: the reply's tokens after its first, over the time from its first text to its end; "
     + "cached: the prompt's tokens the session already held (not computed again)";
   return line;
