@@ -54,7 +54,9 @@ def test_host_sigkill_mid_stream_then_takeover_from_segments_is_token_exact(
             head = reader.read_head(conv.sid)
             assert head is not None and head.owner == "host-a" and head.count >= 1
             assert head.nrec == len(conv.history) - 1
-        body = {**convs[0].body([4, 3], 400), "stream": True}
+        # long (ignore_eos): on a loaded machine this reader can lag the stream by a second; the reply must
+        # still be running when the kill lands, or A ships its end and B's copy holds the cut turn
+        body = {**convs[0].body([4, 3], 4000), "stream": True}
         with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
