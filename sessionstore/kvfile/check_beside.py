@@ -21,7 +21,7 @@ class PendingCheck(Generic[T]):
     """``run()`` started at once on a daemon thread; its value or its error kept for the owner."""
 
     def __init__(self, run: Callable[[], T], name: str = "coli-check") -> None:
-        self._run = run
+        self._run: Callable[[], T] | None = run  # dropped once run: nothing it holds outlives the pass
         self._done = threading.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
@@ -31,13 +31,14 @@ class PendingCheck(Generic[T]):
 
     def _main(self) -> None:
         t0 = time.perf_counter()
+        run, self._run = self._run, None
         try:
-            self._value = self._run()
+            assert run is not None, "a PendingCheck runs once"
+            self._value = run()
         except BaseException as exc:  # kept for the owner: raised by result()
             self._error = exc
         finally:
             self.seconds = time.perf_counter() - t0
-            self._run = _spent
             self._done.set()
 
     def done(self) -> bool:
@@ -58,10 +59,6 @@ class PendingCheck(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]  # set when no error was kept
-
-
-def _spent() -> None:
-    raise AssertionError("a PendingCheck runs once")
 
 
 __all__ = ["PendingCheck"]

@@ -18,6 +18,11 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   180 / 118 ms without, in process, alternated, medians of 7, two runs; a server's resume
   330-420 -> 200-220 ms).
 
+A server's resume on a request may run the pass beside its turn's first step instead
+(:func:`start_vouching`: a :class:`~.check_beside.PendingCheck` on a thread of its own, FORMAT.md 4.4's
+last paragraph), only when the sidecar vouches for exactly the committed records and no repair
+would touch the files; its caller holds everything computed from the rows until the pass passed.
+
 Nothing here writes: a refused file is left exactly as found.
 """
 from __future__ import annotations

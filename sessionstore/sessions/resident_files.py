@@ -2,7 +2,9 @@
 the single-writer lock), the reader's mapping of the committed rows, and the decoder cache built
 over that mapping with zero copy (FORMAT.md 5.2).
 
-Opening verifies every record the sidecar vouches for before anything is mapped; releasing closes
+Opening verifies every record the sidecar vouches for before anything is mapped (a request's resume:
+while its turn's first step runs, ``check``, whose result the turn takes before anything leaves:
+:func:`sessionstore.sessions.session_resume.await_check`); releasing closes
 the descriptors and the lock at once and hands the cache, the staging buffers and the mapping to
 the background thread (freeing and unmapping cost ~1 ms per GB of page tables).
 

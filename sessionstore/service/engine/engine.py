@@ -234,6 +234,7 @@ class Engine:
             session, created = self.open_session(spec.session, create=True, behind=True)
             try:
                 if spec.tier:  # the request's retention_seconds / pinned
+                    session.ensure_resident()  # a checksum pass beside awaited before anything is written
                     session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
