@@ -7,10 +7,10 @@
   ``resume_ratio``). ``resume_rest_s``: that TTFT less the step and less the server's own resume
   (``coli_resume_seconds``: its opening, mapping and cache build; a request's checksum pass runs
   beside its first step, see ``resume_check_beside_s``), per repetition, median: the request's HTTP,
-  IPC, admission and the commit its token waits for. The request continues the session (its prompt is the history, fetched
-  before the timing; only the pending token is fed). Every timed resume is checked in the server's
-  log: every committed record matched its checksum (FORMAT.md 4.4) and either the recomputed last
-  position was bit-identical or within the digest's tolerance, or (the service's sessions are
+  IPC, admission and the commit its token waits for. The request continues the session (its prompt
+  is the history, fetched before the timing; only the pending token is fed). Every timed resume is
+  checked in the server's log: every committed record matched its checksum (FORMAT.md 4.4) and
+  either the recomputed last position was bit-identical or within the digest's tolerance, or (the service's sessions are
   ``lazy_logits``) its recompute was deferred because the sidecar vouched for every record and
   the request fed a token, so nothing was sampled from it (FORMAT.md 5.5). ``resume_check_beside_s``:
   the checksum pass's own seconds when it ran beside the request's first step (its thread, from the
