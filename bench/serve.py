@@ -74,7 +74,7 @@ KEYS = ("served_over_step16", "ttft16_over_ttft1", "ttft1_s", "ttft16_s", "ttft1
         "stream_median_gap_s", "in_process_step_s", "stream_max_tokens", "stream_mean_length", "ttft_s",
         "ttft_resident_s",
         "raw_read_s", "decode_step_s", "resident_step_s", "server_resume_s", "resume_rest_s", "resume_verified",
-        "kv_bytes",
+        "resume_check_beside_s", "resume_check_wait_s", "kv_bytes",
         "http_migrate_s", "http_migrate_pipe_vs_durable_copy", "http_migrate_pipe_s",
         "durable_copy_s",
         "session_bytes", "bundle_bytes", "http_migrate_gb_s", "durable_copy_gb_s", "tokens", "reps", "quick",
@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.serve --only resume: {tokens} tokens, {reps} reps, medians; {res['elapsed_s']:.0f} s")
         print(f"  resume_on_request_ratio{res['resume_on_request_ratio']:8.2f}    TTFT {res['ttft_s'] * 1e3:.0f} ms - "
               f"one decode step {res['decode_step_s'] * 1e3:.0f} ms vs raw read {res['raw_read_s'] * 1e3:.1f} ms; the "
-              f"server's resume {res['server_resume_s'] * 1e3:.0f} ms, the rest {res['resume_rest_s'] * 1e3:.0f} ms; "
-              f"goal "
+              f"server's resume {res['server_resume_s'] * 1e3:.0f} ms, the rest {res['resume_rest_s'] * 1e3:.0f} ms "
+              f"(the checksum pass beside the step {res['resume_check_beside_s'] * 1e3:.0f} ms, waited for "
+              f"{res['resume_check_wait_s'] * 1e3:.0f} ms); goal "
               f"{verdict('resume_on_request_ratio', res['resume_on_request_ratio'])}")
         if args.json:
             print(json.dumps({k: res[k] for k in KEYS if k in res}, sort_keys=True))

@@ -5,13 +5,18 @@
   timed it) / a raw sequential read of its kv file, per repetition, median (bench.session's
   ``raw_read``, warm page cache on both sides as bench.session's
   ``resume_ratio``). ``resume_rest_s``: that TTFT less the step and less the server's own resume
-  (``coli_resume_seconds``), per repetition, median: the request's HTTP, IPC, admission and the
-  commit its token waits for. The request continues the session (its prompt is the history, fetched
-  before the timing; only the pending token is fed). Every timed resume is checked in the server's
-  log: every committed record matched its checksum (FORMAT.md 4.4) and either the recomputed last
-  position was bit-identical or within the digest's tolerance, or (the service's sessions are
+  (``coli_resume_seconds``: its opening, mapping and cache build; a request's checksum pass runs
+  beside its first step, see ``resume_check_beside_s``), per repetition, median: the request's HTTP,
+  IPC, admission and the commit its token waits for. The request continues the session (its prompt
+  is the history, fetched before the timing; only the pending token is fed). Every timed resume is
+  checked in the server's log: every committed record matched its checksum (FORMAT.md 4.4) and
+  either the recomputed last position was bit-identical or within the digest's tolerance, or (the service's sessions are
   ``lazy_logits``) its recompute was deferred because the sidecar vouched for every record and
-  the request fed a token, so nothing was sampled from it (FORMAT.md 5.5).
+  the request fed a token, so nothing was sampled from it (FORMAT.md 5.5). ``resume_check_beside_s``:
+  the checksum pass's own seconds when it ran beside the request's first step (its thread, from the
+  server's log; 0 when it ran inside the resume), ``resume_check_wait_s``: how long the turn waited for
+  it after that step (both medians). A pass beside shares the host's cores with the step, which is
+  subtracted: on a host without an idle core part of the pass's cost is inside the step's time.
 - ``http_migrate_vs_durable_copy``: the session's bundle streamed from server A
   (``GET /v1/sessions/ID/bundle``) into server B (``PUT``) through one raw-socket client
   (bench.serve_pipe: the body spliced socket to socket, B holding no copy beforehand), over the
@@ -123,6 +128,7 @@ def bench_resume(server: Server, kv_path: Path, reps: int) -> dict[str, Any]:
     nothing else). Also the same request on the session while resident (what the resume adds is
     the difference). One untimed request first: the server's kernels compile on their first step."""
     ttft, resident, base, steps, resident_steps, server_resume, verified = [], [], [], [], [], [], []
+    beside, waited = [], []  # the checksum pass beside the first step (its thread's seconds) and the turn's wait for it
     with httpx.Client(timeout=600) as client:
         one_token(client, server)
         server.call("POST", f"/v1/sessions/{SESSION}/suspend")
@@ -134,7 +140,10 @@ def bench_resume(server: Server, kv_path: Path, reps: int) -> dict[str, Any]:
             ttft.append(took)
             steps.append(server.metric(STEP_SUM) - stepped_before)
             server_resume.append(server.metric("coli_resume_seconds_sum") - resumed_before)
-            verified.append(str(checked_resume(server, seen, committed)["verified"]))
+            event = checked_resume(server, seen, committed)
+            verified.append(str(event["verified"]))
+            beside.append(float(event.get("check_s", 0.0)))  # 0: the pass ran before the resume returned
+            waited.append(float(event.get("check_wait_s", 0.0)))
             seen += 1
             stepped_before = server.metric(STEP_SUM)
             resident.append(one_token(client, server)[0])
@@ -147,7 +156,8 @@ def bench_resume(server: Server, kv_path: Path, reps: int) -> dict[str, Any]:
             "ttft_resident_s": r, "raw_read_s": b, "decode_step_s": statistics.median(steps),
             "resident_step_s": statistics.median(resident_steps),
             "server_resume_s": statistics.median(server_resume), "resume_rest_s": statistics.median(rest),
-            "resume_verified": verified,
+            "resume_verified": verified, "resume_check_beside_s": statistics.median(beside),
+            "resume_check_wait_s": statistics.median(waited),
             "kv_bytes": os.path.getsize(kv_path)}
 
 

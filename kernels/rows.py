@@ -43,9 +43,10 @@ class F32Rows:
 class Fp8Rows:
     """One layer, T positions, fp8 e4m3 codes + one f32 scale per row (Lc and Rc separately).
 
-    Readers hand out scales already sanitised by the reading rules (a non-finite or <= 0 scale
-    is an inert row: its scale reads as 0.0, so the row contributes exactly 0); NaN codes decode
-    to 0 through the table.
+    Readers hand out scales sanitised by the reading rules (a non-finite or <= 0 scale is an inert
+    row: its scale reads as 0.0, so the row contributes exactly 0), or, for a resume whose checksum
+    pass runs beside its first step, as stored (strided views of the records: every CPU attention
+    kernel applies the rule as it reads a scale); NaN codes decode to 0 through the table.
     """
 
     lc_codes: np.ndarray  # [T, kv_lora] u8

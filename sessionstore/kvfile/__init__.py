@@ -3,6 +3,7 @@ commit protocol, the crash-safe upgrade, the checksum sidecar, conversion and ve
 Imports nothing from the rooms above it (sessions, migration)."""
 from kernels.fp8 import usable_scales
 from kernels.jsonfile import read_json_bounded
+from sessionstore.kvfile.check_beside import PendingCheck
 from sessionstore.kvfile.convert import ConvertResult, convert_file, parse_version, target_codec
 from sessionstore.kvfile.copying import copy_committed, copy_sidecar_prefix
 from sessionstore.kvfile.durability import Durability
@@ -71,6 +72,7 @@ __all__ = [
     "TMP_DIR_PREFIX",
     "TRASH_PREFIX",
     "VerifyReport",
+    "PendingCheck",
     "Vouched",
     "WriterLock",
     "atomic_replace",

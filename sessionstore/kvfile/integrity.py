@@ -18,6 +18,11 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   180 / 118 ms without, in process, alternated, medians of 7, two runs; a server's resume
   330-420 -> 200-220 ms).
 
+A server's resume on a request may run the pass beside its turn's first step instead
+(:func:`start_vouching`: a :class:`~.check_beside.PendingCheck` on a thread of its own, FORMAT.md 4.4's
+last paragraph), only when the sidecar vouches for exactly the committed records and no repair
+would touch the files; its caller holds everything computed from the rows until the pass passed.
+
 Nothing here writes: a refused file is left exactly as found.
 """
 from __future__ import annotations
@@ -29,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.errors import ChecksumMismatchError, CorruptionError
+from sessionstore.kvfile.check_beside import PendingCheck
 from sessionstore.kvfile.hash_helper import HELPER_SHARE, MIN_SHARED_BYTES, active_hash_helper
 from sessionstore.kvfile.header import HEADER_SIZE
 from sessionstore.kvfile.reader import KVReader
-from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, hash_records, load_sidecar, static_hash
+from sessionstore.kvfile.sidecar import CHECK_CHUNK_RECORDS, Sidecar, hash_records, load_sidecar, static_hash
 
 GATHER_BLOCK_RECORDS = 64  # records hashed, then their scales gathered (2.9 MB of GLM-5.2 records:
 # still in cache for the gather; measured at 32k records: the two passes 205 ms, fused 167 ms)
@@ -45,8 +51,12 @@ class Vouched:
     checked: int  # records [0, checked) match their checksums
     not_covered: int  # committed records past them that no sidecar of ours vouches for
     sidecar: bool  # a sidecar exists
+    pending: PendingCheck[Vouched] | None = None  # the pass still running beside (start_vouching): until
+    # its result() has returned, ``checked`` is only what the sidecar vouches for, not yet checked
 
     def describe(self) -> str:
+        if self.pending is not None:
+            return f"{self.checked} record(s) vouched for, their check running beside"
         if not self.sidecar:
             return (f"no sidecar: {self.not_covered} record(s) not covered by checksums (a file "
                     "another writer produced)")
@@ -68,9 +78,29 @@ def require_vouched(reader: KVReader, required: int = 0, *,
     Raises CorruptionError; never writes.
     """
     n = reader.nrec
-    sidecar = load_sidecar(reader.path if vouched_by is None else vouched_by)  # damaged: raises
+    sidecar, vouched = vouching_sidecar(reader, required, vouched_by=vouched_by)
     if sidecar is None:
         return Vouched(checked=0, not_covered=n, sidecar=False)
+    # records [mine, vouched) hashed by the helper meanwhile; a gathering pass hashes them all here (module doc)
+    mine, helper_share = (vouched, None) if gather_scales else _split(reader, vouched)
+    check_hashes(reader, sidecar.entries, mine, vouched, gather_scales=gather_scales)
+    if helper_share is not None:
+        found_or_none = helper_share()
+        if found_or_none is None or found_or_none.shape[0] != vouched - mine:  # the helper failed: hash here
+            found_or_none = hash_records(reader, mine, vouched)
+        _compare(reader, sidecar.entries, mine, found_or_none, vouched)
+    return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
+
+
+def vouching_sidecar(reader: KVReader, required: int = 0, *,
+                     vouched_by: str | os.PathLike[str] | None = None) -> tuple[Sidecar | None, int]:
+    """The sidecar that vouches for ``reader``'s records and how many it vouches for, its header
+    and count checked (the cheap half of :func:`require_vouched`, no record hashed): (None, 0)
+    when there is none. Raises CorruptionError (another header, fewer than ``required``)."""
+    n = reader.nrec
+    sidecar = load_sidecar(reader.path if vouched_by is None else vouched_by)  # damaged: raises
+    if sidecar is None:
+        return None, 0
     if sidecar.record_bytes != reader.record_bytes or sidecar.static_hash != static_hash(reader.header_bytes):
         raise CorruptionError(
             f"{reader.path}: its sidecar {sidecar.path} describes another header (record size "
@@ -83,18 +113,40 @@ def require_vouched(reader: KVReader, required: int = 0, *,
             f"{reader.path}: its sidecar vouches for {vouched} record(s), {need} are committed "
             f"(count {sidecar.count}, {sidecar.available} entries on disk: rewound or cut short); "
             "refusing to use rows it cannot vouch for")
-    # records [mine, vouched) hashed by the helper meanwhile; a gathering pass hashes them all here (module doc)
-    mine, helper_share = (vouched, None) if gather_scales else _split(reader, vouched)
-    for start in range(0, mine, CHECK_CHUNK_RECORDS):
-        stop = min(start + CHECK_CHUNK_RECORDS, mine)
-        found = _hash_gathering(reader, start, stop) if gather_scales else hash_records(reader, start, stop)
-        _compare(reader, sidecar.entries, start, found, vouched)
-    if helper_share is not None:
-        found_or_none = helper_share()
-        if found_or_none is None or found_or_none.shape[0] != vouched - mine:  # the helper failed: hash here
-            found_or_none = hash_records(reader, mine, vouched)
-        _compare(reader, sidecar.entries, mine, found_or_none, vouched)
-    return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
+    return sidecar, vouched
+
+
+def check_hashes(reader: KVReader, entries: np.ndarray, stop: int, vouched: int, *,
+                 gather_scales: bool = False) -> None:
+    """Hash records [0, stop) of ``reader`` here and compare them with the sidecar's ``entries``
+    [>= stop] u64 (``vouched``: how many it vouches for, named in the error); ``gather_scales``
+    as :func:`require_vouched`'s. The first mismatch raises ChecksumMismatchError."""
+    for start in range(0, stop, CHECK_CHUNK_RECORDS):
+        end = min(start + CHECK_CHUNK_RECORDS, stop)
+        found = _hash_gathering(reader, start, end) if gather_scales else hash_records(reader, start, end)
+        _compare(reader, entries, start, found, vouched)
+
+
+def start_vouching(reader: KVReader, required: int = 0) -> PendingCheck[Vouched] | None:
+    """:func:`require_vouched` of ``reader``, its hashing pass started on a thread of its own
+    (:class:`~.check_beside.PendingCheck`; its ``result()`` is the :class:`Vouched`, or raises the
+    CorruptionError the serial check would), when the sidecar vouches for exactly every committed
+    record and the commit word counts them all (no repair would touch the files: FORMAT.md 3.5);
+    None otherwise (the caller checks serially). The sidecar's header and count are checked here,
+    at once. The caller owns the pass: it waits for it before ``reader`` is closed."""
+    if reader.version == 1:
+        return None
+    n = reader.nrec
+    sidecar, vouched = vouching_sidecar(reader, required)
+    if sidecar is None or not n or vouched != n or sidecar.count != n or reader.header.nrec != n:
+        return None
+    entries = sidecar.entries
+
+    def run() -> Vouched:
+        check_hashes(reader, entries, n, n)
+        return Vouched(checked=n, not_covered=0, sidecar=True)
+
+    return PendingCheck(run, name="coli-vouch")
 
 
 def _split(reader: KVReader, vouched: int) -> tuple[int, Callable[[], np.ndarray | None] | None]:
@@ -170,13 +222,29 @@ class VouchedMapping:
     so that the caller who resumes can reuse it (no second mapping, no second page faults)."""
 
     def __init__(self) -> None:
-        self.vouched: Vouched | None = None
+        self._vouched: Vouched | None = None
         self._reader: KVReader | None = None
 
-    def check(self, reader: KVReader, required: int) -> None:
-        """Check ``reader``'s vouched records (:func:`require_vouched`) and keep the mapping."""
+    def check(self, reader: KVReader, required: int, *, beside: bool = False) -> None:
+        """Check ``reader``'s vouched records (:func:`require_vouched`) and keep the mapping. With
+        ``beside``, the pass runs on a thread when :func:`start_vouching` may start one (``vouched``
+        is then provisional, its ``pending`` the pass: its owner takes the result), and no scale is
+        gathered (a caller that checks beside reads the scales in place)."""
         self._reader = reader
-        self.vouched = require_vouched(reader, required, gather_scales=reader.version != 1)
+        pending = start_vouching(reader, required) if beside else None
+        if pending is not None:
+            self._vouched = Vouched(checked=reader.nrec, not_covered=0, sidecar=True, pending=pending)
+            return
+        self._vouched = require_vouched(reader, required, gather_scales=reader.version != 1)
+
+    @property
+    def vouched(self) -> Vouched | None:
+        """What the check found (None before one): a pass that ran beside and passed gives its own
+        :class:`Vouched` from then on; while it runs, or once it failed, the provisional one."""
+        found = self._vouched
+        if found is not None and found.pending is not None and found.pending.passed():
+            self._vouched = found = found.pending.result()
+        return found
 
     def take(self, nrec: int, version: int) -> KVReader | None:
         """The reader, handed to the caller (who then owns it) when it still describes the file
@@ -188,9 +256,12 @@ class VouchedMapping:
         return reader
 
     def drop(self) -> None:
+        if self._vouched is not None and self._vouched.pending is not None:
+            self._vouched.pending.wait()  # never unmap under the pass
         if self._reader is not None:
             self._reader.close(defer_unmap=True)  # unmapping a big file: off the caller's path
             self._reader = None
 
 
-__all__ = ["Vouched", "VouchedMapping", "require_vouched", "require_sound", "token_problem", "bad_token_message"]
+__all__ = ["Vouched", "VouchedMapping", "bad_token_message", "check_hashes", "require_sound", "require_vouched",
+           "start_vouching", "token_problem", "vouching_sidecar"]

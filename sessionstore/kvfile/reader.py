@@ -143,10 +143,20 @@ class KVReader:
                        rc_codes=part["rc"],  # [T, rope] u8 view
                        rc_scale=scales[1, layer, start:stop])  # [T] f32 view (contiguous)
 
-    def layer_blocks(self, stop: int | None = None) -> list[list[F32Rows | Fp8Rows | TqRows]]:
+    def layer_blocks(self, stop: int | None = None, *,
+                     scales_in_place: bool = False) -> list[list[F32Rows | Fp8Rows | TqRows]]:
         """One block per layer over records [0, stop) (default: all): what a decoder cache is
-        built from (``DecoderCache.from_blocks``). Zero-copy rows; v2 scales from the one pass."""
-        return [[self.layer_rows(layer, 0, stop)] for layer in range(self.dims.n_layers)]
+        built from (``DecoderCache.from_blocks``). Zero-copy rows; v2 scales from the one pass, or
+        with ``scales_in_place`` (v2 only) views of the stored scales in the records ([T] f32, one
+        record apart; nothing gathered, nothing sanitised): for a caller whose kernels apply the
+        reading rule as they read each scale (every CPU attention kernel does: an unusable scale
+        reads as 0.0, an inert row), so a resume's first step needs no pass over the scales."""
+        if not scales_in_place or self.version != 2:
+            return [[self.layer_rows(layer, 0, stop)] for layer in range(self.dims.n_layers)]
+        part = self.records["layers"][:stop]  # [T, L] layer records (view)
+        return [[Fp8Rows(lc_codes=part["lc"][:, layer], lc_scale=part["lc_scale"][:, layer],  # [T, kv_lora] u8, [T] f32
+                         rc_codes=part["rc"][:, layer], rc_scale=part["rc_scale"][:, layer])]  # [T, rope] u8, [T] f32
+                for layer in range(self.dims.n_layers)]
 
     def sanitized_scales(self) -> np.ndarray:
         """Every layer's Lc and Rc scales (v3: radii), sanitised by the reading rules (an unusable

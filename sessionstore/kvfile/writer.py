@@ -60,7 +60,7 @@ class KVWriter:
              checksums: bool = True,
              upgrade_chunk_bytes: int = _upgrade.DEFAULT_CHUNK_BYTES,
              preallocate: int | None = 0, write_behind: bool = False,
-             vouch: int | None = None) -> KVWriter:
+             vouch: int | None = None, vouch_beside: bool = False) -> KVWriter:
         """Open (or create) ``path`` for appending; takes the writer lock at once (FORMAT.md 3.2).
 
         ``kv_dtype``: the rows the file holds ("f32", "fp8", "int4", "polar2".."polar6"); a v1
@@ -68,7 +68,11 @@ class KVWriter:
         ``vouch``: before anything is repaired, upgraded or appended, every committed record the
         sidecar vouches for is checked and it must vouch for at least ``vouch`` of them
         (:func:`~sessionstore.kvfile.integrity.require_vouched`, FORMAT.md 4.4); what it found is
-        ``writer.vouched``. ``preallocate``: bytes of zero-filled headroom kept past the committed
+        ``writer.vouched``. ``vouch_beside``: that check's pass runs on a thread of its own when
+        nothing would be repaired (:func:`~sessionstore.kvfile.integrity.start_vouching`):
+        ``writer.vouched`` is then provisional, its ``pending`` the pass, whose result the caller
+        MUST take before it uses anything computed from the rows, writes or appends; closing the
+        writer waits for the pass. ``preallocate``: bytes of zero-filled headroom kept past the committed
         records (0: exact files, as the engine writes them; None: :func:`default_headroom`).
         ``write_behind``: write every append past nrec at once (a decode loop's commit then only
         waits for the barrier).
@@ -86,7 +90,8 @@ class KVWriter:
         io = durability if durability is not None else SharedDurability()
         lock = WriterLock(path).acquire()
         try:
-            writer = _open_locked(cls, path, dims, options, create=create, io=io, lock=lock, vouch=vouch)
+            writer = _open_locked(cls, path, dims, options, create=create, io=io, lock=lock, vouch=vouch,
+                                  beside=vouch_beside)
         except BaseException:
             lock.release()
             raise
@@ -225,7 +230,7 @@ class KVWriter:
 
 
 def _open_locked(cls: type[KVWriter], path: str, dims: Dims, options: WriterOptions, *, create: bool,
-                 io: Durability, lock: WriterLock, vouch: int | None) -> KVWriter:
+                 io: Durability, lock: WriterLock, vouch: int | None, beside: bool = False) -> KVWriter:
     """The writer of ``path``, its lock held: the file opened (or created), checked against its
     sidecar when ``vouch`` asks, then its commit word and sidecar recovered (FORMAT.md 3.5)."""
     opened = open_locked(path, dims, options.kv_dtype, create=create, io=io)
@@ -235,7 +240,7 @@ def _open_locked(cls: type[KVWriter], path: str, dims: Dims, options: WriterOpti
         complete = complete_records(header, opened.size)
         writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
         if vouch is not None:  # under the lock, before any repair touches the files
-            writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch)  # every record hashed
+            writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch, beside=beside)  # every record hashed
         if not writer.pending_upgrade:
             writer._file.recover(header.nrec)
     except BaseException:

@@ -53,6 +53,7 @@ from sessionstore.sessions.response_list import (
 from sessionstore.sessions.session import Session
 from sessionstore.sessions.session_home import SessionHome
 from sessionstore.sessions.session_options import DEFAULT_COMMIT_EVERY, DEFAULT_SESSION_OPTIONS, SessionOptions
+from sessionstore.sessions.session_resume import settle_check
 from sessionstore.sessions.slots import export_slot, import_slot
 from sessionstore.sessions.snapshot import SessionSnapshot, verify_session_dir
 from sessionstore.sessions.store import SessionStore
@@ -158,6 +159,7 @@ __all__ = [
     "read_tier",
     "reference_turns",
     "remove_record",
+    "settle_check",
     "reopen_fenced",
     "response_list_bytes",
     "run_turn",

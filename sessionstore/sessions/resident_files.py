@@ -2,7 +2,9 @@
 the single-writer lock), the reader's mapping of the committed rows, and the decoder cache built
 over that mapping with zero copy (FORMAT.md 5.2).
 
-Opening verifies every record the sidecar vouches for before anything is mapped; releasing closes
+Opening verifies every record the sidecar vouches for before anything is mapped (a request's resume:
+while its turn's first step runs, ``check``, whose result the turn takes before anything leaves:
+:func:`sessionstore.sessions.session_resume.await_check`); releasing closes
 the descriptors and the lock at once and hands the cache, the staging buffers and the mapping to
 the background thread (freeing and unmapping cost ~1 ms per GB of page tables).
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from kernels.errors import ChecksumMismatchError, CorruptionError, FormatError
 from kernels.model.protocols import Decoder, LatentCache
-from sessionstore.kvfile import Dims, KVReader, KVWriter, open_kv, release_later
+from sessionstore.kvfile import Dims, KVReader, KVWriter, PendingCheck, Vouched, open_kv, release_later
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import Manifest
 
@@ -39,6 +41,8 @@ class ResidentFiles:
         self.reader: KVReader | None = None
         self.cache: LatentCache | None = None
         self.making: Future[tuple[KVWriter, KVReader]] | None = None  # a new session's files, being made
+        self.check: PendingCheck[Vouched] | None = None  # a resume's checksum pass, running beside its first
+        # step (map(..., beside)): nothing computed from the rows leaves until settle_check() returned
 
     def start_empty(self, cache: LatentCache, making: Future[tuple[KVWriter, KVReader]]) -> None:
         """Hold ``cache`` (empty) while ``making`` makes the files and opens their writer and mapping."""
@@ -67,19 +71,37 @@ class ResidentFiles:
         """The writer's committed records (0 while a new session's files are being made)."""
         return self.writer.nrec if self.writer is not None else 0
 
-    def open_writer(self, manifest: Manifest, *, durability: Any, write_behind: bool) -> KVWriter:
+    def open_writer(self, manifest: Manifest, *, durability: Any, write_behind: bool,
+                    beside: bool = False) -> KVWriter:
         """The writer, once every record the sidecar vouches for matched its checksum (the
-        sidecar must vouch for all ``manifest.committed``); files untouched when refused."""
+        sidecar must vouch for all ``manifest.committed``); files untouched when refused. With
+        ``beside`` the checksum pass may run on a thread instead (``KVWriter.open(vouch_beside=)``:
+        :meth:`map` holds it as ``check``)."""
         try:
             return KVWriter.open(self.kv_path, Dims(**manifest.dims), kv_dtype=manifest.kv_dtype, create=False,
                                  durability=durability, preallocate=DECODE_PREALLOCATE,
-                                 write_behind=write_behind, vouch=manifest.committed)
+                                 write_behind=write_behind, vouch=manifest.committed, vouch_beside=beside)
         except CorruptionError as exc:
-            log.info("session.resume_refused", id=self.session_id, path=str(self.kv_path), error=str(exc))
-            message = f"session {self.session_id!r}: resume of {self.kv_path} refused: {exc}"
-            if isinstance(exc, ChecksumMismatchError):  # how many records were refused travels with it
-                raise ChecksumMismatchError(message, exc.records) from None
-            raise CorruptionError(message) from None
+            raise self._refused(exc) from None
+
+    def _refused(self, exc: CorruptionError) -> CorruptionError:
+        """The error of a resume refused by ``exc`` (the same whether the pass ran here or beside)."""
+        log.info("session.resume_refused", id=self.session_id, path=str(self.kv_path), error=str(exc))
+        message = f"session {self.session_id!r}: resume of {self.kv_path} refused: {exc}"
+        if isinstance(exc, ChecksumMismatchError):  # how many records were refused travels with it
+            return ChecksumMismatchError(message, exc.records)
+        return CorruptionError(message)
+
+    def settle_check(self) -> Vouched | None:
+        """The result of the checksum pass running beside (waits for it; None without one): raises
+        the error a serial check would have raised (:meth:`open_writer`'s); ``check`` cleared either way."""
+        check, self.check = self.check, None
+        if check is None:
+            return None
+        try:
+            return check.result()
+        except CorruptionError as exc:
+            raise self._refused(exc) from None
 
     def map(self, writer: KVWriter, manifest: Manifest, model: Decoder[Any], backend: str) -> None:
         """Hold ``writer``, map its committed rows and build the decoder cache over them."""
@@ -91,7 +113,10 @@ class ResidentFiles:
         n = writer.nrec
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
-        blocks = reader.layer_blocks(n)  # zero-copy rows, scales gathered in one pass
+        vouched = writer.vouched
+        self.check = vouched.pending if vouched is not None else None
+        # zero-copy rows, scales gathered in one pass; with the pass beside, a CPU cache reads them in place
+        blocks = reader.layer_blocks(n, scales_in_place=self.check is not None and backend == "cpu")
         self.cache = model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=manifest.kv_dtype, backend=backend,
                                              index_rows=reader.index_block(n))
 
@@ -127,6 +152,7 @@ class ResidentFiles:
         """Close the writer's descriptors and lock now; the cache, the staging buffers and the
         mapping go to the background thread (nothing of ours reads them again)."""
         making, self.making = self.making, None
+        self.check = None  # a pass still running beside: the writer's close below waits for it
         if making is not None:  # released before its files were attached: attach them to release them
             try:
                 self.writer, self.reader = making.result()

@@ -125,12 +125,14 @@ class Session:
 
     @classmethod
     def open(cls, store: SessionHome, session_id: str, model: Decoder[Any], model_ref: ModelRef,
-             options: SessionOptions = DEFAULT_SESSION_OPTIONS, manifest: Manifest | None = None) -> Session:
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS, manifest: Manifest | None = None, *,
+             beside: bool = False) -> Session:
         """The session, resumed; ``manifest``: the one its caller has just read (read here if None;
-        the resume reads it again under the writer's lock, the one it trusts)."""
+        the resume reads it again under the writer's lock, the one it trusts); ``beside``: its
+        checksum pass beside the caller's turn (:func:`~sessionstore.sessions.session_resume.resume`)."""
         manifest = manifest if manifest is not None else store.read_manifest(session_id)
         session = cls(store, session_id, model, model_ref, manifest, options)
-        residence.resume(session)
+        residence.resume(session, beside=beside)
         return session
 
     # ---- state -----------------------------------------------------------------------------
@@ -158,12 +160,14 @@ class Session:
         return self.files.memory_bytes() if self.state == "resident" else 0
 
     # ---- resume / suspend / close ------------------------------------------------------------
-    def ensure_resident(self) -> None:
+    def ensure_resident(self, *, beside: bool = False, keep_check: bool = False) -> None:
         """Resident again unless it is: the lock taken, recovered to the last commit, the rows
         mapped, the last position verified, its report in ``resume_report``
         (:func:`~sessionstore.sessions.session_resume.resume`); refused when fenced
-        (SessionFencedError) or closed."""
-        residence.ensure_resident(self)
+        (SessionFencedError) or closed. A checksum pass still running beside a turn's first step
+        is awaited first, unless ``keep_check`` or ``beside``
+        (:func:`~sessionstore.sessions.session_resume.ensure_resident`)."""
+        residence.ensure_resident(self, beside=beside, keep_check=keep_check)
 
     def run_io(self, fn: Callable[[], T]) -> T:
         """``fn()`` by the options' ``io_runner`` (a server's I/O thread; else here): file work on
@@ -182,6 +186,8 @@ class Session:
             return
         if self.commits.fence is not None:
             self.abandon()
+            return
+        if not residence.settle_check(self):  # a pass beside that failed released it: nothing to commit
             return
         t0 = time.perf_counter()
         try:
@@ -216,7 +222,8 @@ class Session:
     # ---- commits and turns -------------------------------------------------------------------
     def commit(self) -> int:
         """kv commit (the commit point), then the manifest's dynamic fields; returns the count
-        (:meth:`CommitPath.begin`)."""
+        (:meth:`CommitPath.begin`); a checksum pass still running beside is awaited first."""
+        residence.await_check(self)
         return self.commits.begin()()
 
     def generate(self, prompt_ids: Sequence[int] | None = None, max_new: int = 16, *,

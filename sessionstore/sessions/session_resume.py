@@ -48,14 +48,55 @@ class Resuming(Committing, Protocol):
     commits: CommitPath
 
 
-def ensure_resident(session: Resuming) -> None:
-    """Resume ``session`` unless it is resident; refused when it is fenced or closed."""
+def ensure_resident(session: Resuming, *, beside: bool = False, keep_check: bool = False) -> None:
+    """Resume ``session`` unless it is resident; refused when it is fenced or closed. A resident
+    session whose checksum pass still runs beside its first step is checked first (:func:`await_check`)
+    unless the caller holds what it computes until then: ``keep_check`` (a turn's own path, which
+    awaits it before anything leaves), or ``beside`` (a request's resume: the pass is started
+    beside, :func:`resume`, and the caller's turn awaits it)."""
     if session.commits.fence is not None:
         raise SessionFencedError(session.commits.fence)
     if session.state == "closed":
         raise ColiError(f"session {session.id!r} is closed")
     if session.state != "resident":
-        resume(session)
+        resume(session, beside=beside)
+    elif not (beside or keep_check):
+        await_check(session)
+
+
+def await_check(session: Resuming) -> None:
+    """The checksum pass a resume started beside (:func:`resume` with ``beside``) waited for (by
+    :func:`run_io`: a server's loop steps the others meanwhile) and its result taken; at once when
+    there is none. Its failure releases the session (nothing it computed was sampled, sent or
+    committed; the decoder cache over the unchecked rows is dropped) and raises the error a serial
+    check raises. Every use of a session's rows but its turn's first steps waits here first."""
+    files = session.files
+    check = files.check
+    if check is None:
+        return
+    t0 = time.perf_counter()
+    if not check.done():
+        run_io(session, check.wait)
+    try:
+        found = files.settle_check()
+    except BaseException:
+        release(session)  # the writer's close waits for nothing more: the pass has ended
+        raise
+    report = session.resume_report
+    report.update(checksums=found.describe() if found is not None else None, check_s=check.seconds,
+                  check_wait_s=time.perf_counter() - t0)
+    log.info("session.resume", id=session.id, **{k: v for k, v in report.items() if k != "detail"})
+
+
+def settle_check(session: Resuming) -> bool:
+    """:func:`await_check` for a caller on its way out (a turn that failed before it awaited the
+    pass): never raises; False when the pass failed (the session is then released)."""
+    try:
+        await_check(session)
+    except Exception as exc:  # released: its next use resumes it again (and is refused again)
+        log.info("session.check_failed", id=session.id, error=str(exc))
+        return False
+    return True
 
 
 def run_io(session: Committing, fn: Callable[[], T]) -> T:
@@ -65,20 +106,25 @@ def run_io(session: Committing, fn: Callable[[], T]) -> T:
     return (session.options.io_runner or run_here)(fn)
 
 
-def resume(session: Resuming) -> dict[str, Any]:
+def resume(session: Resuming, *, beside: bool = False) -> dict[str, Any]:
     """Take the lock, recover to the last commit, map the rows, verify; returns a report. The
     file work (:func:`_resume_files`) runs by :func:`run_io`; the session joins the store's
-    residency here, on the caller's thread, once it has returned."""
+    residency here, on the caller's thread, once it has returned. With ``beside`` (a request's
+    resume) the checksum pass may run on a thread of its own while the request's turn takes its
+    first steps (``session.files.check``): the caller MUST :func:`await_check` before anything
+    computed from the rows is sampled, sent or committed (:mod:`sessionstore.sessions.session_turns`
+    does); the report's ``session.resume`` line is logged once the pass has passed."""
     if session.state == "resident":
         return session.resume_report
-    report = run_io(session, lambda: _resume_files(session))
+    report = run_io(session, lambda: _resume_files(session, beside))
     session.residency.register(session)
     session.residency.enforce_budget(keep=session)
-    log.info("session.resume", id=session.id, **{k: v for k, v in report.items() if k != "detail"})
+    if session.files.check is None:
+        log.info("session.resume", id=session.id, **{k: v for k, v in report.items() if k != "detail"})
     return report
 
 
-def _resume_files(session: Resuming) -> dict[str, Any]:
+def _resume_files(session: Resuming, beside: bool = False) -> dict[str, Any]:
     """The part of :func:`resume` that works on files: the lock, the manifest, the recovery,
     the mapping, the check of the last position (a recompute asks the model, which a server's
     loop computes while this waits), the catalogue's row. Touches this session and its files
@@ -93,7 +139,7 @@ def _resume_files(session: Resuming) -> dict[str, Any]:
     # the writer is opened with the manifest last seen (its dims and dtype; the read under the
     # lock below is the truth, and a file replaced meanwhile is opened afresh): one read fewer
     manifest = s.manifest
-    writer = _open_writer(s, manifest)
+    writer = _open_writer(s, manifest, beside)
     for _ in range(2):  # read the manifest again under the lock: it is the truth on disk
         manifest = store.read_manifest(s.id)
         if (manifest.dims, manifest.kv_dtype, manifest.committed) == (s.manifest.dims, s.manifest.kv_dtype,
@@ -101,7 +147,7 @@ def _resume_files(session: Resuming) -> dict[str, Any]:
             break
         writer.close(commit=False)  # replaced meanwhile (adopt_dir): open it afresh
         s.manifest = manifest
-        writer = _open_writer(s, manifest)
+        writer = _open_writer(s, manifest, beside)
     else:
         writer.close(commit=False)
         raise ColiError(f"session {s.id!r} keeps changing under us; try again")
@@ -206,8 +252,9 @@ def last_logits(session: Resuming) -> np.ndarray:
     return logits
 
 
-def _open_writer(s: Resuming, manifest: Manifest) -> KVWriter:
-    return s.files.open_writer(manifest, durability=s.options.durability, write_behind=s.options.write_behind)
+def _open_writer(s: Resuming, manifest: Manifest, beside: bool = False) -> KVWriter:
+    return s.files.open_writer(manifest, durability=s.options.durability, write_behind=s.options.write_behind,
+                               beside=beside)
 
 
 def release(session: Resuming) -> None:
@@ -235,5 +282,5 @@ def release_files(session: Resuming) -> None:
         s.store.note_session(s.manifest, resident=False)
 
 
-__all__ = ["Resuming", "await_files", "ensure_resident", "last_logits", "release", "release_files", "resume",
-           "run_io", "start_files"]
+__all__ = ["Resuming", "await_check", "await_files", "ensure_resident", "last_logits", "release", "release_files",
+           "resume", "run_io", "settle_check", "start_files"]

@@ -24,7 +24,15 @@ from kernels.model.sampling import Sampler
 from sessionstore.log import get_logger
 from sessionstore.sessions.manifest import MANIFEST_NAME, write_manifest
 from sessionstore.sessions.output import TurnReply
-from sessionstore.sessions.session_resume import Resuming, await_files, ensure_resident, last_logits, run_io
+from sessionstore.sessions.session_resume import (
+    Resuming,
+    await_check,
+    await_files,
+    ensure_resident,
+    last_logits,
+    release,
+    run_io,
+)
 from sessionstore.sessions.turn_loop import common_prefix, decode_turn, feed_chunk
 
 APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
@@ -69,10 +77,27 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
     with ``keep_sampler`` the settings are stored in the manifest for the turns after it,
     without they serve this turn only."""
     t0 = time.perf_counter()
-    s, files, commits = session, session.files, session.commits
-    ensure_resident(s)
+    s, files = session, session.files
+    ensure_resident(s, keep_check=True)  # a pass beside (a request's resume) is awaited after the first forward
+    try:
+        return _generate(s, t0, prompt_ids, max_new, stop_at_eos, sampler, keep_sampler, on_token)
+    except BaseException:
+        if files.check is not None:  # failed before the pass was awaited: nothing left; drop what ran on
+            release(s)  # the unchecked rows (the writer's close waits for the pass)
+        raise
+
+
+def _generate(s: Resuming, t0: float, prompt_ids: Sequence[int] | None, max_new: int, stop_at_eos: bool,
+              sampler: Sampler | TurnDraw | None, keep_sampler: bool,
+              on_token: Callable[[int, int], None] | None) -> TurnReply:
+    """:func:`generate`'s turn. A checksum pass running beside (``files.check``) is awaited before
+    anything but a forward: before the manifest is rewritten, before a truncation, before the last
+    position is recomputed, and after the first forward, before its rows are handed to the writer
+    and before a token is drawn from its logits (:func:`await_check`; its failure raises)."""
+    files, commits = s.files, s.commits
     s.residency.touch(s)
     if sampler is not None and keep_sampler and settings_of(sampler) != s.manifest.sampler:
+        await_check(s)
         await_files(s)  # the manifest on disk is rewritten: a new session's must be there
         changed = dataclasses.replace(s.manifest, sampler=settings_of(sampler))
         write_manifest(s.directory / MANIFEST_NAME, changed)  # durable: rare; a failed one changes nothing
@@ -86,13 +111,15 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
             raise FormatError("the prompt is empty")
         k = common_prefix(files.live_cache.tokens, prompt)
         if k < files.live_cache.length:
-            truncate(s, k)
+            truncate(s, k)  # awaits a pass beside first (ensure_resident)
         reused = k
         feed = [int(t) for t in prompt[k:]]
     else:
         feed = list(s.pending) if s.pending else None
-        if feed is None and commits.committer.logits is None and files.live_cache.length:
-            commits.note_logits(last_logits(s))
+        if feed is None:  # nothing fed: the turn draws from the last position's logits at once
+            await_check(s)
+            if commits.committer.logits is None and files.live_cache.length:
+                commits.note_logits(last_logits(s))
     commits_before = commits.committer.commits
     options = s.options  # read in place, once per turn
 
@@ -109,9 +136,12 @@ def generate(session: Resuming, prompt_ids: Sequence[int] | None = None, max_new
         elif due and files.ready():  # a new session's files still being made: the commit
             commits.run()  # waits a token (a server's loop must not wait for them)
 
+    def on_rows() -> None:  # after each forward: the first one's rows may be the pass's to vouch for
+        await_check(s)
+        _append_in_runs(s)
+
     turn = decode_turn(s.model, files.live_cache, feed, commits.committer.logits, max_new, turn_sampler,
-                       stop_at_eos=stop_at_eos, on_rows=lambda: _append_in_runs(s), on_step=on_step,
-                       drive=options.decode_driver)
+                       stop_at_eos=stop_at_eos, on_rows=on_rows, on_step=on_step, drive=options.decode_driver)
     if not turn.tokens:
         s.pending = []
     commits.note_logits(turn.logits)

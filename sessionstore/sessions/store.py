@@ -127,8 +127,9 @@ class SessionStore:
                               sampler=sampler or Sampler(), options=options)
 
     def open(self, session_id: str, model_source: str | os.PathLike[str] | None = None,
-             options: SessionOptions = DEFAULT_SESSION_OPTIONS) -> Session:
-        """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint."""
+             options: SessionOptions = DEFAULT_SESSION_OPTIONS, *, beside: bool = False) -> Session:
+        """Resume a session (lock, map, verify). ``model_source`` must match the fingerprint;
+        ``beside``: its checksum pass beside the caller's turn (``Session.open``)."""
         manifest = self.read_manifest(session_id)
         source = manifest.model.path if model_source is None else model_source
         try:
@@ -137,7 +138,7 @@ class SessionStore:
             raise NotFoundError(
                 f"session {session_id!r}: its model {manifest.model.name!r} ({source}) cannot be "
                 f"loaded: {exc}; pass --model") from None
-        return Session.open(self, session_id, model, ref, options, manifest)
+        return Session.open(self, session_id, model, ref, options, manifest, beside=beside)
 
     # ---- snapshot, fork, adopt -------------------------------------------------------------
     def snapshot(self, session_id: str) -> SessionSnapshot:

@@ -40,7 +40,7 @@ def run_turn(output: OutputProcessor, max_new: int, sampler: Sampler | TurnDraw 
     reused, committed = 0, None
     if session is not None:
         if prompt is not None:
-            session.ensure_resident()
+            session.ensure_resident(keep_check=True)  # a pass beside: awaited by generate, after the first forward
             reused = common_prefix(session.cache.tokens, prompt)
         try:
             generate(session, prompt, max_new, sampler=sampler, keep_sampler=keep_sampler, on_token=output.on_token)

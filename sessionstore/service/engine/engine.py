@@ -32,7 +32,15 @@ from sessionstore.service.errors import ApiError
 from sessionstore.service.limits import ServiceLimits
 from sessionstore.service.steps import EngineLoop, LoopDecoder
 from sessionstore.service.wire import TurnOutcome, TurnSpec
-from sessionstore.sessions import Session, SessionOptions, SessionStore, read_record, validate_session_id, write_record
+from sessionstore.sessions import (
+    Session,
+    SessionOptions,
+    SessionStore,
+    read_record,
+    settle_check,
+    validate_session_id,
+    write_record,
+)
 
 log = get_logger("service")
 
@@ -156,7 +164,9 @@ class Engine:
     # ---- sessions (the loop's jobs) ------------------------------------------------------------
     def open_session(self, session_id: str, *, create: bool, behind: bool = False) -> tuple[Session, bool]:
         """The open session ``session_id``, resident (created if absent and ``create``; with
-        ``behind``, a turn's, its files are still being made when it is returned: FORMAT.md 7)."""
+        ``behind``, a turn's, its files are still being made when it is returned: FORMAT.md 7, and
+        a suspended one's checksum pass runs beside the turn's first step, which awaits it before
+        anything leaves: ``sessions.session_resume.resume``)."""
         session = self._sessions.get(session_id)
         if session is not None and session.commits.fence is not None:  # fenced: let go of, reopened below
             self.let_go_fenced(session)
@@ -170,7 +180,7 @@ class Engine:
             if session is None:
                 options = self.fleet.session_options(session_id, self.options)  # with the fleet's shipping
                 if self.store.exists(session_id):
-                    session = self.store.open(session_id, self.model_source, options)
+                    session = self.store.open(session_id, self.model_source, options, beside=behind)
                     self._observe_resume(session)
                 elif create:
                     session = self.store.create(session_id, self.model_source, kv_dtype=self.kv_dtype,
@@ -182,7 +192,7 @@ class Engine:
                     raise ApiError(404, f"no session {session_id!r}", code="session_not_found")
                 self._sessions[session_id] = session
             elif session.state != "resident":
-                session.ensure_resident()
+                session.ensure_resident(beside=behind)
                 self._observe_resume(session)
         except ChecksumMismatchError as exc:  # refused: nothing is served from those rows
             self.metrics.records_refused.inc(exc.records)
@@ -224,10 +234,14 @@ class Engine:
             session, created = self.open_session(spec.session, create=True, behind=True)
             try:
                 if spec.tier:  # the request's retention_seconds / pinned
+                    session.ensure_resident()  # a checksum pass beside awaited before anything is written
                     session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
                 outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, ChecksumMismatchError):  # refused by the pass beside: as open_session counts it
+                    self.metrics.records_refused.inc(exc.records)
+                settle_check(session)  # a pass beside still running: awaited (a failed one releases the session)
                 if session.commits.fence is not None:  # a commit failed with an I/O error: nothing more written
                     self.let_go_fenced(session)
                     raise

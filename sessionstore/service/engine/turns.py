@@ -26,6 +26,7 @@ from sessionstore.service.engine.durable_stream import durable_sink
 from sessionstore.service.errors import ApiError
 from sessionstore.service.wire import PromptRenderer, TurnOutcome, TurnSpec
 from sessionstore.sessions import (
+    CONVERSATION_NAME,
     DecodeDriver,
     OutputProcessor,
     Session,
@@ -166,6 +167,8 @@ class TurnRunner:
                                  response_format=spec.response_format if structured else None)
             return self._outcome(spec, draw, reply)
         if not session.files.being_made:  # a new session's files being made hold no conversation file
+            if session.files.check is not None and (session.directory / CONVERSATION_NAME).exists():
+                session.ensure_resident()  # nothing is removed before a checksum pass beside has passed
             session.run_io(lambda: remove_record(session.directory))  # before the tokens change: never a stale
             # conversation (a durable unlink: the server's I/O thread runs it while its loop steps the others)
         return self._outcome(spec, draw, run_turn(output, max_new, draw, prompt=prompt, session=session))
