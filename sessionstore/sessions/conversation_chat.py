@@ -165,7 +165,10 @@ class Conversation:
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
             session.truncate(k)
-        session.append_tokens(prompt[k:], commit=True)
+        # the prompt's records are committed before the reply; in durable-stream mode by the commit that
+        # covers the first token (its tail holds the prompt's ids too, FORMAT.md 5.5), not by one of their
+        # own: one commit round, not two, before the first piece leaves (a server's turn waited for each)
+        session.append_tokens(prompt[k:], commit=not session.options.durable_stream)
         if output is None:
             output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
                                      on_text=on_text, should_abort=should_stop)
