@@ -1,5 +1,6 @@
 """A chat turn in durable-stream mode commits its prompt with the commit that covers its first
-token (the tail holds the prompt's ids too, FORMAT.md 5.5), not by a commit of its own first: one
+token (a kv commit of the prompt's records with the token pending, or under ``commit_every``
+records a tail commit holding their ids, FORMAT.md 5.5), not by a commit of its own first: one
 commit has returned when its first piece leaves, not two. Without durable streaming the prompt is
 committed before the reply, as before. Either way the turns reopen exactly."""
 from __future__ import annotations
@@ -20,9 +21,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_text_model(tmp_path_factory.mktemp("first-commit-model"), "glm")
 
 
-@pytest.mark.parametrize("durable,before_first", [(True, 1), (False, 1)])
-def test_commits_before_the_first_piece(tmp_path: Path, model_dir: Path, durable: bool, before_first: int) -> None:
-    options = SessionOptions(commit_every=64, durable_stream=durable)
+@pytest.mark.parametrize("durable,every", [(True, 64), (True, 4), (False, 64)])  # 64: a tail commit, 4: a kv one
+def test_one_commit_before_the_first_piece(tmp_path: Path, model_dir: Path, durable: bool, every: int) -> None:
+    options = SessionOptions(commit_every=every, durable_stream=durable)
     store = SessionStore(tmp_path)
     session = store.create("c", str(model_dir), kv_dtype="fp8", options=options)
     conv = Conversation.open(session, load_text(model_dir))
@@ -40,7 +41,7 @@ def test_commits_before_the_first_piece(tmp_path: Path, model_dir: Path, durable
 
         with held_until_committed(session, emit) as hold:
             reply = conv.respond(msgs, 6, on_text=hold)
-        assert committed_at and committed_at[0] == before_first, committed_at
+        assert committed_at and committed_at[0] == 1, committed_at
         assert "".join(pieces) == reply.text
         replies.append(reply.tokens)
         msgs = [*msgs, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "And more?"}]
