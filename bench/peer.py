@@ -108,6 +108,9 @@ def table(res: dict[str, Any]) -> str:
         key = f"peer_multiturn_{raw.removesuffix('_ms')}_ratio"
         if key in res:
             lines.append(f"| {label} | {mt['ours'][raw]:,.1f} | {mt['llama_cpp'][raw]:,.1f} | {res[key]:.2f} |")
+    if "peer_multiturn_cpu_ratio" in res:
+        lines.append(f"| ... the servers' CPU over the run (s) | {mt['ours']['server_cpu_s']:,.2f} | "
+                     f"{mt['llama_cpp']['server_cpu_s']:,.2f} | {res['peer_multiturn_cpu_ratio']:.2f} |")
     if "multiturn_skipped" in res:
         lines.append(f"multi-turn not run: {res['multiturn_skipped']}")
     return "\n".join(lines)

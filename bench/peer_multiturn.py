@@ -3,7 +3,10 @@ of 4 turns (200 new prompt tokens a turn on top of the history, 64 output tokens
 the conversation named in the ``X-Session-Id`` header, the glm-mini tokenizer), concurrency 16,
 against each server in turn. Keys: ``peer_multiturn_tok_s_ratio`` (output tokens/s),
 ``peer_multiturn_ttft_ratio`` (mean time to first token), ``peer_multiturn_itl_ratio`` (mean
-inter-token latency), ours / llama.cpp.
+inter-token latency), ours / llama.cpp; ``peer_multiturn_cpu_ratio``: the CPU seconds (user + system)
+each server's processes spent over the run, ours (the API process and the engine core) / llama.cpp's:
+the work each does for the same workload, which a loaded machine's waits do not enter (on 2 cores
+shared with the client, a server whose work is a third less can be at most ~1.5x as fast).
 
 aiperf runs as a command (``aiperf`` beside this interpreter, on PATH, or ``$COLI_AIPERF``): its
 dependencies need not share the project's environment. Where it is missing or fails, the result
@@ -35,6 +38,22 @@ def find_aiperf() -> str | None:
     return None
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) that process ``pid`` and every live descendant have used (Linux
+    ``/proc``; a process that is gone counts 0)."""
+    tick, total, todo = os.sysconf("SC_CLK_TCK"), 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / tick
+
+
 def aiperf_command(aiperf: str, url: str, model_name: str, tokenizer: Path, out: Path,
                    conversations: int = CONVERSATIONS) -> list[str]:
     """One aiperf profile run of the workload against ``url``."""
@@ -60,21 +79,30 @@ def read_metrics(export: Path) -> dict[str, float]:
 
 
 def multiturn_keys(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, Any]:
-    """The three keys (ours / llama.cpp) and both sides' figures."""
-    return {"peer_multiturn_tok_s_ratio": ours["tok_s"] / theirs["tok_s"],
+    """The three keys (ours / llama.cpp), the CPU one where both sides' CPU was read, and both
+    sides' figures."""
+    keys = {"peer_multiturn_tok_s_ratio": ours["tok_s"] / theirs["tok_s"],
             "peer_multiturn_ttft_ratio": ours["ttft_ms"] / theirs["ttft_ms"],
-            "peer_multiturn_itl_ratio": ours["itl_ms"] / theirs["itl_ms"],
-            "multiturn": {"ours": ours, "llama_cpp": theirs}}
+            "peer_multiturn_itl_ratio": ours["itl_ms"] / theirs["itl_ms"]}
+    if ours.get("server_cpu_s") and theirs.get("server_cpu_s"):
+        keys["peer_multiturn_cpu_ratio"] = ours["server_cpu_s"] / theirs["server_cpu_s"]
+    return {**keys, "multiturn": {"ours": ours, "llama_cpp": theirs}}
 
 
 def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int) -> dict[str, float]:
     cmd = aiperf_command(aiperf, side.url, side.model_name, model, out, conversations)
+    pid: int | None = getattr(side, "pid", None)  # the server's process (a fake side in the tests has none)
+    cpu = tree_cpu_s(pid) if pid else 0.0
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    cpu = tree_cpu_s(pid) - cpu if pid else 0.0
     exports = sorted(out.rglob("profile_export_aiperf.json"))
     if done.returncode != 0 or not exports:
         lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
         raise RuntimeError(f"aiperf against {side.name} exited {done.returncode}: {lines[-1][:200] if lines else ''}")
-    return read_metrics(exports[-1])
+    figures = read_metrics(exports[-1])
+    if pid:
+        figures["server_cpu_s"] = cpu
+    return figures
 
 
 def medians(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -108,4 +136,4 @@ def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path, 
     return keys
 
 
-__all__ = ["aiperf_command", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics"]
+__all__ = ["aiperf_command", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics", "tree_cpu_s"]

@@ -49,6 +49,11 @@ class Side:
     def stop(self) -> None:
         raise NotImplementedError
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process (its children are the server's too), once started."""
+        return None
+
 
 class Ours(Side):
     """``coli-kv serve --http`` over a fresh root (``--kv`` as given)."""
@@ -84,6 +89,10 @@ class Ours(Side):
 
     def stop(self) -> None:
         self.server.stop()
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.proc.pid if self.server.proc is not None else None  # the API process; the core its child
 
 
 def free_port() -> int:
@@ -160,6 +169,10 @@ class Llama(Side):
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
 
 
 __all__ = ["FED", "Llama", "Ours", "Side", "free_port"]

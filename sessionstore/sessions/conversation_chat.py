@@ -165,7 +165,11 @@ class Conversation:
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
             session.truncate(k)
-        session.append_tokens(prompt[k:], commit=True)
+        # the prompt's records are committed before the reply; in durable-stream mode by the commit that
+        # covers the first token (a kv commit of the prompt's records with that token pending, or, under
+        # commit_every records, a tail commit holding their ids: FORMAT.md 5.5), not by one of their own
+        # first: one commit round, not two, before the first piece leaves (a server's turn waited for each)
+        session.append_tokens(prompt[k:], commit=not session.options.durable_stream)
         if output is None:
             output = OutputProcessor(eos=self.eos if stop_at_eos else frozenset(), tokenizer=self.tokenizer,
                                      on_text=on_text, should_abort=should_stop)

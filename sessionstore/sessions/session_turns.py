@@ -199,18 +199,30 @@ def append_tokens(session: Resuming, tokens: Sequence[int], *, commit: bool | No
 
 
 def truncate(session: Resuming, n: int) -> int:
-    """Keep the first ``n`` records (prefix reuse). The manifest's epoch is bumped FIRST."""
+    """Keep the first ``n`` records (prefix reuse). The manifest's epoch is bumped FIRST.
+
+    The file work (the commit of what came before, the manifest's rewrite, the kv file's cut: up
+    to four fsyncs) runs by :func:`run_io`, on a server's I/O thread while its loop steps the other
+    sessions (a new turn whose prompt parts from the history's tail truncates: on the loop's own
+    thread these fsyncs held every running stream); the decoder cache is cut here once it has
+    returned, in the same order as before."""
     s = session
     ensure_resident(s)
     n = max(0, min(int(n), s.files.live_cache.length))
-    s.commits.begin()()  # the manifest must never claim records the file has not committed
-    cut = dataclasses.replace(s.manifest, epoch=s.manifest.epoch + 1, committed=n, pending=[], last_logits=None)
-    # a write that fails (ENOSPC: no room for the temp file) changes nothing, here or on disk
-    write_manifest(s.directory / MANIFEST_NAME, cut, durable=s.options.manifest_fsync)
-    s.manifest, s.pending = cut, []
-    s.commits.note_logits(None)
-    s.commits.deferred = False  # the position changes: no digest describes the new last one
-    s.files.live_writer.truncate(n)
+    finish = s.commits.begin()  # fixed here (rows handed over); the manifest must never claim records
+    # the file has not committed, so its rest runs first in the file work
+
+    def cut_files() -> None:
+        finish()
+        cut = dataclasses.replace(s.manifest, epoch=s.manifest.epoch + 1, committed=n, pending=[], last_logits=None)
+        # a write that fails (ENOSPC: no room for the temp file) changes nothing, here or on disk
+        write_manifest(s.directory / MANIFEST_NAME, cut, durable=s.options.manifest_fsync)
+        s.manifest, s.pending = cut, []
+        s.commits.note_logits(None)
+        s.commits.deferred = False  # the position changes: no digest describes the new last one
+        s.files.live_writer.truncate(n)
+
+    run_io(s, cut_files)
     s.files.live_cache.truncate(n)
     s.store.note_session(s.manifest, resident=True)
     log.info("session.truncate", id=s.id, committed=n, epoch=s.manifest.epoch)

@@ -1,0 +1,35 @@
+"""bench.peer's multi-turn CPU key: each server's process tree's CPU seconds over the run (the
+work, which a loaded machine's waits do not enter), ours / llama.cpp, and its row in the table."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from bench.peer import table as peer_table
+from bench.peer_multiturn import multiturn_keys, tree_cpu_s
+
+SPIN = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+        "print('spun', flush=True)\nsys.stdin.read()")  # 0.3 s of CPU, then it waits, alive
+
+
+def test_a_process_tree_counts_its_children_cpu() -> None:
+    child = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        alone = tree_cpu_s(child.pid)
+        assert alone >= 0.25  # its own spin (the clock ticks round down by at most one)
+        assert tree_cpu_s(os.getpid()) >= alone  # this process's tree holds the child's
+    finally:
+        child.communicate("")
+    assert tree_cpu_s(child.pid) == 0.0  # gone: nothing to read
+
+
+def test_cpu_ratio_where_both_sides_were_read_and_its_row() -> None:
+    ours = {"tok_s": 3.0, "ttft_ms": 1.0, "itl_ms": 1.0, "server_cpu_s": 6.0}
+    theirs = {"tok_s": 1.0, "ttft_ms": 4.0, "itl_ms": 2.0, "server_cpu_s": 8.0}
+    keys = multiturn_keys(ours, theirs)
+    assert keys["peer_multiturn_cpu_ratio"] == 0.75
+    text = peer_table({"ours": {}, "llama_cpp": {}, **keys})
+    assert "| ... the servers' CPU over the run (s) | 6.00 | 8.00 | 0.75 |" in text
+    assert "peer_multiturn_cpu_ratio" not in multiturn_keys({**ours, "server_cpu_s": 0.0}, theirs)
