@@ -29,6 +29,7 @@ TILE = 256  # output columns per tile (1 KiB of each weight row)
 # steps of fewer rows take rows_times / heads_times (the same bits): compiled from a cold cache, the register
 # tiles' narrow path made a step of one glm-mini session 1.27 ms against 0.46 (bench.step_rows, fresh NUMBA_CACHE_DIR)
 TILE_ROWS_FROM = 4
+K_BLOCK = 2048  # k rows of a group's panels that all the rows pass over while they stay in L2 (GROUP x 128 KiB)
 ROWS = 16  # rows whose sums a tile holds at once: ROWS x TILE f32 = 16 KiB in L1; more rows: the tile again
 
 announce_if_cold(__file__)
@@ -96,24 +97,32 @@ def gather_panels(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray
     """:func:`gather_times` over a weight in panel order (:func:`panel_order`): ``GROUP`` panels [K, PANEL]
     (contiguous, 24-400 KB each) at a time, read from memory once for all rows, four rows at a time
     summing in vector registers (:func:`kernels.model.panel_tiles.panel_tiles`: a row's sums over
-    several panels are independent chains); groups of panels split across threads."""
+    several panels are independent chains); past four rows, k in blocks of ``K_BLOCK`` (the group's
+    block stays in L2 while every row passes, each sum carried on in out between blocks: the same
+    chain); groups of panels split across threads. ``oi``'s rows distinct (each is zeroed, then summed)."""
     n_rows = xi.shape[0]
     depth, width = wt.shape
     n_panels = width // PANEL
     xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
     xs, os, xk = x.strides[0], out.strides[0], x.strides[1]
     pstride = depth * PANEL * 4  # bytes from one panel to the next
+    kb = depth if n_rows <= 4 else K_BLOCK  # one pass: the whole k range; several: blocks that stay in L2
     for g in prange((n_panels + GROUP - 1) // GROUP):
         p0 = g * GROUP
         count = min(GROUP, n_panels - p0)
         col = p0 * PANEL * 4  # out's byte offset of the group's first column
-        for b in range(0, n_rows, 4):
-            rows = min(4, n_rows - b)
-            r0, r1, r2, r3 = xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1]
-            o0, o1, o2, o3 = oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1]
-            panel_tiles(rows, (xa + r0 * xs, xa + r1 * xs, xa + r2 * xs, xa + r3 * xs),
-                        (oa + o0 * os + col, oa + o1 * os + col, oa + o2 * os + col, oa + o3 * os + col),
-                        wa + p0 * pstride, pstride, xk, depth, count, PANEL * 4)
+        for b in range(n_rows):
+            out[oi[b], p0 * PANEL : (p0 + count) * PANEL] = 0  # the chains start from 0
+        for k0 in range(0, depth, kb):
+            span = min(kb, depth - k0)
+            xk0, wk0 = xa + k0 * xk, wa + p0 * pstride + k0 * PANEL * 4  # x's and the panels' row k0
+            for b in range(0, n_rows, 4):
+                rows = min(4, n_rows - b)
+                r0, r1, r2, r3 = xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1]
+                o0, o1, o2, o3 = oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1]
+                panel_tiles(rows, (xk0 + r0 * xs, xk0 + r1 * xs, xk0 + r2 * xs, xk0 + r3 * xs),
+                            (oa + o0 * os + col, oa + o1 * os + col, oa + o2 * os + col, oa + o3 * os + col),
+                            wk0, pstride, xk, span, count, PANEL * 4)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

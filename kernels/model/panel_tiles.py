@@ -2,12 +2,13 @@
 memory [K / .., N / 16 panels, K, 16]): the product :func:`kernels.model.once_product.gather_panels`
 runs for GLM-5.2-sized weights, for up to four rows at a time.
 
-A tile holds ``rows x vecs`` vector sums in registers over the whole k loop, its ``vecs`` vectors
-taken from ``vecs`` neighbouring panels (:func:`kernels.model.simd_tile.tile_kernel` with
-``spread``): a step of one row runs 16 independent chains of adds, not one, while each panel is still
-read from memory once per four rows. Each output element's chain is unchanged (``((0 + x[0] *
-w[0, n]) + x[1] * w[1, n]) + ...``, k ascending, a rounded multiply then a rounded add), so the bits
-are :func:`kernels.model.rowwise.rows_times`'s whichever rows share the tile.
+A tile holds ``rows x vecs`` vector sums in registers over a k range, its ``vecs`` (up to 4) vectors
+taken from ``vecs`` neighbouring panels (:func:`kernels.model.simd_tile.tile_kernel` with ``spread``):
+a step of one row runs 4 independent chains of 16-lane adds, not one, while each panel is still read
+from memory once per four rows. The tiles carry on out's sums (``carry``), so a caller may cut k into
+blocks that stay in L2 while every row passes over them. Each output element's chain is unchanged
+(``((0 + x[0] * w[0, n]) + x[1] * w[1, n]) + ...``, k ascending, a rounded multiply then a rounded add),
+so the bits are :func:`kernels.model.rowwise.rows_times`'s whichever rows share the tile.
 """
 from __future__ import annotations
 
@@ -17,27 +18,27 @@ from numba import njit, types
 
 from kernels.model.simd_tile import LANES, tile_kernel
 
-GROUP = 16  # panels one pass of the rows covers (one tile of one row: 16 vectors)
+GROUP = 4  # panels one pass of the rows covers (a k block of them stays in L2 while every row passes)
 
-# (rows, vecs) as in simd_tile: at most 16 sums held, panels go to the widest tile first
-_P4W, _P4N = tile_kernel(4, 4, True), tile_kernel(4, 1, True)
-_P3W, _P3H, _P3N = tile_kernel(3, 4, True), tile_kernel(3, 2, True), tile_kernel(3, 1, True)
-_P2W, _P2H, _P2Q, _P2N = (tile_kernel(2, 8, True), tile_kernel(2, 4, True), tile_kernel(2, 2, True),
-                          tile_kernel(2, 1, True))
-_P1W, _P1H, _P1Q, _P1E, _P1N = (tile_kernel(1, 16, True), tile_kernel(1, 8, True), tile_kernel(1, 4, True),
-                                tile_kernel(1, 2, True), tile_kernel(1, 1, True))
+# (rows, vecs) as in simd_tile, every tile carrying on out's sums (a k range in blocks); panels go to the
+# widest tile first. At most 4 vectors (4 panels, 4 streams from memory) a tile: one row's tile over 16
+# panels read 16 streams at once and took 14.4 ms for a 6144 x 12288 product against 10.3 for two rows'
+# 8-panel tile; over 4 panels 10.5 (one thread, thread CPU, medians of 7: memory's ~30 GB/s either way)
+_P4W, _P4N = tile_kernel(4, 4, True, True), tile_kernel(4, 1, True, True)
+_P3W, _P3H, _P3N = tile_kernel(3, 4, True, True), tile_kernel(3, 2, True, True), tile_kernel(3, 1, True, True)
+_P2W, _P2H, _P2N = tile_kernel(2, 4, True, True), tile_kernel(2, 2, True, True), tile_kernel(2, 1, True, True)
+_P1W, _P1H, _P1N = tile_kernel(1, 4, True, True), tile_kernel(1, 2, True, True), tile_kernel(1, 1, True, True)
 _Q = types.UniTuple(types.int64, 4)  # type: ignore[no-untyped-call]
-
-
 
 
 @njit(types.void(types.int64, _Q, _Q, types.int64, types.int64, types.int64, types.int64, types.int64,
                  types.int64), cache=True, nogil=True, boundscheck=False)
 def panel_tiles(rows: int, xs: Any, os: Any, wa: int, pstride: int, xk: int, depth: int, count: int,
                 ws: int) -> None:  # pragma: no cover - compiled
-    """out_r[0 : 16 * count] = x_r @ the ``count`` panels from ``wa`` on, for the ``rows`` (1-4) rows whose
-    x and out row addresses are ``xs``, ``os`` (4-tuples, the first ``rows`` used; x_r[k] at
-    ``xs[r] + k * xk``); a panel's row k is 16 f32 at ``+ k * ws``, the next panel ``pstride`` bytes on."""
+    """out_r[0 : 16 * count] += x_r @ the ``count`` panels from ``wa`` on (each sum's chain carried on
+    from out's value, k ascending), for the ``rows`` (1-4) rows whose x and out row addresses are ``xs``,
+    ``os`` (4-tuples, the first ``rows`` used; x_r[k] at ``xs[r] + k * xk``, k < ``depth``); a panel's
+    row k is 16 f32 at ``+ k * ws``, the next panel ``pstride`` bytes on."""
     p = 0
     b = 4 * LANES  # out bytes of one vector
     if rows == 4:
@@ -61,30 +62,21 @@ def panel_tiles(rows: int, xs: Any, os: Any, wa: int, pstride: int, xk: int, dep
             _P3N(x3, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b, os[2] + p * b), pstride)
     elif rows == 2:
         x2 = (xs[0], xs[1])
-        while p + 8 <= count:
+        while p + 4 <= count:
             _P2W(x2, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b), pstride)
-            p += 8
-        if p + 4 <= count:
-            _P2H(x2, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b), pstride)
             p += 4
         if p + 2 <= count:
-            _P2Q(x2, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b), pstride)
+            _P2H(x2, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b), pstride)
             p += 2
         if p < count:
             _P2N(x2, xk, wa + p * pstride, ws, depth, (os[0] + p * b, os[1] + p * b), pstride)
     else:
         x1 = (xs[0],)
-        while p + 16 <= count:
+        while p + 4 <= count:
             _P1W(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)
-            p += 16
-        if p + 8 <= count:
-            _P1H(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)
-            p += 8
-        if p + 4 <= count:
-            _P1Q(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)
             p += 4
         if p + 2 <= count:
-            _P1E(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)
+            _P1H(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)
             p += 2
         if p < count:
             _P1N(x1, xk, wa + p * pstride, ws, depth, (os[0] + p * b,), pstride)

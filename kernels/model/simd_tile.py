@@ -23,7 +23,7 @@ from kernels.attention.row_tables import pointer_to
 LANES = 16  # output columns of one vector
 
 
-def tile_kernel(rows: int, vecs: int, spread: bool = False) -> Any:
+def tile_kernel(rows: int, vecs: int, spread: bool = False, carry: bool = False) -> Any:
     """An njit-callable ``tile(xs, xstep, w, wstride, depth, outs)`` over byte addresses (int64):
     for each of the ``rows`` rows r (``xs``, ``outs``: UniTuple(int64, rows)), out_r[0 : vecs*16] =
     sum over k < depth, ascending, of x_r[k] * w[k, 0 : vecs*16], where x_r[k] is the f32 at
@@ -31,10 +31,15 @@ def tile_kernel(rows: int, vecs: int, spread: bool = False) -> Any:
 
     ``spread``: ``tile(xs, xstep, w, wstride, depth, outs, vstride)``, w's vector v of row k at
     ``w + k * wstride + v * vstride`` (a weight in panel order, one 16-column panel per vector);
-    out's vectors stay contiguous."""
+    out's vectors stay contiguous.
+
+    ``carry``: the sums start from out's values, not from 0 (out_r += ..., each sum's chain carried on:
+    a k range cut in blocks, one tile call each, gives the bits of one call over all of k, since the
+    f32 stored between the blocks is the register's value and 0 + x[0] * w[0] is the same whether the
+    0 is a constant or read back)."""
     addr = types.UniTuple(types.int64, rows)  # type: ignore[no-untyped-call]
     sig = types.none(addr, types.int64, types.int64, types.int64, types.int64, addr, *[types.int64] * spread)
-    codegen = _tile_codegen(rows, vecs, spread)
+    codegen = _tile_codegen(rows, vecs, spread, carry)
     if spread:
         @intrinsic
         def spread_tile(typingctx: Any, xs: Any, xstep: Any, w: Any, wstride: Any, depth: Any, outs: Any,
@@ -51,7 +56,7 @@ def tile_kernel(rows: int, vecs: int, spread: bool = False) -> Any:
     return tile
 
 
-def _tile_codegen(rows: int, vecs: int, spread: bool) -> Any:
+def _tile_codegen(rows: int, vecs: int, spread: bool, carry: bool) -> Any:
     """The IR of :func:`tile_kernel`'s tile: a k loop whose rows x vecs sums are phi values (registers)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:  # pragma: no cover - compile-time
@@ -65,6 +70,8 @@ def _tile_codegen(rows: int, vecs: int, spread: bool) -> Any:
         o_at = [builder.extract_value(outs_v, r) for r in range(rows)]
         w_off = [builder.mul(ir.Constant(i64, v), args[6]) if spread else ir.Constant(i64, 4 * LANES * v)
                  for v in range(vecs)]  # byte offset of w's vector v within its row k
+        starts = [[builder.load(builder.inttoptr(builder.add(o_at[r], ir.Constant(i64, 4 * LANES * v)), vptr),
+                                align=4, typ=vt) if carry else zero for v in range(vecs)] for r in range(rows)]
         pre = builder.basic_block
         header = builder.append_basic_block("tile.header")
         body = builder.append_basic_block("tile.body")
@@ -74,9 +81,9 @@ def _tile_codegen(rows: int, vecs: int, spread: bool) -> Any:
         k = builder.phi(i64)
         k.add_incoming(ir.Constant(i64, 0), pre)
         accs = [[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)]
-        for row in accs:
-            for acc in row:
-                acc.add_incoming(zero, pre)
+        for r in range(rows):
+            for v in range(vecs):
+                accs[r][v].add_incoming(starts[r][v], pre)
         builder.cbranch(builder.icmp_signed("<", k, depth_v), body, done)
         builder.position_at_end(body)
         w_row = builder.add(w_v, builder.mul(k, wstride_v))

@@ -14,6 +14,7 @@ from kernels.model import GlmDecoder, MLADecoder, load_model
 from kernels.model.compiled_step import CompiledStep
 from kernels.model.config import parse_config
 from kernels.model.once_product import (
+    K_BLOCK,
     ROWS,
     gather_big,
     gather_panels,
@@ -69,8 +70,8 @@ def test_gather_times_is_rows_times_bitwise(rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
 def test_gather_panels_is_rows_times_bitwise_for_every_tile_width(rows: int) -> None:
-    """31 panels: a group of 16, then 15, which each row count's register tiles split widest first
-    down to one panel (16/8/4/2/1 for a row, 8/4/2/1 for two, 4/2/1 for three, 4/1 for four)."""
+    """31 panels: groups of 4, then 3, which each row count's register tiles split widest first down
+    to one panel (4/2/1 for one to three rows, 4/1 for four)."""
     rng = np.random.default_rng(100 + rows)
     x, wt = _rand(rng, rows, 129), _rand(rng, 129, 31 * 16)  # x: [rows, 129], wt: [129, 496] f32
     want = np.empty((rows, 496), np.float32)
@@ -83,6 +84,27 @@ def test_gather_panels_is_rows_times_bitwise_for_every_tile_width(rows: int) -> 
     gather_panels(x, idx[::-1].copy(), panel_order(wt, 0), picked, 2 * idx + 1)
     assert np.array_equal(picked[1::2], want[::-1])
     assert np.isnan(picked[::2]).all()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 7])
+def test_gather_panels_in_k_blocks_is_rows_times_bitwise(rows: int) -> None:
+    """Past four rows k goes in blocks of K_BLOCK, each sum carried on in out between them: over
+    2 * K_BLOCK + 3 rows of k (two whole blocks and a short one) the bits are still one chain's,
+    and each row alone (one pass over all of k) gives its own bits."""
+    rng = np.random.default_rng(200 + rows)
+    depth = 2 * K_BLOCK + 3
+    x, wt = _rand(rng, rows, depth), _rand(rng, depth, 7 * 16)  # x: [rows, depth], wt: [depth, 112] f32
+    x[:, ::5] *= np.float32(1e-3)  # sums that round differently when contracted or reordered
+    want = np.empty((rows, 112), np.float32)
+    rows_times(x, wt, want, column_block(depth, 112))
+    idx, panels = np.arange(rows), panel_order(wt, 0)
+    got = np.full((rows, 112), np.nan, np.float32)
+    gather_panels(x, idx, panels, got, idx)
+    assert np.array_equal(got, want)
+    for b in range(rows):
+        alone = np.full((1, 112), np.nan, np.float32)
+        gather_panels(x[b : b + 1], idx[:1], panels, alone, idx[:1])
+        assert np.array_equal(alone[0], want[b])
 
 
 def test_gather_times_gathers_and_scatters() -> None:
