@@ -15,9 +15,15 @@ The public surface::
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernels.cache_stamp import refresh_stale_caches
 from kernels.lazy import lazy_members
+
+if os.environ.get("NUMBA_DISABLE_JIT") != "1":  # before any kernel module loads its cached code
+    refresh_stale_caches(Path(__file__).resolve().parent, os.environ.get("NUMBA_CACHE_DIR") or None)
 
 if TYPE_CHECKING:  # the surface as a type checker sees it; at run time each name is imported on first use
     from kernels.attention import absorbed_attention, mla_attention

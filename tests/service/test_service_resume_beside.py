@@ -82,6 +82,15 @@ class Gate:
         monkeypatch.setattr(integrity, "hash_records", held)
 
 
+def first_step_runs(engine: Engine, steps: int) -> bool:
+    """Whether the engine takes a step past ``steps`` within 3 s (the turn's first, while the pass is held)."""
+    for _ in range(300):
+        if engine.loop.batch.steps > steps:
+            return True
+        threading.Event().wait(0.01)
+    return engine.loop.batch.steps > steps
+
+
 def test_a_good_resume_beside_is_token_exact_and_its_step_runs_before_the_pass_ends(
         engine: Engine, text_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = _suspended(engine)
@@ -90,11 +99,7 @@ def test_a_good_resume_beside_is_token_exact_and_its_step_runs_before_the_pass_e
     sink = Sink()
     fut = _turn(engine, prompt, sink)
     assert gate.reached.wait(30)
-    for _ in range(300):  # the turn's first step runs while the pass is held
-        if engine.loop.batch.steps > steps:
-            break
-        threading.Event().wait(0.01)
-    assert engine.loop.batch.steps > steps, "the first step waited for the pass"
+    assert first_step_runs(engine, steps), "the first step waited for the pass"
     threading.Event().wait(0.05)
     assert sink.pieces == [] and not fut.done()  # held: nothing sent, the turn not done
     with pytest.raises(ApiError) as busy:  # another request on the session meanwhile: today's busy answer
@@ -127,11 +132,7 @@ def test_a_corrupt_record_fails_the_turn_sends_nothing_and_leaves_the_files(
     sink = Sink()
     fut = _turn(engine, prompt, sink)
     assert gate.reached.wait(30)
-    for _ in range(300):
-        if engine.loop.batch.steps > steps:
-            break
-        threading.Event().wait(0.01)
-    assert engine.loop.batch.steps > steps  # the step ran on the unchecked rows, and was held
+    assert first_step_runs(engine, steps)  # the step ran on the unchecked rows, and was held
     gate.open.set()
     with pytest.raises(ChecksumMismatchError, match=f"resume of .* refused: .*record at position {position}"):
         fut.result(60)
