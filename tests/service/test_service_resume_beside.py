@@ -82,6 +82,18 @@ class Gate:
         monkeypatch.setattr(integrity, "hash_records", held)
 
 
+def held_turn(engine: Engine, prompt: list[int], monkeypatch: pytest.MonkeyPatch) -> tuple[Gate, Sink, Any]:
+    """A turn on the suspended session with its checksum pass held at the gate: (gate, sink, future),
+    once the turn's first step has run on the unchecked rows."""
+    gate = Gate(monkeypatch)
+    steps = engine.loop.batch.steps
+    sink = Sink()
+    fut = _turn(engine, prompt, sink)
+    assert gate.reached.wait(30)
+    assert first_step_runs(engine, steps), "the first step waited for the pass"
+    return gate, sink, fut
+
+
 def first_step_runs(engine: Engine, steps: int) -> bool:
     """Whether the engine takes a step past ``steps`` within 3 s (the turn's first, while the pass is held)."""
     for _ in range(300):
@@ -94,12 +106,7 @@ def first_step_runs(engine: Engine, steps: int) -> bool:
 def test_a_good_resume_beside_is_token_exact_and_its_step_runs_before_the_pass_ends(
         engine: Engine, text_model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = _suspended(engine)
-    gate = Gate(monkeypatch)
-    steps = engine.loop.batch.steps
-    sink = Sink()
-    fut = _turn(engine, prompt, sink)
-    assert gate.reached.wait(30)
-    assert first_step_runs(engine, steps), "the first step waited for the pass"
+    gate, sink, fut = held_turn(engine, prompt, monkeypatch)
     threading.Event().wait(0.05)
     assert sink.pieces == [] and not fut.done()  # held: nothing sent, the turn not done
     with pytest.raises(ApiError) as busy:  # another request on the session meanwhile: today's busy answer
@@ -127,12 +134,7 @@ def test_a_corrupt_record_fails_the_turn_sends_nothing_and_leaves_the_files(
     raw[offset] ^= 0x5A
     kv.write_bytes(bytes(raw))
     before = _files(engine)
-    gate = Gate(monkeypatch)
-    steps = engine.loop.batch.steps
-    sink = Sink()
-    fut = _turn(engine, prompt, sink)
-    assert gate.reached.wait(30)
-    assert first_step_runs(engine, steps)  # the step ran on the unchecked rows, and was held
+    gate, sink, fut = held_turn(engine, prompt, monkeypatch)  # the step ran on the unchecked rows, and was held
     gate.open.set()
     with pytest.raises(ChecksumMismatchError, match=f"resume of .* refused: .*record at position {position}"):
         fut.result(60)
