@@ -142,8 +142,9 @@ class Engine:
         self.claims.release(session_id)
 
     def stop(self) -> None:
-        """Refuse new work, cut running turns at their next token, wait for the jobs in flight,
-        then commit and suspend every open session (a last job) and stop the loop."""
+        """Refuse new work (the requests waiting for a session get 503 at once), cut running turns at
+        their next token, wait for the jobs in flight, then commit and suspend every open session (a
+        last job) and stop the loop."""
         self.stopping.set()
         self.claims.close()  # requests waiting for a session: 503 now
         self.loop.wait_idle()
