@@ -26,7 +26,6 @@ system temp dir; it must be a real disk, the script prints which device each pat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bench.report import json_line
 from kernels.rows import Fp8Rows, RecordRows
 from sessionstore.kvfile import Dims, KVWriter, convert_file, open_kv, pack_records, sanitize_scales
 
@@ -331,9 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:<22}{value:>8.2f}  {op}{goal:<6} {details[key]}{'' if met else '  (goal missed)'}")
     print(f"scratch files were in {directory} (same device as the repo: "
           f"{results['same_device_as_repo']})")
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from functools import partial
 
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from kernels.attention import absorbed_attention
 from kernels.fp8 import quantize_rows
 from kernels.rows import F32Rows, Fp8Rows
@@ -186,7 +187,7 @@ def run_decoder(quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 minute on 2 cores)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--with-decoder", action="store_true", help="also run bench.decoder and nest its figures")
     args = ap.parse_args(argv)
     reps = 3 if args.quick else 9
@@ -195,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(run_cuda(5 if args.quick else 20))
     if args.with_decoder:
         results.update(run_decoder(args.quick))
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

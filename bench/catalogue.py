@@ -20,7 +20,6 @@ whose model is loaded before the clock starts, three catalogue row writes). ``--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.report import json_line
 from sessionstore.sessions.catalogue import RACY_S
 from sessionstore.sessions.catalogue_schema import CATALOGUE_NAME
 from sessionstore.sessions.directory import SESSIONS_DIR, STATE_NAME
@@ -182,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
               f"first open {r['first_open_s'] * 1e3:7.2f} ms  (build {r['build_s']:.1f} s, rebuild "
               f"{r['rebuild_s']:.2f} s)")
     print("ratios " + res["ratio_of"] + ": " + ", ".join(f"{k} {res[k]:.2f}" for k in res if k.endswith("_ratio")))
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    return 0
+    return json_line(res, args.json, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Row quantizer and dequantizer throughputs are printed for information (no baseli
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from kernels import fp8
 
 F8 = ml_dtypes.float8_e4m3fn
@@ -86,7 +86,7 @@ def run(n_values: int, reps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4M values, 5 repetitions (< 1 minute)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     n_values, reps = ((1 << 22), 5) if args.quick else ((1 << 24), 9)
     result = run(n_values, reps)
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{op:<18}{ours:>15.2f}{theirs:>20.2f}{result[op + '_ratio_vs_ml_dtypes']:>7.2f}x")
     for op in ("quantize_rows", "dequantize_rows"):
         print(f"{op:<18}{result[op + '_ns_per_value']:>15.2f}{'-':>20}{'-':>8}")
-    if args.json:
-        print(json.dumps(result, sort_keys=True))
-    return 0
+    return json_line(result, args.json, sort_keys=True)
 
 
 if __name__ == "__main__":

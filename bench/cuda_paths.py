@@ -18,7 +18,6 @@ and the *_ms figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from kernels.fp8 import quantize_rows
 from kernels.rows import F32Rows, Fp8Rows, LatentRows, TqRows
 from kernels.tq import TqCodec
@@ -162,7 +162,7 @@ def run(runner: Any, shape: Shape, reps: int) -> dict[str, float | int | str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T = 32k only, fewer repetitions")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--emulate", action="store_true", help="the CPU emulator at tiny shapes (a smoke run)")
     args = ap.parse_args(argv)
     reps = 1 if args.emulate else 3 if args.quick else 15
@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"no CUDA device: {reason} (--emulate runs the calls on the CPU emulator)")
             results["cuda_skipped"] = reason
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

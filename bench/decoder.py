@@ -15,13 +15,13 @@ cached positions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from kernels.model import MLADecoder, load_model, parse_config
 from kernels.model.weights import DictWeights
 
@@ -93,7 +93,7 @@ def decode_rate(model: MLADecoder, kv: str, cached: int, steps: int, reps: int) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repetitions (< 1 minute on 2 cores)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     args = ap.parse_args(argv)
     reps = 3 if args.quick else 5
     tiny_steps, glm_steps = (64, 6) if args.quick else (200, 24)
@@ -123,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['tiny_decode_tokens_per_s_fp8']:>12}{results['tiny_fp8_over_f32_ratio']:>10}")
     print(f"{'GLM-5.2 layer @' + str(glm_cached) + ' (decode)':<28}{results['glm_layer_decode_tokens_per_s_f32']:>12}"
           f"{results['glm_layer_decode_tokens_per_s_fp8']:>12}{results['glm_layer_fp8_over_f32_ratio']:>10}")
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

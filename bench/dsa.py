@@ -18,13 +18,13 @@ JSON keys: dsa_speedup_T<T> (fp8), dsa_speedup_f32_T<T>, and *_ms for every part
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from kernels.attention import absorbed_attention, engine_topk, index_scores, select_rows, sparse_absorbed_attention
 from kernels.fp8 import quantize_rows
 from kernels.rows import F32Rows, Fp8Rows
@@ -110,7 +110,7 @@ def run(length: int, reps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="T=32768 and 3 repetitions (the keys name the T)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--length", type=int, default=None, help="cached rows T (default 131072; --quick 32768)")
     args = ap.parse_args(argv)
     length = args.length or (32_768 if args.quick else 131_072)
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = 3 if args.quick else 9
     results: dict = {"quick": args.quick, "reps": reps, "T": length, "index_topk": TOPK}
     results.update(run(length, reps))
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ moves the rates rep by rep, more alternated reps are what steadies the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -40,6 +39,7 @@ from unittest import mock
 
 import numpy as np
 
+from bench.report import add_json_flag, json_line
 from bench.serve_decode import PROMPT, aggregate_rate, request
 from bench.serve_procs import Server, Streamed
 from bench.serve_sse import stream_all
@@ -170,7 +170,7 @@ def report(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 reps of 32-token streams")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--dir", default=None, help="where the two stores go (a real disk)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure (both sides each)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens each stream decodes")
@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench.durable_stream: glm-mini, {reps} reps of {max_tokens}-token streams, medians; "
           f"{res['elapsed_s']:.0f} s")
     report(res)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    return 0
+    return json_line(res, args.json, sort_keys=True)
 
 
 if __name__ == "__main__":

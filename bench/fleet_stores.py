@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from bench.report import json_line
 
 LEASES = 20  # sessions whose lease is taken, renewed and released per rep
 BUCKET = "fleet-bench"
@@ -124,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               f"takeover {r['takeover_s']:.2f} s (TTL {r['takeover_lease_ttl_s']} s + fetch "
               f"{r['takeover_fetch_s']:.2f} s), restore {r['restore_offloaded_over_raw_read']:.2f} x raw read, "
               f"lease acquire {r['lease_acquire_ms']:.1f} ms, renew {r['lease_renew_ms']:.1f} ms")
-    if args.json:
-        print(json.dumps(out))
-    return 0
+    return json_line(out, args.json)
 
 
 if __name__ == "__main__":

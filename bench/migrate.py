@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import mmap
 import os
 import shutil
@@ -47,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from bench.report import json_line
 from kernels.fp8 import quantize_rows
 from kernels.rows import RecordRows
 from sessionstore.kvfile import Dims, KVWriter, fsync_parent, pack_records
@@ -327,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:22} {lv:>5} {v['ratio']:7.4f} {v['compress_mb_s']:10.0f} "
                   f"{v['decompress_mb_s']:12.0f}")
     print(f"zstd_ratio (level {level}, GLM-shaped decoder rows, layers >= 1): {result['zstd_ratio']}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return json_line(result, args.json)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.report import figures
+
 HERE = Path(__file__).resolve().parents[1]
 PROMPT = [11, 22, 33, 44, 55, 66]  # after a first id that differs per request: 7 tokens
 
@@ -116,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                    for k in KEYS})
     result["load_1min"] = [round(rep["load_1min"], 2) for reps in sides.values() for rep in reps]
     result["reps"] = {side: [{k: round(rep[k], 3) for k in KEYS} for rep in reps] for side, reps in sides.items()}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
-    return 0
+    return figures(result, args.json)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 
 from bench.migrate import build_session
 from bench.object_read import raw_read
+from bench.report import json_line
 from sessionstore.sessions.catalogue import RACY_S
 from sessionstore.sessions.store import SessionStore
 
@@ -298,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  restore {out['restore_offloaded_s'] * 1e3:.1f} ms vs raw read {out['raw_read_s'] * 1e3:.1f} ms of a "
               f"{out['restore_bundle_bytes'] / 1e6:.1f} MB bundle ({out['restore_tokens']} tokens, "
               f"{out['restore_kv_bytes'] / 1e6:.1f} MB kv file)")
-    if args.json:
-        print(json.dumps(out))
-    return 0
+    return json_line(out, args.json)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import add_json_flag
 from bench.serve_core import bench_long_prefill, bench_ttft, glm52_layers_speedup
 from bench.serve_decode import CLIENTS, PROMPT, bench_batch, bench_stream, step_speedup
 from bench.serve_migrate import FIGURE_KEYS, report_figure, run_figure
@@ -207,7 +208,7 @@ def report_session(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a 2,048-token session and fewer reps (~1-2 minutes)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--dir", default=None, help="where the stores go (a real disk)")
     ap.add_argument("--tokens", type=int, default=None, help="committed tokens of the GLM-5.2-shaped session")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each figure")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
 import statistics
@@ -34,6 +33,7 @@ from typing import Any, BinaryIO, cast
 
 import httpx
 
+from bench.report import add_json_flag, json_line
 from bench.serve_pipe import get_bundle, httpx_pipe, pipe_bundle, put_bundle
 from bench.serve_procs import Server
 from bench.serve_session import SESSION, bench_migrate, build, durable_copy, write_glm_cache_checkpoint
@@ -135,7 +135,7 @@ def report(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a 2,048-token session, 2 reps")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--dir", default=None, help="where the stores go (a real disk)")
     ap.add_argument("--tokens", type=int, default=None, help="committed tokens of the session")
     ap.add_argument("--reps", type=int, default=None, help="repetitions of each piece")
@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(res)
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    return 0
+    return json_line(res, args.json, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from bench.report import add_json_flag
 from bench.serve_procs import REPO, Server, stream_completion
 
 MODEL = REPO / "models" / "glm-mini"
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, help="a checkout of the code to compare with (its server alternates "
                     "with ours)")
     ap.add_argument("--dir", default=None, help="where the stores go (a real disk: their fsyncs are measured)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error("--reps must be >= 1")

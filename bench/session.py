@@ -54,6 +54,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from bench.report import add_json_flag
 from bench.session_build import SEED, build_session, glm_cache_model
 from bench.session_suspend import bench_suspend
 from kernels.model.decoder import MLADecoder
@@ -184,7 +185,7 @@ def bench_recompute(model: MLADecoder, s: Session, n_tokens: int, big_chunk: int
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 minute on 2 cores)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--dir", default=None, help="where the session store goes (a real disk)")
     ap.add_argument("--tokens", type=int, default=32768, help="committed tokens in the session")
     args = ap.parse_args(argv)

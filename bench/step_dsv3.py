@@ -13,7 +13,6 @@ rep does the same work. Process CPU (all threads: the big layer's products are t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from bench.decoder import glm_layer_config, random_weights
+from bench.report import figures
 from kernels.model import DecoderCache, MLADecoder, parse_config
 from kernels.model.decoder import Queries
 from kernels.model.step_rows import StepRow
@@ -110,12 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in (1, 16):
             result[f"dsv3_{name}_compiled{n}_over_main"] = round(med[f"compiled{n}"] / med[f"main{n}"], 3)
             result[f"dsv3_{name}_ref{n}_over_main"] = round(med[f"ref{n}"] / med[f"main{n}"], 3)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:36s} {value}")
-    return 0
+    return figures(result, args.json, width=36)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ tree: ``PYTHONPATH=/work/main python bench/step_glm52.py --json`` (a baseline fo
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from bench.report import figures
 from bench.serve_core import glm52_layers_config
 from kernels.model.config import parse_config
 from kernels.model.glm_decoder import GlmDecoder
@@ -98,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     numba.set_num_threads(args.threads)
     result = measure(args.experts, 1 if args.quick else args.reps)
     result["glm52_step_threads"] = args.threads
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:32s} {value}")
-    return 0
+    return figures(result, args.json, width=32)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ figures hold on a loaded machine (issue 36 part 6).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 
+from bench.report import figures
 from kernels.model import DecoderCache, MLADecoder, load_model, resolve_model
 from kernels.model.text import StreamDecoder, load_text
 
@@ -83,12 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               "step_rows16_ref_us": round(med["ref16"], 1),
               "step_rows16_ref_ratio": round(med["step16"] / med["ref16"], 3),
               "detok_us_per_token": round(_detok_us(), 2)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:24s} {value}")
-    return 0
+    return figures(result, args.json, width=24)
 
 
 if __name__ == "__main__":

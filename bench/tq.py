@@ -15,7 +15,6 @@ JSON keys: cpu_int4_over_f32_ratio_T32768, cpu_polar4_over_f32_ratio_T32768, <co
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from functools import partial
 import numpy as np
 
 from bench.attention import paired_medians, peak_bytes
+from bench.report import add_json_flag, json_line
 from kernels.attention import absorbed_attention
 from kernels.rows import F32Rows, TqRows
 from kernels.tq import KV_DTYPES_V3, TqCodec
@@ -127,7 +127,7 @@ def bytes_per_token() -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and rows (about a minute on 2 cores)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_json_flag(ap)
     ap.add_argument("--length", type=int, default=LENGTH, help=f"cached rows T of (a) (default {LENGTH})")
     ap.add_argument("--rows", type=int, default=0, help="rows of (b, c) (default 1024 with --quick, else 4096)")
     args = ap.parse_args(argv)
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(run_attention(reps, args.length))
     results.update(run_codecs(args.rows or (1024 if args.quick else 4096), 3 if args.quick else 7))
     results.update(bytes_per_token())
-    if args.json:
-        print(json.dumps(results))
-    return 0
+    return json_line(results, args.json)
 
 
 if __name__ == "__main__":

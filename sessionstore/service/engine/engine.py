@@ -5,7 +5,8 @@ A request's work (a turn, a session operation) is a job the loop runs on its own
 run one at a time and touch the sessions without a lock; the loop batches every waiting session's
 forward into one step, runs each turn's decode loop between steps, and admits long prompts in
 chunks beside them. Two requests on one session never interleave: while a session has work queued
-or running, another request on it is refused with 409 (:meth:`Engine.claim`). Past
+or running, another request on it is refused with 409, or, when the turn holding it has ended and only
+commits, waits a few seconds for it (:mod:`.claims`). Past
 ``max_resident`` resident sessions (or ``max_kv_bytes``) the least recently used idle one is
 suspended (commit, release memory and lock); its next request resumes it token-exact. Shutdown
 cuts every running turn at its next token, waits for the jobs in flight, then commits and suspends
@@ -23,6 +24,7 @@ from typing import Any
 from kernels.errors import ChecksumMismatchError
 from kernels.model.text import ChatTokenizer
 from sessionstore.log import get_logger
+from sessionstore.service.engine.claims import Claims
 from sessionstore.service.engine.fencing import FencedSessions
 from sessionstore.service.engine.fleet_hooks import FleetHooks, NoFleet
 from sessionstore.service.engine.metrics import EngineMetrics
@@ -87,8 +89,7 @@ class Engine:
         self.stopping = threading.Event()
         self.last_use: dict[str, float] = {}
         self._sessions: dict[str, Session] = {}  # touched only by the loop's jobs
-        self._busy: set[str] = set()
-        self._lock = threading.Lock()  # the busy set
+        self.claims = Claims()  # which request holds each session; the requests waiting for one
         self.fences = FencedSessions(self.metrics)  # sessions fenced by a failed commit (sessions.fence)
         self.metrics.bind_sessions(self.resident_count, self.suspended_count, store.residency.resident_bytes,
                                    lambda: self.loop.batch.steps, self.loop.commits.in_flight)
@@ -97,54 +98,55 @@ class Engine:
 
     # ---- work --------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], *, session: str | None = None, turn: bool = False,
-               then: Callable[[Any], Any] | None = None) -> Future[Any]:
-        """Run ``fn`` as a job on the loop (holding ``session``, refused with 409 while busy); its
-        future. The session is free again BEFORE the outcome is delivered, so a client that waits
-        for its reply and asks again is never refused. ``then`` (given ``fn``'s result; its own
-        result is the job's) runs after the session is free: what it makes visible (a stored
-        response a client polls for) is never seen while the session is still held."""
+               then: Callable[[Any], Any] | None = None, cut: Callable[[], bool] | None = None) -> Future[Any]:
+        """Run ``fn`` as a job on the loop holding ``session`` (:meth:`Claims.take_or_wait`: refused
+        with 409 while a turn still generating holds it; started once it is released when a turn that
+        has ended holds it); its future. ``cut``: asked whether this request's client has gone (a turn
+        whose stream was cut has ended). The session is free again BEFORE the outcome is delivered, so
+        a client that waits for its reply and asks again is never refused. ``then`` (given ``fn``'s
+        result; its own result is the job's) runs after the session is free: what it makes visible (a
+        stored response a client polls for) is never seen while the session is still held."""
         if self.stopping.is_set():
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         queued = self.loop.in_flight()
         if turn and queued >= self.limits.max_queued_turns:
             raise ApiError(503, f"{queued} requests are in flight; try again later", code="busy")
-        if session is not None:
-            self.claim(session)
 
         def job() -> Any:
             try:
                 result = fn()
             finally:
-                self.release(session)
+                self.claims.release(session)
             return result if then is None else then(result)
 
-        try:
-            return self.loop.submit(job)
-        except RuntimeError:  # the loop has stopped
-            self.release(session)
-            raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+        def start() -> Future[Any]:  # holding the session (if any)
+            if self.stopping.is_set():
+                raise ApiError(503, "the server is shutting down", code="shutting_down")
+            try:
+                return self.loop.submit(job)
+            except RuntimeError:  # the loop has stopped
+                raise ApiError(503, "the server is shutting down", code="shutting_down") from None
+
+        return start() if session is None else self.claims.take_or_wait(session, start, cut)
 
     def at_token(self) -> bool:
         """A turn's token boundary: True once the server stops (the turn then ends and commits)."""
         return self.stopping.is_set()
 
     def claim(self, session_id: str) -> None:
-        """Mark ``session_id`` busy, or refuse with 409 while another request holds it."""
-        with self._lock:
-            if session_id in self._busy:
-                raise ApiError(409, f"session {session_id!r} is busy with another request; retry when it has "
-                               "finished", code="session_busy")
-            self._busy.add(session_id)
+        """Hold ``session_id`` now, or refuse with 409 while another request holds it (never waits)."""
+        self.claims.take(session_id)
 
     def release(self, session_id: str | None) -> None:
-        if session_id is not None:
-            with self._lock:
-                self._busy.discard(session_id)
+        """Free ``session_id`` (handed to the first request waiting for it, if any)."""
+        self.claims.release(session_id)
 
     def stop(self) -> None:
-        """Refuse new work, cut running turns at their next token, wait for the jobs in flight,
-        then commit and suspend every open session (a last job) and stop the loop."""
+        """Refuse new work (the requests waiting for a session get 503 at once), cut running turns at
+        their next token, wait for the jobs in flight, then commit and suspend every open session (a
+        last job) and stop the loop."""
         self.stopping.set()
+        self.claims.close()  # requests waiting for a session: 503 now
         self.loop.wait_idle()
         if self.loop.thread.is_alive():
             self.loop.submit(self._close_all).result()
@@ -212,9 +214,7 @@ class Engine:
         for session in self.store.residency.sessions():  # least recently used first
             if not _over_limits(self.store.residency.sessions(), self.limits.max_resident, self.max_kv_bytes):
                 return
-            with self._lock:
-                idle = session.id not in self._busy
-            if session is not keep and idle:
+            if session is not keep and not self.claims.held(session.id):
                 session.suspend()
                 self.fleet.check_in(session.id)  # push back and release
                 self.metrics.evictions.inc()
@@ -237,7 +237,9 @@ class Engine:
                     session.ensure_resident()  # a checksum pass beside awaited before anything is written
                     session.await_files()  # its tier record goes into its directory
                     self.tiers.after_open(spec)
-                outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted)
+                sid = spec.session  # its last token drawn: a request on it meanwhile waits for its commit
+                outcome = self.runner.on_session(session, spec, sink, self.at_token, admitted,
+                                                 on_end=lambda: self.claims.end(sid))
             except BaseException as exc:
                 if isinstance(exc, ChecksumMismatchError):  # refused by the pass beside: as open_session counts it
                     self.metrics.records_refused.inc(exc.records)

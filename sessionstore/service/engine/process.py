@@ -162,7 +162,10 @@ class Core:
         job = None if call.response is None else StoredResponseTurn(engine, self.records, spec, call.response,
                                                                     fleet_responses(engine))
 
+        started = threading.Event()
+
         def run() -> TurnOutcome:
+            started.set()
             metrics.waiting.dec()
             metrics.running.inc()
             try:
@@ -171,18 +174,23 @@ class Core:
                 metrics.running.dec()
 
         metrics.waiting.inc()
-        try:
-            fut = engine.submit(run, session=spec.session, turn=True, then=None if job is None else job.publish)
+        with self._lock:  # before the turn can start: a Cancel that follows it finds its sink
+            self._sinks[rid] = sink
+        try:  # a cut stream's turn has ended: a request on its session waits for its commit
+            fut = engine.submit(run, session=spec.session, turn=True, then=None if job is None else job.publish,
+                                cut=sink.cancelled)
         except BaseException as exc:
+            with self._lock:
+                self._sinks.pop(rid, None)
             metrics.waiting.dec()
             self.outbox.put(wire.Failed(rid, error_info(exc)))
             return
-        with self._lock:
-            self._sinks[rid] = sink
 
         def deliver(done: Future[TurnOutcome]) -> None:
             with self._lock:
                 self._sinks.pop(rid, None)
+            if not started.is_set():  # refused while it waited for its session (409 past the bound, 503)
+                metrics.waiting.dec()
             error = done.exception()
             self.outbox.put(wire.Failed(rid, error_info(error)) if error is not None
                             else wire.TurnDone(rid, done.result()))

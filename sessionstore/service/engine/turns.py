@@ -31,6 +31,7 @@ from sessionstore.sessions import (
     OutputProcessor,
     Session,
     TurnReply,
+    TurnStop,
     remove_record,
     run_turn,
 )
@@ -66,6 +67,24 @@ def max_new_for(spec: TurnSpec, prompt_len: int, context: int, default: int) -> 
     max_new = spec.max_tokens if spec.max_tokens is not None else max(1, min(default, context - prompt_len + 1))
     check_room(range(prompt_len), max_new, context)  # a range: the length is all it reads
     return max_new
+
+
+class EndingOutput(OutputProcessor):
+    """A turn's output that calls ``on_end`` once, when the turn's last token is drawn (its ``max_new``-th,
+    or one that ends it: eos, a stop string, an abort), before its commit."""
+
+    def __init__(self, max_new: int, on_end: Callable[[], None], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.max_new, self.on_end = max_new, on_end
+
+    def on_token(self, token: int, position: int) -> None:
+        try:
+            super().on_token(token, position)
+        except TurnStop:
+            self.on_end()
+            raise
+        if len(self.tokens) == self.max_new:
+            self.on_end()
 
 
 class TurnRunner:
@@ -105,11 +124,12 @@ class TurnRunner:
         return Admitted(ids, max_new_for(spec, len(ids), self.context, self.default_max_tokens))
 
     # ---- the turn's draw and output ---------------------------------------------------------------
-    def _output(self, spec: TurnSpec, draw: TurnDraw, sink: TurnSink,
-                at_token: Callable[[], bool]) -> OutputProcessor:
+    def _output(self, spec: TurnSpec, draw: TurnDraw, sink: TurnSink, at_token: Callable[[], bool],
+                ending: tuple[int, Callable[[], None]] | None = None) -> OutputProcessor:
         """The turn's output processor: eos ends it unless ``ignore_eos``, the request's stop
         strings, text to the sink (with the log-probabilities of the tokens drawn since the last
-        piece, when asked for), a stopping server or a vanished client aborts it."""
+        piece, when asked for), a stopping server or a vanished client aborts it. ``ending``:
+        ``(max_new, on_end)``, ``on_end`` called when its last token is drawn (:class:`EndingOutput`)."""
         sent = 0
 
         def with_logprobs(piece: str) -> None:
@@ -118,9 +138,10 @@ class TurnRunner:
             sink.text(piece, fresh)
 
         on_text = sink.text if spec.top_logprobs is None else with_logprobs
-        return OutputProcessor(eos=frozenset() if spec.ignore_eos else self.eos, tokenizer=self.tok,
-                               stops=spec.stops, on_text=on_text,
-                               should_abort=lambda: at_token() or sink.cancelled())
+        kw: dict[str, Any] = {"eos": frozenset() if spec.ignore_eos else self.eos, "tokenizer": self.tok,
+                              "stops": spec.stops, "on_text": on_text,
+                              "should_abort": lambda: at_token() or sink.cancelled()}
+        return OutputProcessor(**kw) if ending is None else EndingOutput(*ending, **kw)
 
     def _draw(self, spec: TurnSpec) -> TurnDraw:
         """The turn's draw: the request's settings (:func:`sampler_for`; ``min_tokens`` bans the eos
@@ -151,15 +172,16 @@ class TurnRunner:
 
     # ---- on a session --------------------------------------------------------------------------
     def on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
-                   admitted: Admitted) -> TurnOutcome:
+                   admitted: Admitted, on_end: Callable[[], None] | None = None) -> TurnOutcome:
+        """One turn on ``session``; ``on_end`` called once its last token is drawn (before its commit)."""
         with durable_sink(session, sink) as turn_sink:  # --durable-stream: text once committed
-            return self._on_session(session, spec, turn_sink, at_token, admitted)
+            return self._on_session(session, spec, turn_sink, at_token, admitted, on_end)
 
-    def _on_session(self, session: Session, spec: TurnSpec, sink: TurnSink,
-                    at_token: Callable[[], bool], admitted: Admitted) -> TurnOutcome:
+    def _on_session(self, session: Session, spec: TurnSpec, sink: TurnSink, at_token: Callable[[], bool],
+                    admitted: Admitted, on_end: Callable[[], None] | None) -> TurnOutcome:
         prompt, max_new = admitted.ids, admitted.max_new
         draw = self._draw(spec)
-        output = self._output(spec, draw, sink, at_token)
+        output = self._output(spec, draw, sink, at_token, None if on_end is None else (max_new, on_end))
         if spec.kind == "chat":
             conv = Conversation.open(session, self._text_tokenizer("chat"))
             structured = draw.constraint is not None
@@ -187,4 +209,4 @@ class TurnRunner:
         return self._outcome(spec, draw, reply)
 
 
-__all__ = ["Admitted", "TurnRunner", "TurnSink", "max_new_for", "sampler_for"]
+__all__ = ["Admitted", "EndingOutput", "TurnRunner", "TurnSink", "max_new_for", "sampler_for"]
