@@ -22,6 +22,7 @@ from kernels.errors import ColiError, LimitError
 from kernels.rows import RecordRows
 from sessionstore.kvfile import upgrade as _upgrade
 from sessionstore.kvfile.appender import Appender
+from sessionstore.kvfile.check_beside import PendingCheck
 from sessionstore.kvfile.durability import Durability, SharedDurability
 from sessionstore.kvfile.header import MAX_NREC, Dims, Header, complete_records, validate_dims
 from sessionstore.kvfile.integrity import Vouched, VouchedMapping
@@ -137,6 +138,13 @@ class KVWriter:
     def vouched(self) -> Vouched | None:
         """What ``open(vouch=...)`` found (None without ``vouch``)."""
         return self._vouch.vouched
+
+    @property
+    def check_beside(self) -> PendingCheck[Vouched] | None:
+        """The checksum pass ``open(vouch_beside=True)`` started on a thread of its own (None when it
+        ran inside ``open``), running or ended: its caller takes its result before anything
+        computed from the rows leaves (:class:`~.check_beside.PendingCheck`)."""
+        return self._vouch.pending
 
     def take_vouched_reader(self) -> KVReader | None:
         """The reader ``open(vouch=...)`` checked the records through, handed to the caller when
