@@ -20,8 +20,8 @@ from sessionstore.kvfile import HEADER_SIZE, open_kv
 from sessionstore.service.engine.engine import Engine
 from sessionstore.service.errors import ApiError
 from sessionstore.service.wire.turn_spec import TurnSpec
-from sessionstore.sessions.resident_files import ResidentFiles
 from sessionstore.sessions import KV_NAME, MANIFEST_NAME, SIDECAR_NAME, SessionOptions, SessionStore, reference_turns
+from sessionstore.sessions.resident_files import ResidentFiles
 
 FIRST = [7, 40, 41, 200, 9, 13, 77, 5]  # the first turn's prompt
 
