@@ -191,7 +191,7 @@ class DecoderCache:
         resumed cache's are a strided view of its file's records, one page apart)."""
         own = self._owned.tokens[max(start - self._base_len, 0) : self.length - self._base_len]
         base = self._base_tokens[min(start, self._base_len) : min(self.length, self._base_len)]
-        return np.concatenate([base, own]).astype("<i4")
+        return np.concatenate([base, own]).astype("<i4", copy=False)  # a new array already
 
     def records_since(self, start: int) -> RecordRows:
         """Positions [start, length) across all layers, record-major, as the file stores them."""

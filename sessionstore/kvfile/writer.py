@@ -51,7 +51,8 @@ class KVWriter:
         self._lock = lock
         self._file = Appender(path=path, dims=dims, options=options, io=io, opened=opened, nrec=nrec)
         self._closed = False
-        self._vouch = VouchedMapping()  # what open(vouch=...) checked before any repair, and how
+        self.vouching = VouchedMapping()  # what open(vouch=...) checked before any repair, and how; its
+        # ``pending``: the pass open(vouch_beside=True) started on a thread, whose result the caller takes
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -136,12 +137,12 @@ class KVWriter:
     @property
     def vouched(self) -> Vouched | None:
         """What ``open(vouch=...)`` found (None without ``vouch``)."""
-        return self._vouch.vouched
+        return self.vouching.vouched
 
     def take_vouched_reader(self) -> KVReader | None:
         """The reader ``open(vouch=...)`` checked the records through, handed to the caller when
         it still describes the file (:meth:`VouchedMapping.take`); None otherwise."""
-        return self._vouch.take(self._file.nrec, self.version)
+        return self.vouching.take(self._file.nrec, self.version)
 
     # -- append -----------------------------------------------------------------------------
     def append(self, rows: RecordRows) -> int:
@@ -211,7 +212,7 @@ class KVWriter:
                 self.commit()
         finally:
             self._closed = True
-            self._vouch.drop()
+            self.vouching.drop()
             self._file.close()
             self._io.release()
             self._lock.release()
@@ -240,13 +241,14 @@ def _open_locked(cls: type[KVWriter], path: str, dims: Dims, options: WriterOpti
         complete = complete_records(header, opened.size)
         writer = cls(path=path, dims=dims, options=options, io=io, lock=lock, opened=opened, nrec=complete)
         if vouch is not None:  # under the lock, before any repair touches the files
-            writer._vouch.check(open_kv(path, expect=dims, populate=True), vouch, beside=beside)  # every record hashed
+            # every record hashed; beside, the pages are mapped by the tokens' gather (KVReader.token_copy)
+            writer.vouching.check(open_kv(path, expect=dims, populate=not beside), vouch, beside=beside)
         if not writer.pending_upgrade:
             writer._file.recover(header.nrec)
     except BaseException:
         os.close(opened.fd)
         if writer is not None:
-            writer._vouch.drop()
+            writer.vouching.drop()
         raise
     log.info("kv.open", path=path, version=header.version, nrec=writer.nrec, kv_dtype=options.kv_dtype,
              created=opened.created, pending_upgrade=writer.pending_upgrade, mode="write")

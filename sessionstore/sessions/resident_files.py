@@ -113,11 +113,11 @@ class ResidentFiles:
         n = writer.nrec
         if reader.nrec != n:  # cannot happen: we hold the lock and the writer recovered the file
             raise CorruptionError(f"{self.kv_path}: reader sees {reader.nrec} records, writer {n}")
-        vouched = writer.vouched
-        self.check = vouched.pending if vouched is not None else None
+        self.check = writer.vouching.pending  # held even when it has already passed: its result is still taken
         # zero-copy rows, scales gathered in one pass; with the pass beside, a CPU cache reads them in place
         blocks = reader.layer_blocks(n, scales_in_place=self.check is not None and backend == "cpu")
-        self.cache = model.cache_from_blocks(blocks, reader.tokens[:n], kv_dtype=manifest.kv_dtype, backend=backend,
+        tokens = reader.token_copy()[:n]  # [n] i32, contiguous: the turn's prefix check and sampler read it next
+        self.cache = model.cache_from_blocks(blocks, tokens, kv_dtype=manifest.kv_dtype, backend=backend,
                                              index_rows=reader.index_block(n))
 
     @property

@@ -114,3 +114,52 @@ def test_a_writer_opened_beside_holds_the_pass_and_its_close_waits_for_it(
     assert vouched.pending.result().checked == len(ENGINE_TOKENS) and writer.vouched == vouched.pending.result()
     assert np.array_equal(reader.tokens, np.asarray(ENGINE_TOKENS, dtype="<i4"))
     reader.close()
+
+
+def test_a_second_pass_runs_while_the_first_is_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes run on kept threads (no thread started per resume): one held does not hold another
+    session's, and each runs on a thread named as before."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    held_path, other = _file(tmp_path / "a"), _file(tmp_path / "b")
+    let_go, names = threading.Event(), set()
+    real = integrity.hash_records
+
+    def held(reader: Any, start: int, stop: int) -> np.ndarray:
+        names.add(threading.current_thread().name)
+        if reader.path == str(held_path):
+            assert let_go.wait(30)
+        return real(reader, start, stop)
+
+    monkeypatch.setattr(integrity, "hash_records", held)
+    with open_kv(held_path) as first, open_kv(other) as second:
+        pending_first = start_vouching(first, first.nrec)
+        pending_second = start_vouching(second, second.nrec)
+        assert pending_first is not None and pending_second is not None
+        assert pending_second.result().checked == second.nrec  # while the first is still held
+        assert not pending_first.done()
+        let_go.set()
+        assert pending_first.result().checked == first.nrec
+    assert names == {"coli-vouch"}
+
+
+def test_a_writer_opened_beside_keeps_its_pass_after_it_passed_and_gathers_the_tokens_once(
+        tmp_path: Path) -> None:
+    """The pass is still the caller's to take once it has passed (``vouching.pending``; ``vouched``
+    then gives its result); the tokens were gathered into one contiguous copy before it started."""
+    path = _file(tmp_path)
+    writer = KVWriter.open(path, INDEXER_DIMS, kv_dtype="fp8", create=False, vouch=len(ENGINE_TOKENS),
+                           vouch_beside=True)
+    try:
+        pending = writer.vouching.pending
+        assert pending is not None
+        pending.wait()
+        assert writer.vouching.pending is pending and writer.vouched == pending.result()
+        reader = writer.take_vouched_reader()
+        assert reader is not None
+        tokens = reader.token_copy()
+        assert tokens is reader.token_copy() and tokens.flags.c_contiguous  # gathered once
+        assert np.array_equal(tokens, np.asarray(ENGINE_TOKENS, dtype="<i4"))
+        reader.close()
+    finally:
+        writer.close(commit=False)
