@@ -10,7 +10,9 @@ as the prompt's ids up to a token boundary of the prompt, the turn's prompt is t
 followed by the prompt's ids after that boundary: the same text, the same ids for the new messages
 (the full rendering's own), the reply's ids as generated. Nothing is rendered or tokenised again:
 the comparison is of the two id sequences' bytes (the tokenizer's byte-level table), special
-tokens compared as ids, not as their spelling.
+tokens compared as ids, not as their spelling; a special id the reply sampled, which its text
+skips, stays in the prompt as it stays in the history (the conversation record already stands for
+the history with it).
 """
 from __future__ import annotations
 
@@ -22,45 +24,43 @@ from sessionstore.sessions.turn_loop import common_prefix
 
 
 def spelled_end(tokenizer: ChatTokenizer, history: Sequence[int], prompt: Sequence[int]) -> int | None:
-    """The position m in ``prompt`` such that ``prompt[:m]`` spells exactly ``history``'s text (the
-    same bytes, the same special tokens in the same places), or None: no such token boundary, or
-    a tokenizer without a byte-level table (its decoding is not a concatenation of tokens' bytes).
-    Both share their first ``common_prefix`` ids; only what follows is compared."""
-    table = tokenizer.token_bytes(skip_special_tokens=False)  # id -> its bytes (specials spelled out)
+    """The position m in ``prompt`` such that ``prompt[:m]`` spells ``history``'s text, or None.
+
+    Spelled: past their common prefix, the plain tokens of both give the same bytes (the
+    tokenizer's byte-level table) and every special id of ``prompt`` there is one of
+    ``history`` in the same place; a special id of ``history`` that ``prompt`` lacks is one its
+    reply's text dropped (a reply is text with special tokens skipped: an eos id sampled past
+    under ``ignore_eos``), and stays. A special id ending ``history`` (the eos that ended the
+    reply) that ``prompt`` has next is taken as the template's own (``<|user|>``, which GLM's
+    eos doubles as). None: the history's text ends inside a prompt token, the texts differ, or
+    a tokenizer without a byte-level table (its decoding is not a concatenation of tokens' bytes)."""
+    table = tokenizer.token_bytes(skip_special_tokens=False)  # id -> its bytes
     if table is None:
         return None
-    start = common_prefix(history, prompt)
-    rest = [int(i) for i in history[start:]]
-    if not rest:
-        return start if start == len(history) else None
-    want = sum(len(table[i]) for i in rest)
-    got, m = 0, start
-    while got < want and m < len(prompt):
-        got += len(table[int(prompt[m])])
-        m += 1
-    if got != want:
-        return None  # the history's text ends inside a prompt token (or the prompt is shorter)
     special = tokenizer.special_ids
-    if _pieces(rest, table, special) != _pieces([int(i) for i in prompt[start:m]], table, special):
-        return None
-    return m
-
-
-def _pieces(ids: list[int], table: list[bytes], special: frozenset[int]) -> list[bytes | int]:
-    """``ids`` as runs of plain tokens' bytes joined, with each special id kept as itself."""
-    out: list[bytes | int] = []
-    run: list[bytes] = []
-    for i in ids:
-        if i in special:
-            if run:
-                out.append(b"".join(run))
-                run = []
-            out.append(i)
-        else:
-            run.append(table[i])
-    if run:
-        out.append(b"".join(run))
-    return out
+    j = common_prefix(history, prompt)
+    if j == len(history):
+        return j
+    n = len(prompt)
+    pending = b""  # the history's plain bytes no prompt token has covered yet
+    for t in (int(i) for i in history[j:]):
+        if t in special:
+            if not pending and j < n and int(prompt[j]) == t:
+                j += 1  # the same special in the same place
+            continue  # else one the reply's text dropped: kept in the history, not in the text
+        pending += table[t]
+        while pending and j < n:
+            p = int(prompt[j])
+            if p in special:
+                return None  # the prompt has a special token where the history has text
+            piece = table[p]
+            if pending.startswith(piece):
+                pending, j = pending[len(piece):], j + 1
+            elif piece.startswith(pending):
+                break  # this prompt token spans past the history's bytes so far: read on
+            else:
+                return None
+    return j if not pending else None
 
 
 def splice_prompt(tokenizer: ChatTokenizer, held: Sequence[dict[str, Any]], messages: Sequence[dict[str, Any]],

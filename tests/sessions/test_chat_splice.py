@@ -32,10 +32,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_text_model(tmp_path_factory.mktemp("splice-model"), "glm")
 
 
-def letters_only(tok: Any) -> Sampler:
-    """Greedy, every token but the single letters of LETTERS (and the eos ids) pushed far down: a
+def letters_only(tok: Any, *specials: str) -> Sampler:
+    """Greedy, every token but the single letters of LETTERS (and ``specials``) pushed far down: a
     reply of valid text spelled one letter a token, which the rendering tokenises otherwise."""
-    ids = [tok.encode(c) for c in LETTERS]
+    ids = [tok.encode(c) for c in [*LETTERS, *specials]]
     assert all(len(i) == 1 for i in ids)
     return Sampler(logit_bias=tuple((i, 100.0) for i in sorted({j[0] for j in ids})))
 
@@ -55,12 +55,14 @@ def _open(root: Path, model_dir: Path, sid: str = "a") -> tuple[Any, Conversatio
     return s, Conversation.open(s, load_text(model_dir))
 
 
-def _first_turn(root: Path, model_dir: Path) -> tuple[Any, Conversation, list[dict[str, str]]]:
-    """A session after one turn whose reply re-tokenises to other ids; the messages a client then holds."""
+def _first_turn(root: Path, model_dir: Path, *specials: str) -> tuple[Any, Conversation, list[dict[str, str]]]:
+    """A session after one turn whose reply re-tokenises to other ids (``specials``: sampled past
+    them, their ids in the reply, not in its text); the messages a client then holds."""
     s, conv = _open(root, model_dir)
     tok = conv.tokenizer
     msgs = [{"role": "system", "content": "Be brief."}, _user("hello there")]
-    reply = conv.respond(msgs, 12, sampler=letters_only(tok))
+    reply = conv.respond(msgs, 12, sampler=letters_only(tok, *specials), stop_at_eos=not specials)
+    assert all(any(t == tok.encode(c)[0] for t in reply.tokens[:-1]) for c in specials)  # the premise
     msgs = [*msgs, {"role": "assistant", "content": reply.text}]
     history = s.history()
     assert tok.decode(reply.tokens) == reply.text and "\ufffd" not in reply.text
@@ -68,22 +70,31 @@ def _first_turn(root: Path, model_dir: Path) -> tuple[Any, Conversation, list[di
     return s, conv, msgs
 
 
-def test_a_reply_that_retokenises_otherwise_is_kept_as_generated(tmp_path: Path, model_dir: Path) -> None:
+@pytest.mark.parametrize("specials", [(), ("<|user|>",)])
+def test_a_reply_that_retokenises_otherwise_is_kept_as_generated(tmp_path: Path, model_dir: Path,
+                                                                 specials: tuple[str, ...]) -> None:
     """Three turns, each sent with the whole history: no truncate, the whole history reused, the
-    prompt spells the full rendering and ends with its ids; across a suspend and a reopen."""
-    s, conv, msgs = _first_turn(tmp_path, model_dir)
+    prompt spells the full rendering and ends with its ids; across a suspend and a reopen. With
+    an eos id sampled past inside a reply (``ignore_eos``: the reply's text skips it), the id
+    stays in the prompt as in the history, and the texts agree with special tokens skipped."""
+    s, conv, msgs = _first_turn(tmp_path, model_dir, *specials)
     tok, epoch = conv.tokenizer, _epoch(s)
     for turn in range(2):
         before = s.history()
         msgs = [*msgs, _user(f"and {turn}?")]
         full = tok.chat_ids(msgs)
-        reply = conv.respond(msgs, 10, sampler=letters_only(tok))
+        reply = conv.respond(msgs, 10, sampler=letters_only(tok, *specials), stop_at_eos=not specials)
         history = s.history()
         prompt = history[:reply.prompt_tokens]
         assert prompt[:len(before)] == before  # the reply's ids as generated, not re-fed
         assert reply.reused_prefix == len(before) - 1  # every row (the reply's last token was pending)
         assert prompt != full and prompt[len(before):] == full[len(full) - (len(prompt) - len(before)):]
-        assert tok.decode(prompt, skip_special_tokens=False) == tok.render(msgs)  # the same text
+        if specials:  # the same text as the stored replies' (special tokens skipped), the same markers and more
+            assert tok.decode(prompt) == tok.decode(full) and tok.decode(prompt, skip_special_tokens=False) != \
+                tok.render(msgs)
+            assert sum(t in tok.special_ids for t in prompt) > sum(t in tok.special_ids for t in full)
+        else:
+            assert tok.decode(prompt, skip_special_tokens=False) == tok.render(msgs)  # the same text
         assert _epoch(s) == epoch  # no truncate
         record = read_record(s.directory)
         assert record.turn is None and record.agrees_with(history) and record.messages[:-1] == msgs
