@@ -9,12 +9,18 @@ A reply to ``messages`` (the whole conversation, ending with the new prompt) goe
    complete messages before it keep the history they stood for;
 3. reuse the longest common prefix k of the committed records and P (truncate there), feed
    P[k:] and COMMIT the kv file: the committed history is now exactly P;
+   where ``messages`` continue the conversation's complete messages exactly (its last reply
+   as recorded) and the history's ids spell the same text as P's up to a token boundary m
+   of P, P is the history + P[m:] instead (:mod:`~.chat_splice`: the reply's ids as
+   generated, not as its text re-tokenises; nothing truncated), and the open turn says so
+   (``spliced``: how many of P's ids are the history's);
 4. sample, streaming text; eos (any of the tokenizer's eos ids), the limit or an interruption
    (checked at each token boundary) ends the turn and the kv file is committed;
 5. write the conversation file with the reply appended as an assistant message and the turn
    closed; it names the whole history (records + pending token) by length and digest.
 
-Recovery (:meth:`Conversation.open`), history H = committed records + pending tokens:
+Recovery (:meth:`Conversation.open`), history H = committed records + pending tokens (a
+spliced turn's P: H's first ``spliced`` ids + its rendering's ids after them, as in 3):
 an open turn whose prompt H starts with is closed with H[len(P):] as the (partial) reply; an
 open turn whose prompt never reached the file (H is still the complete messages' history) is
 dropped; an open turn cut after its truncation (H a proper prefix of P) has P[len(H):] fed and
@@ -33,6 +39,7 @@ from kernels.model.logits import TurnDraw, settings_of
 from kernels.model.protocols import Decoder
 from kernels.model.sampling import Sampler
 from kernels.model.text import ChatTokenizer
+from sessionstore.sessions.chat_splice import spelled_end, splice_prompt
 from sessionstore.sessions.conversation_file import (
     ConversationRecord,
     OpenTurn,
@@ -48,6 +55,11 @@ from sessionstore.sessions.turn_loop import common_prefix
 
 class ConversationMismatchError(ColiError):
     """A session's conversation file does not describe its committed tokens."""
+
+
+def fits(prompt: Sequence[int], max_new: int, context: int) -> bool:
+    """Whether a turn of ``prompt`` and ``max_new`` new tokens (the last never fed) fits ``context``."""
+    return len(prompt) + max(max_new - 1, 0) <= context
 
 
 def check_room(prompt: Sequence[int], max_new: int, context: int) -> None:
@@ -90,6 +102,13 @@ class Conversation:
 
     def _recover(self, turn: OpenTurn, history: list[int]) -> None:
         prompt = self.tokenizer.chat_ids(turn.messages)
+        if turn.spliced is not None:  # the prompt was the history's first ids + the rendering's rest
+            m = spelled_end(self.tokenizer, history[:turn.spliced], prompt) if len(history) >= turn.spliced else None
+            if m is None:
+                raise ConversationMismatchError(
+                    f"session {self.session.id!r}: the interrupted turn's prompt was spliced onto {turn.spliced} "
+                    "tokens that its rendering no longer spells")
+            prompt = [*history[:turn.spliced], *prompt[m:]]
         if len(prompt) != turn.prompt_tokens or tokens_digest(prompt) != turn.prompt_digest:
             raise ConversationMismatchError(
                 f"session {self.session.id!r}: the interrupted turn no longer renders to the prompt it fed "
@@ -158,9 +177,15 @@ class Conversation:
             check_room(prompt, max_new, model.config.max_position_embeddings)  # here, the one check
         prompt = list(prompt)
         session.ensure_resident()
+        history = session.history()  # the records' ids + the pending token (the reply's last, not yet fed)
+        spliced = None if self.record.turn is not None else splice_prompt(
+            self.tokenizer, self.record.messages, checked, history, prompt)
+        if spliced is not None and fits(spliced, max_new, model.config.max_position_embeddings):
+            prompt = spliced  # the reply's ids as generated, the new messages' ids as rendered: no truncate
         draw = session.manifest.sampler if sampler is None else sampler
         drawn_with = settings_of(draw)
-        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with, response_format)
+        self.record.turn = OpenTurn(checked, len(prompt), tokens_digest(prompt), drawn_with, response_format,
+                                    len(history) if prompt is spliced else None)
         self._write_record()  # the turn is open before its prompt reaches the file
         k = common_prefix(session.cache.tokens, prompt)
         if k < session.cache.length:
@@ -221,14 +246,25 @@ class ReferenceChat:
         self.cache = model.new_cache(kv_dtype)
         self.sampler = sampler or Sampler()
         self.eos = frozenset(tokenizer.eos_ids)
+        self.held: list[dict[str, Any]] = []  # the messages the cache's tokens stand for (as a record's)
+        self.prompt: list[int] = []  # the last turn's prompt (spliced where Conversation splices)
+        self.history: list[int] = []
 
     def respond(self, messages: Sequence[dict[str, Any]], max_new: int) -> list[int]:
-        prompt = self.tokenizer.chat_ids(list(messages), add_generation_prompt=True)
+        checked = check_messages(list(messages), "messages")
+        prompt = self.tokenizer.chat_ids(checked, add_generation_prompt=True)
+        spliced = splice_prompt(self.tokenizer, self.held, checked, self.history, prompt)
+        if spliced is not None and fits(spliced, max_new, self.model.config.max_position_embeddings):
+            prompt = spliced
         k = common_prefix(self.cache.tokens, prompt)
         if k < self.cache.length:
             self.cache.truncate(k)
-        return run_turn(OutputProcessor(eos=self.eos), max_new, self.sampler, prompt=prompt[k:], model=self.model,
-                        cache=self.cache).tokens
+        self.prompt = prompt
+        tokens = run_turn(OutputProcessor(eos=self.eos), max_new, self.sampler, prompt=prompt[k:], model=self.model,
+                          cache=self.cache).tokens
+        self.held = [*checked, {"role": "assistant", "content": self.tokenizer.decode(tokens)}]
+        self.history = [*prompt, *tokens]  # the cache's ids + the reply's last token (not yet fed)
+        return tokens
 
 
-__all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "check_room"]
+__all__ = ["Conversation", "ConversationMismatchError", "ReferenceChat", "check_room", "fits"]

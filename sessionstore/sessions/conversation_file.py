@@ -92,11 +92,13 @@ class OpenTurn:
     prompt_digest: str
     sampler: Sampler | None = None  # what the reply is drawn with (None: not recorded)
     response_format: dict[str, Any] | None = None  # the grammar it is drawn under (None: free text)
+    spliced: int | None = None  # the prompt's first ids are the history's first this many (chat_splice)
 
     def to_json(self) -> dict[str, Any]:
         fmt = {} if self.response_format is None else {"response_format": self.response_format}
+        kept = {} if self.spliced is None else {"spliced": self.spliced}
         return {"messages": self.messages, "prompt_tokens": self.prompt_tokens, "prompt_digest": self.prompt_digest,
-                "sampler": sampler_json(self.sampler), **fmt}
+                "sampler": sampler_json(self.sampler), **fmt, **kept}
 
 
 @dataclass
@@ -148,7 +150,8 @@ def parse_record(obj: Any, where: str) -> ConversationRecord:
             raise FormatError(f"{where}: turn must be an object or null")
         open_turn = OpenTurn(check_messages(turn.get("messages"), where), _count(turn, "prompt_tokens", where),
                              _digest_field(turn, "prompt_digest", where), parse_sampler(turn, where),
-                             parse_response_format(turn, where))
+                             parse_response_format(turn, where),
+                             None if turn.get("spliced") is None else _count(turn, "spliced", where))
     return ConversationRecord(check_messages(obj.get("messages"), where), _count(obj, "tokens", where),
                               _digest_field(obj, "digest", where), open_turn, parse_sampler(obj, where),
                               parse_response_format(obj, where))
