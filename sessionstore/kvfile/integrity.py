@@ -19,8 +19,9 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   330-420 -> 200-220 ms).
 
 A server's resume on a request may run the pass beside its turn's first step instead
-(:func:`start_vouching`: a :class:`~.check_beside.PendingCheck` on a thread of its own, FORMAT.md 4.4's
-last paragraph), only when the sidecar vouches for exactly the committed records and no repair
+(:func:`start_vouching`: a :class:`~.check_beside.PendingCheck` on a thread of its own, which hands
+the hashing to the checksum helper process when one runs, FORMAT.md 4.4's last paragraph), only
+when the sidecar vouches for exactly the committed records and no repair
 would touch the files; its caller holds everything computed from the rows until the pass passed.
 
 Nothing here writes: a refused file is left exactly as found.
@@ -148,10 +149,29 @@ def start_vouching(reader: KVReader, required: int = 0) -> PendingCheck[Vouched]
     entries = sidecar.entries
 
     def run() -> Vouched:
-        check_hashes(reader, entries, n, n)
+        found = _hashed_elsewhere(reader, n)
+        if found is None:
+            check_hashes(reader, entries, n, n)
+        else:
+            _compare(reader, entries, 0, found, n)
         return Vouched(checked=n, not_covered=0, sidecar=True)
 
     return PendingCheck(run, name="coli-vouch")
+
+
+def _hashed_elsewhere(reader: KVReader, n: int) -> np.ndarray | None:
+    """The checksums [n] u64 of records [0, n), hashed by the checksum helper process when one runs
+    and the range is large; None: hash them here. A pass beside a turn's first step must not hash
+    on a thread of this process: xxhash keeps the GIL for a call on a record (45.5 KB at GLM-5.2's
+    dims; it lets go only for inputs of about 100 KB and more) and ``np.fromiter`` never lets go
+    between calls, so every other thread of the server (the first step's dispatch, the resume's own
+    Python, the loop, the sockets) waited a chunk of hashing for each turn of the GIL (a probe's
+    ``os.stat`` 2.4 us alone, ~790 us beside such a hasher). The helper hashes with no GIL of ours."""
+    helper = active_hash_helper()
+    if helper is None or n * reader.record_bytes < MIN_SHARED_BYTES:
+        return None
+    found = helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, 0, n)()
+    return found if found is not None and found.shape[0] == n else None
 
 
 def _split(reader: KVReader, vouched: int) -> tuple[int, Callable[[], np.ndarray | None] | None]:

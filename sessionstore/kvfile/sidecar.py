@@ -63,7 +63,10 @@ def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
 
     One pass over the mapping at xxh3's speed (~13 GB/s a core, the raw read's speed here). The
-    Python binding (xxhash >= 3.0) hashes with the GIL released, but two threads each hashing half
+    Python binding lets the GIL go only for inputs of about 100 KB and more (measured: a 45.5 KB
+    record's call keeps it, a 1 MiB call lets go), and ``np.fromiter`` keeps it between calls, so
+    this loop holds the GIL throughout: a pass meant to run beside other work goes to the checksum
+    helper process (:func:`~.integrity.start_vouching`). Two threads each hashing half
     were no faster on the 2-vCPU development host, its other vCPU shared with other work (0.75 GB
     of records in memory: 75 -> 82 ms, and 89 -> 93 ms at nice -5; a 32k-token GLM-5.2-shaped
     resume's pass 189 -> 242 ms; medians of 9, alternated), so the loop stays on one core. An idle

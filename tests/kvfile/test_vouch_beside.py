@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 import sessionstore.kvfile.integrity as integrity
 from kernels.errors import ChecksumMismatchError
 from sessionstore.kvfile import HEADER_SIZE, KVWriter, PendingCheck, Vouched, open_kv, require_vouched
+from sessionstore.kvfile.hash_helper import start_hash_helper, stop_hash_helper
 from sessionstore.kvfile.integrity import start_vouching
+from sessionstore.kvfile.reader import KVReader
 from tests.kvfile.test_layout_fixtures import ENGINE_TOKENS, INDEXER_DIMS, fp8_rows
 
 
@@ -163,3 +166,57 @@ def test_a_writer_opened_beside_keeps_its_pass_after_it_passed_and_gathers_the_t
         reader.close()
     finally:
         writer.close(commit=False)
+
+
+# ---- the pass beside in the checksum helper process (a server runs one) -----------------------
+
+
+def _refuse_local_hashing(reader: KVReader, start: int, stop: int) -> np.ndarray:
+    raise AssertionError(f"records [{start}, {stop}) hashed on a thread of this process")
+
+
+@pytest.fixture
+def helper(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(integrity, "MIN_SHARED_BYTES", 0)  # the small test file counts as large
+    start_hash_helper()
+    try:
+        yield
+    finally:
+        stop_hash_helper()
+
+
+def test_the_pass_beside_hashes_in_the_helper_process(tmp_path: Path, helper: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _file(tmp_path)
+    monkeypatch.setattr(integrity, "hash_records", _refuse_local_hashing)
+    with open_kv(path) as reader:
+        pending = start_vouching(reader, reader.nrec)
+        assert pending is not None
+        assert pending.result() == Vouched(checked=reader.nrec, not_covered=0, sidecar=True)
+
+
+def test_a_flipped_byte_found_by_the_helper_raises_the_serial_error(tmp_path: Path, helper: None) -> None:
+    path = _file(tmp_path)
+    with open_kv(path) as reader:
+        n, rec = reader.nrec, reader.record_bytes
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE + (n - 1) * rec + rec // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with open_kv(path) as reader:
+        with pytest.raises(ChecksumMismatchError) as serial:
+            require_vouched(reader, n)
+        pending = start_vouching(reader, n)
+        assert pending is not None
+        with pytest.raises(ChecksumMismatchError) as beside:
+            pending.result()
+    assert str(beside.value) == str(serial.value)
+
+
+def test_without_a_helper_the_pass_hashes_on_its_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _file(tmp_path)
+    monkeypatch.setattr(integrity, "hash_records", _refuse_local_hashing)
+    with open_kv(path) as reader:
+        pending = start_vouching(reader, reader.nrec)
+        assert pending is not None
+        with pytest.raises(AssertionError, match="hashed on a thread of this process"):
+            pending.result()
