@@ -29,7 +29,6 @@ Nothing here writes: a refused file is left exactly as found.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +85,7 @@ def require_vouched(reader: KVReader, required: int = 0, *,
     if sidecar is None:
         return Vouched(checked=0, not_covered=n, sidecar=False)
     # records [mine, vouched) hashed by the helper meanwhile; a gathering pass hashes them all here (module doc)
-    mine, helper_share = (vouched, None) if gather_scales else _split(reader, vouched)
-    check_hashes(reader, sidecar.entries, mine, vouched, gather_scales=gather_scales)
-    if helper_share is not None:
-        found_or_none = helper_share()
-        if found_or_none is None or found_or_none.shape[0] != vouched - mine:  # the helper failed: hash here
-            found_or_none = hash_records(reader, mine, vouched)
-        _compare(reader, sidecar.entries, mine, found_or_none, vouched)
+    _check_shared(reader, sidecar.entries, vouched, 0.0 if gather_scales else HELPER_SHARE, gather_scales)
     return Vouched(checked=vouched, not_covered=n - vouched, sidecar=True)
 
 
@@ -148,40 +141,32 @@ def start_vouching(reader: KVReader, required: int = 0) -> PendingCheck[Vouched]
         return None
     entries = sidecar.entries
 
-    def run() -> Vouched:
-        found = _hashed_elsewhere(reader, n)
-        if found is None:
-            check_hashes(reader, entries, n, n)
-        else:
-            _compare(reader, entries, 0, found, n)
+    def run() -> Vouched:  # the whole pass to the helper process when one runs (see _check_shared)
+        _check_shared(reader, entries, n, 1.0, gather_scales=False)
         return Vouched(checked=n, not_covered=0, sidecar=True)
 
     return PendingCheck(run, name="coli-vouch")
 
 
-def _hashed_elsewhere(reader: KVReader, n: int) -> np.ndarray | None:
-    """The checksums [n] u64 of records [0, n), hashed by the checksum helper process when one runs
-    and the range is large; None: hash them here. A pass beside a turn's first step must not hash
-    on a thread of this process: xxhash keeps the GIL for a call on a record (45.5 KB at GLM-5.2's
+def _check_shared(reader: KVReader, entries: np.ndarray, vouched: int, share: float, gather_scales: bool) -> None:
+    """Records [0, vouched) checked against ``entries``, the last ``share`` of a large range hashed by
+    the checksum helper process meanwhile when one runs (:mod:`.hash_helper`; whatever it cannot give
+    is hashed here), the rest here (:func:`check_hashes`). A pass beside a turn's first step gives the
+    helper all of it (``share`` 1): hashing on a thread of this process would stall every other
+    thread of the server, since xxhash keeps the GIL for a call on a record (45.5 KB at GLM-5.2's
     dims; it lets go only for inputs of about 100 KB and more) and ``np.fromiter`` never lets go
-    between calls, so every other thread of the server (the first step's dispatch, the resume's own
-    Python, the loop, the sockets) waited a chunk of hashing for each turn of the GIL (a probe's
-    ``os.stat`` 2.4 us alone, ~790 us beside such a hasher). The helper hashes with no GIL of ours."""
+    between calls (a probe's ``os.stat`` 2.4 us alone, ~790 us beside such a hasher)."""
     helper = active_hash_helper()
-    if helper is None or n * reader.record_bytes < MIN_SHARED_BYTES:
-        return None
-    found = helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, 0, n)()
-    return found if found is not None and found.shape[0] == n else None
-
-
-def _split(reader: KVReader, vouched: int) -> tuple[int, Callable[[], np.ndarray | None] | None]:
-    """Where this process stops hashing, and the helper's share started (or None): a large range
-    gives its last HELPER_SHARE to the helper process when one runs (:mod:`.hash_helper`)."""
-    helper = active_hash_helper()
-    if helper is None or vouched * reader.record_bytes < MIN_SHARED_BYTES:
-        return vouched, None
-    mine = int(vouched * (1.0 - HELPER_SHARE))
-    return mine, helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, mine, vouched)
+    mine, theirs = vouched, None
+    if helper is not None and share > 0 and vouched * reader.record_bytes >= MIN_SHARED_BYTES:
+        mine = int(vouched * (1.0 - share))
+        theirs = helper.submit(reader.path, reader.identity, HEADER_SIZE, reader.record_bytes, mine, vouched)
+    check_hashes(reader, entries, mine, vouched, gather_scales=gather_scales)
+    if theirs is not None:
+        found = theirs()
+        if found is None or found.shape[0] != vouched - mine:  # the helper failed: hash here
+            found = hash_records(reader, mine, vouched)
+        _compare(reader, entries, mine, found, vouched)
 
 
 def _compare(reader: KVReader, entries: np.ndarray, start: int, found: np.ndarray, vouched: int) -> None:
