@@ -7,20 +7,47 @@ lm_head).
 Each output element is still ``((0 + x[0] * w[0, n]) + x[1] * w[1, n]) + ...``, k ascending, a rounded
 multiply then a rounded add (``fmul`` then ``fadd`` without fast-math flags: LLVM may not contract them
 into an FMA nor reorder them), so the bits are those of the plain loop, whichever rows share the tile.
-The vectors are generic IR (``<16 x float>``): AVX-512 keeps one in a zmm register, AVX2 splits it in two.
+The vectors are generic IR (``<16 x float>``): AVX-512 keeps one in a zmm register, AVX2 splits it in two,
+so how many a tile may hold depends on the machine (:data:`TILE_VECTORS`).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
-from llvmlite import ir  # type: ignore[import-untyped]
+from llvmlite import binding, ir  # type: ignore[import-untyped]
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from kernels.attention.row_tables import pointer_to
 
 LANES = 16  # output columns of one vector
+
+
+def tile_vectors(features: str | None = None) -> int:
+    """How many 16-lane sums one tile may keep in registers on numba's target (``features``: LLVM's
+    ``+avx2,-avx512f,..`` string; by default numba's: ``NUMBA_CPU_FEATURES``, else none where
+    ``NUMBA_CPU_NAME`` names a CPU, else the host's): 16 with AVX-512 (32 registers of 16 lanes: the
+    rest hold the weight vectors and the broadcast x), else 4 (AVX2 has 16 registers of 8 lanes and
+    a 16-lane sum takes two of them). A wider tile spills its sums to the stack at every k: on a
+    2-vCPU AVX2 EPYC, 16 rows over a 16384 x 6144 weight in panel order took 110 ms in 4-row x
+    4-vector tiles and 58 ms in 4 x 1 (one thread, medians of 3)."""
+    if features is None:
+        name, chosen = getattr(numba.config, "CPU_NAME", None), getattr(numba.config, "CPU_FEATURES", None)
+        if name is not None or chosen is not None:
+            features = chosen or ""
+        else:
+            features = binding.get_host_cpu_features().flatten()
+    return 16 if "+avx512f" in features.split(",") else 4
+
+
+TILE_VECTORS = tile_vectors()
+
+
+def tile_width(rows: int, widest: int) -> int:
+    """The vectors a tile of ``rows`` rows holds: ``widest``, or fewer where :data:`TILE_VECTORS` says."""
+    return max(1, min(widest, TILE_VECTORS // rows))
 
 
 def tile_kernel(rows: int, vecs: int, spread: bool = False, carry: bool = False) -> Any:
@@ -110,8 +137,11 @@ def _tile_codegen(rows: int, vecs: int, spread: bool, carry: bool) -> Any:
 
 
 # (rows, vecs): a tile holds rows x vecs vector sums, at most 16 (AVX-512 has 32 registers: the rest hold
-# the weight vectors and the broadcast x). Columns go to the widest tile first, then halves: a tile of
-# few rows needs several vectors, or its one chain of adds waits on each add's latency at every k.
+# the weight vectors and the broadcast x). These tiles serve weights that stay in cache (glm-mini's): on an
+# AVX2 machine, tiles of at most TILE_VECTORS made glm-mini's step of 16 no faster (bench.step_rows 4.57 /
+# 4.71 ms against 4.23 / 4.55, alternated), so they keep their widths there; the panel tiles do not.
+# Columns go to the widest tile first, then halves: a tile of few rows needs several vectors, or its one
+# chain of adds waits on each add's latency at every k.
 _T4 = (tile_kernel(4, 4), tile_kernel(4, 1))  # by row count: the tiles, widest first
 _T3 = (tile_kernel(3, 4), tile_kernel(3, 2), tile_kernel(3, 1))
 _T2 = (tile_kernel(2, 8), tile_kernel(2, 4), tile_kernel(2, 2), tile_kernel(2, 1))
@@ -251,4 +281,4 @@ def tile_heads(x: np.ndarray, w: np.ndarray, out: np.ndarray, idx: np.ndarray) -
         tile_rows(x[:, h, :], idx, w[h], out[:, h, :], idx, w.shape[2])
 
 
-__all__ = ["LANES", "tile_heads", "tile_kernel", "tile_rows"]
+__all__ = ["LANES", "TILE_VECTORS", "tile_heads", "tile_kernel", "tile_rows", "tile_vectors", "tile_width"]

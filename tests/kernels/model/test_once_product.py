@@ -71,7 +71,8 @@ def test_gather_times_is_rows_times_bitwise(rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7])
 def test_gather_panels_is_rows_times_bitwise_for_every_tile_width(rows: int) -> None:
     """31 panels: groups of 4, then 3, which each row count's register tiles split widest first down
-    to one panel (4/2/1 for one to three rows, 4/1 for four)."""
+    to one panel (4/2/1 for one to three rows, 4/1 for four; on AVX2, kernels.model.simd_tile's
+    TILE_VECTORS: 4/2/1 for one row, 2/1 for two, 1 for three, four as two pairs)."""
     rng = np.random.default_rng(100 + rows)
     x, wt = _rand(rng, rows, 129), _rand(rng, 129, 31 * 16)  # x: [rows, 129], wt: [129, 496] f32
     want = np.empty((rows, 496), np.float32)

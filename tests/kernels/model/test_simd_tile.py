@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kernels.model.rowwise import column_block, heads_times, rows_times
-from kernels.model.simd_tile import tile_heads, tile_rows
+from kernels.model.simd_tile import TILE_VECTORS, tile_heads, tile_rows, tile_vectors, tile_width
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -58,3 +58,16 @@ def test_tile_heads_is_heads_times_bitwise(rows: int) -> None:
         got = np.full((rows, 4, width), np.nan, np.float32)
         tile_heads(x, w, got, np.arange(rows, dtype=np.int64))
         assert _same_bits(got, want)
+
+
+def test_a_tile_holds_what_the_machines_registers_hold() -> None:
+    """AVX-512's 32 registers of 16 lanes hold 16 sums of a tile; AVX2's 16 of 8 lanes hold 4 (a
+    16-lane sum takes two), and anything else no more; a tile of r rows then holds 16 // r or 4 // r
+    vectors (at least one)."""
+    assert tile_vectors("+64bit,+avx,+avx2,+fma,-avx512f,-avx512bw") == 4
+    assert tile_vectors("+avx2,+avx512f,+avx512bw") == 16
+    assert tile_vectors("") == 4
+    assert TILE_VECTORS in (4, 16)
+    wide = TILE_VECTORS == 16
+    assert [tile_width(r, 4) for r in (1, 2, 3, 4)] == ([4, 4, 4, 4] if wide else [4, 2, 1, 1])
+    assert tile_width(1, 16) == (16 if wide else 4)
