@@ -36,6 +36,7 @@ from sessionstore.kvfile.sidecar import (
     sidecar_bytes,
     sidecar_path,
     static_hash,
+    warm_record_hashing,
     write_sidecar_for,
 )
 from sessionstore.kvfile.sidecar_check import SidecarReport, check_records
@@ -121,5 +122,6 @@ __all__ = [
     "verify_file",
     "wait_for_unmaps",
     "write_all",
+    "warm_record_hashing",
     "write_sidecar_for",
 ]

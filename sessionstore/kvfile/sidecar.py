@@ -85,6 +85,18 @@ def record_checksums(buf: Buffer, record_bytes: int, first_position: int) -> np.
     return out
 
 
+def warm_record_hashing() -> None:
+    """Load :func:`record_checksums`' compiled kernel now (numba and its cached code, about 0.5 s
+    with the GIL held): a server process calls it as it starts, so that its first large pass (a
+    resume, an export's check) does not stall the process's other threads while it loads."""
+    from kernels.xxh3 import xxh3_64_rows
+
+    rows = np.zeros((1, 256), dtype=np.uint8)  # [1, 256] u8: the long path
+    xxh3_64_rows(rows)
+    rows.flags.writeable = False  # a mapping's records are read-only: numba's other signature
+    xxh3_64_rows(rows)
+
+
 def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
 
@@ -344,7 +356,7 @@ def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "sidecar_bound", "sidecar_path", "record_checksum", "record_checksums", "static_hash", "load_sidecar",
-    "hash_records",
+    "hash_records", "warm_record_hashing",
     "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
     "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]
