@@ -31,10 +31,12 @@ from sessionstore.kvfile.sidecar import (
     SIDECAR_HEADER_SIZE,
     load_sidecar,
     record_checksum,
+    record_checksums,
     sidecar_bound,
     sidecar_bytes,
     sidecar_path,
     static_hash,
+    warm_record_hashing,
     write_sidecar_for,
 )
 from sessionstore.kvfile.sidecar_check import SidecarReport, check_records
@@ -97,6 +99,7 @@ __all__ = [
     "readable_temp",
     "record_bytes",
     "record_checksum",
+    "record_checksums",
     "release_later",
     "require_sound",
     "require_vouched",
@@ -119,5 +122,6 @@ __all__ = [
     "verify_file",
     "wait_for_unmaps",
     "write_all",
+    "warm_record_hashing",
     "write_sidecar_for",
 ]

@@ -1,11 +1,11 @@
 """A check that runs on a thread of its own while its caller goes on (a resume's checksum pass beside
 its turn's first step, :func:`sessionstore.kvfile.integrity.start_vouching`).
 
-The thread hashes with the GIL released (xxhash >= 3.0), so the caller's compiled step and the
-pass share the cores. Whoever started the check owns it: it must :meth:`PendingCheck.wait` for it
-before the memory the check reads goes away (a mapping unmapped under the thread), and must take
-its :meth:`PendingCheck.result` (which raises what the check raised) before anything that the
-check guards leaves the process.
+The thread hashes with the GIL released (:func:`sessionstore.kvfile.sidecar.record_checksums`), so
+the caller's compiled step and the pass share the cores. Whoever started the check owns it: it
+must :meth:`PendingCheck.wait` for it before the memory the check reads goes away (a mapping
+unmapped under the thread), and must take its :meth:`PendingCheck.result` (which raises what the
+check raised) before anything that the check guards leaves the process.
 """
 from __future__ import annotations
 

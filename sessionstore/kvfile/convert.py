@@ -29,7 +29,7 @@ from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     TEMP_SUFFIX,
     load_sidecar,
-    record_checksum,
+    record_checksums,
     remove_stale_temp,
     sidecar_path,
     write_sidecar_atomic,
@@ -255,8 +255,7 @@ def convert_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], to_ve
                     out = converter.convert(reader.records[start:stop])
                     data = out.view(np.uint8).data  # [c * rec] u8
                 written += write_all(fd, data)
-                for i in range(stop - start):
-                    entries[start + i] = record_checksum(data[i * rec:(i + 1) * rec], start + i)
+                entries[start:stop] = record_checksums(data, rec, start)  # [c] u64, the GIL released
                 del data
                 reader.release_pages(start, stop)
                 if progress is not None:

@@ -1,10 +1,10 @@
 """A second process that hashes a share of a file's records while this one hashes the rest.
 
 A resume checks every record it vouches for (FORMAT.md 4.4): for a 32k-token GLM-5.2 session
-that is 1.4 GB of xxh3, most of the resume's time. A second process shares it (a thread could not
-without holding up every other thread: xxhash keeps the GIL for a record-sized input:
-:func:`~sessionstore.kvfile.sidecar.hash_records`), and a request's resume hands it the whole pass
-that runs beside the turn's first step (:func:`~sessionstore.kvfile.integrity.start_vouching`).
+that is 1.4 GB of xxh3, most of the resume's time. A second process shares it (another core, with
+no lock shared with the server's threads; the server's own share is hashed without the GIL:
+:func:`~sessionstore.kvfile.sidecar.record_checksums`), and a request's resume hands it the whole
+pass that runs beside the turn's first step (:func:`~sessionstore.kvfile.integrity.start_vouching`).
 A long-running server starts one helper
 (:func:`start_hash_helper`); :func:`sessionstore.kvfile.integrity.require_vouched` then hands it
 the tail of every large range and compares its checksums like its own, except in a pass that

@@ -9,7 +9,9 @@ export, export-slot, convert of a session file) runs :func:`require_vouched` fir
   vouch for at least ``required`` records (a session's manifest count), else it was rewound or
   cut short and the file is refused;
 - every record it vouches for is hashed and compared; the first mismatch is a CorruptionError
-  naming the file, the record and its byte offset. In a process that runs a checksum helper
+  naming the file, the record and its byte offset. Records hashed in this process are hashed
+  with the GIL released (:func:`~.sidecar.record_checksums`): the process's other threads (a
+  server's loop, its other streams) go on meanwhile. In a process that runs a checksum helper
   (a server: :mod:`.hash_helper`), a large range's last half is hashed there meanwhile and
   compared the same way; whatever the helper cannot hash is hashed here. A pass that also
   gathers the scales (a v2/v3 resume) hashes every record here: the helper's share would have to
@@ -151,11 +153,11 @@ def start_vouching(reader: KVReader, required: int = 0) -> PendingCheck[Vouched]
 def _check_shared(reader: KVReader, entries: np.ndarray, vouched: int, share: float, gather_scales: bool) -> None:
     """Records [0, vouched) checked against ``entries``, the last ``share`` of a large range hashed by
     the checksum helper process meanwhile when one runs (:mod:`.hash_helper`; whatever it cannot give
-    is hashed here), the rest here (:func:`check_hashes`). A pass beside a turn's first step gives the
-    helper all of it (``share`` 1): hashing on a thread of this process would stall every other
-    thread of the server, since xxhash keeps the GIL for a call on a record (45.5 KB at GLM-5.2's
-    dims; it lets go only for inputs of about 100 KB and more) and ``np.fromiter`` never lets go
-    between calls (a probe's ``os.stat`` 2.4 us alone, ~790 us beside such a hasher)."""
+    is hashed here), the rest here (:func:`check_hashes`, without the GIL). A pass beside a turn's
+    first step gives the helper all of it (``share`` 1), leaving this process's cores to the step.
+    (Before the hashing here let go of the GIL, that was also what kept the server's other threads
+    going: xxhash keeps the GIL for a record-sized call, a probe's ``os.stat`` 2.4 us alone, ~790 us
+    beside such a hasher.)"""
     helper = active_hash_helper()
     mine, theirs = vouched, None
     if helper is not None and share > 0 and vouched * reader.record_bytes >= MIN_SHARED_BYTES:

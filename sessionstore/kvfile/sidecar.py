@@ -59,23 +59,54 @@ def record_checksum(buf: Buffer, position: int) -> int:
     return xxhash.xxh3_64_intdigest(buf, seed=position)
 
 
+NOGIL_MIN_BYTES = 256 << 10  # records hashed by the compiled kernel from this many bytes a call (see below)
+
+
+def record_checksums(buf: Buffer, record_bytes: int, first_position: int) -> np.ndarray:
+    """:func:`record_checksum` of each of the ``k`` records in ``buf`` (k * record_bytes bytes),
+    record i seeded with ``first_position + i``: [k] <u8.
+
+    From NOGIL_MIN_BYTES a call, one compiled call without the GIL (:func:`kernels.xxh3.xxh3_64_rows`,
+    bit-exact xxh3_64 at xxhash's speed): the ``xxhash`` binding keeps the GIL for an input under
+    about 100 KB (a GLM-5.2 record is 45.5 KB) and a loop of its calls keeps it between calls, so a
+    thread of a server hashing a session's records stalled every other thread of the process for the
+    whole pass (a probe's ``os.stat`` 2.4 us alone, ~790 us beside it). Below it, the binding
+    (at most ~20 us with the GIL held; a small commit need not load numba)."""
+    view = memoryview(buf).cast("B")
+    if record_bytes <= 0 or len(view) % record_bytes:
+        raise FormatError(f"{len(view)} bytes are not whole records of {record_bytes} bytes")
+    k = len(view) // record_bytes
+    if len(view) >= NOGIL_MIN_BYTES:
+        from kernels.xxh3 import xxh3_64_rows  # numba: loaded by the first large pass only
+        return xxh3_64_rows(np.frombuffer(view, np.uint8).reshape(k, record_bytes), first_position)
+    out = np.empty(k, dtype="<u8")  # [k] u64
+    for i in range(k):
+        out[i] = xxhash.xxh3_64_intdigest(view[i * record_bytes:(i + 1) * record_bytes], seed=first_position + i)
+    return out
+
+
+def warm_record_hashing() -> None:
+    """Load :func:`record_checksums`' compiled kernel now (numba and its cached code, about 0.5 s
+    with the GIL held): a server process calls it as it starts, so that its first large pass (a
+    resume, an export's check) does not stall the process's other threads while it loads."""
+    from kernels.xxh3 import xxh3_64_rows
+
+    rows = np.zeros((1, 256), dtype=np.uint8)  # [1, 256] u8: the long path
+    xxh3_64_rows(rows)
+    rows.flags.writeable = False  # a mapping's records are read-only: numba's other signature
+    xxh3_64_rows(rows)
+
+
 def hash_records(reader: KVReader, start: int, stop: int) -> np.ndarray:
     """The checksums of committed records [start, stop) of ``reader``: [stop - start] <u8.
 
-    One pass over the mapping at xxh3's speed (~13 GB/s a core, the raw read's speed here). The
-    Python binding lets the GIL go only for inputs of about 100 KB and more (measured: a 45.5 KB
-    record's call keeps it, a 1 MiB call lets go), and ``np.fromiter`` keeps it between calls, so
-    this loop holds the GIL throughout: a pass meant to run beside other work goes to the checksum
-    helper process (:func:`~.integrity.start_vouching`). Two threads each hashing half
-    were no faster on the 2-vCPU development host, its other vCPU shared with other work (0.75 GB
-    of records in memory: 75 -> 82 ms, and 89 -> 93 ms at nice -5; a 32k-token GLM-5.2-shaped
-    resume's pass 189 -> 242 ms; medians of 9, alternated), so the loop stays on one core. An idle
-    or many-core host was not measured."""
-    k = stop - start
-    rows = np.frombuffer(reader.records_bytes_view(start, stop), np.uint8)  # [k * rec] u8
-    rows = rows.reshape(k, reader.record_bytes) if k else rows.reshape(0, reader.record_bytes)
-    hashes = map(xxhash.xxh3_64_intdigest, rows, range(start, stop))  # type: ignore[arg-type]  # rows are buffers
-    return np.fromiter(hashes, dtype="<u8", count=k)  # [k] u64
+    One pass over the mapping at xxh3's speed (~13 GB/s a core, the raw read's speed here), with
+    the GIL released (:func:`record_checksums`): the process's other threads go on meanwhile. Two
+    threads each hashing half were no faster on the 2-vCPU development host, its other vCPU shared
+    with other work (0.75 GB of records in memory: 75 -> 82 ms, and 89 -> 93 ms at nice -5; a
+    32k-token GLM-5.2-shaped resume's pass 189 -> 242 ms; medians of 9, alternated), so the loop
+    stays on one core. An idle or many-core host was not measured."""
+    return record_checksums(reader.records_bytes_view(start, stop), reader.record_bytes, start)
 
 
 def static_hash(kv_header_bytes: bytes) -> int:
@@ -249,9 +280,7 @@ class SidecarWriter:
                 f"{self.path}: staged {len(view)} bytes, not a multiple of the record size {rec}")
         if first_position < 0:
             raise LimitError(f"{self.path}: entry position {first_position} < 0")
-        k = len(view) // rec
-        data = struct.pack(f"<{k}Q", *[record_checksum(view[i * rec:(i + 1) * rec], first_position + i)
-                                        for i in range(k)])  # k u64 entries
+        data = record_checksums(view, rec, first_position).tobytes()  # k u64 entries, little-endian
         offset = SIDECAR_HEADER_SIZE + ENTRY_SIZE * first_position
         end = offset + len(data)
         if end > self._file_end and self.headroom_entries > 0:  # growing: zero-filled headroom
@@ -261,7 +290,7 @@ class SidecarWriter:
             data += bytes(target - end)
         pwrite_all(self._fd, data, offset, self.path)
         self._file_end = max(self._file_end, offset + len(data))
-        return k
+        return len(view) // rec
 
     def publish(self, count: int) -> None:
         """Vouch for the first ``count`` entries (all written before): the header is rewritten."""
@@ -326,7 +355,8 @@ def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
 
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
-    "sidecar_bound", "sidecar_path", "record_checksum", "static_hash", "load_sidecar", "hash_records",
+    "sidecar_bound", "sidecar_path", "record_checksum", "record_checksums", "static_hash", "load_sidecar",
+    "hash_records", "warm_record_hashing",
     "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
     "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]

@@ -17,13 +17,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from kernels.errors import CorruptionError, LockedError
 from sessionstore.kvfile import (
     HEADER_SIZE,
     load_sidecar,
     open_kv,
     pack_header,
-    record_checksum,
+    record_checksums,
     sidecar_bytes,
     static_hash,
 )
@@ -153,9 +155,12 @@ class ExportSource:
         """Compare records [first, stop) with their sidecar entries (those it covers)."""
         entries, rec = self.entries, self.snap.header.record_bytes
         assert entries is not None
-        for p in range(first, min(stop, entries.shape[0])):
-            found = record_checksum(body[p * rec:(p + 1) * rec], p)
-            if found != int(entries[p]):
+        last = min(stop, entries.shape[0])
+        if last > first:
+            hashes = record_checksums(body[first * rec:last * rec], rec, first)  # [last - first] u64
+            wrong = np.flatnonzero(hashes != entries[first:last])  # [m] offsets from ``first``
+            if wrong.size:
+                p, found = first + int(wrong[0]), int(hashes[wrong[0]])
                 raise CorruptionError(
                     f"{self.reader.path}: byte {HEADER_SIZE + p * rec}: record {p} hashes "
                     f"{found:#018x}, the sidecar vouches for {int(entries[p]):#018x}; "

@@ -24,10 +24,11 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kernels.errors import CorruptionError, FormatError, LimitError
-from sessionstore.kvfile import ENTRY_SIZE, HEADER_SIZE, SIDECAR_HEADER_SIZE, record_checksum
+from sessionstore.kvfile import ENTRY_SIZE, HEADER_SIZE, SIDECAR_HEADER_SIZE, record_checksums
 from sessionstore.migration.bundle_format import (
     MAX_CONVERSATION_BYTES,
     MAX_RESPONSES_BYTES,
@@ -250,13 +251,13 @@ def parse_head(raw: bytes, etag: str, where: str) -> Head:
 
 def check_records(records: bytes, entries: Any, start: int, record_bytes: int, path: Any) -> None:
     """Every record against its sidecar entry before it is shipped (FORMAT.md 4.4)."""
-    view = memoryview(records)
-    for i in range(len(entries)):  # [count] u64
-        p = start + i
-        found = record_checksum(view[i * record_bytes:(i + 1) * record_bytes], p)
-        if found != int(entries[i]):
-            raise CorruptionError(f"{path}: record {p} hashes {found:#018x}, the sidecar vouches for "
-                                  f"{int(entries[i]):#018x}; refusing to ship it")
+    count = len(entries)  # [count] u64
+    hashes = record_checksums(memoryview(records)[:count * record_bytes], record_bytes, start)  # [count] u64
+    wrong = np.flatnonzero(hashes != np.asarray(entries, dtype="<u8"))  # [m] offsets from ``start``
+    if wrong.size:
+        i = int(wrong[0])
+        raise CorruptionError(f"{path}: record {start + i} hashes {int(hashes[i]):#018x}, the sidecar "
+                              f"vouches for {int(entries[i]):#018x}; refusing to ship it")
 
 
 __all__ = [

@@ -282,7 +282,7 @@ def main() -> int:
     if os.getppid() != config.parent_pid:
         return 0  # the parent died before the death signal was asked for
     sys.setswitchinterval(0.0005)  # the engine thread's hand-over interval (see server.SWITCH_INTERVAL_S)
-    from sessionstore.kvfile import start_hash_helper, stop_hash_helper
+    from sessionstore.kvfile import start_hash_helper, stop_hash_helper, warm_record_hashing
 
     try:
         engine = build_engine(config)
@@ -299,6 +299,7 @@ def main() -> int:
     requests.connect(config.requests)
     events.connect(config.events)
     start_hash_helper()
+    warm_record_hashing()  # not inside the first resume's pass
     outbox = Outbox(events, on_loop=lambda: threading.current_thread() is engine.loop.thread)
     engine.loop.after_pass = outbox.flush
     core = Core(engine, outbox)
