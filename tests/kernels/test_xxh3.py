@@ -2,9 +2,7 @@
 over every size class of the specification, and hashes without holding the GIL."""
 from __future__ import annotations
 
-import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.xxh3 import xxh3_64, xxh3_64_rows
+from tests.support.gil_probe import probe_while
 
 # every branch of the spec: 0, 1-3, 4-8, 9-16, 17-128 (each 32-byte round count), 129-240 and the
 # long path around its stripes (64 B), blocks (1024 B) and the last stripe's overlap
@@ -53,20 +52,6 @@ def test_rows_refuse_what_they_cannot_hash() -> None:
         xxh3_64_rows(np.zeros((4, 8), dtype=np.uint8)[:, ::2])
     with pytest.raises(ValueError):
         xxh3_64_rows(np.zeros((2, 8), dtype=np.uint8), 2**63 - 1)
-
-
-def probe_while(work: threading.Thread, nap: float = 5e-4) -> list[float]:
-    """How late this thread's wake-ups were (seconds) while ``work`` ran: each sleeps ``nap`` then
-    calls ``os.stat``, the time past ``nap`` kept (what an idle event loop's thread waits to run again)."""
-    late = []
-    work.start()
-    while work.is_alive():
-        t0 = time.perf_counter()
-        time.sleep(nap)
-        os.stat(".")
-        late.append(time.perf_counter() - t0 - nap)
-    work.join()
-    return late
 
 
 def test_hashing_leaves_the_gil_to_other_threads() -> None:

@@ -5,9 +5,7 @@ each chunk of records with the GIL held (xxhash keeps it for a record-sized inpu
 waited milliseconds for each chunk."""
 from __future__ import annotations
 
-import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +13,10 @@ import numpy as np
 from kernels.rows import RecordRows
 from sessionstore.kvfile import KVWriter, open_kv, record_checksum, record_checksums, require_vouched
 from sessionstore.kvfile.header import Dims
+from tests.support.gil_probe import probe_while
 
 BIG_DIMS = Dims(n_layers=8, kv_lora=2048, qk_rope=64, vocab=1000)  # 16.9 KB fp8 records
 RECORDS = 4096  # 69 MB: one chunk of the pass (CHECK_CHUNK_RECORDS)
-NAP_S = 5e-4
 
 
 def big_file(tmp_path: Path) -> Path:
@@ -35,20 +33,6 @@ def big_file(tmp_path: Path) -> Path:
         writer.append(rows)
         writer.commit()
     return path
-
-
-def probe_while(work: threading.Thread) -> list[float]:
-    """How late this thread's wake-ups were (seconds) while ``work`` ran: each sleeps NAP_S then
-    calls ``os.stat``, the time past NAP_S kept (what an idle event loop's thread waits to run again)."""
-    late = []
-    work.start()
-    while work.is_alive():
-        t0 = time.perf_counter()
-        time.sleep(NAP_S)
-        os.stat(".")
-        late.append(time.perf_counter() - t0 - NAP_S)
-    work.join()
-    return late
 
 
 def test_a_serial_check_on_a_thread_leaves_the_gil(tmp_path: Path) -> None:
