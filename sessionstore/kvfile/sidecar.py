@@ -62,6 +62,20 @@ def record_checksum(buf: Buffer, position: int) -> int:
 NOGIL_MIN_BYTES = 256 << 10  # records hashed by the compiled kernel from this many bytes a call (see below)
 
 
+class HashingPolicy:
+    """Whether this process may hash records with the compiled kernel (:func:`record_checksums`). A
+    server's API process computes nothing and loads no compiled code (numba, llvmlite: its memory and
+    start), so it turns it off (:func:`hash_without_compiled_code`) and hashes what it checks (a bundle
+    export's records) with the ``xxhash`` binding, the GIL held, as before the kernel existed."""
+
+    compiled = True
+
+
+def hash_without_compiled_code() -> None:
+    """From now on this process hashes records with the ``xxhash`` binding only (see :class:`HashingPolicy`)."""
+    HashingPolicy.compiled = False
+
+
 def record_checksums(buf: Buffer, record_bytes: int, first_position: int) -> np.ndarray:
     """:func:`record_checksum` of each of the ``k`` records in ``buf`` (k * record_bytes bytes),
     record i seeded with ``first_position + i``: [k] <u8.
@@ -76,7 +90,7 @@ def record_checksums(buf: Buffer, record_bytes: int, first_position: int) -> np.
     if record_bytes <= 0 or len(view) % record_bytes:
         raise FormatError(f"{len(view)} bytes are not whole records of {record_bytes} bytes")
     k = len(view) // record_bytes
-    if len(view) >= NOGIL_MIN_BYTES:
+    if len(view) >= NOGIL_MIN_BYTES and HashingPolicy.compiled:
         from kernels.xxh3 import xxh3_64_rows  # numba: loaded by the first large pass only
         return xxh3_64_rows(np.frombuffer(view, np.uint8).reshape(k, record_bytes), first_position)
     out = np.empty(k, dtype="<u8")  # [k] u64
@@ -356,7 +370,7 @@ def write_sidecar_atomic(kv_path: str | os.PathLike[str], header: Header,
 __all__ = [
     "SIDECAR_SUFFIX", "SIDECAR_MAGIC", "SIDECAR_HEADER_SIZE", "Sidecar", "SidecarWriter",
     "sidecar_bound", "sidecar_path", "record_checksum", "record_checksums", "static_hash", "load_sidecar",
-    "hash_records", "warm_record_hashing",
+    "hash_records", "warm_record_hashing", "HashingPolicy", "hash_without_compiled_code",
     "sidecar_bytes", "write_sidecar_for", "write_sidecar_atomic",
     "temp_path_for", "create_temp_for", "remove_stale_temp",
 ]

@@ -5,6 +5,9 @@ each chunk of records with the GIL held (xxhash keeps it for a record-sized inpu
 waited milliseconds for each chunk."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -67,3 +70,17 @@ def test_checksums_of_many_records_equal_one_at_a_time(tmp_path: Path) -> None:
         view = reader.records_bytes_view(0, RECORDS)
         want = [record_checksum(view[p * rec:(p + 1) * rec], p) for p in range(RECORDS)]
     assert big.tolist() == want and small.tolist() == want[5:7]
+
+
+def test_a_process_without_compiled_code_hashes_with_the_binding() -> None:
+    """A server's API process computes nothing and loads no compiled code: once it says so
+    (``hash_without_compiled_code``), a large range's checksums (a bundle export's check) come from
+    the xxhash binding, the same values, and numba is never imported."""
+    code = ("import sys; from sessionstore.kvfile.sidecar import hash_without_compiled_code, record_checksum, "
+            "record_checksums; hash_without_compiled_code(); buf = bytes(range(256)) * 4096; "
+            "got = record_checksums(buf, 4096, 3).tolist(); "
+            "want = [record_checksum(buf[i * 4096:(i + 1) * 4096], 3 + i) for i in range(256)]; "
+            "print(got == want, 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

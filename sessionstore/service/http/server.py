@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore.kvfile import warm_record_hashing
+from sessionstore.kvfile.sidecar import hash_without_compiled_code
 from sessionstore.log import get_logger
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
 from sessionstore.service.fleet.bundle_pull import PullPolicy
@@ -105,7 +105,7 @@ def serve_http(config: ServeConfig, *, on_ready: Callable[[dict[str, Any]], None
     except BaseException:
         sock.close()
         raise
-    warm_record_hashing()  # this process checks the records of the bundles it exports: loaded before the first
+    hash_without_compiled_code()  # this process computes nothing: its bundle exports' checks use the binding
     store = SessionStore(config.root, sweep=False)  # read by bundles' transfer (the core owns the sessions)
     ctx = ServerContext(core, ready_core.model, ready_core.vocab_size, source, load_tokenizer(source), store,
                         config.limits, HttpMetrics(), config.pull,
