@@ -29,6 +29,7 @@ from sessionstore.kvfile.reader import KVReader, open_kv
 from sessionstore.kvfile.sidecar import (
     ENTRY_SIZE,
     SIDECAR_HEADER_SIZE,
+    hash_without_compiled_code,
     load_sidecar,
     record_checksum,
     record_checksums,
@@ -123,5 +124,6 @@ __all__ = [
     "wait_for_unmaps",
     "write_all",
     "warm_record_hashing",
+    "hash_without_compiled_code",
     "write_sidecar_for",
 ]

@@ -76,7 +76,7 @@ def test_a_process_without_compiled_code_hashes_with_the_binding() -> None:
     """A server's API process computes nothing and loads no compiled code: once it says so
     (``hash_without_compiled_code``), a large range's checksums (a bundle export's check) come from
     the xxhash binding, the same values, and numba is never imported."""
-    code = ("import sys; from sessionstore.kvfile.sidecar import hash_without_compiled_code, record_checksum, "
+    code = ("import sys; from sessionstore.kvfile import hash_without_compiled_code, record_checksum, "
             "record_checksums; hash_without_compiled_code(); buf = bytes(range(256)) * 4096; "
             "got = record_checksums(buf, 4096, 3).tolist(); "
             "want = [record_checksum(buf[i * 4096:(i + 1) * 4096], 3 + i) for i in range(256)]; "

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from kernels.errors import ColiError
-from sessionstore.kvfile.sidecar import hash_without_compiled_code
+from sessionstore.kvfile import hash_without_compiled_code
 from sessionstore.log import get_logger
 from sessionstore.service.bind import DEFAULT_HOST, check_bind
 from sessionstore.service.fleet.bundle_pull import PullPolicy
