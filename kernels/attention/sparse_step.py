@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, types, void
 
 from kernels.attention.absorbed import as_query, check_query_pair
+from kernels.attention.lanes import lane_sums
 from kernels.attention.tables import decode_codes_into, sanitize_scales_into
 from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
 from kernels.compile_notice import announce_if_cold
@@ -42,20 +43,12 @@ announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 @njit(_F32(types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")), cache=True, nogil=True, boundscheck=False,
       inline="always")
 def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - compiled
-    """sum a*b over eight fixed lanes, combined ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
+    """sum a*b over eight fixed lanes (:func:`kernels.attention.lanes.lane_sums`: one vector's chain),
+    combined ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order."""
     n = a.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
     full = n - n % 8
-    for i in range(0, full, 8):
-        s0 += a[i] * b[i]
-        s1 += a[i + 1] * b[i + 1]
-        s2 += a[i + 2] * b[i + 2]
-        s3 += a[i + 3] * b[i + 3]
-        s4 += a[i + 4] * b[i + 4]
-        s5 += a[i + 5] * b[i + 5]
-        s6 += a[i + 6] * b[i + 6]
-        s7 += a[i + 7] * b[i + 7]
-    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    s0, s1, s2, s3, s4, s5, s6, s7 = lane_sums(a.ctypes.data, b.ctypes.data, full)
+    total: np.float32 = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
     for i in range(full, n):
         total += a[i] * b[i]
     return total

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kernels.model.once_product import TILE_ROWS_FROM, gather_big, step_times
-from kernels.model.simd_tile import tile_rows
+from kernels.model.once_product import TILE_ROWS_FROM, packed_times, paneled_layout, step_times
 from kernels.model.step_math import sigmoid_f32, silu_f32
 
 _F32 = np.float32
@@ -99,27 +98,19 @@ def _expert_once(x: np.ndarray, gate_t: np.ndarray, up_t: np.ndarray, down_t: np
                  y: np.ndarray, once: int) -> None:  # pragma: no cover - compiled
     """One expert over its pairs (pair p = row p // k, slot p % k): y[p] [D] = down(silu(gate(x)) *
     up(x)) of that row, every element the same k-ascending chain from 0 whichever pairs share the
-    products (kernels.model.moe_step's rule). Weights past ``once`` bytes: :func:`gather_big` (read
-    once for all the expert's pairs, in register tiles over panels); else
-    :func:`kernels.model.simd_tile.tile_rows` (up to four pairs share each tile). prow [cnt]
-    scratch (each pair's row), g, u [cnt, I]."""
+    products (kernels.model.moe_step's rule), each product
+    :func:`kernels.model.once_product.packed_times` (register tiles over panels, the weights read
+    once for all the expert's pairs; threads past ``once`` bytes). prow [cnt] scratch (each pair's
+    row), g, u [cnt, I]."""
     cnt = pairs.shape[0]
     for q in range(cnt):
         prow[q] = pairs[q] // k
-    big = gate_t.size * 4 > once
-    if big:
-        gather_big(x, prow[:cnt], gate_t, g, idx[:cnt], once)
-        gather_big(x, prow[:cnt], up_t, u, idx[:cnt], once)
-    else:
-        tile_rows(x, prow[:cnt], gate_t, g, idx[:cnt], gate_t.shape[1])
-        tile_rows(x, prow[:cnt], up_t, u, idx[:cnt], up_t.shape[1])
+    packed_times(x, prow[:cnt], gate_t, g, idx[:cnt], once)
+    packed_times(x, prow[:cnt], up_t, u, idx[:cnt], once)
     for q in range(cnt):
         for i in range(g.shape[1]):
             g[q, i] = silu_f32(g[q, i]) * u[q, i]
-    if big:
-        gather_big(g, idx[:cnt], down_t, y, pairs, once)
-    else:
-        tile_rows(g, idx[:cnt], down_t, y, pairs, down_t.shape[1])
+    packed_times(g, idx[:cnt], down_t, y, pairs, once)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -211,10 +202,11 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                 if picked[b, j] == e:
                     pairs[cnt] = b * k + j
                     cnt += 1
-        if cnt >= TILE_ROWS_FROM or (cnt and e_gate[m, e].size * 4 > once):
+        plain = not (paneled_layout(e_gate.shape[3]) or paneled_layout(e_down.shape[3]))  # both in [K, N] order
+        if cnt >= TILE_ROWS_FROM or (cnt and (e_gate[m, e].size * 4 > once or not plain)):
             _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
                          ey, once)
-        elif cnt:  # fewer pairs than a register tile's rows: the plain loops (the same chains)
+        elif cnt:  # fewer pairs than a register tile's rows, weights in [K, N] order: the plain loops (the same chains)
             _expert_pairs(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, eg, eu, ey)
     for b in range(n):  # a row's experts added in ascending expert order (picked ascends)
         out[b, :] = 0

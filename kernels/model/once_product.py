@@ -12,6 +12,11 @@ four times from memory. Here a tile of ``TILE`` output columns holds the sums of
 rows take it from L1 four at a time. Tiles are split across threads (``prange``): each output
 element is one thread's whole chain, so threads change the speed, never the bits.
 
+Every packed weight a whole number of 16-column panels wide is kept in panel order, the small ones
+too (:func:`panel_times` runs them on the step's thread): a tile's k loop then reads one contiguous
+run where [K, N] order strides a whole weight row at every k, and glm-mini's step of 16 rows went
+from 3.7-3.9 to 3.0-3.4 ms (its lm_head alone 0.59 to 0.21-0.29 ms; BENCHMARKS.md, session 24).
+
 The rows are gathered (``xi``) and scattered (``oi``) by index, so one kernel serves plain rows
 (identity indices) and an expert's (row, slot) pairs.
 """
@@ -75,20 +80,59 @@ def gather_times(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray,
                     dst[n0 + n] = acc[r, n]
 
 
-def paneled_layout(depth: int, width: int, once_bytes: int) -> bool:
+@njit(cache=True, nogil=True)
+def paneled_layout(width: int) -> bool:
     """Whether the compiled step keeps a packed [depth, width] weight's memory in panel order
-    (:func:`panel_order`): past ``once_bytes`` and a whole number of ``PANEL`` columns wide."""
-    return depth * width * 4 > once_bytes and width % PANEL == 0
+    (:func:`panel_order`): a whole number of ``PANEL`` columns wide, whatever its size. A weight that
+    stays in cache is read faster so too: a 16-column tile's k loop walks one contiguous run, where in
+    [K, N] order it strides a whole row (12 KiB for glm-mini's lm_head) at every k."""
+    return width % PANEL == 0
 
 
-def panel_order(wt: np.ndarray, once_bytes: int) -> np.ndarray:
-    """wt [K, N] f32 as :func:`gather_panels` reads it where :func:`paneled_layout` says so: the same
+def panel_order(wt: np.ndarray) -> np.ndarray:
+    """wt [K, N] f32 as :func:`panel_times` reads it where :func:`paneled_layout` says so: the same
     shape, its memory the panels [N / PANEL, K, PANEL] (panel p: columns p*PANEL.. of wt); else wt."""
     depth, width = wt.shape
-    if not paneled_layout(depth, width, once_bytes):
+    if not paneled_layout(width):
         return wt
     panels = wt.reshape(depth, width // PANEL, PANEL).transpose(1, 0, 2)  # [P, K, PANEL]
     return np.ascontiguousarray(panels, dtype=np.float32).reshape(depth, width)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _panel_group(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray, p0: int,
+                 count: int, kb: int) -> None:  # pragma: no cover - compiled
+    """The ``count`` panels from panel ``p0`` on of a weight in panel order, for every row: out's
+    columns zeroed, then k in blocks of ``kb`` rows, four rows at a time in register tiles
+    (:func:`kernels.model.panel_tiles.panel_tiles`, each sum carried on in out between blocks)."""
+    n_rows = xi.shape[0]
+    depth = wt.shape[0]
+    xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
+    xs, os, xk = x.strides[0], out.strides[0], x.strides[1]
+    pstride = depth * PANEL * 4  # bytes from one panel to the next
+    col = p0 * PANEL * 4  # out's byte offset of the group's first column
+    for b in range(n_rows):
+        out[oi[b], p0 * PANEL : (p0 + count) * PANEL] = 0  # the chains start from 0
+    for k0 in range(0, depth, kb):
+        span = min(kb, depth - k0)
+        xk0, wk0 = xa + k0 * xk, wa + p0 * pstride + k0 * PANEL * 4  # x's and the panels' row k0
+        for b in range(0, n_rows, 4):
+            rows = min(4, n_rows - b)
+            r0, r1, r2, r3 = xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1]
+            o0, o1, o2, o3 = oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1]
+            panel_tiles(rows, (xk0 + r0 * xs, xk0 + r1 * xs, xk0 + r2 * xs, xk0 + r3 * xs),
+                        (oa + o0 * os + col, oa + o1 * os + col, oa + o2 * os + col, oa + o3 * os + col),
+                        wk0, pstride, xk, span, count, PANEL * 4)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def panel_times(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray,
+                oi: np.ndarray) -> None:  # pragma: no cover - compiled
+    """:func:`gather_panels` on the calling thread, k in one pass: for a weight in panel order that
+    stays in cache (glm-mini's), any number of rows. ``oi``'s rows distinct."""
+    n_panels = wt.shape[1] // PANEL
+    for p0 in range(0, n_panels, GROUP):
+        _panel_group(x, xi, wt, out, oi, p0, min(GROUP, n_panels - p0), wt.shape[0])
 
 
 @njit(cache=True, nogil=True, boundscheck=False, parallel=True)
@@ -100,52 +144,43 @@ def gather_panels(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray
     several panels are independent chains); past four rows, k in blocks of ``K_BLOCK`` (the group's
     block stays in L2 while every row passes, each sum carried on in out between blocks: the same
     chain); groups of panels split across threads. ``oi``'s rows distinct (each is zeroed, then summed)."""
-    n_rows = xi.shape[0]
-    depth, width = wt.shape
-    n_panels = width // PANEL
-    xa, wa, oa = x.ctypes.data, wt.ctypes.data, out.ctypes.data
-    xs, os, xk = x.strides[0], out.strides[0], x.strides[1]
-    pstride = depth * PANEL * 4  # bytes from one panel to the next
-    kb = depth if n_rows <= 4 else K_BLOCK  # one pass: the whole k range; several: blocks that stay in L2
+    depth = wt.shape[0]
+    n_panels = wt.shape[1] // PANEL
+    kb = depth if xi.shape[0] <= 4 else K_BLOCK  # one pass: the whole k range; several: blocks that stay in L2
     for g in prange((n_panels + GROUP - 1) // GROUP):
         p0 = g * GROUP
-        count = min(GROUP, n_panels - p0)
-        col = p0 * PANEL * 4  # out's byte offset of the group's first column
-        for b in range(n_rows):
-            out[oi[b], p0 * PANEL : (p0 + count) * PANEL] = 0  # the chains start from 0
-        for k0 in range(0, depth, kb):
-            span = min(kb, depth - k0)
-            xk0, wk0 = xa + k0 * xk, wa + p0 * pstride + k0 * PANEL * 4  # x's and the panels' row k0
-            for b in range(0, n_rows, 4):
-                rows = min(4, n_rows - b)
-                r0, r1, r2, r3 = xi[b], xi[b + min(1, rows - 1)], xi[b + min(2, rows - 1)], xi[b + rows - 1]
-                o0, o1, o2, o3 = oi[b], oi[b + min(1, rows - 1)], oi[b + min(2, rows - 1)], oi[b + rows - 1]
-                panel_tiles(rows, (xk0 + r0 * xs, xk0 + r1 * xs, xk0 + r2 * xs, xk0 + r3 * xs),
-                            (oa + o0 * os + col, oa + o1 * os + col, oa + o2 * os + col, oa + o3 * os + col),
-                            wk0, pstride, xk, span, count, PANEL * 4)
+        _panel_group(x, xi, wt, out, oi, p0, min(GROUP, n_panels - p0), kb)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def gather_big(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray,
-               once_bytes: int) -> None:  # pragma: no cover - compiled
-    """A packed weight past ``once_bytes``: :func:`gather_panels` where it is in panel order
-    (:func:`paneled_layout`), else :func:`gather_times`."""
-    if wt.shape[1] % PANEL == 0:
-        gather_panels(x, xi, wt, out, oi)
-    else:
+def packed_times(x: np.ndarray, xi: np.ndarray, wt: np.ndarray, out: np.ndarray, oi: np.ndarray,
+                 once_bytes: int) -> None:  # pragma: no cover - compiled
+    """out[oi[r]] [N] = x[xi[r]] [K] @ wt [K, N] for each r, wt as :func:`panel_order` left it: in
+    panel order, :func:`gather_panels` past ``once_bytes`` (threads), else :func:`panel_times`; in
+    [K, N] order, :func:`gather_times` past ``once_bytes``, else
+    :func:`kernels.model.simd_tile.tile_rows`. Every way the same bits (``rows_times``'s chains)."""
+    big = wt.size * 4 > once_bytes
+    if paneled_layout(wt.shape[1]):
+        if big:
+            gather_panels(x, xi, wt, out, oi)
+        else:
+            panel_times(x, xi, wt, out, oi)
+    elif big:
         gather_times(x, xi, wt, out, oi)
+    else:
+        tile_rows(x, xi, wt, out, oi, wt.shape[1])
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def step_times(x: np.ndarray, wt: np.ndarray, out: np.ndarray, block: int, once_bytes: int,
                idx: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [n, N] = x [n, K] @ wt [K, N], bitwise :func:`~kernels.model.rowwise.rows_times`: through
-    :func:`gather_big` when the weights are past ``once_bytes`` (read once for all rows; wt as
-    :func:`panel_order` left it), else :func:`kernels.model.simd_tile.tile_rows` (``block`` columns at
-    a time, the sums held in vector registers). ``idx``: at least n row indices 0, 1, ..."""
+    :func:`packed_times` when wt is in panel order or past ``once_bytes``, else ``rows_times`` (fewer
+    than ``TILE_ROWS_FROM`` rows) or :func:`kernels.model.simd_tile.tile_rows` (``block`` columns at a
+    time, the sums held in vector registers). ``idx``: at least n row indices 0, 1, ..."""
     n = x.shape[0]
-    if wt.size * 4 > once_bytes:
-        gather_big(x, idx[:n], wt, out, idx[:n], once_bytes)
+    if paneled_layout(wt.shape[1]) or wt.size * 4 > once_bytes:
+        packed_times(x, idx[:n], wt, out, idx[:n], once_bytes)
     elif n < TILE_ROWS_FROM:
         rows_times(x, wt, out, block)
     else:
@@ -185,5 +220,5 @@ def heads_step(x: np.ndarray, w: np.ndarray, out: np.ndarray, once_bytes: int,
         tile_heads(x, w, out, idx[: x.shape[0]])
 
 
-__all__ = ["ROWS", "TILE", "gather_big", "gather_panels", "gather_times", "heads_once", "heads_step",
-           "panel_order", "paneled_layout", "step_times"]
+__all__ = ["ROWS", "TILE", "gather_panels", "gather_times", "heads_once", "heads_step", "packed_times", "panel_order",
+           "panel_times", "paneled_layout", "step_times"]

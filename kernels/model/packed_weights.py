@@ -82,14 +82,15 @@ class PackedWeights:
 
 
 def pack(decoder: Any, once_bytes: int = THREADED_BYTES) -> PackedWeights:
-    """The decoder's weights packed (call :func:`packable` first). Weights of more than
-    ``once_bytes`` bytes go through :func:`kernels.model.once_product.gather_times` in the step (read
-    once for all rows, threads over column tiles); smaller ones through the single-threaded
-    ``rows_times`` (both give the same bits: tests pack with 0 to run every product the first way)."""
+    """The decoder's weights packed (call :func:`packable` first), transposed to [in, out]; those a
+    whole number of 16-column panels wide in panel order (:func:`kernels.model.once_product.panel_order`).
+    In the step (:func:`kernels.model.once_product.packed_times`), weights of more than ``once_bytes``
+    bytes are read once for all rows with threads over column groups; smaller ones on the step's
+    thread (every way the same bits: tests pack with 0 to run every product the first way)."""
     cfg, dsa, layers = decoder.config, getattr(decoder, "dsa", None), decoder.layers
 
-    def tp(w: np.ndarray) -> np.ndarray:  # w [out, in] -> [in, out] f32, in panel order past once_bytes
-        return panel_order(_t(w), once_bytes)
+    def tp(w: np.ndarray) -> np.ndarray:  # w [out, in] -> [in, out] f32, in panel order where whole panels
+        return panel_order(_t(w))
 
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     attn = (

@@ -136,16 +136,24 @@ def _tile_codegen(rows: int, vecs: int, spread: bool, carry: bool) -> Any:
 
 
 
-# (rows, vecs): a tile holds rows x vecs vector sums, at most 16 (AVX-512 has 32 registers: the rest hold
-# the weight vectors and the broadcast x). These tiles serve weights that stay in cache (glm-mini's): on an
-# AVX2 machine, tiles of at most TILE_VECTORS made glm-mini's step of 16 no faster (bench.step_rows 4.57 /
-# 4.71 ms against 4.23 / 4.55, alternated), so they keep their widths there; the panel tiles do not.
+# (rows, vecs): a tile holds rows x vecs vector sums, at most TILE_VECTORS (16 with AVX-512, whose 32
+# registers also hold the weight vectors and the broadcast x; 4 on AVX2). These tiles serve weights in
+# [K, N] order that stay in cache (W_UK / W_UV by head, widths that are not whole panels). On a 2-vCPU
+# AVX2 EPYC, 16 rows over glm-mini's shapes took about half the time in tiles of 4 sums as in 4 x 4
+# (q_b 20 -> 10 us, the dense down 65 -> 29-41 us; BENCHMARKS.md, session 24); session 23 saw no gain
+# at the step, where the products then hid behind lm_head's strided reads.
 # Columns go to the widest tile first, then halves: a tile of few rows needs several vectors, or its one
-# chain of adds waits on each add's latency at every k.
-_T4 = (tile_kernel(4, 4), tile_kernel(4, 1))  # by row count: the tiles, widest first
-_T3 = (tile_kernel(3, 4), tile_kernel(3, 2), tile_kernel(3, 1))
-_T2 = (tile_kernel(2, 8), tile_kernel(2, 4), tile_kernel(2, 2), tile_kernel(2, 1))
-_T1 = (tile_kernel(1, 16), tile_kernel(1, 8), tile_kernel(1, 4), tile_kernel(1, 2), tile_kernel(1, 1))
+# chain of adds waits on each add's latency at every k. _V4.._V1: the widths by row count.
+def _vecs(rows: int, widest: int, count: int) -> tuple[int, ...]:
+    """``count`` tile widths (vectors) for ``rows`` rows: ``widest`` halving, each capped at TILE_VECTORS sums."""
+    return tuple(max(1, min(widest >> i, TILE_VECTORS // rows)) for i in range(count))
+
+
+_V4, _V3, _V2, _V1 = _vecs(4, 4, 2), _vecs(3, 4, 3), _vecs(2, 8, 4), _vecs(1, 16, 5)
+_T4 = tuple(tile_kernel(4, v) for v in _V4)  # by row count: the tiles, widest first
+_T3 = tuple(tile_kernel(3, v) for v in _V3)
+_T2 = tuple(tile_kernel(2, v) for v in _V2)
+_T1 = tuple(tile_kernel(1, v) for v in _V1)
 _T4W, _T4N = _T4
 _T3W, _T3H, _T3N = _T3
 _T2W, _T2H, _T2Q, _T2N = _T2
@@ -163,54 +171,54 @@ def _tiles(rows: int, xs: Any, os: Any, wa: int, ws: int, xk: int, depth: int, n
     """The vector tiles of ``rows`` (1-4) rows (x and out row addresses ``xs``, ``os``: 4-tuples, the
     first ``rows`` used) over columns [n, n1), widest first: returns the first column they left."""
     if rows == 4:
-        while n + 4 * LANES <= n1:
+        while n + _V4[0] * LANES <= n1:
             _T4W(xs, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n, os[3] + 4 * n))
-            n += 4 * LANES
-        while n + LANES <= n1:
+            n += _V4[0] * LANES
+        while n + _V4[1] * LANES <= n1:
             _T4N(xs, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n, os[3] + 4 * n))
-            n += LANES
+            n += _V4[1] * LANES
     elif rows == 3:
         x3 = (xs[0], xs[1], xs[2])
-        while n + 4 * LANES <= n1:
+        while n + _V3[0] * LANES <= n1:
             _T3W(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
-            n += 4 * LANES
-        if n + 2 * LANES <= n1:
+            n += _V3[0] * LANES
+        if n + _V3[1] * LANES <= n1:
             _T3H(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
-            n += 2 * LANES
-        if n + LANES <= n1:
+            n += _V3[1] * LANES
+        if n + _V3[2] * LANES <= n1:
             _T3N(x3, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n, os[2] + 4 * n))
-            n += LANES
+            n += _V3[2] * LANES
     elif rows == 2:
         x2 = (xs[0], xs[1])
-        while n + 8 * LANES <= n1:
+        while n + _V2[0] * LANES <= n1:
             _T2W(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
-            n += 8 * LANES
-        if n + 4 * LANES <= n1:
+            n += _V2[0] * LANES
+        if n + _V2[1] * LANES <= n1:
             _T2H(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
-            n += 4 * LANES
-        if n + 2 * LANES <= n1:
+            n += _V2[1] * LANES
+        if n + _V2[2] * LANES <= n1:
             _T2Q(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
-            n += 2 * LANES
-        if n + LANES <= n1:
+            n += _V2[2] * LANES
+        if n + _V2[3] * LANES <= n1:
             _T2N(x2, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n, os[1] + 4 * n))
-            n += LANES
+            n += _V2[3] * LANES
     else:
         x1 = (xs[0],)
-        while n + 16 * LANES <= n1:
+        while n + _V1[0] * LANES <= n1:
             _T1W(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
-            n += 16 * LANES
-        if n + 8 * LANES <= n1:
+            n += _V1[0] * LANES
+        if n + _V1[1] * LANES <= n1:
             _T1H(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
-            n += 8 * LANES
-        if n + 4 * LANES <= n1:
+            n += _V1[1] * LANES
+        if n + _V1[2] * LANES <= n1:
             _T1Q(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
-            n += 4 * LANES
-        if n + 2 * LANES <= n1:
+            n += _V1[2] * LANES
+        if n + _V1[3] * LANES <= n1:
             _T1E(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
-            n += 2 * LANES
-        if n + LANES <= n1:
+            n += _V1[3] * LANES
+        if n + _V1[4] * LANES <= n1:
             _T1N(x1, xk, wa + 4 * n, ws, depth, (os[0] + 4 * n,))
-            n += LANES
+            n += _V1[4] * LANES
     return n
 
 

@@ -16,12 +16,13 @@ from kernels.model.config import parse_config
 from kernels.model.once_product import (
     K_BLOCK,
     ROWS,
-    gather_big,
     gather_panels,
     gather_times,
     heads_once,
     heads_step,
+    packed_times,
     panel_order,
+    panel_times,
     step_times,
 )
 from kernels.model.packed_weights import packable
@@ -47,24 +48,24 @@ def test_gather_times_is_rows_times_bitwise(rows: int) -> None:
     via = np.full((rows, 700), np.nan, np.float32)
     step_times(x, wt, via, column_block(300, 700), 0, np.arange(64))  # past 0 bytes: the once kernel
     assert np.array_equal(via, want)
-    panels = panel_order(wt, 0)  # 700 columns: not whole panels, kept as they are
+    panels = panel_order(wt)  # 700 columns: not whole panels, kept as they are
     assert panels is wt
     wide = _rand(rng, 300, 704)  # 44 panels
     want_wide = np.empty((rows, 704), np.float32)
     rows_times(x, wide, want_wide, column_block(300, 704))
-    for fn in (gather_panels, lambda *a: gather_big(*a, 0)):
+    for fn in (gather_panels, lambda *a: packed_times(*a, 0), panel_times):
         got_wide = np.full((rows, 704), np.nan, np.float32)
-        fn(x, idx, panel_order(wide, 0), got_wide, idx)
+        fn(x, idx, panel_order(wide), got_wide, idx)
         assert np.array_equal(got_wide, want_wide)
     via_wide = np.full((rows, 704), np.nan, np.float32)
-    step_times(x, panel_order(wide, 0), via_wide, 256, 0, np.arange(64))
+    step_times(x, panel_order(wide), via_wide, 256, 0, np.arange(64))
     assert np.array_equal(via_wide, want_wide)
     for b in range(rows):  # each row alone: the same bits (batch invariance)
         alone = np.empty((1, 700), np.float32)
         gather_times(x[b : b + 1], idx[:1], wt, alone, idx[:1])
         assert np.array_equal(alone[0], want[b])
         alone_wide = np.empty((1, 704), np.float32)
-        gather_panels(x[b : b + 1], idx[:1], panel_order(wide, 0), alone_wide, idx[:1])
+        gather_panels(x[b : b + 1], idx[:1], panel_order(wide), alone_wide, idx[:1])
         assert np.array_equal(alone_wide[0], want_wide[b])
 
 
@@ -79,10 +80,10 @@ def test_gather_panels_is_rows_times_bitwise_for_every_tile_width(rows: int) -> 
     rows_times(x, wt, want, column_block(129, 496))
     idx = np.arange(rows)
     got = np.full((rows, 496), np.nan, np.float32)
-    gather_panels(x, idx, panel_order(wt, 0), got, idx)
+    gather_panels(x, idx, panel_order(wt), got, idx)
     assert np.array_equal(got, want)
     picked = np.full((2 * rows, 496), np.nan, np.float32)  # scattered to odd out rows, gathered reversed
-    gather_panels(x, idx[::-1].copy(), panel_order(wt, 0), picked, 2 * idx + 1)
+    gather_panels(x, idx[::-1].copy(), panel_order(wt), picked, 2 * idx + 1)
     assert np.array_equal(picked[1::2], want[::-1])
     assert np.isnan(picked[::2]).all()
 
@@ -98,7 +99,7 @@ def test_gather_panels_in_k_blocks_is_rows_times_bitwise(rows: int) -> None:
     x[:, ::5] *= np.float32(1e-3)  # sums that round differently when contracted or reordered
     want = np.empty((rows, 112), np.float32)
     rows_times(x, wt, want, column_block(depth, 112))
-    idx, panels = np.arange(rows), panel_order(wt, 0)
+    idx, panels = np.arange(rows), panel_order(wt)
     got = np.full((rows, 112), np.nan, np.float32)
     gather_panels(x, idx, panels, got, idx)
     assert np.array_equal(got, want)
@@ -120,7 +121,7 @@ def test_gather_times_gathers_and_scatters() -> None:
     assert not out[[1, 3, 5, 6, 8]].any()  # rows not named stay as they were
     wide = _rand(rng, 64, 320)  # 20 panels
     out_p = np.zeros((10, 320), np.float32)
-    gather_panels(x, xi, panel_order(wide, 0), out_p, oi)
+    gather_panels(x, xi, panel_order(wide), out_p, oi)
     want_p = np.empty((9, 320), np.float32)
     rows_times(x, wide, want_p, column_block(64, 320))
     assert all(np.array_equal(out_p[o], want_p[i]) for i, o in zip(xi, oi, strict=True))

@@ -1,0 +1,114 @@
+"""Where glm-mini's compiled step spends its time, by kernel: the step of ``--rows`` sessions (fp8 caches
+of 40-55 tokens, as bench.step_rows) run for ``--seconds`` under ``perf record`` (cpu-clock samples of
+this process), numba's code named through a perf map (bench/jit_symbols.py). Prints each kernel's
+share of the window's samples (the Python interpreter's symbols summed as ``python``), and the thread
+CPU per step. Needs Linux ``perf``; where it is missing or refused, one line says why (exit 2).
+
+    python -m bench.step_profile --json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import jit_symbols
+
+jit_symbols.install()  # before any kernel loads: numba keeps no object code otherwise
+
+import numpy as np  # noqa: E402
+
+from bench.report import figures  # noqa: E402
+from kernels.model import DecoderCache, MLADecoder, load_model, resolve_model  # noqa: E402
+
+_LINE = re.compile(r"^\s*([\d.]+)%\s+(\S.*?)\s+\[[.k]\]\s+(.+?)\s*$")
+
+
+def _sessions(model: MLADecoder, rows: int) -> list[DecoderCache]:
+    rng = np.random.default_rng(rows)
+    caches = []
+    for i in range(rows):
+        cache = model.new_cache("fp8")
+        model.forward(rng.integers(0, 3072, 40 + i).astype(np.int32), cache)
+        caches.append(cache)
+    return caches
+
+
+def _run(model: MLADecoder, caches: list[DecoderCache], seconds: float) -> float:
+    """Steps of every cache for ``seconds`` (truncated back every 8 steps): thread CPU ms per step."""
+    lengths = [c.length for c in caches]
+    tokens = np.arange(len(caches), dtype=np.int32)  # [n] i32
+    start, cpu, steps = time.monotonic(), time.thread_time(), 0
+    while time.monotonic() - start < seconds:
+        for _ in range(8):
+            model.step(caches, tokens, [1] * len(caches))
+        steps += 8
+        for c, n in zip(caches, lengths, strict=True):
+            c.truncate(n)
+    return (time.thread_time() - cpu) / steps * 1e3
+
+
+def shares(report: str, top: int) -> list[tuple[str, float]]:
+    """``perf report --stdio --sort dso,sym`` lines -> the ``top`` (name, percent) by share: numba's
+    symbols by name, the interpreter's summed as ``python``, others as ``dso:symbol``."""
+    summed: dict[str, float] = {}
+    for line in report.splitlines():
+        found = _LINE.match(line)
+        if not found:
+            continue
+        pct, dso, sym = float(found.group(1)), found.group(2), found.group(3)
+        name = "python" if "libpython" in dso else sym if dso.startswith("[JIT]") else f"{dso}:{sym}"
+        summed[name] = summed.get(name, 0.0) + pct
+    return sorted(summed.items(), key=lambda kv: -kv[1])[:top]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--rows", type=int, default=16, help="sessions in the step (default 16)")
+    parser.add_argument("--seconds", type=float, default=8.0, help="the profiled window (default 8)")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
+    args = parser.parse_args(argv)
+    perf = shutil.which("perf")
+    if perf is None:
+        print("bench.step_profile: Linux perf is not installed (apt install linux-perf)", file=sys.stderr)
+        return 2
+    model = load_model(resolve_model("glm-mini"))
+    caches = _sessions(model, args.rows)
+    _run(model, caches, 1.0)  # warm: compiled code, layouts, scratch
+    named = jit_symbols.write_perf_map()
+    with tempfile.TemporaryDirectory() as scratch:
+        data = Path(scratch) / "perf.data"
+        rec = subprocess.Popen([perf, "record", "-e", "cpu-clock", "-F", "999", "-p", str(os.getpid()), "-o",
+                                str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.5)  # perf attaches
+        if rec.poll() is not None:
+            _, err = rec.communicate()
+            why = (err.decode().strip().splitlines() or ["no message"])[-1]
+            print(f"bench.step_profile: perf record failed: {why}", file=sys.stderr)
+            return 2
+        ms = _run(model, caches, args.seconds)
+        rec.send_signal(signal.SIGINT)
+        rec.wait(timeout=30)
+        report = subprocess.run([perf, "report", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,sym"],
+                                capture_output=True, text=True, check=False).stdout
+    top = shares(report, args.top)
+    result = {"step_profile_rows": args.rows, "step_profile_ms": round(ms, 3), "step_profile_symbols": named,
+              "step_profile_top": [[name, round(pct, 2)] for name, pct in top]}
+    if args.json:
+        return figures(result, True)
+    print(f"glm-mini, a step of {args.rows} rows: {ms:.3f} ms thread CPU; {named} compiled functions named")
+    for name, pct in top:
+        print(f"  {pct:6.2f}%  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
