@@ -37,12 +37,13 @@ PROMPT = 7  # the prompt of the first token of one (bench.peer_glm52's)
 POSITIONS = 8  # positions each session holds before a timed step
 
 
-def _model(experts: int) -> GlmDecoder:
+def build_model(experts: int) -> GlmDecoder:
+    """The two-layer checkpoint at GLM-5.2's dims with ``experts`` routed experts (random f32 weights)."""
     config = parse_config(glm52_layers_config(experts), source="bench-step-glm52")
     return GlmDecoder(config, DictWeights(tiny_glm_weights(config, 7), source="bench-step-glm52"))
 
 
-def _sessions(model: GlmDecoder, n: int) -> list[Any]:
+def sessions(model: GlmDecoder, n: int) -> list[Any]:
     """``n`` fp8 caches over one prefill's ``POSITIONS`` rows (what a step costs does not depend on
     their values), each appending its own."""
     first = model.new_cache("fp8")
@@ -66,20 +67,20 @@ def _timed(model: GlmDecoder, caches: list[Any], counts: list[int]) -> float:
 def measure(experts: int, reps: int) -> dict[str, Any]:
     """Medians (ms) of every step shape, reps alternating over the shapes, after an untimed one each."""
     t0 = time.process_time()
-    model = _model(experts)
-    caches = _sessions(model, max(ROW_COUNTS))
+    model = build_model(experts)
+    caches = sessions(model, max(ROW_COUNTS))
     assert model.compiled_step() is not None, "the compiled step must take this model"
     shapes = {f"rows{n}": (caches[:n], [1] * n) for n in ROW_COUNTS}
     shapes[f"prompt{PROMPT}"] = (caches[:1], [PROMPT])
     built = time.process_time() - t0
     t0 = time.process_time()
-    for sessions, counts in shapes.values():
-        _timed(model, sessions, counts)
+    for group, counts in shapes.values():
+        _timed(model, group, counts)
     warm = time.process_time() - t0
     got: dict[str, list[float]] = {name: [] for name in shapes}
     for _ in range(reps):
-        for name, (sessions, counts) in shapes.items():
-            got[name].append(_timed(model, sessions, counts))
+        for name, (group, counts) in shapes.items():
+            got[name].append(_timed(model, group, counts))
     result: dict[str, Any] = {f"glm52_step_{name}_ms": round(statistics.median(v) * 1e3, 1) for name, v in got.items()}
     result.update({"glm52_step_experts": experts, "glm52_step_reps": reps, "glm52_step_build_s": round(built, 1),
                    "glm52_step_first_steps_s": round(warm, 1),
