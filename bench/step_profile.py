@@ -27,19 +27,10 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.report import figures  # noqa: E402
+from bench.step_rows import decode_sessions  # noqa: E402
 from kernels.model import DecoderCache, MLADecoder, load_model, resolve_model  # noqa: E402
 
 _LINE = re.compile(r"^\s*([\d.]+)%\s+(\S.*?)\s+\[[.k]\]\s+(.+?)\s*$")
-
-
-def _sessions(model: MLADecoder, rows: int) -> list[DecoderCache]:
-    rng = np.random.default_rng(rows)
-    caches = []
-    for i in range(rows):
-        cache = model.new_cache("fp8")
-        model.forward(rng.integers(0, 3072, 40 + i).astype(np.int32), cache)
-        caches.append(cache)
-    return caches
 
 
 def _glm52(rows: int) -> tuple[MLADecoder, list[DecoderCache]]:
@@ -104,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         model, caches = _glm52(rows)
     else:
         model = load_model(resolve_model("glm-mini"))
-        caches = _sessions(model, rows)
+        caches = decode_sessions(model, rows)
     _run(model, caches, 1.0, args.prompt)  # warm: compiled code, layouts, scratch
     named = jit_symbols.write_perf_map()
     with tempfile.TemporaryDirectory() as scratch:

@@ -24,7 +24,8 @@ from kernels.model.text import StreamDecoder, load_text
 STEPS = 8  # steps per rep
 
 
-def _sessions(model: MLADecoder, n: int) -> list[DecoderCache]:
+def decode_sessions(model: MLADecoder, n: int) -> list[DecoderCache]:
+    """``n`` fp8 caches of glm-mini, cache i over a random prompt of 40 + i tokens (past index_topk)."""
     rng = np.random.default_rng(n)
     caches = []
     for i in range(n):
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=15, help="reps per figure (medians)")
     args = parser.parse_args(argv)
     model = load_model(resolve_model("glm-mini"))
-    one, many = _sessions(model, 1), _sessions(model, 16)
+    one, many = decode_sessions(model, 1), decode_sessions(model, 16)
     for compiled in (True, False):  # warm: compiled code and layouts
         _rep(model, many, compiled)
     _rep(model, one, True)
