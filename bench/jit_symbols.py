@@ -59,7 +59,7 @@ def _object_symbols(obj: bytes) -> list[tuple[int, int, str, str]]:
         f.flush()
         out = subprocess.run(["nm", "-S", "--defined-only", f.name], capture_output=True, text=True,
                              check=False).stdout
-    rows = [line.split() for line in out.splitlines()]
+    rows = [line.split(maxsplit=3) for line in out.splitlines()]  # a name may hold spaces
     return [(int(r[0], 16), int(r[1], 16), r[2], r[3]) for r in rows if len(r) == 4 and r[2] in "TtWw"]
 
 

@@ -23,7 +23,8 @@ def test_a_compiled_function_is_named_at_its_address(tmp_path: Path) -> None:
     assert named > 0
     cres = next(iter(_triple.overloads.values()))
     address = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
-    rows = [line.split() for line in (tmp_path / "perf.map").read_text().splitlines()]
+    lines = (tmp_path / "perf.map").read_text().splitlines()
+    rows = [line.split(maxsplit=2) for line in lines]  # START SIZE NAME: a name may hold spaces
     covering = [name for start, size, name in rows if int(start, 16) <= address < int(start, 16) + int(size, 16)]
     assert "test_bench_step_profile._triple" in covering
 
