@@ -195,6 +195,7 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                weights)
         for j in range(k):
             picked[b, j], picked_w[b, j] = chosen[j], weights[j]
+    plain = not (paneled_layout(e_gate.shape[3]) or paneled_layout(e_down.shape[3]))  # both in [K, N] order
     for e in range(dims[10]):  # expert by expert, the rows that chose it
         cnt = 0
         for b in range(n):
@@ -202,7 +203,6 @@ def moe_rows(x: np.ndarray, router_t: np.ndarray, bias: np.ndarray, e_gate: np.n
                 if picked[b, j] == e:
                     pairs[cnt] = b * k + j
                     cnt += 1
-        plain = not (paneled_layout(e_gate.shape[3]) or paneled_layout(e_down.shape[3]))  # both in [K, N] order
         if cnt >= TILE_ROWS_FROM or (cnt and (e_gate[m, e].size * 4 > once or not plain)):
             _expert_once(x, e_gate[m, e], e_up[m, e], e_down[m, e], pairs[:cnt], k, prow, idx, ga[:cnt], ua[:cnt],
                          ey, once)
