@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from kernels.model.text.tokenizer import load_text
 from tests.service.serverkit import ServerProc
 
 SAMPLED = {"temperature": 0.9, "top_p": 0.95}
@@ -234,13 +235,24 @@ def test_a_stream_cut_by_its_client_is_stored_incomplete_and_continues(tmp_path:
         cut = got.json()
         assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "interrupted"}
         assert 0 < cut["usage"]["output_tokens"] < 2000
+        cut_ids = cut["output"][0]["content"][0]["token_ids"]
         text = cut["output"][0]["content"][0]["text"]
         follow = client.responses.create(model=model, input="go on", previous_response_id=rid, max_output_tokens=8,
                                          temperature=0)
         assert follow.usage.input_tokens_details.cached_tokens > 0
-        done = client.chat.completions.create(model=model, max_tokens=8, temperature=0, messages=[
-            {"role": "user", "content": LONG_INPUT}, {"role": "assistant", "content": text},
-            {"role": "user", "content": "go on"}])
+        # the reference: one stateless run over the ids the session holds, the cut reply's as sampled
+        # (a special id it drew, which its text skips, or a merge its text would re-tokenise to) and then
+        # the template's ids for the new message, from the <|user|> that closes the reply (one the reply
+        # drew last stands for it)
+        tok = load_text(tmp_path / "endless")
+        user = tok.encode("<|user|>", add_special_tokens=False)
+        asked = tok.chat_ids([{"role": "user", "content": LONG_INPUT}], add_generation_prompt=True)
+        again = tok.chat_ids([{"role": "user", "content": LONG_INPUT}, {"role": "assistant", "content": text},
+                              {"role": "user", "content": "go on"}], add_generation_prompt=True)
+        tail = len(again) - again[::-1].index(user[0]) - (0 if cut_ids[-1:] == user else 1)
+        held = [*asked, *cut_ids, *again[tail:]]
+        assert follow.usage.input_tokens == len(held)
+        done = client.completions.create(model=model, prompt=held, max_tokens=8, temperature=0)
         assert follow.output[0].content[0].token_ids == done.choices[0].token_ids
 
 

@@ -8,8 +8,10 @@ chain, as OpenAI's). With ``store`` (the default) the turn runs on the chain's s
 chain creates a session; a response continuing the newest one of its chain appends to that
 session in place; one continuing an older response forks the session at that response's
 token count; one whose checkpoint is gone (the session deleted or changed) starts a new
-session from the record's messages. Every way gives the tokens a stateless chat completion
-over the same messages gives. ``store: false`` runs stateless and keeps nothing.
+session from the record's messages. Every way gives the tokens a stateless run over the ids the
+session holds gives: a stateless chat completion over the same messages where the chain's replies
+re-tokenise to the ids they were sampled as (else the replies' ids as sampled, :mod:`chat_splice
+<sessionstore.sessions.chat_splice>`). ``store: false`` runs stateless and keeps nothing.
 """
 from __future__ import annotations
 
