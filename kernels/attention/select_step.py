@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numba import njit, types, void
 
+from kernels.attention.lanes import lane_sums
 from kernels.compile_notice import announce_if_cold
 from kernels.errors import FormatError
 
@@ -38,24 +39,31 @@ announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 @njit(cache=True, nogil=True, boundscheck=False, inline="always")
 def score_row(qi: np.ndarray, w: np.ndarray, key: np.ndarray) -> np.float32:  # pragma: no cover - compiled
     """sum_h w[h] * relu(qi[h] . key) for qi [nh, hd], w [nh] (scaled), one key [hd]: each dot
-    product over eight lanes combined in a fixed tree, the heads summed in order."""
+    product over eight lanes (one vector's chain, :func:`kernels.attention.lanes.lane_sums`, where the
+    key's floats are adjacent; the same sums lane by lane where a view strides them) combined in a
+    fixed tree, the heads summed in order."""
     depth = key.shape[0]
     full = depth - depth % 8
+    adjacent = key.strides[0] == 4
     total = np.float32(0.0)
     for h in range(qi.shape[0]):
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        for i in range(0, full, 8):
-            s0 += qi[h, i] * key[i]
-            s1 += qi[h, i + 1] * key[i + 1]
-            s2 += qi[h, i + 2] * key[i + 2]
-            s3 += qi[h, i + 3] * key[i + 3]
-            s4 += qi[h, i + 4] * key[i + 4]
-            s5 += qi[h, i + 5] * key[i + 5]
-            s6 += qi[h, i + 6] * key[i + 6]
-            s7 += qi[h, i + 7] * key[i + 7]
+        q = qi[h]
+        if adjacent:
+            s0, s1, s2, s3, s4, s5, s6, s7 = lane_sums(q.ctypes.data, key.ctypes.data, full)
+        else:
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+            for i in range(0, full, 8):
+                s0 += q[i] * key[i]
+                s1 += q[i + 1] * key[i + 1]
+                s2 += q[i + 2] * key[i + 2]
+                s3 += q[i + 3] * key[i + 3]
+                s4 += q[i + 4] * key[i + 4]
+                s5 += q[i + 5] * key[i + 5]
+                s6 += q[i + 6] * key[i + 6]
+                s7 += q[i + 7] * key[i + 7]
         dot = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
         for i in range(full, depth):
-            dot += qi[h, i] * key[i]
+            dot += q[i] * key[i]
         relu = np.float32(0.0) if dot <= 0 else dot  # NaN stays NaN, as np.maximum keeps it
         total += w[h] * relu
     return total

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.attention.select_step import select_step
+from kernels.attention.select_step import score_row, select_step
 from kernels.attention.selection import select_rows
 from kernels.errors import FormatError
 from tests.kernels.model.test_glm_selection import HD, NH, reference_scores, reference_topk, split
@@ -50,6 +50,37 @@ def test_selection_does_not_depend_on_blocks_or_layout(cuts: list[int]) -> None:
     mapped.flags.writeable = False  # a read-only mapping
     for blocks in (split(keys[0], cuts), split(records["ic"][:, 1], cuts), split(mapped, cuts)):
         assert np.array_equal(select_step(qi, w, [blocks], 64), whole)
+
+
+def lane_tree_score(qi: np.ndarray, w: np.ndarray, key: np.ndarray) -> np.float32:
+    """score_row's arithmetic in numpy's f32 (each op rounded as IEEE f32): lane i sums
+    qi[h, 8k + i] * key[8k + i] over k, the lanes added ((0+1)+(2+3))+((4+5)+(6+7)), the tail in order."""
+    full = key.size - key.size % 8
+    total = np.float32(0)
+    for h in range(qi.shape[0]):
+        lanes = np.zeros(8, np.float32)  # [8] f32
+        for k in range(0, full, 8):
+            lanes = lanes + qi[h, k:k + 8] * key[k:k + 8]
+        dot = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+        for i in range(full, key.size):
+            dot = dot + qi[h, i] * key[i]
+        total = total + w[h] * (np.float32(0) if dot <= 0 else dot)
+    return np.float32(total)
+
+
+@pytest.mark.parametrize("hd", [32, 36])
+def test_a_score_is_the_lane_tree_bitwise_whether_the_key_floats_are_adjacent_or_strided(hd: int) -> None:
+    rng = np.random.default_rng(5)
+    qi = rng.standard_normal((NH, hd)).astype(np.float32)  # [nh, hd]
+    w = rng.standard_normal(NH).astype(np.float32)  # [nh]
+    keys = rng.standard_normal((50, hd)).astype(np.float32)  # [t, hd], adjacent floats (the vector path)
+    spread = np.zeros((50, 2 * hd), np.float32)
+    spread[:, ::2] = keys
+    strided = spread[:, ::2]  # [t, hd] with a float between each two: the lane-by-lane path
+    for t in range(keys.shape[0]):
+        want = lane_tree_score(qi, w, keys[t])
+        assert np.float32(score_row(qi, w, keys[t])).tobytes() == want.tobytes()
+        assert np.float32(score_row(qi, w, strided[t])).tobytes() == want.tobytes()
 
 
 def test_a_row_is_the_same_alone_or_in_any_batch() -> None:
