@@ -76,18 +76,45 @@ def _score_keys(qi: np.ndarray, w: np.ndarray, keys: np.ndarray, out: np.ndarray
         out[t] = score_row(qi, w, keys[t])
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _sift_down(heap: np.ndarray, v: np.float32) -> None:  # pragma: no cover - compiled
+    """Replace the least value of the min-heap ``heap`` [k] f32 by ``v`` and restore the heap."""
+    k = heap.shape[0]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= k:
+            break
+        if c + 1 < k and heap[c + 1] < heap[c]:
+            c += 1
+        if heap[c] >= v:
+            break
+        heap[i] = heap[c]
+        i = c
+    heap[i] = v
+
+
 @njit(void(types.Array(_F32, 1, "C"), types.Array(types.int64, 1, "C")), cache=True, nogil=True, boundscheck=False)
 def engine_topk(scores: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """out [k] = the engine's top-k positions of scores [T] (T > k), ascending; NaN scores are
-    set to -inf in place first."""
+    set to -inf in place first.
+
+    The threshold (the k-th largest score, counted with repeats) is the least of the k largest
+    scores, kept in a min-heap as the scores are read: one comparison for most scores, log k moves
+    for the few that enter (np.partition copied the row and reselected it). The scores above it
+    are the heap's other members."""
     n, k = scores.shape[0], out.shape[0]
+    heap = np.full(k, -np.inf, np.float32)  # heap: [k] f32, a min-heap of the largest scores read
     for t in range(n):
-        if np.isnan(scores[t]):
-            scores[t] = -np.inf
-    thr = np.partition(scores, n - k)[n - k]  # the k-th largest
+        v = scores[t]
+        if np.isnan(v):
+            v = scores[t] = np.float32(-np.inf)
+        if v > heap[0]:
+            _sift_down(heap, v)
+    thr = heap[0]  # the k-th largest (T > k: the heap's -inf fillers are all replaced or tie with it)
     above = 0
-    for t in range(n):
-        if scores[t] > thr:
+    for i in range(k):
+        if heap[i] > thr:
             above += 1
     ties = k - above
     j = 0

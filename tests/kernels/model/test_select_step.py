@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.attention.select_step import score_row, select_step
+from kernels.attention.select_step import engine_topk, score_row, select_step
 from kernels.attention.selection import select_rows
 from kernels.errors import FormatError
 from tests.kernels.model.test_glm_selection import HD, NH, reference_scores, reference_topk, split
@@ -81,6 +81,27 @@ def test_a_score_is_the_lane_tree_bitwise_whether_the_key_floats_are_adjacent_or
         want = lane_tree_score(qi, w, keys[t])
         assert np.float32(score_row(qi, w, keys[t])).tobytes() == want.tobytes()
         assert np.float32(score_row(qi, w, strided[t])).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("order", ["shuffled", "ascending", "descending"])
+@pytest.mark.parametrize("k", [1, 5, 32])
+def test_the_top_k_cut_is_the_engine_rule_with_ties_nan_and_infinities(order: str, k: int) -> None:
+    rng = np.random.default_rng(k)
+    for n in (k + 1, 3 * k, 700):
+        row = rng.integers(-4, 5, n).astype(np.float32)  # [n] f32: few values, many ties
+        row[rng.random(n) < 0.1] = np.nan
+        row[rng.random(n) < 0.05] = -np.inf
+        row[rng.random(n) < 0.02] = np.inf
+        if order != "shuffled":
+            row = np.sort(row) if order == "ascending" else np.sort(row)[::-1].copy()
+        want = reference_topk(np.where(np.isnan(row), -np.inf, row), k)
+        out = np.empty(k, np.int64)
+        engine_topk(row, out)
+        assert out.tolist() == want, (n, row.tolist())
+    nan = np.full(k + 3, np.nan, np.float32)  # every score NaN: all -inf, the lowest positions
+    out = np.empty(k, np.int64)
+    engine_topk(nan, out)
+    assert out.tolist() == list(range(k))
 
 
 def test_a_row_is_the_same_alone_or_in_any_batch() -> None:
