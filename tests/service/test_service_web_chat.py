@@ -342,3 +342,32 @@ def test_layout_and_screenshots(browser: Any, server: ServerProc, name: str, wid
     print(f"screenshots: {ARTEFACTS / name}.png, {ARTEFACTS / name}-settings.png")
     assert tab.errors == [], tab.errors
     tab.close()
+
+
+def test_a_message_sent_before_the_list_shows_a_new_session_keeps_its_first_turn(browser: Any,
+                                                                                 server: ServerProc) -> None:
+    """A new session's second message sent while the sessions list (which does not show the session yet)
+    is still loading: the page sends the first turn with it, from what it showed, never the new message
+    alone (which would cut the session back to it)."""
+    from playwright.sync_api import expect
+
+    tab = Tab(browser, server.url)
+    sent = chat_requests(tab)
+    tab.page.evaluate("""() => {  // every sessions-list request answers 3 s late from now on
+      const fetched = window.fetch;
+      window.fetch = async (url, init) => {
+        if (String(url).includes("/v1/sessions?")) await new Promise((ok) => setTimeout(ok, 3000));
+        return fetched(url, init);
+      };
+    }""")
+    tab.new_session("slow-list")
+    set_controls(tab, temperature="0", max_tokens="4")
+    first = tab.send("The first question.", max_tokens=None)
+    expect(tab.item("slow-list").locator(".badge.draft")).to_have_count(1)  # the list has not caught up
+    tab.send("The second question.", max_tokens=None)
+    assert [m["content"] for m in sent[-1]["messages"]] == ["The first question.", first, "The second question."]
+    expect(tab.page.locator(".msg")).to_have_count(4)
+    assert [m["content"] for m in stored_messages(server, "slow-list")][:3] == [
+        "The first question.", first, "The second question."]
+    assert tab.errors == [], tab.errors
+    tab.close()

@@ -530,7 +530,9 @@ async function send(event) {
   await run(async () => {
     const knobs = Settings.knobs();  // a bad control says so and keeps the message in the box
     input.value = "";
-    const before = known && view.messages ? view.messages : [];
+    // the history is what the page holds for the session: a new session's first turn included, though
+    // the list may not show the session yet (its refresh still loading); none for a draft never sent
+    const before = view && view.messages ? view.messages : [];
     await converse(sid, Settings.withSystem([...before, { role: "user", content }]), knobs);
   });
 }
