@@ -5,9 +5,9 @@ held, committed rows memory-mapped and handed to the decoder with zero copy, new
 to the SAME file) -> ``suspend()`` (commit, release memory and the lock; disk only) -> resident
 again on the next use (``ensure_resident()``, a resume) -> ``close()``.
 
-Exactness by construction: every chunk of input tokens is fed as ``chunk[:-1]`` (one batch)
-then ``chunk[-1:]`` (a single-token step), so the logits that pick a token always come from a
-single-token step. Resume recomputes the last committed position the same way (a single-token
+Exactness by construction: a chunk of input tokens is fed in one forward, which computes every
+position as a single-token step of that token computes it, so the logits that pick a token are
+always a single-token step's. Resume recomputes the last committed position the same way (a single-token
 step over the restored rows, which attention reads bit-identically however they are split into
 blocks), so the recomputed logits match the manifest's digest bit for bit, and the pending
 token can always be re-derived: sampling depends only on (seed, position, logits). With

@@ -1,9 +1,9 @@
 """Pure session mechanics shared by :class:`Session` and the uninterrupted reference run.
 
-Feeding policy (what makes resume bit-identical by construction): every chunk of input tokens is
-fed as ``chunk[:-1]`` (one batch) then ``chunk[-1:]`` (a single-token step), so the logits that
-pick a token always come from a single-token step, and resume can recompute the last position
-with exactly that operation over the restored rows.
+Feeding policy (what makes resume bit-identical by construction): a chunk of input tokens is fed
+in one forward, which computes every position as a single-token step of that token computes it
+(the decoder's row invariance), so the logits that pick a token are always a single-token step's,
+and resume can recompute the last position with exactly that operation over the restored rows.
 """
 from __future__ import annotations
 
@@ -26,15 +26,16 @@ ROW_RTOL = 0.15  # recomputed rows vs stored ones, relative to the row's max |va
 
 def feed_chunk(model: Decoder[Any], cache: LatentCache, tokens: Sequence[int] | np.ndarray,
                on_rows: Callable[[], None] | None = None) -> np.ndarray:
-    """Feed ``tokens`` as chunk[:-1] then chunk[-1:]; returns the last position's logits [vocab]."""
+    """Feed ``tokens`` in one forward; returns the last position's logits [vocab].
+
+    One forward, not the chunk's head and then its last token: every forward computes each row as a
+    decode step of that token alone does (:meth:`kernels.model.MLADecoder.forward`), so the last
+    position's logits are bitwise those of the split, one step sooner (a server's engine loop runs
+    each forward as a step: at GLM-5.2's dims a step of one row reads every weight once more)."""
     toks = np.asarray(tokens, dtype="<i4").reshape(-1)  # [S] i32
     if toks.size == 0:
         raise FormatError("nothing to feed: at least one token is needed")
-    if toks.size > 1:
-        model.forward(toks[:-1], cache)
-        if on_rows is not None:
-            on_rows()
-    logits = model.forward(toks[-1:], cache)[-1]  # [vocab] f32
+    logits = model.forward(toks, cache)[-1]  # [vocab] f32
     if on_rows is not None:
         on_rows()
     return logits

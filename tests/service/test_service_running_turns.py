@@ -103,3 +103,31 @@ def test_a_pass_of_16_running_turns_is_one_step_and_no_switch_and_an_ending_turn
     assert not hasattr(model.running[0], "__dict__")
     # every turn's end commit ran on an I/O thread, the ones that ended early too
     assert set(threads) == set(range(n)) and all(name.startswith("coli-engine-io") for name in threads.values())
+
+
+def test_what_a_job_puts_is_sent_before_the_step_it_then_waits_for() -> None:
+    """A turn's first piece (drawn in its job from its prompt's logits) is sent before the loop's next
+    step, not after it: the loop's ``after_pass`` (the core's outbox flush) runs before each step too."""
+    order: list[str] = []
+    queued: list[str] = []  # what the job put and no flush has sent yet
+
+    class Recording(_Model):
+        def on_step(self, caches: Sequence[ChainCache], counts: Sequence[int]) -> None:
+            order.append("step")
+
+    loop = EngineLoop(Recording())
+
+    def flush() -> None:
+        if queued:
+            order.append(f"sent {' '.join(queued)}")
+            queued.clear()
+
+    loop.after_pass = flush
+
+    def turn() -> None:
+        queued.append("first-piece")  # as a sink's put on the loop's thread
+        loop.forward(np.asarray([1], dtype="<i4"), ChainCache(0))  # the next token's step
+
+    loop.submit(turn).result(10)
+    loop.stop()
+    assert order == ["sent first-piece", "step"]

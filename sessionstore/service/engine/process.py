@@ -63,8 +63,9 @@ def error_info(exc: BaseException) -> wire.ErrorInfo:
 class Outbox:
     """Events for the API process, put from any thread, sent in order over one socket as few
     messages as possible. An event put on the engine loop's thread (a turn's text and its end) waits
-    for the loop's :meth:`flush` at the end of its pass, so a batched step's pieces travel as one
-    message and the loop never hands the GIL to a sender thread per piece; an event put elsewhere (a
+    for the loop's :meth:`flush` before its pass's step (what its jobs put: a turn's first piece waits
+    for no step of the others) or at the pass's end, so a batched step's pieces travel as one message
+    and the loop never hands the GIL to a sender thread per piece; an event put elsewhere (a
     reader's result, a durable-stream piece released by a commit thread) wakes the sender thread.
     Every send takes whatever is queued, in the order it was put, under one lock: the two senders
     never reorder a request's events."""

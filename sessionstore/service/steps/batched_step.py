@@ -7,7 +7,7 @@ draw is plain greedy takes its row's, bitwise its own draw; the others draw from
 streams its piece, and is queued for the next step or ends; the mid-turn commits that pass asked
 for start together, and an ending turn's job is woken to hand its end commit to the I/O threads.
 
-Every single-token forward (a decode step, or the last token of a prompt) of every session joins
+Every single-token forward (a decode step, or a one-token prompt) of every session joins
 (continuous batching: sessions join and leave between steps), and beside them chunks of the prompts
 waiting to be prefilled (:mod:`.prefill_pacer`). A request that would fail (a token outside the
 vocabulary, a full context) fails alone: it is checked before it joins, and should the batched step

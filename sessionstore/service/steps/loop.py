@@ -18,7 +18,7 @@ loop what it waits for, as data:
 The loop, over and over: take what arrived from other threads (new jobs, ended waits), run every
 runnable job until it waits again, then ONE batched step (``model.step``) of every waiting request:
 
-- every single-token forward (a decode step, or the last token of a prompt) of every session
+- every single-token forward (a decode step, or a one-token prompt) of every session
   (continuous batching: sessions join and leave between steps);
 - beside them, short prompts whole (at most ``whole_prompt_tokens`` of them a step) and chunks of
   the longer ones waiting to be prefilled, at most ``max_prefill_tokens`` tokens a step in arrival
@@ -95,7 +95,7 @@ class EngineLoop:
                  on_forward: Callable[[str, int, float], None] | None = None,
                  whole_prompt_tokens: int = WHOLE_PROMPT_TOKENS) -> None:
         self.model, self.gather_s = model, gather_s
-        self.after_pass: Callable[[], None] | None = None  # called at the end of each pass (e.g. send its events)
+        self.after_pass: Callable[[], None] | None = None  # before a pass's step and at its end (sends events)
         self.commits = GroupCommit(max_batch, share=os.environ.get(SHARED_BARRIER_ENV, "1") != "0")
         # the loops' mid-turn commits, one group per pass
         # the step, its queue of forwards and its count of steps; on_forward is called with
@@ -290,6 +290,8 @@ class EngineLoop:
             while self._take_arrived():
                 self._run_jobs()
                 if self.batch.queue:
+                    if self.after_pass is not None:  # what the jobs put goes before the step, not after it
+                        self.after_pass()  # (a turn's first piece, drawn from its prompt's logits)
                     self.batch.run()
                 if self.after_pass is not None:
                     self.after_pass()

@@ -20,11 +20,9 @@ PROMPT = np.array([72, 101, 108, 108, 111, 44, 32], dtype=np.int64)
 
 
 def feed(decoder: Decoder[C], cache: C, tokens: np.ndarray) -> np.ndarray:
-    """The sessions' policy, through the protocols only: chunk[:-1] then chunk[-1:]; logits [vocab]."""
+    """The sessions' policy, through the protocols only: the chunk in one forward; logits [vocab]."""
     toks = decoder.check_tokens(tokens)  # [S] i32
-    if toks.shape[0] > 1:
-        decoder.forward(toks[:-1], cache)
-    logits: np.ndarray = decoder.forward(toks[-1:], cache)[-1]  # [vocab] f32
+    logits: np.ndarray = decoder.forward(toks, cache)[-1]  # [vocab] f32
     return logits
 
 
