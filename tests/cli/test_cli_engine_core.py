@@ -94,7 +94,8 @@ def test_stateless_generate_runs_on_the_loop(monkeypatch: pytest.MonkeyPatch,
     assert rc == 0, err
     assert json.loads(out.splitlines()[-1])["tokens"] == want
     watch.check_on_loop(commits=False)
-    assert watch.decode_steps() == 1 + 11  # the prompt's last token alone, then each token drawn but the last
+    assert watch.decode_steps() == 11  # each token drawn but the last
+    assert [counts for _, counts in watch.steps if counts != [1]] == [[3]]  # the prompt: one step, whole
 
 
 def test_session_generate_runs_on_the_loop_and_commits_through_it(
