@@ -82,9 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None,
                    help="go on training this checkpoint (its weights and tokenizer) instead of a fresh model")
+    p.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout on the attention probabilities while training (the saved config keeps 0.0)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
     args = p.parse_args(argv)
+    if not 0.0 <= args.attention_dropout < 1.0:
+        p.error("--attention-dropout must be in [0, 1)")
     if args.mix_short_batch < 0:
         p.error("--mix-short-batch must be >= 0")
     if args.mix_short_batch:
@@ -250,6 +254,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         tok = train_tokenizer(corpus.train_topics.values(), args.vocab)
         batches = Batches(tok, corpus, args.seq, args.chat_frac, args.seed)
         model = build_model(tok.get_vocab_size(), batches.ids, args.seed)
+    set_attention_dropout(model, args.attention_dropout)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     tap, balancer = IndexerTap(model), ExpertBalancer(model, gamma=3e-3)
@@ -330,7 +335,15 @@ def tokens_seen(args: argparse.Namespace, steps: int) -> int:
     return steps * (args.batch * args.seq + args.mix_short_batch * args.short_seq)
 
 
+def set_attention_dropout(model: Any, p: float) -> None:
+    """Dropout ``p`` on every layer's attention probabilities (transformers applies it in train mode only)."""
+    model.config.attention_dropout = p
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = p
+
+
 def save(model: Any, tok: Any, out: Path, summary: dict[str, Any], log: list[dict[str, float]]) -> None:
+    set_attention_dropout(model, 0.0)  # a training regulariser, not part of the shipped model
     model.config._attn_implementation = "sdpa"
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = model.config.pad_token_id
