@@ -26,7 +26,7 @@ def _demo(args: list[str]) -> dict:
 
 
 def test_id_demo_runs_in_real_processes_and_is_token_exact(tmp_path) -> None:
-    out = _demo(["--model", "tiny", "--max-new", "10", "--root", str(tmp_path)])
+    out = _demo(["--model", "tiny", "--turns", "3", "--max-new", "10", "--root", str(tmp_path)])
     assert out["token_exact"] is True and out["bytes_ratio"]["f32/fp8"] > 3
     for kv in ("fp8", "f32"):
         run = out["runs"][kv]
@@ -38,10 +38,10 @@ def test_text_demo_chats_in_real_processes_and_is_token_exact(tmp_path: Path) ->
     from tests.kernels.model.text.textkit import write_text_model
 
     model = write_text_model(tmp_path / "model", "glm")
-    out = _demo(["--model", str(model), "--max-new", "8", "--root", str(tmp_path / "root")])
+    out = _demo(["--model", str(model), "--turns", "4", "--max-new", "8", "--root", str(tmp_path / "root")])
     for kv in ("fp8", "int4"):
         run = out["runs"][kv]
-        assert run["token_exact"] and len(run["outputs"]) == 3 and len(run["texts"]) == 3
+        assert run["token_exact"] and len(run["outputs"]) == 4 and len(run["texts"]) == 4
         assert all(1 <= len(o) <= 8 for o in run["outputs"])
     assert out["bytes_ratio"]["int4/fp8"] < 1  # the 4-bit tier is smaller on disk
 
@@ -55,7 +55,7 @@ def test_demo_says_no_and_fails_on_any_mismatch(tmp_path, capsys, monkeypatch) -
         return outs
 
     monkeypatch.setattr(cmd_demo, "reference_turns", off_by_one)
-    assert main(["demo", "--model", "tiny", "--max-new", "4", "--root", str(tmp_path)]) == 1
+    assert main(["demo", "--model", "tiny", "--turns", "2", "--max-new", "4", "--root", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "token-exact: no" in out and "token-exact: yes" not in out
 
@@ -67,6 +67,13 @@ def test_the_default_demo_chats_with_the_shipped_model(tmp_path: Path) -> None:
     assert out["model"] == "glm-mini"
     for kv in ("fp8", "int4"):
         run = out["runs"][kv]
-        assert run["token_exact"] and len(run["texts"]) == 3
+        assert run["token_exact"] and len(run["texts"]) == cmd_demo.DEFAULT_TURNS
         words = " ".join(run["texts"]).split()
         assert sum(w.strip(".,;:*()'`").isalpha() for w in words) >= len(words) // 2  # mostly words
+
+
+@pytest.mark.parametrize("turns", ["1", str(len(cmd_demo.USER_TURNS) + 1)])
+def test_a_turn_count_out_of_range_is_one_error_line(turns: str, tmp_path: Path, capsys) -> None:
+    assert main(["demo", "--model", "tiny", "--turns", turns, "--root", str(tmp_path)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--turns" in err[0] and "Traceback" not in err[0]
