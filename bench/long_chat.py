@@ -4,11 +4,12 @@
 
 Each chat takes one training topic's sections in page order (the way training.train_glm_mini.Batches builds
 its chats), asks about one section a turn ("Explain <section>."), and keeps the model's own greedy replies as
-the assistant turns, so turn 10 of a chat reads ~1,500 tokens of history. Every reply is scored against the
-manual's paragraph for its section (token F1 of the reply's and the paragraph's token multisets); the
-baseline is the same question asked alone in a fresh chat. A model that holds a conversation answers a late
-turn as well as a fresh question (``late_over_fresh`` near 1.0); one that cannot read its history falls apart
-as the chat grows. Replies are greedy, on an f32 cache (the quantised caches' cost is bench.quality's).
+the assistant turns, so turn 10 of a chat reads ~900 tokens of history (turn 16: ~1,400). Every reply is
+scored against the manual's paragraph for its section (token F1 of the reply's and the paragraph's token
+multisets); the baseline is the same question asked alone in a fresh chat. A model that holds a conversation
+answers a late turn as well as a fresh question (``late_over_fresh`` near 1.0); one that cannot read its
+history falls apart as the chat grows. Replies are greedy, on an f32 cache (the quantised caches' cost is
+bench.quality's).
 
 JSON keys: turn_f1_<k> (mean over chats, k from 1), fresh_f1_mean, early_f1_mean (turns 1..turns/2),
 late_f1_mean (the rest), late_over_fresh, context_tokens_max (the longest prompt of the last turns), chats,
@@ -73,10 +74,11 @@ def run(model_dir: str, chats: int, turns: int, max_new: int) -> dict[str, float
             question = {"role": "user", "content": QUESTION.format(t=subject)}
             reference = tok.encode(paragraph).ids
             reply, prompt_len = answer(model, tok, render, [*messages, question], max_new)
-            alone, _ = answer(model, tok, render, [question], max_new)
+            alone = reply if not messages else answer(model, tok, render, [question], max_new)[0]  # turn 1 is alone
             per_turn[k].append(token_f1(reply, reference))
             fresh.append(token_f1(alone, reference))
-            longest = max(longest, prompt_len) if k == turns - 1 else longest
+            if k == turns - 1:
+                longest = max(longest, prompt_len)
             messages += [question, {"role": "assistant", "content": tok.decode(reply)}]
     half = turns // 2
     out: dict[str, float] = {f"turn_f1_{k + 1}": statistics.fmean(v) for k, v in enumerate(per_turn)}
