@@ -27,6 +27,7 @@ import numpy as np
 from numba import carray, njit, types, void
 from numba.extending import intrinsic
 
+from kernels.attention.score_lanes import KEYS, score_transposed
 from kernels.attention.select_step import engine_topk, score_row
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
@@ -34,6 +35,7 @@ from kernels.fp8 import USABLE_SCALE_BOUND
 
 LATENT_FIELDS = 10  # start, length, then (address, row stride) of lc codes, lc scale, rc codes, rc scale
 INDEX_FIELDS = 4  # start, length, address, row stride
+LANE_ROWS = 4  # rows of one key table from which select_rows lays its keys across lanes (a lone row: not worth it)
 
 
 def pointer_to(dtype: Any) -> Any:
@@ -95,29 +97,158 @@ def write_keys(dst: np.ndarray, keys: np.ndarray) -> None:  # pragma: no cover -
         carray(_f32_at(dst[b]), keys.shape[1])[:] = keys[b]
 
 
-@njit(void(_A3, _A2, _I3, _I1, _I2, _I1), cache=True, nogil=True, boundscheck=False)
-def select_rows(qi: np.ndarray, w: np.ndarray, tables: np.ndarray, visible: np.ndarray, out: np.ndarray,
-                counts: np.ndarray) -> None:  # pragma: no cover - compiled
-    """Each session's rows to attend: qi [B, nh, hd] f32 and w [B, nh] f32 (already times
-    hd ** -0.5) against its keys, tables [B, NB, INDEX_FIELDS]; ``visible`` [B] keys it sees
-    (positions [0, visible)). A session seeing more than k = out.shape[1] takes the engine's
-    top-k (ascending); one seeing fewer takes all of them. -> out [B, k] i64, counts [B] i64."""
-    k = out.shape[1]
-    hd = qi.shape[2]
-    scores = np.empty(max(int(visible.max()), 1), np.float32)  # scores: [T] f32 scratch
-    for b in range(qi.shape[0]):
+@njit(void(_I2, _I64, _A2), cache=True, nogil=True, boundscheck=False)
+def transpose_keys(blocks: np.ndarray, seen: int, keys_t: np.ndarray) -> None:  # pragma: no cover - compiled
+    """keys_t [hd, W] f32 (W >= ``seen``, a multiple of 16): column t = the key at position t < ``seen`` from
+    a session's key blocks [NB, INDEX_FIELDS] (start, length, address of row 0, row stride in bytes;
+    hd f32 contiguous a row); columns [seen, W) zeroed (scored, never read)."""
+    hd = keys_t.shape[0]
+    for blk in range(blocks.shape[0]):
+        start, length, address, stride = blocks[blk, 0], blocks[blk, 1], blocks[blk, 2], blocks[blk, 3]
+        for t in range(start, min(start + length, seen)):
+            key = carray(_f32_at(address + (t - start) * stride), hd)  # [hd] f32
+            for i in range(hd):
+                keys_t[i, t] = key[i]
+    for i in range(hd):
+        for t in range(seen, keys_t.shape[1]):
+            keys_t[i, t] = 0.0
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _same_table(tables: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover - compiled
+    """Whether rows a and b of tables [B, NB, F] (key or latent blocks) read the same blocks."""
+    for blk in range(tables.shape[1]):
+        for f in range(tables.shape[2]):
+            if tables[a, blk, f] != tables[b, blk, f]:
+                return False
+    return True
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _select_row(qi: np.ndarray, w: np.ndarray, tables: np.ndarray, visible: np.ndarray, b: int,
+                scores: np.ndarray, out: np.ndarray, counts: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Row b's selection, its keys scored one by one (``score_row``) into ``scores`` [>= visible[b]]."""
+    k, hd, n = out.shape[1], qi.shape[2], visible[b]
+    if n <= k:
+        for j in range(n):
+            out[b, j] = j
+        counts[b] = n
+        return
+    for blk in range(tables.shape[1]):
+        start, length, address, stride = tables[b, blk, 0], tables[b, blk, 1], tables[b, blk, 2], tables[b, blk, 3]
+        for r in range(min(length, n - start)):
+            scores[start + r] = score_row(qi[b], w[b], carray(_f32_at(address + r * stride), hd))
+    engine_topk(scores[:n], out[b])
+    counts[b] = k
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _select_run(qi: np.ndarray, w: np.ndarray, blocks: np.ndarray, visible: np.ndarray, b0: int, b1: int,
+                seen: int, out: np.ndarray, counts: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Rows [b0, b1), which share the key blocks [NB, INDEX_FIELDS] and see at most ``seen`` keys: the
+    keys laid across lanes once (keys_t [hd, seen rounded up to 16]), then each row's selection from
+    its scores (``score_transposed``: bitwise ``score_row``'s)."""
+    k, hd = out.shape[1], qi.shape[2]
+    width = ((seen + KEYS - 1) // KEYS) * KEYS
+    keys_t = np.empty((hd, width), np.float32)  # keys_t: [hd, width] f32, key t in column t
+    transpose_keys(blocks, seen, keys_t)
+    scores = np.empty(width, np.float32)  # scores: [width] f32, one row's at a time
+    for b in range(b0, b1):
         n = visible[b]
         if n <= k:
             for j in range(n):
                 out[b, j] = j
             counts[b] = n
             continue
-        for blk in range(tables.shape[1]):
-            start, length, address, stride = tables[b, blk, 0], tables[b, blk, 1], tables[b, blk, 2], tables[b, blk, 3]
-            for r in range(min(length, n - start)):
-                scores[start + r] = score_row(qi[b], w[b], carray(_f32_at(address + r * stride), hd))
+        score_transposed(qi[b], w[b], keys_t, n, scores)
         engine_topk(scores[:n], out[b])
         counts[b] = k
+
+
+@njit(void(_A3, _A2, _I3, _I1, _I2, _I1), cache=True, nogil=True, boundscheck=False)
+def select_rows(qi: np.ndarray, w: np.ndarray, tables: np.ndarray, visible: np.ndarray, out: np.ndarray,
+                counts: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Each session's rows to attend: qi [B, nh, hd] f32 and w [B, nh] f32 (already times
+    hd ** -0.5) against its keys, tables [B, NB, INDEX_FIELDS]; ``visible`` [B] keys it sees
+    (positions [0, visible)). A session seeing more than k = out.shape[1] takes the engine's
+    top-k (ascending); one seeing fewer takes all of them. -> out [B, k] i64, counts [B] i64.
+
+    Consecutive rows with one key table (a prompt's chunk: one session's rows) score their keys laid
+    across vector lanes once there are :data:`LANE_ROWS` of them (:func:`_select_run`); a lone row
+    scores key by key (:func:`_select_row`). Either way each score is ``score_row``'s, bitwise."""
+    b, rows = 0, qi.shape[0]
+    scores = np.empty(max(int(visible.max()), 1), np.float32)  # scores: [T] f32 scratch of the lone rows
+    while b < rows:
+        e, seen = b + 1, visible[b]
+        while e < rows and _same_table(tables, b, e):
+            seen = max(seen, visible[e])
+            e += 1
+        if e - b >= LANE_ROWS and seen > out.shape[1]:
+            _select_run(qi, w, tables[b], visible, b, e, seen, out, counts)
+        else:
+            for r in range(b, e):
+                _select_row(qi, w, tables, visible, r, scores, out, counts)
+        b = e
+
+
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _decode_into(tables: np.ndarray, b: int, blk: int, r: int, table: np.ndarray, lc: np.ndarray,
+                 rc: np.ndarray) -> tuple[np.float32, np.float32]:  # pragma: no cover - compiled
+    """Row r of row b's latent block ``blk`` decoded through ``table`` into lc [K], rc [R] f32 -> its
+    (lc, rc) scales, sanitised as the readers do (``0 < s < 3.4e38`` else 0.0)."""
+    lc8 = carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), lc.shape[0])
+    rc8 = carray(_u8_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rc.shape[0])
+    for n in range(lc.shape[0]):
+        lc[n] = table[lc8[n]]
+    for n in range(rc.shape[0]):
+        rc[n] = table[rc8[n]]
+    s = carray(_f32_at(tables[b, blk, 4] + r * tables[b, blk, 5]), 1)[0]
+    t = carray(_f32_at(tables[b, blk, 8] + r * tables[b, blk, 9]), 1)[0]
+    return (s if (s > 0 and s < _BOUND) else np.float32(0.0)), (t if (t > 0 and t < _BOUND) else np.float32(0.0))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _attend_row(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndarray, counts: np.ndarray,
+                table: np.ndarray, scale: np.float32, ctx: np.ndarray, b: int, lc_f: np.ndarray, rc_f: np.ndarray,
+                lsc: np.ndarray, rsc: np.ndarray, scores: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Row b's context, each of its selected rows decoded into the scratch lc_f [k, K], rc_f [k, R], lsc,
+    rsc [k] (``scores`` [k] scratch)."""
+    k, blk = counts[b], 0
+    for j in range(k):
+        blk, r = block_of(tables, b, blk, sel[b, j])
+        lsc[j], rsc[j] = _decode_into(tables, b, blk, r, table, lc_f[j], rc_f[j])
+    attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], lsc[:k], rsc[:k], scale, scores[:k], ctx[b])
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _attend_run(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndarray, counts: np.ndarray,
+                table: np.ndarray, scale: np.float32, ctx: np.ndarray, b0: int, b1: int,
+                seen: int) -> None:  # pragma: no cover - compiled
+    """Rows [b0, b1), which share their latent blocks and select among positions < ``seen``: every such
+    row decoded once (not once per row that selects it), then each row's context from copies of its
+    selected rows (the same floats, so bitwise :func:`_attend_row`'s)."""
+    width, rope, k_max = qa.shape[2], qr.shape[2], sel.shape[1]
+    lc_all = np.empty((seen, width), np.float32)  # lc_all: [seen, K] f32, each position decoded once
+    rc_all = np.empty((seen, rope), np.float32)  # rc_all: [seen, R] f32
+    lsc_all = np.zeros(seen, np.float32)  # lsc_all: [seen] f32 sanitised scales
+    rsc_all = np.zeros(seen, np.float32)  # rsc_all: [seen] f32
+    for blk in range(tables.shape[1]):
+        start, length = tables[b0, blk, 0], tables[b0, blk, 1]
+        for t in range(start, min(start + length, seen)):
+            lsc_all[t], rsc_all[t] = _decode_into(tables, b0, blk, t - start, table, lc_all[t], rc_all[t])
+    lc_f = np.empty((k_max, width), np.float32)  # lc_f: [k, K] f32, one row's selected rows
+    rc_f = np.empty((k_max, rope), np.float32)  # rc_f: [k, R] f32
+    lsc = np.empty(k_max, np.float32)  # lsc: [k] f32
+    rsc = np.empty(k_max, np.float32)  # rsc: [k] f32
+    scores = np.empty(k_max, np.float32)  # scores: [k] f32 scratch
+    for b in range(b0, b1):
+        k = counts[b]
+        for j in range(k):
+            pos = sel[b, j]
+            lc_f[j] = lc_all[pos]
+            rc_f[j] = rc_all[pos]
+            lsc[j], rsc[j] = lsc_all[pos], rsc_all[pos]
+        attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], lsc[:k], rsc[:k], scale, scores[:k], ctx[b])
 
 
 @njit(void(_A3, _A3, _I3, _I2, _I1, _TABLE, _F32, _A3), cache=True, nogil=True, boundscheck=False)
@@ -125,32 +256,31 @@ def attend_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
                 table: np.ndarray, scale: np.float32, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
     """ctx [B, H, K] f32: session b's queries qa [B, H, K], qr [B, H, R] over its rows sel[b, :counts[b]]
     (ascending positions) of its fp8 blocks, tables [B, NB, LATENT_FIELDS], decoded through
-    ``table`` (DECODE_TABLE [256] f32) with sanitised scales."""
-    width, rope = qa.shape[2], qr.shape[2]
-    k_max = sel.shape[1]
+    ``table`` (DECODE_TABLE [256] f32) with sanitised scales.
+
+    Consecutive rows with one latent table (a prompt's chunk) whose selections together name more rows
+    than they see decode each row once (:func:`_attend_run`); others decode their selected rows
+    (:func:`_attend_row`). The floats attended are the same either way."""
+    width, rope, k_max, rows = qa.shape[2], qr.shape[2], sel.shape[1], qa.shape[0]
     lc_f = np.empty((k_max, width), np.float32)  # lc_f: [k, K] f32, one session's decoded rows
     rc_f = np.empty((k_max, rope), np.float32)  # rc_f: [k, R] f32
     lsc = np.empty(k_max, np.float32)  # lsc: [k] f32 sanitised scales
     rsc = np.empty(k_max, np.float32)  # rsc: [k] f32
     scores = np.empty(k_max, np.float32)  # scores: [k] f32 scratch
-    for b in range(qa.shape[0]):
-        k = counts[b]
-        blk = 0
-        for j in range(k):
-            pos = sel[b, j]
-            blk, r = block_of(tables, b, blk, pos)
-            lc8 = carray(_u8_at(tables[b, blk, 2] + r * tables[b, blk, 3]), width)
-            rc8 = carray(_u8_at(tables[b, blk, 6] + r * tables[b, blk, 7]), rope)
-            for n in range(width):
-                lc_f[j, n] = table[lc8[n]]
-            for n in range(rope):
-                rc_f[j, n] = table[rc8[n]]
-            s = carray(_f32_at(tables[b, blk, 4] + r * tables[b, blk, 5]), 1)[0]
-            lsc[j] = s if (s > 0 and s < _BOUND) else np.float32(0.0)
-            s = carray(_f32_at(tables[b, blk, 8] + r * tables[b, blk, 9]), 1)[0]
-            rsc[j] = s if (s > 0 and s < _BOUND) else np.float32(0.0)
-        attend_one(qa[b], qr[b], lc_f[:k], rc_f[:k], lsc[:k], rsc[:k], scale, scores[:k], ctx[b])
+    b = 0
+    while b < rows:
+        e, named, seen = b + 1, counts[b], (sel[b, counts[b] - 1] + 1 if counts[b] else 0)
+        while e < rows and _same_table(tables, b, e):
+            named += counts[e]
+            seen = max(seen, sel[e, counts[e] - 1] + 1 if counts[e] else 0)
+            e += 1
+        if e - b >= LANE_ROWS and named > seen:
+            _attend_run(qa, qr, tables, sel, counts, table, scale, ctx, b, e, seen)
+        else:
+            for r in range(b, e):
+                _attend_row(qa, qr, tables, sel, counts, table, scale, ctx, r, lc_f, rc_f, lsc, rsc, scores)
+        b = e
 
 
-__all__ = ["INDEX_FIELDS", "LATENT_FIELDS", "attend_rows", "block_of", "pointer_to", "select_rows", "write_fp8_rows",
-           "write_keys"]
+__all__ = ["INDEX_FIELDS", "LANE_ROWS", "LATENT_FIELDS", "attend_rows", "block_of", "pointer_to", "select_rows",
+           "transpose_keys", "write_fp8_rows", "write_keys"]
