@@ -208,17 +208,18 @@ class MLADecoder:
         to the caches, or discards every pending row if anything raises. (h [N, hidden] f32,
         final-normed; the logits [B, vocab] f32 of each cache's last row when the compiled step
         ran, else None.)"""
-        rows = step_rows_of(caches, counts)
-        positions = np.array([row.length for row in rows])  # [N]
-        cos, sin = self.rotary.cos_sin(positions)  # [N, rope/2] f32 each
         compiled = self.compiled_step() if self.use_compiled else None
         logits = None
         try:
-            tables = StepTables.of(rows, COMPILED_KINDS) if compiled is not None else None
+            tables = StepTables.of(caches, counts, COMPILED_KINDS) if compiled is not None else None
             if compiled is not None and tables is not None:  # every cache fp8 (or f32) on the CPU: one call
+                cos, sin = self.rotary.cos_sin(tables.visible - 1)  # [N, rope/2] f32 each, at each row's position
                 h, logits = compiled.run(self.embed[toks].astype(np.float32), cos, sin, tables, last_rows(counts))
             else:
-                h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows)  # h: [N, hidden] f32
+                rows = step_rows_of(caches, counts)
+                cos, sin = self.rotary.cos_sin(np.array([row.length for row in rows]))  # [N, rope/2] f32 each
+                h = self._step_layers(self.embed[toks].astype(np.float32), cos, sin, rows,
+                                      StepTables.of(caches, counts))  # h: [N, hidden] f32
             start = 0
             for cache, count in zip(caches, counts, strict=True):
                 cache.commit_positions(toks[start : start + count])
@@ -231,12 +232,13 @@ class MLADecoder:
             return h, logits
         return rms_norm(h, self.final_norm, self.config.rms_norm_eps), None
 
-    def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                     caches: Sequence[StepRow]) -> np.ndarray:
-        """Every layer over the step's rows (one new position each): h [B, hidden] f32."""
-        # what one layer leaves for the next: the step's address tables (fp8 caches on the CPU: every
-        # session's rows written, selected and attended in one call per layer), a DSA model's selections
-        step: dict[str, Any] = {"tables": StepTables.of(caches)}
+    def _step_layers(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, caches: Sequence[StepRow],
+                     tables: StepTables | None) -> np.ndarray:
+        """Every layer over the step's rows (one new position each): h [B, hidden] f32; ``tables``: the
+        step's address tables (fp8 caches on the CPU: every session's rows written, selected and
+        attended in one call per layer), or None (the session-by-session loop)."""
+        # what one layer leaves for the next: the tables, a DSA model's selections
+        step: dict[str, Any] = {"tables": tables}
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.config.rms_norm_eps)
             q = self._project_step(i, layer.attn, x, cos, sin, caches, step)

@@ -2,7 +2,7 @@
 written, rows selected and attended in ONE compiled call per layer (kernels.attention.row_tables),
 instead of a Python loop over the sessions in every layer.
 
-Built once per step from its rows (:func:`kernels.model.step_rows.step_rows_of`) when every cache is
+Built once per step from its caches and their new positions when every cache is
 fp8 on the CPU backend (the serving case); otherwise the decoder keeps its session-by-session
 path (the compiled step, :mod:`kernels.model.compiled_step`, also takes the tables of f32 and v3 caches).
 Building reserves each cache's room for its new positions first, so no array moves while
@@ -25,7 +25,6 @@ from kernels.fp8 import quantize_rows
 from kernels.fp8.tables import DECODE_TABLE
 from kernels.model.cache import DecoderCache
 from kernels.model.row_addresses import RowTables
-from kernels.model.step_rows import StepPosition, StepRow
 
 
 class StepTables:
@@ -34,63 +33,49 @@ class StepTables:
     the destinations of each row's new latent row ``dst`` [L, B, 4] and key ``key_dst`` [NI, B],
     and ``visible`` [B] (the positions each row's query sees: its own and every one before)."""
 
-    def __init__(self, rows: Sequence[StepRow], caches: list[tuple[DecoderCache, int]],
-                 latent: np.ndarray, index: np.ndarray, dst: np.ndarray, key_dst: np.ndarray,
-                 visible: np.ndarray, kv_dtype: str = "fp8") -> None:
-        self.rows, self.caches, self.kv_dtype = rows, caches, kv_dtype
+    def __init__(self, caches: list[tuple[DecoderCache, int]], latent: np.ndarray, index: np.ndarray, dst: np.ndarray,
+                 key_dst: np.ndarray, visible: np.ndarray, kv_dtype: str = "fp8") -> None:
+        self.caches, self.kv_dtype = caches, kv_dtype
         self.latent, self.index, self.dst, self.key_dst, self.visible = latent, index, dst, key_dst, visible
 
     @classmethod
-    def of(cls, rows: Sequence[StepRow], kinds: tuple[str, ...] = ("fp8",)) -> StepTables | None:
-        """The tables of a step's rows, or None unless every cache is on the CPU backend, of one
-        kv dtype, of a row kind among ``kinds`` ("fp8": the reference step's batch kernels below;
-        the compiled step also takes "f32" and "tq", the v3 caches)."""
-        by_id: dict[int, DecoderCache] = {}  # the step's caches, in order of first row
-        counts: dict[int, int] = {}  # id(cache) -> its rows in this step
+    def of(cls, caches: Sequence[DecoderCache], counts: Sequence[int],
+           kinds: tuple[str, ...] = ("fp8",)) -> StepTables | None:
+        """The tables of a step in which cache b takes ``counts[b]`` new positions (its rows in order,
+        as :func:`kernels.model.step_rows.step_rows_of` lists them), or None unless every cache is on
+        the CPU backend, of one kv dtype, of a row kind among ``kinds`` ("fp8": the reference step's
+        batch kernels below; the compiled step also takes "f32" and "tq", the v3 caches).
+
+        Built per cache, not per row: a prompt chunk's rows are its cache's tables repeated, each row
+        seeing one more position (no Python loop over a chunk's rows)."""
         kv_dtype = ""
-        for row in rows:
-            cache = row.cache if isinstance(row, StepPosition) else row
+        for cache in caches:
             if not isinstance(cache, DecoderCache) or cache.kind not in kinds or not isinstance(cache.backend,
                                                                                                CpuBackend):
                 return None
             if kv_dtype and cache.kv_dtype != kv_dtype:
                 return None
             kv_dtype = cache.kv_dtype
-            by_id.setdefault(id(cache), cache)
-            counts[id(cache)] = counts.get(id(cache), 0) + 1
-        per_cache = [(cache, counts[key]) for key, cache in by_id.items()]
-        for cache, n in per_cache:
+        for cache, n in zip(caches, counts, strict=True):
             cache.reserve(n)
-        tables = {id(c): c.row_tables() for c, _ in per_cache}
-        row_tables = [tables[id(row.cache if isinstance(row, StepPosition) else row)] for row in rows]
-        if any(t is None for t in row_tables):
+        ts = [cache.row_tables() for cache in caches]
+        if any(t is None for t in ts):
             return None
-        ts: list[RowTables] = row_tables  # type: ignore[assignment]  # (no None: checked above)
-        positions = np.fromiter((row.length for row in rows), np.int64, len(rows))  # [B] each row's position
-        if len(per_cache) == 1:  # one cache's rows (a lone stream's step, a lone prompt): nothing to stack
-            return cls._of_one(rows, per_cache, ts[0], positions, kv_dtype)
-        owned = positions - np.fromiter((t.base_len for t in ts), np.int64, len(ts))  # [B] its owned row index
-        own_latent = np.stack([t.own_latent for t in ts])  # [B, L, 4, 2] i64 (row 0 address, row stride)
-        own_index = np.stack([t.own_index for t in ts])  # [B, NI, 2] i64
-        dst = own_latent[..., 0] + owned[:, None, None] * own_latent[..., 1]  # [B, L, 4] i64 addresses
-        key_dst = own_index[..., 0] + owned[:, None] * own_index[..., 1]  # [B, NI] i64 addresses
-        return cls(rows, per_cache, _stacked([t.latent for t in ts]), _stacked([t.index for t in ts]),
+        tables: list[RowTables] = ts  # type: ignore[assignment]  # (no None: checked above)
+        per = np.asarray(counts, np.int64)  # [C] each cache's rows
+        firsts = np.fromiter((c.length for c in caches), np.int64, len(caches))  # [C] each one's first new position
+        offsets = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)  # [N] 0.. a cache
+        positions = np.repeat(firsts, per) + offsets  # [N] each row's position
+        owned = positions - np.repeat(np.fromiter((t.base_len for t in tables), np.int64, len(tables)), per)  # [N]
+        own_latent = np.repeat(np.stack([t.own_latent for t in tables]), per, axis=0)  # [N, L, 4, 2] i64
+        own_index = np.repeat(np.stack([t.own_index for t in tables]), per, axis=0)  # [N, NI, 2] i64
+        dst = own_latent[..., 0] + owned[:, None, None] * own_latent[..., 1]  # [N, L, 4] i64 addresses
+        key_dst = own_index[..., 0] + owned[:, None] * own_index[..., 1]  # [N, NI] i64 addresses
+        latent = np.repeat(_stacked([t.latent for t in tables]), per, axis=1)  # [L, N, NB, F] i64
+        index = np.repeat(_stacked([t.index for t in tables]), per, axis=1)  # [NI, N, NBi, 4] i64
+        return cls(list(zip(caches, counts, strict=True)), latent, index,
                    np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1,
                    kv_dtype)
-
-    @classmethod
-    def _of_one(cls, rows: Sequence[StepRow], caches: list[tuple[DecoderCache, int]], t: RowTables,
-                positions: np.ndarray, kv_dtype: str) -> StepTables:
-        """The tables of B rows of one cache (positions [B] i64): the same arrays :meth:`of` stacks
-        from B copies of its tables, each built in one operation."""
-        owned = positions - t.base_len  # [B] each row's owned row index
-        b = positions.shape[0]
-        dst = t.own_latent[None, :, :, 0] + owned[:, None, None] * t.own_latent[None, :, :, 1]  # [B, L, 4] i64
-        key_dst = t.own_index[None, :, 0] + owned[:, None] * t.own_index[None, :, 1]  # [B, NI] i64
-        latent = np.repeat(t.latent[:, None], b, axis=1) if b > 1 else t.latent[:, None]  # [L, B, NB, F] i64
-        index = np.repeat(t.index[:, None], b, axis=1) if b > 1 else t.index[:, None]  # [NI, B, NBi, 4] i64
-        return cls(rows, caches, latent, index, np.ascontiguousarray(dst.transpose(1, 0, 2)),
-                   np.ascontiguousarray(key_dst.T), positions + 1, kv_dtype)
 
     def write_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Row b of lc [B, kv_lora], rc [B, rope] f32, fp8-encoded (each row alone), to row b's
@@ -140,7 +125,7 @@ class StepTables:
 
 
 def _stacked(tables: list[np.ndarray]) -> np.ndarray:
-    """Each row's [n, NB_b, F] table -> [n, B, max NB, F] i64 (narrower ones padded with empty blocks)."""
+    """Each cache's [n, NB_c, F] table -> [n, C, max NB, F] i64 (narrower ones padded with empty blocks)."""
     widest = max(t.shape[1] for t in tables)
     if all(t.shape[1] == widest for t in tables):
         return np.stack(tables, axis=1)  # the usual step: every cache's tables alike in shape

@@ -60,14 +60,14 @@ def _both_paths(monkeypatch: pytest.MonkeyPatch, run: Callable[[], tuple[list[An
     built: list[StepTables | None] = []
     real = StepTables.of
 
-    def spy(rows: Any, *kinds: Any) -> StepTables | None:
-        built.append(real(rows, *kinds))
+    def spy(caches: Any, counts: Any, *kinds: Any) -> StepTables | None:
+        built.append(real(caches, counts, *kinds))
         return built[-1]
 
     monkeypatch.setattr(StepTables, "of", spy)
     vector = run()
     assert built and all(t is not None for t in built), "the step did not take the tables"
-    monkeypatch.setattr(StepTables, "of", lambda rows, *kinds: None)
+    monkeypatch.setattr(StepTables, "of", lambda caches, counts, *kinds: None)
     loop = run()
     for a, b in zip(vector[0], loop[0], strict=True):
         assert np.array_equal(a, b)
@@ -98,9 +98,9 @@ def test_other_kv_dtypes_keep_the_session_loop(models: dict[str, MLADecoder]) ->
     fp8, f32 = model.new_cache("fp8"), model.new_cache("f32")
     model.forward(_tokens(model, 1, 4), fp8)
     model.forward(_tokens(model, 2, 4), f32)
-    assert StepTables.of([fp8]) is not None
-    assert StepTables.of([fp8, f32]) is None
-    assert StepTables.of([f32]) is None  # the reference step's batch kernels read fp8 rows only
-    compiled = StepTables.of([f32], COMPILED_KINDS)  # the compiled step's take f32 rows too, never mixed
+    assert StepTables.of([fp8], [1]) is not None
+    assert StepTables.of([fp8, f32], [1, 1]) is None
+    assert StepTables.of([f32], [1]) is None  # the reference step's batch kernels read fp8 rows only
+    compiled = StepTables.of([f32], [1], COMPILED_KINDS)  # the compiled step's take f32 rows too, never mixed
     assert compiled is not None and compiled.kv_dtype == "f32"
-    assert StepTables.of([fp8, f32], COMPILED_KINDS) is None
+    assert StepTables.of([fp8, f32], [1, 1], COMPILED_KINDS) is None
