@@ -146,11 +146,13 @@ def _select_row(qi: np.ndarray, w: np.ndarray, tables: np.ndarray, visible: np.n
 def _select_run(qi: np.ndarray, w: np.ndarray, blocks: np.ndarray, visible: np.ndarray, b0: int, b1: int,
                 seen: int, out: np.ndarray, counts: np.ndarray) -> None:  # pragma: no cover - compiled
     """Rows [b0, b1), which share the key blocks [NB, INDEX_FIELDS] and see at most ``seen`` keys: the
-    keys laid across lanes once (keys_t [hd, seen rounded up to 16]), then each row's selection from
-    its scores (``score_transposed``: bitwise ``score_row``'s)."""
+    keys laid across lanes once (keys_t [hd, W], W at least ``seen`` rounded up to 16), then each row's
+    selection from its scores (``score_transposed``: bitwise ``score_row``'s)."""
     k, hd = out.shape[1], qi.shape[2]
     width = ((seen + KEYS - 1) // KEYS) * KEYS
-    keys_t = np.empty((hd, width), np.float32)  # keys_t: [hd, width] f32, key t in column t
+    # an odd number of 64-byte lines a row: rows a power of two apart in bytes (1,024 keys: 4 KiB) share
+    # cache sets, and the 16 keys' hd loads then miss L1 (51 ns a key at 1,024 keys, 5.9 at 1,040)
+    keys_t = np.empty((hd, width + KEYS * (1 - (width // KEYS) % 2)), np.float32)  # [hd, W] f32, key t: column t
     transpose_keys(blocks, seen, keys_t)
     scores = np.empty(width, np.float32)  # scores: [width] f32, one row's at a time
     for b in range(b0, b1):
