@@ -62,20 +62,40 @@ class StepTables:
         if any(t is None for t in ts):
             return None
         tables: list[RowTables] = ts  # type: ignore[assignment]  # (no None: checked above)
-        per = np.asarray(counts, np.int64)  # [C] each cache's rows
+        pairs = list(zip(caches, counts, strict=True))
+        if len(caches) == 1:  # a lone stream's step, a lone prompt: nothing to stack
+            return cls._of_one(pairs, tables[0], kv_dtype)
         firsts = np.fromiter((c.length for c in caches), np.int64, len(caches))  # [C] each one's first new position
-        offsets = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)  # [N] 0.. a cache
-        positions = np.repeat(firsts, per) + offsets  # [N] each row's position
-        owned = positions - np.repeat(np.fromiter((t.base_len for t in tables), np.int64, len(tables)), per)  # [N]
-        own_latent = np.repeat(np.stack([t.own_latent for t in tables]), per, axis=0)  # [N, L, 4, 2] i64
-        own_index = np.repeat(np.stack([t.own_index for t in tables]), per, axis=0)  # [N, NI, 2] i64
+        bases = np.fromiter((t.base_len for t in tables), np.int64, len(tables))  # [C] each one's owned row 0
+        own_latent = np.stack([t.own_latent for t in tables])  # [C, L, 4, 2] i64 (row 0 address, row stride)
+        own_index = np.stack([t.own_index for t in tables])  # [C, NI, 2] i64
+        latent, index = _stacked([t.latent for t in tables]), _stacked([t.index for t in tables])  # [L|NI, C, NB, F]
+        if max(counts) == 1:  # a decode step: a row a cache
+            positions = firsts  # [B] each row's position
+        else:  # prompt chunks among them: each cache's tables repeated over its rows
+            per = np.asarray(counts, np.int64)  # [C] each cache's rows
+            offsets = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)  # [N]
+            positions = np.repeat(firsts, per) + offsets  # [N] each row's position
+            bases, own_latent, own_index = (np.repeat(a, per, axis=0) for a in (bases, own_latent, own_index))
+            latent, index = np.repeat(latent, per, axis=1), np.repeat(index, per, axis=1)  # [L|NI, N, NB, F]
+        owned = positions - bases  # [N] each row's owned row index
         dst = own_latent[..., 0] + owned[:, None, None] * own_latent[..., 1]  # [N, L, 4] i64 addresses
         key_dst = own_index[..., 0] + owned[:, None] * own_index[..., 1]  # [N, NI] i64 addresses
-        latent = np.repeat(_stacked([t.latent for t in tables]), per, axis=1)  # [L, N, NB, F] i64
-        index = np.repeat(_stacked([t.index for t in tables]), per, axis=1)  # [NI, N, NBi, 4] i64
-        return cls(list(zip(caches, counts, strict=True)), latent, index,
-                   np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T), positions + 1,
-                   kv_dtype)
+        return cls(pairs, latent, index, np.ascontiguousarray(dst.transpose(1, 0, 2)), np.ascontiguousarray(key_dst.T),
+                   positions + 1, kv_dtype)
+
+    @classmethod
+    def _of_one(cls, pairs: list[tuple[DecoderCache, int]], t: RowTables, kv_dtype: str) -> StepTables:
+        """The tables of one cache's n new rows: its tables, repeated n times, each built in one operation."""
+        cache, n = pairs[0]
+        positions = np.arange(cache.length, cache.length + n, dtype=np.int64)  # [n] each row's position
+        owned = positions - t.base_len  # [n] each row's owned row index
+        dst = t.own_latent[None, :, :, 0] + owned[:, None, None] * t.own_latent[None, :, :, 1]  # [n, L, 4] i64
+        key_dst = t.own_index[None, :, 0] + owned[:, None] * t.own_index[None, :, 1]  # [n, NI] i64
+        latent = np.repeat(t.latent[:, None], n, axis=1) if n > 1 else t.latent[:, None]  # [L, n, NB, F] i64
+        index = np.repeat(t.index[:, None], n, axis=1) if n > 1 else t.index[:, None]  # [NI, n, NBi, 4] i64
+        return cls(pairs, latent, index, np.ascontiguousarray(dst.transpose(1, 0, 2)),
+                   np.ascontiguousarray(key_dst.T), positions + 1, kv_dtype)
 
     def write_rows(self, layer: int, lc: np.ndarray, rc: np.ndarray) -> None:
         """Row b of lc [B, kv_lora], rc [B, rope] f32, fp8-encoded (each row alone), to row b's
