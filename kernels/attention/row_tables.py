@@ -17,7 +17,9 @@ are :func:`kernels.attention.select_step.score_row` and its cut ``engine_topk``;
 decodes a session's selected rows through ``DECODE_TABLE``, sanitises their scales as the
 readers do (``0 < s < 3.4e38`` else 0.0) and calls the same ``attend_one`` as
 :func:`kernels.attention.sparse_step.batched_sparse_decode`. So a session's keys, selection and
-context are bitwise those of its step alone, whoever shares the batch.
+context are bitwise those of its step alone, whoever shares the batch. Consecutive rows with one
+table (a prompt chunk's rows) share work that does not change a bit: their keys are transposed once
+and scored sixteen to a vector (:mod:`kernels.attention.score_lanes`), their rows decoded once.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from kernels.fp8 import USABLE_SCALE_BOUND
 
 LATENT_FIELDS = 10  # start, length, then (address, row stride) of lc codes, lc scale, rc codes, rc scale
 INDEX_FIELDS = 4  # start, length, address, row stride
-LANE_ROWS = 4  # rows of one key table from which select_rows lays its keys across lanes (a lone row: not worth it)
+LANE_ROWS = 4  # a run of this many rows with one table (a chunk's) shares one transposition / decode of its rows
 
 
 def pointer_to(dtype: Any) -> Any:
