@@ -6,7 +6,10 @@ against each server in turn. Keys: ``peer_multiturn_tok_s_ratio`` (output tokens
 inter-token latency), ours / llama.cpp; ``peer_multiturn_cpu_ratio``: the CPU seconds (user + system)
 each server's processes spent over the run, ours (the API process and the engine core) / llama.cpp's:
 the work each does for the same workload, which a loaded machine's waits do not enter (on 2 cores
-shared with the client, a server whose work is a third less can be at most ~1.5x as fast).
+shared with the client, a server whose work is a third less can be at most ~1.5x as fast). Each side's
+figures also hold ``busy_s``, the window in which its server worked, and ``client_cpu_s``, aiperf's own
+CPU in that window (both process trees read every 0.2 s): where the client's CPU and the server's fill
+the machine's cores, the run cannot be shorter than their sum over the cores, whatever the server does.
 
 aiperf runs as a command (``aiperf`` beside this interpreter, on PATH, or ``$COLI_AIPERF``): its
 dependencies need not share the project's environment. Where it is missing or fails, the result
@@ -19,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,17 +93,54 @@ def multiturn_keys(ours: dict[str, float], theirs: dict[str, float]) -> dict[str
     return {**keys, "multiturn": {"ours": ours, "llama_cpp": theirs}}
 
 
+def sample_run(cmd: list[str], server_pid: int | None, log: Path, period: float = 0.2,
+               timeout: float = 1800.0) -> tuple[int, list[tuple[float, float, float]]]:
+    """Run ``cmd`` (its output to ``log``), reading every ``period`` s the server's and the command's
+    process trees' CPU: (its exit status, [(seconds since start, server CPU s, client CPU s)])."""
+    samples: list[tuple[float, float, float]] = []
+    with open(log, "w") as out:
+        client = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        start, client_cpu = time.monotonic(), 0.0
+        try:
+            while True:
+                done = client.poll() is not None
+                client_cpu = max(client_cpu, tree_cpu_s(client.pid))  # its exit takes its tree: keep the last
+                samples.append((time.monotonic() - start, tree_cpu_s(server_pid) if server_pid else 0.0, client_cpu))
+                if done:
+                    return client.returncode, samples
+                if time.monotonic() - start > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(period)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+
+
+def busy_window(samples: list[tuple[float, float, float]], threshold: float = 0.02) -> dict[str, float]:
+    """From :func:`sample_run`'s samples, the window in which the server worked (from the sample before
+    its CPU first grew by more than ``threshold`` s to the last sample where it grew): its length
+    ``busy_s`` and the client's CPU in it, ``client_cpu_s`` (on a machine whose cores the server and
+    the client share, the run takes at least (server + client CPU) / cores). Without server figures:
+    the whole run."""
+    grew = [i for i in range(1, len(samples)) if samples[i][1] - samples[i - 1][1] > threshold]
+    first, last = (grew[0] - 1, grew[-1]) if grew else (0, len(samples) - 1)
+    return {"busy_s": samples[last][0] - samples[first][0], "client_cpu_s": samples[last][2] - samples[first][2]}
+
+
 def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int) -> dict[str, float]:
     cmd = aiperf_command(aiperf, side.url, side.model_name, model, out, conversations)
     pid: int | None = getattr(side, "pid", None)  # the server's process (a fake side in the tests has none)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"{out.name}.log"  # aiperf's output, beside its artifact folder (which it makes)
     cpu = tree_cpu_s(pid) if pid else 0.0
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    status, samples = sample_run(cmd, pid, log)
     cpu = tree_cpu_s(pid) - cpu if pid else 0.0
     exports = sorted(out.rglob("profile_export_aiperf.json"))
-    if done.returncode != 0 or not exports:
-        lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
-        raise RuntimeError(f"aiperf against {side.name} exited {done.returncode}: {lines[-1][:200] if lines else ''}")
-    figures = read_metrics(exports[-1])
+    if status != 0 or not exports:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        raise RuntimeError(f"aiperf against {side.name} exited {status}: {lines[-1][:200] if lines else ''}")
+    figures = {**read_metrics(exports[-1]), **busy_window(samples)}
     if pid:
         figures["server_cpu_s"] = cpu
     return figures
@@ -136,4 +177,5 @@ def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path, 
     return keys
 
 
-__all__ = ["aiperf_command", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics", "tree_cpu_s"]
+__all__ = ["aiperf_command", "busy_window", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics",
+           "sample_run", "tree_cpu_s"]

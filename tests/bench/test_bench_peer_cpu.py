@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from bench.peer import table as peer_table
-from bench.peer_multiturn import multiturn_keys, tree_cpu_s
+from bench.peer_multiturn import busy_window, multiturn_keys, sample_run, tree_cpu_s
 
 SPIN = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
         "print('spun', flush=True)\nsys.stdin.read()")  # 0.3 s of CPU, then it waits, alive
@@ -33,3 +34,19 @@ def test_cpu_ratio_where_both_sides_were_read_and_its_row() -> None:
     text = peer_table({"ours": {}, "llama_cpp": {}, **keys})
     assert "| ... the servers' CPU over the run (s) | 6.00 | 8.00 | 0.75 |" in text
     assert "peer_multiturn_cpu_ratio" not in multiturn_keys({**ours, "server_cpu_s": 0.0}, theirs)
+
+
+def test_the_busy_window_is_where_the_server_worked_and_the_clients_cpu_in_it() -> None:
+    # (seconds, server CPU, client CPU): the client starts up alone, then both work, then it reports alone
+    samples = [(0.0, 5.0, 0.0), (1.0, 5.0, 0.9), (2.0, 5.5, 1.4), (3.0, 6.2, 2.0), (4.0, 6.2, 2.6)]
+    assert busy_window(samples) == {"busy_s": 2.0, "client_cpu_s": 1.1}  # from 1.0 (before it grew) to 3.0
+    idle = [(0.0, 5.0, 0.0), (1.0, 5.0, 1.0)]  # a server that never worked (or none read): the whole run
+    assert busy_window(idle) == {"busy_s": 1.0, "client_cpu_s": 1.0}
+
+
+def test_a_sampled_run_reads_the_clients_cpu_and_its_status(tmp_path: Path) -> None:
+    status, samples = sample_run([sys.executable, "-c", SPIN.replace("sys.stdin.read()", "sys.exit(3)")], None,
+                                 tmp_path / "client.log", period=0.05)
+    assert status == 3 and (tmp_path / "client.log").read_text() == "spun\n"
+    assert samples[-1][2] >= 0.2 and all(server == 0.0 for _, server, _ in samples)  # no server: none read
+    assert [t for t, _, _ in samples] == sorted(t for t, _, _ in samples)
