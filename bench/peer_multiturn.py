@@ -133,16 +133,14 @@ def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int)
     pid: int | None = getattr(side, "pid", None)  # the server's process (a fake side in the tests has none)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"  # aiperf's output, beside its artifact folder (which it makes)
-    cpu = tree_cpu_s(pid) if pid else 0.0
     status, samples = sample_run(cmd, pid, log)
-    cpu = tree_cpu_s(pid) - cpu if pid else 0.0
     exports = sorted(out.rglob("profile_export_aiperf.json"))
     if status != 0 or not exports:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         raise RuntimeError(f"aiperf against {side.name} exited {status}: {lines[-1][:200] if lines else ''}")
     figures = {**read_metrics(exports[-1]), **busy_window(samples)}
     if pid:
-        figures["server_cpu_s"] = cpu
+        figures["server_cpu_s"] = samples[-1][1] - samples[0][1]  # its tree's CPU over the whole run
     return figures
 
 

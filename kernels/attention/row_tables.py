@@ -126,15 +126,23 @@ def _same_table(tables: np.ndarray, a: int, b: int) -> bool:  # pragma: no cover
     return True
 
 
+@njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _takes_all(b: int, n: int, out: np.ndarray, counts: np.ndarray) -> bool:  # pragma: no cover - compiled
+    """Row b seeing ``n`` keys, no more than k = out.shape[1]: it takes every one (True); else False."""
+    if n > out.shape[1]:
+        return False
+    for j in range(n):
+        out[b, j] = j
+    counts[b] = n
+    return True
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _select_row(qi: np.ndarray, w: np.ndarray, tables: np.ndarray, visible: np.ndarray, b: int,
                 scores: np.ndarray, out: np.ndarray, counts: np.ndarray) -> None:  # pragma: no cover - compiled
     """Row b's selection, its keys scored one by one (``score_row``) into ``scores`` [>= visible[b]]."""
     k, hd, n = out.shape[1], qi.shape[2], visible[b]
-    if n <= k:
-        for j in range(n):
-            out[b, j] = j
-        counts[b] = n
+    if _takes_all(b, n, out, counts):
         return
     for blk in range(tables.shape[1]):
         start, length, address, stride = tables[b, blk, 0], tables[b, blk, 1], tables[b, blk, 2], tables[b, blk, 3]
@@ -159,10 +167,7 @@ def _select_run(qi: np.ndarray, w: np.ndarray, blocks: np.ndarray, visible: np.n
     scores = np.empty(width, np.float32)  # scores: [width] f32, one row's at a time
     for b in range(b0, b1):
         n = visible[b]
-        if n <= k:
-            for j in range(n):
-                out[b, j] = j
-            counts[b] = n
+        if _takes_all(b, n, out, counts):
             continue
         score_transposed(qi[b], w[b], keys_t, n, scores)
         engine_topk(scores[:n], out[b])
@@ -226,12 +231,14 @@ def _attend_row(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _attend_run(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndarray, counts: np.ndarray,
-                table: np.ndarray, scale: np.float32, ctx: np.ndarray, b0: int, b1: int,
-                seen: int) -> None:  # pragma: no cover - compiled
+                table: np.ndarray, scale: np.float32, ctx: np.ndarray, b0: int, b1: int, seen: int,
+                lc_f: np.ndarray, rc_f: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
+                scores: np.ndarray) -> None:  # pragma: no cover - compiled
     """Rows [b0, b1), which share their latent blocks and select among positions < ``seen``: every such
     row decoded once (not once per row that selects it), then each row's context from copies of its
-    selected rows (the same floats, so bitwise :func:`_attend_row`'s)."""
-    width, rope, k_max = qa.shape[2], qr.shape[2], sel.shape[1]
+    selected rows into the scratch lc_f, rc_f, lsc, rsc (the same floats, so bitwise
+    :func:`_attend_row`'s)."""
+    width, rope = qa.shape[2], qr.shape[2]
     lc_all = np.empty((seen, width), np.float32)  # lc_all: [seen, K] f32, each position decoded once
     rc_all = np.empty((seen, rope), np.float32)  # rc_all: [seen, R] f32
     lsc_all = np.zeros(seen, np.float32)  # lsc_all: [seen] f32 sanitised scales
@@ -240,11 +247,6 @@ def _attend_run(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
         start, length = tables[b0, blk, 0], tables[b0, blk, 1]
         for t in range(start, min(start + length, seen)):
             lsc_all[t], rsc_all[t] = _decode_into(tables, b0, blk, t - start, table, lc_all[t], rc_all[t])
-    lc_f = np.empty((k_max, width), np.float32)  # lc_f: [k, K] f32, one row's selected rows
-    rc_f = np.empty((k_max, rope), np.float32)  # rc_f: [k, R] f32
-    lsc = np.empty(k_max, np.float32)  # lsc: [k] f32
-    rsc = np.empty(k_max, np.float32)  # rsc: [k] f32
-    scores = np.empty(k_max, np.float32)  # scores: [k] f32 scratch
     for b in range(b0, b1):
         k = counts[b]
         for j in range(k):
@@ -279,7 +281,7 @@ def attend_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
             seen = max(seen, sel[e, counts[e] - 1] + 1 if counts[e] else 0)
             e += 1
         if e - b >= LANE_ROWS and named > seen:
-            _attend_run(qa, qr, tables, sel, counts, table, scale, ctx, b, e, seen)
+            _attend_run(qa, qr, tables, sel, counts, table, scale, ctx, b, e, seen, lc_f, rc_f, lsc, rsc, scores)
         else:
             for r in range(b, e):
                 _attend_row(qa, qr, tables, sel, counts, table, scale, ctx, r, lc_f, rc_f, lsc, rsc, scores)
