@@ -33,6 +33,7 @@ from bench.peer_client import PeerError, stream_many, stream_one
 from bench.peer_measure import LONG, greedy_keys, greedy_prompts, measure, prompt_ids, ratio_keys
 from bench.peer_multiturn import multiturn
 from bench.peer_servers import Llama, Ours, Side
+from bench.peer_ties import greedy_with_heap_ties
 from bench.serve_procs import REPO
 
 GREEDY_TOKENS = 64
@@ -75,8 +76,9 @@ def timed_reps(start: dict[str, Callable[[], Side]], reps: int, stall_reps: int)
     return {**ratio_keys(raw["ours"], raw["llama.cpp"]), "reps": {"ours": raw["ours"], "llama_cpp": raw["llama.cpp"]}}
 
 
-def greedy(start: dict[str, Callable[[], Side]]) -> dict[str, Any]:
-    """f32 KV on both sides, 12 prompts as token ids, 64 greedy tokens each."""
+def greedy(start: dict[str, Callable[[], Side]], model: Path) -> dict[str, Any]:
+    """f32 KV on both sides, 12 prompts as token ids, 64 greedy tokens each; then ours in process with
+    llama.cpp's top-k tie rule (bench/peer_ties.py) against llama.cpp's tokens."""
     prompts, out = greedy_prompts(), {}
     for name in ("ours", "llama.cpp"):
         side = start[name]()
@@ -84,7 +86,13 @@ def greedy(start: dict[str, Callable[[], Side]]) -> dict[str, Any]:
             out[name] = [side.greedy(p, GREEDY_TOKENS) for p in prompts]
         finally:
             side.stop()
-    return greedy_keys(prompts, out["ours"], out["llama.cpp"])
+    res = greedy_keys(prompts, out["ours"], out["llama.cpp"])
+    same_rule, ties = greedy_with_heap_ties(model, prompts, GREEDY_TOKENS)
+    theirs = greedy_keys(prompts, same_rule, out["llama.cpp"])
+    res.update({f"{key}_same_tie_rule": theirs[key] for key in ("peer_greedy_equal", "peer_greedy_first_difference")})
+    res["peer_greedy_tie_rows"] = {"selected": ties.rows, "zero_score_ties": ties.zero_ties,
+                                   "changed_by_the_rule": ties.changed}
+    return res
 
 
 def table(res: dict[str, Any]) -> str:
@@ -102,6 +110,10 @@ def table(res: dict[str, Any]) -> str:
     if "peer_greedy_equal" in res:
         lines.append(f"| greedy, f32 KV: prompts equal to the end | | | {res['peer_greedy_equal']} of "
                      f"{res['peer_greedy_prompts']} (first differences {res['peer_greedy_first_difference']}) |")
+    if "peer_greedy_equal_same_tie_rule" in res:
+        lines.append(f"| ... ours with llama.cpp's top-k tie rule (in process) | | | "
+                     f"{res['peer_greedy_equal_same_tie_rule']} of {res['peer_greedy_prompts']} (first differences "
+                     f"{res['peer_greedy_first_difference_same_tie_rule']}) |")
     mt = res.get("multiturn", {})
     for label, raw in (("multi-turn (aiperf, 16), output tokens/s", "tok_s"), ("... mean TTFT (ms)", "ttft_ms"),
                        ("... mean inter-token latency (ms)", "itl_ms")):
@@ -151,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, Any] = {"ours": {}, "llama_cpp": {}}
             if not args.multiturn_only:
                 res = timed_reps(timing, reps, stall_reps)
-                res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads)))
+                res.update(greedy(starters(peer, args.model, scratch, ("f32", "f32"), args.llama_threads), args.model))
             if not args.no_multiturn:
                 res.update(multiturn(timing, args.model, scratch, args.multiturn_reps, warm))
     except (PeerError, RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:

@@ -221,10 +221,12 @@ def test_no_build_tools_is_one_line_and_a_nonzero_exit(tmp_path: Path, monkeypat
 def test_table_shows_every_key() -> None:
     raw = {name: 2.0 for name in RATIO_KEYS.values()}
     res = {**ratio_keys([raw], [{k: v / 2 for k, v in raw.items()}]), **greedy_keys([[1]], [[2]], [[2]]),
+           "peer_greedy_equal_same_tie_rule": 7, "peer_greedy_first_difference_same_tie_rule": [3],
            **multiturn_keys({"tok_s": 3.0, "ttft_ms": 1.0, "itl_ms": 1.0},
                             {"tok_s": 1.0, "ttft_ms": 4.0, "itl_ms": 2.0})}
     text = peer_table(res)
     assert sum(line.endswith("| 2.00 |") for line in text.splitlines()) == len(RATIO_KEYS) and "1 of 1" in text
+    assert "tie rule (in process) | | | 7 of 1 (first differences [3])" in text
     assert "| 3.0 | 1.0 | 3.00 |" in text and "| 1.0 | 4.0 | 0.25 |" in text and "| 1.0 | 2.0 | 0.50 |" in text
 
 
