@@ -5,7 +5,8 @@ tokens, prompts as token ids). The servers run one after the other, alternating 
 over the reps, each started fresh per rep and warmed before it is timed. Keys are ours / llama.cpp
 of the medians (bench/peer_measure.py says what each measures); the raw figures of both sides are
 in the JSON. KV: each side's default for the timings (ours fp8, llama.cpp f16), f32 on both sides
-for ``peer_greedy_equal``.
+for ``peer_greedy_equal``; ``peer_greedy_equal_same_tie_rule`` is ours in process with llama.cpp's
+top-k tie rule against the same llama.cpp tokens (bench/peer_ties.py says why).
 
     python -m bench.peer --json            # builds llama-server once (~12+ min on 2 cores, niced)
     python -m bench.peer --quick --json    # fewer reps
