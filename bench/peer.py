@@ -32,7 +32,7 @@ import httpx
 from bench.peer_build import DEFAULT_CACHE, VERSION, Peer, PeerUnavailable, prepare
 from bench.peer_client import PeerError, stream_many, stream_one
 from bench.peer_measure import LONG, greedy_keys, greedy_prompts, measure, prompt_ids, ratio_keys
-from bench.peer_multiturn import multiturn
+from bench.peer_multiturn import GOAL, multiturn
 from bench.peer_servers import Llama, Ours, Side
 from bench.peer_ties import greedy_with_heap_ties
 from bench.serve_procs import REPO
@@ -124,6 +124,9 @@ def table(res: dict[str, Any]) -> str:
     if "peer_multiturn_cpu_ratio" in res:
         lines.append(f"| ... the servers' CPU over the run (s) | {mt['ours']['server_cpu_s']:,.2f} | "
                      f"{mt['llama_cpp']['server_cpu_s']:,.2f} | {res['peer_multiturn_cpu_ratio']:.2f} |")
+    if "peer_multiturn_server_budget_s" in res:
+        lines.append(f"| ... the CPU our server could spend at {GOAL:g}x llama.cpp's tok/s (s) | "
+                     f"{res['peer_multiturn_server_budget_s']:,.2f} | | |")
     if "multiturn_skipped" in res:
         lines.append(f"multi-turn not run: {res['multiturn_skipped']}")
     return "\n".join(lines)

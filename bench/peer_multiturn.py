@@ -10,6 +10,9 @@ shared with the client, a server whose work is a third less can be at most ~1.5x
 figures also hold ``busy_s``, the window in which its server worked, and ``client_cpu_s``, aiperf's own
 CPU in that window (both process trees read every 0.2 s): where the client's CPU and the server's fill
 the machine's cores, the run cannot be shorter than their sum over the cores, whatever the server does.
+``peer_multiturn_server_budget_s`` puts that in seconds: the CPU our server could spend if its output
+tokens/s were ``GOAL`` x llama.cpp's, the client keeping the rate of CPU it spent beside ours (it is a
+rate, not a fixed cost: measured beside both servers, aiperf's CPU grows with the run's length).
 
 aiperf runs as a command (``aiperf`` beside this interpreter, on PATH, or ``$COLI_AIPERF``): its
 dependencies need not share the project's environment. Where it is missing or fails, the result
@@ -30,6 +33,7 @@ from typing import Any
 from bench.peer_servers import Side
 
 CONVERSATIONS, TURNS, CONCURRENCY, NEW_TOKENS, OUTPUT_TOKENS = 16, 4, 16, 200, 64
+GOAL = 3.0  # issue 36's multi-turn output tokens/s goal, ours / llama.cpp
 METRICS = {"tok_s": "output_token_throughput", "ttft_ms": "time_to_first_token", "itl_ms": "inter_token_latency"}
 
 
@@ -90,7 +94,17 @@ def multiturn_keys(ours: dict[str, float], theirs: dict[str, float]) -> dict[str
             "peer_multiturn_itl_ratio": ours["itl_ms"] / theirs["itl_ms"]}
     if ours.get("server_cpu_s") and theirs.get("server_cpu_s"):
         keys["peer_multiturn_cpu_ratio"] = ours["server_cpu_s"] / theirs["server_cpu_s"]
+    if ours.get("busy_s") and ours.get("client_cpu_s") is not None:
+        keys["peer_multiturn_server_budget_s"] = server_budget_s(ours, theirs["tok_s"], os.cpu_count() or 1)
     return {**keys, "multiturn": {"ours": ours, "llama_cpp": theirs}}
+
+
+def server_budget_s(ours: dict[str, float], their_tok_s: float, cores: int) -> float:
+    """The CPU seconds our server could spend were its output tokens/s ``GOAL`` x ``their_tok_s``: the
+    same tokens in ``busy_s * tok_s / (GOAL * their_tok_s)`` seconds, on ``cores`` cores less the client's
+    rate of CPU (``client_cpu_s / busy_s``, as it ran beside ours)."""
+    window = ours["busy_s"] * ours["tok_s"] / (GOAL * their_tok_s)
+    return max(cores - ours["client_cpu_s"] / ours["busy_s"], 0.0) * window
 
 
 def sample_run(cmd: list[str], server_pid: int | None, log: Path, period: float = 0.2,

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.peer import table as peer_table
-from bench.peer_multiturn import busy_window, multiturn_keys, sample_run, tree_cpu_s
+from bench.peer_multiturn import busy_window, multiturn_keys, sample_run, server_budget_s, tree_cpu_s
 
 SPIN = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
         "print('spun', flush=True)\nsys.stdin.read()")  # 0.3 s of CPU, then it waits, alive
@@ -34,6 +36,20 @@ def test_cpu_ratio_where_both_sides_were_read_and_its_row() -> None:
     text = peer_table({"ours": {}, "llama_cpp": {}, **keys})
     assert "| ... the servers' CPU over the run (s) | 6.00 | 8.00 | 0.75 |" in text
     assert "peer_multiturn_cpu_ratio" not in multiturn_keys({**ours, "server_cpu_s": 0.0}, theirs)
+
+
+def test_the_server_budget_for_the_goal() -> None:
+    """Ours ran 4 s at 1,000 tok/s with the client spending 3.2 s (0.8 of a core); llama.cpp 500 tok/s: at
+    3x its rate the same tokens take 8/3 s, of which 2 cores less the client's 0.8 leave 1.2 x 8/3 = 3.2 s."""
+    ours = {"tok_s": 1000.0, "busy_s": 4.0, "client_cpu_s": 3.2}
+    assert server_budget_s(ours, 500.0, 2) == pytest.approx(3.2)
+    assert server_budget_s({**ours, "client_cpu_s": 9.0}, 500.0, 2) == 0.0  # a client busier than the cores
+    keys = multiturn_keys({**ours, "ttft_ms": 1.0, "itl_ms": 1.0}, {"tok_s": 500.0, "ttft_ms": 1.0, "itl_ms": 1.0})
+    assert keys["peer_multiturn_server_budget_s"] == pytest.approx(server_budget_s(ours, 500.0, os.cpu_count() or 1))
+    assert "| ... the CPU our server could spend at 3x llama.cpp's tok/s (s) | 3.20 | | |" in peer_table(
+        {"ours": {}, "llama_cpp": {}, **keys, "peer_multiturn_server_budget_s": 3.2})
+    assert "peer_multiturn_server_budget_s" not in multiturn_keys({"tok_s": 1.0, "ttft_ms": 1.0, "itl_ms": 1.0},
+                                                                    {"tok_s": 1.0, "ttft_ms": 1.0, "itl_ms": 1.0})
 
 
 def test_the_busy_window_is_where_the_server_worked_and_the_clients_cpu_in_it() -> None:
