@@ -83,8 +83,9 @@ class TieCount:
 
 def heap_select_step(count: TieCount) -> Callable[..., np.ndarray]:
     """A stand-in for :func:`kernels.attention.select_step.select_step` (same arguments, same result
-    shape) whose top-k is :func:`heap_topk` over the same scores (:func:`index_scores`), counting into
-    ``count``."""
+    shape): the indexer's scores by the formula's reference (:func:`index_scores`), then :func:`heap_topk`
+    for the engine's top-k; where no tie decides it selects what ``select_step`` does (tested). Counts
+    into ``count``."""
     from kernels.attention.selection import engine_topk
 
     def select(qi: np.ndarray, weights: np.ndarray, key_blocks_of: Sequence[Sequence[np.ndarray]],
