@@ -21,7 +21,9 @@ from unittest import mock
 
 import numpy as np
 
-from kernels.attention.selection import index_scores
+from kernels.attention.selection import engine_topk, index_scores
+from kernels.model import load_model
+from kernels.model.generate import generate
 
 Less = Callable[[int, int], bool]
 
@@ -86,7 +88,6 @@ def heap_select_step(count: TieCount) -> Callable[..., np.ndarray]:
     shape): the indexer's scores by the formula's reference (:func:`index_scores`), then :func:`heap_topk`
     for the engine's top-k; where no tie decides it selects what ``select_step`` does (tested). Counts
     into ``count``."""
-    from kernels.attention.selection import engine_topk
 
     def select(qi: np.ndarray, weights: np.ndarray, key_blocks_of: Sequence[Sequence[np.ndarray]],
                k: int) -> np.ndarray:
@@ -108,21 +109,11 @@ def greedy_with_heap_ties(model_dir: Path, prompts: Sequence[Sequence[int]], max
         list[list[int]], TieCount]:
     """Each prompt's ``max_tokens`` greedy tokens from our reference decoder (f32 cache) with llama.cpp's
     top-k tie rule in place of the engine's, and what the selections met."""
-    from kernels.model import load_model
-
     model = load_model(model_dir)
     model.use_compiled = False  # the reference path: its selection is the one substituted
     count = TieCount()
-    out: list[list[int]] = []
-    with mock.patch("kernels.model.glm_decoder.select_step", heap_select_step(count)):
-        for prompt in prompts:
-            cache = model.new_cache("f32")
-            logits = model.step([cache], np.asarray(prompt, np.int32), [len(prompt)])  # [1, vocab] f32
-            tokens: list[int] = []
-            for _ in range(max_tokens):
-                tokens.append(int(np.argmax(logits[-1])))
-                logits = model.step([cache], np.asarray(tokens[-1:], np.int32), [1])
-            out.append(tokens)
+    with mock.patch("kernels.model.glm_decoder.select_step", heap_select_step(count)):  # greedy: Sampler()'s default
+        out = [generate(model, model.new_cache("f32"), prompt, max_tokens).tokens for prompt in prompts]
     return out, count
 
 
