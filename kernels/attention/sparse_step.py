@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, types, void
 
 from kernels.attention.absorbed import as_query, check_query_pair
+from kernels.attention.attend_lanes import KEYS, SUMS, WIDE, dots4, weighted_rows1, weighted_rows4
 from kernels.attention.lanes import lane_sums
 from kernels.attention.tables import decode_codes_into, sanitize_scales_into
 from kernels.attention.tiles import CacheShape, TileGatherer, cache_shape
@@ -33,14 +34,14 @@ from kernels.fp8 import DECODE_TABLE
 from kernels.rows import Fp8Rows, LatentRows
 
 _F32 = types.float32
-_A2, _A3 = types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
+_A1, _A2, _A3 = types.Array(_F32, 1, "C"), types.Array(_F32, 2, "C"), types.Array(_F32, 3, "C")
 _U3 = types.Array(types.uint8, 3, "C")
 _TABLE = types.Array(_F32, 1, "C", readonly=True)  # DECODE_TABLE [256] f32
 
 
 announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
-@njit(_F32(types.Array(_F32, 1, "C"), types.Array(_F32, 1, "C")), cache=True, nogil=True, boundscheck=False,
+@njit(_F32(_A1, _A1), cache=True, nogil=True, boundscheck=False,
       inline="always")
 def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - compiled
     """sum a*b over eight fixed lanes (:func:`kernels.attention.lanes.lane_sums`: one vector's chain),
@@ -54,7 +55,12 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:  # pragma: no cover - comp
     return total
 
 
-_A1 = types.Array(_F32, 1, "C")
+@njit(_F32(_A1, _A1, types.int64, _F32), cache=True, nogil=True, boundscheck=False, inline="always")
+def _tail(a: np.ndarray, b: np.ndarray, full: int, total: np.float32) -> np.float32:  # pragma: no cover - compiled
+    """``total`` (the lanes' tree) plus a[i] * b[i] for i in [full, len) in order: :func:`_dot`'s tail."""
+    for i in range(full, a.shape[0]):
+        total += a[i] * b[i]
+    return total
 
 
 @njit(void(_A2, _A2, _A2, _A2, _A1, _A1, _F32, _A1, _A2), cache=True, nogil=True, boundscheck=False,
@@ -62,26 +68,52 @@ _A1 = types.Array(_F32, 1, "C")
 def attend_one(qa: np.ndarray, qr: np.ndarray, lc: np.ndarray, rc: np.ndarray, lsc: np.ndarray, rsc: np.ndarray,
                 scale: np.float32, scores: np.ndarray, ctx: np.ndarray) -> None:  # pragma: no cover - compiled
     """One session: ctx [H, K] from qa [H, K], qr [H, R] over its rows lc [k, K], rc [k, R] and
-    their factors lsc, rsc [k]; ``scores`` [k] is scratch."""
+    their factors lsc, rsc [k]; ``scores`` [k] is scratch.
+
+    Per head: score_j = ((qa . lc_j) * lsc_j + (qr . rc_j) * rsc_j) * scale, each dot :func:`_dot`'s
+    (four keys at a time: :func:`kernels.attention.attend_lanes.dots4`, the same lanes and tree);
+    p_j = exp(score_j - max), total = sum_j p_j in order; ctx = (sum_j (p_j * lsc_j) * lc_j in row
+    order) / total (:func:`kernels.attention.attend_lanes.weighted_rows4` over 64 columns at a time)."""
     heads, width = qa.shape
-    k = lc.shape[0]
+    rope, k = qr.shape[1], lc.shape[0]
+    full_a, full_r = width - width % SUMS, rope - rope % SUMS
+    lc_at, ls, rc_at, rs = lc.ctypes.data, lc.strides[0], rc.ctypes.data, rc.strides[0]
+    grouped = k - k % KEYS
     for h in range(heads):
+        qa_h, qr_h = qa[h], qr[h]
         top = np.float32(-np.inf)
-        for j in range(k):
-            v = (_dot(qa[h], lc[j]) * lsc[j] + _dot(qr[h], rc[j]) * rsc[j]) * scale
+        for j0 in range(0, grouped, KEYS):
+            da = dots4(qa.ctypes.data + h * qa.strides[0], lc_at + j0 * ls, ls, full_a)
+            dr = dots4(qr.ctypes.data + h * qr.strides[0], rc_at + j0 * rs, rs, full_r)
+            for g in range(KEYS):
+                j = j0 + g
+                v = (_tail(qa_h, lc[j], full_a, da[g]) * lsc[j] + _tail(qr_h, rc[j], full_r, dr[g]) * rsc[j]) * scale
+                scores[j] = v
+                if v > top:
+                    top = v
+        for j in range(grouped, k):
+            v = (_dot(qa_h, lc[j]) * lsc[j] + _dot(qr_h, rc[j]) * rsc[j]) * scale
             scores[j] = v
             if v > top:
                 top = v
-        acc = ctx[h]  # acc: [K] f32
-        acc[:] = 0
         total = np.float32(0.0)
         for j in range(k):
             p = np.float32(np.exp(scores[j] - top))
             total += p
-            weight = p * lsc[j]
-            row = lc[j]  # row: [K] f32
-            for n in range(width):
-                acc[n] = acc[n] + weight * row[n]
+            scores[j] = p * lsc[j]  # scores: [k] now each row's weight
+        acc = ctx[h]  # acc: [K] f32
+        out, weights, n0 = ctx.ctypes.data + h * ctx.strides[0], scores.ctypes.data, 0
+        while n0 + 4 * WIDE <= width:
+            weighted_rows4(weights, lc_at + 4 * n0, ls, k, out + 4 * n0)
+            n0 += 4 * WIDE
+        while n0 + WIDE <= width:
+            weighted_rows1(weights, lc_at + 4 * n0, ls, k, out + 4 * n0)
+            n0 += WIDE
+        for n in range(n0, width):
+            s = np.float32(0.0)
+            for j in range(k):
+                s = s + scores[j] * lc[j, n]
+            acc[n] = s
         for n in range(width):
             acc[n] = acc[n] / total
 
