@@ -35,22 +35,30 @@ def _load(builder: Any, address: Any, vt: Any) -> Any:
     return builder.load(builder.inttoptr(address, vt.as_pointer()), align=4, typ=vt)
 
 
+def _counted_loop(builder: Any, name: str, limit: Any, vt: Any,
+                  carried: int) -> tuple[Any, list[Any], Any, Any, Any]:
+    """A loop's head: a counter from 0 while < ``limit`` and ``carried`` vectors ``vt`` from zero,
+    as phis (the body adds their next values and branches back to the head). Returns (counter,
+    vectors, head block, body block, exit block), the builder left at the body."""
+    entry = builder.basic_block
+    head, body, done = (builder.append_basic_block(f"{name}.{part}") for part in ("head", "body", "done"))
+    builder.branch(head)
+    builder.position_at_end(head)
+    counter = builder.phi(_I64)
+    counter.add_incoming(ir.Constant(_I64, 0), entry)
+    sums = [builder.phi(vt) for _ in range(carried)]
+    for s in sums:
+        s.add_incoming(ir.Constant(vt, [0.0] * vt.count), entry)
+    builder.cbranch(builder.icmp_signed("<", counter, limit), body, done)
+    builder.position_at_end(body)
+    return counter, sums, head, body, done
+
+
 def _dots_codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:  # pragma: no cover
     """IR of :func:`dots4`: one loop over the multiples of 8, four ``<8 x float>`` sums carried."""
     a_v, b_v, stride_v, full_v = args
     vt = ir.VectorType(_F32, SUMS)
-    zero = ir.Constant(vt, [0.0] * SUMS)
-    entry = builder.basic_block
-    head, body, done = (builder.append_basic_block(n) for n in ("dots.head", "dots.body", "dots.done"))
-    builder.branch(head)
-    builder.position_at_end(head)
-    i = builder.phi(_I64)
-    i.add_incoming(ir.Constant(_I64, 0), entry)
-    sums = [builder.phi(vt) for _ in range(KEYS)]
-    for s in sums:
-        s.add_incoming(zero, entry)
-    builder.cbranch(builder.icmp_signed("<", i, full_v), body, done)
-    builder.position_at_end(body)
+    i, sums, head, body, done = _counted_loop(builder, "dots", full_v, vt, KEYS)
     offset = builder.mul(i, ir.Constant(_I64, 4))
     a = _load(builder, builder.add(a_v, offset), vt)
     for g, s in enumerate(sums):
@@ -80,17 +88,7 @@ def _rows_codegen(vectors: int) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:  # pragma: no cover
         w_v, rows_v, stride_v, k_v, out_v = args
         vt = ir.VectorType(_F32, WIDE)
-        entry = builder.basic_block
-        head, body, done = (builder.append_basic_block(n) for n in ("rows.head", "rows.body", "rows.done"))
-        builder.branch(head)
-        builder.position_at_end(head)
-        j = builder.phi(_I64)
-        j.add_incoming(ir.Constant(_I64, 0), entry)
-        sums = [builder.phi(vt) for _ in range(vectors)]
-        for s in sums:
-            s.add_incoming(ir.Constant(vt, [0.0] * WIDE), entry)
-        builder.cbranch(builder.icmp_signed("<", j, k_v), body, done)
-        builder.position_at_end(body)
+        j, sums, head, body, done = _counted_loop(builder, "rows", k_v, vt, vectors)
         weight = builder.load(builder.inttoptr(builder.add(w_v, builder.mul(j, ir.Constant(_I64, 4))),
                                                _F32.as_pointer()))
         splat = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), weight,
