@@ -90,6 +90,12 @@ def test_a_long_prompt_is_admitted_in_chunks_beside_16_streams_exactly(tmp_path:
         whole, whole_gap = _together(server, "together-")
     with ServerProc(tmp_path / "chunked", "glm-mini", "--max-prefill-tokens", "16") as server:
         chunked, chunked_gap = _together(server, "")
+        if chunked_gap * 2 >= whole_gap:
+            # the longest gap is one timing on a shared two-core machine (a CI run once saw 127 ms beside
+            # the other worker's SIGKILL soak): measured once more on new sessions. A prompt admitted
+            # whole stalls the streams every time, so a schedule that does not chunk still fails here.
+            again, chunked_gap = _together(server, "again-")
+            assert again == solo
     assert whole == solo  # sharing steps changes no token
     assert chunked == solo  # nor does admitting the long prompt in chunks of 16 beside the streams
     assert all(len(v) == STREAM_TOKENS for k, v in solo.items() if k != "long")
