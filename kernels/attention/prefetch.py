@@ -6,8 +6,7 @@ row's decode waits for its own miss (an out-of-order core holds about one row's 
 the misses add up: 32 random 80-byte rows of a 7 MB cache took 3.3-4.0 us to decode that way and
 1.6-2.0 us with every row's lines asked for first (this VM; BENCHMARKS.md, session 29). A
 prefetch is a hint: it reads nothing into the program, never faults (any address may be given),
-and changes no value. (No ``announce_if_cold`` here: nothing in this module is compiled on its own,
-only inlined into its callers' kernels, so numba's cache never holds an index for it.)
+and changes no value.
 """
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from kernels.compile_notice import announce_if_cold
 
 LINE = 64  # bytes of a cache line
 
@@ -38,6 +39,8 @@ def _prefetch(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compil
 
 
 prefetch: Any = intrinsic(_prefetch)  # njit-callable: prefetch(address)
+
+announce_if_cold(__file__)  # numba compiles the kernels below now unless cached
 
 
 @njit(cache=True, nogil=True, inline="always")
