@@ -29,7 +29,6 @@ import numpy as np
 from numba import carray, njit, types, void
 from numba.extending import intrinsic
 
-from kernels.attention.prefetch import prefetch, prefetch_span
 from kernels.attention.score_lanes import KEYS, score_transposed
 from kernels.attention.select_step import engine_topk, score_row
 from kernels.attention.sparse_step import attend_one
@@ -69,23 +68,6 @@ def block_of(tables: np.ndarray, b: int, blk: int, pos: int) -> tuple[int, int]:
     while pos >= tables[b, blk, 0] + tables[b, blk, 1]:
         blk += 1
     return blk, pos - tables[b, blk, 0]
-
-
-@njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def prefetch_rows(tables: np.ndarray, b: int, positions: np.ndarray, lc_bytes: int,
-                  rc_bytes: int) -> None:  # pragma: no cover - compiled
-    """Session b's rows at ``positions`` (ascending) of its latent blocks, tables [B, NB, LATENT_FIELDS]:
-    each row's ``lc_bytes`` and ``rc_bytes`` of codes and its two scales asked for from memory at
-    once, before any is read (:mod:`kernels.attention.prefetch`: their misses overlap)."""
-    blk = 0
-    for j in range(positions.shape[0]):
-        blk, r = block_of(tables, b, blk, positions[j])
-        prefetch_span(tables[b, blk, 2] + r * tables[b, blk, 3], lc_bytes)
-        prefetch(tables[b, blk, 4] + r * tables[b, blk, 5])
-        prefetch_span(tables[b, blk, 6] + r * tables[b, blk, 7], rc_bytes)
-        prefetch(tables[b, blk, 8] + r * tables[b, blk, 9])
-
-
 _BOUND = np.float32(USABLE_SCALE_BOUND)
 
 _F32, _I64 = types.float32, types.int64
@@ -240,9 +222,7 @@ def _attend_row(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
                 lsc: np.ndarray, rsc: np.ndarray, scores: np.ndarray) -> None:  # pragma: no cover - compiled
     """Row b's context, each of its selected rows decoded into the scratch lc_f [k, K], rc_f [k, R], lsc,
     rsc [k] (``scores`` [k] scratch)."""
-    k = counts[b]
-    prefetch_rows(tables, b, sel[b, :k], lc_f.shape[1], rc_f.shape[1])
-    blk = 0
+    k, blk = counts[b], 0
     for j in range(k):
         blk, r = block_of(tables, b, blk, sel[b, j])
         lsc[j], rsc[j] = _decode_into(tables, b, blk, r, table, lc_f[j], rc_f[j])
@@ -308,5 +288,5 @@ def attend_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.ndar
         b = e
 
 
-__all__ = ["INDEX_FIELDS", "LANE_ROWS", "LATENT_FIELDS", "attend_rows", "block_of", "pointer_to", "prefetch_rows",
-           "select_rows", "transpose_keys", "write_fp8_rows", "write_keys"]
+__all__ = ["INDEX_FIELDS", "LANE_ROWS", "LATENT_FIELDS", "attend_rows", "block_of", "pointer_to", "select_rows",
+           "transpose_keys", "write_fp8_rows", "write_keys"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, types, void
 
-from kernels.attention.row_tables import block_of, pointer_to, prefetch_rows
+from kernels.attention.row_tables import block_of, pointer_to
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
 
@@ -51,7 +51,6 @@ def attend_f32_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.
     scores = np.empty(k_max, np.float32)  # scores: [k] f32 scratch
     for b in range(qa.shape[0]):
         k = counts[b]
-        prefetch_rows(tables, b, sel[b, :k], 4 * width, 4 * rope)
         blk = 0
         for j in range(k):
             pos = sel[b, j]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit, types
 
-from kernels.attention.row_tables import block_of, pointer_to, prefetch_rows
+from kernels.attention.row_tables import block_of, pointer_to
 from kernels.attention.sparse_step import attend_one
 from kernels.compile_notice import announce_if_cold
 from kernels.tq import RADIUS_BOUND, RADIUS_MIN, SIGNS, TqCodec
@@ -227,7 +227,6 @@ def attend_tq_rows(qa: np.ndarray, qr: np.ndarray, tables: np.ndarray, sel: np.n
     tmp, cur = np.empty(max(width, rope), np.float32), np.empty(max(width, rope), np.float32)
     for b in range(qa.shape[0]):
         k = counts[b]
-        prefetch_rows(tables, b, sel[b, :k], lbytes, rbytes)
         blk = 0
         for j in range(k):
             pos = sel[b, j]
