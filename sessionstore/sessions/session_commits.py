@@ -98,7 +98,8 @@ class CommitPath:
         returns the count): it reads neither the cache nor ``pending``, so it may run while the
         cache grows (a server runs it beside its next batched step). Nothing may append to the
         writer or commit this session again until it has returned. ``catalogue`` False: the
-        store's catalogue row is left to a later commit (a durable stream's per-token ones)."""
+        store's catalogue row is left to a later commit (a turn's commits inside it leave it to
+        the turn's last, FORMAT.md 5.9)."""
         s = self.session
         if s.state != "resident":
             committed = s.manifest.committed

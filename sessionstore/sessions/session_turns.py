@@ -130,11 +130,12 @@ def _generate(s: Resuming, t0: float, prompt_ids: Sequence[int] | None, max_new:
             on_token(token, position)
         every = options.commit_every
         due = bool(every) and files.live_cache.length - files.nrec >= (every or 0)
+        # the commits inside the turn leave the catalogue's row to its last (FORMAT.md 5.9)
         if options.durable_stream:  # every token (its text is held until then), unless one is in flight:
             if not commits.in_flight:  # the next one covers this token too; a kv commit when due,
-                commits.run(tail=not due)  # else a tail commit (the page alone)
+                commits.run(tail=not due, catalogue=False)  # else a tail commit (the page alone)
         elif due and files.ready():  # a new session's files still being made: the commit
-            commits.run()  # waits a token (a server's loop must not wait for them)
+            commits.run(catalogue=False)  # waits a token (a server's loop must not wait for them)
 
     def on_rows() -> None:  # after each forward: the first one's rows may be the pass's to vouch for
         await_check(s)
