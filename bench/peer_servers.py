@@ -55,14 +55,19 @@ class Side:
         return None
 
 
+RESIDENT = 16  # llama.cpp's slots (``-np``) and the sessions ours keeps resident (``--max-resident``): 16 caches a side
+
+
 class Ours(Side):
-    """``coli-kv serve --http`` over a fresh root (``--kv`` as given)."""
+    """``coli-kv serve --http`` over a fresh root (``--kv`` as given), ``--max-resident`` as many
+    sessions as llama.cpp has slots (the default, 8, suspends and resumes the multi-turn run's 16
+    conversations turn after turn while llama.cpp keeps 16 slots: BENCHMARKS.md, session 30)."""
 
     name = "ours"
 
     def __init__(self, root: Path, model: str, kv: str) -> None:
         self.kv = kv
-        self.server = Server(root, model, "--kv", kv)
+        self.server = Server(root, model, "--kv", kv, "--max-resident", str(RESIDENT))
         try:
             self.server.start()
         except BaseException:
@@ -115,8 +120,8 @@ class Llama(Side):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = scratch / f"llama-server-{port}.log"
-        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "16",
-               "-c", str(16 * 2048), "-ctk", kv, "-ctv", kv, "--slot-save-path", str(self.slots),
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(RESIDENT),
+               "-c", str(RESIDENT * 2048), "-ctk", kv, "-ctv", kv, "--slot-save-path", str(self.slots),
                "--no-webui", *(["-t", str(threads), "-tb", str(threads)] if threads else [])]
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
