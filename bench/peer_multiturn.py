@@ -7,8 +7,9 @@ inter-token latency), ours / llama.cpp; ``peer_multiturn_cpu_ratio``: the CPU se
 each server's processes spent over the run, ours (the API process and the engine core) / llama.cpp's:
 the work each does for the same workload, which a loaded machine's waits do not enter (on 2 cores
 shared with the client, a server whose work is a third less can be at most ~1.5x as fast). Each side's
-figures also hold ``busy_s``, the window in which its server worked, and ``client_cpu_s``, aiperf's own
-CPU in that window (both process trees read every 0.2 s): where the client's CPU and the server's fill
+figures also hold ``busy_s``, the window aiperf timed (first request sent to last reply received;
+where its export lacks the times, the window in which the server's CPU grew), and ``client_cpu_s``,
+aiperf's own CPU in that window (both process trees read every 0.2 s): where the client's CPU and the server's fill
 the machine's cores, the run cannot be shorter than their sum over the cores, whatever the server does.
 ``peer_multiturn_server_budget_s`` puts that in seconds: the CPU our server could spend if its output
 tokens/s were ``GOAL`` x llama.cpp's, the client keeping the rate of CPU it spent beside ours (it is a
@@ -19,6 +20,7 @@ dependencies need not share the project's environment. Where it is missing or fa
 says why in one line (``multiturn_skipped``) and the rest of the bench stands."""
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +145,45 @@ def busy_window(samples: list[tuple[float, float, float]], threshold: float = 0.
     return {"busy_s": samples[last][0] - samples[first][0], "client_cpu_s": samples[last][2] - samples[first][2]}
 
 
+def aiperf_window(samples: list[tuple[float, float, float]], started: float,
+                  export: dict[str, Any]) -> dict[str, float] | None:
+    """The window aiperf itself timed (its export's ``start_time`` .. ``end_time``: first request sent
+    to last reply received, this machine's local time) in :func:`sample_run`'s samples, begun at
+    ``started`` (epoch seconds): its length ``busy_s`` and the client's CPU in it ``client_cpu_s``, each
+    tree's CPU read between samples by linear interpolation. None when the export has no such times or
+    they fall outside the samples. Unlike :func:`busy_window` it is not stretched by work the server
+    does after the last reply (a session released, a sweep) while aiperf writes its reports."""
+    try:
+        begin = datetime.fromisoformat(str(export["start_time"])).timestamp() - started
+        end = datetime.fromisoformat(str(export["end_time"])).timestamp() - started
+    except (KeyError, TypeError, ValueError):
+        return None
+    times = [t for t, _, _ in samples]
+    if not samples or not 0.0 <= begin < end <= times[-1]:
+        return None
+
+    def at(column: int, t: float) -> float:  # the tree's CPU at t, between the samples around it
+        i = max(1, min(bisect.bisect_left(times, t), len(samples) - 1))
+        (t0, *v0), (t1, *v1) = samples[i - 1], samples[i]
+        a, b = v0[column], v1[column]
+        return a if t1 == t0 else a + (b - a) * (t - t0) / (t1 - t0)
+
+    return {"busy_s": end - begin, "client_cpu_s": at(1, end) - at(1, begin)}
+
+
 def run_one(aiperf: str, side: Side, model: Path, out: Path, conversations: int) -> dict[str, float]:
     cmd = aiperf_command(aiperf, side.url, side.model_name, model, out, conversations)
     pid: int | None = getattr(side, "pid", None)  # the server's process (a fake side in the tests has none)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"  # aiperf's output, beside its artifact folder (which it makes)
+    started = time.time()  # the samples' second 0 (aiperf's window is in wall-clock time)
     status, samples = sample_run(cmd, pid, log)
     exports = sorted(out.rglob("profile_export_aiperf.json"))
     if status != 0 or not exports:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         raise RuntimeError(f"aiperf against {side.name} exited {status}: {lines[-1][:200] if lines else ''}")
-    figures = {**read_metrics(exports[-1]), **busy_window(samples)}
+    window = aiperf_window(samples, started, json.loads(exports[-1].read_text())) or busy_window(samples)
+    figures = {**read_metrics(exports[-1]), **window}
     if pid:
         figures["server_cpu_s"] = samples[-1][1] - samples[0][1]  # its tree's CPU over the whole run
     return figures
@@ -189,5 +220,5 @@ def multiturn(start: dict[str, Callable[[], Side]], model: Path, scratch: Path, 
     return keys
 
 
-__all__ = ["aiperf_command", "busy_window", "find_aiperf", "medians", "multiturn", "multiturn_keys", "read_metrics",
-           "sample_run", "tree_cpu_s"]
+__all__ = ["aiperf_command", "aiperf_window", "busy_window", "find_aiperf", "medians", "multiturn", "multiturn_keys",
+           "read_metrics", "sample_run", "tree_cpu_s"]

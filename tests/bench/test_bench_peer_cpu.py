@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from bench.peer import table as peer_table
-from bench.peer_multiturn import busy_window, multiturn_keys, sample_run, server_budget_s, tree_cpu_s
+from bench.peer_multiturn import aiperf_window, busy_window, multiturn_keys, sample_run, server_budget_s, tree_cpu_s
 
 SPIN = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
         "print('spun', flush=True)\nsys.stdin.read()")  # 0.3 s of CPU, then it waits, alive
@@ -66,3 +67,18 @@ def test_a_sampled_run_reads_the_clients_cpu_and_its_status(tmp_path: Path) -> N
     assert status == 3 and (tmp_path / "client.log").read_text() == "spun\n"
     assert samples[-1][2] >= 0.2 and all(server == 0.0 for _, server, _ in samples)  # no server: none read
     assert [t for t, _, _ in samples] == sorted(t for t, _, _ in samples)
+
+
+def test_the_window_aiperf_timed_is_read_from_the_samples_between_its_times() -> None:
+    # (seconds since the samples began, server CPU, client CPU); the samples began at epoch 1000.0
+    samples = [(0.0, 5.0, 0.0), (1.0, 5.0, 0.9), (2.0, 5.5, 1.4), (3.0, 6.2, 2.0), (9.0, 9.0, 8.0)]
+    start, end = datetime.fromtimestamp(1001.5), datetime.fromtimestamp(1002.5)  # local time, as aiperf writes
+    export = {"start_time": start.isoformat(), "end_time": end.isoformat()}
+    window = aiperf_window(samples, 1000.0, export)
+    assert window is not None and window["busy_s"] == pytest.approx(1.0)
+    assert window["client_cpu_s"] == pytest.approx(1.7 - 1.15)  # interpolated at 1.5 s and 2.5 s
+    # the server's work after the last reply (9.0) stretches busy_window's window, not aiperf's
+    assert busy_window(samples)["busy_s"] == 8.0
+    assert aiperf_window(samples, 1000.0, {}) is None  # no times: busy_window is used instead
+    late = {"start_time": start.isoformat(), "end_time": datetime.fromtimestamp(1010.0).isoformat()}
+    assert aiperf_window(samples, 1000.0, late) is None  # past the last sample
