@@ -35,8 +35,10 @@ from sessionstore.sessions.session_resume import (
 )
 from sessionstore.sessions.turn_loop import common_prefix, decode_turn, feed_chunk
 
-APPEND_RUN = 8  # decoded records are handed to the writer 8 at a time (and at every commit): one
-# hand-over per token cost ~0.7 ms of per-token work that a batched decode step cannot share
+APPEND_RUN = 16  # decoded records are handed to the writer 16 at a time (and at every commit): one
+# hand-over per token cost ~0.7 ms of per-token work that a batched decode step cannot share; runs of 8
+# against 16 (a serve's --commit-every: one hand-over a commit), one durable-stream session in process,
+# 15 alternated reps: 1,019 against 981 us of CPU a token (BENCHMARKS.md session 30)
 IO_ROWS = 64  # a hand-over of at least this many rows (a prompt's) runs by the session's io_runner
 
 log = get_logger("session")
